@@ -1,0 +1,129 @@
+//! How Tyche channels move frames, independent of what moves them.
+//!
+//! [`FrameTransport`] is the boundary between the sans-IO channel engine and the world: AF_XDP
+//! sockets (`tyche-xdp`), the TCP baseline, and the in-memory [`MemPort`] used by examples,
+//! benches and tests all implement it, so the engine runs unchanged on each. [`FaultInjector`]
+//! wraps any transport and drops, duplicates or delays frames from a seeded generator.
+//!
+//! # Contract
+//! - Frames are whole Ethernet frames (header included, FCS excluded). A transport delivers a
+//!   frame intact or not at all; it may lose, reorder or duplicate frames.
+//! - `recv` and `send` never block. A transport that can sleep exposes a file descriptor through
+//!   [`FrameTransport::readiness_fd`] for the runtime to wait on.
+//! - Buffers handed to the callbacks live in the transport's own memory (a UMEM chunk for
+//!   AF_XDP): reading or writing them in place is the zero-copy path.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod fault;
+mod mem;
+
+use std::io;
+use std::os::fd::BorrowedFd;
+
+pub use fault::{FaultConfig, FaultInjector, FaultStats};
+pub use mem::{MemLink, MemPort};
+use tyche_wire::MacAddr;
+
+/// A link that moves whole Ethernet frames.
+pub trait FrameTransport {
+    /// The largest frame one transmit or receive buffer holds, Ethernet header included.
+    fn frame_capacity(&self) -> usize;
+
+    /// The link MTU (bytes after the Ethernet header).
+    fn mtu(&self) -> usize;
+
+    /// This end's MAC address.
+    fn local_mac(&self) -> MacAddr;
+
+    /// Receives up to `budget` frames, calling `on_frame` on each, in place, in arrival order.
+    /// Returns how many frames were delivered; zero when none is waiting.
+    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize>;
+
+    /// Transmits up to `budget` frames. For each free transmit buffer, `fill` writes one frame
+    /// at the start of the buffer it is given and returns its length, `Some(0)` to skip this
+    /// buffer and go on (nothing is sent for it), or `None` when it has nothing more to send (the
+    /// buffer is then not used). Returns how many frames were queued; fewer than asked when the
+    /// transmit ring is full.
+    fn send(
+        &mut self,
+        budget: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> io::Result<usize>;
+
+    /// Pushes queued frames out (a kernel wake-up where the transport needs one) and reclaims
+    /// buffers of frames already sent.
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// A descriptor that becomes readable when frames arrive, for transports that can sleep.
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+}
+
+impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
+    fn frame_capacity(&self) -> usize {
+        (**self).frame_capacity()
+    }
+    fn mtu(&self) -> usize {
+        (**self).mtu()
+    }
+    fn local_mac(&self) -> MacAddr {
+        (**self).local_mac()
+    }
+    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+        (**self).recv(budget, on_frame)
+    }
+    fn send(
+        &mut self,
+        budget: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) -> io::Result<usize> {
+        (**self).send(budget, fill)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        (**self).flush()
+    }
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        (**self).readiness_fd()
+    }
+}
+
+/// A small deterministic generator (SplitMix64) for fault injection and simulations, so that a
+/// seed replays the same choices on every platform and every version of this crate.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator started from `seed`.
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// A uniform float in `[0, 1)`.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// True with probability `p`.
+    pub fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && self.next_f64() < p
+    }
+    /// A uniform integer in `[lo, hi]`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        assert!(lo <= hi);
+        let span = hi - lo;
+        if span == u64::MAX {
+            return self.next_u64();
+        }
+        lo + self.next_u64() % (span + 1)
+    }
+}
