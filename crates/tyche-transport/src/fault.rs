@@ -48,14 +48,7 @@ pub struct FaultInjector<T> {
 impl<T: FrameTransport> FaultInjector<T> {
     /// Wraps `inner`, applying `tx` to frames it sends and `rx` to frames it receives.
     pub fn new(inner: T, tx: FaultConfig, rx: FaultConfig, seed: u64) -> Self {
-        FaultInjector {
-            inner,
-            tx,
-            rx,
-            rng: SplitMix64::new(seed),
-            held: VecDeque::new(),
-            stats: FaultStats::default(),
-        }
+        FaultInjector { inner, tx, rx, rng: SplitMix64::new(seed), held: VecDeque::new(), stats: FaultStats::default() }
     }
     /// Changes the faults applied from now on.
     pub fn set_faults(&mut self, tx: FaultConfig, rx: FaultConfig) {
@@ -122,11 +115,7 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
         Ok(delivered)
     }
 
-    fn send(
-        &mut self,
-        budget: usize,
-        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
-    ) -> io::Result<usize> {
+    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         let (tx, rng, stats) = (self.tx, &mut self.rng, &mut self.stats);
         self.inner.send(budget, &mut |buf| {
             let len = fill(buf)?;
@@ -154,10 +143,7 @@ mod tests {
     #[test]
     fn loss_is_seeded_and_counted() {
         let (a, mut b) = MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 1500, 1514, 1024);
-        let lossy = FaultConfig {
-            loss: 0.5,
-            ..Default::default()
-        };
+        let lossy = FaultConfig { loss: 0.5, ..Default::default() };
         let mut a = FaultInjector::new(a, lossy, FaultConfig::default(), 42);
         let mut offered = 0;
         a.send(1000, &mut |buf| {
@@ -171,15 +157,9 @@ mod tests {
         })
         .unwrap();
         let mut arrived = 0;
-        b.recv(1000, &mut |f| {
-            arrived += usize::from(f[12..14] == [0x88, 0xB5])
-        })
-        .unwrap();
+        b.recv(1000, &mut |f| arrived += usize::from(f[12..14] == [0x88, 0xB5])).unwrap();
         let dropped = a.stats().tx_dropped as usize;
         assert_eq!(arrived + dropped, 1000);
-        assert!(
-            (400..600).contains(&dropped),
-            "{dropped} of 1000 dropped at p=0.5"
-        );
+        assert!((400..600).contains(&dropped), "{dropped} of 1000 dropped at p=0.5");
     }
 }

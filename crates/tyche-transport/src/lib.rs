@@ -45,11 +45,7 @@ pub trait FrameTransport {
     /// buffer and go on (nothing is sent for it), or `None` when it has nothing more to send (the
     /// buffer is then not used). Returns how many frames were queued; fewer than asked when the
     /// transmit ring is full.
-    fn send(
-        &mut self,
-        budget: usize,
-        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
-    ) -> io::Result<usize>;
+    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize>;
 
     /// Pushes queued frames out (a kernel wake-up where the transport needs one) and reclaims
     /// buffers of frames already sent.
@@ -76,11 +72,7 @@ impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
         (**self).recv(budget, on_frame)
     }
-    fn send(
-        &mut self,
-        budget: usize,
-        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
-    ) -> io::Result<usize> {
+    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         (**self).send(budget, fill)
     }
     fn flush(&mut self) -> io::Result<()> {

@@ -23,12 +23,7 @@ pub struct MemLink;
 impl MemLink {
     /// Two connected ports with the given MTU, per-buffer capacity and queue depth (frames per
     /// direction).
-    pub fn pair(
-        macs: (MacAddr, MacAddr),
-        mtu: usize,
-        frame_capacity: usize,
-        depth: usize,
-    ) -> (MemPort, MemPort) {
+    pub fn pair(macs: (MacAddr, MacAddr), mtu: usize, frame_capacity: usize, depth: usize) -> (MemPort, MemPort) {
         assert!(depth > 0 && frame_capacity >= tyche_wire::ETH_MIN_FRAME_LEN);
         let ab = Arc::new(Mutex::new(Lane::default()));
         let ba = Arc::new(Mutex::new(Lane::default()));
@@ -89,11 +84,7 @@ impl FrameTransport for MemPort {
         Ok(n)
     }
 
-    fn send(
-        &mut self,
-        budget: usize,
-        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
-    ) -> io::Result<usize> {
+    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         let mut n = 0;
         while n < budget {
             let mut buf = {
@@ -108,10 +99,7 @@ impl FrameTransport for MemPort {
                 self.tx.lock().expect("lane poisoned").spare.push(buf);
                 break;
             };
-            assert!(
-                len <= self.frame_capacity,
-                "frame of {len} bytes overran its buffer"
-            );
+            assert!(len <= self.frame_capacity, "frame of {len} bytes overran its buffer");
             buf.truncate(len);
             let mut lane = self.tx.lock().expect("lane poisoned");
             if len == 0 {

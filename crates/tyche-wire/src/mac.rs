@@ -33,11 +33,7 @@ impl MacAddr {
 impl fmt::Display for MacAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = self.0;
-        write!(
-            f,
-            "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
-            b[0], b[1], b[2], b[3], b[4], b[5]
-        )
+        write!(f, "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2], b[3], b[4], b[5])
     }
 }
 
@@ -78,13 +74,7 @@ mod tests {
         assert_eq!(m.0, [0x02, 0x54, 0x0a, 0x0b, 0x0c, 0x0d]);
         assert_eq!(m.to_string(), "02:54:0a:0b:0c:0d");
         assert_eq!("02-54-0a-0b-0c-0d".parse::<MacAddr>().unwrap(), m);
-        for bad in [
-            "",
-            "02:54",
-            "02:54:0a:0b:0c:0d:0e",
-            "2:54:0a:0b:0c:0d",
-            "zz:54:0a:0b:0c:0d",
-        ] {
+        for bad in ["", "02:54", "02:54:0a:0b:0c:0d:0e", "2:54:0a:0b:0c:0d", "zz:54:0a:0b:0c:0d"] {
             assert_eq!(bad.parse::<MacAddr>(), Err(WireError::Malformed), "{bad}");
         }
         assert!(MacAddr::BROADCAST.is_multicast());

@@ -1,7 +1,5 @@
 use crate::layout::{self, Field};
-use crate::{
-    MacAddr, Result, WireError, ETH_HEADER_LEN, ETH_MIN_FRAME_LEN, MAX_EXPORT_NAME, NO_SLOT,
-};
+use crate::{MacAddr, Result, WireError, ETH_HEADER_LEN, ETH_MIN_FRAME_LEN, MAX_EXPORT_NAME, NO_SLOT};
 use crate::{SECTOR_SIZE, VERSION};
 
 // ---------------------------------------------------------------------------------------------
@@ -233,13 +231,11 @@ impl<T: AsRef<[u8]>> Frame<T> {
     pub fn new_checked(buffer: T, ethertype: u16) -> Result<Self> {
         let b = buffer.as_ref();
         if b.len() < ETH_HEADER_LEN + layout::common::END {
-            return Err(
-                if b.len() >= ETH_HEADER_LEN && ethertype_of(b) != ethertype {
-                    WireError::NotTyche
-                } else {
-                    WireError::Truncated
-                },
-            );
+            return Err(if b.len() >= ETH_HEADER_LEN && ethertype_of(b) != ethertype {
+                WireError::NotTyche
+            } else {
+                WireError::Truncated
+            });
         }
         if ethertype_of(b) != ethertype {
             return Err(WireError::NotTyche);
@@ -295,14 +291,21 @@ impl<T: AsRef<[u8]>> Frame<T> {
     }
     /// Ring position of a sequenced frame.
     pub fn seq(&self) -> Option<u32> {
-        self.kind
-            .is_sequenced()
-            .then(|| get_u32(self.message(), layout::seq::SEQ))
+        self.kind.is_sequenced().then(|| get_u32(self.message(), layout::seq::SEQ))
     }
 
     /// Parses the body into a [`Message`] that borrows from this frame.
     pub fn parse(&self) -> Result<Message<'_>> {
         Message::parse_body(self.kind, self.message())
+    }
+}
+
+impl<'a> Frame<&'a [u8]> {
+    /// Parses the body into a [`Message`] that borrows from the underlying buffer (so it may
+    /// outlive this view).
+    pub fn parse_borrowed(&self) -> Result<Message<'a>> {
+        let b: &'a [u8] = self.buffer;
+        Message::parse_body(self.kind, &b[ETH_HEADER_LEN..ETH_HEADER_LEN + self.len])
     }
 }
 
@@ -340,20 +343,13 @@ impl Envelope {
 
     /// The envelope of a reply: addresses swapped.
     pub fn reply(&self) -> Envelope {
-        Envelope {
-            dst: self.src,
-            src: self.dst,
-            ..*self
-        }
+        Envelope { dst: self.src, src: self.dst, ..*self }
     }
 
     /// Writes the Ethernet header and common header of a message of `kind` whose Tyche length is
     /// `msg_len`. Panics if `buf` is shorter than the two headers or `msg_len` exceeds `u16`.
     pub fn emit_headers(&self, kind: Kind, flags: u16, msg_len: usize, buf: &mut [u8]) {
-        assert!(
-            msg_len <= u16::MAX as usize,
-            "Tyche message of {msg_len} bytes"
-        );
+        assert!(msg_len <= u16::MAX as usize, "Tyche message of {msg_len} bytes");
         buf[0..6].copy_from_slice(&self.dst.0);
         buf[6..12].copy_from_slice(&self.src.0);
         buf[12..14].copy_from_slice(&self.ethertype.to_be_bytes());
@@ -464,12 +460,7 @@ fn parse_export_entry(b: &[u8]) -> Result<(ExportInfo<'_>, &[u8])> {
         return Err(WireError::BadLength);
     }
     let name = parse_name(&b[F..F + name_len])?;
-    let info = ExportInfo {
-        size: get_u64(b, 0..8),
-        block_size: get_u32(b, 8..12),
-        flags: get_u16(b, 12..14),
-        name,
-    };
+    let info = ExportInfo { size: get_u64(b, 0..8), block_size: get_u32(b, 8..12), flags: get_u16(b, 12..14), name };
     Ok((info, &b[F + name_len..]))
 }
 
@@ -760,10 +751,7 @@ pub enum Message<'a> {
 }
 
 fn parse_seq(m: &[u8]) -> Seq {
-    Seq {
-        seq: get_u32(m, layout::seq::SEQ),
-        ack: get_u32(m, layout::seq::ACK),
-    }
+    Seq { seq: get_u32(m, layout::seq::SEQ), ack: get_u32(m, layout::seq::ACK) }
 }
 fn emit_seq(m: &mut [u8], s: Seq) {
     put_u32(m, layout::seq::SEQ, s.seq);
@@ -938,14 +926,12 @@ impl<'a> Message<'a> {
                 }
                 Message::Data(Data { header, payload })
             }
-            Kind::Ack => Message::Ack(Ack {
-                cumulative: get_u32(m, layout::ack::SEQ),
-                sack: get_u64(m, layout::ack::BITMAP),
-            }),
-            Kind::Nack => Message::Nack(Nack {
-                base: get_u32(m, layout::ack::SEQ),
-                missing: get_u64(m, layout::ack::BITMAP),
-            }),
+            Kind::Ack => {
+                Message::Ack(Ack { cumulative: get_u32(m, layout::ack::SEQ), sack: get_u64(m, layout::ack::BITMAP) })
+            }
+            Kind::Nack => {
+                Message::Nack(Nack { base: get_u32(m, layout::ack::SEQ), missing: get_u64(m, layout::ack::BITMAP) })
+            }
             Kind::Keepalive => Message::Keepalive(Keepalive {
                 nonce: get_u64(m, layout::keepalive::NONCE),
                 timestamp: get_u64(m, layout::keepalive::TIMESTAMP),
@@ -964,11 +950,7 @@ impl<'a> Message<'a> {
     pub fn emit(&self, env: &Envelope, buf: &mut [u8]) -> usize {
         let msg_len = self.message_len();
         let frame_len = self.frame_len();
-        assert!(
-            buf.len() >= frame_len,
-            "buffer of {} for a {frame_len}-byte frame",
-            buf.len()
-        );
+        assert!(buf.len() >= frame_len, "buffer of {} for a {frame_len}-byte frame", buf.len());
         if let Message::Data(d) = self {
             let at = ETH_HEADER_LEN + layout::data::PAYLOAD;
             buf[at..at + d.payload.len()].copy_from_slice(d.payload);

@@ -1,0 +1,1132 @@
+//! One end of one channel: the paper's rings, queues and reliability, as a state machine.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use tyche_wire::{
+    Ack, ChannelParams, Completion, DataHeader, Disconnect, DisconnectReason, Envelope, Keepalive, Message, Nack, Op,
+    Request, Seq, Status, DATA_FRAME_OVERHEAD, NO_SLOT,
+};
+
+use crate::config::{max_queued, Timers};
+use crate::seq::{diff, Bitmap};
+use crate::time::{earliest, Instant};
+
+/// Which end of the channel this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Submits requests, sends write data, receives read data and completions.
+    Initiator,
+    /// Executes requests, receives write data, sends read data and completions.
+    Target,
+}
+
+/// A request as the initiator hands it to a channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Submission {
+    /// Session-unique tag (kept when the request is re-issued on another channel).
+    pub tag: u64,
+    /// Operation.
+    pub op: Op,
+    /// Force unit access.
+    pub fua: bool,
+    /// Byte offset in the export.
+    pub offset: u64,
+    /// Length in bytes (at most the channel's `max_io` for reads and writes).
+    pub length: u32,
+}
+
+/// A request the target should execute now: for a write, every data segment is in `damq`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadyRequest {
+    /// `remq` slot to pass back to [`Channel::complete`].
+    pub remq: u16,
+    /// `damq` slot holding the data (or receiving it, for a read), or [`NO_SLOT`].
+    pub damq: u16,
+    /// The request as received.
+    pub request: Request,
+}
+
+/// Why a channel died.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadReason {
+    /// Nothing heard, or no acknowledgement progress, for `dead_after`.
+    Timeout,
+    /// The peer sent DISCONNECT.
+    PeerClosed(DisconnectReason),
+    /// This end closed it.
+    Closed,
+}
+
+/// Something the caller must act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChannelEvent {
+    /// Initiator: a request finished (for a successful read, all its data has been placed).
+    Completed {
+        /// Tag of the request.
+        tag: u64,
+        /// Outcome.
+        status: Status,
+    },
+    /// Target: execute this request, then call [`Channel::complete`].
+    Request(ReadyRequest),
+    /// The channel is dead; its requests must be re-issued elsewhere (initiator).
+    Dead(DeadReason),
+}
+
+/// Where a received data payload belongs: `damq` slot `damq`, at byte `offset` of the data
+/// message of request `tag`. The caller copies `payload` there or keeps the frame's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement<'a> {
+    /// `damq` slot.
+    pub damq: u16,
+    /// Tag of the request.
+    pub tag: u64,
+    /// Byte offset within the request's data.
+    pub offset: u32,
+    /// The bytes, borrowed from the received frame.
+    pub payload: &'a [u8],
+}
+
+/// Why a frame was not used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DropReason {
+    /// Already received (a retransmission whose original arrived).
+    Duplicate,
+    /// Ring position outside the receive window.
+    OutOfWindow,
+    /// A message this end's role never receives (e.g. a REQUEST at the initiator).
+    WrongRole,
+    /// A slot index out of range or in the wrong state.
+    BadSlot,
+    /// Data or a completion for a request the slot no longer holds.
+    Stale,
+    /// Segment fields that disagree with each other or with the negotiated parameters.
+    Inconsistent,
+    /// The channel is dead.
+    Dead,
+    /// A message that does not belong on an established channel (CONNECT, DISCOVER, ...).
+    Unexpected,
+}
+
+impl DropReason {
+    /// Every reason, for counters.
+    pub const ALL: [DropReason; 8] = [
+        DropReason::Duplicate,
+        DropReason::OutOfWindow,
+        DropReason::WrongRole,
+        DropReason::BadSlot,
+        DropReason::Stale,
+        DropReason::Inconsistent,
+        DropReason::Dead,
+        DropReason::Unexpected,
+    ];
+    /// A short stable name for counters and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Duplicate => "duplicate",
+            DropReason::OutOfWindow => "out_of_window",
+            DropReason::WrongRole => "wrong_role",
+            DropReason::BadSlot => "bad_slot",
+            DropReason::Stale => "stale",
+            DropReason::Inconsistent => "inconsistent",
+            DropReason::Dead => "dead",
+            DropReason::Unexpected => "unexpected",
+        }
+    }
+}
+
+/// Outcome of [`Channel::handle`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Received<'a> {
+    /// Used; nothing for the caller to do with the frame's bytes.
+    Consumed,
+    /// A data payload to place.
+    Placed(Placement<'a>),
+    /// Not used.
+    Dropped(DropReason),
+}
+
+/// The payload the caller must put after the headers of a DATA frame that
+/// [`Channel::poll_transmit`] wrote: `len` bytes of `damq` slot `damq` (request `tag`) starting
+/// at `offset`, to go at `buf[DATA_FRAME_OVERHEAD..]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PayloadRef {
+    /// `damq` slot.
+    pub damq: u16,
+    /// Tag of the request.
+    pub tag: u64,
+    /// Byte offset within the request's data.
+    pub offset: u32,
+    /// Bytes.
+    pub len: u32,
+}
+
+/// A frame written by [`Channel::poll_transmit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transmit {
+    /// Frame length (payload included).
+    pub len: usize,
+    /// For DATA frames, the payload the caller must fill in before sending.
+    pub payload: Option<PayloadRef>,
+}
+
+/// Counters of one channel end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ChannelStats {
+    /// Frames sent (all kinds, retransmissions included).
+    pub frames_tx: u64,
+    /// Frames received and used.
+    pub frames_rx: u64,
+    /// Payload bytes sent in DATA frames.
+    pub payload_tx: u64,
+    /// Payload bytes placed from DATA frames.
+    pub payload_rx: u64,
+    /// Sequenced frames sent again.
+    pub retransmits: u64,
+    /// Retransmission timer expiries.
+    pub timeouts: u64,
+    /// Standalone ACKs sent.
+    pub acks_tx: u64,
+    /// NACKs sent.
+    pub nacks_tx: u64,
+    /// NACKs received.
+    pub nacks_rx: u64,
+    /// KEEPALIVE probes sent.
+    pub keepalives_tx: u64,
+    /// Frames dropped, by [`DropReason`] (indexed as in [`DropReason::ALL`]).
+    pub dropped: [u64; 8],
+}
+
+#[derive(Debug, Clone, Copy)]
+enum TxFrame {
+    Request(Request),
+    Completion(Completion),
+    Data(DataHeader, u32),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TxEntry {
+    frame: TxFrame,
+    first_sent: Instant,
+    last_sent: Instant,
+    retx: u16,
+    sacked: bool,
+    queued: bool,
+}
+
+#[derive(Debug)]
+enum Outgoing {
+    Frame(TxFrame),
+    DataMessage { damq: u16, tag: u64, length: u32, next: u16, count: u16 },
+}
+
+/// Reassembly state of one `damq` slot.
+#[derive(Debug)]
+struct DamqSlot {
+    /// Tag whose data the slot holds (or last held).
+    tag: u64,
+    /// Whether a request (or its early data) owns the slot.
+    active: bool,
+    /// Tag of the request that last released the slot: its late segments are stale. (Within a
+    /// channel frames arrive at most once, and a released slot's data all arrived before the
+    /// release, so this only matters for segments of refused requests.)
+    done_tag: Option<u64>,
+    count: u16,
+    received: u16,
+    bytes: u32,
+    seen: Bitmap,
+    /// The `remq` slot of the request using this slot, once known.
+    remq: u16,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum RemqSlot {
+    Free,
+    /// Initiator: submitted, awaiting completion (and read data).
+    InFlight {
+        sub: Submission,
+        damq: u16,
+        status: Option<Status>,
+    },
+    /// Target: a write whose data is still arriving.
+    AwaitingData(Request),
+    /// Target: handed to the caller, awaiting [`Channel::complete`].
+    Executing(Request),
+}
+
+/// One end of a Tyche channel.
+///
+/// Driven only by its inputs ([`Channel::handle`], [`Channel::handle_timeout`], submissions and
+/// completions) and polled for outputs ([`Channel::poll_transmit`], [`Channel::poll_event`],
+/// [`Channel::poll_timeout`]). It owns no memory for payloads: it names where payloads go and
+/// come from, and the caller moves them (or leaves them in place).
+#[derive(Debug)]
+pub struct Channel {
+    role: Role,
+    env: Envelope,
+    params: ChannelParams,
+    timers: Timers,
+    dead: Option<DeadReason>,
+    closing: Option<DisconnectReason>,
+
+    // Transmit ring: positions [tx_base, tx_next) are sent and not yet acknowledged.
+    tx_base: u32,
+    tx_next: u32,
+    tx: Box<[Option<TxEntry>]>,
+    retx: VecDeque<u32>,
+    queue: VecDeque<Outgoing>,
+    rto: Duration,
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    rto_deadline: Option<Instant>,
+
+    // Receive ring: everything below rx_expected arrived; rx_seen marks arrivals above it.
+    rx_expected: u32,
+    rx_end: u32,
+    rx_seen: Bitmap,
+    unacked: u32,
+    ack_deadline: Option<Instant>,
+    ack_now: bool,
+    gap_since: Option<Instant>,
+    nack_now: bool,
+
+    // Liveness.
+    last_heard: Instant,
+    last_progress: Instant,
+    last_probe: Instant,
+    probe_now: bool,
+    probe_nonce: u64,
+    echo: Option<Keepalive>,
+
+    remq: Box<[RemqSlot]>,
+    damq: Box<[DamqSlot]>,
+    free_remq: Vec<u16>,
+    free_damq: Vec<u16>,
+
+    events: VecDeque<ChannelEvent>,
+    stats: ChannelStats,
+}
+
+impl Channel {
+    /// A channel end with negotiated `params`, addressed by `env` (source is this end), opened
+    /// at `now`. Panics if `params` or `timers` are invalid (the handshake validated them).
+    pub fn new(role: Role, env: Envelope, params: ChannelParams, timers: Timers, now: Instant) -> Self {
+        assert!(crate::config::params_supported(&params), "unsupported channel parameters {params:?}");
+        timers.validate().expect("invalid timers");
+        let ring = params.ring as usize;
+        let max_segs = params.max_io.div_ceil(params.segment as u32) as usize;
+        let damq = (0..params.damq_slots)
+            .map(|_| DamqSlot {
+                tag: 0,
+                active: false,
+                done_tag: None,
+                count: 0,
+                received: 0,
+                bytes: 0,
+                seen: Bitmap::new(max_segs),
+                remq: NO_SLOT,
+            })
+            .collect();
+        Channel {
+            role,
+            env,
+            params,
+            timers,
+            dead: None,
+            closing: None,
+            tx_base: 0,
+            tx_next: 0,
+            tx: vec![None; ring].into_boxed_slice(),
+            retx: VecDeque::new(),
+            queue: VecDeque::new(),
+            rto: timers.initial_rto,
+            srtt: None,
+            rttvar: Duration::ZERO,
+            rto_deadline: None,
+            rx_expected: 0,
+            rx_end: 0,
+            rx_seen: Bitmap::new(ring),
+            unacked: 0,
+            ack_deadline: None,
+            ack_now: false,
+            gap_since: None,
+            nack_now: false,
+            last_heard: now,
+            last_progress: now,
+            last_probe: now,
+            probe_now: false,
+            probe_nonce: 0,
+            echo: None,
+            remq: vec![RemqSlot::Free; params.remq_slots as usize].into_boxed_slice(),
+            damq,
+            free_remq: (0..params.remq_slots).rev().collect(),
+            free_damq: (0..params.damq_slots).rev().collect(),
+            events: VecDeque::new(),
+            stats: ChannelStats::default(),
+        }
+    }
+
+    /// This end's role.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+    /// The negotiated parameters.
+    pub fn params(&self) -> &ChannelParams {
+        &self.params
+    }
+    /// Addressing of frames this end sends.
+    pub fn envelope(&self) -> &Envelope {
+        &self.env
+    }
+    /// Why the channel died, if it has.
+    pub fn dead(&self) -> Option<DeadReason> {
+        self.dead
+    }
+    /// Counters.
+    pub fn stats(&self) -> &ChannelStats {
+        &self.stats
+    }
+    /// Current retransmission timeout.
+    pub fn rto(&self) -> Duration {
+        self.rto
+    }
+    /// Frames sent and not yet acknowledged.
+    pub fn unacked_frames(&self) -> u32 {
+        self.tx_next.wrapping_sub(self.tx_base)
+    }
+    /// Requests in flight (initiator) or being handled (target).
+    pub fn busy_remq(&self) -> usize {
+        self.remq.len() - self.free_remq.len()
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Initiator side.
+
+    /// Whether [`Channel::submit`] would accept a request of `op` now.
+    pub fn can_submit(&self, op: Op) -> bool {
+        self.dead.is_none()
+            && self.closing.is_none()
+            && !self.free_remq.is_empty()
+            && (!op.uses_damq() || !self.free_damq.is_empty())
+    }
+
+    /// Submits a request (initiator). Returns `false`, changing nothing, when the channel is
+    /// dead or has no free slot. `floor` is the session's tag floor to advertise.
+    pub fn submit(&mut self, sub: Submission, floor: u64) -> bool {
+        assert_eq!(self.role, Role::Initiator, "submit on a target channel");
+        assert!(
+            !sub.op.uses_damq() || (sub.length > 0 && sub.length <= self.params.max_io),
+            "request of {} bytes on a channel with max_io {}",
+            sub.length,
+            self.params.max_io
+        );
+        if !self.can_submit(sub.op) {
+            return false;
+        }
+        let remq = self.free_remq.pop().expect("checked");
+        let damq = if sub.op.uses_damq() {
+            let d = self.free_damq.pop().expect("checked");
+            let count = self.segments(sub.length);
+            self.damq[d as usize].reset(sub.tag, count, remq);
+            d
+        } else {
+            NO_SLOT
+        };
+        self.remq[remq as usize] = RemqSlot::InFlight { sub, damq, status: None };
+        let request = Request {
+            seq: Seq::default(),
+            op: sub.op,
+            fua: sub.fua,
+            remq,
+            damq,
+            tag: sub.tag,
+            floor,
+            offset: sub.offset,
+            length: sub.length,
+        };
+        self.enqueue(Outgoing::Frame(TxFrame::Request(request)));
+        if sub.op.has_write_data() {
+            let count = self.segments(sub.length);
+            self.enqueue(Outgoing::DataMessage { damq, tag: sub.tag, length: sub.length, next: 0, count });
+        }
+        true
+    }
+
+    /// Takes the requests in flight on a dead channel (initiator), freeing their slots, so the
+    /// caller can re-issue them elsewhere with the same tags.
+    pub fn take_in_flight(&mut self) -> Vec<Submission> {
+        assert!(self.dead.is_some(), "take_in_flight on a live channel");
+        let mut out = Vec::new();
+        for slot in self.remq.iter_mut() {
+            if let RemqSlot::InFlight { sub, .. } = *slot {
+                out.push(sub);
+            }
+            *slot = RemqSlot::Free;
+        }
+        self.queue.clear();
+        out
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Target side.
+
+    /// Reports the outcome of a [`ChannelEvent::Request`] (target). For a successful read the
+    /// data must be in the request's `damq` slot: it is sent from there, then the completion.
+    /// Returns the request completed, or `None` if `remq` holds no executing request (a caller
+    /// bug). On a dead channel the slot is released and nothing is sent.
+    pub fn complete(&mut self, remq: u16, status: Status) -> Option<Request> {
+        assert_eq!(self.role, Role::Target, "complete on an initiator channel");
+        let Some(RemqSlot::Executing(req)) = self.remq.get(remq as usize).copied() else {
+            return None;
+        };
+        self.remq[remq as usize] = RemqSlot::Free;
+        self.release_damq(req.damq, req.tag);
+        if self.dead.is_some() {
+            return Some(req);
+        }
+        if req.op.has_read_data() && status == Status::Ok {
+            let count = self.segments(req.length);
+            self.enqueue(Outgoing::DataMessage { damq: req.damq, tag: req.tag, length: req.length, next: 0, count });
+        }
+        self.queue_completion(req.remq, req.damq, req.tag, status);
+        Some(req)
+    }
+
+    fn release_damq(&mut self, damq: u16, tag: u64) {
+        if let Some(d) = self.damq.get_mut(damq as usize) {
+            if d.tag == tag {
+                d.active = false;
+                d.done_tag = Some(tag);
+            }
+        }
+    }
+
+    fn queue_completion(&mut self, remq: u16, damq: u16, tag: u64, status: Status) {
+        let c = Completion { seq: Seq::default(), status, remq, damq, tag };
+        self.enqueue(Outgoing::Frame(TxFrame::Completion(c)));
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Both sides.
+
+    /// Starts an orderly close: a DISCONNECT is sent and the channel is dead after it.
+    pub fn close(&mut self, reason: DisconnectReason) {
+        if self.dead.is_none() {
+            self.closing = Some(reason);
+        }
+    }
+
+    /// Kills the channel at once, sending nothing (the peer finds out by timeout). Used when a
+    /// channel is replaced by a reconnect.
+    pub fn abort(&mut self) {
+        self.die(DeadReason::Closed);
+    }
+
+    fn enqueue(&mut self, o: Outgoing) {
+        self.queue.push_back(o);
+        assert!(self.queue.len() <= max_queued(&self.params) + 1, "channel send queue over its bound");
+    }
+
+    fn segments(&self, length: u32) -> u16 {
+        length.div_ceil(self.params.segment as u32) as u16
+    }
+
+    fn die(&mut self, reason: DeadReason) {
+        if self.dead.is_none() {
+            self.dead = Some(reason);
+            self.retx.clear();
+            self.rto_deadline = None;
+            self.events.push_back(ChannelEvent::Dead(reason));
+        }
+    }
+
+    fn drop_frame(&mut self, reason: DropReason) -> Received<'static> {
+        self.stats.dropped[reason as usize] += 1;
+        Received::Dropped(reason)
+    }
+
+    /// Hands the channel a message received for it (the caller matched session and channel).
+    pub fn handle<'a>(&mut self, now: Instant, msg: &Message<'a>) -> Received<'a> {
+        if self.dead.is_some() {
+            return self.drop_frame(DropReason::Dead);
+        }
+        let seq = match msg {
+            Message::Request(r) => r.seq,
+            Message::Completion(c) => c.seq,
+            Message::Data(d) => d.header.seq,
+            Message::Ack(a) => {
+                self.heard(now);
+                self.on_ack(now, a.cumulative);
+                self.on_sack(now, a.cumulative, a.sack);
+                self.stats.frames_rx += 1;
+                return Received::Consumed;
+            }
+            Message::Nack(n) => {
+                self.heard(now);
+                self.stats.nacks_rx += 1;
+                self.on_nack(now, n.base, n.missing);
+                self.stats.frames_rx += 1;
+                return Received::Consumed;
+            }
+            Message::Keepalive(k) => {
+                self.heard(now);
+                if k.reply {
+                    if k.nonce == self.probe_nonce && k.timestamp <= now.0 {
+                        self.rtt_sample(now.since(Instant(k.timestamp)));
+                    }
+                } else {
+                    self.echo = Some(Keepalive { reply: true, ..*k });
+                }
+                self.stats.frames_rx += 1;
+                return Received::Consumed;
+            }
+            Message::Disconnect(d) => {
+                self.stats.frames_rx += 1;
+                self.die(DeadReason::PeerClosed(d.reason));
+                return Received::Consumed;
+            }
+            _ => return self.drop_frame(DropReason::Unexpected),
+        };
+        let wrong_role = match msg {
+            Message::Request(_) => self.role != Role::Target,
+            Message::Completion(_) => self.role != Role::Initiator,
+            _ => false,
+        };
+        if wrong_role {
+            return self.drop_frame(DropReason::WrongRole);
+        }
+        self.heard(now);
+        self.on_ack(now, seq.ack);
+        // Receive window: [rx_expected, rx_expected + ring).
+        let off = diff(seq.seq, self.rx_expected);
+        if off < 0 {
+            self.ack_now = true; // the peer missed our ack
+            return self.drop_frame(DropReason::Duplicate);
+        }
+        if off as u32 >= self.params.ring as u32 {
+            return self.drop_frame(DropReason::OutOfWindow);
+        }
+        let pos = (seq.seq % self.params.ring as u32) as usize;
+        if self.rx_seen.get(pos) {
+            self.ack_now = true;
+            return self.drop_frame(DropReason::Duplicate);
+        }
+        // Accept the ring position first: even a frame whose content we refuse below must not
+        // be retransmitted forever.
+        self.rx_seen.set(pos);
+        if diff(seq.seq.wrapping_add(1), self.rx_end) > 0 {
+            self.rx_end = seq.seq.wrapping_add(1);
+        }
+        let in_order = seq.seq == self.rx_expected;
+        while self.rx_seen.get((self.rx_expected % self.params.ring as u32) as usize) && self.rx_expected != self.rx_end
+        {
+            self.rx_seen.clear((self.rx_expected % self.params.ring as u32) as usize);
+            self.rx_expected = self.rx_expected.wrapping_add(1);
+        }
+        if self.rx_expected == self.rx_end {
+            self.gap_since = None;
+            self.nack_now = false;
+        } else if !in_order && self.gap_since.is_none() {
+            self.gap_since = Some(now);
+            self.ack_now = true; // tell the sender what we have at once
+        }
+        self.unacked += 1;
+        if self.unacked >= self.timers.ack_every {
+            self.ack_now = true;
+        }
+        if self.ack_deadline.is_none() {
+            self.ack_deadline = Some(now + self.timers.ack_delay);
+        }
+        self.stats.frames_rx += 1;
+        match *msg {
+            Message::Request(r) => self.on_request(r),
+            Message::Completion(c) => self.on_completion(c),
+            Message::Data(d) => self.on_data(d.header, d.payload),
+            _ => unreachable!("only sequenced messages get here"),
+        }
+    }
+
+    fn heard(&mut self, now: Instant) {
+        self.last_heard = now;
+    }
+
+    fn on_request(&mut self, r: Request) -> Received<'static> {
+        let slot = r.remq as usize;
+        if !matches!(self.remq.get(slot), Some(RemqSlot::Free)) {
+            return self.drop_frame(DropReason::BadSlot);
+        }
+        let fits = !r.op.uses_damq() || (r.length <= self.params.max_io && (r.damq as usize) < self.damq.len());
+        if !fits {
+            self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
+            return Received::Consumed;
+        }
+        if r.op.uses_damq() {
+            let count = if r.op.has_write_data() { self.segments(r.length) } else { 0 };
+            let d = &mut self.damq[r.damq as usize];
+            let busy = d.active && (d.tag != r.tag || d.remq != NO_SLOT);
+            if busy || (d.active && d.count != count) {
+                // Another request owns the slot, or the early segments disagree with this one.
+                self.release_damq(r.damq, r.tag);
+                self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
+                return Received::Consumed;
+            }
+            if !d.active {
+                d.reset(r.tag, count, r.remq);
+            }
+            d.remq = r.remq;
+        }
+        if r.op.has_write_data() {
+            let d = &self.damq[r.damq as usize];
+            if d.received < d.count {
+                self.remq[slot] = RemqSlot::AwaitingData(r);
+                return Received::Consumed;
+            }
+            self.write_data_complete(r);
+            return Received::Consumed;
+        }
+        self.remq[slot] = RemqSlot::Executing(r);
+        self.events.push_back(ChannelEvent::Request(ReadyRequest { remq: r.remq, damq: r.damq, request: r }));
+        Received::Consumed
+    }
+
+    /// Target: all segments of a write are in; check they add up and hand the request over.
+    fn write_data_complete(&mut self, r: Request) {
+        let d = &self.damq[r.damq as usize];
+        if d.bytes != r.length {
+            self.remq[r.remq as usize] = RemqSlot::Free;
+            self.release_damq(r.damq, r.tag);
+            self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
+            return;
+        }
+        self.remq[r.remq as usize] = RemqSlot::Executing(r);
+        self.events.push_back(ChannelEvent::Request(ReadyRequest { remq: r.remq, damq: r.damq, request: r }));
+    }
+
+    fn on_completion(&mut self, c: Completion) -> Received<'static> {
+        let Some(RemqSlot::InFlight { sub, damq, status }) = self.remq.get_mut(c.remq as usize) else {
+            return self.drop_frame(DropReason::BadSlot);
+        };
+        if sub.tag != c.tag || status.is_some() {
+            return self.drop_frame(DropReason::Stale);
+        }
+        *status = Some(c.status);
+        let (sub, damq) = (*sub, *damq);
+        let data_missing = sub.op.has_read_data()
+            && c.status == Status::Ok
+            && self.damq[damq as usize].received < self.damq[damq as usize].count;
+        if !data_missing {
+            self.finish(c.remq);
+        }
+        Received::Consumed
+    }
+
+    /// Initiator: the request in `remq` has its completion and all its data.
+    fn finish(&mut self, remq: u16) {
+        let RemqSlot::InFlight { sub, damq, status: Some(status) } = self.remq[remq as usize] else {
+            unreachable!("finish on a slot without a completion");
+        };
+        self.remq[remq as usize] = RemqSlot::Free;
+        self.free_remq.push(remq);
+        if damq != NO_SLOT {
+            self.release_damq(damq, sub.tag);
+            self.free_damq.push(damq);
+        }
+        self.events.push_back(ChannelEvent::Completed { tag: sub.tag, status });
+    }
+
+    fn on_data<'a>(&mut self, h: DataHeader, payload: &'a [u8]) -> Received<'a> {
+        let seg = self.params.segment as u32;
+        let Some(d) = self.damq.get_mut(h.damq as usize) else {
+            return self.drop_frame(DropReason::BadSlot);
+        };
+        let len = payload.len() as u32;
+        let shape_ok = h.offset == h.seg_index as u32 * seg
+            && len <= seg
+            && (h.seg_index + 1 == h.seg_count || len == seg)
+            && h.offset + len <= self.params.max_io
+            && h.seg_count as u32 <= self.params.max_io.div_ceil(seg);
+        if !shape_ok {
+            return self.drop_frame(DropReason::Inconsistent);
+        }
+        match self.role {
+            Role::Initiator => {
+                if !d.active || d.tag != h.tag {
+                    return self.drop_frame(DropReason::Stale);
+                }
+            }
+            Role::Target => {
+                if d.done_tag == Some(h.tag) && !(d.active && d.tag == h.tag) {
+                    return self.drop_frame(DropReason::Stale);
+                }
+                if !d.active {
+                    // Data may overtake its request: it claims the free slot for its tag.
+                    d.reset(h.tag, h.seg_count, NO_SLOT);
+                } else if d.tag != h.tag {
+                    return self.drop_frame(DropReason::BadSlot);
+                }
+            }
+        }
+        if d.count != h.seg_count {
+            return self.drop_frame(DropReason::Inconsistent);
+        }
+        if d.seen.get(h.seg_index as usize) {
+            return self.drop_frame(DropReason::Duplicate);
+        }
+        d.seen.set(h.seg_index as usize);
+        d.received += 1;
+        d.bytes += len;
+        let complete = d.received == d.count;
+        let remq = d.remq;
+        self.stats.payload_rx += len as u64;
+        if complete && remq != NO_SLOT {
+            match (self.role, self.remq[remq as usize]) {
+                (Role::Target, RemqSlot::AwaitingData(r)) if r.tag == h.tag => self.write_data_complete(r),
+                (Role::Initiator, RemqSlot::InFlight { status: Some(_), sub, .. }) if sub.tag == h.tag => {
+                    self.finish(remq)
+                }
+                _ => {}
+            }
+        }
+        Received::Placed(Placement { damq: h.damq, tag: h.tag, offset: h.offset, payload })
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Acknowledgements and retransmission (sender side).
+
+    fn on_ack(&mut self, now: Instant, cumulative: u32) {
+        let advance = diff(cumulative, self.tx_base);
+        if advance <= 0 || diff(cumulative, self.tx_next) > 0 {
+            return; // old, or acknowledges positions never sent (ignored)
+        }
+        let ring = self.params.ring as u32;
+        let mut sample = None;
+        while self.tx_base != cumulative {
+            let e = self.tx[(self.tx_base % ring) as usize].take().expect("sent position has an entry");
+            if e.retx == 0 {
+                sample = Some(now.since(e.first_sent));
+            }
+            self.tx_base = self.tx_base.wrapping_add(1);
+        }
+        if let Some(s) = sample {
+            self.rtt_sample(s);
+        }
+        self.rto = self.rto_base();
+        self.last_progress = now;
+        self.rto_deadline = (self.tx_base != self.tx_next).then(|| now + self.rto);
+    }
+
+    fn on_sack(&mut self, now: Instant, cumulative: u32, bits: u64) {
+        let ring = self.params.ring as u32;
+        let mut progress = false;
+        let mut b = bits;
+        while b != 0 {
+            let i = b.trailing_zeros();
+            b &= b - 1;
+            let s = cumulative.wrapping_add(1 + i);
+            if diff(s, self.tx_base) >= 0 && diff(s, self.tx_next) < 0 {
+                if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
+                    progress |= !e.sacked;
+                    e.sacked = true;
+                }
+            }
+        }
+        if progress {
+            self.last_progress = now;
+        }
+    }
+
+    fn on_nack(&mut self, now: Instant, base: u32, missing: u64) {
+        let ring = self.params.ring as u32;
+        let gap = self.srtt.unwrap_or(self.timers.min_rto).max(self.timers.min_rto / 2);
+        let mut b = missing;
+        while b != 0 {
+            let i = b.trailing_zeros();
+            b &= b - 1;
+            let s = base.wrapping_add(i);
+            if diff(s, self.tx_base) < 0 || diff(s, self.tx_next) >= 0 {
+                continue;
+            }
+            if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
+                if !e.sacked && !e.queued && now.since(e.last_sent) >= gap {
+                    e.queued = true;
+                    self.retx.push_back(s);
+                }
+            }
+        }
+    }
+
+    fn rtt_sample(&mut self, s: Duration) {
+        // RFC 6298.
+        match self.srtt {
+            None => {
+                self.srtt = Some(s);
+                self.rttvar = s / 2;
+            }
+            Some(srtt) => {
+                let dev = if srtt > s { srtt - s } else { s - srtt };
+                self.rttvar = (self.rttvar * 3 + dev) / 4;
+                self.srtt = Some((srtt * 7 + s) / 8);
+            }
+        }
+        self.rto = self.rto_base();
+    }
+
+    fn rto_base(&self) -> Duration {
+        match self.srtt {
+            Some(srtt) => (srtt + self.rttvar * 4).clamp(self.timers.min_rto, self.timers.max_rto),
+            None => self.timers.initial_rto,
+        }
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Output.
+
+    /// The next time [`Channel::handle_timeout`] must be called, if any.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.dead.is_some() {
+            return None;
+        }
+        let mut t = self.rto_deadline;
+        if self.unacked > 0 {
+            t = earliest(t, self.ack_deadline);
+        }
+        if let Some(g) = self.gap_since.filter(|_| !self.nack_now) {
+            t = earliest(t, Some(g + self.timers.nack_delay));
+        }
+        let ka = self.last_heard.max(self.last_probe) + self.timers.keepalive;
+        t = earliest(t, Some(ka));
+        t = earliest(t, Some(self.last_heard + self.timers.dead_after));
+        if self.tx_base != self.tx_next {
+            t = earliest(t, Some(self.last_progress + self.timers.dead_after));
+        }
+        t
+    }
+
+    /// Runs the timers due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.dead.is_some() {
+            return;
+        }
+        let waiting = self.tx_base != self.tx_next;
+        if now.since(self.last_heard) >= self.timers.dead_after
+            || (waiting && now.since(self.last_progress) >= self.timers.dead_after)
+        {
+            self.die(DeadReason::Timeout);
+            return;
+        }
+        if self.rto_deadline.is_some_and(|d| d <= now) {
+            self.stats.timeouts += 1;
+            let ring = self.params.ring as u32;
+            let mut s = self.tx_base;
+            while s != self.tx_next {
+                if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
+                    if !e.sacked && !e.queued && now.since(e.last_sent) >= self.rto {
+                        e.queued = true;
+                        self.retx.push_back(s);
+                    }
+                }
+                s = s.wrapping_add(1);
+            }
+            self.rto = (self.rto * 2).min(self.timers.max_rto);
+            self.rto_deadline = Some(now + self.rto);
+        }
+        if self.unacked > 0 && self.ack_deadline.is_some_and(|d| d <= now) {
+            self.ack_now = true;
+        }
+        if self.gap_since.is_some_and(|g| g + self.timers.nack_delay <= now) && self.rx_expected != self.rx_end {
+            self.nack_now = true;
+        }
+        if self.last_heard.max(self.last_probe) + self.timers.keepalive <= now {
+            self.probe_now = true;
+            self.last_probe = now;
+        }
+    }
+
+    /// The next event, if any.
+    pub fn poll_event(&mut self) -> Option<ChannelEvent> {
+        self.events.pop_front()
+    }
+
+    /// Whether [`Channel::poll_transmit`] has something to send now.
+    pub fn wants_transmit(&self) -> bool {
+        self.dead.is_none()
+            && (self.closing.is_some()
+                || self.echo.is_some()
+                || self.probe_now
+                || self.ack_now
+                || self.nack_now
+                || !self.retx.is_empty()
+                || (!self.queue.is_empty() && self.has_credit()))
+    }
+
+    fn has_credit(&self) -> bool {
+        self.tx_next.wrapping_sub(self.tx_base) < self.params.ring as u32
+    }
+
+    /// Writes the next frame to send into `buf` (at least the transport's frame capacity, which
+    /// must hold a full segment plus [`DATA_FRAME_OVERHEAD`]). For DATA frames the caller fills
+    /// in the payload named by [`Transmit::payload`].
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
+        if self.dead.is_some() {
+            return None;
+        }
+        if let Some(reason) = self.closing {
+            let len = Message::Disconnect(Disconnect { reason }).emit(&self.env, buf);
+            self.stats.frames_tx += 1;
+            self.die(DeadReason::Closed);
+            return Some(Transmit { len, payload: None });
+        }
+        if let Some(echo) = self.echo.take() {
+            return Some(self.control(Message::Keepalive(echo), buf));
+        }
+        if self.nack_now {
+            self.nack_now = false;
+            self.gap_since = Some(now); // NACK again after another delay if holes remain
+            let base = self.rx_expected;
+            let ring = self.params.ring as u32;
+            let mut missing = 0u64;
+            for i in 0..64u32 {
+                let s = base.wrapping_add(i);
+                if diff(s, self.rx_end) >= 0 {
+                    break;
+                }
+                if !self.rx_seen.get((s % ring) as usize) {
+                    missing |= 1 << i;
+                }
+            }
+            self.stats.nacks_tx += 1;
+            return Some(self.control(Message::Nack(Nack { base, missing }), buf));
+        }
+        let holes = self.rx_expected != self.rx_end;
+        let have_sequenced = !self.retx.is_empty() || (!self.queue.is_empty() && self.has_credit());
+        if self.ack_now && (holes || !have_sequenced) {
+            let ring = self.params.ring as u32;
+            let mut sack = 0u64;
+            for i in 0..64u32 {
+                let s = self.rx_expected.wrapping_add(1 + i);
+                if diff(s, self.rx_end) >= 0 {
+                    break;
+                }
+                if self.rx_seen.get((s % ring) as usize) {
+                    sack |= 1 << i;
+                }
+            }
+            let ack = Ack { cumulative: self.rx_expected, sack };
+            self.acked_all();
+            self.stats.acks_tx += 1;
+            return Some(self.control(Message::Ack(ack), buf));
+        }
+        if self.probe_now {
+            self.probe_now = false;
+            self.probe_nonce = self.probe_nonce.wrapping_add(1);
+            self.stats.keepalives_tx += 1;
+            let k = Keepalive { nonce: self.probe_nonce, timestamp: now.0, reply: false };
+            return Some(self.control(Message::Keepalive(k), buf));
+        }
+        let ring = self.params.ring as u32;
+        while let Some(s) = self.retx.pop_front() {
+            let Some(e) = self.tx[(s % ring) as usize].as_mut() else { continue };
+            e.queued = false;
+            if e.sacked || diff(s, self.tx_base) < 0 {
+                continue;
+            }
+            e.retx = e.retx.saturating_add(1);
+            e.last_sent = now;
+            let frame = e.frame;
+            self.stats.retransmits += 1;
+            return Some(self.emit_sequenced(now, frame, s, buf));
+        }
+        if !self.has_credit() {
+            return None;
+        }
+        let frame = match self.queue.front_mut()? {
+            Outgoing::Frame(_) => {
+                let Some(Outgoing::Frame(f)) = self.queue.pop_front() else { unreachable!() };
+                f
+            }
+            Outgoing::DataMessage { damq, tag, length, next, count } => {
+                let seg = self.params.segment as u32;
+                let offset = *next as u32 * seg;
+                let len = seg.min(*length - offset);
+                let h = DataHeader {
+                    seq: Seq::default(),
+                    damq: *damq,
+                    seg_index: *next,
+                    seg_count: *count,
+                    tag: *tag,
+                    offset,
+                };
+                *next += 1;
+                if *next == *count {
+                    self.queue.pop_front();
+                }
+                TxFrame::Data(h, len)
+            }
+        };
+        let s = self.tx_next;
+        self.tx_next = s.wrapping_add(1);
+        if self.tx_base == s {
+            // The ring was empty: the wait for acknowledgements starts now.
+            self.last_progress = now;
+        }
+        self.tx[(s % ring) as usize] =
+            Some(TxEntry { frame, first_sent: now, last_sent: now, retx: 0, sacked: false, queued: false });
+        if self.rto_deadline.is_none() {
+            self.rto_deadline = Some(now + self.rto);
+        }
+        Some(self.emit_sequenced(now, frame, s, buf))
+    }
+
+    fn acked_all(&mut self) {
+        self.unacked = 0;
+        self.ack_deadline = None;
+        self.ack_now = false;
+    }
+
+    fn control(&mut self, msg: Message<'_>, buf: &mut [u8]) -> Transmit {
+        self.stats.frames_tx += 1;
+        Transmit { len: msg.emit(&self.env, buf), payload: None }
+    }
+
+    fn emit_sequenced(&mut self, _now: Instant, frame: TxFrame, s: u32, buf: &mut [u8]) -> Transmit {
+        let seq = Seq { seq: s, ack: self.rx_expected };
+        if self.rx_expected == self.rx_end {
+            self.acked_all(); // the piggybacked ack says everything
+        }
+        self.stats.frames_tx += 1;
+        match frame {
+            TxFrame::Request(r) => {
+                Transmit { len: Message::Request(Request { seq, ..r }).emit(&self.env, buf), payload: None }
+            }
+            TxFrame::Completion(c) => {
+                Transmit { len: Message::Completion(Completion { seq, ..c }).emit(&self.env, buf), payload: None }
+            }
+            TxFrame::Data(h, len) => {
+                assert!(
+                    buf.len() >= DATA_FRAME_OVERHEAD + len as usize,
+                    "transmit buffer too small for a {len}-byte segment"
+                );
+                let h = DataHeader { seq, ..h };
+                self.stats.payload_tx += len as u64;
+                let frame_len = h.emit_in_place(&self.env, len as usize, buf);
+                Transmit {
+                    len: frame_len,
+                    payload: Some(PayloadRef { damq: h.damq, tag: h.tag, offset: h.offset, len }),
+                }
+            }
+        }
+    }
+}
+
+impl DamqSlot {
+    fn reset(&mut self, tag: u64, count: u16, remq: u16) {
+        self.tag = tag;
+        self.active = true;
+        self.count = count;
+        self.received = 0;
+        self.bytes = 0;
+        self.seen.clear_all();
+        self.remq = remq;
+    }
+}

@@ -1,0 +1,338 @@
+//! Opening channels: CONNECT with retries on the initiator, ACCEPT/REJECT and discovery on the
+//! target. Key proofs (CHALLENGE) belong to the target daemon; an export that needs a key is
+//! refused here with `AuthRequired`.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tyche_wire::{
+    flags, Accept, ChannelParams, Connect, DiscoverReply, Envelope, ExportInfo, ExportList, MacAddr, Message, Reject,
+    RejectReason,
+};
+
+use crate::channel::{Channel, Role};
+use crate::config::{negotiate, params_supported, Timers};
+use crate::time::Instant;
+
+/// What the initiator learned from ACCEPT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connected {
+    /// Session id (new or joined).
+    pub session: u64,
+    /// Granted parameters.
+    pub params: ChannelParams,
+    /// Export size in bytes.
+    pub export_size: u64,
+    /// Export logical block size.
+    pub block_size: u32,
+    /// `flags::EXPORT_*`.
+    pub export_flags: u16,
+}
+
+/// Why a channel could not be opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectError {
+    /// The target refused.
+    Rejected(RejectReason),
+    /// No answer after every attempt.
+    Timeout,
+    /// The target granted parameters this implementation cannot use, or more than asked.
+    BadGrant,
+    /// The target asked for a key proof (not supported by this connector).
+    ChallengeUnsupported,
+}
+
+/// Opens one channel (initiator side): sends CONNECT until ACCEPT or REJECT arrives.
+#[derive(Debug)]
+pub struct Connector {
+    env: Envelope,
+    export: String,
+    want: ChannelParams,
+    nonce: u64,
+    retry: Duration,
+    attempts_left: u32,
+    next_send: Instant,
+    outcome: Option<Result<Connected, ConnectError>>,
+}
+
+impl Connector {
+    /// A connector for channel `env.channel` of session `env.session` (zero: a new session) to
+    /// the target at `env.dst`. `nonce` must be unpredictable (the caller's random source).
+    pub fn new(
+        env: Envelope,
+        export: &str,
+        want: ChannelParams,
+        nonce: u64,
+        retry: Duration,
+        attempts: u32,
+        now: Instant,
+    ) -> Self {
+        assert!(attempts > 0 && !retry.is_zero());
+        assert!(!export.is_empty() && export.len() <= tyche_wire::MAX_EXPORT_NAME, "export name length");
+        Connector {
+            env,
+            export: export.to_owned(),
+            want,
+            nonce,
+            retry,
+            attempts_left: attempts,
+            next_send: now,
+            outcome: None,
+        }
+    }
+
+    /// Writes a CONNECT into `buf` when one is due.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        if self.outcome.is_some() || now < self.next_send || self.attempts_left == 0 {
+            return None;
+        }
+        self.attempts_left -= 1;
+        self.next_send = now + self.retry;
+        let c = Connect { nonce: self.nonce, params: self.want, proof: None, export: &self.export };
+        Some(Message::Connect(c).emit(&self.env, buf))
+    }
+
+    /// When [`Connector::handle_timeout`] is next due.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.outcome.is_none().then_some(self.next_send)
+    }
+
+    /// Gives up once every attempt has gone unanswered.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.outcome.is_none() && self.attempts_left == 0 && now >= self.next_send {
+            self.outcome = Some(Err(ConnectError::Timeout));
+        }
+    }
+
+    /// Hands the connector a message from the target; returns the outcome once known.
+    pub fn handle(&mut self, src: MacAddr, session: u64, msg: &Message<'_>) -> Option<Result<Connected, ConnectError>> {
+        if self.outcome.is_some() || src != self.env.dst {
+            return self.outcome;
+        }
+        self.outcome = match msg {
+            Message::Accept(a) if a.nonce == self.nonce => {
+                let p = a.params;
+                let within = p.ring <= self.want.ring
+                    && p.remq_slots <= self.want.remq_slots
+                    && p.damq_slots <= self.want.damq_slots
+                    && p.segment <= self.want.segment
+                    && p.max_io <= self.want.max_io
+                    && p.features & !self.want.features == 0;
+                let same_session = self.env.session == 0 || self.env.session == session;
+                if within && params_supported(&p) && session != 0 && same_session {
+                    Some(Ok(Connected {
+                        session,
+                        params: p,
+                        export_size: a.export_size,
+                        block_size: a.block_size,
+                        export_flags: a.export_flags,
+                    }))
+                } else {
+                    Some(Err(ConnectError::BadGrant))
+                }
+            }
+            Message::Reject(r) if r.nonce == self.nonce => Some(Err(ConnectError::Rejected(r.reason))),
+            Message::Challenge(c) if c.nonce == self.nonce => Some(Err(ConnectError::ChallengeUnsupported)),
+            _ => None,
+        };
+        self.outcome
+    }
+
+    /// The outcome, once known.
+    pub fn outcome(&self) -> Option<Result<Connected, ConnectError>> {
+        self.outcome
+    }
+
+    /// Builds the initiator's channel from an ACCEPT.
+    pub fn channel(&self, c: &Connected, timers: Timers, now: Instant) -> Channel {
+        let env = Envelope { session: c.session, ..self.env };
+        Channel::new(Role::Initiator, env, c.params, timers, now)
+    }
+}
+
+/// An export as the acceptor offers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportSpec {
+    /// Name.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Logical block size.
+    pub block_size: u32,
+    /// `flags::EXPORT_*`.
+    pub flags: u16,
+}
+
+/// What the acceptor decided about a frame.
+#[derive(Debug)]
+pub enum Accepted {
+    /// Send the reply written into the buffer (`len` bytes); nothing else changes.
+    Reply(usize),
+    /// A new channel: add it to session `session` (creating the session for export `export`
+    /// if it is new), then send the ACCEPT written into the buffer (`len` bytes).
+    Channel {
+        /// Session id.
+        session: u64,
+        /// Index into the acceptor's exports.
+        export: usize,
+        /// The target end of the channel.
+        channel: Channel,
+        /// Bytes of ACCEPT in the buffer.
+        len: usize,
+    },
+}
+
+#[derive(Debug)]
+struct Granted {
+    nonce: u64,
+    accept: Accept,
+}
+
+#[derive(Debug)]
+struct SessionRecord {
+    export: usize,
+    /// MAC of the NIC that created the session (for logs).
+    #[allow(dead_code)]
+    initiator: MacAddr,
+    channels: HashMap<u16, Granted>,
+}
+
+/// Answers DISCOVER and CONNECT on the target.
+#[derive(Debug)]
+pub struct Acceptor {
+    ethertype: u16,
+    exports: Vec<ExportSpec>,
+    limit: ChannelParams,
+    timers: Timers,
+    sessions: HashMap<u64, SessionRecord>,
+    /// (initiator MAC, nonce) of CONNECTs that created a session, so a retransmitted CONNECT
+    /// gets the same ACCEPT instead of a second session.
+    created: HashMap<(MacAddr, u64), u64>,
+}
+
+/// Exports listed per DISCOVER_REPLY frame.
+const EXPORTS_PER_REPLY: usize = 8;
+
+impl Acceptor {
+    /// An acceptor for every NIC of a target, granting at most `limit`.
+    pub fn new(ethertype: u16, exports: Vec<ExportSpec>, limit: ChannelParams, timers: Timers) -> Self {
+        assert!(params_supported(&limit), "unsupported limits {limit:?}");
+        Acceptor { ethertype, exports, limit, timers, sessions: HashMap::new(), created: HashMap::new() }
+    }
+
+    /// The exports offered.
+    pub fn exports(&self) -> &[ExportSpec] {
+        &self.exports
+    }
+
+    /// Forgets a session (after all its channels died).
+    pub fn forget_session(&mut self, session: u64) {
+        self.sessions.remove(&session);
+        self.created.retain(|_, s| *s != session);
+    }
+
+    /// Handles a DISCOVER or CONNECT from `src` received on the NIC with MAC `local` (other
+    /// messages give `None`). `new_session_id` supplies unpredictable nonzero ids. Replies are
+    /// written into `buf`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle(
+        &mut self,
+        now: Instant,
+        local: MacAddr,
+        src: MacAddr,
+        env_in: &Envelope,
+        msg: &Message<'_>,
+        new_session_id: &mut dyn FnMut() -> u64,
+        buf: &mut [u8],
+    ) -> Option<Accepted> {
+        let reply_env =
+            Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
+        match msg {
+            Message::Discover(d) => {
+                let start = (d.start as usize).min(self.exports.len());
+                let infos: Vec<ExportInfo<'_>> = self.exports[start..]
+                    .iter()
+                    .take(EXPORTS_PER_REPLY)
+                    .map(|e| ExportInfo { name: &e.name, size: e.size, block_size: e.block_size, flags: e.flags })
+                    .collect();
+                let r = DiscoverReply {
+                    nonce: d.nonce,
+                    total: self.exports.len() as u16,
+                    start: start as u16,
+                    exports: ExportList::Slice(&infos),
+                };
+                Some(Accepted::Reply(Message::DiscoverReply(r).emit(&reply_env, buf)))
+            }
+            Message::Connect(c) => Some(self.connect(now, src, env_in, c, reply_env, new_session_id, buf)),
+            _ => None,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn connect(
+        &mut self,
+        now: Instant,
+        src: MacAddr,
+        env_in: &Envelope,
+        c: &Connect<'_>,
+        reply_env: Envelope,
+        new_session_id: &mut dyn FnMut() -> u64,
+        buf: &mut [u8],
+    ) -> Accepted {
+        let reject = |reason, buf: &mut [u8]| {
+            Accepted::Reply(Message::Reject(Reject { nonce: c.nonce, reason }).emit(&reply_env, buf))
+        };
+        let Some(export) = self.exports.iter().position(|e| e.name == c.export) else {
+            return reject(RejectReason::UnknownExport, buf);
+        };
+        if self.exports[export].flags & flags::EXPORT_NEEDS_KEY != 0 {
+            return reject(RejectReason::AuthRequired, buf);
+        }
+        // A retransmitted CONNECT: answer with the same ACCEPT.
+        let existing =
+            if env_in.session == 0 { self.created.get(&(src, c.nonce)).copied() } else { Some(env_in.session) };
+        if let Some(sid) = existing {
+            if let Some(g) =
+                self.sessions.get(&sid).and_then(|s| s.channels.get(&env_in.channel)).filter(|g| g.nonce == c.nonce)
+            {
+                let env = Envelope { session: sid, ..reply_env };
+                return Accepted::Reply(Message::Accept(g.accept).emit(&env, buf));
+            }
+        }
+        let Some(params) = negotiate(&c.params, &self.limit) else {
+            return reject(RejectReason::BadParameters, buf);
+        };
+        let sid = match env_in.session {
+            0 => {
+                let mut sid = new_session_id();
+                while sid == 0 || self.sessions.contains_key(&sid) {
+                    sid = new_session_id();
+                }
+                self.sessions.insert(sid, SessionRecord { export, initiator: src, channels: HashMap::new() });
+                self.created.insert((src, c.nonce), sid);
+                sid
+            }
+            sid => match self.sessions.get(&sid) {
+                // Each NIC of the initiator has its own MAC: the session id (unpredictable) and the
+                // export identify the session. Proof of a key is the target daemon's business.
+                Some(s) if s.export == export => sid,
+                _ => return reject(RejectReason::UnknownSession, buf),
+            },
+        };
+        let e = &self.exports[export];
+        let accept = Accept {
+            nonce: c.nonce,
+            params,
+            export_size: e.size,
+            block_size: e.block_size,
+            export_flags: e.flags,
+            proof: None,
+        };
+        let record = self.sessions.get_mut(&sid).expect("inserted or checked");
+        record.channels.insert(env_in.channel, Granted { nonce: c.nonce, accept });
+        let env = Envelope { session: sid, ..reply_env };
+        let len = Message::Accept(accept).emit(&env, buf);
+        let channel = Channel::new(Role::Target, env, params, self.timers, now);
+        Accepted::Channel { session: sid, export, channel, len }
+    }
+}

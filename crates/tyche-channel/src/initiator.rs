@@ -1,0 +1,493 @@
+//! The initiator's view of an attached export: a volume bundling every channel of a session.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+
+use tyche_wire::{Frame, Op, Status, WireError, SECTOR_SIZE};
+
+use crate::channel::{Channel, ChannelEvent, DeadReason, DropReason, Received, Role, Submission, Transmit};
+use crate::config::TAG_WINDOW;
+use crate::scheduler::{ChannelView, Scheduler};
+use crate::time::{earliest, Instant};
+
+/// Largest DISCARD or WRITE_ZEROES part (the wire length is a `u32`).
+const MAX_RANGE_PART: u64 = (u32::MAX / SECTOR_SIZE * SECTOR_SIZE) as u64;
+
+/// Settings of a volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VolumeConfig {
+    /// Export size in bytes.
+    pub export_size: u64,
+    /// Whether the export is read-only.
+    pub read_only: bool,
+    /// How long requests wait while no channel is alive before they fail (NVMe's
+    /// `ctrl_loss_tmo`); zero fails them as soon as the last channel dies.
+    pub no_path_timeout: Duration,
+    /// Most requests outstanding at once (the caller's queue depth bound).
+    pub max_requests: usize,
+}
+
+/// One block request from the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoRequest {
+    /// Caller's id, unique among its outstanding requests; names its buffer in payload refs.
+    pub id: u64,
+    /// Operation.
+    pub op: Op,
+    /// Force unit access.
+    pub fua: bool,
+    /// Byte offset (multiple of 512).
+    pub offset: u64,
+    /// Bytes (multiple of 512; zero for FLUSH).
+    pub length: u64,
+    /// NUMA node of the request's buffers, for channel choice.
+    pub node: Option<u32>,
+}
+
+/// Why [`Volume::submit`] refused a request (nothing was queued).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SubmitError {
+    /// Offset or length not a multiple of 512, or a zero-length read/write.
+    Unaligned,
+    /// The range runs past the end of the export.
+    OutOfRange,
+    /// A modifying request on a read-only export.
+    ReadOnly,
+    /// `max_requests` are outstanding, or the tag window is exhausted; retry after a completion.
+    Busy,
+    /// The id is already in use by an outstanding request.
+    DuplicateId,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IoError {
+    /// The target reported this status.
+    Target(Status),
+    /// No channel was alive for `no_path_timeout`.
+    NoPath,
+}
+
+/// Something the caller must act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VolumeEvent {
+    /// A request finished. For a successful read every byte has been placed.
+    Completed {
+        /// Caller's id.
+        id: u64,
+        /// Outcome.
+        result: Result<(), IoError>,
+    },
+    /// A channel died; `reissued` parts in flight on it went back to the queue.
+    ChannelDead {
+        /// Channel index.
+        channel: u16,
+        /// Why.
+        reason: DeadReason,
+        /// Parts re-queued for other channels.
+        reissued: usize,
+    },
+}
+
+/// Why [`Volume::handle_frame`] did not use a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FrameDrop {
+    /// Not a valid Tyche frame.
+    Wire(WireError),
+    /// For another session, or a channel this volume does not have.
+    NotOurs,
+    /// The channel refused it.
+    Channel(DropReason),
+}
+
+/// What [`Volume::handle_frame`] did with a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Inbound<'a> {
+    /// Used; nothing more to do.
+    Consumed,
+    /// Read data: copy `payload` into request `id`'s buffer at byte `offset`.
+    Read {
+        /// Caller's id.
+        id: u64,
+        /// Byte offset within the request.
+        offset: u64,
+        /// The bytes, borrowed from the frame.
+        payload: &'a [u8],
+    },
+    /// Not used.
+    Dropped(FrameDrop),
+}
+
+/// A frame written by [`Volume::poll_transmit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutFrame {
+    /// Frame length.
+    pub len: usize,
+    /// For write data: copy `len` bytes of request `id`'s buffer from byte `offset` to
+    /// `buf[DATA_FRAME_OVERHEAD..]` before sending. `None` for other frames, and for late
+    /// retransmissions of data the target already has (their payload is already zeroed).
+    pub payload: Option<(u64, u64, u32)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    id: u64,
+    op: Op,
+    fua: bool,
+    offset: u64,
+    length: u32,
+    req_offset: u64,
+    node: Option<u32>,
+    channel: Option<u16>,
+}
+
+#[derive(Debug)]
+struct Outstanding {
+    parts_left: u32,
+    error: Option<IoError>,
+}
+
+#[derive(Debug)]
+struct Member {
+    channel: Channel,
+    node: Option<u32>,
+}
+
+/// A session's channels bundled into one block device.
+///
+/// Sans-IO like [`Channel`]: frames in through [`Volume::handle_frame`], out through
+/// [`Volume::poll_transmit`] per channel, timers through [`Volume::poll_timeout`] and
+/// [`Volume::handle_timeout`], results through [`Volume::poll_event`].
+#[derive(Debug)]
+pub struct Volume {
+    config: VolumeConfig,
+    session: u64,
+    ethertype: u16,
+    members: Vec<Option<Member>>,
+    scheduler: Box<dyn Scheduler>,
+    next_tag: u64,
+    parts: BTreeMap<u64, Part>,
+    pending: VecDeque<u64>,
+    requests: HashMap<u64, Outstanding>,
+    events: VecDeque<VolumeEvent>,
+    no_path_since: Option<Instant>,
+    views: Vec<ChannelView>,
+}
+
+impl Volume {
+    /// An empty volume for `session`; add channels with [`Volume::add_channel`].
+    pub fn new(
+        config: VolumeConfig,
+        session: u64,
+        ethertype: u16,
+        scheduler: Box<dyn Scheduler>,
+        now: Instant,
+    ) -> Self {
+        Volume {
+            config,
+            session,
+            ethertype,
+            members: Vec::new(),
+            scheduler,
+            next_tag: 1,
+            parts: BTreeMap::new(),
+            pending: VecDeque::new(),
+            requests: HashMap::new(),
+            events: VecDeque::new(),
+            no_path_since: Some(now),
+            views: Vec::new(),
+        }
+    }
+
+    /// Adds (or replaces, after a reconnect) the channel with index `channel.envelope().channel`.
+    pub fn add_channel(&mut self, channel: Channel, node: Option<u32>, now: Instant) {
+        assert_eq!(channel.role(), Role::Initiator);
+        assert_eq!(channel.envelope().session, self.session, "channel of another session");
+        let idx = channel.envelope().channel as usize;
+        if self.members.len() <= idx {
+            self.members.resize_with(idx + 1, || None);
+        }
+        if let Some(old) = self.members[idx].as_mut() {
+            old.channel.abort();
+            self.fail_over(idx as u16, DeadReason::Closed, now);
+        }
+        self.members[idx] = Some(Member { channel, node });
+        self.no_path_since = None;
+        self.pump(now);
+    }
+
+    /// The session id.
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+    /// The channel with index `i`, if any.
+    pub fn channel(&self, i: u16) -> Option<&Channel> {
+        self.members.get(i as usize)?.as_ref().map(|m| &m.channel)
+    }
+    /// Indices of the channels, dead ones included.
+    pub fn channel_indices(&self) -> impl Iterator<Item = u16> + '_ {
+        self.members.iter().enumerate().filter(|(_, m)| m.is_some()).map(|(i, _)| i as u16)
+    }
+    /// Number of live channels.
+    pub fn live_channels(&self) -> usize {
+        self.members.iter().flatten().filter(|m| m.channel.dead().is_none()).count()
+    }
+    /// Requests outstanding.
+    pub fn outstanding(&self) -> usize {
+        self.requests.len()
+    }
+    /// Parts waiting for a channel.
+    pub fn queued_parts(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn max_io(&self) -> u32 {
+        self.members
+            .iter()
+            .flatten()
+            .filter(|m| m.channel.dead().is_none())
+            .map(|m| m.channel.params().max_io)
+            .min()
+            .unwrap_or(SECTOR_SIZE)
+    }
+
+    fn floor(&self) -> u64 {
+        self.parts.keys().next().copied().unwrap_or(self.next_tag)
+    }
+
+    /// Queues a request. Large requests are split into parts no larger than the channels'
+    /// `max_io`; each part travels on its own and the request completes when all have.
+    pub fn submit(&mut self, now: Instant, req: IoRequest) -> Result<(), SubmitError> {
+        let sector = SECTOR_SIZE as u64;
+        if req.offset % sector != 0 || req.length % sector != 0 || (req.op != Op::Flush && req.length == 0) {
+            return Err(SubmitError::Unaligned);
+        }
+        if req.op == Op::Flush && req.length != 0 {
+            return Err(SubmitError::Unaligned);
+        }
+        if req.offset.checked_add(req.length).is_none_or(|end| end > self.config.export_size) {
+            return Err(SubmitError::OutOfRange);
+        }
+        if self.config.read_only && req.op.modifies() {
+            return Err(SubmitError::ReadOnly);
+        }
+        if self.requests.contains_key(&req.id) {
+            return Err(SubmitError::DuplicateId);
+        }
+        let chunk = if req.op.uses_damq() { self.max_io() as u64 } else { MAX_RANGE_PART };
+        let nparts = if req.op == Op::Flush { 1 } else { req.length.div_ceil(chunk) };
+        if self.requests.len() >= self.config.max_requests || self.next_tag + nparts > self.floor() + TAG_WINDOW {
+            return Err(SubmitError::Busy);
+        }
+        self.requests.insert(req.id, Outstanding { parts_left: nparts as u32, error: None });
+        for i in 0..nparts {
+            let req_offset = i * chunk;
+            let length = if req.op == Op::Flush { 0 } else { chunk.min(req.length - req_offset) as u32 };
+            let tag = self.next_tag;
+            self.next_tag += 1;
+            let part = Part {
+                id: req.id,
+                op: req.op,
+                fua: req.fua,
+                offset: req.offset + req_offset,
+                length,
+                req_offset,
+                node: req.node,
+                channel: None,
+            };
+            self.parts.insert(tag, part);
+            self.pending.push_back(tag);
+        }
+        self.pump(now);
+        if self.live_channels() == 0 && self.config.no_path_timeout.is_zero() {
+            self.fail_pending();
+        }
+        Ok(())
+    }
+
+    /// Hands queued parts to channels while the scheduler finds room.
+    fn pump(&mut self, _now: Instant) {
+        let floor = self.floor();
+        while let Some(&tag) = self.pending.front() {
+            let part = self.parts[&tag];
+            self.views.clear();
+            self.views.extend(self.members.iter().map(|m| match m {
+                Some(m) => ChannelView {
+                    live: m.channel.dead().is_none(),
+                    has_room: m.channel.can_submit(part.op),
+                    node: m.node,
+                },
+                None => ChannelView { live: false, has_room: false, node: None },
+            }));
+            let Some(i) = self.scheduler.pick(part.length as u64, part.node, &self.views) else { break };
+            assert!(self.views[i].live && self.views[i].has_room, "scheduler picked an unusable channel");
+            let member = self.members[i].as_mut().expect("picked a present channel");
+            let sub = Submission { tag, op: part.op, fua: part.fua, offset: part.offset, length: part.length };
+            assert!(member.channel.submit(sub, floor), "channel refused a part it had room for");
+            self.parts.get_mut(&tag).expect("pending part").channel = Some(i as u16);
+            self.pending.pop_front();
+        }
+    }
+
+    /// Hands the volume a received frame.
+    pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> Inbound<'a> {
+        let frame = match Frame::new_checked(bytes, self.ethertype) {
+            Ok(f) => f,
+            Err(e) => return Inbound::Dropped(FrameDrop::Wire(e)),
+        };
+        if frame.session() != self.session {
+            return Inbound::Dropped(FrameDrop::NotOurs);
+        }
+        let idx = frame.channel();
+        let Some(Some(member)) = self.members.get_mut(idx as usize) else {
+            return Inbound::Dropped(FrameDrop::NotOurs);
+        };
+        if frame.src() != member.channel.envelope().dst {
+            return Inbound::Dropped(FrameDrop::NotOurs);
+        }
+        let msg = match frame.parse_borrowed() {
+            Ok(m) => m,
+            Err(e) => return Inbound::Dropped(FrameDrop::Wire(e)),
+        };
+        let received = member.channel.handle(now, &msg);
+        let out = match received {
+            Received::Consumed => Inbound::Consumed,
+            Received::Dropped(r) => Inbound::Dropped(FrameDrop::Channel(r)),
+            Received::Placed(p) => match self.parts.get(&p.tag) {
+                Some(part) if part.channel == Some(idx) => {
+                    Inbound::Read { id: part.id, offset: part.req_offset + p.offset as u64, payload: p.payload }
+                }
+                _ => Inbound::Dropped(FrameDrop::Channel(DropReason::Stale)),
+            },
+        };
+        self.drain(idx, now);
+        out
+    }
+
+    fn drain(&mut self, idx: u16, now: Instant) {
+        let mut dead = None;
+        while let Some(ev) = self.members[idx as usize].as_mut().and_then(|m| m.channel.poll_event()) {
+            match ev {
+                ChannelEvent::Completed { tag, status } => self.part_done(
+                    tag,
+                    Some(idx),
+                    if status == Status::Ok { Ok(()) } else { Err(IoError::Target(status)) },
+                ),
+                ChannelEvent::Dead(reason) => dead = Some(reason),
+                ChannelEvent::Request(_) => unreachable!("initiator channels emit no requests"),
+            }
+        }
+        if let Some(reason) = dead {
+            self.fail_over(idx, reason, now);
+        }
+        self.pump(now);
+    }
+
+    fn part_done(&mut self, tag: u64, from: Option<u16>, result: Result<(), IoError>) {
+        let Some(part) = self.parts.get(&tag) else { return };
+        if from.is_some() && part.channel != from {
+            return; // a completion from a channel the part has since left
+        }
+        let part = self.parts.remove(&tag).expect("present");
+        let req = self.requests.get_mut(&part.id).expect("part of an outstanding request");
+        if let Err(e) = result {
+            req.error.get_or_insert(e);
+        }
+        req.parts_left -= 1;
+        if req.parts_left == 0 {
+            let req = self.requests.remove(&part.id).expect("present");
+            self.events.push_back(VolumeEvent::Completed { id: part.id, result: req.error.map_or(Ok(()), Err) });
+        }
+    }
+
+    fn fail_over(&mut self, idx: u16, reason: DeadReason, now: Instant) {
+        let Some(member) = self.members[idx as usize].as_mut() else { return };
+        let subs = if member.channel.dead().is_some() { member.channel.take_in_flight() } else { Vec::new() };
+        let mut tags: Vec<u64> =
+            subs.iter().map(|s| s.tag).filter(|t| self.parts.get(t).is_some_and(|p| p.channel == Some(idx))).collect();
+        tags.sort_unstable();
+        for &t in tags.iter().rev() {
+            self.parts.get_mut(&t).expect("checked").channel = None;
+            self.pending.push_front(t);
+        }
+        self.events.push_back(VolumeEvent::ChannelDead { channel: idx, reason, reissued: tags.len() });
+        if self.live_channels() == 0 && self.no_path_since.is_none() {
+            self.no_path_since = Some(now);
+        }
+    }
+
+    fn fail_pending(&mut self) {
+        while let Some(tag) = self.pending.pop_front() {
+            self.part_done(tag, None, Err(IoError::NoPath));
+        }
+    }
+
+    /// Writes the next frame channel `channel` wants to send into `buf`.
+    pub fn poll_transmit(&mut self, now: Instant, channel: u16, buf: &mut [u8]) -> Option<OutFrame> {
+        let member = self.members.get_mut(channel as usize)?.as_mut()?;
+        let Transmit { len, payload } = member.channel.poll_transmit(now, buf)?;
+        let dead = member.channel.dead().is_some();
+        let payload = payload.and_then(|p| match self.parts.get(&p.tag) {
+            Some(part) => Some((part.id, part.req_offset + p.offset as u64, p.len)),
+            None => {
+                // A retransmission of data whose request already completed: the target had every
+                // segment, so it drops this copy by ring position. Its content does not matter;
+                // send zeroes rather than whatever the buffer held.
+                let at = tyche_wire::DATA_FRAME_OVERHEAD;
+                buf[at..at + p.len as usize].fill(0);
+                None
+            }
+        });
+        if dead {
+            self.drain(channel, now); // closing sends DISCONNECT and dies
+        }
+        Some(OutFrame { len, payload })
+    }
+
+    /// Whether channel `channel` has a frame to send now.
+    pub fn wants_transmit(&self, channel: u16) -> bool {
+        self.channel(channel).is_some_and(Channel::wants_transmit)
+    }
+
+    /// The next time [`Volume::handle_timeout`] must be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let mut t = None;
+        for m in self.members.iter().flatten() {
+            t = earliest(t, m.channel.poll_timeout());
+        }
+        if let Some(since) = self.no_path_since.filter(|_| !self.pending.is_empty()) {
+            t = earliest(t, Some(since + self.config.no_path_timeout));
+        }
+        t
+    }
+
+    /// Runs the timers due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for i in 0..self.members.len() {
+            if let Some(m) = self.members[i].as_mut() {
+                m.channel.handle_timeout(now);
+                self.drain(i as u16, now);
+            }
+        }
+        if self.live_channels() == 0 {
+            let since = *self.no_path_since.get_or_insert(now);
+            if now.since(since) >= self.config.no_path_timeout {
+                self.fail_pending();
+            }
+        } else {
+            self.no_path_since = None;
+        }
+    }
+
+    /// The next event, if any.
+    pub fn poll_event(&mut self) -> Option<VolumeEvent> {
+        self.events.pop_front()
+    }
+
+    /// Closes every channel (DISCONNECT is sent by the next [`Volume::poll_transmit`] of each).
+    pub fn close(&mut self) {
+        for m in self.members.iter_mut().flatten() {
+            m.channel.close(tyche_wire::DisconnectReason::Normal);
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! `cargo xtask sim`: many seeds of the deterministic simulator, in parallel.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use tyche_sim::{run_seed, SeedReport, SimConfig, Totals};
+
+#[derive(Args, Debug, Clone)]
+pub struct SimArgs {
+    /// Number of seeds to run (seeds `first..first+seeds`).
+    #[arg(long, default_value_t = 100)]
+    seeds: u64,
+    /// Replay exactly this seed (overrides --seeds).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// First seed of the range.
+    #[arg(long, default_value_t = 0)]
+    first: u64,
+    /// Frame loss probability, each way.
+    #[arg(long, default_value_t = 0.0)]
+    loss: f64,
+    /// Reordering probability.
+    #[arg(long, default_value_t = 0.0)]
+    reorder: f64,
+    /// Duplication probability.
+    #[arg(long, default_value_t = 0.0)]
+    dup: f64,
+    /// Paths (channels) between initiator and target.
+    #[arg(long, default_value_t = 2)]
+    paths: usize,
+    /// Fail one path mid-run.
+    #[arg(long)]
+    fail_path: bool,
+    /// Requests per seed.
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+    /// Worker threads (default: every core).
+    #[arg(long)]
+    jobs: Option<usize>,
+}
+
+impl SimArgs {
+    /// The contract run of issue 2, shortened to `seeds` seeds.
+    pub fn contract(seeds: u64, loss: f64) -> Self {
+        SimArgs {
+            seeds,
+            seed: None,
+            first: 0,
+            loss,
+            reorder: 0.1,
+            dup: 0.01,
+            paths: 2,
+            fail_path: true,
+            requests: 200,
+            jobs: None,
+        }
+    }
+
+    fn replay_flags(&self) -> String {
+        let mut s = format!(
+            "--loss {} --reorder {} --dup {} --paths {} --requests {}",
+            self.loss, self.reorder, self.dup, self.paths, self.requests
+        );
+        if self.fail_path {
+            s.push_str(" --fail-path");
+        }
+        s
+    }
+}
+
+pub fn run(args: SimArgs) -> Result<()> {
+    for (name, p) in [("loss", args.loss), ("reorder", args.reorder), ("dup", args.dup)] {
+        if !(0.0..1.0).contains(&p) {
+            bail!("--{name} must be in [0, 1), got {p}");
+        }
+    }
+    if args.paths == 0 || args.paths > 16 {
+        bail!("--paths must be between 1 and 16");
+    }
+    let cfg = SimConfig {
+        paths: args.paths,
+        loss: args.loss,
+        reorder: args.reorder,
+        dup: args.dup,
+        fail_path: args.fail_path,
+        requests: args.requests,
+        ..SimConfig::default()
+    };
+    let (first, count) = match args.seed {
+        Some(s) => (s, 1),
+        None => (args.first, args.seeds),
+    };
+    let jobs = args.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+    let next = AtomicU64::new(first);
+    let totals = Mutex::new(Totals::default());
+    let started = std::time::Instant::now();
+    // Keep panics quiet in workers; a panicking seed is reported with its replay command.
+    let default_hook = panic::take_hook();
+    panic::set_hook(Box::new(|_| {}));
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.min(count as usize).max(1) {
+            scope.spawn(|| loop {
+                let seed = next.fetch_add(1, Ordering::Relaxed);
+                if seed >= first + count {
+                    break;
+                }
+                let report = match panic::catch_unwind(AssertUnwindSafe(|| run_seed(&cfg, seed))) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let msg = e
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_default();
+                        println!("sim: seed {seed} PANICKED: {msg}");
+                        SeedReport { seed, mismatches: 1, ..SeedReport::default() }
+                    }
+                };
+                if !report.ok() {
+                    println!(
+                        "sim: seed {seed} FAILED ({} mismatches, {} stuck); replay: cargo xtask sim --seed {seed} {}",
+                        report.mismatches,
+                        report.stuck,
+                        args.replay_flags()
+                    );
+                }
+                if count == 1 {
+                    println!("sim: seed {seed}: {report:?}");
+                }
+                totals.lock().expect("totals").add(&report);
+            });
+        }
+    });
+    panic::set_hook(default_hook);
+    let t = totals.into_inner().expect("totals");
+    eprintln!(
+        "sim: {:.1}s, {} frames, {} retransmits, {} failed requests, {} dead channels, {} duplicate modifications suppressed",
+        started.elapsed().as_secs_f64(),
+        t.frames,
+        t.retransmits,
+        t.failed,
+        t.dead_channels,
+        t.duplicates_suppressed
+    );
+    println!("sim: {} seeds, {} requests, {} mismatches, {} stuck", t.seeds, t.requests, t.mismatches, t.stuck);
+    if t.failed_seeds > 0 {
+        bail!("{} of {} seeds failed", t.failed_seeds, t.seeds);
+    }
+    Ok(())
+}

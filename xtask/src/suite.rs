@@ -1,0 +1,44 @@
+//! `cargo xtask test`: everything CI checks, in order, stopping at the first failure.
+
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use crate::sim::{self, SimArgs};
+
+#[derive(Args, Debug)]
+pub struct TestArgs {
+    /// Skip the formatting and lint checks.
+    #[arg(long)]
+    no_lint: bool,
+    /// Seeds for the simulator contract runs.
+    #[arg(long, default_value_t = 500)]
+    sim_seeds: u64,
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+fn step(name: &str, cmd: &mut Command) -> Result<()> {
+    eprintln!("xtask test: {name}");
+    let status = cmd.status().with_context(|| format!("running {name}"))?;
+    if !status.success() {
+        bail!("{name} failed ({status})");
+    }
+    Ok(())
+}
+
+pub fn run(args: TestArgs) -> Result<()> {
+    if !args.no_lint {
+        step("cargo fmt --check", cargo().args(["fmt", "--all", "--", "--check"]))?;
+        step("cargo clippy", cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    }
+    step("cargo test", cargo().args(["test", "--workspace"]))?;
+    eprintln!("xtask test: simulator contract (loss 5%)");
+    sim::run(SimArgs::contract(args.sim_seeds, 0.05))?;
+    eprintln!("xtask test: simulator contract (loss 30%)");
+    sim::run(SimArgs::contract(args.sim_seeds, 0.3))?;
+    Ok(())
+}
