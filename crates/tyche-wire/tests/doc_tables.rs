@@ -307,10 +307,12 @@ fn segment_examples_match_segment_size_for() {
         let (Some(mtu), cap, want) = (number(c[0]), c[1], c[2]) else {
             continue;
         };
-        let cap: usize = match cap.split_whitespace().next().and_then(|s| s.parse().ok()) {
-            Some(cap) => cap,
-            None => 1 << 20, // "any"
-        };
+        // "any" capacity: larger than every MTU in the table.
+        let cap: usize = cap
+            .split_whitespace()
+            .next()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1 << 20);
         let want = want.parse::<u32>().ok();
         assert_eq!(
             segment_size_for(mtu, cap),
