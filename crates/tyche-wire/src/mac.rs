@@ -52,7 +52,8 @@ impl FromStr for MacAddr {
         let mut parts = s.split([':', '-']);
         for byte in &mut out {
             let part = parts.next().ok_or(WireError::Malformed)?;
-            if part.len() != 2 {
+            // Two hex digits exactly (`from_str_radix` alone would also take a sign: "+f").
+            if part.len() != 2 || !part.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(WireError::Malformed);
             }
             *byte = u8::from_str_radix(part, 16).map_err(|_| WireError::Malformed)?;
@@ -74,7 +75,15 @@ mod tests {
         assert_eq!(m.0, [0x02, 0x54, 0x0a, 0x0b, 0x0c, 0x0d]);
         assert_eq!(m.to_string(), "02:54:0a:0b:0c:0d");
         assert_eq!("02-54-0a-0b-0c-0d".parse::<MacAddr>().unwrap(), m);
-        for bad in ["", "02:54", "02:54:0a:0b:0c:0d:0e", "2:54:0a:0b:0c:0d", "zz:54:0a:0b:0c:0d"] {
+        for bad in [
+            "",
+            "02:54",
+            "02:54:0a:0b:0c:0d:0e",
+            "2:54:0a:0b:0c:0d",
+            "zz:54:0a:0b:0c:0d",
+            "+2:54:0a:0b:0c:0d",
+            "02:54:0a:0b:0c:+d",
+        ] {
             assert_eq!(bad.parse::<MacAddr>(), Err(WireError::Malformed), "{bad}");
         }
         assert!(MacAddr::BROADCAST.is_multicast());

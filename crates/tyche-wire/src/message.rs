@@ -404,7 +404,10 @@ impl ExportInfo<'_> {
 }
 
 /// The entries of a DISCOVER_REPLY: parsed (borrowing the frame) or to be emitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Two lists are equal when they hold the same entries in the same order, whichever form they
+/// are in, so a parsed reply compares equal to the reply that was emitted.
+#[derive(Debug, Clone, Copy)]
 pub enum ExportList<'a> {
     /// Validated wire bytes holding `count` entries.
     Wire {
@@ -449,6 +452,14 @@ impl<'a> ExportList<'a> {
         }
     }
 }
+
+impl PartialEq for ExportList<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for ExportList<'_> {}
 
 fn parse_export_entry(b: &[u8]) -> Result<(ExportInfo<'_>, &[u8])> {
     const F: usize = layout::discover_reply::ENTRY_FIXED;
