@@ -176,7 +176,7 @@ pub enum Accepted {
         /// Index into the acceptor's exports.
         export: usize,
         /// The target end of the channel.
-        channel: Channel,
+        channel: Box<Channel>,
         /// Bytes of ACCEPT in the buffer.
         len: usize,
     },
@@ -332,7 +332,7 @@ impl Acceptor {
         record.channels.insert(env_in.channel, Granted { nonce: c.nonce, accept });
         let env = Envelope { session: sid, ..reply_env };
         let len = Message::Accept(accept).emit(&env, buf);
-        let channel = Channel::new(Role::Target, env, params, self.timers, now);
+        let channel = Box::new(Channel::new(Role::Target, env, params, self.timers, now));
         Accepted::Channel { session: sid, export, channel, len }
     }
 }

@@ -414,7 +414,7 @@ impl World {
                     self.sessions
                         .entry(session)
                         .or_insert_with(|| TargetSession::new(session, DEFAULT_ETHERTYPE, geometry))
-                        .add_channel(channel);
+                        .add_channel(*channel);
                     self.send(k, Dir::ToInitiator, &out[..len]);
                 }
                 None => {}

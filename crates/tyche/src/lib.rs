@@ -4,5 +4,6 @@
 //! `examples/`.
 #![forbid(unsafe_code)]
 
+pub use tyche_channel as channel;
 pub use tyche_transport as transport;
 pub use tyche_wire as wire;

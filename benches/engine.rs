@@ -1,0 +1,204 @@
+//! Channel engine cost: a pair of engines (initiator `Volume`, target `TargetSession`) moving
+//! 4 KiB writes over the in-memory transport, one thread, payloads copied in and out as a real
+//! driver does. Throughput is in frames (both directions, acks included), so the time per
+//! element is the engine's cost per frame. Goal: under 250 ns per frame.
+//!
+//! Also: wire encode/decode of the hot-path messages.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use tyche::channel::{
+    Channel, ExportGeometry, Inbound, Instant, IoRequest, LeastBytes, Role, TargetEvent, TargetInbound, TargetSession,
+    Timers, Volume, VolumeConfig,
+};
+use tyche::transport::{FrameTransport, MemLink, MemPort};
+use tyche::wire::{
+    ChannelParams, DataHeader, Envelope, Frame, MacAddr, Message, Op, Request, Seq, Status, DATA_FRAME_OVERHEAD,
+    DEFAULT_ETHERTYPE,
+};
+
+const BLOCK: usize = 4096;
+const DEPTH: u64 = 64;
+const SESSION: u64 = 0x7ec4e;
+
+struct Pair {
+    now: Instant,
+    volume: Volume,
+    target: TargetSession,
+    ip: MemPort,
+    tp: MemPort,
+    write_buf: Vec<u8>,
+    damq: Vec<Vec<u8>>,
+    frames: u64,
+    next_id: u64,
+}
+
+impl Pair {
+    fn new() -> Pair {
+        let (im, tm) = (MacAddr::local(1), MacAddr::local(2));
+        let (ip, tp) = MemLink::pair((im, tm), 3000, 3840, 4096);
+        let params =
+            ChannelParams { ring: 1024, remq_slots: 128, damq_slots: 128, segment: 2048, max_io: 1 << 20, features: 0 };
+        let now = Instant(1);
+        let timers = Timers::default();
+        let ienv = Envelope { dst: tm, src: im, ethertype: DEFAULT_ETHERTYPE, channel: 0, session: SESSION };
+        let tenv = Envelope { dst: im, src: tm, ..ienv };
+        let cfg = VolumeConfig {
+            export_size: 1 << 30,
+            read_only: false,
+            no_path_timeout: Duration::from_secs(1),
+            max_requests: 256,
+        };
+        let mut volume = Volume::new(cfg, SESSION, DEFAULT_ETHERTYPE, Box::<LeastBytes>::default(), now);
+        volume.add_channel(Channel::new(Role::Initiator, ienv, params, timers, now), None, now);
+        let geometry = ExportGeometry { size: 1 << 30, read_only: false, discard: true };
+        let mut target = TargetSession::new(SESSION, DEFAULT_ETHERTYPE, geometry);
+        target.add_channel(Channel::new(Role::Target, tenv, params, timers, now));
+        Pair {
+            now,
+            volume,
+            target,
+            ip,
+            tp,
+            write_buf: vec![0xa5; BLOCK],
+            damq: vec![vec![0; 1 << 20]; 128],
+            frames: 0,
+            next_id: 0,
+        }
+    }
+
+    /// Submits `DEPTH` 4 KiB writes and runs both engines until every one completes.
+    fn batch(&mut self) {
+        for _ in 0..DEPTH {
+            self.next_id += 1;
+            let req = IoRequest {
+                id: self.next_id,
+                op: Op::Write,
+                fua: false,
+                offset: (self.next_id % 1000) * BLOCK as u64,
+                length: BLOCK as u64,
+                node: None,
+            };
+            self.volume.submit(self.now, req).expect("submit");
+        }
+        let mut done = 0;
+        while done < DEPTH {
+            self.now = Instant(self.now.0 + 100);
+            // Initiator transmits.
+            let (vol, buf) = (&mut self.volume, &self.write_buf);
+            let now = self.now;
+            self.frames += self
+                .ip
+                .send(usize::MAX, &mut |frame| {
+                    let out = vol.poll_transmit(now, 0, frame)?;
+                    if let Some((_, off, len)) = out.payload {
+                        let (off, len) = (off as usize, len as usize);
+                        frame[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len].copy_from_slice(&buf[off..off + len]);
+                    }
+                    Some(out.len)
+                })
+                .expect("send") as u64;
+            // Target receives, executes, transmits.
+            let (target, damq) = (&mut self.target, &mut self.damq);
+            self.tp
+                .recv(usize::MAX, &mut |frame| {
+                    if let TargetInbound::Write { damq: d, offset, payload, .. } = target.handle_frame(now, frame) {
+                        damq[d as usize][offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
+                    }
+                })
+                .expect("recv");
+            while let Some(ev) = self.target.poll_event() {
+                if let TargetEvent::Execute { channel, request } = ev {
+                    self.target.complete(channel, request.remq, Status::Ok);
+                }
+            }
+            let target = &mut self.target;
+            self.frames +=
+                self.tp.send(usize::MAX, &mut |frame| Some(target.poll_transmit(now, 0, frame)?.len)).expect("send")
+                    as u64;
+            // Initiator receives.
+            let vol = &mut self.volume;
+            self.ip
+                .recv(usize::MAX, &mut |frame| {
+                    if let Inbound::Dropped(d) = vol.handle_frame(now, frame) {
+                        panic!("frame dropped on a clean link: {d:?}");
+                    }
+                })
+                .expect("recv");
+            while self.volume.poll_event().is_some() {
+                done += 1;
+            }
+            if self.volume.poll_timeout().is_some_and(|t| t <= self.now) {
+                self.volume.handle_timeout(self.now);
+            }
+            if self.target.poll_timeout().is_some_and(|t| t <= self.now) {
+                self.target.handle_timeout(self.now);
+            }
+        }
+    }
+}
+
+fn engine_pair(c: &mut Criterion) {
+    // Frames per batch are deterministic on a clean link: count them once.
+    let mut probe = Pair::new();
+    probe.batch();
+    let per_batch = probe.frames;
+    let mut g = c.benchmark_group("engine_pair");
+    g.throughput(Throughput::Elements(per_batch));
+    g.bench_function("4k_writes_qd64_frames", |b| {
+        let mut pair = Pair::new();
+        b.iter(|| pair.batch());
+    });
+    g.finish();
+}
+
+fn wire(c: &mut Criterion) {
+    let env = Envelope {
+        dst: MacAddr::local(1),
+        src: MacAddr::local(2),
+        ethertype: DEFAULT_ETHERTYPE,
+        channel: 3,
+        session: 42,
+    };
+    let req = Request {
+        seq: Seq { seq: 7, ack: 9 },
+        op: Op::Write,
+        fua: false,
+        remq: 1,
+        damq: 2,
+        tag: 99,
+        floor: 90,
+        offset: 4096,
+        length: 4096,
+    };
+    let mut frame = vec![0u8; 3840];
+    let mut g = c.benchmark_group("wire");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("emit_request", |b| b.iter(|| Message::Request(black_box(req)).emit(&env, &mut frame)));
+    let len = Message::Request(req).emit(&env, &mut frame);
+    let bytes = frame[..len].to_vec();
+    g.bench_function("parse_request", |b| {
+        b.iter(|| Frame::new_checked(black_box(&bytes[..]), DEFAULT_ETHERTYPE).unwrap().parse().unwrap().kind())
+    });
+    let h = DataHeader { seq: Seq { seq: 1, ack: 2 }, damq: 3, seg_index: 1, seg_count: 2, tag: 99, offset: 2048 };
+    g.bench_function("emit_data_header_in_place", |b| b.iter(|| black_box(h).emit_in_place(&env, 2048, &mut frame)));
+    let len = h.emit_in_place(&env, 2048, &mut frame);
+    let data = frame[..len].to_vec();
+    g.bench_function("parse_data_2k", |b| {
+        b.iter_batched(
+            || (),
+            |()| Frame::new_checked(black_box(&data[..]), DEFAULT_ETHERTYPE).unwrap().parse().unwrap().kind(),
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = engine_pair, wire
+}
+criterion_main!(benches);
