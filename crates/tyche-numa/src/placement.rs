@@ -240,8 +240,8 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
                 warn(
                     &mut out,
                     format!(
-                        "node {}: {n} network threads but only {} free cores: they share {} cores \
-                         (hardware threads round robin), one core is kept for completion workers",
+                        "node {}: {n} network threads but only {} free cores: they share the \
+                         hardware threads of {} core(s), one core is kept for completion workers",
                         node.id,
                         free.len(),
                         net_cores.len()
