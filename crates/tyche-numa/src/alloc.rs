@@ -194,10 +194,10 @@ impl NodeRegion {
     pub fn page_nodes(&self) -> Result<Vec<Option<u32>>, NumaError> {
         let count = self.len / self.page_size;
         let pages: Vec<*const c_void> = (0..count)
-            // SAFETY: `i * page_size < len`: every address is inside this region.
+            // `i * page_size < len`: every address is inside this region.
             .map(|i| {
-                unsafe { self.ptr.as_ptr().add(i * self.page_size) }
-                    .cast_const()
+                self.as_ptr()
+                    .wrapping_add(i * self.page_size)
                     .cast::<c_void>()
             })
             .collect();
