@@ -638,6 +638,42 @@ mod tests {
         assert_eq!(err, vec!["wlan9".to_string()]);
     }
 
+    proptest::proptest! {
+        /// On every fixture, for any channel count and consumer set: threads stay on their
+        /// node, workers stay off consumer cores, an "exclusive" core is shared with nobody,
+        /// and a plan without warnings gives every network thread its own core.
+        #[test]
+        fn plans_are_sound_on_every_fixture(
+            which in 0usize..3,
+            per_nic in 1u32..7,
+            consumers in proptest::collection::vec(0u32..32, 0..6),
+        ) {
+            let name = ["paper-2s4c2t-6nic.xml", "four-node.xml", "laptop-1node.xml"][which];
+            let topo = fixture(name);
+            let mut req = request(&topo, per_nic);
+            req.consumer_cpus = consumers.clone();
+            let plan = plan(&topo, &req);
+            assert_sound(&topo, &plan);
+            proptest::prop_assert_eq!(plan.channels.len(), req.channels.len());
+            let consumer_core = |cpu: u32| {
+                core_of(&topo, cpu).iter().any(|c| consumers.contains(c))
+            };
+            for w in &plan.completion_workers {
+                proptest::prop_assert!(!consumer_core(w.cpu), "worker on consumer core {}", w.cpu);
+            }
+            for ch in plan.channels.iter().filter(|c| c.exclusive_core) {
+                let core = core_of(&topo, ch.network_cpu);
+                let sharers = plan.channels.iter().filter(|o| core.contains(&o.network_cpu)).count()
+                    + plan.completion_workers.iter().filter(|w| core.contains(&w.cpu)).count();
+                proptest::prop_assert_eq!(sharers, 1, "{}#{} is not alone", &ch.nic, ch.channel);
+                proptest::prop_assert!(!consumer_core(ch.network_cpu));
+            }
+            if plan.warnings.is_empty() {
+                proptest::prop_assert!(plan.channels.iter().all(|c| c.exclusive_core));
+            }
+        }
+    }
+
     #[test]
     fn pinning_the_current_thread_restricts_its_cpus() {
         let topo = Topology::this_system().expect("this machine");

@@ -530,6 +530,38 @@ mod tests {
         assert_eq!(Policy::RoundRobin.to_string(), "round-robin");
     }
 
+    proptest::proptest! {
+        /// Whatever the mix, a request goes local when its node has a usable channel, and the
+        /// channels of a node end within one maximal request of each other.
+        #[test]
+        fn affinity_is_local_and_fair_for_any_mix(
+            per_node in proptest::collection::vec(1usize..4, 1..4),
+            requests in proptest::collection::vec((0u32..4, 1u64..=65_536), 1..400),
+        ) {
+            let nodes: Vec<u32> = (0..per_node.len() as u32).collect();
+            let mut s = ChannelScheduler::new(Policy::Affinity, NodeOrder::by_id(&nodes));
+            for (node, &count) in per_node.iter().enumerate() {
+                for _ in 0..count {
+                    s.add_channel(Some(node as u32));
+                }
+            }
+            for &(node, bytes) in &requests {
+                let node = node % per_node.len() as u32;
+                let id = s.pick(Some(node), bytes).expect("every channel is live");
+                proptest::prop_assert_eq!(s.node_of(id), Some(node));
+            }
+            for &node in &nodes {
+                let totals: Vec<u64> = (0..s.len())
+                    .map(ChannelId)
+                    .filter(|&id| s.node_of(id) == Some(node))
+                    .map(|id| s.bytes_assigned(id))
+                    .collect();
+                let spread = totals.iter().max().unwrap() - totals.iter().min().unwrap();
+                proptest::prop_assert!(spread <= 65_536, "node {} totals {:?}", node, totals);
+            }
+        }
+    }
+
     #[test]
     fn four_node_distance_tiers() {
         let topo = fixture("four-node.xml");
