@@ -101,6 +101,16 @@ pub struct ChannelPlacement {
     pub exclusive_core: bool,
 }
 
+impl ChannelPlacement {
+    /// Makes the calling thread this channel's network thread: pins it to `network_cpu` and
+    /// binds its memory policy to the channel's node (so the UMEM and rings it allocates next
+    /// are local). Only meaningful for a plan of [`Topology::this_system`].
+    pub fn apply(&self) -> Result<(), NumaError> {
+        pin_current_thread(&[self.network_cpu])?;
+        crate::alloc::bind_thread_memory(self.node)
+    }
+}
+
 /// Where one completion worker runs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct CompletionWorker {
@@ -108,6 +118,14 @@ pub struct CompletionWorker {
     pub node: u32,
     /// The CPU it is pinned to.
     pub cpu: u32,
+}
+
+impl CompletionWorker {
+    /// Pins the calling thread to the worker's CPU. Only meaningful for a plan of
+    /// [`Topology::this_system`].
+    pub fn apply(&self) -> Result<(), NumaError> {
+        pin_current_thread(&[self.cpu])
+    }
 }
 
 /// The thread placement for a whole process.
@@ -691,6 +709,40 @@ mod tests {
         .join()
         .expect("pinned thread ran");
         assert!(matches!(pin_current_thread(&[]), Err(NumaError::NoCpus)));
+
+        // A plan of this machine applies: each thread ends up where the plan says.
+        let req = PlacementRequest::channels_per_nic(&topo, &[], 1).expect("known NICs");
+        let plan = plan(&topo, &req);
+        for ch in plan
+            .channels
+            .iter()
+            .filter(|c| allowed.contains(&c.network_cpu))
+        {
+            let ch = ch.clone();
+            std::thread::spawn(move || {
+                ch.apply().expect("apply a channel placement");
+                assert_eq!(
+                    current_thread_cpus().expect("getaffinity"),
+                    vec![ch.network_cpu]
+                );
+                crate::alloc::reset_thread_memory().expect("reset policy");
+            })
+            .join()
+            .expect("network thread ran");
+        }
+        for w in plan
+            .completion_workers
+            .iter()
+            .filter(|w| allowed.contains(&w.cpu))
+        {
+            let w = w.clone();
+            std::thread::spawn(move || {
+                w.apply().expect("apply a worker placement");
+                assert_eq!(current_thread_cpus().expect("getaffinity"), vec![w.cpu]);
+            })
+            .join()
+            .expect("worker thread ran");
+        }
         assert!(matches!(
             pin_current_thread(&[1 << 20]),
             Err(NumaError::InvalidCpu(_))
