@@ -1,0 +1,362 @@
+//! Node-bound, page-aligned memory: UMEM areas, rings, queues and RAM exports.
+//!
+//! [`NodeRegion::new`] maps anonymous memory, binds it to one NUMA node with
+//! `mbind(MPOL_BIND)` and touches every page, so that the pages exist, on that node, before the
+//! region is handed out (the kernel pins UMEM pages when they are registered, so they must be in
+//! the right place from the start). [`NodeRegion::page_nodes`] asks the kernel where each page
+//! really is (`move_pages(2)` with no target nodes is a pure query).
+//!
+//! For memory that another library allocates (xsk-rs's `Umem::new`), bind the allocating
+//! thread's policy instead with [`bind_thread_memory`] before the call.
+
+use std::io;
+use std::ptr::NonNull;
+
+use libc::{c_int, c_ulong, c_void};
+
+use crate::NumaError;
+
+/// `MPOL_DEFAULT` from `<linux/mempolicy.h>`.
+const MPOL_DEFAULT: c_int = 0;
+/// `MPOL_BIND` from `<linux/mempolicy.h>`.
+const MPOL_BIND: c_int = 2;
+/// The huge page size assumed for `MAP_HUGETLB` without a size flag (x86-64 and arm64 default).
+pub const HUGE_PAGE_SIZE: usize = 2 << 20;
+
+/// Whether a region is backed by huge pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HugePages {
+    /// Ordinary pages of the system page size.
+    #[default]
+    No,
+    /// Default-size huge pages (`MAP_HUGETLB`, 2 MiB); the length is rounded up to a multiple
+    /// of [`HUGE_PAGE_SIZE`]. Fails with [`NumaError::HugePagesUnavailable`] when the kernel has
+    /// none reserved.
+    Yes,
+}
+
+/// An anonymous memory mapping whose pages are bound to one NUMA node.
+///
+/// The region owns its mapping: it is unmapped on drop. It starts zeroed, page-aligned, and
+/// fully populated on its node.
+#[derive(Debug)]
+pub struct NodeRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    node: u32,
+    page_size: usize,
+}
+
+// SAFETY: the region exclusively owns its mapping (nothing else holds the pointer), so moving it
+// to another thread moves that ownership; the kernel mapping is not tied to a thread.
+unsafe impl Send for NodeRegion {}
+// SAFETY: shared references only give out `&[u8]`; mutation needs `&mut NodeRegion`.
+unsafe impl Sync for NodeRegion {}
+
+impl NodeRegion {
+    /// Maps `len` bytes (rounded up to whole pages) bound to `node`, and populates them.
+    pub fn new(len: usize, node: u32, huge: HugePages) -> Result<Self, NumaError> {
+        if len == 0 {
+            return Err(NumaError::EmptyRegion);
+        }
+        let page_size = match huge {
+            HugePages::No => system_page_size(),
+            HugePages::Yes => HUGE_PAGE_SIZE,
+        };
+        let len = len
+            .checked_next_multiple_of(page_size)
+            .ok_or(NumaError::EmptyRegion)?;
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        if huge == HugePages::Yes {
+            flags |= libc::MAP_HUGETLB;
+        }
+        // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
+        // existing memory; the result is checked against MAP_FAILED before use.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            let source = io::Error::last_os_error();
+            return Err(if huge == HugePages::Yes {
+                NumaError::HugePagesUnavailable { len, source }
+            } else {
+                NumaError::Sys {
+                    call: "mmap",
+                    source,
+                }
+            });
+        }
+        let ptr = NonNull::new(addr.cast::<u8>()).expect("mmap never returns NULL on success");
+        // From here on, dropping `region` unmaps the memory, including on the error paths.
+        let mut region = NodeRegion {
+            ptr,
+            len,
+            node,
+            page_size,
+        };
+        region.bind(node)?;
+        region.populate();
+        Ok(region)
+    }
+
+    fn bind(&mut self, node: u32) -> Result<(), NumaError> {
+        let (mask, maxnode) = node_mask(node);
+        // SAFETY: the range is exactly this region's own mapping; `mask` holds `maxnode - 1`
+        // bits and outlives the call; mbind only changes the policy of the range.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                self.ptr.as_ptr().cast::<c_void>(),
+                self.len as c_ulong,
+                MPOL_BIND,
+                mask.as_ptr(),
+                maxnode,
+                0 as c_ulong,
+            )
+        };
+        if rc != 0 {
+            let source = io::Error::last_os_error();
+            return Err(if source.raw_os_error() == Some(libc::EINVAL) {
+                NumaError::NoSuchNode(node)
+            } else {
+                NumaError::Sys {
+                    call: "mbind",
+                    source,
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Faults every page in, so that it is allocated now, under the region's policy.
+    fn populate(&mut self) {
+        let base = self.ptr.as_ptr();
+        for offset in (0..self.len).step_by(self.page_size) {
+            // SAFETY: `offset < len`, so the byte is inside this region's writable mapping, and
+            // `&mut self` means nobody else accesses it. A volatile write makes sure the page
+            // fault happens.
+            unsafe { base.add(offset).write_volatile(0) };
+        }
+    }
+
+    /// The region's length in bytes (a whole number of pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a region has at least one page.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The node the region is bound to.
+    pub fn node(&self) -> u32 {
+        self.node
+    }
+
+    /// The size of the pages backing the region.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// The start of the region (page-aligned).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The start of the region, for writing (page-aligned).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The region's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` readable bytes, initialised (anonymous memory is
+        // zero-filled), and lives as long as `self`; `&self` rules out a concurrent `&mut`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The region's bytes, for writing.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Asks the kernel which node each page of the region is on (`move_pages(2)` with no
+    /// target nodes only reports). `None` for a page that is not present.
+    pub fn page_nodes(&self) -> Result<Vec<Option<u32>>, NumaError> {
+        let count = self.len / self.page_size;
+        let pages: Vec<*const c_void> = (0..count)
+            // `i * page_size < len`: every address is inside this region.
+            .map(|i| {
+                self.as_ptr()
+                    .wrapping_add(i * self.page_size)
+                    .cast::<c_void>()
+            })
+            .collect();
+        let mut status: Vec<c_int> = vec![0; count];
+        // SAFETY: `pages` and `status` hold `count` entries each and outlive the call; a NULL
+        // `nodes` array makes move_pages a query that moves nothing; pid 0 is this process.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_move_pages,
+                0 as libc::pid_t,
+                count as c_ulong,
+                pages.as_ptr(),
+                std::ptr::null::<c_int>(),
+                status.as_mut_ptr(),
+                0 as c_int,
+            )
+        };
+        if rc < 0 {
+            return Err(NumaError::last_os("move_pages"));
+        }
+        Ok(status.into_iter().map(|s| u32::try_from(s).ok()).collect())
+    }
+}
+
+impl Drop for NodeRegion {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was created by `new` with exactly this address and length, is
+        // owned by `self`, and no borrow of it can outlive `self`.
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast::<c_void>(), self.len) };
+        debug_assert_eq!(rc, 0, "munmap of an owned region failed");
+    }
+}
+
+/// Binds the memory policy of the calling thread to `node` (`set_mempolicy(MPOL_BIND)`): pages
+/// it faults in from now on come from that node. Use it around allocations made by other
+/// libraries (xsk-rs `Umem::new`); undo it with [`reset_thread_memory`].
+pub fn bind_thread_memory(node: u32) -> Result<(), NumaError> {
+    let (mask, maxnode) = node_mask(node);
+    // SAFETY: `mask` holds `maxnode - 1` bits and outlives the call; set_mempolicy only
+    // changes the calling thread's policy.
+    let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, MPOL_BIND, mask.as_ptr(), maxnode) };
+    if rc != 0 {
+        let source = io::Error::last_os_error();
+        return Err(if source.raw_os_error() == Some(libc::EINVAL) {
+            NumaError::NoSuchNode(node)
+        } else {
+            NumaError::Sys {
+                call: "set_mempolicy",
+                source,
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Returns the calling thread to the default memory policy (allocate on the local node).
+pub fn reset_thread_memory() -> Result<(), NumaError> {
+    // SAFETY: MPOL_DEFAULT takes no node mask (NULL, 0); only this thread's policy changes.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_set_mempolicy,
+            MPOL_DEFAULT,
+            std::ptr::null::<c_ulong>(),
+            0 as c_ulong,
+        )
+    };
+    if rc != 0 {
+        return Err(NumaError::last_os("set_mempolicy"));
+    }
+    Ok(())
+}
+
+/// A node mask with only `node` set, and the `maxnode` argument that goes with it (the kernel
+/// reads `maxnode - 1` bits).
+fn node_mask(node: u32) -> (Vec<c_ulong>, c_ulong) {
+    let bits = c_ulong::BITS as usize;
+    let node = node as usize;
+    let mut mask = vec![0 as c_ulong; node / bits + 1];
+    mask[node / bits] |= 1 << (node % bits);
+    let maxnode = (mask.len() * bits + 1) as c_ulong;
+    (mask, maxnode)
+}
+
+/// The system page size.
+pub fn system_page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).unwrap_or(4096)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_bound_to_node_zero_reports_node_zero_for_every_page() {
+        let page = system_page_size();
+        let mut region =
+            NodeRegion::new(64 * page + 1, 0, HugePages::No).expect("bind 65 pages to node 0");
+        assert_eq!(region.len(), 65 * page, "length rounds up to whole pages");
+        assert_eq!(region.as_ptr() as usize % page, 0, "page-aligned");
+        assert!(region.as_slice().iter().all(|&b| b == 0), "starts zeroed");
+        region.as_mut_slice().fill(0xa5);
+        let nodes = region.page_nodes().expect("move_pages query works here");
+        assert_eq!(nodes.len(), 65, "one answer per page");
+        for (i, node) in nodes.iter().enumerate() {
+            assert_eq!(*node, Some(0), "page {i} of a node-0 region is on node 0");
+        }
+    }
+
+    #[test]
+    fn region_on_a_missing_node_is_an_error() {
+        let err = NodeRegion::new(4096, 1000, HugePages::No).expect_err("node 1000 does not exist");
+        assert!(
+            matches!(err, NumaError::NoSuchNode(1000) | NumaError::Sys { .. }),
+            "unexpected error {err}"
+        );
+    }
+
+    #[test]
+    fn empty_region_is_refused() {
+        let err = NodeRegion::new(0, 0, HugePages::No).expect_err("empty");
+        assert!(matches!(err, NumaError::EmptyRegion), "{err}");
+    }
+
+    #[test]
+    fn huge_pages_either_work_or_say_why() {
+        match NodeRegion::new(1, 0, HugePages::Yes) {
+            Ok(region) => {
+                assert_eq!(region.len(), HUGE_PAGE_SIZE);
+                assert_eq!(region.page_nodes().expect("query"), vec![Some(0)]);
+            }
+            Err(e) => {
+                assert!(
+                    matches!(e, NumaError::HugePagesUnavailable { .. }),
+                    "no huge pages must be reported as such, got {e}"
+                );
+                assert!(e.to_string().contains("nr_hugepages"), "hint in {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn thread_memory_policy_can_be_bound_and_reset() {
+        std::thread::spawn(|| {
+            bind_thread_memory(0).expect("bind this thread's memory to node 0");
+            let v = vec![1u8; 1 << 20];
+            assert_eq!(v.iter().map(|&b| b as usize).sum::<usize>(), 1 << 20);
+            reset_thread_memory().expect("reset policy");
+        })
+        .join()
+        .expect("thread ran");
+    }
+
+    #[test]
+    fn node_mask_sets_one_bit() {
+        let (mask, maxnode) = node_mask(0);
+        assert_eq!((mask, maxnode), (vec![1], 65));
+        let (mask, maxnode) = node_mask(65);
+        assert_eq!((mask, maxnode), (vec![0, 2], 129));
+    }
+}

@@ -1,0 +1,39 @@
+//! NUMA topology and placement for Tyche's target and initiator.
+//!
+//! Tyche places its work by *channel*: each channel belongs to one NIC, and its memory (UMEM,
+//! rings, queues) and its network thread live on that NIC's NUMA node. This crate provides:
+//!
+//! - [`topology`]: a plain data model of the machine (NUMA nodes with their CPUs, cores, memory
+//!   and distances; network interfaces with the node they hang off), built from hwloc for the
+//!   running machine or from an hwloc XML file for machines we do not have.
+//! - [`alloc`]: node-bound, page-aligned memory regions ([`NodeRegion`]) with optional huge pages
+//!   and a way to ask the kernel where the pages really are.
+//! - [`placement`]: a pure plan that puts each channel's network thread on a core of its NIC's
+//!   node, off the cores of its consumers, and one completion worker per remaining core; plus
+//!   [`pin_current_thread`] to apply it.
+//! - [`scheduler`]: the affinity-aware channel scheduler (equal bytes per channel on the
+//!   buffer's node, nearest node when those are down or full) and the round-robin baseline.
+//! - [`model`]: the I/O bandwidth model (node-bound copy tests grouped into bandwidth classes).
+//!
+//! # Promises
+//! - Everything except [`Topology::this_system`], [`alloc`], [`pin_current_thread`] and
+//!   [`model::measure`] is a pure, deterministic function of its inputs: placement and
+//!   scheduling decisions are tested on XML topologies of machines we do not have.
+//! - A NIC whose node is unknown (sysfs `numa_node` is -1, a virtual interface, or hwloc attached
+//!   it to the whole machine) has node `None`; it is never silently treated as node 0.
+//! - [`NodeRegion`] owns its mapping and unmaps it on drop; the only `unsafe` code is the
+//!   system calls in [`alloc`] and [`placement`], each justified in place.
+
+pub mod alloc;
+mod error;
+pub mod model;
+pub mod placement;
+pub mod scheduler;
+pub mod topology;
+
+pub use alloc::{HugePages, NodeRegion};
+pub use error::NumaError;
+pub use model::{BandwidthModel, ModelConfig};
+pub use placement::{pin_current_thread, ChannelSpec, PlacementRequest, Plan};
+pub use scheduler::{ChannelId, ChannelScheduler, NodeOrder, Policy};
+pub use topology::{Nic, NicNodeSource, Node, Topology, TopologySource};

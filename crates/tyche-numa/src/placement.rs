@@ -1,0 +1,751 @@
+//! Where each thread runs: a pure plan from a [`Topology`], then pinning.
+//!
+//! The rules come from the papers: a channel's network thread runs on a core of its NIC's node
+//! (NESUS 2015), on the same node as the consumers of its data but not on their core (Hanford et
+//! al.: same core is worst, other socket is bad, same socket / other core is best). Every core
+//! of a node that runs no network thread and no outside consumer gets one completion worker.
+//!
+//! [`plan`] is a pure function, so it is tested on XML topologies; [`pin_current_thread`] applies
+//! one assignment to the calling thread on the real machine.
+//!
+//! # How a node's cores are shared out
+//! Let `n` be the channels placed on a node and `free` its cores that run no outside consumer.
+//! - `free > n`: each network thread gets a core of its own (the highest-numbered free cores,
+//!   leaving core 0, where the kernel and interrupts tend to run, to completion workers); the
+//!   other free cores get one completion worker each.
+//! - `2 <= free <= n`: one free core is kept for a completion worker; the network threads share
+//!   the hardware threads of the others, round robin (warning).
+//! - `free == 1`: everything shares that core (warning).
+//! - `free == 0`: consumers run on every core; network threads share their cores (warning).
+//!
+//! A channel whose NIC node is unknown goes to the node with the fewest channels so far; one
+//! whose node has no CPUs goes to the nearest node that has some. Both are warnings: each is
+//! logged with `tracing::warn!` and listed in [`Plan::warnings`].
+
+use std::collections::BTreeSet;
+
+use serde::Serialize;
+
+use crate::{NumaError, Topology};
+
+/// One channel to place: which NIC it uses, its index on that NIC, and the NIC's node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChannelSpec {
+    /// The NIC's interface name.
+    pub nic: String,
+    /// The channel's index among the channels of this NIC.
+    pub channel: u32,
+    /// The NIC's node (`None` when unknown).
+    pub nic_node: Option<u32>,
+}
+
+/// What to place.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlacementRequest {
+    /// The channels, each of which gets one network thread.
+    pub channels: Vec<ChannelSpec>,
+    /// CPUs where consumers run outside the plan (application or ublk queue threads): network
+    /// threads stay off their cores, and no completion worker is put there.
+    pub consumer_cpus: Vec<u32>,
+}
+
+impl PlacementRequest {
+    /// `per_nic` channels on each of `nics` (all NICs of the topology when `nics` is empty).
+    /// Names that the topology does not know are returned as the error value.
+    pub fn channels_per_nic(
+        topo: &Topology,
+        nics: &[String],
+        per_nic: u32,
+    ) -> Result<Self, Vec<String>> {
+        let unknown: Vec<String> = nics
+            .iter()
+            .filter(|n| topo.nic(n).is_none())
+            .cloned()
+            .collect();
+        if !unknown.is_empty() {
+            return Err(unknown);
+        }
+        let channels = topo
+            .nics
+            .iter()
+            .filter(|nic| nics.is_empty() || nics.contains(&nic.name))
+            .flat_map(|nic| {
+                (0..per_nic).map(|channel| ChannelSpec {
+                    nic: nic.name.clone(),
+                    channel,
+                    nic_node: nic.node,
+                })
+            })
+            .collect();
+        Ok(PlacementRequest {
+            channels,
+            consumer_cpus: Vec::new(),
+        })
+    }
+}
+
+/// Where one channel's network thread runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChannelPlacement {
+    /// The NIC's interface name.
+    pub nic: String,
+    /// The channel's index on its NIC.
+    pub channel: u32,
+    /// The NIC's node (`None` when unknown).
+    pub nic_node: Option<u32>,
+    /// The node the channel's thread and memory are placed on.
+    pub node: u32,
+    /// The CPU (processing unit) its network thread is pinned to.
+    pub network_cpu: u32,
+    /// Whether the network thread has a physical core to itself.
+    pub exclusive_core: bool,
+}
+
+impl ChannelPlacement {
+    /// Makes the calling thread this channel's network thread: pins it to `network_cpu` and
+    /// binds its memory policy to the channel's node (so the UMEM and rings it allocates next
+    /// are local). Only meaningful for a plan of [`Topology::this_system`].
+    pub fn apply(&self) -> Result<(), NumaError> {
+        pin_current_thread(&[self.network_cpu])?;
+        crate::alloc::bind_thread_memory(self.node)
+    }
+}
+
+/// Where one completion worker runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CompletionWorker {
+    /// The worker's node.
+    pub node: u32,
+    /// The CPU it is pinned to.
+    pub cpu: u32,
+}
+
+impl CompletionWorker {
+    /// Pins the calling thread to the worker's CPU. Only meaningful for a plan of
+    /// [`Topology::this_system`].
+    pub fn apply(&self) -> Result<(), NumaError> {
+        pin_current_thread(&[self.cpu])
+    }
+}
+
+/// The thread placement for a whole process.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    /// One entry per requested channel, in request order.
+    pub channels: Vec<ChannelPlacement>,
+    /// One completion worker per core that runs no network thread and no outside consumer.
+    pub completion_workers: Vec<CompletionWorker>,
+    /// Everything that is worse than the ideal placement, in words (also logged).
+    pub warnings: Vec<String>,
+}
+
+impl Plan {
+    /// The completion workers on `node`.
+    pub fn workers_on(&self, node: u32) -> impl Iterator<Item = &CompletionWorker> {
+        self.completion_workers
+            .iter()
+            .filter(move |w| w.node == node)
+    }
+}
+
+/// Places the network thread of every channel and the completion workers. Pure and
+/// deterministic.
+pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
+    let mut out = Plan::default();
+    let with_cpus: Vec<u32> = topo
+        .nodes
+        .iter()
+        .filter(|n| !n.cpus.is_empty())
+        .map(|n| n.id)
+        .collect();
+    if with_cpus.is_empty() {
+        warn(
+            &mut out,
+            "the topology has no CPUs: nothing can be placed".into(),
+        );
+        return out;
+    }
+
+    // 1. The node of each channel.
+    let mut per_node: Vec<usize> = vec![0; topo.nodes.len()];
+    let idx_of = |id: u32| topo.nodes.iter().position(|n| n.id == id);
+    let mut channel_node: Vec<u32> = Vec::with_capacity(req.channels.len());
+    let mut warned_nics = BTreeSet::new();
+    // Known nodes first, so that unknown ones fill the gaps.
+    let mut resolved: Vec<Option<u32>> = req
+        .channels
+        .iter()
+        .map(|c| {
+            let node = c.nic_node?;
+            if with_cpus.contains(&node) {
+                return Some(node);
+            }
+            let near = nearest_with_cpus(topo, node, &with_cpus);
+            if warned_nics.insert(c.nic.clone()) {
+                warn(
+                    &mut out,
+                    format!(
+                        "NIC {} is on node {node}, which has no CPUs: its channels run on node {near}",
+                        c.nic
+                    ),
+                );
+            }
+            Some(near)
+        })
+        .collect();
+    for node in resolved.iter().flatten() {
+        per_node[idx_of(*node).expect("resolved nodes exist")] += 1;
+    }
+    for (spec, node) in req.channels.iter().zip(resolved.iter_mut()) {
+        if node.is_none() {
+            let least = *with_cpus
+                .iter()
+                .min_by_key(|&&id| (per_node[idx_of(id).expect("node exists")], id))
+                .expect("at least one node has CPUs");
+            per_node[idx_of(least).expect("node exists")] += 1;
+            *node = Some(least);
+            if warned_nics.insert(spec.nic.clone()) {
+                warn(
+                    &mut out,
+                    format!(
+                        "NIC {} has no known NUMA node: its channels are spread over the nodes \
+                         with the fewest channels, starting on node {least}",
+                        spec.nic
+                    ),
+                );
+            }
+        }
+        channel_node.push(node.expect("every channel has a node now"));
+    }
+
+    // 2. Per node: cores for network threads and for completion workers.
+    let consumers: BTreeSet<u32> = req.consumer_cpus.iter().copied().collect();
+    let mut network_cpu: Vec<(u32, bool)> = vec![(0, false); req.channels.len()];
+    for node in topo.nodes.iter().filter(|n| !n.cpus.is_empty()) {
+        let mine: Vec<usize> = (0..req.channels.len())
+            .filter(|&i| channel_node[i] == node.id)
+            .collect();
+        let n = mine.len();
+        let mut free: Vec<&Vec<u32>> = node
+            .cores
+            .iter()
+            .filter(|core| !core.iter().any(|c| consumers.contains(c)))
+            .collect();
+        let mut worker_cores: Vec<&Vec<u32>> = Vec::new();
+        if n == 0 {
+            worker_cores = free;
+        } else {
+            let all_busy = free.is_empty();
+            if all_busy {
+                warn(
+                    &mut out,
+                    format!(
+                        "node {}: consumers run on all {} cores, so its {n} network threads share \
+                         their cores",
+                        node.id,
+                        node.cores.len()
+                    ),
+                );
+                free = node.cores.iter().collect();
+            }
+            let net_cores: Vec<&Vec<u32>>;
+            if free.len() > n {
+                net_cores = free[free.len() - n..].to_vec();
+                worker_cores = free[..free.len() - n].to_vec();
+            } else if free.len() >= 2 {
+                net_cores = free[1..].to_vec();
+                worker_cores = free[..1].to_vec();
+                warn(
+                    &mut out,
+                    format!(
+                        "node {}: {n} network threads but only {} free cores: they share the \
+                         hardware threads of {} core(s), one core is kept for completion workers",
+                        node.id,
+                        free.len(),
+                        net_cores.len()
+                    ),
+                );
+            } else {
+                net_cores = free.clone();
+                if consumers.is_empty() {
+                    worker_cores = free.clone();
+                }
+                warn(
+                    &mut out,
+                    format!(
+                        "node {}: a single free core: {n} network threads{} share it",
+                        node.id,
+                        if consumers.is_empty() {
+                            " and the completion worker"
+                        } else {
+                            ""
+                        }
+                    ),
+                );
+            }
+            if all_busy {
+                // Those cores already run consumers: no completion worker goes there.
+                worker_cores.clear();
+            }
+            let exclusive = free.len() > n && !all_busy;
+            // Hardware threads in PU-major order: first PU of every core, then the second...
+            let max_pus = net_cores.iter().map(|c| c.len()).max().unwrap_or(0);
+            let slots: Vec<u32> = (0..max_pus)
+                .flat_map(|k| net_cores.iter().filter_map(move |c| c.get(k).copied()))
+                .collect();
+            for (j, &ch) in mine.iter().enumerate() {
+                network_cpu[ch] = (slots[j % slots.len()], exclusive);
+            }
+        }
+        for core in worker_cores {
+            out.completion_workers.push(CompletionWorker {
+                node: node.id,
+                cpu: core[0],
+            });
+        }
+    }
+
+    out.channels = req
+        .channels
+        .iter()
+        .zip(channel_node)
+        .zip(network_cpu)
+        .map(|((spec, node), (cpu, exclusive))| ChannelPlacement {
+            nic: spec.nic.clone(),
+            channel: spec.channel,
+            nic_node: spec.nic_node,
+            node,
+            network_cpu: cpu,
+            exclusive_core: exclusive,
+        })
+        .collect();
+    out
+}
+
+fn warn(plan: &mut Plan, message: String) {
+    tracing::warn!(target: "tyche_numa::placement", "{message}");
+    plan.warnings.push(message);
+}
+
+/// The node with CPUs nearest to `node` (by distance matrix, else by id difference).
+fn nearest_with_cpus(topo: &Topology, node: u32, with_cpus: &[u32]) -> u32 {
+    *with_cpus
+        .iter()
+        .min_by_key(|&&other| {
+            (
+                topo.distance(node, other).unwrap_or(u64::MAX),
+                other.abs_diff(node),
+                other,
+            )
+        })
+        .expect("with_cpus is not empty")
+}
+
+/// Pins the calling thread to `cpus` with `sched_setaffinity(2)`.
+pub fn pin_current_thread(cpus: &[u32]) -> Result<(), NumaError> {
+    if cpus.is_empty() {
+        return Err(NumaError::NoCpus);
+    }
+    // SAFETY: cpu_set_t is a plain bit array for which all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let capacity = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    for &cpu in cpus {
+        if cpu as usize >= capacity {
+            return Err(NumaError::InvalidCpu(cpu));
+        }
+        // SAFETY: `cpu` was checked to be below the set's capacity in bits.
+        unsafe { libc::CPU_SET(cpu as usize, &mut set) };
+    }
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        return Err(NumaError::last_os("sched_setaffinity"));
+    }
+    Ok(())
+}
+
+/// The CPUs the calling thread may run on (`sched_getaffinity(2)`).
+pub fn current_thread_cpus() -> Result<Vec<u32>, NumaError> {
+    // SAFETY: all-zero is a valid, empty cpu_set_t.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid, writable cpu_set_t of the size passed; pid 0 is this thread.
+    let rc =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return Err(NumaError::last_os("sched_getaffinity"));
+    }
+    let capacity = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    Ok((0..capacity)
+        // SAFETY: `c` is below the set's capacity in bits.
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .map(|c| c as u32)
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::{Nic, NicNodeSource, Node, TopologySource};
+    use std::path::Path;
+
+    fn fixture(name: &str) -> Topology {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join(name);
+        Topology::from_xml_file(&path).unwrap_or_else(|e| panic!("{name} should load: {e}"))
+    }
+
+    fn request(topo: &Topology, per_nic: u32) -> PlacementRequest {
+        PlacementRequest::channels_per_nic(topo, &[], per_nic).expect("all NICs are known")
+    }
+
+    fn core_of(topo: &Topology, cpu: u32) -> &Vec<u32> {
+        topo.nodes
+            .iter()
+            .flat_map(|n| &n.cores)
+            .find(|c| c.contains(&cpu))
+            .unwrap_or_else(|| panic!("cpu {cpu} is in some core"))
+    }
+
+    /// Every network thread is on its NIC's node, and on no core that runs a worker.
+    fn assert_sound(topo: &Topology, plan: &Plan) {
+        for ch in &plan.channels {
+            if let Some(nic_node) = ch.nic_node {
+                assert_eq!(
+                    ch.node, nic_node,
+                    "{}#{} is on its NIC's node",
+                    ch.nic, ch.channel
+                );
+            }
+            let node = topo.node(ch.node).expect("placed on an existing node");
+            assert!(
+                node.cpus.contains(&ch.network_cpu),
+                "{}#{}: cpu {} is on node {}",
+                ch.nic,
+                ch.channel,
+                ch.network_cpu,
+                ch.node
+            );
+        }
+        for w in &plan.completion_workers {
+            assert_eq!(
+                topo.node_of_cpu(w.cpu),
+                Some(w.node),
+                "worker cpu on its node"
+            );
+        }
+    }
+
+    #[test]
+    fn paper_server_gives_each_network_thread_its_own_core_on_its_nics_node() {
+        let topo = fixture("paper-2s4c2t-6nic.xml");
+        let plan = plan(&topo, &request(&topo, 1));
+        assert!(
+            plan.warnings.is_empty(),
+            "ideal placement: {:?}",
+            plan.warnings
+        );
+        assert_eq!(plan.channels.len(), 6);
+        assert_sound(&topo, &plan);
+        // Node 0: cores [0,1] [2,3] [4,5] [6,7]; three network cores, one worker core.
+        let node0: Vec<u32> = plan
+            .channels
+            .iter()
+            .filter(|c| c.node == 0)
+            .map(|c| c.network_cpu)
+            .collect();
+        assert_eq!(
+            node0,
+            vec![2, 4, 6],
+            "network threads on cores 1-3 of node 0"
+        );
+        assert!(plan.channels.iter().all(|c| c.exclusive_core));
+        let workers: Vec<(u32, u32)> = plan
+            .completion_workers
+            .iter()
+            .map(|w| (w.node, w.cpu))
+            .collect();
+        assert_eq!(
+            workers,
+            vec![(0, 0), (1, 8)],
+            "one worker per remaining core"
+        );
+        // Same node, different core: no worker shares a core with a network thread.
+        for ch in &plan.channels {
+            let core = core_of(&topo, ch.network_cpu);
+            assert!(
+                plan.completion_workers
+                    .iter()
+                    .all(|w| !core.contains(&w.cpu)),
+                "{} shares a core with a worker",
+                ch.nic
+            );
+        }
+    }
+
+    #[test]
+    fn consumer_cores_are_avoided_by_network_threads() {
+        let topo = fixture("paper-2s4c2t-6nic.xml");
+        let mut req = request(&topo, 1);
+        req.consumer_cpus = vec![7, 9]; // cores [6,7] and [8,9]
+        let plan = plan(&topo, &req);
+        assert_sound(&topo, &plan);
+        for ch in &plan.channels {
+            let core = core_of(&topo, ch.network_cpu);
+            assert!(
+                !core.contains(&7) && !core.contains(&9),
+                "{} runs on a consumer's core (cpu {})",
+                ch.nic,
+                ch.network_cpu
+            );
+        }
+        assert!(
+            plan.completion_workers
+                .iter()
+                .all(|w| w.cpu != 6 && w.cpu != 8),
+            "no worker on consumer cores"
+        );
+        // Node 0 has 3 free cores for 3 channels: they share, and the plan says so.
+        assert!(
+            plan.warnings.iter().any(|w| w.contains("node 0")),
+            "degraded node 0 is reported: {:?}",
+            plan.warnings
+        );
+    }
+
+    #[test]
+    fn four_node_server_places_channels_on_nodes_zero_and_two_only() {
+        let topo = fixture("four-node.xml");
+        let plan = plan(&topo, &request(&topo, 1));
+        assert!(plan.warnings.is_empty(), "{:?}", plan.warnings);
+        assert_sound(&topo, &plan);
+        let nodes: Vec<u32> = plan.channels.iter().map(|c| c.node).collect();
+        assert_eq!(
+            nodes,
+            vec![0, 0, 2],
+            "enp1s0f0, enp1s0f1 on 0; enp65s0f0 on 2"
+        );
+        // Nodes 1 and 3 have no channels: both their cores run completion workers.
+        assert_eq!(plan.workers_on(1).count(), 4);
+        assert_eq!(plan.workers_on(3).count(), 4);
+        // Two channels per NIC: node 0 has 4 channels for 4 cores, one core is kept for a worker.
+        let two_per_nic = plan_two(&topo);
+        assert!(
+            two_per_nic.warnings.iter().any(|w| w.contains("node 0")),
+            "{:?}",
+            two_per_nic.warnings
+        );
+        assert_sound(&topo, &two_per_nic);
+    }
+
+    fn plan_two(topo: &Topology) -> Plan {
+        plan(topo, &request(topo, 2))
+    }
+
+    #[test]
+    fn laptop_degrades_and_says_so() {
+        let topo = fixture("laptop-1node.xml");
+        let one = plan(&topo, &request(&topo, 1));
+        assert!(
+            one.warnings.is_empty(),
+            "1 channel fits: {:?}",
+            one.warnings
+        );
+        assert_eq!(one.channels[0].network_cpu, 2, "network thread on core 1");
+        assert_eq!(
+            one.completion_workers,
+            vec![CompletionWorker { node: 0, cpu: 0 }]
+        );
+
+        let four = plan(&topo, &request(&topo, 4));
+        assert_sound(&topo, &four);
+        let cpus: Vec<u32> = four.channels.iter().map(|c| c.network_cpu).collect();
+        assert_eq!(
+            cpus,
+            vec![2, 3, 2, 3],
+            "network threads share core 1's hardware threads"
+        );
+        assert!(four.channels.iter().all(|c| !c.exclusive_core));
+        assert_eq!(
+            four.completion_workers,
+            vec![CompletionWorker { node: 0, cpu: 0 }]
+        );
+        assert_eq!(four.warnings.len(), 1, "one warning: {:?}", four.warnings);
+        assert!(
+            four.warnings[0].contains("only 2 free cores"),
+            "{}",
+            four.warnings[0]
+        );
+
+        // Consumers on both cores: nothing free, threads share consumer cores, no worker.
+        let mut req = request(&topo, 1);
+        req.consumer_cpus = vec![0, 2];
+        let busy = plan(&topo, &req);
+        assert_sound(&topo, &busy);
+        assert!(busy.completion_workers.is_empty());
+        assert!(
+            !busy.warnings.is_empty(),
+            "sharing consumer cores is reported"
+        );
+    }
+
+    #[test]
+    fn unknown_nic_node_is_spread_and_reported_never_silently_node_zero() {
+        let mut topo = fixture("paper-2s4c2t-6nic.xml");
+        topo.nics.push(Nic {
+            name: "veth0".into(),
+            node: None,
+            node_source: NicNodeSource::Unknown,
+        });
+        let req = PlacementRequest::channels_per_nic(&topo, &["veth0".into()], 2)
+            .expect("veth0 is known");
+        let plan = plan(&topo, &req);
+        let nodes: Vec<u32> = plan.channels.iter().map(|c| c.node).collect();
+        assert_eq!(nodes, vec![0, 1], "spread over both nodes");
+        assert!(plan.channels.iter().all(|c| c.nic_node.is_none()));
+        assert!(
+            plan.warnings[0].contains("no known NUMA node"),
+            "{:?}",
+            plan.warnings
+        );
+    }
+
+    #[test]
+    fn nic_on_a_cpuless_node_runs_on_the_nearest_node() {
+        let topo = Topology {
+            nodes: vec![
+                Node {
+                    id: 0,
+                    cpus: vec![0, 1, 2],
+                    cores: vec![vec![0], vec![1], vec![2]],
+                    memory_bytes: 1 << 30,
+                    distances: vec![10, 30, 20],
+                },
+                Node {
+                    id: 1,
+                    cpus: vec![3, 4, 5],
+                    cores: vec![vec![3], vec![4], vec![5]],
+                    memory_bytes: 1 << 30,
+                    distances: vec![30, 10, 20],
+                },
+                Node {
+                    id: 2,
+                    cpus: vec![],
+                    cores: vec![],
+                    memory_bytes: 1 << 30,
+                    distances: vec![30, 15, 10],
+                },
+            ],
+            nics: vec![Nic {
+                name: "cxl0".into(),
+                node: Some(2),
+                node_source: NicNodeSource::Hwloc,
+            }],
+            source: TopologySource::XmlString,
+        };
+        let plan = plan(&topo, &request(&topo, 1));
+        assert_eq!(plan.channels[0].node, 1, "node 1 is nearest to node 2");
+        assert!(plan.warnings[0].contains("no CPUs"), "{:?}", plan.warnings);
+    }
+
+    #[test]
+    fn unknown_interface_names_are_returned() {
+        let topo = fixture("laptop-1node.xml");
+        let err = PlacementRequest::channels_per_nic(&topo, &["wlan9".into()], 1)
+            .expect_err("wlan9 does not exist");
+        assert_eq!(err, vec!["wlan9".to_string()]);
+    }
+
+    proptest::proptest! {
+        /// On every fixture, for any channel count and consumer set: threads stay on their
+        /// node, workers stay off consumer cores, an "exclusive" core is shared with nobody,
+        /// and a plan without warnings gives every network thread its own core.
+        #[test]
+        fn plans_are_sound_on_every_fixture(
+            which in 0usize..3,
+            per_nic in 1u32..7,
+            consumers in proptest::collection::vec(0u32..32, 0..6),
+        ) {
+            let name = ["paper-2s4c2t-6nic.xml", "four-node.xml", "laptop-1node.xml"][which];
+            let topo = fixture(name);
+            let mut req = request(&topo, per_nic);
+            req.consumer_cpus = consumers.clone();
+            let plan = plan(&topo, &req);
+            assert_sound(&topo, &plan);
+            proptest::prop_assert_eq!(plan.channels.len(), req.channels.len());
+            let consumer_core = |cpu: u32| {
+                core_of(&topo, cpu).iter().any(|c| consumers.contains(c))
+            };
+            for w in &plan.completion_workers {
+                proptest::prop_assert!(!consumer_core(w.cpu), "worker on consumer core {}", w.cpu);
+            }
+            for ch in plan.channels.iter().filter(|c| c.exclusive_core) {
+                let core = core_of(&topo, ch.network_cpu);
+                let sharers = plan.channels.iter().filter(|o| core.contains(&o.network_cpu)).count()
+                    + plan.completion_workers.iter().filter(|w| core.contains(&w.cpu)).count();
+                proptest::prop_assert_eq!(sharers, 1, "{}#{} is not alone", &ch.nic, ch.channel);
+                proptest::prop_assert!(!consumer_core(ch.network_cpu));
+            }
+            if plan.warnings.is_empty() {
+                proptest::prop_assert!(plan.channels.iter().all(|c| c.exclusive_core));
+            }
+        }
+    }
+
+    #[test]
+    fn pinning_the_current_thread_restricts_its_cpus() {
+        let topo = Topology::this_system().expect("this machine");
+        let allowed = current_thread_cpus().expect("getaffinity");
+        let cpu = *topo
+            .nodes
+            .iter()
+            .flat_map(|n| &n.cpus)
+            .find(|c| allowed.contains(c))
+            .expect("some cpu of the topology is allowed");
+        std::thread::spawn(move || {
+            pin_current_thread(&[cpu]).expect("pin to an allowed cpu");
+            assert_eq!(current_thread_cpus().expect("getaffinity"), vec![cpu]);
+        })
+        .join()
+        .expect("pinned thread ran");
+        assert!(matches!(pin_current_thread(&[]), Err(NumaError::NoCpus)));
+
+        // A plan of this machine applies: each thread ends up where the plan says.
+        let req = PlacementRequest::channels_per_nic(&topo, &[], 1).expect("known NICs");
+        let plan = plan(&topo, &req);
+        for ch in plan
+            .channels
+            .iter()
+            .filter(|c| allowed.contains(&c.network_cpu))
+        {
+            let ch = ch.clone();
+            std::thread::spawn(move || {
+                ch.apply().expect("apply a channel placement");
+                assert_eq!(
+                    current_thread_cpus().expect("getaffinity"),
+                    vec![ch.network_cpu]
+                );
+                crate::alloc::reset_thread_memory().expect("reset policy");
+            })
+            .join()
+            .expect("network thread ran");
+        }
+        for w in plan
+            .completion_workers
+            .iter()
+            .filter(|w| allowed.contains(&w.cpu))
+        {
+            let w = w.clone();
+            std::thread::spawn(move || {
+                w.apply().expect("apply a worker placement");
+                assert_eq!(current_thread_cpus().expect("getaffinity"), vec![w.cpu]);
+            })
+            .join()
+            .expect("worker thread ran");
+        }
+        assert!(matches!(
+            pin_current_thread(&[1 << 20]),
+            Err(NumaError::InvalidCpu(_))
+        ));
+    }
+}

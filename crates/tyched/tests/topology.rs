@@ -1,0 +1,154 @@
+//! Runs the built `tyched` binary on the hwloc XML fixtures of `tyche-numa`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tyche-numa/fixtures")
+        .join(name)
+}
+
+fn tyched(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tyched"))
+        .args(args)
+        .output()
+        .expect("tyched runs")
+}
+
+fn json(args: &[&str]) -> Value {
+    let out = tyched(args);
+    assert!(
+        out.status.success(),
+        "tyched {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is JSON")
+}
+
+fn u64s(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .expect("an array")
+        .iter()
+        .map(|x| x.as_u64().expect("a number"))
+        .collect()
+}
+
+#[test]
+fn paper_server_json_has_two_nodes_six_nics_and_local_network_threads() {
+    let xml = fixture("paper-2s4c2t-6nic.xml");
+    let v = json(&[
+        "topology",
+        "--xml",
+        xml.to_str().expect("utf-8 path"),
+        "--json",
+    ]);
+    let nodes = v["nodes"].as_array().expect("nodes");
+    assert_eq!(nodes.len(), 2, "two NUMA nodes");
+    for n in nodes {
+        assert_eq!(n["cpus"].as_array().expect("cpus").len(), 8);
+        assert!(n["memory_bytes"].as_u64().expect("memory") > 0);
+    }
+    let nics = v["nics"].as_array().expect("nics");
+    assert_eq!(nics.len(), 6, "six NICs");
+    for node in [0, 1] {
+        let on = nics.iter().filter(|n| n["node"] == node).count();
+        assert_eq!(on, 3, "three NICs on node {node}");
+    }
+    let channels = v["plan"]["channels"].as_array().expect("plan channels");
+    assert_eq!(channels.len(), 6, "one channel per NIC by default");
+    for ch in channels {
+        let nic = ch["nic"].as_str().expect("nic name");
+        let nic_node = nics
+            .iter()
+            .find(|n| n["name"] == nic)
+            .expect("the channel's NIC is listed")["node"]
+            .as_u64()
+            .expect("known node");
+        assert_eq!(
+            ch["node"].as_u64(),
+            Some(nic_node),
+            "{nic} placed on its node"
+        );
+        let node = nodes
+            .iter()
+            .find(|n| n["id"].as_u64() == Some(nic_node))
+            .expect("node listed");
+        let cpu = ch["network_cpu"].as_u64().expect("network cpu");
+        assert!(
+            u64s(&node["cpus"]).contains(&cpu),
+            "{nic}: network cpu {cpu} is not on node {nic_node}"
+        );
+    }
+    assert_eq!(v["plan"]["warnings"].as_array().expect("warnings").len(), 0);
+    assert!(v["model"].is_null(), "no model without --model");
+}
+
+#[test]
+fn laptop_with_too_many_channels_degrades_and_logs_it() {
+    let xml = fixture("laptop-1node.xml");
+    let out = tyched(&[
+        "topology",
+        "--xml",
+        xml.to_str().expect("utf-8 path"),
+        "--json",
+        "--channels-per-nic",
+        "4",
+    ]);
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["plan"]["channels"].as_array().expect("channels").len(), 4);
+    assert!(!v["plan"]["warnings"]
+        .as_array()
+        .expect("warnings")
+        .is_empty());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("WARN") && stderr.contains("free cores"),
+        "log line: {stderr}"
+    );
+}
+
+#[test]
+fn four_node_table_lists_nics_and_iface_filter_works() {
+    let xml = fixture("four-node.xml");
+    let xml = xml.to_str().expect("utf-8 path");
+    let out = tyched(&["topology", "--xml", xml]);
+    assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "NUMA nodes",
+        "enp1s0f0",
+        "enp65s0f0",
+        "Channel placement",
+        "10 16 22 22",
+    ] {
+        assert!(table.contains(needle), "table lacks {needle:?}:\n{table}");
+    }
+    let v = json(&["topology", "--xml", xml, "--json", "--iface", "enp65s0f0"]);
+    let channels = v["plan"]["channels"].as_array().expect("channels");
+    assert_eq!(channels.len(), 1);
+    assert_eq!(channels[0]["node"], 2);
+
+    let bad = tyched(&["topology", "--xml", xml, "--iface", "wlan9"]);
+    assert!(!bad.status.success(), "unknown interface is an error");
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("wlan9"));
+}
+
+#[test]
+fn model_refuses_an_xml_topology() {
+    let xml = fixture("paper-2s4c2t-6nic.xml");
+    let out = tyched(&["topology", "--xml", xml.to_str().expect("utf-8"), "--model"]);
+    assert!(!out.status.success(), "--model with --xml must fail");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--model"));
+}
+
+#[test]
+fn this_machine_with_model_reports_at_least_one_node_and_a_model() {
+    let v = json(&["topology", "--json", "--model", "--model-ms", "5"]);
+    assert!(!v["nodes"].as_array().expect("nodes").is_empty());
+    let io_nodes = v["model"]["io_nodes"].as_array().expect("model present");
+    assert!(!io_nodes.is_empty(), "at least one device node modelled");
+}
