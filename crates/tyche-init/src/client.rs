@@ -1,0 +1,189 @@
+use std::collections::HashMap;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+
+use tokio::sync::oneshot;
+use tyche_wire::Op;
+
+use crate::config::SendMode;
+use crate::engine::{Cmd, IoCmd};
+use crate::error::Error;
+
+/// What the session attached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportInfo {
+    /// Export name.
+    pub export: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Logical block size.
+    pub block_size: u32,
+    /// Whether the export is read-only.
+    pub read_only: bool,
+    /// Whether DISCARD is supported.
+    pub discard: bool,
+    /// Session id.
+    pub session: u64,
+    /// Largest request part the first channel carries (larger requests are split).
+    pub max_io: u32,
+}
+
+/// Counters of a session.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Channels open now.
+    pub live_channels: usize,
+    /// Channels configured (links × channels per link).
+    pub channels: usize,
+    /// Requests in the volume.
+    pub outstanding: usize,
+    /// Requests waiting for room in the volume.
+    pub queued: usize,
+    /// Requests completed successfully.
+    pub completed: u64,
+    /// Requests failed.
+    pub failed: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Channels reopened after dying.
+    pub reconnects: u64,
+    /// Retransmitted frames on the open channels.
+    pub retransmits: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    engine: Sender<Cmd>,
+    /// Queue mode: one queue per node (key `None` for requests of unknown node).
+    queues: HashMap<Option<u32>, Sender<IoCmd>>,
+    info: ExportInfo,
+}
+
+/// An async handle to an attached export. Cheap to clone; the session closes when the last
+/// clone is dropped or [`Client::close`] is called.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+    node: Option<u32>,
+}
+
+/// Submitter thread of queue mode: drains its node's queue and hands batches to the engine.
+fn submitter(rx: std::sync::mpsc::Receiver<IoCmd>, engine: Sender<Cmd>) {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < 256 {
+            match rx.try_recv() {
+                Ok(io) => batch.push(io),
+                Err(_) => break,
+            }
+        }
+        if engine.send(Cmd::Batch(batch)).is_err() {
+            return;
+        }
+    }
+}
+
+impl Client {
+    pub(crate) fn new(engine: Sender<Cmd>, info: ExportInfo, mode: SendMode, nodes: &[Option<u32>]) -> Self {
+        let mut queues = HashMap::new();
+        if mode == SendMode::Queue {
+            let mut keys: Vec<Option<u32>> = nodes.to_vec();
+            keys.push(None);
+            keys.sort_unstable();
+            keys.dedup();
+            for node in keys {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let engine = engine.clone();
+                let name = node.map_or("tyche-submit".to_owned(), |n| format!("tyche-submit{n}"));
+                std::thread::Builder::new()
+                    .name(name)
+                    .spawn(move || submitter(rx, engine))
+                    .expect("cannot start a submitter thread");
+                queues.insert(node, tx);
+            }
+        }
+        Client { inner: Arc::new(Inner { engine, queues, info }), node: None }
+    }
+
+    /// A handle whose requests say their buffers live on NUMA node `node` (the scheduler sends
+    /// them to channels on that node).
+    pub fn on_node(&self, node: Option<u32>) -> Client {
+        Client { inner: Arc::clone(&self.inner), node }
+    }
+
+    /// What was attached.
+    pub fn info(&self) -> &ExportInfo {
+        &self.inner.info
+    }
+
+    /// Export size in bytes.
+    pub fn size(&self) -> u64 {
+        self.inner.info.size
+    }
+
+    async fn io(&self, op: Op, fua: bool, offset: u64, length: u64, data: Vec<u8>) -> Result<Vec<u8>, Error> {
+        let (reply, rx) = oneshot::channel();
+        let io = IoCmd { op, fua, offset, length, data, node: self.node, reply };
+        let sent = match self.inner.queues.get(&self.node).or_else(|| self.inner.queues.get(&None)) {
+            Some(q) => q.send(io).is_ok(),
+            None => self.inner.engine.send(Cmd::Io(io)).is_ok(),
+        };
+        if !sent {
+            return Err(Error::Closed);
+        }
+        rx.await.unwrap_or(Err(Error::Closed))
+    }
+
+    /// Reads `length` bytes at `offset` (both multiples of 512).
+    pub async fn read(&self, offset: u64, length: usize) -> Result<Vec<u8>, Error> {
+        self.io(Op::Read, false, offset, length as u64, Vec::new()).await
+    }
+
+    /// Writes `data` at `offset` (offset and length multiples of 512).
+    pub async fn write(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        self.write_owned(offset, data.to_vec(), false).await
+    }
+
+    /// Writes `data` at `offset`, moving the buffer in; with `fua` the data is durable when
+    /// this returns.
+    pub async fn write_owned(&self, offset: u64, data: Vec<u8>, fua: bool) -> Result<(), Error> {
+        let len = data.len() as u64;
+        self.io(Op::Write, fua, offset, len, data).await.map(drop)
+    }
+
+    /// Makes every completed write durable.
+    pub async fn flush(&self) -> Result<(), Error> {
+        self.io(Op::Flush, false, 0, 0, Vec::new()).await.map(drop)
+    }
+
+    /// Deallocates a range (later reads return zeroes).
+    pub async fn discard(&self, offset: u64, length: u64) -> Result<(), Error> {
+        if !self.inner.info.discard {
+            return Err(Error::Unsupported);
+        }
+        self.io(Op::Discard, false, offset, length, Vec::new()).await.map(drop)
+    }
+
+    /// Writes zeroes over a range without sending data.
+    pub async fn write_zeroes(&self, offset: u64, length: u64, fua: bool) -> Result<(), Error> {
+        self.io(Op::WriteZeroes, fua, offset, length, Vec::new()).await.map(drop)
+    }
+
+    /// Session counters.
+    pub async fn stats(&self) -> Result<Stats, Error> {
+        let (tx, rx) = oneshot::channel();
+        self.inner.engine.send(Cmd::Stats(tx)).map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)
+    }
+
+    /// Closes the session: new requests fail, requests in flight get up to 5 s to finish, every
+    /// channel sends DISCONNECT. Returns when the engine has stopped.
+    pub async fn close(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.inner.engine.send(Cmd::Close(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+}

@@ -1,0 +1,147 @@
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use tyche_channel::Timers;
+use tyche_transport::FrameTransport;
+use tyche_wire::{MacAddr, DEFAULT_ETHERTYPE};
+
+/// One NIC's way to the target: a transport and the target's MAC address on that link.
+pub struct Link {
+    /// Name for logs (the interface name, `mem0`, ...).
+    pub name: String,
+    /// The transport (AF_XDP socket, TCP baseline, in-memory port).
+    pub transport: Box<dyn FrameTransport + Send>,
+    /// The target's MAC on this link.
+    pub target: MacAddr,
+    /// NUMA node of the NIC, if known.
+    pub node: Option<u32>,
+}
+
+impl fmt::Debug for Link {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Link")
+            .field("name", &self.name)
+            .field("local", &self.transport.local_mac())
+            .field("target", &self.target)
+            .field("node", &self.node)
+            .finish()
+    }
+}
+
+/// Which channel each request part goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SchedulerKind {
+    /// Channels on the node of the request's buffers, equal bytes each, any channel as fallback.
+    #[default]
+    Affinity,
+    /// Every live channel in turn (the papers' baseline).
+    RoundRobin,
+}
+
+impl FromStr for SchedulerKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "affinity" => Ok(SchedulerKind::Affinity),
+            "round-robin" | "rr" => Ok(SchedulerKind::RoundRobin),
+            o => Err(format!("unknown scheduler {o:?} (expected affinity or round-robin)")),
+        }
+    }
+}
+
+/// How requests reach the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SendMode {
+    /// The serving task hands each request straight to the engine.
+    #[default]
+    Inline,
+    /// Requests pass through a per-node queue drained in batches by a dedicated submitter thread.
+    Queue,
+}
+
+impl FromStr for SendMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "inline" => Ok(SendMode::Inline),
+            "queue" => Ok(SendMode::Queue),
+            o => Err(format!("unknown send mode {o:?} (expected inline or queue)")),
+        }
+    }
+}
+
+/// Settings of an initiator session.
+#[derive(Debug, Clone)]
+pub struct InitiatorConfig {
+    /// Export to attach.
+    pub export: String,
+    /// Channels opened on every link.
+    pub channels_per_link: usize,
+    /// How long requests wait while no channel is alive before failing with an I/O error
+    /// (NVMe's `ctrl_loss_tmo`).
+    pub no_path_timeout: Duration,
+    /// Interval between CONNECT retransmissions.
+    pub connect_retry: Duration,
+    /// CONNECTs sent per connection attempt before it times out.
+    pub connect_attempts: u32,
+    /// Reconnection attempts for a channel that died, before the channel is given up.
+    pub reconnect_attempts: u32,
+    /// Pause before each reconnection attempt.
+    pub reconnect_delay: Duration,
+    /// Channel timers.
+    pub timers: Timers,
+    /// Largest request part asked for (the target may grant less).
+    pub max_io: u32,
+    /// Ring positions asked for, per direction.
+    pub ring: u16,
+    /// `remq`/`damq` slots asked for per channel.
+    pub slots: u16,
+    /// Requests outstanding in the engine at once; more wait in its backlog.
+    pub max_requests: usize,
+    /// Channel scheduler.
+    pub scheduler: SchedulerKind,
+    /// Send mode.
+    pub send_mode: SendMode,
+    /// EtherType.
+    pub ethertype: u16,
+}
+
+impl InitiatorConfig {
+    /// Defaults for `export`: one channel per link, 30 s no-path timeout, 10 reconnect attempts.
+    pub fn new(export: &str) -> Self {
+        InitiatorConfig {
+            export: export.to_owned(),
+            channels_per_link: 1,
+            no_path_timeout: Duration::from_secs(30),
+            connect_retry: Duration::from_millis(200),
+            connect_attempts: 10,
+            reconnect_attempts: 10,
+            reconnect_delay: Duration::from_millis(500),
+            timers: Timers::default(),
+            max_io: 1 << 20,
+            ring: 1024,
+            slots: 128,
+            max_requests: 512,
+            scheduler: SchedulerKind::default(),
+            send_mode: SendMode::default(),
+            ethertype: DEFAULT_ETHERTYPE,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.export.is_empty() || self.export.len() > tyche_wire::MAX_EXPORT_NAME {
+            return Err(format!("export name must be 1 to {} bytes", tyche_wire::MAX_EXPORT_NAME));
+        }
+        if self.channels_per_link == 0 || self.channels_per_link > 64 {
+            return Err("channels per link must be 1 to 64".into());
+        }
+        if self.connect_attempts == 0 || self.connect_retry.is_zero() {
+            return Err("connect attempts and retry interval must be positive".into());
+        }
+        if self.max_requests == 0 {
+            return Err("max_requests must be positive".into());
+        }
+        self.timers.validate().map_err(str::to_owned)
+    }
+}

@@ -1,0 +1,68 @@
+//! Block front ends: how an attached export becomes a device.
+//!
+//! [`BlockFrontend`] is the seam between the initiator library and the kernel interface. The
+//! ublk front end (`/dev/ublkbN` through libublk) needs `/dev/ublk-control`; where that is
+//! missing, [`UblkFrontend::probe`] says so and points to the NBD mode (`tyche-init serve-nbd`),
+//! which needs no kernel driver.
+
+use std::path::Path;
+
+use crate::client::Client;
+
+/// The control device of the ublk driver.
+pub const UBLK_CONTROL: &str = "/dev/ublk-control";
+
+/// Why a front end could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum FrontendError {
+    /// The kernel has no ublk driver loaded.
+    #[error(
+        "{UBLK_CONTROL} not found: this kernel has no ublk driver (CONFIG_BLK_DEV_UBLK; try `modprobe ublk_drv`). \
+         Use the NBD mode instead: `tyche-init serve-nbd --socket PATH ...`, then attach it with \
+         nbd-client, nbdfuse or qemu"
+    )]
+    NoUblk,
+    /// ublk support is not compiled into this build.
+    #[error("this build of tyche-init has no ublk support yet; use `tyche-init serve-nbd --socket PATH ...`")]
+    NotBuilt,
+    /// Something else failed.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A kernel-facing block device backed by a [`Client`].
+pub trait BlockFrontend {
+    /// The device path (`/dev/ublkb0`) or socket path the front end serves.
+    fn path(&self) -> String;
+    /// Serves requests until the device is removed or the session ends.
+    fn serve(self: Box<Self>) -> Result<(), FrontendError>;
+}
+
+/// Options of the ublk front end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UblkOptions {
+    /// Hardware queues (one serving thread each).
+    pub queues: u16,
+    /// Requests in flight per queue.
+    pub depth: u16,
+}
+
+/// The ublk front end.
+#[derive(Debug)]
+pub struct UblkFrontend;
+
+impl UblkFrontend {
+    /// Checks that the kernel offers ublk.
+    pub fn probe() -> Result<(), FrontendError> {
+        if !Path::new(UBLK_CONTROL).exists() {
+            return Err(FrontendError::NoUblk);
+        }
+        Ok(())
+    }
+
+    /// Creates `/dev/ublkbN` for `client`.
+    pub fn create(_client: Client, _opts: UblkOptions) -> Result<Box<dyn BlockFrontend>, FrontendError> {
+        Self::probe()?;
+        Err(FrontendError::NotBuilt)
+    }
+}

@@ -1,0 +1,47 @@
+//! Tyche's initiator: a remote export as a local block device.
+//!
+//! [`connect`] opens a session to a target over one or more [`Link`]s (one per NIC, any
+//! [`FrameTransport`]), several channels per link, and starts an **engine thread** that owns the
+//! sans-IO [`tyche_channel::Volume`] and the transports. It returns a [`Client`], a cheap,
+//! cloneable, async handle: [`Client::read`], [`Client::write`], [`Client::flush`],
+//! [`Client::discard`], [`Client::write_zeroes`]. The front ends ([`nbd`], the ublk front end
+//! behind [`frontend::BlockFrontend`]), the benchmarks and the examples all use that handle.
+//!
+//! # Promises
+//! - **Never hangs.** A request completes with data, with the target's error, or, when no
+//!   channel is alive for [`InitiatorConfig::no_path_timeout`] (NVMe's `ctrl_loss_tmo`), with
+//!   [`Error::NoPath`]. Dead channels are reconnected a bounded number of times.
+//! - **Never corrupts.** A dead channel's requests are re-issued on the survivors under the same
+//!   tags, and the target executes every modifying request at most once per tag.
+//! - **Who owns the memory.** Request buffers live on the engine side from submission to
+//!   completion: write data is moved in with the request, read data is placed into a buffer the
+//!   engine allocates and hands back on completion.
+//! - [`loopback`] holds an in-process RAM target over the in-memory link, shared by the tests,
+//!   the examples and the benches; it needs no privileges.
+//!
+//! [`FrameTransport`]: tyche_transport::FrameTransport
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod client;
+mod config;
+mod engine;
+mod error;
+pub mod frontend;
+pub mod loopback;
+pub mod nbd;
+pub mod state;
+
+pub use client::{Client, ExportInfo, Stats};
+pub use config::{InitiatorConfig, Link, SchedulerKind, SendMode};
+pub use engine::connect_blocking;
+pub use error::{ConnectError, Error};
+
+/// Opens a session to `config.export` over `links` and starts the engine thread.
+///
+/// Returns once the first channel is open and every other initial channel has either opened or
+/// failed (failed ones are retried in the background, see
+/// [`InitiatorConfig::reconnect_attempts`]).
+pub async fn connect(config: InitiatorConfig, links: Vec<Link>) -> Result<Client, ConnectError> {
+    tokio::task::spawn_blocking(move || connect_blocking(config, links)).await.unwrap_or(Err(ConnectError::EngineGone))
+}

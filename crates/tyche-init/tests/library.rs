@@ -1,0 +1,222 @@
+//! The async library API against the in-process RAM target over in-memory links.
+
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tyche_init::loopback::{initiator_timers, mem_links, set_link_down, RamExport};
+use tyche_init::{connect, Client, ConnectError, Error, InitiatorConfig, SchedulerKind, SendMode};
+use tyche_transport::{FrameTransport, MemLink};
+use tyche_wire::MacAddr;
+
+const MIB: u64 = 1 << 20;
+/// Bound on every test's wait: a hang fails the test instead of stalling CI.
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn config() -> InitiatorConfig {
+    let mut c = InitiatorConfig::new("ram");
+    c.timers = initiator_timers();
+    c.no_path_timeout = Duration::from_secs(5);
+    c.reconnect_delay = Duration::from_millis(100);
+    c.connect_retry = Duration::from_millis(50);
+    c
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+async fn bounded<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LIMIT, f).await.unwrap_or_else(|_| panic!("{what} did not finish within {LIMIT:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_of_many_sizes_over_two_links() {
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 64 * MIB), 2);
+    let mut cfg = config();
+    cfg.channels_per_link = 2;
+    let client = bounded("connect", connect(cfg, links)).await.expect("connect");
+    assert_eq!(client.size(), 64 * MIB);
+    assert_eq!(client.info().block_size, 512);
+    let mut offset = 0u64;
+    for (i, len) in
+        [512usize, 1024, 4096, 8192, 12288, 65536, 131072 + 512, 1 << 20, (3 << 20) + 4096].iter().enumerate()
+    {
+        let data = pattern(i as u64, *len);
+        bounded("write", client.write(offset, &data)).await.expect("write");
+        let back = bounded("read", client.read(offset, *len)).await.expect("read");
+        assert!(back == data, "read back of {len} bytes at {offset} differs");
+        assert!(target.snapshot(offset, *len) == data, "target holds other bytes for {len} at {offset}");
+        offset += (*len as u64).next_multiple_of(MIB);
+    }
+    let stats = client.stats().await.expect("stats");
+    assert_eq!(stats.live_channels, 4, "{stats:?}");
+    assert_eq!(stats.failed, 0, "{stats:?}");
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_fua_discard_and_write_zeroes() {
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
+    let client = bounded("connect", connect(config(), links)).await.expect("connect");
+    let data = pattern(7, 256 << 10);
+    client.write(0, &data).await.expect("write");
+    client.write_owned(MIB, data.clone(), true).await.expect("fua write");
+    client.flush().await.expect("flush");
+    assert!(target.counters().flushes.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    assert!(target.counters().fua_writes.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    client.discard(4096, 8192).await.expect("discard");
+    client.write_zeroes(MIB + 65536, 65536, false).await.expect("write zeroes");
+    let a = client.read(0, data.len()).await.expect("read");
+    assert!(a[4096..12288].iter().all(|&b| b == 0), "discarded range reads zeroes");
+    assert!(a[..4096] == data[..4096] && a[12288..] == data[12288..], "around the discard untouched");
+    let b = client.read(MIB, data.len()).await.expect("read");
+    assert!(b[65536..131072].iter().all(|&b| b == 0), "zeroed range reads zeroes");
+    assert!(b[..65536] == data[..65536] && b[131072..] == data[131072..]);
+    // Refusals are errors, not hangs.
+    assert_eq!(client.read(100, 512).await, Err(Error::Unaligned));
+    assert_eq!(client.read(8 * MIB, 512).await, Err(Error::OutOfRange));
+    assert_eq!(client.write(8 * MIB - 512, &[0; 1024]).await, Err(Error::OutOfRange));
+    client.close().await;
+    assert_eq!(client.read(0, 512).await, Err(Error::Closed));
+}
+
+async fn concurrent(client: &Client, n: u64, len: usize) {
+    let mut set = JoinSet::new();
+    for i in 0..n {
+        let c = client.clone();
+        set.spawn(async move {
+            let data = pattern(1000 + i, len);
+            let at = i * len as u64;
+            c.write_owned(at, data.clone(), false).await.expect("write");
+            let back = c.read(at, len).await.expect("read");
+            assert!(back == data, "request {i}: read back differs");
+        });
+    }
+    while let Some(r) = bounded("concurrent requests", set.join_next()).await {
+        r.expect("task");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_requests() {
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", 64 * MIB), 2);
+    let mut cfg = config();
+    cfg.max_requests = 32; // fewer than the requests: the engine's backlog is exercised
+    cfg.scheduler = SchedulerKind::RoundRobin;
+    let client = connect(cfg, links).await.expect("connect");
+    concurrent(&client, 256, 64 << 10).await;
+    let s = client.stats().await.unwrap();
+    assert_eq!((s.completed, s.failed), (512, 0), "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_send_mode_round_trips() {
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1);
+    let mut cfg = config();
+    cfg.send_mode = SendMode::Queue;
+    let client = connect(cfg, links).await.expect("connect");
+    concurrent(&client.on_node(Some(0)), 64, 32 << 10).await;
+    concurrent(&client, 64, 16 << 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_when_one_of_two_links_goes_down() {
+    let (links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let mut cfg = config();
+    cfg.reconnect_attempts = 2;
+    let client = connect(cfg, links).await.expect("connect");
+    let len = 128 << 10;
+    let mut set = JoinSet::new();
+    for i in 0..128u64 {
+        let c = client.clone();
+        set.spawn(async move {
+            let data = pattern(i, len);
+            c.write_owned(i * len as u64, data, false).await.map(|()| i)
+        });
+        if i == 16 {
+            set_link_down(&switches[0], true);
+        }
+    }
+    while let Some(r) = bounded("writes across a failover", set.join_next()).await {
+        let i = r.expect("task").expect("every write completes on the surviving link");
+        let _ = i;
+    }
+    for i in 0..128u64 {
+        let back = client.read(i * len as u64, len).await.expect("read after failover");
+        assert!(back == pattern(i, len), "write {i} lost or corrupted across the failover");
+    }
+    let s = client.stats().await.unwrap();
+    assert_eq!(s.live_channels, 1, "{s:?}");
+    assert!(target.snapshot(0, len) == pattern(0, len));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_link_reconnects_when_it_comes_back() {
+    let (links, switches, _target) = mem_links(RamExport::new("ram", 8 * MIB), 2);
+    let mut cfg = config();
+    cfg.reconnect_attempts = 50;
+    let client = connect(cfg, links).await.expect("connect");
+    set_link_down(&switches[1], true);
+    // Wait for the channel to be declared dead (dead_after = 600 ms).
+    let t0 = std::time::Instant::now();
+    while client.stats().await.unwrap().live_channels == 2 {
+        assert!(t0.elapsed() < LIMIT, "channel never declared dead");
+        client.write(0, &[1; 4096]).await.expect("write on the survivor");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    set_link_down(&switches[1], false);
+    let t0 = std::time::Instant::now();
+    loop {
+        let s = client.stats().await.unwrap();
+        if s.live_channels == 2 && s.reconnects >= 1 {
+            break;
+        }
+        assert!(t0.elapsed() < LIMIT, "channel never reconnected: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    concurrent(&client, 32, 64 << 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_path_fails_requests_after_the_timeout_and_never_hangs() {
+    let (links, switches, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
+    let mut cfg = config();
+    cfg.no_path_timeout = Duration::from_millis(500);
+    cfg.reconnect_attempts = 1;
+    let client = connect(cfg, links).await.expect("connect");
+    client.write(0, &[7; 4096]).await.expect("write while up");
+    set_link_down(&switches[0], true);
+    let t0 = std::time::Instant::now();
+    let r = bounded("a request with no path", client.write(0, &[8; 4096])).await;
+    assert_eq!(r, Err(Error::NoPath));
+    // dead_after (600 ms) + no_path_timeout (500 ms), with slack.
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    let r = bounded("a request after the failure", client.read(0, 4096)).await;
+    assert_eq!(r, Err(Error::NoPath));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_errors_say_what_went_wrong() {
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", MIB), 1);
+    let err = connect(InitiatorConfig { export: "nope".into(), ..config() }, links).await.unwrap_err();
+    assert!(matches!(err, ConnectError::UnknownExport { .. }), "{err}");
+    assert!(err.to_string().contains("no export named \"nope\""), "{err}");
+
+    // Nobody answers: a timeout naming the link, after connect_attempts × connect_retry.
+    let (i, t) = MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 1500, 1514, 64);
+    let mut cfg = config();
+    cfg.connect_attempts = 3;
+    let link = tyche_init::Link { name: "silent0".into(), transport: Box::new(i), target: t.local_mac(), node: None };
+    let err = bounded("connect to nobody", connect(cfg, vec![link])).await.unwrap_err();
+    assert!(matches!(err, ConnectError::Timeout { .. }), "{err}");
+    assert!(err.to_string().contains("silent0"), "{err}");
+    assert!(connect(config(), vec![]).await.is_err());
+}
