@@ -61,7 +61,7 @@ impl UblkFrontend {
     }
 
     /// Creates `/dev/ublkbN` for `client`.
-    pub fn create(_client: Client, _opts: UblkOptions) -> Result<Box<dyn BlockFrontend>, FrontendError> {
+    pub fn create(_client: Client, _opts: UblkOptions) -> Result<Box<dyn BlockFrontend + Send>, FrontendError> {
         Self::probe()?;
         Err(FrontendError::NotBuilt)
     }

@@ -1,1 +1,268 @@
-fn main() {}
+//! `tyche-init`: attach a Tyche export as a block device (ublk) or serve it over NBD.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use tracing::{info, warn};
+use tyche_init::frontend::{UblkFrontend, UblkOptions};
+use tyche_init::loopback::{mem_links, RamExport, RamTarget};
+use tyche_init::nbd::NbdOptions;
+use tyche_init::{state, Client, InitiatorConfig, Link, SchedulerKind, SendMode};
+use tyche_wire::MacAddr;
+
+#[derive(Debug, Parser)]
+#[command(name = "tyche-init", version, about = "Tyche initiator: remote exports as local block devices")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List the targets and exports seen on the given links.
+    Discover {
+        /// Interfaces to ask on.
+        #[arg(long = "iface", required = true)]
+        ifaces: Vec<String>,
+    },
+    /// Attach an export as /dev/ublkbN and serve it until detached.
+    Attach {
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// ublk hardware queues.
+        #[arg(long, default_value_t = 1)]
+        queues: u16,
+        /// Requests in flight per ublk queue.
+        #[arg(long, default_value_t = 64)]
+        depth: u16,
+    },
+    /// Serve an export over NBD on a Unix socket until detached.
+    ServeNbd {
+        /// Socket path.
+        #[arg(long)]
+        socket: PathBuf,
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// NBD requests in flight per connection.
+        #[arg(long, default_value_t = 128)]
+        max_inflight: usize,
+    },
+    /// List attached exports.
+    List,
+    /// Detach an export (by device or socket path, or by pid).
+    Detach {
+        /// Device path, socket path or pid.
+        what: String,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ConnArgs {
+    /// Interfaces (AF_XDP), one channel set each.
+    #[arg(long = "iface")]
+    ifaces: Vec<String>,
+    /// Target MAC address (one for all interfaces, or one per interface in order).
+    #[arg(long = "target")]
+    targets: Vec<String>,
+    /// TCP baseline transport: target addresses instead of interfaces.
+    #[arg(long = "tcp", conflicts_with = "ifaces")]
+    tcp: Vec<String>,
+    /// Serve an in-process RAM target of this many MiB instead of a remote one (testing, demos).
+    #[arg(long, conflicts_with_all = ["ifaces", "tcp"])]
+    loopback_mib: Option<u64>,
+    /// Export name.
+    #[arg(long)]
+    export: String,
+    /// Pre-shared key file.
+    #[arg(long)]
+    key: Option<PathBuf>,
+    /// Channels per NIC.
+    #[arg(long, default_value_t = 1)]
+    channels_per_nic: usize,
+    /// Seconds requests wait while every channel is down before failing (ctrl_loss_tmo).
+    #[arg(long, default_value_t = 30.0)]
+    no_path_timeout: f64,
+    /// Reconnect attempts per dead channel.
+    #[arg(long, default_value_t = 10)]
+    reconnect_attempts: u32,
+    /// Channel scheduler: affinity or round-robin.
+    #[arg(long, default_value = "affinity")]
+    scheduler: SchedulerKind,
+    /// Send mode: inline or queue.
+    #[arg(long, default_value = "inline")]
+    send_mode: SendMode,
+}
+
+impl ConnArgs {
+    fn config(&self) -> Result<InitiatorConfig> {
+        if self.key.is_some() {
+            bail!("--key: pre-shared key proofs are not supported by this initiator yet");
+        }
+        if !(self.no_path_timeout.is_finite() && self.no_path_timeout >= 0.0) {
+            bail!("--no-path-timeout must be a non-negative number of seconds");
+        }
+        let mut c = InitiatorConfig::new(&self.export);
+        c.channels_per_link = self.channels_per_nic;
+        c.no_path_timeout = Duration::from_secs_f64(self.no_path_timeout);
+        c.reconnect_attempts = self.reconnect_attempts;
+        c.scheduler = self.scheduler;
+        c.send_mode = self.send_mode;
+        Ok(c)
+    }
+
+    fn target_name(&self) -> String {
+        if self.loopback_mib.is_some() {
+            "loopback".into()
+        } else if !self.tcp.is_empty() {
+            self.tcp.join(",")
+        } else {
+            self.targets.join(",")
+        }
+    }
+
+    /// The links to the target, and the in-process target when `--loopback-mib` asks for one.
+    fn links(&self) -> Result<(Vec<Link>, Option<RamTarget>)> {
+        if let Some(mib) = self.loopback_mib {
+            let (links, _switches, target) = mem_links(RamExport::new(&self.export, mib << 20), 2);
+            return Ok((links, Some(target)));
+        }
+        if !self.tcp.is_empty() {
+            bail!("--tcp: the TCP baseline transport (tyche-tcp) is not built into tyche-init yet");
+        }
+        if self.ifaces.is_empty() {
+            bail!("give --iface IF... with --target MAC, --tcp HOST:PORT..., or --loopback-mib N");
+        }
+        let targets: Vec<MacAddr> = self
+            .targets
+            .iter()
+            .map(|t| t.parse().map_err(|_| anyhow::anyhow!("--target {t:?} is not a MAC address")))
+            .collect::<Result<_>>()?;
+        if targets.is_empty() || (targets.len() != 1 && targets.len() != self.ifaces.len()) {
+            bail!("give one --target MAC, or one per --iface");
+        }
+        bail!(
+            "--iface {}: the AF_XDP transport (tyche-xdp) is not built into tyche-init yet; \
+             use --loopback-mib N to try the initiator with an in-process target",
+            self.ifaces.join(",")
+        );
+    }
+}
+
+async fn open(conn: &ConnArgs) -> Result<(Client, Option<RamTarget>)> {
+    let cfg = conn.config()?;
+    let (links, target) = conn.links()?;
+    let client = tyche_init::connect(cfg, links)
+        .await
+        .with_context(|| format!("attaching export {:?} of {}", conn.export, conn.target_name()))?;
+    Ok((client, target))
+}
+
+/// Waits for SIGINT or SIGTERM.
+async fn terminated() -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("SIGINT handler")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+async fn serve_nbd(socket: PathBuf, conn: ConnArgs, max_inflight: usize) -> Result<()> {
+    let (client, _target) = open(&conn).await?;
+    let i = client.info();
+    println!("{}", socket.display());
+    info!(export = %i.export, size = i.size, session = format_args!("{:#x}", i.session), "attached");
+    let opts = NbdOptions { max_inflight, ..NbdOptions::new(&conn.export) };
+    let dir = state::dir();
+    let pid = std::process::id();
+    let rec = state::Attachment {
+        pid,
+        kind: "nbd".into(),
+        path: socket.display().to_string(),
+        export: conn.export.clone(),
+        target: conn.target_name(),
+    };
+    if let Err(e) = state::record(&dir, &rec) {
+        warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
+    }
+    let server = tyche_init::nbd::serve_unix(&socket, client.clone(), opts);
+    let result = tokio::select! {
+        r = server => r.with_context(|| format!("NBD server on {}", socket.display())),
+        r = terminated() => r,
+    };
+    info!("detaching");
+    client.close().await;
+    let _ = std::fs::remove_file(&socket);
+    state::remove(&dir, pid);
+    result
+}
+
+async fn attach(conn: ConnArgs, queues: u16, depth: u16) -> Result<()> {
+    // Fail before connecting when the kernel cannot give us a device.
+    UblkFrontend::probe()?;
+    let (client, _target) = open(&conn).await?;
+    let dev = UblkFrontend::create(client, UblkOptions { queues, depth })?;
+    println!("{}", dev.path());
+    tokio::task::spawn_blocking(move || dev.serve()).await??;
+    Ok(())
+}
+
+fn detach(what: &str) -> Result<()> {
+    let dir = state::dir();
+    let all = state::list(&dir)?;
+    let found: Vec<_> = all.iter().filter(|a| a.path == what || a.pid.to_string() == what).collect();
+    if found.is_empty() {
+        bail!("no attachment {what:?} (see `tyche-init list`)");
+    }
+    for a in found {
+        let pid = nix::unistd::Pid::from_raw(a.pid as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)
+            .with_context(|| format!("signalling pid {}", a.pid))?;
+        println!("detaching {} (pid {})", a.path, a.pid);
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tyche-init: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TYCHE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    match cli.command {
+        Command::Discover { ifaces } => bail!(
+            "discover --iface {}: the AF_XDP transport (tyche-xdp) is not built into tyche-init yet",
+            ifaces.join(",")
+        ),
+        Command::Attach { conn, queues, depth } => rt.block_on(attach(conn, queues, depth)),
+        Command::ServeNbd { socket, conn, max_inflight } => rt.block_on(serve_nbd(socket, conn, max_inflight)),
+        Command::List => {
+            let all = state::list(&state::dir())?;
+            if all.is_empty() {
+                println!("no attached exports");
+            }
+            for a in all {
+                println!("{:<6} {:<5} {:<28} export={} target={}", a.pid, a.kind, a.path, a.export, a.target);
+            }
+            Ok(())
+        }
+        Command::Detach { what } => detach(&what),
+    }
+}

@@ -1,0 +1,376 @@
+//! The NBD wire format (fixed newstyle handshake, simple replies), as far as the server needs it.
+//! Numbers from the NBD protocol document (`doc/proto.md` in NetworkBlockDevice/nbd). All
+//! integers are big-endian.
+
+/// Server greeting: "NBDMAGIC".
+pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+/// "IHAVEOPT": newstyle negotiation, and the magic of every option the client sends.
+pub const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
+/// Magic of every option reply.
+pub const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+/// Magic of a transmission request.
+pub const REQUEST_MAGIC: u32 = 0x2560_9513;
+/// Magic of a simple reply.
+pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+
+/// Handshake flag: fixed newstyle.
+pub const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
+/// Handshake flag: no 124 zero bytes after NBD_OPT_EXPORT_NAME.
+pub const FLAG_NO_ZEROES: u16 = 1 << 1;
+/// Client flag: fixed newstyle.
+pub const FLAG_C_FIXED_NEWSTYLE: u32 = 1 << 0;
+/// Client flag: no zeroes.
+pub const FLAG_C_NO_ZEROES: u32 = 1 << 1;
+
+/// Options.
+pub mod opt {
+    /// Old-style export selection; moves straight to transmission.
+    pub const EXPORT_NAME: u32 = 1;
+    /// The client gives up.
+    pub const ABORT: u32 = 2;
+    /// List the exports.
+    pub const LIST: u32 = 3;
+    /// TLS (not supported).
+    pub const STARTTLS: u32 = 5;
+    /// Export information without entering transmission.
+    pub const INFO: u32 = 6;
+    /// Export information, then transmission.
+    pub const GO: u32 = 7;
+    /// Structured replies (not supported: simple replies only).
+    pub const STRUCTURED_REPLY: u32 = 8;
+}
+
+/// Option reply types.
+pub mod rep {
+    /// Done.
+    pub const ACK: u32 = 1;
+    /// One export of a LIST.
+    pub const SERVER: u32 = 2;
+    /// One NBD_INFO item.
+    pub const INFO: u32 = 3;
+    /// Option not supported.
+    pub const ERR_UNSUP: u32 = (1 << 31) + 1;
+    /// Option malformed.
+    pub const ERR_INVALID: u32 = (1 << 31) + 3;
+    /// Unknown export.
+    pub const ERR_UNKNOWN: u32 = (1 << 31) + 6;
+    /// Option too big.
+    pub const ERR_TOO_BIG: u32 = (1 << 31) + 9;
+}
+
+/// NBD_INFO item types.
+pub mod info {
+    /// Size and transmission flags.
+    pub const EXPORT: u16 = 0;
+    /// Name.
+    pub const NAME: u16 = 1;
+    /// Description.
+    pub const DESCRIPTION: u16 = 2;
+    /// Block size constraints.
+    pub const BLOCK_SIZE: u16 = 3;
+}
+
+/// Transmission flags.
+pub mod tflag {
+    /// Flags are valid.
+    pub const HAS_FLAGS: u16 = 1 << 0;
+    /// Read-only export.
+    pub const READ_ONLY: u16 = 1 << 1;
+    /// FLUSH supported.
+    pub const SEND_FLUSH: u16 = 1 << 2;
+    /// FUA supported.
+    pub const SEND_FUA: u16 = 1 << 3;
+    /// TRIM supported.
+    pub const SEND_TRIM: u16 = 1 << 5;
+    /// WRITE_ZEROES supported.
+    pub const SEND_WRITE_ZEROES: u16 = 1 << 6;
+    /// Several connections see one consistent export (a FLUSH on one covers all).
+    pub const CAN_MULTI_CONN: u16 = 1 << 8;
+}
+
+/// Commands.
+pub mod cmd {
+    /// Read.
+    pub const READ: u16 = 0;
+    /// Write.
+    pub const WRITE: u16 = 1;
+    /// Disconnect.
+    pub const DISC: u16 = 2;
+    /// Flush.
+    pub const FLUSH: u16 = 3;
+    /// Trim (discard).
+    pub const TRIM: u16 = 4;
+    /// Cache (prefetch).
+    pub const CACHE: u16 = 5;
+    /// Write zeroes.
+    pub const WRITE_ZEROES: u16 = 6;
+}
+
+/// Command flags.
+pub mod cflag {
+    /// Force unit access.
+    pub const FUA: u16 = 1 << 0;
+    /// WRITE_ZEROES must not punch a hole.
+    pub const NO_HOLE: u16 = 1 << 1;
+}
+
+/// Errno values NBD carries.
+pub mod errno {
+    /// Operation not permitted.
+    pub const EPERM: u32 = 1;
+    /// I/O error.
+    pub const EIO: u32 = 5;
+    /// Out of memory.
+    pub const ENOMEM: u32 = 12;
+    /// Invalid argument.
+    pub const EINVAL: u32 = 22;
+    /// No space left.
+    pub const ENOSPC: u32 = 28;
+    /// Value too large.
+    pub const EOVERFLOW: u32 = 75;
+    /// Not supported.
+    pub const ENOTSUP: u32 = 95;
+    /// Server shutting down.
+    pub const ESHUTDOWN: u32 = 108;
+
+    /// The NBD error for a Linux errno (NBD uses fixed numbers, equal to Linux's for these).
+    pub fn from_errno(e: i32) -> u32 {
+        match e {
+            libc::EPERM => EPERM,
+            libc::ENOMEM => ENOMEM,
+            libc::EINVAL => EINVAL,
+            libc::ENOSPC => ENOSPC,
+            libc::EOVERFLOW => EOVERFLOW,
+            libc::EOPNOTSUPP => ENOTSUP,
+            libc::ESHUTDOWN => ESHUTDOWN,
+            _ => EIO,
+        }
+    }
+}
+
+/// The server's first 18 bytes.
+pub fn greeting() -> [u8; 18] {
+    let mut b = [0u8; 18];
+    b[..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
+    b[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
+    b[16..].copy_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    b
+}
+
+/// Header of an option from the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionHeader {
+    /// Option number.
+    pub option: u32,
+    /// Bytes of data that follow.
+    pub length: u32,
+}
+
+/// Parses an option header; `None` if the magic is wrong.
+pub fn parse_option_header(b: &[u8; 16]) -> Option<OptionHeader> {
+    let magic = u64::from_be_bytes(b[..8].try_into().expect("8 bytes"));
+    (magic == IHAVEOPT).then(|| OptionHeader {
+        option: u32::from_be_bytes(b[8..12].try_into().expect("4 bytes")),
+        length: u32::from_be_bytes(b[12..16].try_into().expect("4 bytes")),
+    })
+}
+
+/// An option reply.
+pub fn option_reply(option: u32, reply: u32, data: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(20 + data.len());
+    b.extend_from_slice(&REPLY_MAGIC.to_be_bytes());
+    b.extend_from_slice(&option.to_be_bytes());
+    b.extend_from_slice(&reply.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    b
+}
+
+/// The answer to NBD_OPT_EXPORT_NAME: size, flags and (unless no-zeroes) 124 zero bytes.
+pub fn export_name_reply(size: u64, flags: u16, no_zeroes: bool) -> Vec<u8> {
+    let mut b = Vec::with_capacity(134);
+    b.extend_from_slice(&size.to_be_bytes());
+    b.extend_from_slice(&flags.to_be_bytes());
+    if !no_zeroes {
+        b.extend_from_slice(&[0; 124]);
+    }
+    b
+}
+
+/// NBD_INFO_EXPORT payload.
+pub fn info_export(size: u64, flags: u16) -> Vec<u8> {
+    let mut b = Vec::with_capacity(12);
+    b.extend_from_slice(&info::EXPORT.to_be_bytes());
+    b.extend_from_slice(&size.to_be_bytes());
+    b.extend_from_slice(&flags.to_be_bytes());
+    b
+}
+
+/// NBD_INFO_BLOCK_SIZE payload.
+pub fn info_block_size(min: u32, preferred: u32, max: u32) -> Vec<u8> {
+    let mut b = Vec::with_capacity(14);
+    b.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
+    for v in [min, preferred, max] {
+        b.extend_from_slice(&v.to_be_bytes());
+    }
+    b
+}
+
+/// NBD_INFO_NAME or NBD_INFO_DESCRIPTION payload.
+pub fn info_text(kind: u16, text: &str) -> Vec<u8> {
+    let mut b = kind.to_be_bytes().to_vec();
+    b.extend_from_slice(text.as_bytes());
+    b
+}
+
+/// NBD_REP_SERVER payload (one export of a LIST).
+pub fn rep_server(name: &str) -> Vec<u8> {
+    let mut b = (name.len() as u32).to_be_bytes().to_vec();
+    b.extend_from_slice(name.as_bytes());
+    b
+}
+
+/// The data of NBD_OPT_INFO/NBD_OPT_GO: export name and the info items asked for.
+pub fn parse_info_request(d: &[u8]) -> Option<(String, Vec<u16>)> {
+    let n = u32::from_be_bytes(d.get(..4)?.try_into().ok()?) as usize;
+    let name = std::str::from_utf8(d.get(4..4 + n)?).ok()?.to_owned();
+    let rest = &d[4 + n..];
+    let count = u16::from_be_bytes(rest.get(..2)?.try_into().ok()?) as usize;
+    let items = rest.get(2..)?;
+    if items.len() != count * 2 {
+        return None;
+    }
+    Some((name, items.chunks_exact(2).map(|c| u16::from_be_bytes([c[0], c[1]])).collect()))
+}
+
+/// A transmission request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// Command flags.
+    pub flags: u16,
+    /// Command.
+    pub command: u16,
+    /// Cookie (handle), echoed in the reply.
+    pub cookie: u64,
+    /// Byte offset.
+    pub offset: u64,
+    /// Bytes.
+    pub length: u32,
+}
+
+/// Length of a request header.
+pub const REQUEST_LEN: usize = 28;
+
+/// Parses a request header; `None` if the magic is wrong.
+pub fn parse_request(b: &[u8; REQUEST_LEN]) -> Option<Request> {
+    let magic = u32::from_be_bytes(b[..4].try_into().expect("4 bytes"));
+    (magic == REQUEST_MAGIC).then(|| Request {
+        flags: u16::from_be_bytes([b[4], b[5]]),
+        command: u16::from_be_bytes([b[6], b[7]]),
+        cookie: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
+        offset: u64::from_be_bytes(b[16..24].try_into().expect("8 bytes")),
+        length: u32::from_be_bytes(b[24..28].try_into().expect("4 bytes")),
+    })
+}
+
+/// A simple reply header (read data follows it on success).
+pub fn simple_reply(error: u32, cookie: u64) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+    b[4..8].copy_from_slice(&error.to_be_bytes());
+    b[8..].copy_from_slice(&cookie.to_be_bytes());
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greeting_bytes() {
+        assert_eq!(
+            greeting(),
+            [b'N', b'B', b'D', b'M', b'A', b'G', b'I', b'C', b'I', b'H', b'A', b'V', b'E', b'O', b'P', b'T', 0, 3]
+        );
+    }
+
+    #[test]
+    fn option_header_parses_and_rejects_bad_magic() {
+        let mut b = *b"IHAVEOPT\0\0\0\x07\0\0\0\x0c";
+        assert_eq!(parse_option_header(&b), Some(OptionHeader { option: opt::GO, length: 12 }));
+        b[0] = b'X';
+        assert_eq!(parse_option_header(&b), None);
+    }
+
+    #[test]
+    fn option_reply_bytes() {
+        let r = option_reply(opt::LIST, rep::SERVER, &rep_server("ram"));
+        assert_eq!(
+            r,
+            [
+                0, 3, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9, // magic
+                0, 0, 0, 3, // option
+                0, 0, 0, 2, // NBD_REP_SERVER
+                0, 0, 0, 7, // length
+                0, 0, 0, 3, b'r', b'a', b'm'
+            ]
+        );
+        let e = option_reply(opt::STRUCTURED_REPLY, rep::ERR_UNSUP, &[]);
+        assert_eq!(&e[12..], &[0x80, 0, 0, 1, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn info_items_bytes() {
+        let flags = tflag::HAS_FLAGS | tflag::SEND_FLUSH | tflag::SEND_FUA | tflag::CAN_MULTI_CONN;
+        assert_eq!(info_export(1 << 30, flags), [0, 0, 0, 0, 0, 0, 0x40, 0, 0, 0, 0x01, 0x0d]);
+        assert_eq!(info_block_size(512, 4096, 32 << 20), [0, 3, 0, 0, 2, 0, 0, 0, 0x10, 0, 0x02, 0, 0, 0]);
+        assert_eq!(info_text(info::NAME, "ab"), [0, 1, b'a', b'b']);
+        assert_eq!(export_name_reply(512, 1, true), [0, 0, 0, 0, 0, 0, 2, 0, 0, 1]);
+        assert_eq!(export_name_reply(512, 1, false).len(), 134);
+    }
+
+    #[test]
+    fn info_request_parses() {
+        let d = [0, 0, 0, 3, b'r', b'a', b'm', 0, 2, 0, 3, 0, 1];
+        assert_eq!(parse_info_request(&d), Some(("ram".to_owned(), vec![info::BLOCK_SIZE, info::NAME])));
+        assert_eq!(parse_info_request(&[0, 0, 0, 0, 0, 0]), Some((String::new(), vec![])));
+        assert_eq!(parse_info_request(&d[..12]), None, "item list shorter than its count");
+        assert_eq!(parse_info_request(&[0, 0, 0, 9, b'x']), None, "name longer than the data");
+        assert_eq!(parse_info_request(&[0, 0, 0, 1, 0xff, 0, 0]), None, "name not UTF-8");
+    }
+
+    #[test]
+    fn request_and_reply_bytes() {
+        let b = [
+            0x25, 0x60, 0x95, 0x13, // magic
+            0, 1, // FUA
+            0, 1, // WRITE
+            1, 2, 3, 4, 5, 6, 7, 8, // cookie
+            0, 0, 0, 0, 0, 0, 0x10, 0, // offset 4096
+            0, 0, 0x02, 0, // length 512
+        ];
+        assert_eq!(
+            parse_request(&b),
+            Some(Request {
+                flags: cflag::FUA,
+                command: cmd::WRITE,
+                cookie: 0x0102_0304_0506_0708,
+                offset: 4096,
+                length: 512
+            })
+        );
+        let mut bad = b;
+        bad[3] = 0;
+        assert_eq!(parse_request(&bad), None);
+        assert_eq!(simple_reply(errno::EIO, 9), [0x67, 0x44, 0x66, 0x98, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 9]);
+    }
+
+    #[test]
+    fn errno_mapping() {
+        assert_eq!(errno::from_errno(libc::EOPNOTSUPP), errno::ENOTSUP);
+        assert_eq!(errno::from_errno(libc::EPERM), errno::EPERM);
+        assert_eq!(errno::from_errno(libc::EBADMSG), errno::EIO);
+        assert_eq!(errno::from_errno(crate::Error::NoPath.errno()), errno::EIO);
+        assert_eq!(errno::from_errno(crate::Error::ReadOnly.errno()), errno::EPERM);
+    }
+}

@@ -1,0 +1,207 @@
+//! The NBD server against libnbd's real clients (`nbdinfo`, `nbdcopy`), over the in-process
+//! RAM target. Skipped with a message when the tools are not installed (`apt-get install
+//! libnbd-bin`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tyche_init::loopback::{initiator_timers, mem_links, RamExport, RamTarget};
+use tyche_init::nbd::{codec, NbdOptions};
+use tyche_init::{connect, InitiatorConfig};
+
+const MIB: u64 = 1 << 20;
+
+fn have(tool: &str) -> bool {
+    let found = Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
+    if !found {
+        eprintln!("SKIP: {tool} not installed (apt-get install libnbd-bin)");
+    }
+    found
+}
+
+/// Runs a command with a time limit; panics with its output if it fails.
+fn run(cmd: &mut Command) -> String {
+    let mut full = Command::new("timeout");
+    full.arg("120").arg(cmd.get_program()).args(cmd.get_args());
+    let out = full.output().expect("spawn");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{:?} failed: {}\n{}\n{}",
+        cmd,
+        out.status,
+        text,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+struct Server {
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+    _target: RamTarget,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn server(size: u64) -> Server {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("nbd.sock");
+    let (links, _sw, target) = mem_links(RamExport::new("ram", size), 2);
+    let mut cfg = InitiatorConfig::new("ram");
+    cfg.timers = initiator_timers();
+    let client = connect(cfg, links).await.expect("connect");
+    let s = socket.clone();
+    let task = tokio::spawn(async move { tyche_init::nbd::serve_unix(&s, client, NbdOptions::new("ram")).await });
+    for _ in 0..100 {
+        if socket.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Server { socket, _dir: dir, _target: target, task }
+}
+
+fn uri(socket: &Path) -> String {
+    format!("nbd+unix:///ram?socket={}", socket.display())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdinfo_sees_size_and_flags() {
+    if !have("nbdinfo") {
+        return;
+    }
+    let s = server(64 * MIB).await;
+    let u = uri(&s.socket);
+    let out = tokio::task::spawn_blocking(move || run(Command::new("nbdinfo").arg("--json").arg(u))).await.unwrap();
+    for want in [
+        "\"export-size\": 67108864",
+        "\"can_flush\": true",
+        "\"can_fua\": true",
+        "\"can_trim\": true",
+        "\"can_zero\": true",
+        "\"can_multi_conn\": true",
+        "\"block_size_minimum\": 512",
+    ] {
+        assert!(out.contains(want), "nbdinfo output lacks {want}:\n{out}");
+    }
+    let u = format!("nbd+unix:///?socket={}", s.socket.display());
+    let list = tokio::task::spawn_blocking(move || run(Command::new("nbdinfo").arg("--list").arg(u))).await.unwrap();
+    assert!(list.contains("export=\"ram\""), "{list}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdcopy_round_trip_over_several_connections() {
+    if !have("nbdcopy") {
+        return;
+    }
+    let s = server(32 * MIB).await;
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in");
+    let output = dir.path().join("out");
+    let mut x = 0x1234_5678_9abc_def1u64;
+    let data: Vec<u8> = (0..32 * MIB)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    std::fs::write(&input, &data).unwrap();
+    let u = uri(&s.socket);
+    let (i, o) = (input.clone(), output.clone());
+    tokio::task::spawn_blocking(move || {
+        run(Command::new("nbdcopy").args(["--connections=4", "--requests=16"]).arg(&i).arg(&u));
+        run(Command::new("nbdcopy").args(["--connections=4"]).arg(&u).arg(&o));
+    })
+    .await
+    .unwrap();
+    let back = std::fs::read(&output).unwrap();
+    assert!(back == data, "nbdcopy out differs from what nbdcopy wrote in");
+}
+
+/// A raw client: handshake with NBD_OPT_GO, then out-of-order replies and error mapping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_protocol_exchange() {
+    let s = server(4 * MIB).await;
+    let mut c = UnixStream::connect(&s.socket).await.unwrap();
+    let mut greet = [0u8; 18];
+    c.read_exact(&mut greet).await.unwrap();
+    assert_eq!(greet, codec::greeting());
+    c.write_u32(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES).await.unwrap();
+    // An unsupported option first.
+    let mut o = codec::IHAVEOPT.to_be_bytes().to_vec();
+    o.extend(codec::opt::STRUCTURED_REPLY.to_be_bytes());
+    o.extend(0u32.to_be_bytes());
+    c.write_all(&o).await.unwrap();
+    let mut r = [0u8; 20];
+    c.read_exact(&mut r).await.unwrap();
+    assert_eq!(u32::from_be_bytes(r[12..16].try_into().unwrap()), codec::rep::ERR_UNSUP);
+    // NBD_OPT_GO for an unknown export, then for the default export.
+    for (name, ok) in [("nope", false), ("", true)] {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend(name.as_bytes());
+        d.extend(0u16.to_be_bytes());
+        let mut o = codec::IHAVEOPT.to_be_bytes().to_vec();
+        o.extend(codec::opt::GO.to_be_bytes());
+        o.extend((d.len() as u32).to_be_bytes());
+        o.extend(d);
+        c.write_all(&o).await.unwrap();
+        loop {
+            let mut h = [0u8; 20];
+            c.read_exact(&mut h).await.unwrap();
+            let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+            let mut body = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
+            c.read_exact(&mut body).await.unwrap();
+            if !ok {
+                assert_eq!(kind, codec::rep::ERR_UNKNOWN);
+                break;
+            }
+            if kind == codec::rep::ACK {
+                break;
+            }
+            assert_eq!(kind, codec::rep::INFO);
+        }
+    }
+    // Transmission: a write, a read, an out-of-range read, an unaligned read.
+    let req = |cmd: u16, flags: u16, cookie: u64, off: u64, len: u32| {
+        let mut b = codec::REQUEST_MAGIC.to_be_bytes().to_vec();
+        b.extend(flags.to_be_bytes());
+        b.extend(cmd.to_be_bytes());
+        b.extend(cookie.to_be_bytes());
+        b.extend(off.to_be_bytes());
+        b.extend(len.to_be_bytes());
+        b
+    };
+    let mut w = req(codec::cmd::WRITE, codec::cflag::FUA, 1, 4096, 4096);
+    w.extend([0xabu8; 4096]);
+    c.write_all(&w).await.unwrap();
+    let mut h = [0u8; 16];
+    c.read_exact(&mut h).await.unwrap();
+    assert_eq!(h, codec::simple_reply(0, 1));
+    c.write_all(&req(codec::cmd::READ, 0, 2, 4 * MIB, 512)).await.unwrap();
+    c.read_exact(&mut h).await.unwrap();
+    assert_eq!(h, codec::simple_reply(codec::errno::EINVAL, 2));
+    c.write_all(&req(codec::cmd::READ, 0, 3, 4096 + 100, 10)).await.unwrap();
+    c.read_exact(&mut h).await.unwrap();
+    assert_eq!(h, codec::simple_reply(0, 3));
+    let mut d = [0u8; 10];
+    c.read_exact(&mut d).await.unwrap();
+    assert_eq!(d, [0xab; 10]);
+    c.write_all(&req(codec::cmd::FLUSH, 0, 4, 0, 0)).await.unwrap();
+    c.read_exact(&mut h).await.unwrap();
+    assert_eq!(h, codec::simple_reply(0, 4));
+    c.write_all(&req(codec::cmd::DISC, 0, 5, 0, 0)).await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.expect("server closes").unwrap();
+    assert!(rest.is_empty());
+}
