@@ -59,6 +59,8 @@ struct Inner {
     /// Queue mode: one queue per node (key `None` for requests of unknown node).
     queues: HashMap<Option<u32>, Sender<IoCmd>>,
     info: ExportInfo,
+    /// Distinct NUMA nodes of the links' NICs.
+    nodes: Vec<u32>,
 }
 
 /// An async handle to an attached export. Cheap to clone; the session closes when the last
@@ -104,13 +106,21 @@ impl Client {
                 queues.insert(node, tx);
             }
         }
-        Client { inner: Arc::new(Inner { engine, queues, info }), node: None }
+        let mut known: Vec<u32> = nodes.iter().flatten().copied().collect();
+        known.sort_unstable();
+        known.dedup();
+        Client { inner: Arc::new(Inner { engine, queues, info, nodes: known }), node: None }
     }
 
     /// A handle whose requests say their buffers live on NUMA node `node` (the scheduler sends
     /// them to channels on that node).
     pub fn on_node(&self, node: Option<u32>) -> Client {
         Client { inner: Arc::clone(&self.inner), node }
+    }
+
+    /// The NUMA nodes of the links' NICs (empty when unknown).
+    pub fn nodes(&self) -> &[u32] {
+        &self.inner.nodes
     }
 
     /// What was attached.

@@ -8,15 +8,16 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 use tyche_channel::{
-    ConnectError as ChannelConnectError, Connected, Connector, Inbound, Instant, IoError, IoRequest, LeastBytes,
-    RoundRobin, Scheduler, SubmitError, Volume, VolumeConfig, VolumeEvent,
+    ConnectError as ChannelConnectError, Connected, Connector, Inbound, Instant, IoError, IoRequest, Scheduler,
+    SubmitError, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{flags, ChannelParams, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD};
 
 use crate::client::{Client, ExportInfo, Stats};
-use crate::config::{InitiatorConfig, Link, SchedulerKind};
+use crate::config::{InitiatorConfig, Link};
 use crate::error::{ConnectError, Error};
+use crate::sched::NumaScheduler;
 
 /// Frames handled per transport per loop iteration.
 const RX_BUDGET: usize = 64;
@@ -306,10 +307,8 @@ impl Engine {
                         no_path_timeout: self.cfg.no_path_timeout,
                         max_requests: self.cfg.max_requests,
                     };
-                    let scheduler: Box<dyn Scheduler> = match self.cfg.scheduler {
-                        SchedulerKind::Affinity => Box::<LeastBytes>::default(),
-                        SchedulerKind::RoundRobin => Box::<RoundRobin>::default(),
-                    };
+                    let nodes: Vec<u32> = self.links.iter().filter_map(|l| l.node).collect();
+                    let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::new(self.cfg.scheduler, &nodes));
                     self.volume = Some(Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now));
                     self.connected = Some(c);
                     // The other channels join the session.

@@ -30,6 +30,7 @@ mod error;
 pub mod frontend;
 pub mod loopback;
 pub mod nbd;
+pub mod sched;
 pub mod state;
 
 pub use client::{Client, ExportInfo, Stats};

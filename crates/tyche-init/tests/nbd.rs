@@ -205,3 +205,24 @@ async fn raw_protocol_exchange() {
     tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.expect("server closes").unwrap();
     assert!(rest.is_empty());
 }
+
+/// ext4 on a loop device over `nbdfuse` over `tyche-init serve-nbd --loopback-mib` (root only).
+#[test]
+#[ignore = "needs root, FUSE, loop devices and nbdfuse"]
+fn ext4_over_nbdfuse() {
+    if !have("nbdfuse") {
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/nbdfuse-ext4.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .env("BIN", env!("CARGO_BIN_EXE_tyche-init"))
+        .output()
+        .expect("run the ext4 script");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("EXT4 ROUND TRIP OK") && text.contains("FSCK CLEAN"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

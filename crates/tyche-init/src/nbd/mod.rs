@@ -72,9 +72,12 @@ pub async fn serve(listener: UnixListener, client: Client, opts: NbdOptions) -> 
     loop {
         let (stream, _) = listener.accept().await?;
         n += 1;
-        let (client, opts) = (client.clone(), Arc::clone(&opts));
+        // Each connection is served for one node: its requests go to that node's channels.
+        let nodes = client.nodes();
+        let node = (!nodes.is_empty()).then(|| nodes[(n as usize - 1) % nodes.len()]);
+        let (client, opts) = (client.on_node(node), Arc::clone(&opts));
         tokio::spawn(async move {
-            debug!(conn = n, "NBD connection");
+            debug!(conn = n, ?node, "NBD connection");
             match connection(stream, client, &opts).await {
                 Ok(()) => debug!(conn = n, "NBD connection closed"),
                 Err(e) => warn!(conn = n, "NBD connection ended: {e}"),
