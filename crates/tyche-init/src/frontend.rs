@@ -23,7 +23,9 @@ pub enum FrontendError {
     )]
     NoUblk,
     /// ublk support is not compiled into this build.
-    #[error("this build of tyche-init has no ublk support yet; use `tyche-init serve-nbd --socket PATH ...`")]
+    #[error(
+        "this build of tyche-init has no ublk support (build with `--features ublk`); use `tyche-init serve-nbd --socket PATH ...`"
+    )]
     NotBuilt,
     /// Something else failed.
     #[error("{0}")]
@@ -34,6 +36,8 @@ pub enum FrontendError {
 pub trait BlockFrontend {
     /// The device path (`/dev/ublkb0`) or socket path the front end serves.
     fn path(&self) -> String;
+    /// Something that stops [`BlockFrontend::serve`] from another thread (on detach).
+    fn stopper(&self) -> Box<dyn FnOnce() + Send>;
     /// Serves requests until the device is removed or the session ends.
     fn serve(self: Box<Self>) -> Result<(), FrontendError>;
 }
@@ -61,8 +65,16 @@ impl UblkFrontend {
     }
 
     /// Creates `/dev/ublkbN` for `client`.
-    pub fn create(_client: Client, _opts: UblkOptions) -> Result<Box<dyn BlockFrontend + Send>, FrontendError> {
+    pub fn create(client: Client, opts: UblkOptions) -> Result<Box<dyn BlockFrontend + Send>, FrontendError> {
         Self::probe()?;
-        Err(FrontendError::NotBuilt)
+        #[cfg(feature = "ublk")]
+        {
+            Ok(Box::new(crate::ublk::UblkDevice::new(client, opts)?))
+        }
+        #[cfg(not(feature = "ublk"))]
+        {
+            let _ = (client, opts);
+            Err(FrontendError::NotBuilt)
+        }
     }
 }

@@ -32,6 +32,8 @@ pub mod loopback;
 pub mod nbd;
 pub mod sched;
 pub mod state;
+#[cfg(feature = "ublk")]
+pub mod ublk;
 
 pub use client::{Client, ExportInfo, Stats};
 pub use config::{InitiatorConfig, Link, SchedulerKind, SendMode};

@@ -204,9 +204,27 @@ async fn attach(conn: ConnArgs, queues: u16, depth: u16) -> Result<()> {
     // Fail before connecting when the kernel cannot give us a device.
     UblkFrontend::probe()?;
     let (client, _target) = open(&conn).await?;
-    let dev = UblkFrontend::create(client, UblkOptions { queues, depth })?;
-    println!("{}", dev.path());
-    tokio::task::spawn_blocking(move || dev.serve()).await??;
+    let dev = UblkFrontend::create(client.clone(), UblkOptions { queues, depth })?;
+    let path = dev.path();
+    println!("{path}");
+    let dir = state::dir();
+    let pid = std::process::id();
+    let rec =
+        state::Attachment { pid, kind: "ublk".into(), path, export: conn.export.clone(), target: conn.target_name() };
+    if let Err(e) = state::record(&dir, &rec) {
+        warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
+    }
+    let stop = dev.stopper();
+    tokio::spawn(async move {
+        if terminated().await.is_ok() {
+            info!("detaching");
+            stop();
+        }
+    });
+    let result = tokio::task::spawn_blocking(move || dev.serve()).await;
+    client.close().await;
+    state::remove(&dir, pid);
+    result??;
     Ok(())
 }
 
