@@ -49,7 +49,7 @@ fn credit_flow_control_bounds_unacked_frames() {
         "the ring was never filled ({}): the test did not exercise credit",
         pair.max_unacked
     );
-    for (id, data) in &expect {
+    for (id, _) in &expect {
         pair.expect_ok(*id);
         pair.read(id + 100, id * 8192, 4096);
     }
@@ -376,4 +376,117 @@ fn target_status_is_reported() {
     pair.collect();
     pair.drive();
     assert_eq!(pair.result(1), Some(Err(IoError::Target(Status::NoSpace))));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Protocol hygiene (docs/protocol.md §3, channel checks), on raw channel ends.
+
+mod hygiene {
+    use tyche_channel::{DropReason, Instant, Received};
+    use tyche_wire::{ChannelParams, Completion, Data, DataHeader, Message, Op, Request, Seq, Status, NO_SLOT};
+
+    use crate::util::raw_channels;
+
+    fn params() -> ChannelParams {
+        ChannelParams { ring: 64, remq_slots: 8, damq_slots: 4, segment: 1024, max_io: 8192, features: 0 }
+    }
+
+    fn request(seq: u32, remq: u16, damq: u16, op: Op, length: u32) -> Request {
+        Request { seq: Seq { seq, ack: 0 }, op, fua: false, remq, damq, tag: 1, floor: 1, offset: 0, length }
+    }
+
+    fn data(seq: u32, damq: u16, seg_index: u16, seg_count: u16, offset: u32) -> DataHeader {
+        DataHeader { seq: Seq { seq, ack: 0 }, damq, seg_index, seg_count, tag: 1, offset }
+    }
+
+    #[test]
+    fn request_at_initiator_and_completion_at_target_are_wrong_role() {
+        let now = Instant(0);
+        let (mut ini, mut tgt) = raw_channels(params(), now);
+        let r = Message::Request(request(0, 0, 0, Op::Read, 512));
+        assert_eq!(ini.handle(now, &r), Received::Dropped(DropReason::WrongRole));
+        let c = Message::Completion(Completion { seq: Seq::default(), status: Status::Ok, remq: 0, damq: 0, tag: 1 });
+        assert_eq!(tgt.handle(now, &c), Received::Dropped(DropReason::WrongRole));
+        assert_eq!(ini.stats().dropped[DropReason::WrongRole as usize], 1);
+        // A refused frame takes no ring position: the real seq 0 still arrives.
+        assert_eq!(tgt.handle(now, &r), Received::Consumed);
+        assert!(matches!(tgt.poll_event(), Some(tyche_channel::ChannelEvent::Request(_))));
+    }
+
+    #[test]
+    fn data_for_out_of_range_damq_slot_is_bad_slot() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let payload = [0u8; 512];
+        let d = Message::Data(Data { header: data(0, 4, 0, 1, 0), payload: &payload });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::BadSlot));
+    }
+
+    #[test]
+    fn inconsistent_segment_fields_are_dropped() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let payload = [0u8; 1024];
+        // Segment 1 must start at 1 × segment.
+        let d = Message::Data(Data { header: data(0, 0, 1, 2, 0), payload: &payload });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+        // A non-last segment shorter than a segment.
+        let d = Message::Data(Data { header: data(1, 0, 0, 2, 0), payload: &payload[..512] });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+        // More segments than max_io allows.
+        let d = Message::Data(Data { header: data(2, 0, 0, 9, 0), payload: &payload });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+        // A segment whose count disagrees with earlier segments of the same slot.
+        let d = Message::Data(Data { header: data(3, 1, 0, 2, 0), payload: &payload });
+        assert!(matches!(tgt.handle(now, &d), Received::Placed(_)));
+        let d = Message::Data(Data { header: data(4, 1, 1, 3, 1024), payload: &payload });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+    }
+
+    fn completion_sent(tgt: &mut tyche_channel::Channel, now: Instant) -> Completion {
+        let mut buf = vec![0; 4096];
+        while let Some(t) = tgt.poll_transmit(now, &mut buf) {
+            let f = tyche_wire::Frame::new_checked(&buf[..t.len], tyche_wire::DEFAULT_ETHERTYPE).unwrap();
+            if let Ok(Message::Completion(c)) = f.parse() {
+                return c;
+            }
+        }
+        panic!("the target sent no completion");
+    }
+
+    #[test]
+    fn request_longer_than_max_io_completes_invalid() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let r = Message::Request(request(0, 2, 0, Op::Read, 8192 + 512));
+        assert_eq!(tgt.handle(now, &r), Received::Consumed);
+        assert_eq!(tgt.poll_event(), None, "an oversized request must not be executed");
+        let c = completion_sent(&mut tgt, now);
+        assert_eq!((c.status, c.remq, c.tag), (Status::Invalid, 2, 1));
+    }
+
+    #[test]
+    fn request_naming_out_of_range_damq_completes_invalid() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let r = Message::Request(request(0, 1, 4, Op::Write, 512));
+        assert_eq!(tgt.handle(now, &r), Received::Consumed);
+        assert_eq!(tgt.poll_event(), None);
+        assert_eq!(completion_sent(&mut tgt, now).status, Status::Invalid);
+    }
+
+    #[test]
+    fn request_naming_out_of_range_remq_is_refused() {
+        // docs/protocol.md §3 says such a REQUEST "is completed with INVALID"; the engine drops
+        // it as BadSlot (a completion naming that slot would be dropped by the initiator anyway).
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let r = Message::Request(request(0, 8, NO_SLOT, Op::Flush, 0));
+        let r = match r {
+            Message::Request(r) => Message::Request(Request { offset: 0, ..r }),
+            _ => unreachable!(),
+        };
+        assert_eq!(tgt.handle(now, &r), Received::Dropped(DropReason::BadSlot));
+        assert_eq!(tgt.poll_event(), None);
+    }
 }
