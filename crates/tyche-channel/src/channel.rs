@@ -864,7 +864,7 @@ impl Channel {
                 self.rttvar = s / 2;
             }
             Some(srtt) => {
-                let dev = if srtt > s { srtt - s } else { s - srtt };
+                let dev = srtt.abs_diff(s);
                 self.rttvar = (self.rttvar * 3 + dev) / 4;
                 self.srtt = Some((srtt * 7 + s) / 8);
             }

@@ -460,8 +460,7 @@ impl Pair {
                 }
             }
         }
-        loop {
-            let Some(ev) = self.target.poll_event() else { break };
+        while let Some(ev) = self.target.poll_event() {
             match ev {
                 TargetEvent::Execute { channel, request } => {
                     self.executed.push((channel, request));
