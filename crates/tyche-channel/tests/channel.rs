@@ -490,3 +490,52 @@ mod hygiene {
         assert_eq!(tgt.poll_event(), None);
     }
 }
+
+#[test]
+fn failover_to_a_channel_with_smaller_max_io_does_not_panic() {
+    // A part sized for channel 0's max_io must not be forced onto a channel that granted less
+    // (the grant is the peer's choice: a smaller one is valid, so this must not be a panic).
+    let mut pair = Pair::new();
+    let big = pair.cfg.params.max_io as usize;
+    let data = pattern(1, big);
+    pair.cut = vec![0];
+    pair.write(1, 0, &data);
+    pair.run_for(Duration::from_micros(50));
+    let small = ChannelParams { max_io: 16 << 10, ..pair.cfg.params };
+    let env = util::initiator_env(1);
+    let now = pair.now;
+    pair.volume.add_channel(
+        tyche_channel::Channel::new(tyche_channel::Role::Initiator, env, small, pair.cfg.timers, now),
+        None,
+        now,
+    );
+    pair.target.add_channel(tyche_channel::Channel::new(
+        tyche_channel::Role::Target,
+        env.reply(),
+        small,
+        pair.cfg.target_timers,
+        now,
+    ));
+    pair.drive();
+    assert!(pair.volume_dead.iter().any(|d| d.0 == 0), "channel 0 died");
+    assert_eq!(pair.result(1), Some(Err(IoError::NoPath)), "a part no survivor can carry fails");
+    // Requests submitted now are split for the surviving channel and succeed.
+    pair.write(2, 0, &data);
+    pair.drive();
+    pair.expect_ok(2);
+    assert!(pair.storage[..big] == data[..]);
+}
+
+#[test]
+fn path_that_loses_only_data_frames_fails_over() {
+    // An MTU black hole: small frames (acks, probes, echoes) pass, DATA frames do not. Echoes are
+    // not acknowledgement progress, so the channel must still be declared dead.
+    let mut pair = Pair::with(PairConfig { paths: 2, ..PairConfig::default() });
+    pair.fault = Box::new(|p| if p.channel() == 0 && p.kind() == Kind::Data { Fate::Drop } else { Fate::Deliver });
+    let data = pattern(4, 4096);
+    pair.write(1, 0, &data);
+    pair.drive();
+    pair.expect_ok(1);
+    assert!(pair.volume_dead.iter().any(|d| d.0 == 0 && d.1 == DeadReason::Timeout && d.2 == 1));
+    assert!(pair.storage[..4096] == data[..]);
+}
