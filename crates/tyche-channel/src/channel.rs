@@ -397,7 +397,8 @@ impl Channel {
     }
     /// Requests in flight (initiator) or being handled (target).
     pub fn busy_remq(&self) -> usize {
-        self.remq.len() - self.free_remq.len()
+        // The free list is the initiator's; a target's slots are named by the peer.
+        self.remq.iter().filter(|s| !matches!(s, RemqSlot::Free)).count()
     }
 
     // ------------------------------------------------------------------------------------------

@@ -414,6 +414,18 @@ mod hygiene {
     }
 
     #[test]
+    fn target_counts_requests_being_handled() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        assert_eq!(tgt.busy_remq(), 0);
+        let r = Message::Request(request(0, 3, 0, Op::Read, 512));
+        assert_eq!(tgt.handle(now, &r), Received::Consumed);
+        assert_eq!(tgt.busy_remq(), 1, "a request being handled occupies its remq slot");
+        assert!(tgt.complete(3, Status::Ok).is_some());
+        assert_eq!(tgt.busy_remq(), 0);
+    }
+
+    #[test]
     fn data_for_out_of_range_damq_slot_is_bad_slot() {
         let now = Instant(0);
         let (_, mut tgt) = raw_channels(params(), now);

@@ -54,7 +54,7 @@ fn run(actions: Vec<u8>, paths: u16) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
     fn random_faults_one_path(actions in proptest::collection::vec(any::<u8>(), 0..160)) {
