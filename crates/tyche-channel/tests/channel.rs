@@ -478,6 +478,23 @@ mod hygiene {
     }
 
     #[test]
+    fn flood_of_refused_requests_from_a_peer_that_never_acks_is_not_a_panic() {
+        // Each refused request queues an INVALID completion without occupying a slot; a peer that
+        // keeps sending them and never acknowledges must not overflow the send queue's bound.
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let mut buf = vec![0; 4096];
+        for seq in 0..1000u32 {
+            let r = Message::Request(request(seq, 0, 0, Op::Read, 8192 + 512));
+            let _ = tgt.handle(now, &r);
+            while tgt.poll_transmit(now, &mut buf).is_some() {}
+        }
+        assert!(tgt.dead().is_none());
+        assert!(tgt.unacked_frames() <= 64, "credit exceeded");
+        assert!(tgt.stats().dropped[DropReason::BadSlot as usize] > 0, "the flood was never refused");
+    }
+
+    #[test]
     fn request_naming_out_of_range_damq_completes_invalid() {
         let now = Instant(0);
         let (_, mut tgt) = raw_channels(params(), now);
