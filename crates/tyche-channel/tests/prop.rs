@@ -9,6 +9,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use proptest::prelude::*;
+use tyche_wire::ChannelParams;
 use util::{pattern, Fate, Pair, PairConfig};
 
 fn fate(action: u8) -> Fate {
@@ -21,8 +22,8 @@ fn fate(action: u8) -> Fate {
     }
 }
 
-fn run(actions: Vec<u8>, paths: u16) {
-    let mut pair = Pair::with(PairConfig { paths, ..PairConfig::default() });
+fn run(actions: Vec<u8>, cfg: PairConfig) {
+    let mut pair = Pair::with(cfg);
     let actions = Rc::new(RefCell::new(actions.into_iter()));
     let a = actions.clone();
     pair.fault = Box::new(move |_| a.borrow_mut().next().map_or(Fate::Deliver, fate));
@@ -58,11 +59,19 @@ proptest! {
 
     #[test]
     fn random_faults_one_path(actions in proptest::collection::vec(any::<u8>(), 0..160)) {
-        run(actions, 1);
+        run(actions, PairConfig::default());
     }
 
     #[test]
     fn random_faults_two_paths(actions in proptest::collection::vec(any::<u8>(), 0..160)) {
-        run(actions, 2);
+        run(actions, PairConfig { paths: 2, ..PairConfig::default() });
+    }
+
+    #[test]
+    fn random_faults_tiny_ring(actions in proptest::collection::vec(any::<u8>(), 0..160)) {
+        // A ring of 2 (below ack_every), 512-byte segments, two slots: credit and delayed acks
+        // interact on every frame.
+        let params = ChannelParams { ring: 2, remq_slots: 2, damq_slots: 2, segment: 512, max_io: 4096, features: 0 };
+        run(actions, PairConfig { params, ..PairConfig::default() });
     }
 }
