@@ -531,20 +531,7 @@ fn failover_to_a_channel_with_smaller_max_io_does_not_panic() {
     pair.write(1, 0, &data);
     pair.run_for(Duration::from_micros(50));
     let small = ChannelParams { max_io: 16 << 10, ..pair.cfg.params };
-    let env = util::initiator_env(1);
-    let now = pair.now;
-    pair.volume.add_channel(
-        tyche_channel::Channel::new(tyche_channel::Role::Initiator, env, small, pair.cfg.timers, now),
-        None,
-        now,
-    );
-    pair.target.add_channel(tyche_channel::Channel::new(
-        tyche_channel::Role::Target,
-        env.reply(),
-        small,
-        pair.cfg.target_timers,
-        now,
-    ));
+    pair.open_channel(1, small);
     pair.drive();
     assert!(pair.volume_dead.iter().any(|d| d.0 == 0), "channel 0 died");
     assert_eq!(pair.result(1), Some(Err(IoError::NoPath)), "a part no survivor can carry fails");

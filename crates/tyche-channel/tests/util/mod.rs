@@ -283,6 +283,18 @@ impl Pair {
         }
     }
 
+    /// Opens (or reopens, replacing both ends) channel `k` with `params`, as a reconnect would.
+    pub fn open_channel(&mut self, k: u16, params: ChannelParams) {
+        let env = initiator_env(k);
+        let now = self.now;
+        self.volume.add_channel(Channel::new(Role::Initiator, env, params, self.cfg.timers, now), None, now);
+        self.target.add_channel(Channel::new(Role::Target, env.reply(), params, self.cfg.target_timers, now));
+        // Fresh sequence spaces.
+        self.acked.remove(&(Dir::ToTarget, k));
+        self.acked.remove(&(Dir::ToInitiator, k));
+        self.collect();
+    }
+
     /// The initiator's channel `k`.
     pub fn ich(&self, k: u16) -> &Channel {
         self.volume.channel(k).expect("initiator channel exists")
