@@ -555,3 +555,70 @@ fn path_that_loses_only_data_frames_fails_over() {
     assert!(pair.volume_dead.iter().any(|d| d.0 == 0 && d.1 == DeadReason::Timeout && d.2 == 1));
     assert!(pair.storage[..4096] == data[..]);
 }
+
+#[test]
+fn flush_discard_and_write_zeroes() {
+    let mut pair = Pair::new();
+    let data = pattern(1, 8192);
+    pair.write(1, 0, &data);
+    pair.drive();
+    let req = |id, op, offset, length| IoRequest { id, op, fua: false, offset, length, node: None };
+    let now = pair.now;
+    pair.volume.submit(now, req(2, Op::Flush, 0, 0)).unwrap();
+    pair.volume.submit(now, req(3, Op::Discard, 0, 2048)).unwrap();
+    pair.volume.submit(now, req(4, Op::WriteZeroes, 4096, 1024)).unwrap();
+    pair.drive();
+    for id in 2..=4 {
+        pair.expect_ok(id);
+    }
+    pair.read(5, 0, 8192);
+    pair.drive();
+    let mut expect = data.clone();
+    expect[..2048].fill(0);
+    expect[4096..5120].fill(0);
+    assert!(pair.bufs[&5] == expect, "discard / write-zeroes not reflected in a read");
+    // None of them carried data.
+    let data_frames = pair.sent.iter().filter(|p| p.dir == Dir::ToTarget && p.kind() == Kind::Data).count();
+    assert_eq!(data_frames, 8, "only the write's 8 segments carry data");
+}
+
+#[test]
+fn lost_completion_is_retransmitted_and_completes_once() {
+    let mut pair = Pair::new();
+    let mut dropped = false;
+    pair.fault = Box::new(move |p| {
+        if !dropped && p.kind() == Kind::Completion {
+            dropped = true;
+            return Fate::Drop;
+        }
+        Fate::Deliver
+    });
+    let data = pattern(1, 1024);
+    pair.write(1, 0, &data);
+    pair.drive();
+    pair.expect_ok(1);
+    assert_eq!(pair.executed.len(), 1, "a lost completion made the write run twice");
+    assert!(pair.tch(0).stats().retransmits > 0, "the target did not retransmit its completion");
+    let completions = pair.sent.iter().filter(|p| p.kind() == Kind::Completion).count();
+    assert!(completions >= 2);
+}
+
+#[test]
+fn lost_acks_cause_duplicates_that_are_dropped() {
+    let mut pair = Pair::new();
+    // Every standalone ACK from the target is lost: the initiator retransmits by RTO and the
+    // target drops the copies as duplicates (and re-acknowledges).
+    pair.fault =
+        Box::new(|p| if p.dir == Dir::ToInitiator && p.kind() == Kind::Ack { Fate::Drop } else { Fate::Deliver });
+    pair.auto_execute = false;
+    let data = pattern(1, 2048);
+    pair.write(1, 0, &data);
+    pair.run_for(Duration::from_millis(3));
+    assert!(pair.ich(0).stats().timeouts > 0, "no RTO without acks");
+    assert!(pair.target_dropped(DropReason::Duplicate) > 0, "retransmissions were not dropped as duplicates");
+    assert_eq!(pair.to_execute.len(), 1, "the write was handed over once");
+    pair.execute_one();
+    pair.drive();
+    pair.expect_ok(1);
+    assert_eq!(pair.executed.len(), 1);
+}
