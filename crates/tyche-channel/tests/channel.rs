@@ -622,3 +622,22 @@ fn lost_acks_cause_duplicates_that_are_dropped() {
     pair.expect_ok(1);
     assert_eq!(pair.executed.len(), 1);
 }
+
+#[test]
+fn requests_queued_during_an_outage_complete_after_reconnect() {
+    let mut pair = Pair::new();
+    pair.cut = vec![0];
+    pair.write(1, 0, &pattern(1, 512));
+    pair.drive_until("channel 0 dies", |p| !p.volume_dead.is_empty());
+    assert_eq!(pair.volume.live_channels(), 0);
+    // Submitted with no live channel, within no_path_timeout: it waits for a path.
+    let data = pattern(2, 8192);
+    pair.write(2, 65536, &data);
+    let params = pair.cfg.params;
+    pair.open_channel(1, params);
+    pair.drive();
+    pair.expect_ok(1);
+    pair.expect_ok(2);
+    assert!(pair.storage[65536..65536 + 8192] == data[..]);
+    assert!(pair.storage[..512] == pattern(1, 512)[..]);
+}
