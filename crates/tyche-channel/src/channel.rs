@@ -397,7 +397,8 @@ impl Channel {
     }
     /// Requests in flight (initiator) or being handled (target).
     pub fn busy_remq(&self) -> usize {
-        self.remq.len() - self.free_remq.len()
+        // The free list is the initiator's; a target's slots are named by the peer.
+        self.remq.iter().filter(|s| !matches!(s, RemqSlot::Free)).count()
     }
 
     // ------------------------------------------------------------------------------------------
@@ -658,8 +659,7 @@ impl Channel {
         }
         let fits = !r.op.uses_damq() || (r.length <= self.params.max_io && (r.damq as usize) < self.damq.len());
         if !fits {
-            self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
-            return Received::Consumed;
+            return self.refuse(r);
         }
         if r.op.uses_damq() {
             let count = if r.op.has_write_data() { self.segments(r.length) } else { 0 };
@@ -668,8 +668,7 @@ impl Channel {
             if busy || (d.active && d.count != count) {
                 // Another request owns the slot, or the early segments disagree with this one.
                 self.release_damq(r.damq, r.tag);
-                self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
-                return Received::Consumed;
+                return self.refuse(r);
             }
             if !d.active {
                 d.reset(r.tag, count, r.remq);
@@ -687,6 +686,17 @@ impl Channel {
         }
         self.remq[slot] = RemqSlot::Executing(r);
         self.events.push_back(ChannelEvent::Request(ReadyRequest { remq: r.remq, damq: r.damq, request: r }));
+        Received::Consumed
+    }
+
+    /// Target: completes `r` with INVALID without giving it a slot. A refused request holds no
+    /// slot, so a peer could queue refusals without bound: once the send queue is at its bound
+    /// (which a correct peer, holding a `remq` slot per request, never reaches) it is dropped.
+    fn refuse(&mut self, r: Request) -> Received<'static> {
+        if self.queue.len() >= max_queued(&self.params) {
+            return self.drop_frame(DropReason::BadSlot);
+        }
+        self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
         Received::Consumed
     }
 

@@ -310,11 +310,26 @@ impl Volume {
         let floor = self.floor();
         while let Some(&tag) = self.pending.front() {
             let part = self.parts[&tag];
+            // A part sized for a channel that has died may be larger than every survivor's
+            // `max_io` (each channel's grant is the target's choice): it can go nowhere, so it
+            // fails rather than wait for ever or trip `Channel::submit`'s assertion.
+            let fits = |c: &Channel| !part.op.uses_damq() || part.length <= c.params().max_io;
+            let live = self.members.iter().flatten().filter(|m| m.channel.dead().is_none());
+            let (mut any_live, mut any_fits) = (false, false);
+            for m in live {
+                any_live = true;
+                any_fits |= fits(&m.channel);
+            }
+            if any_live && !any_fits {
+                self.pending.pop_front();
+                self.part_done(tag, None, Err(IoError::NoPath));
+                continue;
+            }
             self.views.clear();
             self.views.extend(self.members.iter().map(|m| match m {
                 Some(m) => ChannelView {
                     live: m.channel.dead().is_none(),
-                    has_room: m.channel.can_submit(part.op),
+                    has_room: m.channel.can_submit(part.op) && fits(&m.channel),
                     node: m.node,
                 },
                 None => ChannelView { live: false, has_room: false, node: None },
