@@ -164,9 +164,6 @@ pub struct ExportSpec {
 }
 
 /// What the acceptor decided about a frame.
-// A new channel is rare (once per CONNECT) and moves straight into a session: boxing it would
-// change the public API for no gain.
-#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Accepted {
     /// Send the reply written into the buffer (`len` bytes); nothing else changes.
