@@ -401,6 +401,19 @@ impl Channel {
         self.remq.iter().filter(|s| !matches!(s, RemqSlot::Free)).count()
     }
 
+    /// Target: the tag of the request handed out in `remq` and not yet completed, if any.
+    pub fn executing_tag(&self, remq: u16) -> Option<u64> {
+        match self.remq.get(remq as usize)? {
+            RemqSlot::Executing(r) => Some(r.tag),
+            _ => None,
+        }
+    }
+
+    /// Target: requests handed out and not yet completed.
+    pub fn executing(&self) -> usize {
+        self.remq.iter().filter(|s| matches!(s, RemqSlot::Executing(_))).count()
+    }
+
     // ------------------------------------------------------------------------------------------
     // Initiator side.
 

@@ -371,8 +371,8 @@ fn target_status_is_reported() {
     pair.write(1, 0, &pattern(1, 512));
     pair.drive_until("the write reaches the target", |p| !p.to_execute.is_empty());
     let (ch, r) = pair.to_execute.pop_front().unwrap();
-    assert!(pair.target.complete(ch, r.remq, Status::NoSpace));
-    assert!(!pair.target.complete(ch, r.remq, Status::Ok), "completing twice must be refused");
+    assert!(pair.target.complete(ch, &r, Status::NoSpace));
+    assert!(!pair.target.complete(ch, &r, Status::Ok), "completing twice must be refused");
     pair.collect();
     pair.drive();
     assert_eq!(pair.result(1), Some(Err(IoError::Target(Status::NoSpace))));

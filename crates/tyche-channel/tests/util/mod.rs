@@ -458,7 +458,7 @@ impl Pair {
             Op::Discard | Op::WriteZeroes => self.storage[start..start + len].fill(0),
             Op::Flush => {}
         }
-        assert!(self.target.complete(ch, r.remq, Status::Ok), "target completed a request it did not hand out");
+        assert!(self.target.complete(ch, &r, Status::Ok), "target completed a request it did not hand out");
         self.collect();
     }
 
