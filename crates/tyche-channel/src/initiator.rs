@@ -241,14 +241,12 @@ impl Volume {
         self.pending.len()
     }
 
+    /// The part size: the smallest `max_io` of the live channels, or of every channel the volume
+    /// has had while none is alive (parts queued during an outage then fit the reconnected ones).
     fn max_io(&self) -> u32 {
-        self.members
-            .iter()
-            .flatten()
-            .filter(|m| m.channel.dead().is_none())
-            .map(|m| m.channel.params().max_io)
-            .min()
-            .unwrap_or(SECTOR_SIZE)
+        let all = self.members.iter().flatten();
+        let live = all.clone().filter(|m| m.channel.dead().is_none()).map(|m| m.channel.params().max_io).min();
+        live.or_else(|| all.map(|m| m.channel.params().max_io).min()).unwrap_or(SECTOR_SIZE)
     }
 
     fn floor(&self) -> u64 {
