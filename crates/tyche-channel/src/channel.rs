@@ -136,6 +136,37 @@ impl DropReason {
     }
 }
 
+/// Why a volume or a target session did not use a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FrameDrop {
+    /// Not a valid Tyche frame.
+    Wire(tyche_wire::WireError),
+    /// For another session, or a channel or peer the session does not have.
+    NotOurs,
+    /// The channel refused it.
+    Channel(DropReason),
+}
+
+/// Checks that a received frame belongs to `session` and comes from the peer of the channel it
+/// names (looked up with `channel`), parses it and hands it to that channel. Returns the channel
+/// index and what the channel did.
+pub(crate) fn deliver<'a, 'c>(
+    now: Instant,
+    bytes: &'a [u8],
+    ethertype: u16,
+    session: u64,
+    channel: impl FnOnce(u16) -> Option<&'c mut Channel>,
+) -> Result<(u16, Received<'a>), FrameDrop> {
+    let frame = tyche_wire::Frame::new_checked(bytes, ethertype).map_err(FrameDrop::Wire)?;
+    if frame.session() != session {
+        return Err(FrameDrop::NotOurs);
+    }
+    let idx = frame.channel();
+    let ch = channel(idx).filter(|ch| ch.envelope().dst == frame.src()).ok_or(FrameDrop::NotOurs)?;
+    let msg = frame.parse_borrowed().map_err(FrameDrop::Wire)?;
+    Ok((idx, ch.handle(now, &msg)))
+}
+
 /// Outcome of [`Channel::handle`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Received<'a> {

@@ -3,9 +3,11 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
-use tyche_wire::{Frame, Op, Status, WireError, SECTOR_SIZE};
+use tyche_wire::{Op, Status, SECTOR_SIZE};
 
-use crate::channel::{Channel, ChannelEvent, DeadReason, DropReason, Received, Role, Submission, Transmit};
+use crate::channel::{
+    deliver, Channel, ChannelEvent, DeadReason, DropReason, FrameDrop, Received, Role, Submission, Transmit,
+};
 use crate::config::TAG_WINDOW;
 use crate::scheduler::{ChannelView, Scheduler};
 use crate::time::{earliest, Instant};
@@ -87,17 +89,6 @@ pub enum VolumeEvent {
         /// Parts re-queued for other channels.
         reissued: usize,
     },
-}
-
-/// Why [`Volume::handle_frame`] did not use a frame.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FrameDrop {
-    /// Not a valid Tyche frame.
-    Wire(WireError),
-    /// For another session, or a channel this volume does not have.
-    NotOurs,
-    /// The channel refused it.
-    Channel(DropReason),
 }
 
 /// What [`Volume::handle_frame`] did with a frame.
@@ -344,25 +335,15 @@ impl Volume {
 
     /// Hands the volume a received frame.
     pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> Inbound<'a> {
-        let frame = match Frame::new_checked(bytes, self.ethertype) {
-            Ok(f) => f,
-            Err(e) => return Inbound::Dropped(FrameDrop::Wire(e)),
+        let members = &mut self.members;
+        let lookup = move |i: u16| {
+            let members = members; // moved in: the closure is FnOnce and may return a borrow of it
+            members.get_mut(i as usize)?.as_mut().map(|m| &mut m.channel)
         };
-        if frame.session() != self.session {
-            return Inbound::Dropped(FrameDrop::NotOurs);
-        }
-        let idx = frame.channel();
-        let Some(Some(member)) = self.members.get_mut(idx as usize) else {
-            return Inbound::Dropped(FrameDrop::NotOurs);
+        let (idx, received) = match deliver(now, bytes, self.ethertype, self.session, lookup) {
+            Ok(r) => r,
+            Err(d) => return Inbound::Dropped(d),
         };
-        if frame.src() != member.channel.envelope().dst {
-            return Inbound::Dropped(FrameDrop::NotOurs);
-        }
-        let msg = match frame.parse_borrowed() {
-            Ok(m) => m,
-            Err(e) => return Inbound::Dropped(FrameDrop::Wire(e)),
-        };
-        let received = member.channel.handle(now, &msg);
         let out = match received {
             Received::Consumed => Inbound::Consumed,
             Received::Dropped(r) => Inbound::Dropped(FrameDrop::Channel(r)),

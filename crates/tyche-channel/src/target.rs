@@ -2,9 +2,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use tyche_wire::{Frame, Op, Request, Status, WireError};
+use tyche_wire::{Op, Request, Status};
 
-use crate::channel::{Channel, ChannelEvent, DeadReason, DropReason, Received, Role, Transmit};
+use crate::channel::{deliver, Channel, ChannelEvent, DeadReason, FrameDrop, Received, Role, Transmit};
 use crate::config::TAG_WINDOW;
 use crate::time::{earliest, Instant};
 
@@ -40,17 +40,6 @@ pub enum TargetEvent {
     },
 }
 
-/// Why [`TargetSession::handle_frame`] did not use a frame.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TargetDrop {
-    /// Not a valid Tyche frame.
-    Wire(WireError),
-    /// For another session, or a channel or peer this session does not have.
-    NotOurs,
-    /// The channel refused it.
-    Channel(DropReason),
-}
-
 /// What [`TargetSession::handle_frame`] did with a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TargetInbound<'a> {
@@ -68,7 +57,7 @@ pub enum TargetInbound<'a> {
         payload: &'a [u8],
     },
     /// Not used.
-    Dropped(TargetDrop),
+    Dropped(FrameDrop),
 }
 
 #[derive(Debug)]
@@ -158,27 +147,18 @@ impl TargetSession {
 
     /// Hands the session a received frame.
     pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> TargetInbound<'a> {
-        let frame = match Frame::new_checked(bytes, self.ethertype) {
-            Ok(f) => f,
-            Err(e) => return TargetInbound::Dropped(TargetDrop::Wire(e)),
+        let channels = &mut self.channels;
+        let lookup = move |i: u16| {
+            let channels = channels; // moved in: the closure is FnOnce and may return a borrow of it
+            channels.get_mut(i as usize)?.as_mut()
         };
-        if frame.session() != self.id {
-            return TargetInbound::Dropped(TargetDrop::NotOurs);
-        }
-        let idx = frame.channel();
-        let Some(Some(ch)) = self.channels.get_mut(idx as usize) else {
-            return TargetInbound::Dropped(TargetDrop::NotOurs);
+        let (idx, received) = match deliver(now, bytes, self.ethertype, self.id, lookup) {
+            Ok(r) => r,
+            Err(d) => return TargetInbound::Dropped(d),
         };
-        if frame.src() != ch.envelope().dst {
-            return TargetInbound::Dropped(TargetDrop::NotOurs);
-        }
-        let msg = match frame.parse_borrowed() {
-            Ok(m) => m,
-            Err(e) => return TargetInbound::Dropped(TargetDrop::Wire(e)),
-        };
-        let out = match ch.handle(now, &msg) {
+        let out = match received {
             Received::Consumed => TargetInbound::Consumed,
-            Received::Dropped(r) => TargetInbound::Dropped(TargetDrop::Channel(r)),
+            Received::Dropped(r) => TargetInbound::Dropped(FrameDrop::Channel(r)),
             Received::Placed(p) => {
                 TargetInbound::Write { channel: idx, damq: p.damq, offset: p.offset, payload: p.payload }
             }

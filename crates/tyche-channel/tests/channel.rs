@@ -90,7 +90,7 @@ fn frame_far_ahead_is_out_of_window() {
     let got = pair.target.handle_frame(pair.now, &bytes);
     assert_eq!(
         got,
-        tyche_channel::TargetInbound::Dropped(tyche_channel::TargetDrop::Channel(DropReason::OutOfWindow)),
+        tyche_channel::TargetInbound::Dropped(tyche_channel::FrameDrop::Channel(DropReason::OutOfWindow)),
         "a frame a ring ahead must be out of window"
     );
     // And a far-behind copy (already received) is a duplicate, not executed again.
@@ -98,7 +98,7 @@ fn frame_far_ahead_is_out_of_window() {
     r.seq.seq = 0;
     let bytes = util::frame_of(&util::initiator_env(0), &Message::Request(r));
     let got = pair.target.handle_frame(pair.now, &bytes);
-    assert_eq!(got, tyche_channel::TargetInbound::Dropped(tyche_channel::TargetDrop::Channel(DropReason::Duplicate)));
+    assert_eq!(got, tyche_channel::TargetInbound::Dropped(tyche_channel::FrameDrop::Channel(DropReason::Duplicate)));
     pair.collect();
     assert_eq!(pair.executions(r.tag), 1);
 }

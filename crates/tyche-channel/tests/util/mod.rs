@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use tyche_channel::{Channel, DropReason, FrameDrop, Role};
 use tyche_channel::{
-    ExportGeometry, Inbound, Instant, IoError, IoRequest, RoundRobin, TargetDrop, TargetEvent, TargetInbound,
-    TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
+    ExportGeometry, Inbound, Instant, IoError, IoRequest, RoundRobin, TargetEvent, TargetInbound, TargetSession,
+    Timers, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_wire::{
     ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Request, Status, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE,
@@ -222,7 +222,7 @@ pub struct Pair {
     /// Frames dropped by the initiator's channels.
     pub initiator_drops: Vec<FrameDrop>,
     /// Frames dropped by the target's channels.
-    pub target_drops: Vec<TargetDrop>,
+    pub target_drops: Vec<FrameDrop>,
     /// Highest cumulative ack each side has received, per (direction of the acked data, channel).
     acked: HashMap<(Dir, u16), u32>,
     /// Most unacknowledged frames seen on any channel of either end after a poll.
@@ -602,7 +602,7 @@ impl Pair {
 
     /// Counts drops of `reason` by the target.
     pub fn target_dropped(&self, reason: DropReason) -> usize {
-        self.target_drops.iter().filter(|d| **d == TargetDrop::Channel(reason)).count()
+        self.target_drops.iter().filter(|d| **d == FrameDrop::Channel(reason)).count()
     }
     /// Counts drops of `reason` by the initiator.
     pub fn initiator_dropped(&self, reason: DropReason) -> usize {
