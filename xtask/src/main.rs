@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the project's orchestration (simulation, test suite, lab, benches).
 //! Plain `cargo build` and `cargo test` work without it.
 
+mod disk;
 mod sim;
 mod suite;
 
@@ -20,11 +21,14 @@ enum Command {
     Sim(sim::SimArgs),
     /// Run the whole test suite as CI does.
     Test(suite::TestArgs),
+    /// ext4 over an NBD Unix socket (nbdfuse, loop): mkfs, write, fsck, remount, verify (root).
+    FsCheck(disk::FsCheckArgs),
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Sim(a) => sim::run(a),
         Command::Test(a) => suite::run(a),
+        Command::FsCheck(a) => disk::fs_check(a),
     }
 }
