@@ -168,12 +168,10 @@ impl Tree {
 
     fn fill(&self, i: usize, buf: &mut [u8], at: u64) {
         // Each 8-byte word is a function of (seed, file, word index): any misplaced block shows.
-        let mut word = at / 8;
-        for chunk in buf.chunks_mut(8) {
+        for (word, chunk) in (at / 8..).zip(buf.chunks_mut(8)) {
             let mut g = SplitMix64::new(self.seed ^ ((i as u64) << 40) ^ word);
             let v = g.next_u64().to_le_bytes();
             chunk.copy_from_slice(&v[..chunk.len()]);
-            word += 1;
         }
     }
 
@@ -276,7 +274,7 @@ pub fn check_cycle(socket: &Path, work: &Path, tree: &Tree) -> Result<()> {
 
 pub fn fs_check(args: FsCheckArgs) -> Result<()> {
     let work = std::env::temp_dir().join(format!("tyche-fscheck-{}", std::process::id()));
-    let tree = Tree::new(0x7e5c_0de, args.files, args.bytes);
+    let tree = Tree::new(0x07e5_c0de, args.files, args.bytes);
     let r = check_cycle(&args.socket, &work, &tree);
     let _ = fs::remove_dir_all(&work);
     r?;
