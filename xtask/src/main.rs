@@ -1,1 +1,64 @@
-fn main() {}
+//! Workspace automation: `cargo xtask <command>` (alias in `.cargo/config.toml`).
+
+mod bpfgen;
+mod lab;
+mod xdp;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "xtask", about = "Tyche workspace tasks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The veth lab: two network namespaces (target, initiator) joined by veth pairs.
+    Lab {
+        #[command(subcommand)]
+        action: lab::LabCommand,
+    },
+    /// Builds everything and checks AF_XDP end to end on a 2-NIC veth lab, with IP alongside.
+    XdpSmoke(xdp::SmokeArgs),
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+    /// Regenerates `bpf/tyche_wire.h` from `tyche_wire::layout`.
+    GenBpfHeader {
+        /// Fail if the checked-in header differs instead of writing it.
+        #[arg(long)]
+        check: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Raw Tyche frames over AF_XDP on one veth pair, against iperf3 TCP on the same pair.
+    Xdp(xdp::BenchArgs),
+}
+
+/// The workspace root.
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Lab { action } => lab::run(action),
+        Command::XdpSmoke(args) => xdp::smoke(&root(), &args),
+        Command::Bench {
+            what: BenchCommand::Xdp(args),
+        } => xdp::bench(&root(), &args),
+        Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
+    }
+}
