@@ -212,13 +212,6 @@ impl Lab {
     pub fn keep(mut self) {
         self.keep = true;
     }
-
-    /// A command run inside namespace `ns`.
-    pub fn exec(ns: &str, program: &str) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", ns, program]);
-        c
-    }
 }
 
 impl Drop for Lab {
