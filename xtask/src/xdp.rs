@@ -48,7 +48,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 5)]
     iperf_secs: u64,
     /// Unacknowledged frames the sender may have in flight.
-    #[arg(long, default_value_t = 192)]
+    #[arg(long, default_value_t = 1536)]
     window: u64,
 }
 

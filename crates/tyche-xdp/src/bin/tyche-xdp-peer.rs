@@ -38,10 +38,10 @@ fn parse_args() -> Result<Args, String> {
         links: Vec::new(),
         frames: 0,
         expect: 0,
-        window: 192,
+        window: 1536,
         mode: AttachMode::Auto,
         timeout: Duration::from_secs(60),
-        batch: 32,
+        batch: 64,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -102,6 +102,11 @@ fn run_link(
     let mut port = XdpPort::open(ifname, &config).map_err(|e| format!("{ifname}: {e}"))?;
     let plan = port.plan();
     let segment = plan.segment_size as usize;
+    // Keep the window within the peer's receive buffers (same configuration on both sides):
+    // a multi-buffer frame takes several chunks.
+    let chunks_per_frame = plan.frame_capacity.div_ceil(tyche_xdp::BUFFER_CAPACITY) as u64;
+    let rx_chunks = u64::from(config.frame_count / 2);
+    let window = args.window.min(rx_chunks * 3 / 4 / chunks_per_frame).max(1);
     println!(
         "READY link={ifname} mode={} segment={segment} frame={} multi_buffer={}",
         port.mode(),
@@ -132,6 +137,7 @@ fn run_link(
     let deadline = Instant::now() + args.timeout;
     let mut done_at: Option<Instant> = None;
     let mut last_final_ack = Instant::now();
+    let mut last_ack_at = Instant::now();
     loop {
         let now = Instant::now();
         if now > deadline {
@@ -179,8 +185,9 @@ fn run_link(
 
         // Acknowledge: often enough to keep the peer's window open, never per frame.
         let recv_done = o.received >= args.expect;
+        let idle_ack = got_data == 0 && now.duration_since(last_ack_at) > Duration::from_micros(50);
         let want_ack = o.received > ack_sent
-            && (o.received - ack_sent >= args.window / 4 || got_data == 0 || recv_done);
+            && (o.received - ack_sent >= window / 8 || idle_ack || recv_done);
         let final_ack = done_at.is_some() && now.duration_since(last_final_ack) > Duration::from_millis(5);
         if want_ack || final_ack {
             let cumulative = o.received as u32;
@@ -192,12 +199,13 @@ fn run_link(
             if sent == 1 {
                 ack_sent = o.received;
                 last_final_ack = now;
+                last_ack_at = now;
             }
         }
 
         // Send DATA within the window.
         if o.sent < args.frames {
-            let room = (acked + args.window).saturating_sub(o.sent).min(args.frames - o.sent);
+            let room = (acked + window).saturating_sub(o.sent).min(args.frames - o.sent);
             if room > 0 {
                 let mut next = o.sent;
                 let n = port
