@@ -29,5 +29,8 @@ fn main() {
         .build()
         .unwrap_or_else(|e| panic!("compiling {}: {e:#}", src.display()));
     println!("cargo:rerun-if-changed={}", src.display());
-    println!("cargo:rerun-if-changed={}", bpf_dir.join("tyche_wire.h").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        bpf_dir.join("tyche_wire.h").display()
+    );
 }

@@ -34,8 +34,16 @@ pub fn render() -> String {
         ("TYCHE_COMMON_KIND", layout::common::KIND, "u8"),
         ("TYCHE_COMMON_FLAGS", layout::common::FLAGS.start, "be16"),
         ("TYCHE_COMMON_LENGTH", layout::common::LENGTH.start, "be16"),
-        ("TYCHE_COMMON_CHANNEL", layout::common::CHANNEL.start, "be16"),
-        ("TYCHE_COMMON_SESSION", layout::common::SESSION.start, "be64"),
+        (
+            "TYCHE_COMMON_CHANNEL",
+            layout::common::CHANNEL.start,
+            "be16",
+        ),
+        (
+            "TYCHE_COMMON_SESSION",
+            layout::common::SESSION.start,
+            "be64",
+        ),
         ("TYCHE_COMMON_END", layout::common::END, "length"),
         ("TYCHE_SEQ_SEQ", layout::seq::SEQ.start, "be32"),
         ("TYCHE_SEQ_ACK", layout::seq::ACK.start, "be32"),

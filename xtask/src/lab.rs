@@ -185,7 +185,12 @@ impl Lab {
             }
             for (ns, ifname, mac, addr) in [
                 (target_ns, &p.target_if, p.target_mac, &p.target_ip),
-                (initiator_ns, &p.initiator_if, p.initiator_mac, &p.initiator_ip),
+                (
+                    initiator_ns,
+                    &p.initiator_if,
+                    p.initiator_mac,
+                    &p.initiator_ip,
+                ),
             ] {
                 let mac = mac.to_string();
                 ip(&["-n", ns, "link", "set", "dev", ifname, "down"])?;

@@ -247,7 +247,9 @@ pub fn smoke(root: &Path, args: &SmokeArgs) -> Result<()> {
     for p in &lab.pairs {
         pings.push(
             Command::new("ip")
-                .args(["netns", "exec", &i_ns, "ping", "-q", "-c", "20", "-i", "0.05", "-W", "2"])
+                .args([
+                    "netns", "exec", &i_ns, "ping", "-q", "-c", "20", "-i", "0.05", "-W", "2",
+                ])
                 .arg(&p.target_ip)
                 .stdout(Stdio::null())
                 .spawn()
@@ -263,7 +265,9 @@ pub fn smoke(root: &Path, args: &SmokeArgs) -> Result<()> {
     // And once more after the run, to show the links were left working.
     for p in &lab.pairs {
         ip_ok &= Command::new("ip")
-            .args(["netns", "exec", &i_ns, "ping", "-q", "-c", "2", "-i", "0.2", "-W", "2"])
+            .args([
+                "netns", "exec", &i_ns, "ping", "-q", "-c", "2", "-i", "0.2", "-W", "2",
+            ])
             .arg(&p.target_ip)
             .stdout(Stdio::null())
             .status()
@@ -303,9 +307,27 @@ fn xdp_run(peer_bin: &Path, lab: &Lab, args: &BenchArgs) -> Result<(f64, f64, f6
     let n = args.frames.to_string();
     let w = args.window.to_string();
     let mut tx_args = links(&lab.pairs, true);
-    tx_args.extend(strs(&["--frames", &n, "--expect", "0", "--window", &w, "--timeout", "60"]));
+    tx_args.extend(strs(&[
+        "--frames",
+        &n,
+        "--expect",
+        "0",
+        "--window",
+        &w,
+        "--timeout",
+        "60",
+    ]));
     let mut rx_args = links(&lab.pairs, false);
-    rx_args.extend(strs(&["--frames", "0", "--expect", &n, "--window", &w, "--timeout", "60"]));
+    rx_args.extend(strs(&[
+        "--frames",
+        "0",
+        "--expect",
+        &n,
+        "--window",
+        &w,
+        "--timeout",
+        "60",
+    ]));
     let mut rx = Peer::spawn("receiver", &lab.initiator_ns, peer_bin, &rx_args)?;
     let mut tx = Peer::spawn("sender", &lab.target_ns, peer_bin, &tx_args)?;
     rx.wait_for("ALL-READY", Duration::from_secs(30))?;
@@ -331,7 +353,15 @@ fn xdp_run(peer_bin: &Path, lab: &Lab, args: &BenchArgs) -> Result<(f64, f64, f6
 fn iperf_run(lab: &Lab, secs: u64) -> Result<f64> {
     let p = &lab.pairs[0];
     let mut server = Command::new("ip")
-        .args(["netns", "exec", &lab.initiator_ns, "iperf3", "-s", "-1", "-B"])
+        .args([
+            "netns",
+            "exec",
+            &lab.initiator_ns,
+            "iperf3",
+            "-s",
+            "-1",
+            "-B",
+        ])
         .arg(&p.initiator_ip)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -352,7 +382,10 @@ fn iperf_run(lab: &Lab, secs: u64) -> Result<f64> {
         .find("\"sum_received\"")
         .context("iperf3 gave no sum_received")?;
     let rest = &json[at..];
-    let k = rest.find("\"bits_per_second\":").context("no bits_per_second")? + 18;
+    let k = rest
+        .find("\"bits_per_second\":")
+        .context("no bits_per_second")?
+        + 18;
     let v: f64 = rest[k..]
         .trim_start()
         .split(|c: char| c == ',' || c.is_whitespace() || c == '}')
@@ -400,7 +433,14 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
         let mut holders = Vec::new();
         for (name, ns, target) in [("t", &lab.target_ns, true), ("i", &lab.initiator_ns, false)] {
             let mut a = links(&lab.pairs, target);
-            a.extend(strs(&["--frames", "0", "--expect", "1", "--timeout", &hold]));
+            a.extend(strs(&[
+                "--frames",
+                "0",
+                "--expect",
+                "1",
+                "--timeout",
+                &hold,
+            ]));
             let mut p = Peer::spawn(name, ns, &peer_bin, &a)?;
             p.wait_for("ALL-READY", Duration::from_secs(30))?;
             p.go()?;

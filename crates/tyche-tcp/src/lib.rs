@@ -230,29 +230,36 @@ mod tests {
             assert!(Instant::now() < deadline, "stalled at {got}/{N} frames");
             if sent < N {
                 a.send(64, &mut |buf| {
-                        if sent >= N {
-                            return None;
-                        }
-                        // Vary the length so frames straddle read boundaries.
-                        let len = 60 + (sent as usize * 7) % (buf.len() - 60);
-                        buf[..4].copy_from_slice(&sent.to_be_bytes());
-                        buf[len - 1] = sent as u8;
-                        sent += 1;
-                        Some(len)
-                    })
+                    if sent >= N {
+                        return None;
+                    }
+                    // Vary the length so frames straddle read boundaries.
+                    let len = 60 + (sent as usize * 7) % (buf.len() - 60);
+                    buf[..4].copy_from_slice(&sent.to_be_bytes());
+                    buf[len - 1] = sent as u8;
+                    sent += 1;
+                    Some(len)
+                })
                 .expect("send");
             }
             a.flush().expect("flush");
             b.recv(256, &mut |f| {
                 let seq = u32::from_be_bytes(f[..4].try_into().expect("4 bytes"));
                 assert_eq!(seq, got, "frames arrive in order");
-                assert_eq!(f.len(), 60 + (seq as usize * 7) % (3014 - 60), "length kept");
+                assert_eq!(
+                    f.len(),
+                    60 + (seq as usize * 7) % (3014 - 60),
+                    "length kept"
+                );
                 assert_eq!(f[f.len() - 1], seq as u8, "last byte intact");
                 got += 1;
             })
             .expect("recv");
         }
-        assert_eq!(b.recv(10, &mut |_| panic!("no extra frame")).expect("recv"), 0);
+        assert_eq!(
+            b.recv(10, &mut |_| panic!("no extra frame")).expect("recv"),
+            0
+        );
         assert!(a.readiness_fd().is_some());
     }
 
@@ -277,6 +284,10 @@ mod tests {
         assert_eq!((n, calls), (0, 3));
         assert_eq!(a.pending(), 0);
         std::thread::sleep(Duration::from_millis(50));
-        assert_eq!(b.recv(4, &mut |_| panic!("nothing was sent")).expect("recv"), 0);
+        assert_eq!(
+            b.recv(4, &mut |_| panic!("nothing was sent"))
+                .expect("recv"),
+            0
+        );
     }
 }

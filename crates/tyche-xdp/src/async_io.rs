@@ -29,9 +29,7 @@ impl<T: FrameTransport> AsyncTransport<T> {
             .try_clone_to_owned()?;
         // SAFETY: `owned` is an open descriptor (a dup of the transport's) owned by the
         // `AsyncFd` itself, so it stays open and unchanged until the `AsyncFd` is dropped.
-        let fd = unsafe {
-            AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE)
-        }?;
+        let fd = unsafe { AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }?;
         Ok(AsyncTransport {
             fd,
             transport,

@@ -36,7 +36,10 @@ impl InterfaceInfo {
         // SAFETY: plain socket(2) call; the result is checked and closed below.
         let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
         if fd < 0 {
-            return Err(Error::io("socket for interface ioctls", io::Error::last_os_error()));
+            return Err(Error::io(
+                "socket for interface ioctls",
+                io::Error::last_os_error(),
+            ));
         }
         let result = (|| {
             // SAFETY: `ifreq` is plain old data; all-zero is a valid value.
@@ -46,7 +49,10 @@ impl InterfaceInfo {
             }
             // SAFETY: `req` is a valid ifreq with the name set; SIOCGIFMTU writes `ifru_mtu`.
             if unsafe { libc::ioctl(fd, libc::SIOCGIFMTU, &mut req) } < 0 {
-                return Err(Error::io(format!("SIOCGIFMTU {name}"), io::Error::last_os_error()));
+                return Err(Error::io(
+                    format!("SIOCGIFMTU {name}"),
+                    io::Error::last_os_error(),
+                ));
             }
             // SAFETY: the ioctl above succeeded and filled the `ifru_mtu` member.
             let mtu = unsafe { req.ifr_ifru.ifru_mtu } as usize;

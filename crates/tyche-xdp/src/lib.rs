@@ -53,7 +53,15 @@ mod tests {
         assert_eq!(p.segment_size, 1024);
         let e = plan_frames("x", 9000, false).expect_err("9000 needs multi-buffer");
         assert!(
-            matches!(e, Error::FrameSize { mtu: 9000, needed: 9014, per_buffer: 3840, .. }),
+            matches!(
+                e,
+                Error::FrameSize {
+                    mtu: 9000,
+                    needed: 9014,
+                    per_buffer: 3840,
+                    ..
+                }
+            ),
             "{e}"
         );
         let p = plan_frames("x", 9000, true).expect("9000 with multi-buffer");

@@ -50,14 +50,7 @@ fn set_mempolicy(mode: libc::c_int, mask: Option<&[u64; MASK_WORDS]>) -> io::Res
     let ptr = mask.map_or(std::ptr::null(), |m| m.as_ptr());
     let maxnode = if mask.is_some() { MAX_NODES + 1 } else { 0 };
     // SAFETY: `ptr` is null or points to a mask of MAX_NODES bits that outlives the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_set_mempolicy,
-            mode,
-            ptr,
-            maxnode as libc::c_ulong,
-        )
-    };
+    let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, mode, ptr, maxnode as libc::c_ulong) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -135,7 +128,10 @@ mod tests {
 
     #[test]
     fn cpulists_parse() {
-        assert_eq!(parse_cpulist("0-3,8,10-11").unwrap(), [0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(
+            parse_cpulist("0-3,8,10-11").unwrap(),
+            [0, 1, 2, 3, 8, 10, 11]
+        );
         assert_eq!(parse_cpulist("").unwrap(), Vec::<usize>::new());
         assert!(parse_cpulist("a-b").is_err());
     }
@@ -152,6 +148,10 @@ mod tests {
         let inside = with_memory_on(Some(0), || get_mempolicy().expect("get_mempolicy").0)
             .expect("bind to node 0");
         assert_eq!(inside, MPOL_BIND, "policy bound inside");
-        assert_eq!(get_mempolicy().expect("get_mempolicy").0, before, "policy restored");
+        assert_eq!(
+            get_mempolicy().expect("get_mempolicy").0,
+            before,
+            "policy restored"
+        );
     }
 }

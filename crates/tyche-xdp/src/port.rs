@@ -262,9 +262,10 @@ impl XdpPort {
         let frame_count = NonZeroU32::new(config.frame_count).expect("frame_count > 0");
         // Umem::new maps with MAP_POPULATE: binding the memory policy around it places every
         // page on the NIC's node.
-        let (umem, descs) = numa::with_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
-            .map_err(|e| Error::io("binding the UMEM to the NIC's NUMA node", e))?
-            .map_err(|e| xsk_err("creating the UMEM", e))?;
+        let (umem, descs) =
+            numa::with_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
+                .map_err(|e| Error::io("binding the UMEM to the NIC's NUMA node", e))?
+                .map_err(|e| xsk_err("creating the UMEM", e))?;
 
         let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
         if plan.multi_buffer {
@@ -290,11 +291,15 @@ impl XdpPort {
                     ""
                 };
                 xsk_err(
-                    &format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue),
+                    &format!(
+                        "binding an AF_XDP socket to {} queue {}{hint}",
+                        info.name, config.queue
+                    ),
                     e,
                 )
             })?;
-        let (mut fq, cq) = rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
+        let (mut fq, cq) =
+            rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
 
         if let Some(bp) = config.busy_poll {
             let fd = rx.fd().as_raw_fd();
@@ -311,7 +316,11 @@ impl XdpPort {
         let (rx_half, tx_half) = descs.split_at(half as usize);
         // SAFETY: the descriptors come from this UMEM and none is in any ring yet.
         let filled = unsafe { fq.produce(rx_half) };
-        assert_eq!(filled, rx_half.len(), "fill ring holds every receive buffer");
+        assert_eq!(
+            filled,
+            rx_half.len(),
+            "fill ring holds every receive buffer"
+        );
 
         program.register(config.queue, rx.fd_borrowed())?;
 

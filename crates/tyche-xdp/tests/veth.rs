@@ -96,12 +96,7 @@ fn in_ns<T: Send + 'static>(
     std::thread::spawn(move || {
         let file = std::fs::File::open(&path).expect("open netns");
         // SAFETY: `file` is an open network namespace descriptor; setns only affects this thread.
-        let rc = unsafe {
-            libc::setns(
-                std::os::fd::AsRawFd::as_raw_fd(&file),
-                libc::CLONE_NEWNET,
-            )
-        };
+        let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&file), libc::CLONE_NEWNET) };
         assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
         f()
     })
@@ -181,7 +176,10 @@ fn exchange(
     let (mut next_tx, mut next_rx) = (0u32, 0u32);
     let deadline = Instant::now() + Duration::from_secs(20);
     while next_rx < n || next_tx < n {
-        assert!(Instant::now() < deadline, "{ifname}: stalled: sent {next_tx}, got {next_rx}");
+        assert!(
+            Instant::now() < deadline,
+            "{ifname}: stalled: sent {next_tx}, got {next_rx}"
+        );
         if next_tx < n {
             port.send(32, &mut |buf| {
                 if next_tx == n {
@@ -194,7 +192,11 @@ fn exchange(
         }
         port.flush().expect("flush");
         port.recv(64, &mut |buf| {
-            assert_eq!(check_data(buf, segment), next_rx, "in order, nothing foreign");
+            assert_eq!(
+                check_data(buf, segment),
+                next_rx,
+                "in order, nothing foreign"
+            );
             next_rx += 1;
         })
         .expect("recv");
@@ -219,7 +221,9 @@ fn tyche_frames_cross_af_xdp_while_ip_passes() {
     done.wait();
     // IP on the same link while both programs and sockets are in place.
     let ping = Command::new("ip")
-        .args(["netns", "exec", &lab.b, "ping", "-q", "-c", "3", "-i", "0.2", "-W", "2"])
+        .args([
+            "netns", "exec", &lab.b, "ping", "-q", "-c", "3", "-i", "0.2", "-W", "2",
+        ])
         .arg("10.99.200.1")
         .output()
         .expect("run ping");
@@ -229,8 +233,14 @@ fn tyche_frames_cross_af_xdp_while_ip_passes() {
     assert!(ping.status.success(), "ping across the steered veth failed");
     for s in [sa, sb] {
         assert!(s.steered >= u64::from(n), "steered {s:?}");
-        assert!(s.malformed >= 1, "a bad-version Tyche frame is counted: {s:?}");
-        assert!(s.passed >= 3, "IP, ARP and the foreign EtherType go to the kernel: {s:?}");
+        assert!(
+            s.malformed >= 1,
+            "a bad-version Tyche frame is counted: {s:?}"
+        );
+        assert!(
+            s.passed >= 3,
+            "IP, ARP and the foreign EtherType go to the kernel: {s:?}"
+        );
     }
 }
 
@@ -243,7 +253,9 @@ fn jumbo_frames_use_multi_buffer_or_fail_clearly() {
             multi_buffer: false,
             ..PortConfig::default()
         };
-        XdpPort::open("tya", &cfg).map(|_| ()).expect_err("MTU 9000 must not fit one chunk")
+        XdpPort::open("tya", &cfg)
+            .map(|_| ())
+            .expect_err("MTU 9000 must not fit one chunk")
     })
     .join()
     .expect("thread");

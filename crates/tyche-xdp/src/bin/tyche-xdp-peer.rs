@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 
 use tyche_transport::FrameTransport;
 use tyche_wire::{
-    Ack, DataHeader, Envelope, Frame, MacAddr, Message, Seq, DATA_FRAME_OVERHEAD,
-    DEFAULT_ETHERTYPE,
+    Ack, DataHeader, Envelope, Frame, MacAddr, Message, Seq, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE,
 };
 use tyche_xdp::{AttachMode, PortConfig, XdpPort};
 
@@ -57,7 +56,9 @@ fn parse_args() -> Result<Args, String> {
             "--expect" => a.expect = val()?.parse().map_err(|_| "bad --expect")?,
             "--window" => a.window = val()?.parse().map_err(|_| "bad --window")?,
             "--batch" => a.batch = val()?.parse().map_err(|_| "bad --batch")?,
-            "--timeout" => a.timeout = Duration::from_secs(val()?.parse().map_err(|_| "bad --timeout")?),
+            "--timeout" => {
+                a.timeout = Duration::from_secs(val()?.parse().map_err(|_| "bad --timeout")?)
+            }
             "--mode" => {
                 a.mode = match val()?.as_str() {
                     "auto" => AttachMode::Auto,
@@ -155,8 +156,8 @@ fn run_link(
                 Ok(Message::Data(d)) => {
                     let seq = u64::from(d.header.seq.seq);
                     let ok = d.payload.len() == segment
-                        && d.payload[..8] == (seq as u64).to_be_bytes()
-                        && d.payload[segment - 8..] == (seq as u64).to_be_bytes();
+                        && d.payload[..8] == seq.to_be_bytes()
+                        && d.payload[segment - 8..] == seq.to_be_bytes();
                     if !ok {
                         o.corrupt += 1;
                         return;
@@ -186,14 +187,21 @@ fn run_link(
         // Acknowledge: often enough to keep the peer's window open, never per frame.
         let recv_done = o.received >= args.expect;
         let idle_ack = got_data == 0 && now.duration_since(last_ack_at) > Duration::from_micros(50);
-        let want_ack = o.received > ack_sent
-            && (o.received - ack_sent >= window / 8 || idle_ack || recv_done);
-        let final_ack = done_at.is_some() && now.duration_since(last_final_ack) > Duration::from_millis(5);
+        let want_ack =
+            o.received > ack_sent && (o.received - ack_sent >= window / 8 || idle_ack || recv_done);
+        let final_ack =
+            done_at.is_some() && now.duration_since(last_final_ack) > Duration::from_millis(5);
         if want_ack || final_ack {
             let cumulative = o.received as u32;
             let sent = port
                 .send(1, &mut |buf| {
-                    Some(Message::Ack(Ack { cumulative, sack: 0 }).emit(&env, buf))
+                    Some(
+                        Message::Ack(Ack {
+                            cumulative,
+                            sack: 0,
+                        })
+                        .emit(&env, buf),
+                    )
                 })
                 .map_err(|e| format!("{ifname}: send ack: {e}"))?;
             if sent == 1 {
@@ -205,7 +213,9 @@ fn run_link(
 
         // Send DATA within the window.
         if o.sent < args.frames {
-            let room = (acked + window).saturating_sub(o.sent).min(args.frames - o.sent);
+            let room = (acked + window)
+                .saturating_sub(o.sent)
+                .min(args.frames - o.sent);
             if room > 0 {
                 let mut next = o.sent;
                 let n = port
@@ -216,7 +226,10 @@ fn run_link(
                         payload[segment - 8..].copy_from_slice(&seq.to_be_bytes());
                         next += 1;
                         let h = DataHeader {
-                            seq: Seq { seq: seq as u32, ack: 0 },
+                            seq: Seq {
+                                seq: seq as u32,
+                                ack: 0,
+                            },
                             damq: 0,
                             seg_index: 0,
                             seg_count: 1,
