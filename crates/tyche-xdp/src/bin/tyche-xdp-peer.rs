@@ -30,6 +30,7 @@ struct Args {
     mode: AttachMode,
     timeout: Duration,
     batch: usize,
+    umem_frames: u32,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -41,6 +42,7 @@ fn parse_args() -> Result<Args, String> {
         mode: AttachMode::Auto,
         timeout: Duration::from_secs(60),
         batch: 64,
+        umem_frames: 4096,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -55,6 +57,7 @@ fn parse_args() -> Result<Args, String> {
             "--frames" => a.frames = val()?.parse().map_err(|_| "bad --frames")?,
             "--expect" => a.expect = val()?.parse().map_err(|_| "bad --expect")?,
             "--window" => a.window = val()?.parse().map_err(|_| "bad --window")?,
+            "--umem-frames" => a.umem_frames = val()?.parse().map_err(|_| "bad --umem-frames")?,
             "--batch" => a.batch = val()?.parse().map_err(|_| "bad --batch")?,
             "--timeout" => {
                 a.timeout = Duration::from_secs(val()?.parse().map_err(|_| "bad --timeout")?)
@@ -98,6 +101,8 @@ fn run_link(
 ) -> Result<(), String> {
     let config = PortConfig {
         mode: args.mode,
+        frame_count: args.umem_frames,
+        batch: args.batch,
         ..PortConfig::default()
     };
     let mut port = XdpPort::open(ifname, &config).map_err(|e| format!("{ifname}: {e}"))?;
@@ -167,9 +172,6 @@ fn run_link(
                     }
                     o.received += 1;
                     o.rx_bytes += buf.len() as u64;
-                    let t = Instant::now();
-                    o.first_rx.get_or_insert(t);
-                    o.last_rx = Some(t);
                     got_data += 1;
                 }
                 Ok(Message::Ack(a)) => {
@@ -183,6 +185,12 @@ fn run_link(
             }
         })
         .map_err(|e| format!("{ifname}: recv: {e}"))?;
+        if got_data > 0 {
+            // One clock read per batch, not per frame.
+            let t = Instant::now();
+            o.first_rx.get_or_insert(now);
+            o.last_rx = Some(t);
+        }
 
         // Acknowledge: often enough to keep the peer's window open, never per frame.
         let recv_done = o.received >= args.expect;
