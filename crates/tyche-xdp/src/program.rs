@@ -62,6 +62,9 @@ pub struct XdpProgram {
     frags: bool,
 }
 
+const SINGLE: &str = "tyche_steer";
+const FRAGS: &str = "tyche_steer_frags";
+
 fn xdp_flags(mode: AttachedMode) -> XdpFlags {
     match mode {
         AttachedMode::Native => XdpFlags::DRV_MODE,
@@ -70,8 +73,11 @@ fn xdp_flags(mode: AttachedMode) -> XdpFlags {
 }
 
 impl XdpProgram {
-    /// Loads the program and attaches it to `ifname` (index `ifindex`). `frags` selects the
-    /// multi-buffer build (`SEC("xdp.frags")`); `ethertype` is the EtherType to steer.
+    /// Loads the program and attaches it to `ifname` (index `ifindex`). `frags` asks for the
+    /// multi-buffer build (`SEC("xdp.frags")`); without it the single-buffer build is tried
+    /// first and the frags build second (it serves single-buffer sockets too). With
+    /// [`AttachMode::Auto`], native mode is tried before generic mode, and the fall-back is
+    /// logged. `ethertype` is the EtherType to steer.
     pub fn attach(
         ifname: &str,
         ifindex: u32,
@@ -79,70 +85,67 @@ impl XdpProgram {
         frags: bool,
         ethertype: u16,
     ) -> Result<Self, Error> {
-        let prog_name = if frags {
-            "tyche_steer_frags"
-        } else {
-            "tyche_steer"
-        };
         let mut open = ObjectBuilder::default()
             .open_memory(OBJECT)
             .map_err(|e| Error::bpf("opening the XDP object", e))?;
-        // Load only the entry point we attach.
+        // Without frags, only the single-buffer entry point is a candidate at first; the frags
+        // build also serves single-buffer sockets, so it is the second choice in native mode
+        // (veth refuses single-buffer programs above an MTU of about 3500).
+        let native_fallback_to_frags = !frags;
         for mut prog in open.progs_mut() {
-            let wanted = prog.name() == prog_name;
+            let wanted = prog.name() == FRAGS || native_fallback_to_frags;
             prog.set_autoload(wanted);
         }
         let object = open
             .load()
-            .map_err(|e| Error::bpf(format!("loading {prog_name}"), e))?;
+            .map_err(|e| Error::bpf("loading the XDP programs", e))?;
         let ifindex = ifindex as i32;
-        let modes: &[AttachedMode] = match mode {
-            AttachMode::Native => &[AttachedMode::Native],
-            AttachMode::Skb => &[AttachedMode::Skb],
-            AttachMode::Auto => &[AttachedMode::Native, AttachedMode::Skb],
-        };
+        let mut candidates: Vec<(AttachedMode, &'static str)> = Vec::new();
+        if matches!(mode, AttachMode::Native | AttachMode::Auto) {
+            if !frags {
+                candidates.push((AttachedMode::Native, SINGLE));
+            }
+            candidates.push((AttachedMode::Native, FRAGS));
+        }
+        if matches!(mode, AttachMode::Skb | AttachMode::Auto) {
+            candidates.push((AttachedMode::Skb, if frags { FRAGS } else { SINGLE }));
+        }
         let mut errors = Vec::new();
         let mut attached = None;
-        {
-            let prog = object
-                .progs()
-                .find(|p| p.name() == prog_name)
-                .ok_or_else(|| Error::Attach {
-                    ifname: ifname.to_string(),
-                    detail: format!("program {prog_name} missing from the object"),
-                })?;
+        for (m, name) in candidates {
+            let prog = object.progs().find(|p| p.name() == name);
+            let Some(prog) = prog else {
+                continue;
+            };
             let xdp = Xdp::new(prog.as_fd());
-            for &m in modes {
-                // Replace whatever a crashed earlier run may have left attached in the other
-                // mode, so that the two never stack.
-                let _ = xdp.detach(ifindex, xdp_flags(other(m)));
-                match xdp.attach(ifindex, xdp_flags(m)) {
-                    Ok(()) => {
-                        attached = Some(m);
-                        break;
+            // Replace whatever a crashed earlier run may have left attached in the other mode,
+            // so that the two never stack.
+            let _ = xdp.detach(ifindex, xdp_flags(other(m)));
+            match xdp.attach(ifindex, xdp_flags(m)) {
+                Ok(()) => {
+                    attached = Some((m, name));
+                    break;
+                }
+                Err(e) => {
+                    if m == AttachedMode::Native && mode == AttachMode::Auto {
+                        tracing::warn!(ifname, program = name, error = %e, "native XDP attach failed");
+                        eprintln!("tyche-xdp: {ifname}: native XDP attach of {name} failed ({e})");
                     }
-                    Err(e) => {
-                        if m == AttachedMode::Native && modes.len() > 1 {
-                            tracing::warn!(
-                                ifname,
-                                error = %e,
-                                "native XDP attach failed; falling back to generic (skb) mode"
-                            );
-                            eprintln!(
-                                "tyche-xdp: {ifname}: native XDP attach failed ({e}); falling back to generic (skb) mode"
-                            );
-                        }
-                        errors.push(format!("{m}: {e}"));
-                    }
+                    errors.push(format!("{m} {name}: {e}"));
                 }
             }
         }
-        let Some(mode) = attached else {
+        let Some((mode, prog_name)) = attached else {
             return Err(Error::Attach {
                 ifname: ifname.to_string(),
                 detail: errors.join("; "),
             });
         };
+        if mode == AttachedMode::Skb && !errors.is_empty() {
+            tracing::warn!(ifname, "XDP falls back to generic (skb) mode");
+            eprintln!("tyche-xdp: {ifname}: falling back to generic (skb) mode");
+        }
+        let frags = prog_name == FRAGS;
         let program = XdpProgram {
             object: Mutex::new(object),
             prog_name,
@@ -167,7 +170,7 @@ impl XdpProgram {
         self.mode
     }
 
-    /// Whether the multi-buffer (`xdp.frags`) build is attached.
+    /// Whether the multi-buffer (`xdp.frags`) build is the one attached.
     pub fn frags(&self) -> bool {
         self.frags
     }
