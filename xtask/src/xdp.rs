@@ -415,20 +415,19 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     let lab = Lab::create(&t_ns, &i_ns, 1, args.mtu)?;
     let runs = args.runs.max(1);
 
+    // Interleaved, so that load from elsewhere on the machine hits all three alike.
     let mut tcp_plain = Vec::new();
-    for _ in 0..runs {
-        tcp_plain.push(iperf_run(&lab, args.iperf_secs)?);
-    }
     let mut xdp = Vec::new();
+    let mut tcp_xdp = Vec::new();
     let mut frame_len = 0.0;
-    for _ in 0..runs {
+    for run in 0..runs {
+        eprintln!("bench: run {}/{runs}", run + 1);
+        tcp_plain.push(iperf_run(&lab, args.iperf_secs)?);
         let (fps, bps, len) = xdp_run(&peer_bin, &lab, args)?;
         frame_len = len;
         xdp.push((fps, bps));
-    }
-    // TCP again with the steering program attached on both ends, as when Tyche shares the link.
-    let mut tcp_xdp = Vec::new();
-    for _ in 0..runs {
+        // TCP again with the steering program attached on both ends, as when Tyche shares the
+        // link.
         let hold = (args.iperf_secs + 4).to_string();
         let mut holders = Vec::new();
         for (name, ns, target) in [("t", &lab.target_ns, true), ("i", &lab.initiator_ns, false)] {

@@ -391,6 +391,28 @@ impl XdpPort {
         s
     }
 
+    /// Sleeps until a frame is waiting on the RX ring or `timeout` passes (`poll(2)`; in copy
+    /// mode the poll also drives pending transmissions). Returns whether frames are waiting. For
+    /// threads that poll the port themselves: spin while busy, call this when idle.
+    pub fn wait_readable(&mut self, timeout: std::time::Duration) -> io::Result<bool> {
+        let mut pfd = libc::pollfd {
+            fd: self.rx.fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: `pfd` is one valid pollfd for the duration of the call.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(e);
+        }
+        Ok(rc > 0 && pfd.revents & libc::POLLIN != 0)
+    }
+
     /// Transmit buffers not yet given back by the kernel.
     pub fn tx_in_flight(&self) -> usize {
         self.tx_ring_size as usize - self.tx_free.len()

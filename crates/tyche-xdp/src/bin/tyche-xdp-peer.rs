@@ -31,6 +31,7 @@ struct Args {
     timeout: Duration,
     batch: usize,
     umem_frames: u32,
+    spins: u32,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -43,6 +44,7 @@ fn parse_args() -> Result<Args, String> {
         timeout: Duration::from_secs(60),
         batch: 64,
         umem_frames: 4096,
+        spins: 64,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -58,6 +60,7 @@ fn parse_args() -> Result<Args, String> {
             "--expect" => a.expect = val()?.parse().map_err(|_| "bad --expect")?,
             "--window" => a.window = val()?.parse().map_err(|_| "bad --window")?,
             "--umem-frames" => a.umem_frames = val()?.parse().map_err(|_| "bad --umem-frames")?,
+            "--spins" => a.spins = val()?.parse().map_err(|_| "bad --spins")?,
             "--batch" => a.batch = val()?.parse().map_err(|_| "bad --batch")?,
             "--timeout" => {
                 a.timeout = Duration::from_secs(val()?.parse().map_err(|_| "bad --timeout")?)
@@ -144,6 +147,7 @@ fn run_link(
     let mut done_at: Option<Instant> = None;
     let mut last_final_ack = Instant::now();
     let mut last_ack_at = Instant::now();
+    let mut idle = 0u32;
     loop {
         let now = Instant::now();
         if now > deadline {
@@ -220,6 +224,7 @@ fn run_link(
         }
 
         // Send DATA within the window.
+        let mut sent_now = 0;
         if o.sent < args.frames {
             let room = (acked + window)
                 .saturating_sub(o.sent)
@@ -248,9 +253,21 @@ fn run_link(
                     })
                     .map_err(|e| format!("{ifname}: send: {e}"))?;
                 o.sent += n as u64;
+                sent_now = n;
             }
         }
         port.flush().map_err(|e| format!("{ifname}: flush: {e}"))?;
+        // Busy: poll again at once. Idle for a while: sleep until a frame (DATA or the ACK that
+        // reopens the window) arrives, so a waiting side yields its CPU to the one working.
+        if got_data > 0 || sent_now > 0 {
+            idle = 0;
+        } else {
+            idle += 1;
+            if idle > args.spins {
+                port.wait_readable(Duration::from_millis(1))
+                    .map_err(|e| format!("{ifname}: poll: {e}"))?;
+            }
+        }
 
         // A window that stops moving for a second means frames were lost: give up on them
         // (the receiver's count shows the loss) rather than wait forever.
