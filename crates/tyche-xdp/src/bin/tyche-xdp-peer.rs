@@ -15,11 +15,64 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use tyche_transport::FrameTransport;
 use tyche_wire::{
     Ack, DataHeader, Envelope, Frame, MacAddr, Message, Seq, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE,
 };
-use tyche_xdp::{AttachMode, PortConfig, XdpPort};
+
+use tyche_tcp::TcpTransport;
+use tyche_xdp::{AttachMode, InterfaceInfo, PortConfig, XdpPort};
+
+/// `--tcp-listen` / `--tcp-connect`: carry the same frames over TCP (the TSockets baseline)
+/// between the two ends of the link instead of AF_XDP.
+#[derive(Debug, Clone)]
+enum Tcp {
+    Listen(SocketAddr),
+    Connect(SocketAddr),
+}
+
+/// The transport a link runs over.
+enum Port {
+    Xdp(Box<XdpPort>),
+    Tcp(TcpTransport),
+}
+
+impl Port {
+    fn t(&mut self) -> &mut dyn FrameTransport {
+        match self {
+            Port::Xdp(p) => p,
+            Port::Tcp(p) => p,
+        }
+    }
+    fn mode(&self) -> String {
+        match self {
+            Port::Xdp(p) => p.mode().to_string(),
+            Port::Tcp(_) => "tcp".into(),
+        }
+    }
+    /// Sleeps until the transport has input or `timeout` passes.
+    fn wait(&mut self, timeout: Duration) -> std::io::Result<()> {
+        let Some(fd) = self.t().readiness_fd().map(|f| f.as_raw_fd()) else {
+            return Ok(());
+        };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is one valid pollfd for the duration of the call.
+        let rc = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as libc::c_int) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
 
 #[derive(Debug, Clone)]
 struct Args {
@@ -32,6 +85,7 @@ struct Args {
     batch: usize,
     umem_frames: u32,
     spins: u32,
+    tcp: Option<Tcp>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -45,6 +99,7 @@ fn parse_args() -> Result<Args, String> {
         batch: 64,
         umem_frames: 4096,
         spins: 64,
+        tcp: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -60,6 +115,14 @@ fn parse_args() -> Result<Args, String> {
             "--expect" => a.expect = val()?.parse().map_err(|_| "bad --expect")?,
             "--window" => a.window = val()?.parse().map_err(|_| "bad --window")?,
             "--umem-frames" => a.umem_frames = val()?.parse().map_err(|_| "bad --umem-frames")?,
+            "--tcp-listen" => {
+                a.tcp = Some(Tcp::Listen(val()?.parse().map_err(|_| "bad --tcp-listen")?))
+            }
+            "--tcp-connect" => {
+                a.tcp = Some(Tcp::Connect(
+                    val()?.parse().map_err(|_| "bad --tcp-connect")?,
+                ))
+            }
             "--spins" => a.spins = val()?.parse().map_err(|_| "bad --spins")?,
             "--batch" => a.batch = val()?.parse().map_err(|_| "bad --batch")?,
             "--timeout" => {
@@ -108,19 +171,37 @@ fn run_link(
         batch: args.batch,
         ..PortConfig::default()
     };
-    let mut port = XdpPort::open(ifname, &config).map_err(|e| format!("{ifname}: {e}"))?;
-    let plan = port.plan();
-    let segment = plan.segment_size as usize;
-    // Keep the window within the peer's receive buffers (same configuration on both sides):
-    // a multi-buffer frame takes several chunks.
-    let chunks_per_frame = plan.frame_capacity.div_ceil(tyche_xdp::BUFFER_CAPACITY) as u64;
-    let rx_chunks = u64::from(config.frame_count / 2);
-    let window = args.window.min(rx_chunks * 3 / 4 / chunks_per_frame).max(1);
+    let mut xdp = None;
+    let mut listener = None;
+    let (segment, window, mode, multi_buffer) = match &args.tcp {
+        None => {
+            let port = XdpPort::open(ifname, &config).map_err(|e| format!("{ifname}: {e}"))?;
+            let plan = port.plan();
+            // Keep the window within the peer's receive buffers (same configuration on both
+            // sides): a multi-buffer frame takes several chunks.
+            let chunks_per_frame = plan.frame_capacity.div_ceil(tyche_xdp::BUFFER_CAPACITY) as u64;
+            let rx_chunks = u64::from(config.frame_count / 2);
+            let window = args.window.min(rx_chunks * 3 / 4 / chunks_per_frame).max(1);
+            let mode = port.mode().to_string();
+            xdp = Some(port);
+            (plan.segment_size as usize, window, mode, plan.multi_buffer)
+        }
+        Some(tcp) => {
+            let info = InterfaceInfo::query(ifname).map_err(|e| format!("{ifname}: {e}"))?;
+            let segment = tyche_wire::segment_size_for(info.mtu, info.mtu + 14)
+                .ok_or(format!("{ifname}: MTU {} too small", info.mtu))?;
+            if let Tcp::Listen(addr) = tcp {
+                let l = TcpListener::bind(addr).map_err(|e| format!("listen {addr}: {e}"))?;
+                l.set_nonblocking(true)
+                    .map_err(|e| format!("listener: {e}"))?;
+                listener = Some((l, info));
+            }
+            (segment as usize, args.window, "tcp".to_string(), false)
+        }
+    };
     println!(
-        "READY link={ifname} mode={} segment={segment} frame={} multi_buffer={}",
-        port.mode(),
+        "READY link={ifname} mode={mode} segment={segment} frame={} multi_buffer={multi_buffer}",
         segment + DATA_FRAME_OVERHEAD,
-        plan.multi_buffer
     );
     ready.wait();
     *passed_barrier = true;
@@ -130,11 +211,39 @@ fn run_link(
             return Err(format!("{ifname}: no GO within the timeout"));
         }
         std::thread::sleep(Duration::from_millis(1));
-        // Keep the fill ring serviced and drop early arrivals' bookkeeping: nothing is sent yet.
     }
+    let mut port = match (xdp, &args.tcp) {
+        (Some(p), _) => Port::Xdp(Box::new(p)),
+        (None, Some(tcp)) => {
+            let info = InterfaceInfo::query(ifname).map_err(|e| format!("{ifname}: {e}"))?;
+            let stream = match tcp {
+                Tcp::Connect(addr) => TcpStream::connect_timeout(addr, Duration::from_secs(10))
+                    .map_err(|e| format!("connect {addr}: {e}"))?,
+                Tcp::Listen(_) => {
+                    let (l, _) = listener.as_ref().expect("bound before READY");
+                    loop {
+                        match l.accept() {
+                            Ok((s, _)) => break s,
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                                if start_wait.elapsed() > args.timeout {
+                                    return Err(format!("{ifname}: no TCP peer"));
+                                }
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
+                            Err(e) => return Err(format!("accept: {e}")),
+                        }
+                    }
+                }
+            };
+            let t = TcpTransport::new(stream, info.mtu, info.mac)
+                .map_err(|e| format!("{ifname}: tcp: {e}"))?;
+            Port::Tcp(t)
+        }
+        (None, None) => unreachable!("an XDP port or a TCP role"),
+    };
     let env = Envelope {
         dst: peer,
-        src: port.local_mac(),
+        src: port.t().local_mac(),
         ethertype: DEFAULT_ETHERTYPE,
         channel: 0,
         session: 1,
@@ -156,7 +265,7 @@ fn run_link(
         }
         // Receive: count DATA in place, take ACKs.
         let mut got_data = 0u64;
-        port.recv(args.batch * 2, &mut |buf| {
+        let rx_result = port.t().recv(args.batch * 2, &mut |buf| {
             let Ok(frame) = Frame::new_checked(buf, DEFAULT_ETHERTYPE) else {
                 o.corrupt += 1;
                 return;
@@ -187,8 +296,14 @@ fn run_link(
                 }
                 _ => o.corrupt += 1,
             }
-        })
-        .map_err(|e| format!("{ifname}: recv: {e}"))?;
+        });
+        if let Err(e) = rx_result {
+            // A TCP peer that finished first closes its end: fine once we are done too.
+            if done_at.is_some() {
+                break;
+            }
+            return Err(format!("{ifname}: recv: {e}"));
+        }
         if got_data > 0 {
             // One clock read per batch, not per frame.
             let t = Instant::now();
@@ -206,6 +321,7 @@ fn run_link(
         if want_ack || final_ack {
             let cumulative = o.received as u32;
             let sent = port
+                .t()
                 .send(1, &mut |buf| {
                     Some(
                         Message::Ack(Ack {
@@ -232,6 +348,7 @@ fn run_link(
             if room > 0 {
                 let mut next = o.sent;
                 let n = port
+                    .t()
                     .send((room as usize).min(args.batch), &mut |buf| {
                         let seq = next;
                         let payload = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + segment];
@@ -256,7 +373,9 @@ fn run_link(
                 sent_now = n;
             }
         }
-        port.flush().map_err(|e| format!("{ifname}: flush: {e}"))?;
+        port.t()
+            .flush()
+            .map_err(|e| format!("{ifname}: flush: {e}"))?;
         // Busy: poll again at once. Idle for a while: sleep until a frame (DATA or the ACK that
         // reopens the window) arrives, so a waiting side yields its CPU to the one working.
         if got_data > 0 || sent_now > 0 {
@@ -264,7 +383,7 @@ fn run_link(
         } else {
             idle += 1;
             if idle > args.spins {
-                port.wait_readable(Duration::from_millis(1))
+                port.wait(Duration::from_millis(1))
                     .map_err(|e| format!("{ifname}: poll: {e}"))?;
             }
         }
@@ -284,8 +403,10 @@ fn run_link(
             }
         }
     }
-    let stats = port.stats();
-    let steer = port.program().stats().unwrap_or_default();
+    let (stats, steer) = match &port {
+        Port::Xdp(p) => (p.stats(), p.program().stats().unwrap_or_default()),
+        Port::Tcp(_) => Default::default(),
+    };
     let secs = match (o.first_rx, o.last_rx) {
         (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
         _ => 0.0,
