@@ -302,8 +302,9 @@ pub fn smoke(root: &Path, args: &SmokeArgs) -> Result<()> {
     Ok(())
 }
 
-/// One AF_XDP run one way over pair 0: (frames/s, frame bytes/s, frame length).
-fn xdp_run(peer_bin: &Path, lab: &Lab, args: &BenchArgs) -> Result<(f64, f64, f64)> {
+/// One run one way over pair 0, AF_XDP or (with `tcp`) the same frames over `tyche-tcp`:
+/// (frames/s, frame bytes/s, frame length).
+fn xdp_run(peer_bin: &Path, lab: &Lab, args: &BenchArgs, tcp: bool) -> Result<(f64, f64, f64)> {
     let n = args.frames.to_string();
     let w = args.window.to_string();
     let mut tx_args = links(&lab.pairs, true);
@@ -328,6 +329,11 @@ fn xdp_run(peer_bin: &Path, lab: &Lab, args: &BenchArgs) -> Result<(f64, f64, f6
         "--timeout",
         "60",
     ]));
+    if tcp {
+        let addr = format!("{}:7400", lab.pairs[0].initiator_ip);
+        rx_args.extend(strs(&["--tcp-listen", &addr]));
+        tx_args.extend(strs(&["--tcp-connect", &addr]));
+    }
     let mut rx = Peer::spawn("receiver", &lab.initiator_ns, peer_bin, &rx_args)?;
     let mut tx = Peer::spawn("sender", &lab.target_ns, peer_bin, &tx_args)?;
     rx.wait_for("ALL-READY", Duration::from_secs(30))?;
@@ -418,14 +424,17 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     // Interleaved, so that load from elsewhere on the machine hits all three alike.
     let mut tcp_plain = Vec::new();
     let mut xdp = Vec::new();
+    let mut tsockets = Vec::new();
     let mut tcp_xdp = Vec::new();
     let mut frame_len = 0.0;
     for run in 0..runs {
         eprintln!("bench: run {}/{runs}", run + 1);
         tcp_plain.push(iperf_run(&lab, args.iperf_secs)?);
-        let (fps, bps, len) = xdp_run(&peer_bin, &lab, args)?;
+        let (fps, bps, len) = xdp_run(&peer_bin, &lab, args, false)?;
         frame_len = len;
         xdp.push((fps, bps));
+        let (fps, bps, _) = xdp_run(&peer_bin, &lab, args, true)?;
+        tsockets.push((fps, bps));
         // TCP again with the steering program attached on both ends, as when Tyche shares the
         // link.
         let hold = (args.iperf_secs + 4).to_string();
@@ -455,6 +464,9 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     let fps = median(xdp.iter().map(|x| x.0).collect());
     let bps = median(xdp.iter().map(|x| x.1).collect());
     let payload_bps = bps * (frame_len - 62.0) / frame_len;
+    let ts_fps = median(tsockets.iter().map(|x| x.0).collect());
+    let ts_bps = median(tsockets.iter().map(|x| x.1).collect());
+    let ts_payload = ts_bps * (frame_len - 62.0) / frame_len;
     let tcp_p = median(tcp_plain);
     let tcp_x = median(tcp_xdp);
     let gb = |b: f64| b / 1e9;
@@ -468,30 +480,40 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
         args.mtu
     );
     println!();
-    println!("| Transport | Frames/s | GB/s (frames) | GB/s (payload) | Payload vs TCP |");
+    println!(
+        "| Transport | Frames/s | GB/s (frames) | GB/s (payload) | AF_XDP payload rate vs this |"
+    );
     println!("|---|---:|---:|---:|---:|");
     println!(
-        "| AF_XDP, raw Tyche DATA frames ({frame_len:.0} B, {} B payload) | {:.0} | {:.3} | {:.3} | {:.2}x / {:.2}x |",
+        "| AF_XDP (tyche-xdp), raw Tyche DATA frames ({frame_len:.0} B, {} B payload) | {:.0} | {:.3} | {:.3} | 1.00x |",
         frame_len as u64 - 62,
         fps,
         gb(bps),
         gb(payload_bps),
-        payload_bps / tcp_p,
+    );
+    println!(
+        "| Same frames over TCP (tyche-tcp, TSockets baseline) | {:.0} | {:.3} | {:.3} | {:.2}x |",
+        ts_fps,
+        gb(ts_bps),
+        gb(ts_payload),
+        payload_bps / ts_payload
+    );
+    println!(
+        "| iperf3 TCP, veth without XDP | - | - | {:.3} | {:.2}x |",
+        gb(tcp_p),
+        payload_bps / tcp_p
+    );
+    println!(
+        "| iperf3 TCP, steering program attached | - | - | {:.3} | {:.2}x |",
+        gb(tcp_x),
         payload_bps / tcp_x
-    );
-    println!(
-        "| iperf3 TCP, veth without XDP | - | - | {:.3} | 1.00x |",
-        gb(tcp_p)
-    );
-    println!(
-        "| iperf3 TCP, steering program attached | - | - | {:.3} | 1.00x |",
-        gb(tcp_x)
     );
     println!();
     println!(
-        "ratio: AF_XDP / TCP = {:.2}x (TCP without XDP), {:.2}x (TCP with the steering program attached)",
+        "ratio: AF_XDP / iperf3 TCP = {:.2}x (veth without XDP), {:.2}x (steering program attached); AF_XDP / tyche-tcp = {:.2}x",
         payload_bps / tcp_p,
-        payload_bps / tcp_x
+        payload_bps / tcp_x,
+        payload_bps / ts_payload
     );
     Ok(())
 }
