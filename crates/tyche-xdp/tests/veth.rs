@@ -13,7 +13,7 @@ use tyche_transport::FrameTransport;
 use tyche_wire::{
     DataHeader, Envelope, Frame, MacAddr, Message, Seq, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE,
 };
-use tyche_xdp::{AsyncTransport, Error, PortConfig, SteerStats, XdpPort};
+use tyche_xdp::{AsyncTransport, BusyPoll, Error, PortConfig, SteerStats, XdpPort};
 
 fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().expect("run ip");
@@ -151,10 +151,18 @@ fn exchange(
     me: MacAddr,
     peer: MacAddr,
     n: u32,
+    busy_poll: bool,
     mtu_ok: &Barrier,
     done: &Barrier,
 ) -> SteerStats {
-    let mut port = XdpPort::open(ifname, &PortConfig::default()).expect("open AF_XDP port");
+    let config = PortConfig {
+        busy_poll: busy_poll.then_some(BusyPoll {
+            usecs: 20,
+            budget: 64,
+        }),
+        ..PortConfig::default()
+    };
+    let mut port = XdpPort::open(ifname, &config).expect("open AF_XDP port");
     let segment = port.plan().segment_size as usize;
     let env = env(me, peer);
     mtu_ok.wait();
@@ -210,14 +218,19 @@ fn exchange(
 
 #[test]
 fn tyche_frames_cross_af_xdp_while_ip_passes() {
+    // Side a also turns on kernel busy polling of its socket.
     let Some(lab) = lab("x", 3000) else { return };
     let start = Arc::new(Barrier::new(2));
     let done = Arc::new(Barrier::new(3));
     let n = 1500;
     let (s1, d1) = (start.clone(), done.clone());
-    let a = in_ns(&lab.a, move || exchange("tya", MAC_A, MAC_B, n, &s1, &d1));
+    let a = in_ns(&lab.a, move || {
+        exchange("tya", MAC_A, MAC_B, n, true, &s1, &d1)
+    });
     let (s2, d2) = (start.clone(), done.clone());
-    let b = in_ns(&lab.b, move || exchange("tyb", MAC_B, MAC_A, n, &s2, &d2));
+    let b = in_ns(&lab.b, move || {
+        exchange("tyb", MAC_B, MAC_A, n, false, &s2, &d2)
+    });
     done.wait();
     // IP on the same link while both programs and sockets are in place.
     let ping = Command::new("ip")
@@ -267,9 +280,13 @@ fn jumbo_frames_use_multi_buffer_or_fail_clearly() {
     let start = Arc::new(Barrier::new(2));
     let done = Arc::new(Barrier::new(3));
     let (s1, d1) = (start.clone(), done.clone());
-    let a = in_ns(&lab.a, move || exchange("tya", MAC_A, MAC_B, 300, &s1, &d1));
+    let a = in_ns(&lab.a, move || {
+        exchange("tya", MAC_A, MAC_B, 300, false, &s1, &d1)
+    });
     let (s2, d2) = (start.clone(), done.clone());
-    let b = in_ns(&lab.b, move || exchange("tyb", MAC_B, MAC_A, 300, &s2, &d2));
+    let b = in_ns(&lab.b, move || {
+        exchange("tyb", MAC_B, MAC_A, 300, false, &s2, &d2)
+    });
     done.wait();
     done.wait();
     a.join().expect("side a");
