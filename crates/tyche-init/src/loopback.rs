@@ -338,7 +338,7 @@ impl TargetLoop {
                     }
                 }
                 self.counters.executed.fetch_add(1, Ordering::Relaxed);
-                s.complete(channel, r.remq, Status::Ok);
+                s.complete(channel, &r, Status::Ok);
             }
         }
         work
