@@ -51,6 +51,19 @@ enum Command {
     },
     /// List attached exports.
     List,
+    /// Testing aid: serve an in-process RAM export on AF_XDP interfaces (a minimal target).
+    #[command(hide = true)]
+    RamTarget {
+        /// Interfaces to serve on.
+        #[arg(long = "iface", required = true)]
+        ifaces: Vec<String>,
+        /// Export name.
+        #[arg(long)]
+        export: String,
+        /// Export size in MiB.
+        #[arg(long, default_value_t = 64)]
+        mib: u64,
+    },
     /// Detach an export (by device or socket path, or by pid).
     Detach {
         /// Device path, socket path or pid.
@@ -128,25 +141,48 @@ impl ConnArgs {
             let (links, _switches, target) = mem_links(RamExport::new(&self.export, mib << 20), 2);
             return Ok((links, Some(target)));
         }
-        if !self.tcp.is_empty() {
-            bail!("--tcp: the TCP baseline transport (tyche-tcp) is not built into tyche-init yet");
-        }
-        if self.ifaces.is_empty() {
-            bail!("give --iface IF... with --target MAC, --tcp HOST:PORT..., or --loopback-mib N");
-        }
         let targets: Vec<MacAddr> = self
             .targets
             .iter()
             .map(|t| t.parse().map_err(|_| anyhow::anyhow!("--target {t:?} is not a MAC address")))
             .collect::<Result<_>>()?;
-        if targets.is_empty() || (targets.len() != 1 && targets.len() != self.ifaces.len()) {
-            bail!("give one --target MAC, or one per --iface");
+        let paths = if self.tcp.is_empty() { self.ifaces.len() } else { self.tcp.len() };
+        if paths == 0 {
+            bail!("give --iface IF... with --target MAC, --tcp HOST:PORT... with --target MAC, or --loopback-mib N");
         }
-        bail!(
-            "--iface {}: the AF_XDP transport (tyche-xdp) is not built into tyche-init yet; \
-             use --loopback-mib N to try the initiator with an in-process target",
-            self.ifaces.join(",")
-        );
+        if targets.is_empty() || (targets.len() != 1 && targets.len() != paths) {
+            bail!("give one --target MAC, or one per --iface/--tcp");
+        }
+        let target_of = |k: usize| targets[if targets.len() == 1 { 0 } else { k }];
+        let mut links = Vec::new();
+        if !self.tcp.is_empty() {
+            for (k, addr) in self.tcp.iter().enumerate() {
+                let sa = std::net::ToSocketAddrs::to_socket_addrs(addr.as_str())
+                    .with_context(|| format!("--tcp {addr}"))?
+                    .next()
+                    .with_context(|| format!("--tcp {addr}: no address"))?;
+                let stream = std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(10))
+                    .with_context(|| format!("connecting to {addr}"))?;
+                let mac = MacAddr::local(0x7c00 + k as u32);
+                let t = tyche_tcp::TcpTransport::new(stream, 9000, mac).with_context(|| format!("--tcp {addr}"))?;
+                links.push(Link {
+                    name: format!("tcp:{addr}"),
+                    transport: Box::new(t),
+                    target: target_of(k),
+                    node: None,
+                });
+            }
+            return Ok((links, None));
+        }
+        for (k, ifname) in self.ifaces.iter().enumerate() {
+            let cfg = tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, ..Default::default() };
+            let port = tyche_xdp::XdpPort::open(ifname, &cfg)
+                .with_context(|| format!("opening an AF_XDP socket on {ifname}"))?;
+            let node = port.numa_node();
+            info!(iface = %ifname, ?node, mode = ?port.mode(), "AF_XDP socket open");
+            links.push(Link { name: ifname.clone(), transport: Box::new(port), target: target_of(k), node });
+        }
+        Ok((links, None))
     }
 }
 
@@ -228,6 +264,21 @@ async fn attach(conn: ConnArgs, queues: u16, depth: u16) -> Result<()> {
     Ok(())
 }
 
+async fn ram_target(ifaces: Vec<String>, export: String, mib: u64) -> Result<()> {
+    let mut ports: Vec<Box<dyn tyche_transport::FrameTransport + Send>> = Vec::new();
+    for ifname in &ifaces {
+        let cfg = tyche_xdp::PortConfig::default();
+        let port = tyche_xdp::XdpPort::open(ifname, &cfg).with_context(|| format!("AF_XDP socket on {ifname}"))?;
+        println!("{ifname} {}", tyche_transport::FrameTransport::local_mac(&port));
+        ports.push(Box::new(port));
+    }
+    let target = RamTarget::spawn(RamExport::new(&export, mib << 20), ports, tyche_init::loopback::target_timers());
+    info!(export = %export, mib, "RAM target serving");
+    terminated().await?;
+    drop(target);
+    Ok(())
+}
+
 fn detach(what: &str) -> Result<()> {
     let dir = state::dir();
     let all = state::list(&dir)?;
@@ -282,5 +333,6 @@ fn run() -> Result<()> {
             Ok(())
         }
         Command::Detach { what } => detach(&what),
+        Command::RamTarget { ifaces, export, mib } => rt.block_on(ram_target(ifaces, export, mib)),
     }
 }

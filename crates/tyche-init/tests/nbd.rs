@@ -226,3 +226,26 @@ fn ext4_over_nbdfuse() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// AF_XDP end to end in two network namespaces of its own: `tyche-init ram-target` and
+/// `tyche-init serve-nbd` over two veth pairs, nbdcopy round trips, one link failing mid-copy
+/// (root only).
+#[test]
+#[ignore = "needs root, network namespaces and AF_XDP"]
+fn xdp_veth_nbdcopy_with_failover() {
+    if !have("nbdcopy") {
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/xdp-veth-nbd.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .env("BIN", env!("CARGO_BIN_EXE_tyche-init"))
+        .output()
+        .expect("run the AF_XDP script");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("XDP NBDCOPY ROUND TRIP OK") && text.contains("XDP FAILOVER ROUND TRIP OK"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

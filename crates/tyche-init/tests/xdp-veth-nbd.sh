@@ -1,0 +1,45 @@
+#!/bin/bash
+# AF_XDP end to end: two network namespaces made here joined by two veth pairs, the hidden
+# `tyche-init ram-target` (a RAM export) in one, `tyche-init serve-nbd` in the other, then
+# nbdinfo and nbdcopy through the NBD socket, and a link taken down mid-copy. Root only.
+# Run: BIN=target/debug/tyche-init bash crates/tyche-init/tests/xdp-veth-nbd.sh
+set -u
+BIN=${BIN:?path of the tyche-init binary}
+W=$(mktemp -d /tmp/tyxdp.XXXX)
+NI=tyi$$; NT=tyt$$
+TPID=""; IPID=""
+cleanup() {
+  [ -n "$IPID" ] && kill $IPID 2>/dev/null
+  [ -n "$TPID" ] && kill $TPID 2>/dev/null
+  wait 2>/dev/null
+  ip netns del $NI 2>/dev/null; ip netns del $NT 2>/dev/null
+  rm -rf $W
+}
+trap cleanup EXIT
+ip netns add $NI && ip netns add $NT || exit 1
+for k in 0 1; do
+  ip link add ti$k netns $NI type veth peer name tt$k netns $NT || exit 1
+  ip -n $NI link set ti$k mtu 3000 up; ip -n $NT link set tt$k mtu 3000 up
+done
+export TYCHE_INIT_STATE_DIR=$W/state TYCHE_LOG=${TYCHE_LOG:-info}
+timeout 300 ip netns exec $NT $BIN ram-target --iface tt0 --iface tt1 --export ram --mib 64 >$W/target.out 2>$W/target.log & TPID=$!
+for i in $(seq 100); do [ $(wc -l <$W/target.out) -ge 2 ] && break; sleep 0.1; done
+cat $W/target.out
+M0=$(awk '$1=="tt0"{print $2}' $W/target.out); M1=$(awk '$1=="tt1"{print $2}' $W/target.out)
+[ -n "$M0" ] && [ -n "$M1" ] || { echo "target did not start"; cat $W/target.log; exit 1; }
+SOCK=$W/nbd.sock
+timeout 300 ip netns exec $NI $BIN serve-nbd --socket $SOCK --iface ti0 --target $M0 --iface ti1 --target $M1 \
+  --export ram --channels-per-nic 2 --no-path-timeout 10 >$W/init.out 2>$W/init.log & IPID=$!
+for i in $(seq 100); do [ -S $SOCK ] && break; sleep 0.1; done
+[ -S $SOCK ] || { echo "initiator did not start"; cat $W/init.log; exit 1; }
+timeout 30 nbdinfo "nbd+unix:///ram?socket=$SOCK" | grep -E "export-size|can_multi_conn" || exit 1
+head -c 48M /dev/urandom > $W/in
+timeout 120 nbdcopy $W/in "nbd+unix:///ram?socket=$SOCK" || { echo "nbdcopy in failed"; tail $W/init.log; exit 1; }
+timeout 120 nbdcopy "nbd+unix:///ram?socket=$SOCK" $W/out || exit 1
+cmp <(head -c 48M $W/out) $W/in && echo "XDP NBDCOPY ROUND TRIP OK"
+# Fail one link while copying: everything still lands, through the other.
+( sleep 0.3; ip -n $NI link set ti1 down ) &
+timeout 120 nbdcopy $W/in "nbd+unix:///ram?socket=$SOCK" || { echo "nbdcopy during failover failed"; tail $W/init.log; exit 1; }
+rm -f $W/out; timeout 120 nbdcopy "nbd+unix:///ram?socket=$SOCK" $W/out || exit 1
+cmp <(head -c 48M $W/out) $W/in && echo "XDP FAILOVER ROUND TRIP OK"
+grep -E "dead|reconnect" $W/init.log | sed 's/\x1b\[[0-9;]*m//g' | head -5
