@@ -25,6 +25,7 @@
 
 mod client;
 mod config;
+mod discover;
 mod engine;
 mod error;
 pub mod frontend;
@@ -37,6 +38,7 @@ pub mod ublk;
 
 pub use client::{Client, ExportInfo, Stats};
 pub use config::{InitiatorConfig, Link, SchedulerKind, SendMode};
+pub use discover::{discover, DiscoveredExport, DiscoveredTarget};
 pub use engine::connect_blocking;
 pub use error::{ConnectError, Error};
 

@@ -26,6 +26,9 @@ enum Command {
         /// Interfaces to ask on.
         #[arg(long = "iface", required = true)]
         ifaces: Vec<String>,
+        /// Seconds to listen for answers.
+        #[arg(long, default_value_t = 1.0)]
+        wait: f64,
     },
     /// Attach an export as /dev/ublkbN and serve it until detached.
     Attach {
@@ -279,6 +282,38 @@ async fn ram_target(ifaces: Vec<String>, export: String, mib: u64) -> Result<()>
     Ok(())
 }
 
+fn discover(ifaces: &[String], wait: f64) -> Result<()> {
+    let mut links = Vec::new();
+    for ifname in ifaces {
+        let port = tyche_xdp::XdpPort::open(ifname, &tyche_xdp::PortConfig::default())
+            .with_context(|| format!("opening an AF_XDP socket on {ifname}"))?;
+        let node = port.numa_node();
+        links.push(Link { name: ifname.clone(), transport: Box::new(port), target: MacAddr::BROADCAST, node });
+    }
+    let wait = Duration::try_from_secs_f64(wait).context("--wait")?;
+    let found = tyche_init::discover(&mut links, tyche_wire::DEFAULT_ETHERTYPE, wait);
+    if found.is_empty() {
+        println!("no targets answered on {}", ifaces.join(", "));
+    }
+    for t in found {
+        println!("{} target {}", t.link, t.target);
+        for e in t.exports {
+            let mut flags = Vec::new();
+            if e.flags & tyche_wire::flags::EXPORT_READ_ONLY != 0 {
+                flags.push("read-only");
+            }
+            if e.flags & tyche_wire::flags::EXPORT_NEEDS_KEY != 0 {
+                flags.push("key");
+            }
+            if e.flags & tyche_wire::flags::EXPORT_DISCARD != 0 {
+                flags.push("discard");
+            }
+            println!("  {:<20} {:>12} bytes  block {}  {}", e.name, e.size, e.block_size, flags.join(","));
+        }
+    }
+    Ok(())
+}
+
 fn detach(what: &str) -> Result<()> {
     let dir = state::dir();
     let all = state::list(&dir)?;
@@ -316,10 +351,7 @@ fn run() -> Result<()> {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
-        Command::Discover { ifaces } => bail!(
-            "discover --iface {}: the AF_XDP transport (tyche-xdp) is not built into tyche-init yet",
-            ifaces.join(",")
-        ),
+        Command::Discover { ifaces, wait } => discover(&ifaces, wait),
         Command::Attach { conn, queues, depth } => rt.block_on(attach(conn, queues, depth)),
         Command::ServeNbd { socket, conn, max_inflight } => rt.block_on(serve_nbd(socket, conn, max_inflight)),
         Command::List => {

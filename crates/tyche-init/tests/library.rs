@@ -220,3 +220,22 @@ async fn connection_errors_say_what_went_wrong() {
     assert!(err.to_string().contains("silent0"), "{err}");
     assert!(connect(config(), vec![]).await.is_err());
 }
+
+#[test]
+fn discover_lists_the_target_and_its_export() {
+    let (mut links, _sw, _target) = mem_links(RamExport::new("ram", 4 * MIB), 2);
+    let found = tyche_init::discover(&mut links, tyche_wire::DEFAULT_ETHERTYPE, Duration::from_millis(300));
+    assert_eq!(found.len(), 2, "one target per link: {found:?}");
+    for (k, t) in found.iter().enumerate() {
+        assert_eq!(t.link, format!("mem{k}"));
+        assert_eq!(t.target, links[k].target);
+        assert_eq!(t.exports.len(), 1);
+        assert_eq!((t.exports[0].name.as_str(), t.exports[0].size), ("ram", 4 * MIB));
+    }
+    // The links still work for a session afterwards.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let client = connect(config(), links).await.expect("connect after discovery");
+        client.write(0, &[3; 512]).await.unwrap();
+    });
+}

@@ -244,7 +244,9 @@ fn xdp_veth_nbdcopy_with_failover() {
         .expect("run the AF_XDP script");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.contains("XDP NBDCOPY ROUND TRIP OK") && text.contains("XDP FAILOVER ROUND TRIP OK"),
+        text.contains("XDP DISCOVER OK")
+            && text.contains("XDP NBDCOPY ROUND TRIP OK")
+            && text.contains("XDP FAILOVER ROUND TRIP OK"),
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );

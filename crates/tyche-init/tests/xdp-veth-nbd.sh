@@ -27,6 +27,8 @@ for i in $(seq 100); do [ $(wc -l <$W/target.out) -ge 2 ] && break; sleep 0.1; d
 cat $W/target.out
 M0=$(awk '$1=="tt0"{print $2}' $W/target.out); M1=$(awk '$1=="tt1"{print $2}' $W/target.out)
 [ -n "$M0" ] && [ -n "$M1" ] || { echo "target did not start"; cat $W/target.log; exit 1; }
+timeout 30 ip netns exec $NI $BIN discover --iface ti0 --iface ti1 --wait 0.5 2>/dev/null | tee $W/discover.out
+grep -q "ram" $W/discover.out && echo "XDP DISCOVER OK"
 SOCK=$W/nbd.sock
 timeout 300 ip netns exec $NI $BIN serve-nbd --socket $SOCK --iface ti0 --target $M0 --iface ti1 --target $M1 \
   --export ram --channels-per-nic 2 --no-path-timeout 10 >$W/init.out 2>$W/init.log & IPID=$!

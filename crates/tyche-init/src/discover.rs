@@ -1,0 +1,105 @@
+//! Discovery: which targets serve which exports on a set of links.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use tyche_transport::SplitMix64;
+use tyche_wire::{Discover, Envelope, Frame, MacAddr, Message};
+
+use crate::config::Link;
+
+/// One export as a target listed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiscoveredExport {
+    /// Name.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Logical block size.
+    pub block_size: u32,
+    /// `flags::EXPORT_*`.
+    pub flags: u16,
+}
+
+/// A target seen on a link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiscoveredTarget {
+    /// Link it answered on.
+    pub link: String,
+    /// Its MAC on that link.
+    pub target: MacAddr,
+    /// Its exports, in its order.
+    pub exports: Vec<DiscoveredExport>,
+}
+
+/// Broadcasts DISCOVER on every link (resending every `retry`), collects every target's
+/// complete export list (asking for further pages as needed) and returns after `wait`.
+pub fn discover(links: &mut [Link], ethertype: u16, wait: Duration) -> Vec<DiscoveredTarget> {
+    let retry = Duration::from_millis(200);
+    let mut rng = SplitMix64::new(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos() as u64,
+    );
+    let nonce = rng.next_u64() as u32;
+    // (link, target) → (total, exports by index)
+    let mut seen: BTreeMap<(usize, MacAddr), (u16, BTreeMap<u16, DiscoveredExport>)> = BTreeMap::new();
+    let start = Instant::now();
+    let mut next_send = start;
+    let mut buf = vec![0u8; 256];
+    while start.elapsed() < wait {
+        if Instant::now() >= next_send {
+            next_send = Instant::now() + retry;
+            for (k, link) in links.iter_mut().enumerate() {
+                let src = link.transport.local_mac();
+                // Broadcast the first page; ask each target that has more for the rest.
+                let mut asks = vec![(MacAddr::BROADCAST, 0u16)];
+                for ((l, mac), (total, got)) in &seen {
+                    let have = got.len() as u16;
+                    if *l == k && have < *total {
+                        asks.push((*mac, have));
+                    }
+                }
+                for (dst, from) in asks {
+                    let env = Envelope { dst, src, ethertype, channel: 0, session: 0 };
+                    let len = Message::Discover(Discover { nonce, start: from }).emit(&env, &mut buf);
+                    let _ = link.transport.send(1, &mut |b| {
+                        b[..len].copy_from_slice(&buf[..len]);
+                        Some(len)
+                    });
+                }
+                let _ = link.transport.flush();
+            }
+        }
+        let mut any = false;
+        for (k, link) in links.iter_mut().enumerate() {
+            let _ = link.transport.recv(64, &mut |bytes| {
+                let Ok(frame) = Frame::new_checked(bytes, ethertype) else { return };
+                let Ok(Message::DiscoverReply(r)) = frame.parse() else { return };
+                if r.nonce != nonce {
+                    return;
+                }
+                any = true;
+                let entry = seen.entry((k, frame.src())).or_insert_with(|| (r.total, BTreeMap::new()));
+                entry.0 = r.total;
+                for (i, e) in r.exports.iter().enumerate() {
+                    let export = DiscoveredExport {
+                        name: e.name.to_owned(),
+                        size: e.size,
+                        block_size: e.block_size,
+                        flags: e.flags,
+                    };
+                    entry.1.insert(r.start + i as u16, export);
+                }
+            });
+        }
+        if !any {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    seen.into_iter()
+        .map(|((k, target), (_, exports))| DiscoveredTarget {
+            link: links[k].name.clone(),
+            target,
+            exports: exports.into_values().collect(),
+        })
+        .collect()
+}
