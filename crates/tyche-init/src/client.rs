@@ -6,7 +6,7 @@ use tokio::sync::oneshot;
 use tyche_wire::Op;
 
 use crate::config::SendMode;
-use crate::engine::{Cmd, IoCmd};
+use crate::engine::{Bell, Cmd, IoCmd};
 use crate::error::Error;
 
 /// What the session attached.
@@ -56,6 +56,7 @@ pub struct Stats {
 #[derive(Debug)]
 struct Inner {
     engine: Sender<Cmd>,
+    bell: Arc<Bell>,
     /// Queue mode: one queue per node (key `None` for requests of unknown node).
     queues: HashMap<Option<u32>, Sender<IoCmd>>,
     info: ExportInfo,
@@ -72,7 +73,7 @@ pub struct Client {
 }
 
 /// Submitter thread of queue mode: drains its node's queue and hands batches to the engine.
-fn submitter(rx: std::sync::mpsc::Receiver<IoCmd>, engine: Sender<Cmd>) {
+fn submitter(rx: std::sync::mpsc::Receiver<IoCmd>, engine: Sender<Cmd>, bell: Arc<Bell>) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while batch.len() < 256 {
@@ -84,11 +85,18 @@ fn submitter(rx: std::sync::mpsc::Receiver<IoCmd>, engine: Sender<Cmd>) {
         if engine.send(Cmd::Batch(batch)).is_err() {
             return;
         }
+        bell.ring();
     }
 }
 
 impl Client {
-    pub(crate) fn new(engine: Sender<Cmd>, info: ExportInfo, mode: SendMode, nodes: &[Option<u32>]) -> Self {
+    pub(crate) fn new(
+        engine: Sender<Cmd>,
+        bell: Arc<Bell>,
+        info: ExportInfo,
+        mode: SendMode,
+        nodes: &[Option<u32>],
+    ) -> Self {
         let mut queues = HashMap::new();
         if mode == SendMode::Queue {
             let mut keys: Vec<Option<u32>> = nodes.to_vec();
@@ -97,11 +105,11 @@ impl Client {
             keys.dedup();
             for node in keys {
                 let (tx, rx) = std::sync::mpsc::channel();
-                let engine = engine.clone();
+                let (engine, bell) = (engine.clone(), Arc::clone(&bell));
                 let name = node.map_or("tyche-submit".to_owned(), |n| format!("tyche-submit{n}"));
                 std::thread::Builder::new()
                     .name(name)
-                    .spawn(move || submitter(rx, engine))
+                    .spawn(move || submitter(rx, engine, bell))
                     .expect("cannot start a submitter thread");
                 queues.insert(node, tx);
             }
@@ -109,7 +117,7 @@ impl Client {
         let mut known: Vec<u32> = nodes.iter().flatten().copied().collect();
         known.sort_unstable();
         known.dedup();
-        Client { inner: Arc::new(Inner { engine, queues, info, nodes: known }), node: None }
+        Client { inner: Arc::new(Inner { engine, bell, queues, info, nodes: known }), node: None }
     }
 
     /// A handle whose requests say their buffers live on NUMA node `node` (the scheduler sends
@@ -138,7 +146,11 @@ impl Client {
         let io = IoCmd { op, fua, offset, length, data, node: self.node, reply };
         let sent = match self.inner.queues.get(&self.node).or_else(|| self.inner.queues.get(&None)) {
             Some(q) => q.send(io).is_ok(),
-            None => self.inner.engine.send(Cmd::Io(io)).is_ok(),
+            None => {
+                let ok = self.inner.engine.send(Cmd::Io(io)).is_ok();
+                self.inner.bell.ring();
+                ok
+            }
         };
         if !sent {
             return Err(Error::Closed);
@@ -185,6 +197,7 @@ impl Client {
     pub async fn stats(&self) -> Result<Stats, Error> {
         let (tx, rx) = oneshot::channel();
         self.inner.engine.send(Cmd::Stats(tx)).map_err(|_| Error::Closed)?;
+        self.inner.bell.ring();
         rx.await.map_err(|_| Error::Closed)
     }
 
@@ -193,6 +206,7 @@ impl Client {
     pub async fn close(&self) {
         let (tx, rx) = oneshot::channel();
         if self.inner.engine.send(Cmd::Close(tx)).is_ok() {
+            self.inner.bell.ring();
             let _ = rx.await;
         }
     }

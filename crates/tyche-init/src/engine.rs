@@ -2,8 +2,15 @@
 //! receive → handle → events → transmit → timers → reconnects.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
 use std::time::Duration;
+
+use nix::poll::{PollFd, PollFlags};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::time::TimeSpec;
 
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
@@ -25,12 +32,35 @@ const RX_BUDGET: usize = 64;
 const TX_BUDGET: usize = 64;
 /// Longest the engine sleeps while requests are in flight and nothing happens.
 const BUSY_SLEEP: Duration = Duration::from_micros(100);
+/// Longest the engine sleeps while requests are in flight when every link wakes it on arrival.
+const BUSY_SLEEP_FD: Duration = Duration::from_millis(1);
 /// Longest the engine sleeps while idle.
 const IDLE_SLEEP: Duration = Duration::from_millis(2);
 /// Idle iterations spent yielding before sleeping.
 const SPIN_ROUNDS: u32 = 64;
 /// Longest a closing engine waits for requests in flight.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// Wakes the engine thread when it sleeps: clients ring it after queueing a command.
+#[derive(Debug)]
+pub(crate) struct Bell {
+    efd: EventFd,
+    sleeping: AtomicBool,
+}
+
+impl Bell {
+    fn new() -> std::io::Result<Self> {
+        let efd = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
+        Ok(Bell { efd, sleeping: AtomicBool::new(false) })
+    }
+
+    /// Wakes the engine if it sleeps (one syscall only then).
+    pub(crate) fn ring(&self) {
+        if self.sleeping.swap(false, Ordering::AcqRel) {
+            let _ = self.efd.write(1);
+        }
+    }
+}
 
 /// A request as the client hands it to the engine.
 #[derive(Debug)]
@@ -106,6 +136,7 @@ pub(crate) struct Engine {
     fatal: Option<ConnectError>,
     /// Links on which the initial channel timed out.
     initial_timeouts: usize,
+    bell: Arc<Bell>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -129,7 +160,8 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     if links.is_empty() {
         return Err(ConnectError::NoLinks);
     }
-    let mut engine = Engine::new(cfg, links);
+    let bell = Arc::new(Bell::new().map_err(|e| ConnectError::Config(format!("cannot create an eventfd: {e}")))?);
+    let mut engine = Engine::new(cfg, links, Arc::clone(&bell));
     let now = engine.now();
     engine.start_initial(0, now);
     // Bounded: every connector gives up after `connect_attempts * connect_retry`.
@@ -165,11 +197,11 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         .name("tyche-engine".into())
         .spawn(move || engine.run(rx))
         .map_err(|e| ConnectError::Config(format!("cannot start the engine thread: {e}")))?;
-    Ok(Client::new(tx, info, send_mode, &nodes))
+    Ok(Client::new(tx, bell, info, send_mode, &nodes))
 }
 
 impl Engine {
-    fn new(cfg: InitiatorConfig, links: Vec<Link>) -> Self {
+    fn new(cfg: InitiatorConfig, links: Vec<Link>, bell: Arc<Bell>) -> Self {
         let per = cfg.channels_per_link;
         let slots = (0..links.len() * per)
             .map(|i| Slot { link: i / per, state: SlotState::Waiting { attempt: 0, at: Instant::ZERO } })
@@ -192,6 +224,7 @@ impl Engine {
             closing: None,
             fatal: None,
             initial_timeouts: 0,
+            bell,
         }
     }
 
@@ -660,7 +693,13 @@ impl Engine {
                 continue;
             }
             let busy = !self.inflight.is_empty() || !self.connectors.is_empty();
-            let mut wait = if busy { BUSY_SLEEP } else { IDLE_SLEEP };
+            // Links without a readiness descriptor (in-memory ones) are polled: sleep briefly.
+            let all_fds = self.links.iter().all(|l| l.transport.readiness_fd().is_some());
+            let mut wait = match (busy, all_fds) {
+                (true, false) => BUSY_SLEEP,
+                (true, true) => BUSY_SLEEP_FD,
+                (false, _) => IDLE_SLEEP,
+            };
             if let Some(t) = self.volume.as_ref().and_then(Volume::poll_timeout) {
                 wait = wait.min(t.since(now));
             }
@@ -668,16 +707,35 @@ impl Engine {
                 std::thread::sleep(wait);
                 continue;
             }
-            match rx.recv_timeout(wait) {
+            self.bell.sleeping.store(true, Ordering::Release);
+            match rx.try_recv() {
                 Ok(cmd) => {
+                    self.bell.sleeping.store(false, Ordering::Release);
                     idle = 0;
                     let now = self.now();
                     self.command(cmd, now);
+                    continue;
                 }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => disconnected = true,
+                Err(TryRecvError::Empty) => {}
+                // Every client is gone: the top of the loop starts closing.
+                Err(TryRecvError::Disconnected) => {
+                    self.bell.sleeping.store(false, Ordering::Release);
+                    continue;
+                }
             }
+            self.sleep(wait);
+            self.bell.sleeping.store(false, Ordering::Release);
+            let _ = self.bell.efd.read();
         }
+    }
+
+    /// Sleeps until a client rings, a transport becomes readable, or `wait` passes.
+    fn sleep(&self, wait: Duration) {
+        let mut fds = vec![PollFd::new(self.bell.efd.as_fd(), PollFlags::POLLIN)];
+        fds.extend(
+            self.links.iter().filter_map(|l| l.transport.readiness_fd()).map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+        );
+        let _ = nix::poll::ppoll(&mut fds, Some(TimeSpec::from_duration(wait)), None);
     }
 
     /// Fails what is left, sends DISCONNECT on every channel and wakes the closers.
