@@ -420,6 +420,7 @@ impl Engine {
         let Some(vol) = self.volume.as_mut() else { return false };
         let mut work = false;
         let mut dead = Vec::new();
+        let mut no_path = 0usize;
         while let Some(ev) = vol.poll_event() {
             work = true;
             match ev {
@@ -435,6 +436,7 @@ impl Engine {
                         }
                         Err(e) => {
                             self.stats.failed += 1;
+                            no_path += usize::from(e == IoError::NoPath);
                             Err(match e {
                                 IoError::NoPath => Error::NoPath,
                                 IoError::Target(s) => Error::Target(s),
@@ -460,6 +462,12 @@ impl Engine {
                     }
                 }
             }
+        }
+        if no_path > 0 {
+            error!(
+                "{no_path} request(s) failed with an I/O error: no channel for {:?} (no-path timeout)",
+                self.cfg.no_path_timeout
+            );
         }
         for channel in dead {
             if let Some(slot) = self.slots.iter().position(|s| s.state == SlotState::Up { channel }) {

@@ -220,6 +220,11 @@ impl BlockFrontend for UblkDevice {
         let q_fn = move |qid: u16, dev: &UblkDev| {
             // Each queue is served for one node: its requests go to that node's channels.
             let node = (!nodes.is_empty()).then(|| nodes[qid as usize % nodes.len()]);
+            if let Some(cpus) = node.and_then(crate::sched::node_cpus) {
+                if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
+                    error!(queue = qid, ?node, "cannot pin the queue thread: {e}");
+                }
+            }
             queue_thread(qid, dev, &client.on_node(node));
         };
         let queues = self.opts.queues;
