@@ -378,7 +378,6 @@ impl Engine {
                         ChannelConnectError::Rejected(reason) => {
                             Some(ConnectError::Refused { target, link: name, reason })
                         }
-                        ChannelConnectError::BadGrant => Some(ConnectError::BadGrant { link: name }),
                         ChannelConnectError::Timeout => {
                             warn!(link = %name, "no answer from target {target}");
                             self.initial_timeouts += 1;
@@ -394,6 +393,8 @@ impl Engine {
                                 })
                             }
                         }
+                        // BadGrant, and whatever else a newer handshake may report.
+                        other => Some(ConnectError::Handshake { link: name, detail: format!("{other:?}") }),
                     };
                     return;
                 }

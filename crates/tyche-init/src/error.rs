@@ -95,11 +95,13 @@ pub enum ConnectError {
         /// Links tried.
         links: String,
     },
-    /// The target granted unusable parameters.
-    #[error("target granted unusable channel parameters on {link}")]
-    BadGrant {
+    /// The handshake failed otherwise (unusable parameters granted, a bad key proof).
+    #[error("handshake with the target failed on {link}: {detail}")]
+    Handshake {
         /// Link name.
         link: String,
+        /// What went wrong.
+        detail: String,
     },
     /// The configuration is unusable.
     #[error("invalid configuration: {0}")]
