@@ -1,6 +1,7 @@
 #!/bin/bash
 # AF_XDP end to end: two network namespaces made here joined by two veth pairs, the hidden
-# `tyche-init ram-target` (a RAM export) in one, `tyche-init serve-nbd` in the other, then
+# `tyche-init ram-target` (a RAM export; or `tyched serve` when TYCHED=path) in one,
+# `tyche-init serve-nbd` in the other, then
 # nbdinfo and nbdcopy through the NBD socket, and a link taken down mid-copy. Root only.
 # Run: BIN=target/debug/tyche-init bash crates/tyche-init/tests/xdp-veth-nbd.sh
 set -u
@@ -22,11 +23,18 @@ for k in 0 1; do
   ip -n $NI link set ti$k mtu 3000 up; ip -n $NT link set tt$k mtu 3000 up
 done
 export TYCHE_INIT_STATE_DIR=$W/state TYCHE_LOG=${TYCHE_LOG:-info}
-timeout 300 ip netns exec $NT $BIN ram-target --iface tt0 --iface tt1 --export ram --mib 64 >$W/target.out 2>$W/target.log & TPID=$!
-for i in $(seq 100); do [ $(wc -l <$W/target.out) -ge 2 ] && break; sleep 0.1; done
-cat $W/target.out
-M0=$(awk '$1=="tt0"{print $2}' $W/target.out); M1=$(awk '$1=="tt1"{print $2}' $W/target.out)
-[ -n "$M0" ] && [ -n "$M1" ] || { echo "target did not start"; cat $W/target.log; exit 1; }
+M0=$(ip -n $NT -o link show tt0 | grep -o 'link/ether [0-9a-f:]*' | cut -d' ' -f2)
+M1=$(ip -n $NT -o link show tt1 | grep -o 'link/ether [0-9a-f:]*' | cut -d' ' -f2)
+if [ -n "${TYCHED:-}" ]; then
+  # The real target daemon instead of the in-process RAM target.
+  timeout 300 ip netns exec $NT $TYCHED serve --iface tt0 --iface tt1 --export ram=ram:64M >$W/target.out 2>$W/target.log & TPID=$!
+  echo "target: tyched"
+else
+  timeout 300 ip netns exec $NT $BIN ram-target --iface tt0 --iface tt1 --export ram --mib 64 >$W/target.out 2>$W/target.log & TPID=$!
+  echo "target: tyche-init ram-target"
+fi
+sleep 1
+[ -n "$M0" ] && [ -n "$M1" ] && kill -0 $TPID || { echo "target did not start"; cat $W/target.log; exit 1; }
 timeout 30 ip netns exec $NI $BIN discover --iface ti0 --iface ti1 --wait 0.5 2>/dev/null | tee $W/discover.out
 grep -q "ram" $W/discover.out && echo "XDP DISCOVER OK"
 SOCK=$W/nbd.sock
