@@ -24,7 +24,9 @@ pub struct DiscoveredExport {
 /// A target seen on a link.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiscoveredTarget {
-    /// Link it answered on.
+    /// Index of the link it answered on (in the slice given to [`discover`]).
+    pub link_index: usize,
+    /// Name of that link.
     pub link: String,
     /// Its MAC on that link.
     pub target: MacAddr,
@@ -97,6 +99,7 @@ pub fn discover(links: &mut [Link], ethertype: u16, wait: Duration) -> Vec<Disco
     }
     seen.into_iter()
         .map(|((k, target), (_, exports))| DiscoveredTarget {
+            link_index: k,
             link: links[k].name.clone(),
             target,
             exports: exports.into_values().collect(),

@@ -151,12 +151,17 @@ impl ConnArgs {
             .collect::<Result<_>>()?;
         let paths = if self.tcp.is_empty() { self.ifaces.len() } else { self.tcp.len() };
         if paths == 0 {
-            bail!("give --iface IF... with --target MAC, --tcp HOST:PORT... with --target MAC, or --loopback-mib N");
+            bail!("give --iface IF... or --tcp HOST:PORT... (with --target MAC, or none to discover it), or --loopback-mib N");
         }
-        if targets.is_empty() || (targets.len() != 1 && targets.len() != paths) {
-            bail!("give one --target MAC, or one per --iface/--tcp");
+        if targets.len() > 1 && targets.len() != paths {
+            bail!("give one --target MAC, one per --iface/--tcp, or none to find the target by discovery");
         }
-        let target_of = |k: usize| targets[if targets.len() == 1 { 0 } else { k }];
+        // Without --target: the link's target is learnt by discovery below.
+        let target_of = |k: usize| match targets.len() {
+            0 => MacAddr::BROADCAST,
+            1 => targets[0],
+            _ => targets[k],
+        };
         let mut links = Vec::new();
         if !self.tcp.is_empty() {
             for (k, addr) in self.tcp.iter().enumerate() {
@@ -169,15 +174,14 @@ impl ConnArgs {
                 let mac = MacAddr::local(0x7c00 + k as u32);
                 let t = tyche_tcp::TcpTransport::new(stream, 9000, mac).with_context(|| format!("--tcp {addr}"))?;
                 links.push(Link {
-                    name: format!("tcp:{addr}"),
+                    name: format!("tcp{k}:{addr}"),
                     transport: Box::new(t),
                     target: target_of(k),
                     node: None,
                 });
             }
-            return Ok((links, None));
         }
-        for (k, ifname) in self.ifaces.iter().enumerate() {
+        for (k, ifname) in self.ifaces.iter().enumerate().filter(|_| self.tcp.is_empty()) {
             let cfg = tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, ..Default::default() };
             let port = tyche_xdp::XdpPort::open(ifname, &cfg)
                 .with_context(|| format!("opening an AF_XDP socket on {ifname}"))?;
@@ -185,7 +189,31 @@ impl ConnArgs {
             info!(iface = %ifname, ?node, mode = ?port.mode(), "AF_XDP socket open");
             links.push(Link { name: ifname.clone(), transport: Box::new(port), target: target_of(k), node });
         }
+        if targets.is_empty() {
+            self.find_targets(&mut links)?;
+        }
         Ok((links, None))
+    }
+
+    /// Sets each link's target to the one that serves the export there (by discovery).
+    fn find_targets(&self, links: &mut [Link]) -> Result<()> {
+        let found = tyche_init::discover(links, tyche_wire::DEFAULT_ETHERTYPE, Duration::from_millis(1000));
+        for (k, link) in links.iter_mut().enumerate() {
+            let serving: Vec<MacAddr> = found
+                .iter()
+                .filter(|t| t.link_index == k && t.exports.iter().any(|e| e.name == self.export))
+                .map(|t| t.target)
+                .collect();
+            match serving[..] {
+                [mac] => {
+                    info!(link = %link.name, target = %mac, "target found by discovery");
+                    link.target = mac;
+                }
+                [] => bail!("no target answered on {} with export {:?} (give --target MAC?)", link.name, self.export),
+                _ => bail!("several targets serve {:?} on {}; choose one with --target MAC", self.export, link.name),
+            }
+        }
+        Ok(())
     }
 }
 

@@ -28,7 +28,11 @@ fn attach_without_ublk_points_to_nbd() {
 #[test]
 fn bad_connection_options_say_what_is_wrong() {
     fails_with(&["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x"], "give --iface IF");
-    fails_with(&["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--iface", "lo"], "--target");
+    let three_targets =
+        ["--target", "02:00:00:00:00:01", "--target", "02:00:00:00:00:02", "--target", "02:00:00:00:00:03"];
+    let mut args = vec!["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--iface", "lo", "--iface", "lo"];
+    args.extend(three_targets);
+    fails_with(&args, "one per --iface");
     fails_with(
         &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--iface", "lo", "--target", "zz"],
         "not a MAC",

@@ -227,7 +227,7 @@ fn discover_lists_the_target_and_its_export() {
     let found = tyche_init::discover(&mut links, tyche_wire::DEFAULT_ETHERTYPE, Duration::from_millis(300));
     assert_eq!(found.len(), 2, "one target per link: {found:?}");
     for (k, t) in found.iter().enumerate() {
-        assert_eq!(t.link, format!("mem{k}"));
+        assert_eq!((t.link_index, t.link.as_str()), (k, format!("mem{k}").as_str()));
         assert_eq!(t.target, links[k].target);
         assert_eq!(t.exports.len(), 1);
         assert_eq!((t.exports[0].name.as_str(), t.exports[0].size), ("ram", 4 * MIB));

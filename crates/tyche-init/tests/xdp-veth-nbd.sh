@@ -38,7 +38,9 @@ sleep 1
 timeout 30 ip netns exec $NI $BIN discover --iface ti0 --iface ti1 --wait 0.5 2>/dev/null | tee $W/discover.out
 grep -q "ram" $W/discover.out && echo "XDP DISCOVER OK"
 SOCK=$W/nbd.sock
-timeout 300 ip netns exec $NI $BIN serve-nbd --socket $SOCK --iface ti0 --target $M0 --iface ti1 --target $M1 \
+# FIND_TARGET=1: no --target, the initiator finds the target by discovery.
+TARGETS="--target $M0 --target $M1"; [ -n "${FIND_TARGET:-}" ] && TARGETS=""
+timeout 300 ip netns exec $NI $BIN serve-nbd --socket $SOCK --iface ti0 --iface ti1 $TARGETS \
   --export ram --channels-per-nic 2 --no-path-timeout 10 >$W/init.out 2>$W/init.log & IPID=$!
 for i in $(seq 100); do [ -S $SOCK ] && break; sleep 0.1; done
 [ -S $SOCK ] || { echo "initiator did not start"; cat $W/init.log; exit 1; }
