@@ -251,3 +251,30 @@ fn xdp_veth_nbdcopy_with_failover() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// fio's libnbd engine: random writes of 4 KiB and 64 KiB from two jobs at depth 32, each block
+/// verified by checksum when read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fio_random_writes_verify() {
+    let engine = Command::new("fio").arg("--enghelp=nbd").output();
+    if !engine.is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIP: fio with the nbd engine not installed (apt-get install fio)");
+        return;
+    }
+    let s = server(64 * MIB).await;
+    let u = uri(&s.socket);
+    tokio::task::spawn_blocking(move || {
+        for bs in ["4k", "64k"] {
+            let out = run(Command::new("fio")
+                .arg(format!("--name=verify{bs}"))
+                .args(["--ioengine=nbd", "--rw=randwrite", "--size=16M", "--offset_increment=16M"])
+                .args(["--iodepth=32", "--numjobs=2", "--verify=crc32c", "--do_verify=1", "--group_reporting"])
+                .arg(format!("--bs={bs}"))
+                .arg(format!("--uri={u}")));
+            assert!(out.contains("err= 0"), "fio reported errors:\n{out}");
+            assert!(!out.contains("verify:"), "fio verification failed:\n{out}");
+        }
+    })
+    .await
+    .unwrap();
+}
