@@ -54,6 +54,12 @@ pub fn run(args: TestArgs) -> Result<()> {
     } else {
         eprintln!("xtask test: SKIPPING xdp-smoke: it needs root (network namespaces, XDP)");
     }
+    if is_root() {
+        // ext4 over nbdfuse over tyche-init's NBD server; AF_XDP over veth with a failing link.
+        step("tyche-init root tests", cargo().args(["test", "-p", "tyche-init", "--test", "nbd", "--", "--ignored"]))?;
+    } else {
+        eprintln!("xtask test: SKIPPING tyche-init root tests (nbdfuse, ext4, AF_XDP over veth)");
+    }
     eprintln!("xtask test: simulator contract (loss 5%)");
     sim::run(SimArgs::contract(args.sim_seeds, 0.05))?;
     eprintln!("xtask test: simulator contract (loss 30%)");
