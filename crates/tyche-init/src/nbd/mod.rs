@@ -29,6 +29,10 @@ use codec::{cflag, cmd, errno, info as info_item, opt, rep, tflag};
 
 /// Largest request the server accepts (advertised as the maximum block size).
 pub const MAX_REQUEST: u32 = 32 << 20;
+/// Unit of the per-connection data budget.
+const BYTE_UNIT: u32 = 64 << 10;
+/// Data (read buffers and write payloads) one connection may hold at once: 256 MiB, in units.
+const BYTE_UNITS: u32 = (256 << 20) / BYTE_UNIT;
 /// Largest option data the server reads.
 const MAX_OPTION: u32 = 64 << 10;
 /// Smallest block size advertised (the Tyche sector).
@@ -70,7 +74,15 @@ pub async fn serve(listener: UnixListener, client: Client, opts: NbdOptions) -> 
     let opts = Arc::new(opts);
     let mut n = 0u64;
     loop {
-        let (stream, _) = listener.accept().await?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of descriptors and the like: say so, breathe, keep serving.
+                warn!("NBD accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         n += 1;
         // Each connection is served for one node: its requests go to that node's channels.
         let nodes = client.nodes();
@@ -234,6 +246,7 @@ async fn transmission(
         wr.shutdown().await
     });
     let slots = Arc::new(Semaphore::new(opts.max_inflight));
+    let bytes = Arc::new(Semaphore::new(BYTE_UNITS as usize));
     let size = client.size();
     let result = loop {
         let mut h = [0u8; codec::REQUEST_LEN];
@@ -249,6 +262,14 @@ async fn transmission(
         if req.length > MAX_REQUEST && matches!(req.command, cmd::WRITE) {
             break Err(invalid("write larger than the advertised maximum"));
         }
+        // Bound what one connection holds: requests, and bytes of data (reads and writes).
+        let permit = Arc::clone(&slots).acquire_owned().await.expect("semaphore never closed");
+        let units = if matches!(req.command, cmd::READ | cmd::WRITE) {
+            req.length.min(MAX_REQUEST).div_ceil(BYTE_UNIT).max(1)
+        } else {
+            0
+        };
+        let bytes_permit = Arc::clone(&bytes).acquire_many_owned(units).await.expect("semaphore never closed");
         let mut data = Vec::new();
         if req.command == cmd::WRITE {
             data = vec![0u8; req.length as usize];
@@ -256,7 +277,6 @@ async fn transmission(
                 break Err(e);
             }
         }
-        let permit = Arc::clone(&slots).acquire_owned().await.expect("semaphore never closed");
         let (client, tx) = (client.clone(), tx.clone());
         tokio::spawn(async move {
             let (error, data) = match execute(&client, req, data, size).await {
@@ -264,11 +284,12 @@ async fn transmission(
                 Err(e) => (e, Vec::new()),
             };
             let _ = tx.send(Reply { header: codec::simple_reply(error, req.cookie), data }).await;
-            drop(permit);
+            drop((permit, bytes_permit));
         });
     };
     // Let requests in flight finish and their replies go out, then close.
     let _ = slots.acquire_many(opts.max_inflight as u32).await;
+    let _ = bytes.acquire_many(BYTE_UNITS).await;
     drop(tx);
     writer.await.map_err(|e| io::Error::other(e.to_string()))??;
     result
