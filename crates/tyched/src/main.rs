@@ -1,16 +1,26 @@
 //! `tyched`: the Tyche target daemon.
 //!
 //! Subcommands:
+//! - `tyched serve [--config FILE] [--export NAME=PATH|NAME=ram:SIZE]... [--iface IF]... ...`:
+//!   serve exports until SIGTERM/SIGINT.
+//! - `tyched stats [--socket PATH] [--json]`: the counters of a running daemon.
 //! - `tyched topology [--xml FILE] [--json] [--model]`: the NUMA nodes, NICs and their nodes,
 //!   and the channel placement plan (and, with `--model`, the I/O bandwidth model).
 
 mod topology;
 
 use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::Result;
-use clap::{Parser, Subcommand};
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
+use tyched::config::{Config, ExportConfig, TransportKind};
+use tyched::stats_server::{self, StatsServer};
+use tyched::{Nic, Placement, Target};
 
 /// Tyche target daemon.
 #[derive(Debug, Parser)]
@@ -22,21 +32,159 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve exports until SIGTERM or SIGINT.
+    Serve(ServeArgs),
+    /// Print the counters of a running daemon.
+    Stats(StatsArgs),
     /// Show NUMA nodes, NICs with their node, and the channel placement plan.
     Topology(topology::TopologyArgs),
 }
 
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// Configuration file (TOML); flags below override or extend it.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// An export: NAME=PATH (file or block device) or NAME=ram:SIZE (e.g. disk=ram:256M).
+    #[arg(long = "export", value_name = "NAME=PATH|NAME=ram:SIZE")]
+    exports: Vec<String>,
+    /// Interface to serve on (repeat for several NICs).
+    #[arg(long = "iface", value_name = "IF")]
+    ifaces: Vec<String>,
+    /// Channels per NIC.
+    #[arg(long)]
+    channels_per_nic: Option<u16>,
+    /// Transport: xdp, tcp or packet.
+    #[arg(long)]
+    transport: Option<TransportKind>,
+    /// Storage worker threads (0: automatic).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Unix socket for `tyched stats`.
+    #[arg(long)]
+    stats_socket: Option<PathBuf>,
+    /// Check the configuration and exit.
+    #[arg(long)]
+    check: bool,
+}
+
+#[derive(Debug, Args)]
+struct StatsArgs {
+    /// The daemon's stats socket.
+    #[arg(long, default_value = "/run/tyched/stats.sock")]
+    socket: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
 fn main() -> Result<()> {
-    // Log lines (placement warnings among them) go to stderr; stdout stays parseable.
+    // Log lines go to stderr; stdout stays parseable.
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            EnvFilter::try_from_env("TYCHE_LOG").unwrap_or_else(|_| EnvFilter::new("warn")),
-        )
+        .with_env_filter(EnvFilter::try_from_env("TYCHE_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Stats(args) => stats(&args),
         Command::Topology(args) => topology::run(&args),
     }
+}
+
+fn load_config(args: &ServeArgs) -> Result<Config> {
+    let mut config = match &args.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let c: Config = toml::from_str(&text).with_context(|| format!("{}", p.display()))?;
+            c
+        }
+        None => Config::default(),
+    };
+    for e in &args.exports {
+        config.exports.push(ExportConfig::from_flag(e)?);
+    }
+    if !args.ifaces.is_empty() {
+        config.ifaces = args.ifaces.clone();
+    }
+    if let Some(n) = args.channels_per_nic {
+        config.channels_per_nic = n;
+    }
+    if let Some(t) = args.transport {
+        config.transport = t;
+    }
+    if let Some(w) = args.workers {
+        config.workers = w;
+    }
+    if let Some(s) = &args.stats_socket {
+        config.stats_socket = s.clone();
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let config = load_config(&args)?;
+    if args.check {
+        println!("configuration ok: {} export(s), {} interface(s)", config.exports.len(), config.ifaces.len());
+        return Ok(());
+    }
+    if config.ifaces.is_empty() {
+        bail!("ifaces: no interface to serve on (--iface IF)");
+    }
+    let mut nics = Vec::new();
+    for name in &config.ifaces {
+        let transport: Box<dyn tyche_transport::FrameTransport + Send> = match config.transport {
+            TransportKind::Packet => Box::new(tyched::packet::PacketTransport::open(name, config.ethertype)?),
+            TransportKind::Xdp | TransportKind::Tcp => bail!(
+                "transport: {:?} is not available in this build yet (tyche-xdp/tyche-tcp); use --transport packet",
+                config.transport
+            ),
+        };
+        nics.push(Nic { name: name.clone(), transport });
+    }
+    let placement = placement_for(&config.ifaces);
+    let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
+    let _stats = match StatsServer::start(&config.stats_socket, handle.stats_source()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(socket = %config.stats_socket.display(), "no stats socket: {e}");
+            None
+        }
+    };
+    let term = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handlers")?;
+    }
+    while !term.load(Ordering::SeqCst) && !handle.is_finished() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tracing::info!("signal received: shutting down");
+    let snap = handle.shutdown();
+    tracing::info!(sessions = snap.sessions, reclaimed = snap.sessions_reclaimed, "exited cleanly");
+    Ok(())
+}
+
+/// Memory on the serving NICs' node and threads on its CPUs, when the topology says so.
+fn placement_for(ifaces: &[String]) -> Placement {
+    let Ok(topo) = tyche_numa::Topology::this_system() else { return Placement::default() };
+    let nodes: Vec<Option<u32>> =
+        ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
+    let node = match nodes.first() {
+        Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => *n,
+        _ => return Placement::default(),
+    };
+    let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == node).map(|n| n.cpus.clone()).unwrap_or_default();
+    Placement { node: Some(node), network_cpus: cpus.clone(), worker_cpus: cpus }
+}
+
+fn stats(args: &StatsArgs) -> Result<()> {
+    let snap = stats_server::query(&args.socket).with_context(|| format!("reading {}", args.socket.display()))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&snap)?);
+    } else {
+        print!("{}", snap.human());
+    }
+    Ok(())
 }
