@@ -31,24 +31,35 @@ fn sys(ret: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-fn sysfs(iface: &str, what: &str) -> io::Result<String> {
-    Ok(std::fs::read_to_string(format!("/sys/class/net/{iface}/{what}"))?.trim().to_owned())
+/// `SIOCGIFHWADDR` from `<linux/sockios.h>`.
+const SIOCGIFHWADDR: libc::c_ulong = 0x8927;
+/// `SIOCGIFMTU` from `<linux/sockios.h>`.
+const SIOCGIFMTU: libc::c_ulong = 0x8921;
+
+/// A `struct ifreq` (40 bytes on 64-bit Linux) naming `iface`.
+fn ifreq(iface: &str) -> [u8; 40] {
+    let mut r = [0u8; 40];
+    r[..iface.len()].copy_from_slice(iface.as_bytes());
+    r
+}
+
+fn ioctl(fd: &OwnedFd, req: libc::c_ulong, ifr: &mut [u8; 40]) -> io::Result<()> {
+    // SAFETY: both requests read the name from and write at most 24 bytes into a live 40-byte
+    // buffer laid out as `struct ifreq`.
+    sys(unsafe { libc::ioctl(fd.as_raw_fd(), req, ifr.as_mut_ptr()) }).map(|_| ())
 }
 
 impl PacketTransport {
     /// Opens a raw socket on `iface` receiving frames of `ethertype` (needs CAP_NET_RAW).
     pub fn open(iface: &str, ethertype: u16) -> io::Result<Self> {
-        let mac: MacAddr = sysfs(iface, "address")?
-            .parse()
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("{iface}: bad MAC address")))?;
-        let mtu: usize = sysfs(iface, "mtu")?
-            .parse()
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("{iface}: bad MTU")))?;
         let name = std::ffi::CString::new(iface).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        if iface.len() >= 16 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{iface}: name too long")));
+        }
         // SAFETY: `name` is a NUL-terminated string that lives across the call.
         let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
         if ifindex == 0 {
-            return Err(io::Error::last_os_error());
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("{iface}: no such interface")));
         }
         let proto = ethertype.to_be();
         // SAFETY: socket takes integers and returns a new descriptor or -1.
@@ -80,6 +91,19 @@ impl PacketTransport {
                 (&one as *const libc::c_int).cast(),
                 std::mem::size_of::<libc::c_int>() as libc::socklen_t,
             )
+        };
+        // Ask the socket (so the answer is from this network namespace, whatever /sys shows).
+        let mac = {
+            let mut req = ifreq(iface);
+            ioctl(&fd, SIOCGIFHWADDR, &mut req)?;
+            let mut o = [0u8; 6];
+            o.copy_from_slice(&req[18..24]);
+            MacAddr(o)
+        };
+        let mtu = {
+            let mut req = ifreq(iface);
+            ioctl(&fd, SIOCGIFMTU, &mut req)?;
+            i32::from_ne_bytes(req[16..20].try_into().expect("4 bytes")) as usize
         };
         let cap = mtu + tyche_wire::ETH_HEADER_LEN;
         Ok(PacketTransport { fd, mac, mtu, rx: vec![0; cap], tx: vec![0; cap] })

@@ -4,7 +4,6 @@ mod common;
 
 use common::{pattern, Initiator};
 use tyche_channel::{ConnectError, IoError};
-use tyche_transport::FrameTransport;
 use tyche_wire::{Op, RejectReason, Status};
 use tyched::config::{Config, ExportConfig};
 
@@ -202,7 +201,6 @@ fn garbage_frames_are_counted_and_ignored() {
     assert!(n.drops.malformed > 0, "{:?}", n.drops);
     assert_eq!(n.drops.unknown_session, 50, "{:?}", n.drops);
     assert_eq!(n.drops.not_ours, 50, "{:?}", n.drops);
-    assert!(ini.ports[0].dropped() == 0, "no queue overflow in the test itself");
 }
 
 #[test]

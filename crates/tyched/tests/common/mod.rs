@@ -9,7 +9,7 @@ use tyche_channel::{
     ConnectError, Connected, Connector, Inbound, Instant, IoError, IoRequest, LeastBytes, Timers, Volume, VolumeConfig,
     VolumeEvent,
 };
-use tyche_transport::{FrameTransport, MemLink, MemPort};
+use tyche_transport::{FrameTransport, MemLink};
 use tyche_wire::{ChannelParams, Envelope, Frame, MacAddr, Op, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
 use tyched::{Config, Nic, Target, TargetHandle};
 
@@ -24,22 +24,24 @@ pub fn target_mac(k: usize) -> MacAddr {
 }
 
 /// Starts a target serving `config` on `paths` in-memory NICs; returns the initiator's ports.
-pub fn start(config: Config, paths: usize) -> (TargetHandle, Vec<MemPort>) {
+pub fn start(config: Config, paths: usize) -> (TargetHandle, Vec<Port>) {
     let mut ports = Vec::new();
     let mut nics = Vec::new();
     for k in 0..paths {
         let (a, b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
-        ports.push(a);
+        ports.push(Box::new(a) as Port);
         nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
     }
     let handle = Target::start(config, nics).expect("target starts");
     (handle, ports)
 }
 
+/// An initiator's end of one link.
+pub type Port = Box<dyn FrameTransport + Send>;
+
 /// The initiator side of one attachment.
-#[derive(Debug)]
 pub struct Initiator {
-    pub ports: Vec<MemPort>,
+    pub ports: Vec<Port>,
     clock: std::time::Instant,
     pub volume: Option<Volume>,
     pub connected: Option<Connected>,
@@ -55,8 +57,14 @@ pub fn want() -> ChannelParams {
     ChannelParams { ring: 1024, remq_slots: 64, damq_slots: 64, segment: 8192, max_io: 1 << 20, features: 0 }
 }
 
+impl std::fmt::Debug for Initiator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Initiator").field("connected", &self.connected).finish_non_exhaustive()
+    }
+}
+
 impl Initiator {
-    pub fn new(ports: Vec<MemPort>) -> Self {
+    pub fn new(ports: Vec<Port>) -> Self {
         Initiator {
             ports,
             clock: std::time::Instant::now(),
@@ -65,7 +73,7 @@ impl Initiator {
             bufs: HashMap::new(),
             done: HashMap::new(),
             next_id: 1,
-            buf: vec![0; 9014],
+            buf: vec![0; 65536],
             pretend_size: None,
         }
     }
@@ -230,7 +238,7 @@ impl Initiator {
     }
 }
 
-pub fn send(port: &mut MemPort, frame: &[u8]) {
+pub fn send(port: &mut Port, frame: &[u8]) {
     let mut once = Some(frame);
     port.send(1, &mut |buf| {
         let f = once.take()?;
