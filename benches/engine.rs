@@ -111,7 +111,7 @@ impl Pair {
                 .expect("recv");
             while let Some(ev) = self.target.poll_event() {
                 if let TargetEvent::Execute { channel, request } = ev {
-                    self.target.complete(channel, request.remq, Status::Ok);
+                    self.target.complete(channel, &request, Status::Ok);
                 }
             }
             let target = &mut self.target;

@@ -1,30 +1,72 @@
-//! `cargo xtask <command>`: the project's orchestration (simulation, test suite, lab, benches).
-//! Plain `cargo build` and `cargo test` work without it.
+//! `cargo xtask <command>`: the project's orchestration (test suite, simulation, lab, AF_XDP smoke
+//! test, benchmarks, filesystem checks). Plain `cargo build` and `cargo test` work without it.
 
+mod bpfgen;
+mod disk;
+mod lab;
 mod sim;
 mod suite;
+mod xdp;
+
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-#[derive(Parser)]
+#[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "Tyche's project tasks")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
-#[derive(Subcommand)]
+#[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the deterministic simulator over many seeds (or replay one).
-    Sim(sim::SimArgs),
     /// Run the whole test suite as CI does.
     Test(suite::TestArgs),
+    /// Run the deterministic simulator over many seeds (or replay one).
+    Sim(sim::SimArgs),
+    /// The veth lab: two network namespaces (target, initiator) joined by veth pairs.
+    Lab {
+        #[command(subcommand)]
+        action: lab::LabCommand,
+    },
+    /// Builds everything and checks AF_XDP end to end on a 2-NIC veth lab, with IP alongside.
+    XdpSmoke(xdp::SmokeArgs),
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+    /// Regenerates `bpf/tyche_wire.h` from `tyche_wire::layout`.
+    GenBpfHeader {
+        /// Fail if the checked-in header differs instead of writing it.
+        #[arg(long)]
+        check: bool,
+    },
+    /// ext4 over an NBD Unix socket (nbdfuse, loop): mkfs, write, fsck, remount, verify (root).
+    FsCheck(disk::FsCheckArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Raw Tyche frames over AF_XDP on one veth pair, against iperf3 TCP on the same pair.
+    Xdp(xdp::BenchArgs),
+}
+
+/// The workspace root.
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
-        Command::Sim(a) => sim::run(a),
         Command::Test(a) => suite::run(a),
+        Command::Sim(a) => sim::run(a),
+        Command::Lab { action } => lab::run(action),
+        Command::XdpSmoke(args) => xdp::smoke(&root(), &args),
+        Command::Bench { what: BenchCommand::Xdp(args) } => xdp::bench(&root(), &args),
+        Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
+        Command::FsCheck(a) => disk::fs_check(a),
     }
 }

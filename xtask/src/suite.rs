@@ -17,6 +17,16 @@ pub struct TestArgs {
     sim_seeds: u64,
 }
 
+fn is_root() -> bool {
+    // The effective uid, from /proc (no libc dependency in xtask).
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("Uid:")).and_then(|l| l.split_whitespace().nth(2)).map(|u| u == "0")
+        })
+        .unwrap_or(false)
+}
+
 fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
 }
@@ -36,6 +46,14 @@ pub fn run(args: TestArgs) -> Result<()> {
         step("cargo clippy", cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     }
     step("cargo test", cargo().args(["test", "--workspace"]))?;
+    eprintln!("xtask test: bpf/tyche_wire.h matches tyche_wire::layout");
+    crate::bpfgen::run(&crate::root(), true)?;
+    if is_root() {
+        eprintln!("xtask test: xdp-smoke");
+        crate::xdp::smoke(&crate::root(), &crate::xdp::SmokeArgs::standard())?;
+    } else {
+        eprintln!("xtask test: SKIPPING xdp-smoke: it needs root (network namespaces, XDP)");
+    }
     eprintln!("xtask test: simulator contract (loss 5%)");
     sim::run(SimArgs::contract(args.sim_seeds, 0.05))?;
     eprintln!("xtask test: simulator contract (loss 30%)");

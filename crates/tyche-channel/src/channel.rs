@@ -136,6 +136,37 @@ impl DropReason {
     }
 }
 
+/// Why a volume or a target session did not use a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FrameDrop {
+    /// Not a valid Tyche frame.
+    Wire(tyche_wire::WireError),
+    /// For another session, or a channel or peer the session does not have.
+    NotOurs,
+    /// The channel refused it.
+    Channel(DropReason),
+}
+
+/// Checks that a received frame belongs to `session` and comes from the peer of the channel it
+/// names (looked up with `channel`), parses it and hands it to that channel. Returns the channel
+/// index and what the channel did.
+pub(crate) fn deliver<'a, 'c>(
+    now: Instant,
+    bytes: &'a [u8],
+    ethertype: u16,
+    session: u64,
+    channel: impl FnOnce(u16) -> Option<&'c mut Channel>,
+) -> Result<(u16, Received<'a>), FrameDrop> {
+    let frame = tyche_wire::Frame::new_checked(bytes, ethertype).map_err(FrameDrop::Wire)?;
+    if frame.session() != session {
+        return Err(FrameDrop::NotOurs);
+    }
+    let idx = frame.channel();
+    let ch = channel(idx).filter(|ch| ch.envelope().dst == frame.src()).ok_or(FrameDrop::NotOurs)?;
+    let msg = frame.parse_borrowed().map_err(FrameDrop::Wire)?;
+    Ok((idx, ch.handle(now, &msg)))
+}
+
 /// Outcome of [`Channel::handle`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Received<'a> {
@@ -397,7 +428,21 @@ impl Channel {
     }
     /// Requests in flight (initiator) or being handled (target).
     pub fn busy_remq(&self) -> usize {
-        self.remq.len() - self.free_remq.len()
+        // The free list is the initiator's; a target's slots are named by the peer.
+        self.remq.iter().filter(|s| !matches!(s, RemqSlot::Free)).count()
+    }
+
+    /// Target: the tag of the request handed out in `remq` and not yet completed, if any.
+    pub fn executing_tag(&self, remq: u16) -> Option<u64> {
+        match self.remq.get(remq as usize)? {
+            RemqSlot::Executing(r) => Some(r.tag),
+            _ => None,
+        }
+    }
+
+    /// Target: requests handed out and not yet completed.
+    pub fn executing(&self) -> usize {
+        self.remq.iter().filter(|s| matches!(s, RemqSlot::Executing(_))).count()
     }
 
     // ------------------------------------------------------------------------------------------
@@ -658,8 +703,7 @@ impl Channel {
         }
         let fits = !r.op.uses_damq() || (r.length <= self.params.max_io && (r.damq as usize) < self.damq.len());
         if !fits {
-            self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
-            return Received::Consumed;
+            return self.refuse(r);
         }
         if r.op.uses_damq() {
             let count = if r.op.has_write_data() { self.segments(r.length) } else { 0 };
@@ -668,8 +712,7 @@ impl Channel {
             if busy || (d.active && d.count != count) {
                 // Another request owns the slot, or the early segments disagree with this one.
                 self.release_damq(r.damq, r.tag);
-                self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
-                return Received::Consumed;
+                return self.refuse(r);
             }
             if !d.active {
                 d.reset(r.tag, count, r.remq);
@@ -687,6 +730,17 @@ impl Channel {
         }
         self.remq[slot] = RemqSlot::Executing(r);
         self.events.push_back(ChannelEvent::Request(ReadyRequest { remq: r.remq, damq: r.damq, request: r }));
+        Received::Consumed
+    }
+
+    /// Target: completes `r` with INVALID without giving it a slot. A refused request holds no
+    /// slot, so a peer could queue refusals without bound: once the send queue is at its bound
+    /// (which a correct peer, holding a `remq` slot per request, never reaches) it is dropped.
+    fn refuse(&mut self, r: Request) -> Received<'static> {
+        if self.queue.len() >= max_queued(&self.params) {
+            return self.drop_frame(DropReason::BadSlot);
+        }
+        self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
         Received::Consumed
     }
 

@@ -3,9 +3,11 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
-use tyche_wire::{Frame, Op, Status, WireError, SECTOR_SIZE};
+use tyche_wire::{Op, Status, SECTOR_SIZE};
 
-use crate::channel::{Channel, ChannelEvent, DeadReason, DropReason, Received, Role, Submission, Transmit};
+use crate::channel::{
+    deliver, Channel, ChannelEvent, DeadReason, DropReason, FrameDrop, Received, Role, Submission, Transmit,
+};
 use crate::config::TAG_WINDOW;
 use crate::scheduler::{ChannelView, Scheduler};
 use crate::time::{earliest, Instant};
@@ -87,17 +89,6 @@ pub enum VolumeEvent {
         /// Parts re-queued for other channels.
         reissued: usize,
     },
-}
-
-/// Why [`Volume::handle_frame`] did not use a frame.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FrameDrop {
-    /// Not a valid Tyche frame.
-    Wire(WireError),
-    /// For another session, or a channel this volume does not have.
-    NotOurs,
-    /// The channel refused it.
-    Channel(DropReason),
 }
 
 /// What [`Volume::handle_frame`] did with a frame.
@@ -241,14 +232,12 @@ impl Volume {
         self.pending.len()
     }
 
+    /// The part size: the smallest `max_io` of the live channels, or of every channel the volume
+    /// has had while none is alive (parts queued during an outage then fit the reconnected ones).
     fn max_io(&self) -> u32 {
-        self.members
-            .iter()
-            .flatten()
-            .filter(|m| m.channel.dead().is_none())
-            .map(|m| m.channel.params().max_io)
-            .min()
-            .unwrap_or(SECTOR_SIZE)
+        let all = self.members.iter().flatten();
+        let live = all.clone().filter(|m| m.channel.dead().is_none()).map(|m| m.channel.params().max_io).min();
+        live.or_else(|| all.map(|m| m.channel.params().max_io).min()).unwrap_or(SECTOR_SIZE)
     }
 
     fn floor(&self) -> u64 {
@@ -310,11 +299,26 @@ impl Volume {
         let floor = self.floor();
         while let Some(&tag) = self.pending.front() {
             let part = self.parts[&tag];
+            // A part sized for a channel that has died may be larger than every survivor's
+            // `max_io` (each channel's grant is the target's choice): it can go nowhere, so it
+            // fails rather than wait for ever or trip `Channel::submit`'s assertion.
+            let fits = |c: &Channel| !part.op.uses_damq() || part.length <= c.params().max_io;
+            let live = self.members.iter().flatten().filter(|m| m.channel.dead().is_none());
+            let (mut any_live, mut any_fits) = (false, false);
+            for m in live {
+                any_live = true;
+                any_fits |= fits(&m.channel);
+            }
+            if any_live && !any_fits {
+                self.pending.pop_front();
+                self.part_done(tag, None, Err(IoError::NoPath));
+                continue;
+            }
             self.views.clear();
             self.views.extend(self.members.iter().map(|m| match m {
                 Some(m) => ChannelView {
                     live: m.channel.dead().is_none(),
-                    has_room: m.channel.can_submit(part.op),
+                    has_room: m.channel.can_submit(part.op) && fits(&m.channel),
                     node: m.node,
                 },
                 None => ChannelView { live: false, has_room: false, node: None },
@@ -331,25 +335,15 @@ impl Volume {
 
     /// Hands the volume a received frame.
     pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> Inbound<'a> {
-        let frame = match Frame::new_checked(bytes, self.ethertype) {
-            Ok(f) => f,
-            Err(e) => return Inbound::Dropped(FrameDrop::Wire(e)),
+        let members = &mut self.members;
+        let lookup = move |i: u16| {
+            let members = members; // moved in: the closure is FnOnce and may return a borrow of it
+            members.get_mut(i as usize)?.as_mut().map(|m| &mut m.channel)
         };
-        if frame.session() != self.session {
-            return Inbound::Dropped(FrameDrop::NotOurs);
-        }
-        let idx = frame.channel();
-        let Some(Some(member)) = self.members.get_mut(idx as usize) else {
-            return Inbound::Dropped(FrameDrop::NotOurs);
+        let (idx, received) = match deliver(now, bytes, self.ethertype, self.session, lookup) {
+            Ok(r) => r,
+            Err(d) => return Inbound::Dropped(d),
         };
-        if frame.src() != member.channel.envelope().dst {
-            return Inbound::Dropped(FrameDrop::NotOurs);
-        }
-        let msg = match frame.parse_borrowed() {
-            Ok(m) => m,
-            Err(e) => return Inbound::Dropped(FrameDrop::Wire(e)),
-        };
-        let received = member.channel.handle(now, &msg);
         let out = match received {
             Received::Consumed => Inbound::Consumed,
             Received::Dropped(r) => Inbound::Dropped(FrameDrop::Channel(r)),

@@ -37,12 +37,12 @@ mod target;
 mod time;
 
 pub use channel::{
-    Channel, ChannelEvent, ChannelStats, DeadReason, DropReason, PayloadRef, Placement, ReadyRequest, Received, Role,
-    Submission, Transmit,
+    Channel, ChannelEvent, ChannelStats, DeadReason, DropReason, FrameDrop, PayloadRef, Placement, ReadyRequest,
+    Received, Role, Submission, Transmit,
 };
 pub use config::Timers;
 pub use handshake::{Accepted, Acceptor, ConnectError, Connected, Connector, ExportSpec};
-pub use initiator::{FrameDrop, Inbound, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent};
+pub use initiator::{Inbound, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
-pub use target::{ExportGeometry, TargetDrop, TargetEvent, TargetInbound, TargetSession};
+pub use target::{ExportGeometry, TargetEvent, TargetInbound, TargetSession};
 pub use time::Instant;

@@ -2,9 +2,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use tyche_wire::{Frame, Op, Request, Status, WireError};
+use tyche_wire::{Op, Request, Status};
 
-use crate::channel::{Channel, ChannelEvent, DeadReason, DropReason, Received, Role, Transmit};
+use crate::channel::{deliver, Channel, ChannelEvent, DeadReason, FrameDrop, Received, Role, Transmit};
 use crate::config::TAG_WINDOW;
 use crate::time::{earliest, Instant};
 
@@ -40,17 +40,6 @@ pub enum TargetEvent {
     },
 }
 
-/// Why [`TargetSession::handle_frame`] did not use a frame.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TargetDrop {
-    /// Not a valid Tyche frame.
-    Wire(WireError),
-    /// For another session, or a channel or peer this session does not have.
-    NotOurs,
-    /// The channel refused it.
-    Channel(DropReason),
-}
-
 /// What [`TargetSession::handle_frame`] did with a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TargetInbound<'a> {
@@ -68,13 +57,13 @@ pub enum TargetInbound<'a> {
         payload: &'a [u8],
     },
     /// Not used.
-    Dropped(TargetDrop),
+    Dropped(FrameDrop),
 }
 
 #[derive(Debug)]
 enum Ledger {
-    /// Being executed; these copies (channel, remq) wait for its status.
-    InProgress(Vec<(u16, u16)>),
+    /// Being executed; these copies (channel, remq, tag) wait for its status.
+    InProgress(Vec<(u16, u16, u64)>),
     /// Executed with this status.
     Done(Status),
 }
@@ -94,6 +83,9 @@ pub struct TargetSession {
     ethertype: u16,
     geometry: ExportGeometry,
     channels: Vec<Option<Channel>>,
+    /// Replaced channels (reconnects on the same index) with requests still executing: their
+    /// completions must reach them, not the new channel that reuses their slot numbers.
+    retired: Vec<Channel>,
     floor: u64,
     ledger: BTreeMap<u64, Ledger>,
     events: VecDeque<TargetEvent>,
@@ -108,6 +100,7 @@ impl TargetSession {
             ethertype,
             geometry,
             channels: Vec::new(),
+            retired: Vec::new(),
             floor: 0,
             ledger: BTreeMap::new(),
             events: VecDeque::new(),
@@ -144,35 +137,28 @@ impl TargetSession {
         if self.channels.len() <= idx {
             self.channels.resize_with(idx + 1, || None);
         }
-        if let Some(old) = self.channels[idx].as_mut() {
+        if let Some(mut old) = self.channels[idx].replace(channel) {
             old.abort();
+            if old.executing() > 0 {
+                self.retired.push(old);
+            }
         }
-        self.channels[idx] = Some(channel);
     }
 
     /// Hands the session a received frame.
     pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> TargetInbound<'a> {
-        let frame = match Frame::new_checked(bytes, self.ethertype) {
-            Ok(f) => f,
-            Err(e) => return TargetInbound::Dropped(TargetDrop::Wire(e)),
+        let channels = &mut self.channels;
+        let lookup = move |i: u16| {
+            let channels = channels; // moved in: the closure is FnOnce and may return a borrow of it
+            channels.get_mut(i as usize)?.as_mut()
         };
-        if frame.session() != self.id {
-            return TargetInbound::Dropped(TargetDrop::NotOurs);
-        }
-        let idx = frame.channel();
-        let Some(Some(ch)) = self.channels.get_mut(idx as usize) else {
-            return TargetInbound::Dropped(TargetDrop::NotOurs);
+        let (idx, received) = match deliver(now, bytes, self.ethertype, self.id, lookup) {
+            Ok(r) => r,
+            Err(d) => return TargetInbound::Dropped(d),
         };
-        if frame.src() != ch.envelope().dst {
-            return TargetInbound::Dropped(TargetDrop::NotOurs);
-        }
-        let msg = match frame.parse_borrowed() {
-            Ok(m) => m,
-            Err(e) => return TargetInbound::Dropped(TargetDrop::Wire(e)),
-        };
-        let out = match ch.handle(now, &msg) {
+        let out = match received {
             Received::Consumed => TargetInbound::Consumed,
-            Received::Dropped(r) => TargetInbound::Dropped(TargetDrop::Channel(r)),
+            Received::Dropped(r) => TargetInbound::Dropped(FrameDrop::Channel(r)),
             Received::Placed(p) => {
                 TargetInbound::Write { channel: idx, damq: p.damq, offset: p.offset, payload: p.payload }
             }
@@ -191,10 +177,25 @@ impl TargetSession {
         }
     }
 
-    fn reply(&mut self, idx: u16, remq: u16, status: Status) {
-        if let Some(ch) = self.channels[idx as usize].as_mut() {
-            ch.complete(remq, status);
-        }
+    /// Completes the request `tag` in slot `remq` of channel `idx`: on the current channel of
+    /// that index, or on a replaced one that still has it.
+    fn complete_in(&mut self, idx: u16, remq: u16, tag: u64, status: Status) -> Option<Request> {
+        let current = self.channels.get_mut(idx as usize).and_then(Option::as_mut);
+        let ch = match current {
+            Some(ch) if ch.executing_tag(remq) == Some(tag) => ch,
+            _ => {
+                let found =
+                    self.retired.iter().position(|c| c.envelope().channel == idx && c.executing_tag(remq) == Some(tag));
+                &mut self.retired[found?]
+            }
+        };
+        let req = ch.complete(remq, status);
+        self.retired.retain(|c| c.executing() > 0);
+        req
+    }
+
+    fn reply(&mut self, idx: u16, r: &Request, status: Status) {
+        self.complete_in(idx, r.remq, r.tag, status);
     }
 
     /// A request is ready on channel `idx`: check it, deduplicate it, hand it to the caller.
@@ -213,45 +214,48 @@ impl TargetSession {
         }
         if r.tag < self.floor {
             self.duplicates_suppressed += 1;
-            return self.reply(idx, r.remq, Status::Aborted);
+            return self.reply(idx, &r, Status::Aborted);
         }
         let g = self.geometry;
         if r.offset.saturating_add(r.length as u64) > g.size {
-            return self.reply(idx, r.remq, Status::OutOfRange);
+            return self.reply(idx, &r, Status::OutOfRange);
         }
         if g.read_only && r.op.modifies() {
-            return self.reply(idx, r.remq, Status::ReadOnly);
+            return self.reply(idx, &r, Status::ReadOnly);
         }
         if r.op == Op::Discard && !g.discard {
-            return self.reply(idx, r.remq, Status::Unsupported);
+            return self.reply(idx, &r, Status::Unsupported);
         }
         if r.op.modifies() {
             let full = self.ledger.len() >= LEDGER_LIMIT;
             match self.ledger.get_mut(&r.tag) {
-                None if full => return self.reply(idx, r.remq, Status::Invalid),
+                None if full => return self.reply(idx, &r, Status::Invalid),
                 None => {
                     self.ledger.insert(r.tag, Ledger::InProgress(Vec::new()));
                 }
                 Some(Ledger::InProgress(waiters)) => {
                     self.duplicates_suppressed += 1;
-                    waiters.push((idx, r.remq));
+                    waiters.push((idx, r.remq, r.tag));
                     return;
                 }
                 Some(Ledger::Done(status)) => {
                     let status = *status;
                     self.duplicates_suppressed += 1;
-                    return self.reply(idx, r.remq, status);
+                    return self.reply(idx, &r, status);
                 }
             }
         }
         self.events.push_back(TargetEvent::Execute { channel: idx, request: r });
     }
 
-    /// Reports the outcome of an [`TargetEvent::Execute`]. For a successful read, the data must
-    /// be in the request's `damq` slot. Returns `false` if no such request was executing.
-    pub fn complete(&mut self, channel: u16, remq: u16, status: Status) -> bool {
-        let Some(Some(ch)) = self.channels.get_mut(channel as usize) else { return false };
-        let Some(req) = ch.complete(remq, status) else { return false };
+    /// Reports the outcome of the [`TargetEvent::Execute`] of `request` on `channel`. For a
+    /// successful read, the data must be in the request's `damq` slot. Returns `false` if no such
+    /// request was executing (a caller bug: completed twice, or never handed out).
+    ///
+    /// The request (not just its `remq` slot) names what is completed: if the channel was replaced
+    /// by a reconnect meanwhile, the new channel may have reused the slot number.
+    pub fn complete(&mut self, channel: u16, request: &Request, status: Status) -> bool {
+        let Some(req) = self.complete_in(channel, request.remq, request.tag, status) else { return false };
         if req.op.modifies() {
             let waiters = match self.ledger.insert(req.tag, Ledger::Done(status)) {
                 Some(Ledger::InProgress(w)) => w,
@@ -260,8 +264,8 @@ impl TargetSession {
             if req.tag < self.floor {
                 self.ledger.remove(&req.tag);
             }
-            for (c, r) in waiters {
-                self.reply(c, r, status);
+            for (c, remq, tag) in waiters {
+                self.complete_in(c, remq, tag, status);
             }
         }
         true

@@ -63,44 +63,25 @@ impl NodeRegion {
             HugePages::No => system_page_size(),
             HugePages::Yes => HUGE_PAGE_SIZE,
         };
-        let len = len
-            .checked_next_multiple_of(page_size)
-            .ok_or(NumaError::EmptyRegion)?;
+        let len = len.checked_next_multiple_of(page_size).ok_or(NumaError::EmptyRegion)?;
         let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
         if huge == HugePages::Yes {
             flags |= libc::MAP_HUGETLB;
         }
         // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
         // existing memory; the result is checked against MAP_FAILED before use.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                -1,
-                0,
-            )
-        };
+        let addr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
         if addr == libc::MAP_FAILED {
             let source = io::Error::last_os_error();
             return Err(if huge == HugePages::Yes {
                 NumaError::HugePagesUnavailable { len, source }
             } else {
-                NumaError::Sys {
-                    call: "mmap",
-                    source,
-                }
+                NumaError::Sys { call: "mmap", source }
             });
         }
         let ptr = NonNull::new(addr.cast::<u8>()).expect("mmap never returns NULL on success");
         // From here on, dropping `region` unmaps the memory, including on the error paths.
-        let mut region = NodeRegion {
-            ptr,
-            len,
-            node,
-            page_size,
-        };
+        let mut region = NodeRegion { ptr, len, node, page_size };
         region.bind(node)?;
         region.populate();
         Ok(region)
@@ -126,10 +107,7 @@ impl NodeRegion {
             return Err(if source.raw_os_error() == Some(libc::EINVAL) {
                 NumaError::NoSuchNode(node)
             } else {
-                NumaError::Sys {
-                    call: "mbind",
-                    source,
-                }
+                NumaError::Sys { call: "mbind", source }
             });
         }
         Ok(())
@@ -195,11 +173,7 @@ impl NodeRegion {
         let count = self.len / self.page_size;
         let pages: Vec<*const c_void> = (0..count)
             // `i * page_size < len`: every address is inside this region.
-            .map(|i| {
-                self.as_ptr()
-                    .wrapping_add(i * self.page_size)
-                    .cast::<c_void>()
-            })
+            .map(|i| self.as_ptr().wrapping_add(i * self.page_size).cast::<c_void>())
             .collect();
         let mut status: Vec<c_int> = vec![0; count];
         // SAFETY: `pages` and `status` hold `count` entries each and outlive the call; a NULL
@@ -244,10 +218,7 @@ pub fn bind_thread_memory(node: u32) -> Result<(), NumaError> {
         return Err(if source.raw_os_error() == Some(libc::EINVAL) {
             NumaError::NoSuchNode(node)
         } else {
-            NumaError::Sys {
-                call: "set_mempolicy",
-                source,
-            }
+            NumaError::Sys { call: "set_mempolicy", source }
         });
     }
     Ok(())
@@ -256,14 +227,7 @@ pub fn bind_thread_memory(node: u32) -> Result<(), NumaError> {
 /// Returns the calling thread to the default memory policy (allocate on the local node).
 pub fn reset_thread_memory() -> Result<(), NumaError> {
     // SAFETY: MPOL_DEFAULT takes no node mask (NULL, 0); only this thread's policy changes.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_set_mempolicy,
-            MPOL_DEFAULT,
-            std::ptr::null::<c_ulong>(),
-            0 as c_ulong,
-        )
-    };
+    let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, MPOL_DEFAULT, std::ptr::null::<c_ulong>(), 0 as c_ulong) };
     if rc != 0 {
         return Err(NumaError::last_os("set_mempolicy"));
     }
@@ -295,8 +259,7 @@ mod tests {
     #[test]
     fn region_bound_to_node_zero_reports_node_zero_for_every_page() {
         let page = system_page_size();
-        let mut region =
-            NodeRegion::new(64 * page + 1, 0, HugePages::No).expect("bind 65 pages to node 0");
+        let mut region = NodeRegion::new(64 * page + 1, 0, HugePages::No).expect("bind 65 pages to node 0");
         assert_eq!(region.len(), 65 * page, "length rounds up to whole pages");
         assert_eq!(region.as_ptr() as usize % page, 0, "page-aligned");
         assert!(region.as_slice().iter().all(|&b| b == 0), "starts zeroed");
@@ -311,10 +274,7 @@ mod tests {
     #[test]
     fn region_on_a_missing_node_is_an_error() {
         let err = NodeRegion::new(4096, 1000, HugePages::No).expect_err("node 1000 does not exist");
-        assert!(
-            matches!(err, NumaError::NoSuchNode(1000) | NumaError::Sys { .. }),
-            "unexpected error {err}"
-        );
+        assert!(matches!(err, NumaError::NoSuchNode(1000) | NumaError::Sys { .. }), "unexpected error {err}");
     }
 
     #[test]

@@ -47,9 +47,6 @@ pub enum NumaError {
 
 impl NumaError {
     pub(crate) fn last_os(call: &'static str) -> Self {
-        NumaError::Sys {
-            call,
-            source: io::Error::last_os_error(),
-        }
+        NumaError::Sys { call, source: io::Error::last_os_error() }
     }
 }

@@ -50,12 +50,7 @@ pub struct ModelConfig {
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        ModelConfig {
-            buffer_bytes: 8 << 20,
-            duration: Duration::from_millis(60),
-            threads: Some(1),
-            tolerance: 0.10,
-        }
+        ModelConfig { buffer_bytes: 8 << 20, duration: Duration::from_millis(60), threads: Some(1), tolerance: 0.10 }
     }
 }
 
@@ -115,10 +110,7 @@ impl BandwidthModel {
             })
             .collect();
         io_nodes.sort_by_key(|m| m.io_node);
-        BandwidthModel {
-            tolerance,
-            io_nodes,
-        }
+        BandwidthModel { tolerance, io_nodes }
     }
 
     /// The model of one device node.
@@ -137,19 +129,10 @@ impl BandwidthModel {
     /// The paper's estimate of a device node's aggregate bandwidth when the fraction
     /// `shares[i].1` of the data comes from (or goes to) node `shares[i].0`:
     /// `sum(share * mean bandwidth of the node's class)`. `None` when a node is not modelled.
-    pub fn predict(
-        &self,
-        io_node: u32,
-        direction: Direction,
-        shares: &[(u32, f64)],
-    ) -> Option<f64> {
+    pub fn predict(&self, io_node: u32, direction: Direction, shares: &[(u32, f64)]) -> Option<f64> {
         let nodes = self.io_node(io_node)?.direction(direction);
         let class_mean = |class: u32| {
-            let members: Vec<f64> = nodes
-                .iter()
-                .filter(|b| b.class == class)
-                .map(|b| b.gbytes_per_s)
-                .collect();
+            let members: Vec<f64> = nodes.iter().filter(|b| b.class == class).map(|b| b.gbytes_per_s).collect();
             members.iter().sum::<f64>() / members.len() as f64
         };
         shares.iter().try_fold(0.0, |acc, &(node, share)| {
@@ -171,22 +154,14 @@ pub fn classify(samples: &[(u32, f64)], tolerance: f64) -> Vec<NodeBandwidth> {
             class += 1;
             leader = bw;
         }
-        out.push(NodeBandwidth {
-            node,
-            gbytes_per_s: bw,
-            class,
-        });
+        out.push(NodeBandwidth { node, gbytes_per_s: bw, class });
     }
     out.sort_by_key(|b| b.node);
     out
 }
 
 /// Measures the model on this machine for the given device nodes (Algorithm 1).
-pub fn measure(
-    topo: &Topology,
-    io_nodes: &[u32],
-    cfg: &ModelConfig,
-) -> Result<BandwidthModel, NumaError> {
+pub fn measure(topo: &Topology, io_nodes: &[u32], cfg: &ModelConfig) -> Result<BandwidthModel, NumaError> {
     if !topo.is_this_system() {
         return Err(NumaError::NotThisSystem("the bandwidth model"));
     }
@@ -201,32 +176,19 @@ pub fn measure(
         let threads = cfg.threads.unwrap_or(device.cores.len()).max(1);
         let mut write = Vec::new();
         let mut read = Vec::new();
-        for node in topo
-            .nodes
-            .iter()
-            .filter(|n| n.memory_bytes > 0 || n.id == k)
-        {
+        for node in topo.nodes.iter().filter(|n| n.memory_bytes > 0 || n.id == k) {
             let i = node.id;
             write.push((i, copy_bandwidth(&device.cpus, i, k, threads, cfg)?));
             read.push((i, copy_bandwidth(&device.cpus, k, i, threads, cfg)?));
         }
         measurements.push((k, write, read));
     }
-    Ok(BandwidthModel::from_measurements(
-        measurements,
-        cfg.tolerance,
-    ))
+    Ok(BandwidthModel::from_measurements(measurements, cfg.tolerance))
 }
 
 /// GB/s of `threads` threads pinned to `cpus`, each copying its own buffer on `src` to its own
 /// buffer on `dst` for `cfg.duration`.
-fn copy_bandwidth(
-    cpus: &[u32],
-    src: u32,
-    dst: u32,
-    threads: usize,
-    cfg: &ModelConfig,
-) -> Result<f64, NumaError> {
+fn copy_bandwidth(cpus: &[u32], src: u32, dst: u32, threads: usize, cfg: &ModelConfig) -> Result<f64, NumaError> {
     let results: Vec<Result<f64, NumaError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
@@ -234,11 +196,7 @@ fn copy_bandwidth(
                     pin_current_thread(cpus)?;
                     let mut source = NodeRegion::new(cfg.buffer_bytes, src, HugePages::No)?;
                     let mut sink = NodeRegion::new(cfg.buffer_bytes, dst, HugePages::No)?;
-                    source
-                        .as_mut_slice()
-                        .iter_mut()
-                        .enumerate()
-                        .for_each(|(i, b)| *b = i as u8);
+                    source.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
                     let start = Instant::now();
                     let mut copied = 0u64;
                     let mut rounds = 0;
@@ -252,10 +210,7 @@ fn copy_bandwidth(
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or(Err(NumaError::MeasurementPanicked)))
-            .collect()
+        handles.into_iter().map(|h| h.join().unwrap_or(Err(NumaError::MeasurementPanicked))).collect()
     });
     results.into_iter().sum()
 }
@@ -267,16 +222,7 @@ mod tests {
 
     /// The shape of the paper's Table V (read model of node 7 on an 8-node machine), in GB/s.
     fn eight_node_model() -> BandwidthModel {
-        let read = vec![
-            (0, 2.2),
-            (1, 2.2),
-            (2, 2.6),
-            (3, 2.6),
-            (4, 3.1),
-            (5, 3.1),
-            (6, 3.6),
-            (7, 3.6),
-        ];
+        let read = vec![(0, 2.2), (1, 2.2), (2, 2.6), (3, 2.6), (4, 3.1), (5, 3.1), (6, 3.6), (7, 3.6)];
         BandwidthModel::from_measurements(vec![(7, read.clone(), read)], 0.10)
     }
 
@@ -285,11 +231,7 @@ mod tests {
         let classes = classify(&[(0, 10.0), (1, 9.5), (2, 6.0), (3, 5.8), (4, 3.0)], 0.10);
         let got: Vec<(u32, u32)> = classes.iter().map(|b| (b.node, b.class)).collect();
         assert_eq!(got, vec![(0, 1), (1, 1), (2, 2), (3, 2), (4, 3)]);
-        assert_eq!(
-            classify(&[(0, 5.0)], 0.1)[0].class,
-            1,
-            "one node is one class"
-        );
+        assert_eq!(classify(&[(0, 5.0)], 0.1)[0].class, 1, "one node is one class");
         assert!(classify(&[], 0.1).is_empty());
     }
 
@@ -300,14 +242,8 @@ mod tests {
         assert_eq!(classes, vec![4, 4, 3, 3, 2, 2, 1, 1]);
         assert_eq!(m.class_between(6, 7), Some(1), "the neighbour is class 1");
         assert_eq!(m.class_between(0, 7), Some(4));
-        assert_eq!(
-            m.class_between(0, 3),
-            None,
-            "node 3 has no NIC in this model"
-        );
-        let p = m
-            .predict(7, Direction::Read, &[(2, 0.5), (0, 0.5)])
-            .expect("modelled nodes");
+        assert_eq!(m.class_between(0, 3), None, "node 3 has no NIC in this model");
+        let p = m.predict(7, Direction::Read, &[(2, 0.5), (0, 0.5)]).expect("modelled nodes");
         assert!((p - 2.4).abs() < 1e-9, "half class 3, half class 4: {p}");
     }
 
@@ -320,11 +256,7 @@ mod tests {
             (io, v.clone(), v)
         };
         let model = BandwidthModel::from_measurements(
-            vec![
-                mk(0, [10.0, 8.0, 8.0, 8.5]),
-                mk(1, [8.0, 10.0, 8.0, 4.0]),
-                mk(2, [8.0, 8.0, 10.0, 10.0]),
-            ],
+            vec![mk(0, [10.0, 8.0, 8.0, 8.5]), mk(1, [8.0, 10.0, 8.0, 4.0]), mk(2, [8.0, 8.0, 10.0, 10.0])],
             0.10,
         );
         let order = NodeOrder::from_model(&model, &[0, 1, 2, 3]);
@@ -342,8 +274,7 @@ mod tests {
 
     #[test]
     fn measuring_needs_the_real_machine() {
-        let xml =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/laptop-1node.xml");
+        let xml = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/laptop-1node.xml");
         let topo = Topology::from_xml_file(xml).expect("fixture loads");
         let err = measure(&topo, &[0], &ModelConfig::default()).expect_err("XML is not here");
         assert!(matches!(err, NumaError::NotThisSystem(_)), "{err}");
@@ -363,11 +294,7 @@ mod tests {
         let m = model.io_node(first).expect("modelled");
         assert!(!m.write.is_empty() && !m.read.is_empty());
         assert!(m.write.iter().all(|b| b.gbytes_per_s > 0.0), "{m:?}");
-        let local = m
-            .write
-            .iter()
-            .find(|b| b.node == first)
-            .expect("local node measured");
+        let local = m.write.iter().find(|b| b.node == first).expect("local node measured");
         if topo.nodes.len() == 1 {
             assert_eq!(local.class, 1, "a single node is class 1");
         }

@@ -52,16 +52,8 @@ pub struct PlacementRequest {
 impl PlacementRequest {
     /// `per_nic` channels on each of `nics` (all NICs of the topology when `nics` is empty).
     /// Names that the topology does not know are returned as the error value.
-    pub fn channels_per_nic(
-        topo: &Topology,
-        nics: &[String],
-        per_nic: u32,
-    ) -> Result<Self, Vec<String>> {
-        let unknown: Vec<String> = nics
-            .iter()
-            .filter(|n| topo.nic(n).is_none())
-            .cloned()
-            .collect();
+    pub fn channels_per_nic(topo: &Topology, nics: &[String], per_nic: u32) -> Result<Self, Vec<String>> {
+        let unknown: Vec<String> = nics.iter().filter(|n| topo.nic(n).is_none()).cloned().collect();
         if !unknown.is_empty() {
             return Err(unknown);
         }
@@ -70,17 +62,10 @@ impl PlacementRequest {
             .iter()
             .filter(|nic| nics.is_empty() || nics.contains(&nic.name))
             .flat_map(|nic| {
-                (0..per_nic).map(|channel| ChannelSpec {
-                    nic: nic.name.clone(),
-                    channel,
-                    nic_node: nic.node,
-                })
+                (0..per_nic).map(|channel| ChannelSpec { nic: nic.name.clone(), channel, nic_node: nic.node })
             })
             .collect();
-        Ok(PlacementRequest {
-            channels,
-            consumer_cpus: Vec::new(),
-        })
+        Ok(PlacementRequest { channels, consumer_cpus: Vec::new() })
     }
 }
 
@@ -142,9 +127,7 @@ pub struct Plan {
 impl Plan {
     /// The completion workers on `node`.
     pub fn workers_on(&self, node: u32) -> impl Iterator<Item = &CompletionWorker> {
-        self.completion_workers
-            .iter()
-            .filter(move |w| w.node == node)
+        self.completion_workers.iter().filter(move |w| w.node == node)
     }
 }
 
@@ -152,17 +135,9 @@ impl Plan {
 /// deterministic.
 pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
     let mut out = Plan::default();
-    let with_cpus: Vec<u32> = topo
-        .nodes
-        .iter()
-        .filter(|n| !n.cpus.is_empty())
-        .map(|n| n.id)
-        .collect();
+    let with_cpus: Vec<u32> = topo.nodes.iter().filter(|n| !n.cpus.is_empty()).map(|n| n.id).collect();
     if with_cpus.is_empty() {
-        warn(
-            &mut out,
-            "the topology has no CPUs: nothing can be placed".into(),
-        );
+        warn(&mut out, "the topology has no CPUs: nothing can be placed".into());
         return out;
     }
 
@@ -184,10 +159,7 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
             if warned_nics.insert(c.nic.clone()) {
                 warn(
                     &mut out,
-                    format!(
-                        "NIC {} is on node {node}, which has no CPUs: its channels run on node {near}",
-                        c.nic
-                    ),
+                    format!("NIC {} is on node {node}, which has no CPUs: its channels run on node {near}", c.nic),
                 );
             }
             Some(near)
@@ -222,15 +194,10 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
     let consumers: BTreeSet<u32> = req.consumer_cpus.iter().copied().collect();
     let mut network_cpu: Vec<(u32, bool)> = vec![(0, false); req.channels.len()];
     for node in topo.nodes.iter().filter(|n| !n.cpus.is_empty()) {
-        let mine: Vec<usize> = (0..req.channels.len())
-            .filter(|&i| channel_node[i] == node.id)
-            .collect();
+        let mine: Vec<usize> = (0..req.channels.len()).filter(|&i| channel_node[i] == node.id).collect();
         let n = mine.len();
-        let mut free: Vec<&Vec<u32>> = node
-            .cores
-            .iter()
-            .filter(|core| !core.iter().any(|c| consumers.contains(c)))
-            .collect();
+        let mut free: Vec<&Vec<u32>> =
+            node.cores.iter().filter(|core| !core.iter().any(|c| consumers.contains(c))).collect();
         let mut worker_cores: Vec<&Vec<u32>> = Vec::new();
         if n == 0 {
             worker_cores = free;
@@ -275,11 +242,7 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
                     format!(
                         "node {}: a single free core: {n} network threads{} share it",
                         node.id,
-                        if consumers.is_empty() {
-                            " and the completion worker"
-                        } else {
-                            ""
-                        }
+                        if consumers.is_empty() { " and the completion worker" } else { "" }
                     ),
                 );
             }
@@ -290,18 +253,14 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
             let exclusive = free.len() > n && !all_busy;
             // Hardware threads in PU-major order: first PU of every core, then the second...
             let max_pus = net_cores.iter().map(|c| c.len()).max().unwrap_or(0);
-            let slots: Vec<u32> = (0..max_pus)
-                .flat_map(|k| net_cores.iter().filter_map(move |c| c.get(k).copied()))
-                .collect();
+            let slots: Vec<u32> =
+                (0..max_pus).flat_map(|k| net_cores.iter().filter_map(move |c| c.get(k).copied())).collect();
             for (j, &ch) in mine.iter().enumerate() {
                 network_cpu[ch] = (slots[j % slots.len()], exclusive);
             }
         }
         for core in worker_cores {
-            out.completion_workers.push(CompletionWorker {
-                node: node.id,
-                cpu: core[0],
-            });
+            out.completion_workers.push(CompletionWorker { node: node.id, cpu: core[0] });
         }
     }
 
@@ -331,13 +290,7 @@ fn warn(plan: &mut Plan, message: String) {
 fn nearest_with_cpus(topo: &Topology, node: u32, with_cpus: &[u32]) -> u32 {
     *with_cpus
         .iter()
-        .min_by_key(|&&other| {
-            (
-                topo.distance(node, other).unwrap_or(u64::MAX),
-                other.abs_diff(node),
-                other,
-            )
-        })
+        .min_by_key(|&&other| (topo.distance(node, other).unwrap_or(u64::MAX), other.abs_diff(node), other))
         .expect("with_cpus is not empty")
 }
 
@@ -369,8 +322,7 @@ pub fn current_thread_cpus() -> Result<Vec<u32>, NumaError> {
     // SAFETY: all-zero is a valid, empty cpu_set_t.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a valid, writable cpu_set_t of the size passed; pid 0 is this thread.
-    let rc =
-        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
     if rc != 0 {
         return Err(NumaError::last_os("sched_getaffinity"));
     }
@@ -389,9 +341,7 @@ mod tests {
     use std::path::Path;
 
     fn fixture(name: &str) -> Topology {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("fixtures")
-            .join(name);
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
         Topology::from_xml_file(&path).unwrap_or_else(|e| panic!("{name} should load: {e}"))
     }
 
@@ -411,11 +361,7 @@ mod tests {
     fn assert_sound(topo: &Topology, plan: &Plan) {
         for ch in &plan.channels {
             if let Some(nic_node) = ch.nic_node {
-                assert_eq!(
-                    ch.node, nic_node,
-                    "{}#{} is on its NIC's node",
-                    ch.nic, ch.channel
-                );
+                assert_eq!(ch.node, nic_node, "{}#{} is on its NIC's node", ch.nic, ch.channel);
             }
             let node = topo.node(ch.node).expect("placed on an existing node");
             assert!(
@@ -428,11 +374,7 @@ mod tests {
             );
         }
         for w in &plan.completion_workers {
-            assert_eq!(
-                topo.node_of_cpu(w.cpu),
-                Some(w.node),
-                "worker cpu on its node"
-            );
+            assert_eq!(topo.node_of_cpu(w.cpu), Some(w.node), "worker cpu on its node");
         }
     }
 
@@ -440,43 +382,20 @@ mod tests {
     fn paper_server_gives_each_network_thread_its_own_core_on_its_nics_node() {
         let topo = fixture("paper-2s4c2t-6nic.xml");
         let plan = plan(&topo, &request(&topo, 1));
-        assert!(
-            plan.warnings.is_empty(),
-            "ideal placement: {:?}",
-            plan.warnings
-        );
+        assert!(plan.warnings.is_empty(), "ideal placement: {:?}", plan.warnings);
         assert_eq!(plan.channels.len(), 6);
         assert_sound(&topo, &plan);
         // Node 0: cores [0,1] [2,3] [4,5] [6,7]; three network cores, one worker core.
-        let node0: Vec<u32> = plan
-            .channels
-            .iter()
-            .filter(|c| c.node == 0)
-            .map(|c| c.network_cpu)
-            .collect();
-        assert_eq!(
-            node0,
-            vec![2, 4, 6],
-            "network threads on cores 1-3 of node 0"
-        );
+        let node0: Vec<u32> = plan.channels.iter().filter(|c| c.node == 0).map(|c| c.network_cpu).collect();
+        assert_eq!(node0, vec![2, 4, 6], "network threads on cores 1-3 of node 0");
         assert!(plan.channels.iter().all(|c| c.exclusive_core));
-        let workers: Vec<(u32, u32)> = plan
-            .completion_workers
-            .iter()
-            .map(|w| (w.node, w.cpu))
-            .collect();
-        assert_eq!(
-            workers,
-            vec![(0, 0), (1, 8)],
-            "one worker per remaining core"
-        );
+        let workers: Vec<(u32, u32)> = plan.completion_workers.iter().map(|w| (w.node, w.cpu)).collect();
+        assert_eq!(workers, vec![(0, 0), (1, 8)], "one worker per remaining core");
         // Same node, different core: no worker shares a core with a network thread.
         for ch in &plan.channels {
             let core = core_of(&topo, ch.network_cpu);
             assert!(
-                plan.completion_workers
-                    .iter()
-                    .all(|w| !core.contains(&w.cpu)),
+                plan.completion_workers.iter().all(|w| !core.contains(&w.cpu)),
                 "{} shares a core with a worker",
                 ch.nic
             );
@@ -499,18 +418,9 @@ mod tests {
                 ch.network_cpu
             );
         }
-        assert!(
-            plan.completion_workers
-                .iter()
-                .all(|w| w.cpu != 6 && w.cpu != 8),
-            "no worker on consumer cores"
-        );
+        assert!(plan.completion_workers.iter().all(|w| w.cpu != 6 && w.cpu != 8), "no worker on consumer cores");
         // Node 0 has 3 free cores for 3 channels: they share, and the plan says so.
-        assert!(
-            plan.warnings.iter().any(|w| w.contains("node 0")),
-            "degraded node 0 is reported: {:?}",
-            plan.warnings
-        );
+        assert!(plan.warnings.iter().any(|w| w.contains("node 0")), "degraded node 0 is reported: {:?}", plan.warnings);
     }
 
     #[test]
@@ -520,21 +430,13 @@ mod tests {
         assert!(plan.warnings.is_empty(), "{:?}", plan.warnings);
         assert_sound(&topo, &plan);
         let nodes: Vec<u32> = plan.channels.iter().map(|c| c.node).collect();
-        assert_eq!(
-            nodes,
-            vec![0, 0, 2],
-            "enp1s0f0, enp1s0f1 on 0; enp65s0f0 on 2"
-        );
+        assert_eq!(nodes, vec![0, 0, 2], "enp1s0f0, enp1s0f1 on 0; enp65s0f0 on 2");
         // Nodes 1 and 3 have no channels: both their cores run completion workers.
         assert_eq!(plan.workers_on(1).count(), 4);
         assert_eq!(plan.workers_on(3).count(), 4);
         // Two channels per NIC: node 0 has 4 channels for 4 cores, one core is kept for a worker.
         let two_per_nic = plan_two(&topo);
-        assert!(
-            two_per_nic.warnings.iter().any(|w| w.contains("node 0")),
-            "{:?}",
-            two_per_nic.warnings
-        );
+        assert!(two_per_nic.warnings.iter().any(|w| w.contains("node 0")), "{:?}", two_per_nic.warnings);
         assert_sound(&topo, &two_per_nic);
     }
 
@@ -546,36 +448,18 @@ mod tests {
     fn laptop_degrades_and_says_so() {
         let topo = fixture("laptop-1node.xml");
         let one = plan(&topo, &request(&topo, 1));
-        assert!(
-            one.warnings.is_empty(),
-            "1 channel fits: {:?}",
-            one.warnings
-        );
+        assert!(one.warnings.is_empty(), "1 channel fits: {:?}", one.warnings);
         assert_eq!(one.channels[0].network_cpu, 2, "network thread on core 1");
-        assert_eq!(
-            one.completion_workers,
-            vec![CompletionWorker { node: 0, cpu: 0 }]
-        );
+        assert_eq!(one.completion_workers, vec![CompletionWorker { node: 0, cpu: 0 }]);
 
         let four = plan(&topo, &request(&topo, 4));
         assert_sound(&topo, &four);
         let cpus: Vec<u32> = four.channels.iter().map(|c| c.network_cpu).collect();
-        assert_eq!(
-            cpus,
-            vec![2, 3, 2, 3],
-            "network threads share core 1's hardware threads"
-        );
+        assert_eq!(cpus, vec![2, 3, 2, 3], "network threads share core 1's hardware threads");
         assert!(four.channels.iter().all(|c| !c.exclusive_core));
-        assert_eq!(
-            four.completion_workers,
-            vec![CompletionWorker { node: 0, cpu: 0 }]
-        );
+        assert_eq!(four.completion_workers, vec![CompletionWorker { node: 0, cpu: 0 }]);
         assert_eq!(four.warnings.len(), 1, "one warning: {:?}", four.warnings);
-        assert!(
-            four.warnings[0].contains("only 2 free cores"),
-            "{}",
-            four.warnings[0]
-        );
+        assert!(four.warnings[0].contains("only 2 free cores"), "{}", four.warnings[0]);
 
         // Consumers on both cores: nothing free, threads share consumer cores, no worker.
         let mut req = request(&topo, 1);
@@ -583,31 +467,19 @@ mod tests {
         let busy = plan(&topo, &req);
         assert_sound(&topo, &busy);
         assert!(busy.completion_workers.is_empty());
-        assert!(
-            !busy.warnings.is_empty(),
-            "sharing consumer cores is reported"
-        );
+        assert!(!busy.warnings.is_empty(), "sharing consumer cores is reported");
     }
 
     #[test]
     fn unknown_nic_node_is_spread_and_reported_never_silently_node_zero() {
         let mut topo = fixture("paper-2s4c2t-6nic.xml");
-        topo.nics.push(Nic {
-            name: "veth0".into(),
-            node: None,
-            node_source: NicNodeSource::Unknown,
-        });
-        let req = PlacementRequest::channels_per_nic(&topo, &["veth0".into()], 2)
-            .expect("veth0 is known");
+        topo.nics.push(Nic { name: "veth0".into(), node: None, node_source: NicNodeSource::Unknown });
+        let req = PlacementRequest::channels_per_nic(&topo, &["veth0".into()], 2).expect("veth0 is known");
         let plan = plan(&topo, &req);
         let nodes: Vec<u32> = plan.channels.iter().map(|c| c.node).collect();
         assert_eq!(nodes, vec![0, 1], "spread over both nodes");
         assert!(plan.channels.iter().all(|c| c.nic_node.is_none()));
-        assert!(
-            plan.warnings[0].contains("no known NUMA node"),
-            "{:?}",
-            plan.warnings
-        );
+        assert!(plan.warnings[0].contains("no known NUMA node"), "{:?}", plan.warnings);
     }
 
     #[test]
@@ -628,19 +500,9 @@ mod tests {
                     memory_bytes: 1 << 30,
                     distances: vec![30, 10, 20],
                 },
-                Node {
-                    id: 2,
-                    cpus: vec![],
-                    cores: vec![],
-                    memory_bytes: 1 << 30,
-                    distances: vec![30, 15, 10],
-                },
+                Node { id: 2, cpus: vec![], cores: vec![], memory_bytes: 1 << 30, distances: vec![30, 15, 10] },
             ],
-            nics: vec![Nic {
-                name: "cxl0".into(),
-                node: Some(2),
-                node_source: NicNodeSource::Hwloc,
-            }],
+            nics: vec![Nic { name: "cxl0".into(), node: Some(2), node_source: NicNodeSource::Hwloc }],
             source: TopologySource::XmlString,
         };
         let plan = plan(&topo, &request(&topo, 1));
@@ -651,8 +513,7 @@ mod tests {
     #[test]
     fn unknown_interface_names_are_returned() {
         let topo = fixture("laptop-1node.xml");
-        let err = PlacementRequest::channels_per_nic(&topo, &["wlan9".into()], 1)
-            .expect_err("wlan9 does not exist");
+        let err = PlacementRequest::channels_per_nic(&topo, &["wlan9".into()], 1).expect_err("wlan9 does not exist");
         assert_eq!(err, vec!["wlan9".to_string()]);
     }
 
@@ -713,28 +574,17 @@ mod tests {
         // A plan of this machine applies: each thread ends up where the plan says.
         let req = PlacementRequest::channels_per_nic(&topo, &[], 1).expect("known NICs");
         let plan = plan(&topo, &req);
-        for ch in plan
-            .channels
-            .iter()
-            .filter(|c| allowed.contains(&c.network_cpu))
-        {
+        for ch in plan.channels.iter().filter(|c| allowed.contains(&c.network_cpu)) {
             let ch = ch.clone();
             std::thread::spawn(move || {
                 ch.apply().expect("apply a channel placement");
-                assert_eq!(
-                    current_thread_cpus().expect("getaffinity"),
-                    vec![ch.network_cpu]
-                );
+                assert_eq!(current_thread_cpus().expect("getaffinity"), vec![ch.network_cpu]);
                 crate::alloc::reset_thread_memory().expect("reset policy");
             })
             .join()
             .expect("network thread ran");
         }
-        for w in plan
-            .completion_workers
-            .iter()
-            .filter(|w| allowed.contains(&w.cpu))
-        {
+        for w in plan.completion_workers.iter().filter(|w| allowed.contains(&w.cpu)) {
             let w = w.clone();
             std::thread::spawn(move || {
                 w.apply().expect("apply a worker placement");
@@ -743,9 +593,6 @@ mod tests {
             .join()
             .expect("worker thread ran");
         }
-        assert!(matches!(
-            pin_current_thread(&[1 << 20]),
-            Err(NumaError::InvalidCpu(_))
-        ));
+        assert!(matches!(pin_current_thread(&[1 << 20]), Err(NumaError::InvalidCpu(_))));
     }
 }

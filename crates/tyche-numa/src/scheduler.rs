@@ -39,9 +39,9 @@ impl FromStr for Policy {
         match s {
             "affinity" => Ok(Policy::Affinity),
             "round-robin" | "rr" => Ok(Policy::RoundRobin),
-            other => Err(format!(
-                "unknown channel scheduling policy {other:?} (expected \"affinity\" or \"round-robin\")"
-            )),
+            other => {
+                Err(format!("unknown channel scheduling policy {other:?} (expected \"affinity\" or \"round-robin\")"))
+            }
         }
     }
 }
@@ -72,11 +72,7 @@ impl NodeOrder {
         let tiers = nodes
             .iter()
             .map(|&n| {
-                let others = nodes
-                    .iter()
-                    .filter(|&&o| o != n)
-                    .map(|&o| vec![o])
-                    .collect();
+                let others = nodes.iter().filter(|&&o| o != n).map(|&o| vec![o]).collect();
                 (n, others)
             })
             .collect();
@@ -97,20 +93,14 @@ impl NodeOrder {
     /// ranked by the worse of the write and read classes of `b` in `k`'s model (class 1 first).
     /// Nodes that the model does not cover come last, by id.
     pub fn from_model(model: &BandwidthModel, nodes: &[u32]) -> Self {
-        Self::from_costs(nodes, |from, to| {
-            model.class_between(from, to).map_or(u64::MAX, u64::from)
-        })
+        Self::from_costs(nodes, |from, to| model.class_between(from, to).map_or(u64::MAX, u64::from))
     }
 
     /// Tiers from a cost function (lower is nearer), ties broken into the same tier.
     pub fn from_costs(nodes: &[u32], cost: impl Fn(u32, u32) -> u64) -> Self {
         let mut tiers = BTreeMap::new();
         for &n in nodes {
-            let mut others: Vec<(u64, u32)> = nodes
-                .iter()
-                .filter(|&&o| o != n)
-                .map(|&o| (cost(n, o), o))
-                .collect();
+            let mut others: Vec<(u64, u32)> = nodes.iter().filter(|&&o| o != n).map(|&o| (cost(n, o), o)).collect();
             others.sort_unstable();
             let mut grouped: Vec<Vec<u32>> = Vec::new();
             let mut last_cost = None;
@@ -159,12 +149,7 @@ pub struct ChannelScheduler {
 impl ChannelScheduler {
     /// A scheduler with no channels yet.
     pub fn new(policy: Policy, order: NodeOrder) -> Self {
-        ChannelScheduler {
-            policy,
-            order,
-            channels: Vec::new(),
-            next_rr: 0,
-        }
+        ChannelScheduler { policy, order, channels: Vec::new(), next_rr: 0 }
     }
 
     /// The policy in use.
@@ -174,12 +159,7 @@ impl ChannelScheduler {
 
     /// Registers a live, empty channel on `node` (`None` if its NIC's node is unknown).
     pub fn add_channel(&mut self, node: Option<u32>) -> ChannelId {
-        self.channels.push(ChannelState {
-            node,
-            live: true,
-            full: false,
-            bytes: 0,
-        });
+        self.channels.push(ChannelState { node, live: true, full: false, bytes: 0 });
         ChannelId(self.channels.len() - 1)
     }
 
@@ -202,12 +182,7 @@ impl ChannelScheduler {
     pub fn set_live(&mut self, id: ChannelId, live: bool) {
         let node = self.channels[id.0].node;
         if live && !self.channels[id.0].live {
-            let floor = self
-                .channels
-                .iter()
-                .filter(|c| c.live && c.node == node)
-                .map(|c| c.bytes)
-                .min();
+            let floor = self.channels.iter().filter(|c| c.live && c.node == node).map(|c| c.bytes).min();
             if let Some(floor) = floor {
                 let ch = &mut self.channels[id.0];
                 ch.bytes = ch.bytes.max(floor);
@@ -255,9 +230,7 @@ impl ChannelScheduler {
 
     fn pick_round_robin(&mut self) -> Option<ChannelId> {
         let n = self.channels.len();
-        let found = (0..n)
-            .map(|k| (self.next_rr + k) % n)
-            .find(|&i| self.channels[i].usable())?;
+        let found = (0..n).map(|k| (self.next_rr + k) % n).find(|&i| self.channels[i].usable())?;
         self.next_rr = (found + 1) % n;
         Some(ChannelId(found))
     }
@@ -275,8 +248,7 @@ impl ChannelScheduler {
             }
         }
         // Nodes the order does not know, then channels of unknown node.
-        let known =
-            |n: u32| n == node || self.order.fallback(node).iter().flatten().any(|&o| o == n);
+        let known = |n: u32| n == node || self.order.fallback(node).iter().flatten().any(|&o| o == n);
         if let Some(id) = self.least_loaded(|c| c.node.is_some_and(|n| !known(n))) {
             return Some(id);
         }
@@ -301,9 +273,7 @@ mod tests {
     use std::path::Path;
 
     fn fixture(name: &str) -> Topology {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("fixtures")
-            .join(name);
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
         Topology::from_xml_file(&path).unwrap_or_else(|e| panic!("{name} should load: {e}"))
     }
 
@@ -335,11 +305,7 @@ mod tests {
         let mut s = scheduler_for(&topo, 1, Policy::Affinity);
         for _ in 0..100 {
             let id = s.pick(Some(1), 4096).expect("node 1 has live channels");
-            assert_eq!(
-                s.node_of(id),
-                Some(1),
-                "a node-1 buffer goes to a node-1 channel"
-            );
+            assert_eq!(s.node_of(id), Some(1), "a node-1 buffer goes to a node-1 channel");
             let id = s.pick(Some(0), 4096).expect("node 0 has live channels");
             assert_eq!(s.node_of(id), Some(0));
         }
@@ -365,10 +331,7 @@ mod tests {
                 .collect();
             assert_eq!(totals.len(), 6, "3 NICs x 2 channels on node {node}");
             let spread = totals.iter().max().unwrap() - totals.iter().min().unwrap();
-            assert!(
-                spread <= max,
-                "node {node}: byte totals {totals:?} differ by {spread} > one max request {max}"
-            );
+            assert!(spread <= max, "node {node}: byte totals {totals:?} differ by {spread} > one max request {max}");
         }
     }
 
@@ -397,11 +360,7 @@ mod tests {
         assert_eq!(s.pick(Some(0), 1), None, "no live, non-full channel");
         assert_eq!(s.pick(None, 1), None);
         s.set_full(ChannelId(1), false);
-        assert_eq!(
-            s.pick(Some(2), 1),
-            Some(ChannelId(1)),
-            "the one usable channel"
-        );
+        assert_eq!(s.pick(Some(2), 1), Some(ChannelId(1)), "the one usable channel");
     }
 
     #[test]
@@ -423,11 +382,7 @@ mod tests {
         let topo = fixture("paper-2s4c2t-6nic.xml");
         let mut s = scheduler_for(&topo, 1, Policy::Affinity);
         let picked: Vec<usize> = (0..6).map(|_| s.pick(None, 100).expect("some").0).collect();
-        assert_eq!(
-            picked,
-            vec![0, 1, 2, 3, 4, 5],
-            "equal bytes over all channels"
-        );
+        assert_eq!(picked, vec![0, 1, 2, 3, 4, 5], "equal bytes over all channels");
     }
 
     #[test]
@@ -435,11 +390,7 @@ mod tests {
         let mut s = ChannelScheduler::new(Policy::Affinity, NodeOrder::by_id(&[0, 1]));
         let unknown = s.add_channel(None);
         let remote = s.add_channel(Some(1));
-        assert_eq!(
-            s.pick(Some(0), 1),
-            Some(remote),
-            "a known remote node first"
-        );
+        assert_eq!(s.pick(Some(0), 1), Some(remote), "a known remote node first");
         s.set_live(remote, false);
         assert_eq!(s.pick(Some(0), 1), Some(unknown));
     }
@@ -454,14 +405,8 @@ mod tests {
             assert_eq!(s.pick(Some(0), 1000), Some(a));
         }
         s.set_live(b, true);
-        assert_eq!(
-            s.bytes_assigned(b),
-            10_000,
-            "credited with the node's floor"
-        );
-        let picks: Vec<ChannelId> = (0..4)
-            .map(|_| s.pick(Some(0), 1000).expect("live"))
-            .collect();
+        assert_eq!(s.bytes_assigned(b), 10_000, "credited with the node's floor");
+        let picks: Vec<ChannelId> = (0..4).map(|_| s.pick(Some(0), 1000).expect("live")).collect();
         assert_eq!(picks, vec![a, b, a, b], "shared again right away");
     }
 
@@ -469,24 +414,12 @@ mod tests {
     fn round_robin_cycles_through_all_live_channels_ignoring_nodes() {
         let topo = fixture("paper-2s4c2t-6nic.xml");
         let mut s = scheduler_for(&topo, 1, Policy::RoundRobin);
-        let picked: Vec<usize> = (0..12)
-            .map(|_| s.pick(Some(0), 4096).expect("live").0)
-            .collect();
-        assert_eq!(
-            picked,
-            vec![0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5],
-            "node 0 buffers too"
-        );
+        let picked: Vec<usize> = (0..12).map(|_| s.pick(Some(0), 4096).expect("live").0).collect();
+        assert_eq!(picked, vec![0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5], "node 0 buffers too");
         s.set_live(ChannelId(1), false);
         s.set_full(ChannelId(4), true);
-        let picked: Vec<usize> = (0..8)
-            .map(|_| s.pick(Some(1), 1).expect("live").0)
-            .collect();
-        assert_eq!(
-            picked,
-            vec![0, 2, 3, 5, 0, 2, 3, 5],
-            "skips down and full channels"
-        );
+        let picked: Vec<usize> = (0..8).map(|_| s.pick(Some(1), 1).expect("live").0).collect();
+        assert_eq!(picked, vec![0, 2, 3, 5, 0, 2, 3, 5], "skips down and full channels");
         for i in 0..6 {
             s.set_live(ChannelId(i), false);
         }
@@ -510,16 +443,9 @@ mod tests {
             }
             remote as f64 / 10_000.0
         };
-        assert_eq!(
-            remote_share(Policy::Affinity),
-            0.0,
-            "affinity never goes remote"
-        );
+        assert_eq!(remote_share(Policy::Affinity), 0.0, "affinity never goes remote");
         let rr = remote_share(Policy::RoundRobin);
-        assert!(
-            (rr - 0.5).abs() < 0.05,
-            "round robin sends about half remote, got {rr}"
-        );
+        assert!((rr - 0.5).abs() < 0.05, "round robin sends about half remote, got {rr}");
     }
 
     #[test]

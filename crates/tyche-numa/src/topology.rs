@@ -94,11 +94,7 @@ impl Topology {
             .map_err(|e| NumaError::Topology(e.to_string()))?
             .build()
             .map_err(|e| NumaError::Topology(e.to_string()))?;
-        Ok(Self::from_hwloc(
-            &topo,
-            TopologySource::ThisSystem,
-            Some(Path::new(SYSFS_NET)),
-        ))
+        Ok(Self::from_hwloc(&topo, TopologySource::ThisSystem, Some(Path::new(SYSFS_NET))))
     }
 
     /// Loads the topology of some machine from an hwloc XML file (as written by
@@ -113,11 +109,7 @@ impl Topology {
             .map_err(|e| NumaError::Topology(e.to_string()))?
             .build()
             .map_err(|e| NumaError::Topology(format!("{}: {e}", path.display())))?;
-        Ok(Self::from_hwloc(
-            &topo,
-            TopologySource::Xml(path.to_owned()),
-            None,
-        ))
+        Ok(Self::from_hwloc(&topo, TopologySource::Xml(path.to_owned()), None))
     }
 
     /// Loads the topology of some machine from an hwloc XML document.
@@ -135,40 +127,22 @@ impl Topology {
     /// Converts an hwloc topology. When `sysfs_net` is given (the running machine), NICs that
     /// hwloc cannot place get their node from `<sysfs_net>/<if>/device/numa_node`, and the
     /// interfaces listed there but not by hwloc are added.
-    pub fn from_hwloc(
-        topo: &hwlocality::Topology,
-        source: TopologySource,
-        sysfs_net: Option<&Path>,
-    ) -> Self {
+    pub fn from_hwloc(topo: &hwlocality::Topology, source: TopologySource, sysfs_net: Option<&Path>) -> Self {
         let mut nodes: BTreeMap<u32, Node> = BTreeMap::new();
         for numa in topo.objects_with_type(ObjectType::NUMANode) {
             let Some(id) = os_index(numa) else { continue };
             let memory_bytes = match numa.attributes() {
-                Some(ObjectAttributes::NUMANode(attr)) => {
-                    attr.local_memory().map_or(0, |m| m.get())
-                }
+                Some(ObjectAttributes::NUMANode(attr)) => attr.local_memory().map_or(0, |m| m.get()),
                 _ => 0,
             };
-            nodes.insert(
-                id,
-                Node {
-                    id,
-                    cpus: Vec::new(),
-                    cores: Vec::new(),
-                    memory_bytes,
-                    distances: Vec::new(),
-                },
-            );
+            nodes.insert(id, Node { id, cpus: Vec::new(), cores: Vec::new(), memory_bytes, distances: Vec::new() });
         }
 
         // Processing units, grouped by node and by core.
         let mut cores: BTreeMap<u32, BTreeMap<(u8, u32), Vec<u32>>> = BTreeMap::new();
         for pu in topo.objects_with_type(ObjectType::PU) {
             let Some(cpu) = os_index(pu) else { continue };
-            let node = pu
-                .nodeset()
-                .and_then(|set| set.first_set())
-                .map(|i| usize::from(i) as u32);
+            let node = pu.nodeset().and_then(|set| set.first_set()).map(|i| usize::from(i) as u32);
             let Some(node) = node.filter(|n| nodes.contains_key(n)) else {
                 continue;
             };
@@ -176,12 +150,7 @@ impl Topology {
             let core_key = ancestor_of_type(pu, ObjectType::Core)
                 .map(|core| (0u8, core.logical_index() as u32))
                 .unwrap_or((1u8, cpu));
-            cores
-                .entry(node)
-                .or_default()
-                .entry(core_key)
-                .or_default()
-                .push(cpu);
+            cores.entry(node).or_default().entry(core_key).or_default().push(cpu);
         }
         for (node, by_core) in cores {
             let entry = nodes.get_mut(&node).expect("node was inserted above");
@@ -219,17 +188,9 @@ impl Topology {
             };
             let node = hwloc_nic_node(dev);
             let nic = match (node, sysfs_net) {
-                (Some(node), _) => Nic {
-                    name: name.to_owned(),
-                    node: Some(node),
-                    node_source: NicNodeSource::Hwloc,
-                },
+                (Some(node), _) => Nic { name: name.to_owned(), node: Some(node), node_source: NicNodeSource::Hwloc },
                 (None, Some(root)) => sysfs_nic(root, name),
-                (None, None) => Nic {
-                    name: name.to_owned(),
-                    node: None,
-                    node_source: NicNodeSource::Unknown,
-                },
+                (None, None) => Nic { name: name.to_owned(), node: None, node_source: NicNodeSource::Unknown },
             };
             nics.insert(name.to_owned(), nic);
         }
@@ -251,11 +212,7 @@ impl Topology {
             }
         }
 
-        Topology {
-            nodes,
-            nics: nics.into_values().collect(),
-            source,
-        }
+        Topology { nodes, nics: nics.into_values().collect(), source }
     }
 
     /// Whether this topology describes the running machine (so binding by it makes sense).
@@ -270,10 +227,7 @@ impl Topology {
 
     /// The node a CPU belongs to.
     pub fn node_of_cpu(&self, cpu: u32) -> Option<u32> {
-        self.nodes
-            .iter()
-            .find(|n| n.cpus.contains(&cpu))
-            .map(|n| n.id)
+        self.nodes.iter().find(|n| n.cpus.contains(&cpu)).map(|n| n.id)
     }
 
     /// The NIC with this interface name.
@@ -325,30 +279,18 @@ fn hwloc_nic_node(dev: &TopologyObject) -> Option<u32> {
 fn distance_matrix(topo: &hwlocality::Topology, nodes: &[Node]) -> Option<Vec<Vec<u64>>> {
     let all = topo.distances(None).ok()?;
     for dist in all {
-        let ids: Vec<Option<u32>> = dist
-            .objects()
-            .map(|o| {
-                o.filter(|o| o.object_type() == ObjectType::NUMANode)
-                    .and_then(os_index)
-            })
-            .collect();
+        let ids: Vec<Option<u32>> =
+            dist.objects().map(|o| o.filter(|o| o.object_type() == ObjectType::NUMANode).and_then(os_index)).collect();
         if ids.len() != nodes.len() || ids.iter().any(Option::is_none) {
             continue;
         }
         let ids: Vec<u32> = ids.into_iter().flatten().collect();
         // Column/row of each of `nodes` in this matrix.
-        let pos: Option<Vec<usize>> = nodes
-            .iter()
-            .map(|n| ids.iter().position(|&id| id == n.id))
-            .collect();
+        let pos: Option<Vec<usize>> = nodes.iter().map(|n| ids.iter().position(|&id| id == n.id)).collect();
         let pos = pos?;
         let values = dist.distances();
         let n = ids.len();
-        return Some(
-            pos.iter()
-                .map(|&r| pos.iter().map(|&c| values[r * n + c]).collect())
-                .collect(),
-        );
+        return Some(pos.iter().map(|&r| pos.iter().map(|&c| values[r * n + c]).collect()).collect());
     }
     None
 }
@@ -356,11 +298,7 @@ fn distance_matrix(topo: &hwlocality::Topology, nodes: &[Node]) -> Option<Vec<Ve
 /// The interface names listed under a sysfs `class/net` directory, ascending.
 pub fn sysfs_interfaces(root: &Path) -> Vec<String> {
     let mut names: Vec<String> = fs::read_dir(root)
-        .map(|dir| {
-            dir.filter_map(Result::ok)
-                .filter_map(|e| e.file_name().into_string().ok())
-                .collect()
-        })
+        .map(|dir| dir.filter_map(Result::ok).filter_map(|e| e.file_name().into_string().ok()).collect())
         .unwrap_or_default();
     names.sort();
     names
@@ -383,23 +321,11 @@ pub fn sysfs_nic(root: &Path, name: &str) -> Nic {
             continue;
         };
         return match parse_numa_node(&text) {
-            Some(node) => Nic {
-                name: name.to_owned(),
-                node: Some(node),
-                node_source: NicNodeSource::Sysfs,
-            },
-            None => Nic {
-                name: name.to_owned(),
-                node: None,
-                node_source: NicNodeSource::Unknown,
-            },
+            Some(node) => Nic { name: name.to_owned(), node: Some(node), node_source: NicNodeSource::Sysfs },
+            None => Nic { name: name.to_owned(), node: None, node_source: NicNodeSource::Unknown },
         };
     }
-    Nic {
-        name: name.to_owned(),
-        node: None,
-        node_source: NicNodeSource::Unknown,
-    }
+    Nic { name: name.to_owned(), node: None, node_source: NicNodeSource::Unknown }
 }
 
 /// Parses the content of a sysfs `numa_node` file: a node number, or -1 for "unknown".
@@ -413,11 +339,8 @@ mod tests {
     use super::*;
 
     fn fixture(name: &str) -> Topology {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("fixtures")
-            .join(name);
-        Topology::from_xml_file(&path)
-            .unwrap_or_else(|e| panic!("fixture {} should load: {e}", path.display()))
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
+        Topology::from_xml_file(&path).unwrap_or_else(|e| panic!("fixture {} should load: {e}", path.display()))
     }
 
     #[test]
@@ -435,14 +358,7 @@ mod tests {
         assert_eq!(t.nodes[1].cpus, (8..16).collect::<Vec<_>>());
         assert_eq!(t.nodes[0].cores[1], vec![2, 3], "siblings share a core");
         assert_eq!(t.nics.len(), 6, "six NICs");
-        for (name, node) in [
-            ("ens1f0", 0),
-            ("ens1f1", 0),
-            ("ens2f0", 0),
-            ("ens3f0", 1),
-            ("ens3f1", 1),
-            ("ens4f0", 1),
-        ] {
+        for (name, node) in [("ens1f0", 0), ("ens1f1", 0), ("ens2f0", 0), ("ens3f0", 1), ("ens3f1", 1), ("ens4f0", 1)] {
             let nic = t.nic(name).unwrap_or_else(|| panic!("{name} is listed"));
             assert_eq!(nic.node, Some(node), "{name} hangs off node {node}");
             assert_eq!(nic.node_source, NicNodeSource::Hwloc);
@@ -472,10 +388,7 @@ mod tests {
         assert_eq!(t.nodes[0].cores, vec![vec![0, 1], vec![2, 3]]);
         assert_eq!(t.nics.len(), 1);
         assert_eq!(t.nics[0].node, Some(0));
-        assert!(
-            t.nodes[0].distances.is_empty(),
-            "the laptop fixture has no matrix"
-        );
+        assert!(t.nodes[0].distances.is_empty(), "the laptop fixture has no matrix");
         assert_eq!(t.distance(0, 0), None);
     }
 
@@ -488,11 +401,7 @@ mod tests {
 
         let root = std::env::temp_dir().join(format!("tyche-numa-sysfs-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
-        for (name, value) in [
-            ("ens1f0", Some("1\n")),
-            ("ens2f0", Some("-1\n")),
-            ("veth0", None),
-        ] {
+        for (name, value) in [("ens1f0", Some("1\n")), ("ens2f0", Some("-1\n")), ("veth0", None)] {
             let dir = root.join(name);
             fs::create_dir_all(&dir).expect("create fake sysfs dir");
             if let Some(value) = value {
@@ -516,17 +425,10 @@ mod tests {
         assert!(t.is_this_system());
         assert!(!t.nodes.is_empty(), "at least one NUMA node");
         assert!(t.cpu_count() >= 1, "at least one cpu");
-        assert!(
-            t.nics.iter().all(|n| n.name != "lo"),
-            "loopback is left out"
-        );
+        assert!(t.nics.iter().all(|n| n.name != "lo"), "loopback is left out");
         for nic in &t.nics {
             if let Some(node) = nic.node {
-                assert!(
-                    t.node(node).is_some(),
-                    "{} is on an existing node",
-                    nic.name
-                );
+                assert!(t.node(node).is_some(), "{} is on an existing node", nic.name);
             }
         }
     }

@@ -134,22 +134,30 @@ struct AppRequest {
     version: u64,
 }
 
-#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug)]
 struct StorageOp {
     at: Instant,
     order: u64,
     session: u64,
     channel: u16,
-    request: RequestKey,
+    request: Request,
 }
 
-#[derive(Debug, PartialEq, Eq, PartialOrd, Ord, Clone, Copy)]
-struct RequestKey {
-    remq: u16,
-    damq: u16,
-    op: u8,
-    offset: u64,
-    length: u32,
+impl PartialEq for StorageOp {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.order) == (o.at, o.order)
+    }
+}
+impl Eq for StorageOp {}
+impl PartialOrd for StorageOp {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for StorageOp {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at, self.order).cmp(&(o.at, o.order))
+    }
 }
 
 struct World {
@@ -179,10 +187,6 @@ struct World {
     fail_at_issue: Option<usize>,
     report: SeedReport,
     buf: Vec<u8>,
-}
-
-fn request_key(r: &Request) -> RequestKey {
-    RequestKey { remq: r.remq, damq: r.damq, op: r.op as u8, offset: r.offset, length: r.length }
 }
 
 /// Runs one seed.
@@ -443,7 +447,7 @@ impl World {
                             order: self.io_order,
                             session: sid,
                             channel,
-                            request: request_key(&request),
+                            request,
                         };
                         self.io.push(std::cmp::Reverse(op));
                     }
@@ -462,7 +466,7 @@ impl World {
                 Status::IoError
             } else {
                 let key = (op.session, op.channel, r.damq);
-                match Op::from_wire(r.op).expect("valid op") {
+                match r.op {
                     Op::Write => {
                         let mem = self.damq_mem.get(&key).expect("write data placed");
                         self.storage[start..start + len].copy_from_slice(&mem[..len]);
@@ -477,7 +481,7 @@ impl World {
                 Status::Ok
             };
             if let Some(s) = self.sessions.get_mut(&op.session) {
-                assert!(s.complete(op.channel, r.remq, status), "completing a request the session did not hand out");
+                assert!(s.complete(op.channel, &r, status), "completing a request the session did not hand out");
             }
             self.collect_target_events();
         }

@@ -7,10 +7,11 @@ use tyche_wire::MacAddr;
 use crate::FrameTransport;
 
 /// One direction of an in-memory link: a bounded queue of frames with a pool of spare buffers so
-/// that steady-state traffic allocates nothing.
+/// that steady-state traffic allocates nothing. Buffers keep their full capacity (a frame's length
+/// travels beside it), so they are zeroed once, when first allocated, never per frame.
 #[derive(Debug, Default)]
 struct Lane {
-    frames: VecDeque<Vec<u8>>,
+    frames: VecDeque<(Vec<u8>, usize)>,
     spare: Vec<Vec<u8>>,
 }
 
@@ -74,10 +75,10 @@ impl FrameTransport for MemPort {
         let mut n = 0;
         while n < budget {
             // Take one frame out under the lock, hand it over outside it.
-            let Some(frame) = self.rx.lock().expect("lane poisoned").frames.pop_front() else {
+            let Some((frame, len)) = self.rx.lock().expect("lane poisoned").frames.pop_front() else {
                 break;
             };
-            on_frame(&frame);
+            on_frame(&frame[..len]);
             self.rx.lock().expect("lane poisoned").spare.push(frame);
             n += 1;
         }
@@ -94,13 +95,14 @@ impl FrameTransport for MemPort {
                 }
                 lane.spare.pop().unwrap_or_default()
             };
-            buf.resize(self.frame_capacity, 0);
+            if buf.len() != self.frame_capacity {
+                buf.resize(self.frame_capacity, 0);
+            }
             let Some(len) = fill(&mut buf) else {
                 self.tx.lock().expect("lane poisoned").spare.push(buf);
                 break;
             };
             assert!(len <= self.frame_capacity, "frame of {len} bytes overran its buffer");
-            buf.truncate(len);
             let mut lane = self.tx.lock().expect("lane poisoned");
             if len == 0 {
                 lane.spare.push(buf);
@@ -110,7 +112,7 @@ impl FrameTransport for MemPort {
                 self.dropped += 1;
                 lane.spare.push(buf);
             } else {
-                lane.frames.push_back(buf);
+                lane.frames.push_back((buf, len));
             }
             n += 1;
         }

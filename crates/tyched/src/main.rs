@@ -133,16 +133,13 @@ fn serve(args: ServeArgs) -> Result<()> {
     if config.ifaces.is_empty() {
         bail!("ifaces: no interface to serve on (--iface IF)");
     }
-    let mut nics = Vec::new();
-    for name in &config.ifaces {
-        let transport: Box<dyn tyche_transport::FrameTransport + Send> = match config.transport {
-            TransportKind::Packet => Box::new(tyched::packet::PacketTransport::open(name, config.ethertype)?),
-            TransportKind::Xdp | TransportKind::Tcp => bail!(
-                "transport: {:?} is not available in this build yet (tyche-xdp/tyche-tcp); use --transport packet",
-                config.transport
-            ),
-        };
-        nics.push(Nic { name: name.clone(), transport });
+    let term = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handlers")?;
+    }
+    let nics = open_nics(&config, &term)?;
+    if term.load(Ordering::SeqCst) {
+        return Ok(());
     }
     let placement = placement_for(&config.ifaces);
     let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
@@ -153,10 +150,6 @@ fn serve(args: ServeArgs) -> Result<()> {
             None
         }
     };
-    let term = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handlers")?;
-    }
     while !term.load(Ordering::SeqCst) && !handle.is_finished() {
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -164,6 +157,63 @@ fn serve(args: ServeArgs) -> Result<()> {
     let snap = handle.shutdown();
     tracing::info!(sessions = snap.sessions, reclaimed = snap.sessions_reclaimed, "exited cleanly");
     Ok(())
+}
+
+/// One transport per interface (and per channel queue with AF_XDP).
+fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
+    let mut nics = Vec::new();
+    let listener = match config.transport {
+        TransportKind::Tcp => {
+            let addr = config.tcp_listen.as_deref().unwrap_or("0.0.0.0:7788");
+            let l = std::net::TcpListener::bind(addr).with_context(|| format!("tcp_listen: binding {addr}"))?;
+            l.set_nonblocking(true)?;
+            tracing::info!(%addr, connections = config.ifaces.len(), "TCP transport: waiting for initiators");
+            Some(l)
+        }
+        _ => None,
+    };
+    for name in &config.ifaces {
+        match config.transport {
+            TransportKind::Packet => {
+                let t = tyched::packet::PacketTransport::open(name, config.ethertype)
+                    .with_context(|| format!("{name}: AF_PACKET socket"))?;
+                nics.push(Nic { name: name.clone(), transport: Box::new(t) });
+            }
+            TransportKind::Xdp => {
+                for q in 0..u32::from(config.channels_per_nic) {
+                    let pc = tyche_xdp::PortConfig { queue: q, ethertype: config.ethertype, ..Default::default() };
+                    let port =
+                        tyche_xdp::XdpPort::open(name, &pc).with_context(|| format!("{name} queue {q}: AF_XDP"))?;
+                    tracing::info!(iface = %name, queue = q, mode = %port.mode(), "AF_XDP port open");
+                    let label = if config.channels_per_nic > 1 { format!("{name}/{q}") } else { name.clone() };
+                    nics.push(Nic { name: label, transport: Box::new(port) });
+                }
+            }
+            TransportKind::Tcp => {
+                // One TCP connection stands for each interface, in the order they connect.
+                let info = tyche_xdp::InterfaceInfo::query(name).with_context(|| format!("{name}: interface"))?;
+                let l = listener.as_ref().expect("bound above");
+                let stream = loop {
+                    if term.load(Ordering::SeqCst) {
+                        return Ok(nics);
+                    }
+                    match l.accept() {
+                        Ok((s, peer)) => {
+                            tracing::info!(iface = %name, %peer, "TCP initiator connected");
+                            break s;
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        Err(e) => return Err(e).context("tcp accept"),
+                    }
+                };
+                let t = tyche_tcp::TcpTransport::new(stream, info.mtu, info.mac)?;
+                nics.push(Nic { name: name.clone(), transport: Box::new(t) });
+            }
+        }
+    }
+    Ok(nics)
 }
 
 /// Memory on the serving NICs' node and threads on its CPUs, when the topology says so.

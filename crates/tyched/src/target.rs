@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use tyche_channel::auth::{self, ProofInput, ProofRole};
 use tyche_channel::{
-    Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, Instant, TargetDrop, TargetEvent, TargetInbound,
+    Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, TargetEvent, TargetInbound,
     TargetSession,
 };
 use tyche_transport::FrameTransport;
@@ -647,9 +647,9 @@ impl Network {
                     None => st.drops.slot_busy += 1,
                 }
             }
-            TargetInbound::Dropped(TargetDrop::Wire(_)) => st.drops.malformed += 1,
-            TargetInbound::Dropped(TargetDrop::NotOurs) => st.drops.not_ours += 1,
-            TargetInbound::Dropped(TargetDrop::Channel(r)) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+            TargetInbound::Dropped(FrameDrop::Wire(_)) => st.drops.malformed += 1,
+            TargetInbound::Dropped(FrameDrop::NotOurs) => st.drops.not_ours += 1,
+            TargetInbound::Dropped(FrameDrop::Channel(r)) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
         }
     }
 
@@ -843,7 +843,7 @@ impl Network {
                     *slot = Some(buf);
                 }
             }
-            s.session.complete(d.channel, r.remq, d.status);
+            s.session.complete(d.channel, &r, d.status);
         }
         any
     }

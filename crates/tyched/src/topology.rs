@@ -55,20 +55,17 @@ struct Report<'a> {
 /// Runs `tyched topology`.
 pub fn run(args: &TopologyArgs) -> Result<()> {
     let topo = match &args.xml {
-        Some(path) => Topology::from_xml_file(path)
-            .with_context(|| format!("loading hwloc XML topology {}", path.display()))?,
+        Some(path) => {
+            Topology::from_xml_file(path).with_context(|| format!("loading hwloc XML topology {}", path.display()))?
+        }
         None => Topology::this_system().context("discovering this machine's topology")?,
     };
-    let mut req = PlacementRequest::channels_per_nic(&topo, &args.ifaces, args.channels_per_nic)
-        .map_err(|unknown| {
+    let mut req =
+        PlacementRequest::channels_per_nic(&topo, &args.ifaces, args.channels_per_nic).map_err(|unknown| {
             anyhow::anyhow!(
                 "no such network interface in the topology: {} (known: {})",
                 unknown.join(", "),
-                topo.nics
-                    .iter()
-                    .map(|n| n.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                topo.nics.iter().map(|n| n.name.as_str()).collect::<Vec<_>>().join(", ")
             )
         })?;
     req.consumer_cpus = args.consumer_cpus.clone().unwrap_or_default();
@@ -85,10 +82,7 @@ pub fn run(args: &TopologyArgs) -> Result<()> {
             tracing::warn!("no NIC has a known NUMA node: modelling every node as a device node");
             io_nodes = topo.nodes.iter().map(|n| n.id).collect();
         }
-        let cfg = ModelConfig {
-            duration: Duration::from_millis(args.model_ms),
-            ..ModelConfig::default()
-        };
+        let cfg = ModelConfig { duration: Duration::from_millis(args.model_ms), ..ModelConfig::default() };
         Some(model::measure(&topo, &io_nodes, &cfg).context("measuring the bandwidth model")?)
     } else {
         None
@@ -123,20 +117,12 @@ fn table(topo: &Topology, r: &Report<'_>, per_nic: u32) -> String {
     };
     let _ = writeln!(s, "Topology of {source}\n");
     let _ = writeln!(s, "NUMA nodes");
-    let _ = writeln!(
-        s,
-        "  {:<5} {:<16} {:>5} {:>11}  DISTANCES",
-        "NODE", "CPUS", "CORES", "MEMORY"
-    );
+    let _ = writeln!(s, "  {:<5} {:<16} {:>5} {:>11}  DISTANCES", "NODE", "CPUS", "CORES", "MEMORY");
     for n in r.nodes {
         let dist = if n.distances.is_empty() {
             "-".to_string()
         } else {
-            n.distances
-                .iter()
-                .map(u64::to_string)
-                .collect::<Vec<_>>()
-                .join(" ")
+            n.distances.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
         };
         let _ = writeln!(
             s,
@@ -150,22 +136,12 @@ fn table(topo: &Topology, r: &Report<'_>, per_nic: u32) -> String {
     let _ = writeln!(s, "\nNICs");
     let _ = writeln!(s, "  {:<16} {:<8} FOUND BY", "NAME", "NODE");
     for nic in r.nics {
-        let source = serde_json::to_value(nic.node_source)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_owned))
-            .unwrap_or_default();
+        let source =
+            serde_json::to_value(nic.node_source).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
         let _ = writeln!(s, "  {:<16} {:<8} {source}", nic.name, node(nic.node));
     }
-    let _ = writeln!(
-        s,
-        "\nChannel placement ({per_nic} channel{} per NIC)",
-        if per_nic == 1 { "" } else { "s" }
-    );
-    let _ = writeln!(
-        s,
-        "  {:<16} {:>3} {:>8} {:>5} {:>11}  CORE",
-        "NIC", "CH", "NIC NODE", "NODE", "NETWORK CPU"
-    );
+    let _ = writeln!(s, "\nChannel placement ({per_nic} channel{} per NIC)", if per_nic == 1 { "" } else { "s" });
+    let _ = writeln!(s, "  {:<16} {:>3} {:>8} {:>5} {:>11}  CORE", "NIC", "CH", "NIC NODE", "NODE", "NETWORK CPU");
     for c in &r.plan.channels {
         let _ = writeln!(
             s,
@@ -192,11 +168,7 @@ fn table(topo: &Topology, r: &Report<'_>, per_nic: u32) -> String {
         }
     }
     if let Some(m) = r.model {
-        let _ = writeln!(
-            s,
-            "\nI/O bandwidth model (GB/s, class 1 = best, tolerance {:.0} %)",
-            m.tolerance * 100.0
-        );
+        let _ = writeln!(s, "\nI/O bandwidth model (GB/s, class 1 = best, tolerance {:.0} %)", m.tolerance * 100.0);
         let _ = writeln!(
             s,
             "  {:<8} {:<5} {:>12} {:>6} {:>12} {:>6}",
@@ -237,11 +209,7 @@ fn cpu_list(cpus: &[u32]) -> String {
             i += 1;
             end = sorted[i];
         }
-        parts.push(if start == end {
-            start.to_string()
-        } else {
-            format!("{start}-{end}")
-        });
+        parts.push(if start == end { start.to_string() } else { format!("{start}-{end}") });
         i += 1;
     }
     parts.join(",")

@@ -28,14 +28,15 @@ fn ip(args: &[&str]) {
 }
 
 impl Lab {
-    fn new() -> Option<Lab> {
+    fn new(tag: &str) -> Option<Lab> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 || Command::new("ip").arg("-V").output().is_err() {
             eprintln!("skipping: the veth lab needs root and iproute2");
             return None;
         }
         let pid = std::process::id();
-        let lab = Lab { ns_i: format!("tyd{pid}i"), ns_t: format!("tyd{pid}t") };
+        let lab = Lab { ns_i: format!("tyd{tag}{pid}i"), ns_t: format!("tyd{tag}{pid}t") };
+        // Interface names are per namespace: the two variants may run at once.
         ip(&["netns", "add", &lab.ns_i]);
         ip(&["netns", "add", &lab.ns_t]);
         for k in 0..2u32 {
@@ -48,8 +49,8 @@ impl Lab {
         Some(lab)
     }
 
-    /// Opens the initiator's AF_PACKET sockets inside the initiator namespace.
-    fn initiator_ports(&self) -> Vec<Port> {
+    /// Opens the initiator's sockets (AF_PACKET, or AF_XDP with `xdp`) inside its namespace.
+    fn initiator_ports(&self, xdp: bool) -> Vec<Port> {
         let ns = format!("/var/run/netns/{}", self.ns_i);
         std::thread::spawn(move || {
             let f = std::fs::File::open(&ns).expect("open netns");
@@ -58,8 +59,14 @@ impl Lab {
             assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
             (0..2)
                 .map(|k| {
-                    Box::new(PacketTransport::open(&format!("tydi{k}"), tyche_wire::DEFAULT_ETHERTYPE).expect("socket"))
-                        as Port
+                    let name = format!("tydi{k}");
+                    if xdp {
+                        let port = tyche_xdp::XdpPort::open(&name, &tyche_xdp::PortConfig::default())
+                            .unwrap_or_else(|e| panic!("{name}: AF_XDP port: {e}"));
+                        Box::new(port) as Port
+                    } else {
+                        Box::new(PacketTransport::open(&name, tyche_wire::DEFAULT_ETHERTYPE).expect("socket")) as Port
+                    }
                 })
                 .collect()
         })
@@ -67,9 +74,9 @@ impl Lab {
         .expect("netns thread")
     }
 
-    fn tyched(&self, file: &std::path::Path, socket: &std::path::Path) -> Daemon {
+    fn tyched(&self, transport: &str, file: &std::path::Path, socket: &std::path::Path) -> Daemon {
         let child = Command::new("ip")
-            .args(["netns", "exec", &self.ns_t, env!("CARGO_BIN_EXE_tyched"), "serve", "--transport", "packet"])
+            .args(["netns", "exec", &self.ns_t, env!("CARGO_BIN_EXE_tyched"), "serve", "--transport", transport])
             .args(["--iface", "tydt0", "--iface", "tydt1", "--workers", "2"])
             .arg("--export")
             .arg(format!("disk={}", file.display()))
@@ -127,16 +134,28 @@ fn wait_socket(socket: &std::path::Path) {
 }
 
 #[test]
-fn tyched_binary_over_two_veth_nics_survives_sigterm_and_restart() {
-    let Some(lab) = Lab::new() else { return };
+fn tyched_binary_over_two_veth_nics_af_packet() {
+    run_lab("packet");
+}
+
+#[test]
+fn tyched_binary_over_two_veth_nics_af_xdp() {
+    run_lab("xdp");
+}
+
+/// Writes patterns of many sizes over both NICs, SIGTERMs the daemon (exit 0), restarts it with
+/// the same config and reads everything back.
+fn run_lab(transport: &str) {
+    let xdp = transport == "xdp";
+    let Some(lab) = Lab::new(transport) else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("disk.img");
     std::fs::File::create(&file).expect("create").set_len(16 << 20).expect("size");
     let socket = dir.path().join("stats.sock");
 
-    let mut child = lab.tyched(&file, &socket);
+    let mut child = lab.tyched(transport, &file, &socket);
     wait_socket(&socket);
-    let mut ini = Initiator::new(lab.initiator_ports());
+    let mut ini = Initiator::new(lab.initiator_ports(xdp));
     let c = ini.attach("disk", None).expect("attach over veth");
     assert_eq!(c.export_size, 16 << 20);
     let sizes = [512usize, 4096, 65536, 200 * 1024, 1 << 20];
@@ -177,9 +196,9 @@ fn tyched_binary_over_two_veth_nics_survives_sigterm_and_restart() {
     drop(ini);
 
     // Same config, new daemon: everything acknowledged before the signal is there.
-    let mut child = lab.tyched(&file, &socket);
+    let mut child = lab.tyched(transport, &file, &socket);
     wait_socket(&socket);
-    let mut ini = Initiator::new(lab.initiator_ports());
+    let mut ini = Initiator::new(lab.initiator_ports(xdp));
     ini.attach("disk", None).expect("attach after restart");
     for (off, data) in &written {
         assert!(ini.read(*off, data.len()) == *data, "after restart: {} bytes at {off}", data.len());

@@ -6,45 +6,27 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tyche-numa/fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tyche-numa/fixtures").join(name)
 }
 
 fn tyched(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tyched"))
-        .args(args)
-        .output()
-        .expect("tyched runs")
+    Command::new(env!("CARGO_BIN_EXE_tyched")).args(args).output().expect("tyched runs")
 }
 
 fn json(args: &[&str]) -> Value {
     let out = tyched(args);
-    assert!(
-        out.status.success(),
-        "tyched {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "tyched {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("stdout is JSON")
 }
 
 fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("an array")
-        .iter()
-        .map(|x| x.as_u64().expect("a number"))
-        .collect()
+    v.as_array().expect("an array").iter().map(|x| x.as_u64().expect("a number")).collect()
 }
 
 #[test]
 fn paper_server_json_has_two_nodes_six_nics_and_local_network_threads() {
     let xml = fixture("paper-2s4c2t-6nic.xml");
-    let v = json(&[
-        "topology",
-        "--xml",
-        xml.to_str().expect("utf-8 path"),
-        "--json",
-    ]);
+    let v = json(&["topology", "--xml", xml.to_str().expect("utf-8 path"), "--json"]);
     let nodes = v["nodes"].as_array().expect("nodes");
     assert_eq!(nodes.len(), 2, "two NUMA nodes");
     for n in nodes {
@@ -61,26 +43,13 @@ fn paper_server_json_has_two_nodes_six_nics_and_local_network_threads() {
     assert_eq!(channels.len(), 6, "one channel per NIC by default");
     for ch in channels {
         let nic = ch["nic"].as_str().expect("nic name");
-        let nic_node = nics
-            .iter()
-            .find(|n| n["name"] == nic)
-            .expect("the channel's NIC is listed")["node"]
+        let nic_node = nics.iter().find(|n| n["name"] == nic).expect("the channel's NIC is listed")["node"]
             .as_u64()
             .expect("known node");
-        assert_eq!(
-            ch["node"].as_u64(),
-            Some(nic_node),
-            "{nic} placed on its node"
-        );
-        let node = nodes
-            .iter()
-            .find(|n| n["id"].as_u64() == Some(nic_node))
-            .expect("node listed");
+        assert_eq!(ch["node"].as_u64(), Some(nic_node), "{nic} placed on its node");
+        let node = nodes.iter().find(|n| n["id"].as_u64() == Some(nic_node)).expect("node listed");
         let cpu = ch["network_cpu"].as_u64().expect("network cpu");
-        assert!(
-            u64s(&node["cpus"]).contains(&cpu),
-            "{nic}: network cpu {cpu} is not on node {nic_node}"
-        );
+        assert!(u64s(&node["cpus"]).contains(&cpu), "{nic}: network cpu {cpu} is not on node {nic_node}");
     }
     assert_eq!(v["plan"]["warnings"].as_array().expect("warnings").len(), 0);
     assert!(v["model"].is_null(), "no model without --model");
@@ -89,26 +58,13 @@ fn paper_server_json_has_two_nodes_six_nics_and_local_network_threads() {
 #[test]
 fn laptop_with_too_many_channels_degrades_and_logs_it() {
     let xml = fixture("laptop-1node.xml");
-    let out = tyched(&[
-        "topology",
-        "--xml",
-        xml.to_str().expect("utf-8 path"),
-        "--json",
-        "--channels-per-nic",
-        "4",
-    ]);
+    let out = tyched(&["topology", "--xml", xml.to_str().expect("utf-8 path"), "--json", "--channels-per-nic", "4"]);
     assert!(out.status.success());
     let v: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(v["plan"]["channels"].as_array().expect("channels").len(), 4);
-    assert!(!v["plan"]["warnings"]
-        .as_array()
-        .expect("warnings")
-        .is_empty());
+    assert!(!v["plan"]["warnings"].as_array().expect("warnings").is_empty());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("WARN") && stderr.contains("free cores"),
-        "log line: {stderr}"
-    );
+    assert!(stderr.contains("WARN") && stderr.contains("free cores"), "log line: {stderr}");
 }
 
 #[test]
@@ -118,13 +74,7 @@ fn four_node_table_lists_nics_and_iface_filter_works() {
     let out = tyched(&["topology", "--xml", xml]);
     assert!(out.status.success());
     let table = String::from_utf8_lossy(&out.stdout);
-    for needle in [
-        "NUMA nodes",
-        "enp1s0f0",
-        "enp65s0f0",
-        "Channel placement",
-        "10 16 22 22",
-    ] {
+    for needle in ["NUMA nodes", "enp1s0f0", "enp65s0f0", "Channel placement", "10 16 22 22"] {
         assert!(table.contains(needle), "table lacks {needle:?}:\n{table}");
     }
     let v = json(&["topology", "--xml", xml, "--json", "--iface", "enp65s0f0"]);

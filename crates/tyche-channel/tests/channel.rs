@@ -1,0 +1,643 @@
+//! Scenario tests of the channel engine: one test per protocol rule (docs/protocol.md §4, §5).
+
+mod util;
+
+use std::time::Duration;
+
+use tyche_channel::{DeadReason, DropReason, IoError, IoRequest, SubmitError};
+use tyche_wire::{ChannelParams, DisconnectReason, Kind, Message, Op, Status};
+use util::{pattern, Dir, Fate, Pair, PairConfig};
+
+fn round_trip(pair: &mut Pair, id: u64, offset: u64, len: usize) {
+    let data = pattern(id, len);
+    pair.write(id, offset, &data);
+    pair.drive();
+    pair.expect_ok(id);
+    pair.read(id + 1000, offset, len as u64);
+    pair.drive();
+    pair.expect_ok(id + 1000);
+    assert!(pair.bufs[&(id + 1000)] == data, "read {len} bytes at {offset}: data differs from what was written");
+    assert!(pair.storage[offset as usize..offset as usize + len] == data[..], "export differs after write");
+}
+
+#[test]
+fn write_then_read_round_trip_sizes() {
+    let mut pair = Pair::new();
+    let seg = pair.cfg.params.segment as usize;
+    // 512 B, one segment, many segments, many segments with the last one partial.
+    for (i, len) in [512, seg, 8 * seg, 5 * seg + 512].into_iter().enumerate() {
+        round_trip(&mut pair, i as u64 + 1, (i as u64) << 16, len);
+    }
+}
+
+#[test]
+fn credit_flow_control_bounds_unacked_frames() {
+    let params =
+        ChannelParams { ring: 8, remq_slots: 32, damq_slots: 32, segment: 1024, max_io: 16 << 10, features: 0 };
+    let mut pair = Pair::with(PairConfig { params, ..PairConfig::default() });
+    let mut expect = Vec::new();
+    for id in 1..=24u64 {
+        let data = pattern(id, 4096);
+        pair.write(id, id * 8192, &data);
+        expect.push((id, data));
+    }
+    // The harness asserts, for every frame sent, that its seq is within the peer's window.
+    pair.drive();
+    assert!(pair.max_unacked <= 8, "a sender had {} unacknowledged frames on a ring of 8", pair.max_unacked);
+    assert!(
+        pair.max_unacked == 8,
+        "the ring was never filled ({}): the test did not exercise credit",
+        pair.max_unacked
+    );
+    for (id, _) in &expect {
+        pair.expect_ok(*id);
+        pair.read(id + 100, id * 8192, 4096);
+    }
+    pair.drive();
+    for (id, data) in &expect {
+        assert!(pair.bufs[&(id + 100)] == *data, "read back of write {id} differs");
+    }
+    assert!(pair.max_unacked <= 8);
+}
+
+#[test]
+fn duplicated_frames_are_dropped_and_write_executes_once() {
+    let mut pair = Pair::new();
+    pair.fault =
+        Box::new(|p| if p.dir == Dir::ToTarget && p.seq().is_some() { Fate::Duplicate } else { Fate::Deliver });
+    let data = pattern(1, 4096);
+    pair.write(1, 0, &data);
+    pair.drive();
+    pair.expect_ok(1);
+    // REQUEST + 4 DATA, each delivered twice.
+    assert_eq!(pair.target_dropped(DropReason::Duplicate), 5, "every second copy is a duplicate");
+    assert_eq!(pair.executions(1), 1, "a duplicated WRITE was executed more than once");
+    assert_eq!(pair.tch(0).stats().dropped[DropReason::Duplicate as usize], 5);
+    assert!(pair.storage[..4096] == data[..]);
+}
+
+#[test]
+fn frame_far_ahead_is_out_of_window() {
+    let mut pair = Pair::new();
+    pair.write(1, 0, &pattern(1, 1024));
+    // Hold the request, then send a copy with its seq moved a ring ahead.
+    pair.drive();
+    let mut p = pair.sent.clone();
+    p.retain(|p| p.kind() == Kind::Request);
+    let Message::Request(mut r) = p[0].msg() else { unreachable!() };
+    r.seq.seq += pair.cfg.params.ring as u32 + 3;
+    let bytes = util::frame_of(&util::initiator_env(0), &Message::Request(r));
+    let got = pair.target.handle_frame(pair.now, &bytes);
+    assert_eq!(
+        got,
+        tyche_channel::TargetInbound::Dropped(tyche_channel::FrameDrop::Channel(DropReason::OutOfWindow)),
+        "a frame a ring ahead must be out of window"
+    );
+    // And a far-behind copy (already received) is a duplicate, not executed again.
+    let Message::Request(mut r) = p[0].msg() else { unreachable!() };
+    r.seq.seq = 0;
+    let bytes = util::frame_of(&util::initiator_env(0), &Message::Request(r));
+    let got = pair.target.handle_frame(pair.now, &bytes);
+    assert_eq!(got, tyche_channel::TargetInbound::Dropped(tyche_channel::FrameDrop::Channel(DropReason::Duplicate)));
+    pair.collect();
+    assert_eq!(pair.executions(r.tag), 1);
+}
+
+#[test]
+fn lost_data_segment_recovered_by_nack_before_rto() {
+    let mut pair = Pair::new();
+    // Warm up so the channel has an RTT estimate.
+    round_trip(&mut pair, 1, 0, 512);
+    let mut data_frames = 0;
+    pair.fault = Box::new(move |p| {
+        if p.dir == Dir::ToTarget && p.kind() == Kind::Data {
+            data_frames += 1;
+            if data_frames == 2 {
+                return Fate::Drop;
+            }
+        }
+        Fate::Deliver
+    });
+    let data = pattern(7, 4096);
+    let start = pair.now;
+    pair.write(7, 65536, &data);
+    pair.drive_until("write 7 completes", |p| p.result(7).is_some());
+    pair.expect_ok(7);
+    let took = pair.completed.iter().find(|c| c.0 == 7).unwrap().2 - start;
+    let initial_rto = pair.cfg.timers.initial_rto;
+    assert!(took < initial_rto, "recovery took {took:?}, not below the initial RTO {initial_rto:?}");
+    assert!(pair.tch(0).stats().nacks_tx > 0, "target sent no NACK");
+    assert!(pair.ich(0).stats().nacks_rx > 0, "initiator received no NACK");
+    assert!(pair.ich(0).stats().retransmits > 0, "nothing retransmitted");
+    assert_eq!(pair.ich(0).stats().timeouts, 0, "recovered by timeout, not by NACK");
+    pair.drive();
+    assert!(pair.storage[65536..65536 + 4096] == data[..]);
+}
+
+#[test]
+fn blackout_recovered_by_rto_with_exponential_backoff() {
+    let mut pair = Pair::new();
+    let timers = pair.cfg.timers;
+    pair.cut = vec![0];
+    let data = pattern(3, 2048);
+    pair.write(3, 0, &data);
+    let mut rtos = vec![pair.ich(0).rto()];
+    let mut last_timeouts = 0;
+    // A blackout shorter than dead_after.
+    let end = pair.now + Duration::from_millis(60);
+    while pair.now < end {
+        pair.run_for(Duration::from_micros(100));
+        let t = pair.ich(0).stats().timeouts;
+        if t != last_timeouts {
+            last_timeouts = t;
+            rtos.push(pair.ich(0).rto());
+        }
+    }
+    assert!(last_timeouts >= 4, "only {last_timeouts} timeouts in a 60 ms blackout");
+    for w in rtos.windows(2) {
+        assert_eq!(w[1], (w[0] * 2).min(timers.max_rto), "RTO did not double up to max_rto: {rtos:?}");
+    }
+    assert_eq!(*rtos.last().unwrap(), timers.max_rto, "RTO never reached max_rto: {rtos:?}");
+    pair.cut.clear();
+    pair.drive();
+    pair.expect_ok(3);
+    assert!(pair.ich(0).dead().is_none());
+    assert!(pair.ich(0).rto() < timers.max_rto, "RTO not reset after acknowledgement progress");
+    assert!(pair.storage[..2048] == data[..]);
+}
+
+#[test]
+fn reversed_segments_reassemble() {
+    let mut pair = Pair::new();
+    pair.fault = Box::new(|p| if p.dir == Dir::ToTarget && p.seq().is_some() { Fate::Hold } else { Fate::Deliver });
+    let seg = pair.cfg.params.segment as usize;
+    let data = pattern(11, 6 * seg + 512);
+    pair.write(11, 4096, &data);
+    pair.run_for(Duration::from_micros(1)); // transmit into the hold
+    pair.fault = Box::new(|_| Fate::Deliver);
+    let n = pair.held.len();
+    assert_eq!(n, 8, "request and seven segments held");
+    let reverse: Vec<usize> = (0..n).rev().collect();
+    pair.release_held(Some(&reverse));
+    pair.drive();
+    pair.expect_ok(11);
+    assert_eq!(pair.executed.len(), 1, "the write was executed more than once");
+    assert!(pair.storage[4096..4096 + data.len()] == data[..], "reversed segments reassembled wrongly");
+}
+
+#[test]
+fn completion_overtaking_read_data() {
+    let mut pair = Pair::new();
+    let seg = pair.cfg.params.segment as usize;
+    let data = pattern(5, 4 * seg);
+    pair.storage[..data.len()].copy_from_slice(&data);
+    pair.fault =
+        Box::new(|p| if p.dir == Dir::ToInitiator && p.kind() == Kind::Data { Fate::Hold } else { Fate::Deliver });
+    pair.read(1, 0, data.len() as u64);
+    pair.drive_until("the completion arrives and the data is held", |p| {
+        p.held.len() == 4 && p.sent.iter().any(|s| s.kind() == Kind::Completion) && p.wire.is_empty()
+    });
+    assert_eq!(pair.result(1), None, "read completed before its data arrived");
+    pair.fault = Box::new(|_| Fate::Deliver);
+    pair.release_held(Some(&[3, 1, 2, 0]));
+    pair.drive();
+    pair.expect_ok(1); // panics on a second completion
+    assert!(pair.bufs[&1] == data, "read data differs when the completion overtook it");
+}
+
+#[test]
+fn silent_peer_declared_dead_after_dead_after_not_before() {
+    let mut pair = Pair::new();
+    round_trip(&mut pair, 1, 0, 512);
+    let dead_after = pair.cfg.timers.dead_after;
+    pair.cut = vec![0];
+    let last = pair.last_rx[&Dir::ToInitiator];
+    pair.drive_until("initiator channel dies", |p| !p.volume_dead.is_empty());
+    let (ch, reason, _, at) = pair.volume_dead[0];
+    assert_eq!((ch, reason), (0, DeadReason::Timeout));
+    assert!(at >= last + dead_after, "declared dead at {at:?}, before {last:?} + {dead_after:?}");
+    assert!(at <= last + dead_after + Duration::from_millis(1), "declared dead late: {at:?}");
+    assert!(pair.ich(0).stats().keepalives_tx > 0, "no probe sent while the peer was silent");
+}
+
+#[test]
+fn idle_channel_stays_alive_through_keepalives() {
+    let mut pair = Pair::new();
+    round_trip(&mut pair, 1, 0, 512);
+    let dead_after = pair.cfg.timers.dead_after;
+    pair.run_for(dead_after * 20);
+    assert!(pair.ich(0).dead().is_none() && pair.tch(0).dead().is_none(), "an idle live channel died");
+    assert!(pair.volume_dead.is_empty() && pair.target_dead.is_empty());
+    assert!(pair.ich(0).stats().keepalives_tx > 0 || pair.tch(0).stats().keepalives_tx > 0, "no keepalives");
+    round_trip(&mut pair, 2, 4096, 1024);
+}
+
+#[test]
+fn close_sends_disconnect_and_peer_sees_it() {
+    let mut pair = Pair::new();
+    round_trip(&mut pair, 1, 0, 512);
+    pair.volume.close();
+    pair.drive();
+    assert!(pair.sent.iter().any(|p| p.dir == Dir::ToTarget && p.kind() == Kind::Disconnect), "no DISCONNECT sent");
+    assert_eq!(pair.ich(0).dead(), Some(DeadReason::Closed));
+    assert_eq!(pair.tch(0).dead(), Some(DeadReason::PeerClosed(DisconnectReason::Normal)));
+    assert_eq!(pair.target_dead.len(), 1);
+    assert_eq!(pair.target_dead[0].1, DeadReason::PeerClosed(DisconnectReason::Normal));
+}
+
+#[test]
+fn failover_reissues_on_surviving_channel() {
+    let mut pair = Pair::with(PairConfig { paths: 2, ..PairConfig::default() });
+    let mut expect = Vec::new();
+    for id in 1..=6u64 {
+        let data = pattern(id, 3072);
+        pair.write(id, id * 4096, &data);
+        expect.push((id, data));
+    }
+    // Path 0 goes dark before anything it carries arrives.
+    pair.cut = vec![0];
+    pair.drive();
+    let dead: Vec<_> = pair.volume_dead.iter().filter(|d| d.0 == 0).collect();
+    assert_eq!(dead.len(), 1, "channel 0 should die once");
+    assert!(dead[0].2 > 0, "nothing re-issued from the dead channel");
+    for (id, data) in &expect {
+        pair.expect_ok(*id);
+        assert!(pair.storage[(*id * 4096) as usize..(*id * 4096) as usize + 3072] == data[..], "write {id}");
+        pair.read(id + 100, id * 4096, 3072);
+    }
+    pair.drive();
+    for (id, data) in &expect {
+        pair.expect_ok(id + 100);
+        assert!(pair.bufs[&(id + 100)] == *data, "read {id} after failover");
+    }
+    assert_eq!(pair.volume.live_channels(), 1);
+}
+
+#[test]
+fn no_path_fails_requests_after_timeout() {
+    let mut pair = Pair::new();
+    let no_path = pair.cfg.no_path_timeout;
+    pair.cut = vec![0];
+    pair.write(1, 0, &pattern(1, 1024));
+    pair.drive();
+    let died = pair.volume_dead[0].3;
+    assert_eq!(pair.result(1), Some(Err(IoError::NoPath)));
+    let failed = pair.completed[0].2;
+    assert!(failed >= died + no_path, "failed at {failed:?}, before {died:?} + no_path_timeout");
+    // With no live channel at all, a new request fails too, after the timeout.
+    let start = pair.now;
+    pair.read(2, 0, 512);
+    pair.drive();
+    assert_eq!(pair.result(2), Some(Err(IoError::NoPath)));
+    assert!(pair.completed[1].2 >= start, "failed in the past");
+    assert!(pair.completed[1].2 <= start + no_path, "waited longer than no_path_timeout");
+}
+
+#[test]
+fn no_path_with_zero_timeout_fails_at_once() {
+    let mut pair = Pair::with(PairConfig { no_path_timeout: Duration::ZERO, ..PairConfig::default() });
+    pair.cut = vec![0];
+    pair.write(1, 0, &pattern(1, 1024));
+    pair.drive();
+    assert_eq!(pair.result(1), Some(Err(IoError::NoPath)));
+    pair.read(2, 0, 512);
+    assert_eq!(pair.result(2), Some(Err(IoError::NoPath)), "submit with no live channel must fail at once");
+}
+
+#[test]
+fn submit_validation() {
+    let mut pair = Pair::with(PairConfig { max_requests: 2, ..PairConfig::default() });
+    let size = pair.cfg.export_size;
+    let req = |id, op, offset, length| IoRequest { id, op, fua: false, offset, length, node: None };
+    let now = pair.now;
+    let v = &mut pair.volume;
+    assert_eq!(v.submit(now, req(1, Op::Read, 100, 512)), Err(SubmitError::Unaligned));
+    assert_eq!(v.submit(now, req(1, Op::Read, 0, 100)), Err(SubmitError::Unaligned));
+    assert_eq!(v.submit(now, req(1, Op::Write, 0, 0)), Err(SubmitError::Unaligned));
+    assert_eq!(v.submit(now, req(1, Op::Flush, 0, 512)), Err(SubmitError::Unaligned));
+    assert_eq!(v.submit(now, req(1, Op::Read, size - 512, 1024)), Err(SubmitError::OutOfRange));
+    assert_eq!(v.submit(now, req(1, Op::Read, u64::MAX - 511, 512)), Err(SubmitError::OutOfRange));
+    pair.bufs.insert(1, vec![0; 512]);
+    pair.bufs.insert(2, vec![0; 512]);
+    let v = &mut pair.volume;
+    assert_eq!(v.submit(now, req(1, Op::Read, 0, 512)), Ok(()));
+    assert_eq!(v.submit(now, req(1, Op::Read, 512, 512)), Err(SubmitError::DuplicateId));
+    assert_eq!(v.submit(now, req(2, Op::Read, 512, 512)), Ok(()));
+    assert_eq!(v.submit(now, req(3, Op::Read, 1024, 512)), Err(SubmitError::Busy));
+    pair.drive();
+    pair.expect_ok(1);
+    pair.expect_ok(2);
+    pair.bufs.insert(3, vec![0; 512]);
+    assert_eq!(pair.volume.submit(now, req(3, Op::Read, 1024, 512)), Ok(()), "room again after completions");
+    pair.drive();
+
+    let mut ro = Pair::with(PairConfig { read_only: true, ..PairConfig::default() });
+    let now = ro.now;
+    for op in [Op::Write, Op::Discard, Op::WriteZeroes] {
+        assert_eq!(ro.volume.submit(now, req(1, op, 0, 512)), Err(SubmitError::ReadOnly), "{op:?}");
+    }
+    ro.bufs.insert(1, vec![0; 512]);
+    assert_eq!(ro.volume.submit(now, req(1, Op::Read, 0, 512)), Ok(()));
+    ro.volume.submit(now, req(2, Op::Flush, 0, 0)).expect("flush on a read-only export");
+    ro.drive();
+    ro.expect_ok(1);
+    ro.expect_ok(2);
+}
+
+#[test]
+fn large_request_split_into_parts() {
+    let mut pair = Pair::new();
+    let max_io = pair.cfg.params.max_io as usize;
+    let len = 3 * max_io + 1536;
+    let data = pattern(9, len);
+    pair.write(9, 8192, &data);
+    pair.drive();
+    pair.expect_ok(9);
+    let parts: Vec<_> = pair.executed.iter().filter(|(_, r)| r.op == Op::Write).collect();
+    assert_eq!(parts.len(), 4, "a write of 3 max_io + 1536 bytes travels as 4 parts");
+    assert!(parts.iter().all(|(_, r)| r.length as usize <= max_io));
+    assert!(pair.storage[8192..8192 + len] == data[..]);
+    pair.read(10, 8192, len as u64);
+    pair.drive();
+    pair.expect_ok(10);
+    assert!(pair.bufs[&10] == data, "split read differs");
+}
+
+#[test]
+fn target_status_is_reported() {
+    // A request the target cannot serve ends with the target's status, once.
+    let mut pair = Pair::with(PairConfig { paths: 1, ..PairConfig::default() });
+    pair.auto_execute = false;
+    pair.write(1, 0, &pattern(1, 512));
+    pair.drive_until("the write reaches the target", |p| !p.to_execute.is_empty());
+    let (ch, r) = pair.to_execute.pop_front().unwrap();
+    assert!(pair.target.complete(ch, &r, Status::NoSpace));
+    assert!(!pair.target.complete(ch, &r, Status::Ok), "completing twice must be refused");
+    pair.collect();
+    pair.drive();
+    assert_eq!(pair.result(1), Some(Err(IoError::Target(Status::NoSpace))));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Protocol hygiene (docs/protocol.md §3, channel checks), on raw channel ends.
+
+mod hygiene {
+    use tyche_channel::{DropReason, Instant, Received};
+    use tyche_wire::{ChannelParams, Completion, Data, DataHeader, Message, Op, Request, Seq, Status, NO_SLOT};
+
+    use crate::util::raw_channels;
+
+    fn params() -> ChannelParams {
+        ChannelParams { ring: 64, remq_slots: 8, damq_slots: 4, segment: 1024, max_io: 8192, features: 0 }
+    }
+
+    fn request(seq: u32, remq: u16, damq: u16, op: Op, length: u32) -> Request {
+        Request { seq: Seq { seq, ack: 0 }, op, fua: false, remq, damq, tag: 1, floor: 1, offset: 0, length }
+    }
+
+    fn data(seq: u32, damq: u16, seg_index: u16, seg_count: u16, offset: u32) -> DataHeader {
+        DataHeader { seq: Seq { seq, ack: 0 }, damq, seg_index, seg_count, tag: 1, offset }
+    }
+
+    #[test]
+    fn request_at_initiator_and_completion_at_target_are_wrong_role() {
+        let now = Instant(0);
+        let (mut ini, mut tgt) = raw_channels(params(), now);
+        let r = Message::Request(request(0, 0, 0, Op::Read, 512));
+        assert_eq!(ini.handle(now, &r), Received::Dropped(DropReason::WrongRole));
+        let c = Message::Completion(Completion { seq: Seq::default(), status: Status::Ok, remq: 0, damq: 0, tag: 1 });
+        assert_eq!(tgt.handle(now, &c), Received::Dropped(DropReason::WrongRole));
+        assert_eq!(ini.stats().dropped[DropReason::WrongRole as usize], 1);
+        // A refused frame takes no ring position: the real seq 0 still arrives.
+        assert_eq!(tgt.handle(now, &r), Received::Consumed);
+        assert!(matches!(tgt.poll_event(), Some(tyche_channel::ChannelEvent::Request(_))));
+    }
+
+    #[test]
+    fn target_counts_requests_being_handled() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        assert_eq!(tgt.busy_remq(), 0);
+        let r = Message::Request(request(0, 3, 0, Op::Read, 512));
+        assert_eq!(tgt.handle(now, &r), Received::Consumed);
+        assert_eq!(tgt.busy_remq(), 1, "a request being handled occupies its remq slot");
+        assert!(tgt.complete(3, Status::Ok).is_some());
+        assert_eq!(tgt.busy_remq(), 0);
+    }
+
+    #[test]
+    fn data_for_out_of_range_damq_slot_is_bad_slot() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let payload = [0u8; 512];
+        let d = Message::Data(Data { header: data(0, 4, 0, 1, 0), payload: &payload });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::BadSlot));
+    }
+
+    #[test]
+    fn inconsistent_segment_fields_are_dropped() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let payload = [0u8; 1024];
+        // Segment 1 must start at 1 × segment.
+        let d = Message::Data(Data { header: data(0, 0, 1, 2, 0), payload: &payload });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+        // A non-last segment shorter than a segment.
+        let d = Message::Data(Data { header: data(1, 0, 0, 2, 0), payload: &payload[..512] });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+        // More segments than max_io allows.
+        let d = Message::Data(Data { header: data(2, 0, 0, 9, 0), payload: &payload });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+        // A segment whose count disagrees with earlier segments of the same slot.
+        let d = Message::Data(Data { header: data(3, 1, 0, 2, 0), payload: &payload });
+        assert!(matches!(tgt.handle(now, &d), Received::Placed(_)));
+        let d = Message::Data(Data { header: data(4, 1, 1, 3, 1024), payload: &payload });
+        assert_eq!(tgt.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+    }
+
+    fn completion_sent(tgt: &mut tyche_channel::Channel, now: Instant) -> Completion {
+        let mut buf = vec![0; 4096];
+        while let Some(t) = tgt.poll_transmit(now, &mut buf) {
+            let f = tyche_wire::Frame::new_checked(&buf[..t.len], tyche_wire::DEFAULT_ETHERTYPE).unwrap();
+            if let Ok(Message::Completion(c)) = f.parse() {
+                return c;
+            }
+        }
+        panic!("the target sent no completion");
+    }
+
+    #[test]
+    fn request_longer_than_max_io_completes_invalid() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let r = Message::Request(request(0, 2, 0, Op::Read, 8192 + 512));
+        assert_eq!(tgt.handle(now, &r), Received::Consumed);
+        assert_eq!(tgt.poll_event(), None, "an oversized request must not be executed");
+        let c = completion_sent(&mut tgt, now);
+        assert_eq!((c.status, c.remq, c.tag), (Status::Invalid, 2, 1));
+    }
+
+    #[test]
+    fn flood_of_refused_requests_from_a_peer_that_never_acks_is_not_a_panic() {
+        // Each refused request queues an INVALID completion without occupying a slot; a peer that
+        // keeps sending them and never acknowledges must not overflow the send queue's bound.
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let mut buf = vec![0; 4096];
+        for seq in 0..1000u32 {
+            let r = Message::Request(request(seq, 0, 0, Op::Read, 8192 + 512));
+            let _ = tgt.handle(now, &r);
+            while tgt.poll_transmit(now, &mut buf).is_some() {}
+        }
+        assert!(tgt.dead().is_none());
+        assert!(tgt.unacked_frames() <= 64, "credit exceeded");
+        assert!(tgt.stats().dropped[DropReason::BadSlot as usize] > 0, "the flood was never refused");
+    }
+
+    #[test]
+    fn request_naming_out_of_range_damq_completes_invalid() {
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let r = Message::Request(request(0, 1, 4, Op::Write, 512));
+        assert_eq!(tgt.handle(now, &r), Received::Consumed);
+        assert_eq!(tgt.poll_event(), None);
+        assert_eq!(completion_sent(&mut tgt, now).status, Status::Invalid);
+    }
+
+    #[test]
+    fn request_naming_out_of_range_remq_is_refused() {
+        // docs/protocol.md §3 says such a REQUEST "is completed with INVALID"; the engine drops
+        // it as BadSlot (a completion naming that slot would be dropped by the initiator anyway).
+        let now = Instant(0);
+        let (_, mut tgt) = raw_channels(params(), now);
+        let r = Message::Request(request(0, 8, NO_SLOT, Op::Flush, 0));
+        let r = match r {
+            Message::Request(r) => Message::Request(Request { offset: 0, ..r }),
+            _ => unreachable!(),
+        };
+        assert_eq!(tgt.handle(now, &r), Received::Dropped(DropReason::BadSlot));
+        assert_eq!(tgt.poll_event(), None);
+    }
+}
+
+#[test]
+fn failover_to_a_channel_with_smaller_max_io_does_not_panic() {
+    // A part sized for channel 0's max_io must not be forced onto a channel that granted less
+    // (the grant is the peer's choice: a smaller one is valid, so this must not be a panic).
+    let mut pair = Pair::new();
+    let big = pair.cfg.params.max_io as usize;
+    let data = pattern(1, big);
+    pair.cut = vec![0];
+    pair.write(1, 0, &data);
+    pair.run_for(Duration::from_micros(50));
+    let small = ChannelParams { max_io: 16 << 10, ..pair.cfg.params };
+    pair.open_channel(1, small);
+    pair.drive();
+    assert!(pair.volume_dead.iter().any(|d| d.0 == 0), "channel 0 died");
+    assert_eq!(pair.result(1), Some(Err(IoError::NoPath)), "a part no survivor can carry fails");
+    // Requests submitted now are split for the surviving channel and succeed.
+    pair.write(2, 0, &data);
+    pair.drive();
+    pair.expect_ok(2);
+    assert!(pair.storage[..big] == data[..]);
+}
+
+#[test]
+fn path_that_loses_only_data_frames_fails_over() {
+    // An MTU black hole: small frames (acks, probes, echoes) pass, DATA frames do not. Echoes are
+    // not acknowledgement progress, so the channel must still be declared dead.
+    let mut pair = Pair::with(PairConfig { paths: 2, ..PairConfig::default() });
+    pair.fault = Box::new(|p| if p.channel() == 0 && p.kind() == Kind::Data { Fate::Drop } else { Fate::Deliver });
+    let data = pattern(4, 4096);
+    pair.write(1, 0, &data);
+    pair.drive();
+    pair.expect_ok(1);
+    assert!(pair.volume_dead.iter().any(|d| d.0 == 0 && d.1 == DeadReason::Timeout && d.2 == 1));
+    assert!(pair.storage[..4096] == data[..]);
+}
+
+#[test]
+fn flush_discard_and_write_zeroes() {
+    let mut pair = Pair::new();
+    let data = pattern(1, 8192);
+    pair.write(1, 0, &data);
+    pair.drive();
+    let req = |id, op, offset, length| IoRequest { id, op, fua: false, offset, length, node: None };
+    let now = pair.now;
+    pair.volume.submit(now, req(2, Op::Flush, 0, 0)).unwrap();
+    pair.volume.submit(now, req(3, Op::Discard, 0, 2048)).unwrap();
+    pair.volume.submit(now, req(4, Op::WriteZeroes, 4096, 1024)).unwrap();
+    pair.drive();
+    for id in 2..=4 {
+        pair.expect_ok(id);
+    }
+    pair.read(5, 0, 8192);
+    pair.drive();
+    let mut expect = data.clone();
+    expect[..2048].fill(0);
+    expect[4096..5120].fill(0);
+    assert!(pair.bufs[&5] == expect, "discard / write-zeroes not reflected in a read");
+    // None of them carried data.
+    let data_frames = pair.sent.iter().filter(|p| p.dir == Dir::ToTarget && p.kind() == Kind::Data).count();
+    assert_eq!(data_frames, 8, "only the write's 8 segments carry data");
+}
+
+#[test]
+fn lost_completion_is_retransmitted_and_completes_once() {
+    let mut pair = Pair::new();
+    let mut dropped = false;
+    pair.fault = Box::new(move |p| {
+        if !dropped && p.kind() == Kind::Completion {
+            dropped = true;
+            return Fate::Drop;
+        }
+        Fate::Deliver
+    });
+    let data = pattern(1, 1024);
+    pair.write(1, 0, &data);
+    pair.drive();
+    pair.expect_ok(1);
+    assert_eq!(pair.executed.len(), 1, "a lost completion made the write run twice");
+    assert!(pair.tch(0).stats().retransmits > 0, "the target did not retransmit its completion");
+    let completions = pair.sent.iter().filter(|p| p.kind() == Kind::Completion).count();
+    assert!(completions >= 2);
+}
+
+#[test]
+fn lost_acks_cause_duplicates_that_are_dropped() {
+    let mut pair = Pair::new();
+    // Every standalone ACK from the target is lost: the initiator retransmits by RTO and the
+    // target drops the copies as duplicates (and re-acknowledges).
+    pair.fault =
+        Box::new(|p| if p.dir == Dir::ToInitiator && p.kind() == Kind::Ack { Fate::Drop } else { Fate::Deliver });
+    pair.auto_execute = false;
+    let data = pattern(1, 2048);
+    pair.write(1, 0, &data);
+    pair.run_for(Duration::from_millis(3));
+    assert!(pair.ich(0).stats().timeouts > 0, "no RTO without acks");
+    assert!(pair.target_dropped(DropReason::Duplicate) > 0, "retransmissions were not dropped as duplicates");
+    assert_eq!(pair.to_execute.len(), 1, "the write was handed over once");
+    pair.execute_one();
+    pair.drive();
+    pair.expect_ok(1);
+    assert_eq!(pair.executed.len(), 1);
+}
+
+#[test]
+fn requests_queued_during_an_outage_complete_after_reconnect() {
+    let mut pair = Pair::new();
+    pair.cut = vec![0];
+    pair.write(1, 0, &pattern(1, 512));
+    pair.drive_until("channel 0 dies", |p| !p.volume_dead.is_empty());
+    assert_eq!(pair.volume.live_channels(), 0);
+    // Submitted with no live channel, within no_path_timeout: it waits for a path.
+    let data = pattern(2, 8192);
+    pair.write(2, 65536, &data);
+    let params = pair.cfg.params;
+    pair.open_channel(1, params);
+    pair.drive();
+    pair.expect_ok(1);
+    pair.expect_ok(2);
+    assert!(pair.storage[65536..65536 + 8192] == data[..]);
+    assert!(pair.storage[..512] == pattern(1, 512)[..]);
+}

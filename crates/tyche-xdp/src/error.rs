@@ -1,0 +1,78 @@
+use std::io;
+
+/// Everything that can go wrong setting up or running an AF_XDP port.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A system call failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The network interface does not exist (in this network namespace).
+    #[error("no network interface named {0:?}")]
+    NoInterface(String),
+    /// The interface MTU and the UMEM frame size cannot carry Tyche frames together. Raised at
+    /// setup so that frames are never dropped silently for being too long.
+    #[error(
+        "interface {ifname}: MTU {mtu} needs frames of {needed} bytes but a UMEM chunk holds {per_buffer}: {hint}"
+    )]
+    FrameSize {
+        /// Interface.
+        ifname: String,
+        /// Its MTU.
+        mtu: usize,
+        /// Largest frame on the link (MTU plus Ethernet header).
+        needed: usize,
+        /// Bytes one UMEM chunk holds after the XDP headroom.
+        per_buffer: usize,
+        /// What to change.
+        hint: &'static str,
+    },
+    /// libbpf failed to open, load, attach or update the XDP program or its maps.
+    #[error("{what}: {source}")]
+    Bpf {
+        /// What was being done.
+        what: String,
+        /// The libbpf error.
+        #[source]
+        source: libbpf_rs::Error,
+    },
+    /// The XDP program could not be attached in any allowed mode.
+    #[error("attaching XDP to {ifname} failed in every allowed mode: {detail}")]
+    Attach {
+        /// Interface.
+        ifname: String,
+        /// The errors, mode by mode.
+        detail: String,
+    },
+    /// xsk-rs could not create the UMEM or the socket.
+    #[error("{what}: {detail}")]
+    Xsk {
+        /// What was being done.
+        what: String,
+        /// xsk-rs's error, rendered.
+        detail: String,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(what: impl Into<String>, source: io::Error) -> Self {
+        Error::Io { what: what.into(), source }
+    }
+    pub(crate) fn bpf(what: impl Into<String>, source: libbpf_rs::Error) -> Self {
+        Error::Bpf { what: what.into(), source }
+    }
+}
+
+impl From<Error> for io::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Io { source, .. } => source,
+            other => io::Error::other(other),
+        }
+    }
+}

@@ -1,0 +1,55 @@
+//! AF_XDP transport for Tyche.
+//!
+//! An XDP program ([`XdpProgram`], source `bpf/tyche_steer.bpf.c`) steers frames with the Tyche
+//! EtherType and a valid Tyche header into AF_XDP sockets, by receive queue, and passes every
+//! other frame to the kernel, so Tyche shares links with IP. Each [`XdpPort`] is one socket on
+//! one NIC queue with its own UMEM, allocated on the NIC's NUMA node ([`numa`]), and implements
+//! [`tyche_transport::FrameTransport`], so the channel engine runs on it unchanged.
+//!
+//! # Promises
+//! - Frames are read and written in place in UMEM chunks (no user-space copies), except
+//!   multi-buffer frames longer than one chunk, gathered/scattered through one buffer.
+//! - An MTU the UMEM cannot carry is an [`Error::FrameSize`] at setup, never silent drops.
+//! - Native XDP is tried first; generic (skb) mode is used only when allowed, and logged.
+//! - Dropping a port unregisters its socket; dropping the last port of an interface detaches
+//!   the program.
+//!
+//! # Ownership
+//! The UMEM belongs to its port. Receive chunks belong to the kernel except during `recv`'s
+//! callback; transmit chunks belong to the port except between `send` and their completion.
+
+mod async_io;
+mod error;
+mod iface;
+pub mod numa;
+mod port;
+mod program;
+
+pub use async_io::AsyncTransport;
+pub use error::Error;
+pub use iface::InterfaceInfo;
+pub use port::{
+    plan_frames, BusyPoll, FramePlan, NumaPlacement, PortConfig, PortStats, XdpPort, BUFFER_CAPACITY, CHUNK_SIZE,
+    MAX_SG_FRAME, XDP_HEADROOM,
+};
+pub use program::{AttachMode, AttachedMode, SteerStats, XdpProgram};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_plans_follow_mtu_and_chunk() {
+        let p = plan_frames("x", 3000, false).expect("3000 fits one chunk");
+        assert_eq!(p, FramePlan { frame_capacity: 3014, multi_buffer: false, segment_size: 2048 });
+        let p = plan_frames("x", 1500, false).expect("1500 fits");
+        assert_eq!(p.segment_size, 1024);
+        let e = plan_frames("x", 9000, false).expect_err("9000 needs multi-buffer");
+        assert!(matches!(e, Error::FrameSize { mtu: 9000, needed: 9014, per_buffer: 3840, .. }), "{e}");
+        let p = plan_frames("x", 9000, true).expect("9000 with multi-buffer");
+        assert!(p.multi_buffer);
+        assert_eq!(p.segment_size, 8192);
+        assert!(matches!(plan_frames("x", 400, true), Err(Error::FrameSize { .. })));
+        assert!(matches!(plan_frames("x", 65000, true), Err(Error::FrameSize { .. })));
+    }
+}

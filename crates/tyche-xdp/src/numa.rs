@@ -1,0 +1,146 @@
+//! The NUMA seam: which node a NIC sits on, and placing UMEM memory and threads there.
+//!
+//! This is deliberately small so that it can later take its answers from the `tyche-numa`
+//! topology crate: replace [`nic_node`] with a lookup in that crate's topology and
+//! [`with_memory_on`] / [`pin_current_thread_to_node`] with its binding calls; the port code
+//! only calls these three functions.
+//!
+//! Today the node comes from sysfs (`/sys/class/net/<if>/device/numa_node`). A missing file (a
+//! virtual device such as veth) or `-1` (a machine without NUMA information) means "unknown",
+//! and nothing is bound.
+
+use std::io;
+
+/// The NUMA node of network interface `ifname`, or `None` when unknown.
+pub fn nic_node(ifname: &str) -> Option<u32> {
+    let path = format!("/sys/class/net/{ifname}/device/numa_node");
+    let text = std::fs::read_to_string(path).ok()?;
+    let node: i64 = text.trim().parse().ok()?;
+    u32::try_from(node).ok()
+}
+
+const MPOL_DEFAULT: libc::c_int = 0;
+const MPOL_BIND: libc::c_int = 2;
+/// Bits in the node masks passed to the kernel (1024 nodes, as libnuma uses).
+const MAX_NODES: usize = 1024;
+const MASK_WORDS: usize = MAX_NODES / 64;
+
+fn get_mempolicy() -> io::Result<(libc::c_int, [u64; MASK_WORDS])> {
+    let mut mode: libc::c_int = 0;
+    let mut mask = [0u64; MASK_WORDS];
+    // SAFETY: `mode` and `mask` are valid for writes; `maxnode` is the mask's size in bits; a
+    // null `addr` with flags 0 asks for the thread's policy.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut mode as *mut libc::c_int,
+            mask.as_mut_ptr(),
+            MAX_NODES as libc::c_ulong,
+            std::ptr::null_mut::<libc::c_void>(),
+            0 as libc::c_ulong,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((mode, mask))
+}
+
+fn set_mempolicy(mode: libc::c_int, mask: Option<&[u64; MASK_WORDS]>) -> io::Result<()> {
+    let ptr = mask.map_or(std::ptr::null(), |m| m.as_ptr());
+    let maxnode = if mask.is_some() { MAX_NODES + 1 } else { 0 };
+    // SAFETY: `ptr` is null or points to a mask of MAX_NODES bits that outlives the call.
+    let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, mode, ptr, maxnode as libc::c_ulong) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Runs `f` with the calling thread's memory policy bound to `node` (so pages it faults in,
+/// such as a UMEM mapped with `MAP_POPULATE`, land there), then restores the previous policy.
+/// With `node == None`, just runs `f`.
+pub fn with_memory_on<R>(node: Option<u32>, f: impl FnOnce() -> R) -> io::Result<R> {
+    let Some(node) = node else {
+        return Ok(f());
+    };
+    let node = node as usize;
+    if node >= MAX_NODES {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("NUMA node {node} out of range")));
+    }
+    let (old_mode, old_mask) = get_mempolicy()?;
+    let mut mask = [0u64; MASK_WORDS];
+    mask[node / 64] |= 1 << (node % 64);
+    set_mempolicy(MPOL_BIND, Some(&mask))?;
+    let r = f();
+    let restore = if old_mode == MPOL_DEFAULT {
+        set_mempolicy(MPOL_DEFAULT, None)
+    } else {
+        set_mempolicy(old_mode, Some(&old_mask))
+    };
+    restore?;
+    Ok(r)
+}
+
+/// Pins the calling thread to the CPUs of `node` (from
+/// `/sys/devices/system/node/node<N>/cpulist`), so the thread serving a NIC queue runs beside
+/// the NIC and its UMEM.
+pub fn pin_current_thread_to_node(node: u32) -> io::Result<()> {
+    let list = std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist"))?;
+    let cpus = parse_cpulist(list.trim())?;
+    // SAFETY: `cpu_set_t` is plain old data; all-zero is an empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for cpu in cpus {
+        // SAFETY: CPU_SET only writes inside `set`; cpu indices beyond it are ignored by libc.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
+    // SAFETY: `set` is a valid cpu_set_t; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Parses a kernel CPU list such as `0-3,8,10-11`.
+pub fn parse_cpulist(s: &str) -> io::Result<Vec<usize>> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, format!("bad cpu list {s:?}"));
+    let mut out = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let a: usize = a.parse().map_err(|_| bad())?;
+                let b: usize = b.parse().map_err(|_| bad())?;
+                out.extend(a..=b);
+            }
+            None => out.push(part.parse().map_err(|_| bad())?),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpulists_parse() {
+        assert_eq!(parse_cpulist("0-3,8,10-11").unwrap(), [0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(parse_cpulist("").unwrap(), Vec::<usize>::new());
+        assert!(parse_cpulist("a-b").is_err());
+    }
+
+    #[test]
+    fn virtual_interfaces_have_no_node() {
+        assert_eq!(nic_node("lo"), None, "loopback has no device node");
+        assert_eq!(nic_node("no-such-nic"), None);
+    }
+
+    #[test]
+    fn memory_policy_is_restored() {
+        let before = get_mempolicy().expect("get_mempolicy").0;
+        let inside = with_memory_on(Some(0), || get_mempolicy().expect("get_mempolicy").0).expect("bind to node 0");
+        assert_eq!(inside, MPOL_BIND, "policy bound inside");
+        assert_eq!(get_mempolicy().expect("get_mempolicy").0, before, "policy restored");
+    }
+}

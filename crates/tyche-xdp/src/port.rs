@@ -1,0 +1,559 @@
+//! [`XdpPort`]: one AF_XDP socket on one NIC queue, with its own UMEM, as a [`FrameTransport`].
+
+use std::io;
+use std::num::NonZeroU32;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::Arc;
+
+use tyche_transport::FrameTransport;
+use tyche_wire::MacAddr;
+use xsk_rs::config::{BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, SocketConfig, UmemConfig};
+use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
+
+use crate::program::{AttachMode, AttachedMode, XdpProgram};
+use crate::{numa, Error, InterfaceInfo};
+
+/// UMEM chunk size: the kernel's maximum in aligned mode on 4 KiB pages (TECHNOTES §5).
+pub const CHUNK_SIZE: usize = 4096;
+/// Headroom the kernel keeps in front of every received frame (`XDP_PACKET_HEADROOM`).
+pub const XDP_HEADROOM: usize = 256;
+/// Bytes of frame one UMEM chunk carries (Ethernet header included).
+pub const BUFFER_CAPACITY: usize = CHUNK_SIZE - XDP_HEADROOM;
+/// Longest frame accepted in multi-buffer mode (a 9216-byte jumbo MTU plus Ethernet header).
+pub const MAX_SG_FRAME: usize = 9216 + tyche_wire::ETH_HEADER_LEN;
+
+/// How the frames of a link fit the UMEM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FramePlan {
+    /// Largest frame the port sends or receives (MTU + Ethernet header).
+    pub frame_capacity: usize,
+    /// Whether frames span several chunks (`XDP_USE_SG`, `xdp.frags`).
+    pub multi_buffer: bool,
+    /// Tyche segment payload size for this link ([`tyche_wire::segment_size_for`]).
+    pub segment_size: u32,
+}
+
+/// Chooses the frame capacity, multi-buffer use and segment size for a link of `mtu`, or says
+/// clearly why the MTU and the UMEM chunk cannot work together.
+pub fn plan_frames(ifname: &str, mtu: usize, allow_multi_buffer: bool) -> Result<FramePlan, Error> {
+    let needed = mtu + tyche_wire::ETH_HEADER_LEN;
+    let multi_buffer = needed > BUFFER_CAPACITY;
+    let too_big =
+        |hint| Error::FrameSize { ifname: ifname.to_string(), mtu, needed, per_buffer: BUFFER_CAPACITY, hint };
+    if multi_buffer && !allow_multi_buffer {
+        return Err(too_big("lower the MTU to 3826 or less, or enable multi-buffer (XDP_USE_SG)"));
+    }
+    if needed > MAX_SG_FRAME {
+        return Err(too_big("MTUs above 9216 are not supported"));
+    }
+    let segment_size = tyche_wire::segment_size_for(mtu, needed)
+        .ok_or_else(|| too_big("the MTU cannot carry a 512-byte Tyche segment; raise it to 560 or more"))?;
+    Ok(FramePlan { frame_capacity: needed, multi_buffer, segment_size })
+}
+
+/// Where to put the UMEM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NumaPlacement {
+    /// On the NIC's node when it has one ([`numa::nic_node`]); nowhere in particular otherwise.
+    Auto,
+    /// On this node.
+    Node(u32),
+    /// Wherever the kernel puts it.
+    Off,
+}
+
+/// Kernel busy polling of the socket (`SO_PREFER_BUSY_POLL`, `SO_BUSY_POLL`,
+/// `SO_BUSY_POLL_BUDGET`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BusyPoll {
+    /// Microseconds to busy-poll the device in a receive call.
+    pub usecs: u32,
+    /// Packets per busy-poll round.
+    pub budget: u32,
+}
+
+/// How to open a port.
+#[derive(Debug, Clone)]
+pub struct PortConfig {
+    /// NIC receive queue to bind.
+    pub queue: u32,
+    /// UMEM chunks, a power of two; half receive, half transmit.
+    pub frame_count: u32,
+    /// Descriptors moved per ring operation.
+    pub batch: usize,
+    /// Where to run the XDP program.
+    pub mode: AttachMode,
+    /// Use multi-buffer frames when the MTU needs them (else such an MTU is an error).
+    pub multi_buffer: bool,
+    /// Optional busy polling.
+    pub busy_poll: Option<BusyPoll>,
+    /// UMEM placement.
+    pub numa: NumaPlacement,
+    /// Also pin the calling thread to the UMEM's node.
+    pub pin_thread: bool,
+    /// EtherType to steer and expect.
+    pub ethertype: u16,
+}
+
+impl Default for PortConfig {
+    fn default() -> Self {
+        PortConfig {
+            queue: 0,
+            frame_count: 4096,
+            batch: 64,
+            mode: AttachMode::Auto,
+            multi_buffer: true,
+            busy_poll: None,
+            numa: NumaPlacement::Auto,
+            pin_thread: false,
+            ethertype: tyche_wire::DEFAULT_ETHERTYPE,
+        }
+    }
+}
+
+/// Counters of one port.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PortStats {
+    /// Frames delivered by `recv`.
+    pub rx_frames: u64,
+    /// Frames queued by `send`.
+    pub tx_frames: u64,
+    /// Multi-buffer frames discarded for exceeding the frame capacity.
+    pub rx_oversized: u64,
+    /// Kernel: frames dropped for lack of room (`rx_dropped`).
+    pub kernel_rx_dropped: u64,
+    /// Kernel: frames dropped because the RX ring was full.
+    pub kernel_rx_ring_full: u64,
+    /// Kernel: times the fill ring was empty.
+    pub kernel_fill_ring_empty: u64,
+    /// Kernel: invalid TX descriptors.
+    pub kernel_tx_invalid: u64,
+}
+
+/// An AF_XDP socket bound to one NIC queue, with its own UMEM, implementing
+/// [`FrameTransport`].
+///
+/// UMEM layout: `frame_count` chunks of [`CHUNK_SIZE`] bytes. The first half are receive
+/// buffers, owned by the kernel through the fill ring until they come back on the RX ring and
+/// are handed to `recv`'s callback in place, then returned to the fill ring. The second half are
+/// transmit buffers: `send` hands a free one to its callback to write a frame in place, puts it
+/// on the TX ring, and gets it back from the completion ring. No frame bytes are copied in user
+/// space, except for multi-buffer frames (longer than one chunk), which are gathered on receive
+/// and scattered on transmit through one reusable buffer.
+#[derive(Debug)]
+pub struct XdpPort {
+    // Field order is drop order: the sockets go before the UMEM, the program last.
+    rx: RxQueue,
+    tx: TxQueue,
+    fq: FillQueue,
+    cq: CompQueue,
+    umem: Umem,
+    program: Arc<XdpProgram>,
+    info: InterfaceInfo,
+    queue: u32,
+    plan: FramePlan,
+    batch: usize,
+    rx_descs: Vec<FrameDesc>,
+    fill_backlog: Vec<FrameDesc>,
+    tx_free: Vec<FrameDesc>,
+    tx_staged: Vec<FrameDesc>,
+    comp_descs: Vec<FrameDesc>,
+    tx_ring_size: u32,
+    tx_unkicked: usize,
+    gather: Vec<u8>,
+    scatter: Vec<u8>,
+    stats: PortStats,
+    numa_node: Option<u32>,
+}
+
+fn xsk_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Xsk { what: what.to_string(), detail: e.to_string() }
+}
+
+const SO_BUSY_POLL: libc::c_int = 46;
+const SO_PREFER_BUSY_POLL: libc::c_int = 69;
+const SO_BUSY_POLL_BUDGET: libc::c_int = 70;
+
+fn set_sockopt_int(fd: i32, level: libc::c_int, opt: libc::c_int, value: u32) -> io::Result<()> {
+    let v = value as libc::c_int;
+    // SAFETY: `v` is a live c_int and the length passed is its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            opt,
+            &v as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+impl XdpPort {
+    /// Opens a port on `ifname` (in the calling thread's network namespace), loading and
+    /// attaching the steering program for it.
+    pub fn open(ifname: &str, config: &PortConfig) -> Result<Self, Error> {
+        let info = InterfaceInfo::query(ifname)?;
+        let plan = plan_frames(ifname, info.mtu, config.multi_buffer)?;
+        let program =
+            Arc::new(XdpProgram::attach(ifname, info.index, config.mode, plan.multi_buffer, config.ethertype)?);
+        Self::open_on(program, info, config)
+    }
+
+    /// Opens a port on another queue of an interface whose program is already attached.
+    pub fn open_on(program: Arc<XdpProgram>, info: InterfaceInfo, config: &PortConfig) -> Result<Self, Error> {
+        let plan = plan_frames(&info.name, info.mtu, config.multi_buffer)?;
+        if plan.multi_buffer && !program.frags() {
+            return Err(Error::Attach {
+                ifname: info.name.clone(),
+                detail: "a multi-buffer port needs the xdp.frags program".into(),
+            });
+        }
+        assert!(
+            config.frame_count.is_power_of_two() && config.frame_count >= 64,
+            "frame_count must be a power of two >= 64"
+        );
+        let half = config.frame_count / 2;
+        let q = |n: u32| QueueSize::new(n).map_err(|e| xsk_err("ring size", e));
+        let umem_config = UmemConfig::builder()
+            .frame_size(FrameSize::new(CHUNK_SIZE as u32).map_err(|e| xsk_err("frame size", e))?)
+            .fill_queue_size(q(half)?)
+            .comp_queue_size(q(half)?)
+            .build()
+            .map_err(|e| xsk_err("UMEM config", e))?;
+        let numa_node = match config.numa {
+            NumaPlacement::Auto => numa::nic_node(&info.name),
+            NumaPlacement::Node(n) => Some(n),
+            NumaPlacement::Off => None,
+        };
+        if let (true, Some(node)) = (config.pin_thread, numa_node) {
+            numa::pin_current_thread_to_node(node).map_err(|e| Error::io(format!("pinning to NUMA node {node}"), e))?;
+        }
+        let frame_count = NonZeroU32::new(config.frame_count).expect("frame_count > 0");
+        // Umem::new maps with MAP_POPULATE: binding the memory policy around it places every
+        // page on the NIC's node.
+        let (umem, descs) = numa::with_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
+            .map_err(|e| Error::io("binding the UMEM to the NIC's NUMA node", e))?
+            .map_err(|e| xsk_err("creating the UMEM", e))?;
+
+        let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
+        if plan.multi_buffer {
+            bind |= BindFlags::XDP_USE_SG;
+        }
+        let socket_config = SocketConfig::builder()
+            .rx_queue_size(q(half)?)
+            .tx_queue_size(q(half)?)
+            .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
+            .bind_flags(bind)
+            .build();
+        let iface: Interface = info.name.parse().map_err(|_| Error::NoInterface(info.name.clone()))?;
+        // SAFETY: this UMEM is bound to (ifname, queue) once, by this socket; the program is
+        // ours (INHIBIT_PROG_LOAD), so libxdp never detaches one it did not load.
+        let (tx, rx, rings) = unsafe { Socket::new(socket_config, &umem, &iface, config.queue) }.map_err(|e| {
+            let hint = if plan.multi_buffer { " (multi-buffer needs kernel 6.6+ and driver support)" } else { "" };
+            xsk_err(&format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue), e)
+        })?;
+        let (mut fq, cq) = rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
+
+        if let Some(bp) = config.busy_poll {
+            let fd = rx.fd().as_raw_fd();
+            for (opt, v, name) in [
+                (SO_PREFER_BUSY_POLL, 1, "SO_PREFER_BUSY_POLL"),
+                (SO_BUSY_POLL, bp.usecs, "SO_BUSY_POLL"),
+                (SO_BUSY_POLL_BUDGET, bp.budget, "SO_BUSY_POLL_BUDGET"),
+            ] {
+                set_sockopt_int(fd, libc::SOL_SOCKET, opt, v)
+                    .map_err(|e| Error::io(format!("setsockopt {name}"), e))?;
+            }
+        }
+
+        let (rx_half, tx_half) = descs.split_at(half as usize);
+        // SAFETY: the descriptors come from this UMEM and none is in any ring yet.
+        let filled = unsafe { fq.produce(rx_half) };
+        assert_eq!(filled, rx_half.len(), "fill ring holds every receive buffer");
+
+        program.register(config.queue, rx.fd_borrowed())?;
+
+        let batch = config.batch.max(1);
+        Ok(XdpPort {
+            rx,
+            tx,
+            fq,
+            cq,
+            umem,
+            program,
+            queue: config.queue,
+            plan,
+            batch,
+            rx_descs: vec![FrameDesc::default(); batch],
+            fill_backlog: Vec::new(),
+            tx_free: tx_half.to_vec(),
+            tx_staged: Vec::with_capacity(batch * 3),
+            comp_descs: vec![FrameDesc::default(); half as usize],
+            tx_ring_size: half,
+            tx_unkicked: 0,
+            gather: Vec::new(),
+            scatter: if plan.multi_buffer { vec![0; plan.frame_capacity] } else { Vec::new() },
+            stats: PortStats::default(),
+            numa_node,
+            info,
+        })
+    }
+
+    /// The frame plan (capacity, multi-buffer, segment size) chosen for this link.
+    pub fn plan(&self) -> FramePlan {
+        self.plan
+    }
+
+    /// The mode the steering program runs in.
+    pub fn mode(&self) -> AttachedMode {
+        self.program.mode()
+    }
+
+    /// The steering program (shared by every port on this interface).
+    pub fn program(&self) -> &Arc<XdpProgram> {
+        &self.program
+    }
+
+    /// The interface.
+    pub fn interface(&self) -> &InterfaceInfo {
+        &self.info
+    }
+
+    /// The NUMA node the UMEM was placed on, if any.
+    pub fn numa_node(&self) -> Option<u32> {
+        self.numa_node
+    }
+
+    /// Counters of this port, including the kernel's socket statistics.
+    pub fn stats(&self) -> PortStats {
+        let mut s = self.stats;
+        if let Ok(k) = self.rx.fd().xdp_statistics() {
+            s.kernel_rx_dropped = k.rx_dropped();
+            s.kernel_rx_ring_full = k.rx_ring_full();
+            s.kernel_fill_ring_empty = k.rx_fill_ring_empty_descs();
+            s.kernel_tx_invalid = k.tx_invalid_descs();
+        }
+        s
+    }
+
+    /// Sleeps until a frame is waiting on the RX ring or `timeout` passes (`poll(2)`; in copy
+    /// mode the poll also drives pending transmissions). Returns whether frames are waiting. For
+    /// threads that poll the port themselves: spin while busy, call this when idle.
+    pub fn wait_readable(&mut self, timeout: std::time::Duration) -> io::Result<bool> {
+        let mut pfd = libc::pollfd { fd: self.rx.fd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: `pfd` is one valid pollfd for the duration of the call.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(e);
+        }
+        Ok(rc > 0 && pfd.revents & libc::POLLIN != 0)
+    }
+
+    /// Transmit buffers not yet given back by the kernel.
+    pub fn tx_in_flight(&self) -> usize {
+        self.tx_ring_size as usize - self.tx_free.len()
+    }
+
+    fn reclaim(&mut self) {
+        // SAFETY: the completion ring only returns descriptors of this UMEM's transmit half.
+        let n = unsafe { self.cq.consume(&mut self.comp_descs) };
+        self.tx_free.extend_from_slice(&self.comp_descs[..n]);
+    }
+
+    fn refill(&mut self) -> io::Result<()> {
+        if !self.fill_backlog.is_empty() {
+            // SAFETY: backlog descriptors belong to this UMEM and are referenced nowhere else.
+            let n = unsafe { self.fq.produce(&self.fill_backlog) };
+            if n == self.fill_backlog.len() {
+                self.fill_backlog.clear();
+            }
+        }
+        if self.fq.needs_wakeup() {
+            self.fq.wakeup(self.rx.fd_mut(), 0)?;
+        }
+        Ok(())
+    }
+
+    /// Kicks the kernel to transmit what is on the TX ring (one `sendto`; the kernel sends a
+    /// bounded batch per call in copy mode).
+    fn kick(&mut self) -> io::Result<()> {
+        if self.tx.needs_wakeup() {
+            self.tx.wakeup()?;
+        }
+        self.tx_unkicked = 0;
+        Ok(())
+    }
+}
+
+trait FdBorrow {
+    fn fd_borrowed(&self) -> BorrowedFd<'_>;
+}
+
+impl FdBorrow for RxQueue {
+    fn fd_borrowed(&self) -> BorrowedFd<'_> {
+        // SAFETY: the socket's descriptor stays open as long as this queue (which holds a
+        // handle to the socket) lives, and the borrow cannot outlive `self`.
+        unsafe { BorrowedFd::borrow_raw(self.fd().as_raw_fd()) }
+    }
+}
+
+impl Drop for XdpPort {
+    fn drop(&mut self) {
+        self.program.unregister(self.queue);
+    }
+}
+
+impl FrameTransport for XdpPort {
+    fn frame_capacity(&self) -> usize {
+        self.plan.frame_capacity
+    }
+
+    fn mtu(&self) -> usize {
+        self.info.mtu
+    }
+
+    fn local_mac(&self) -> MacAddr {
+        self.info.mac
+    }
+
+    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+        let mut delivered = 0;
+        while delivered < budget {
+            let want = (budget - delivered).min(self.batch);
+            // SAFETY: `rx_descs` are plain descriptor slots; the RX ring of this socket only
+            // hands out chunks of this UMEM.
+            let n = unsafe { self.rx.consume(&mut self.rx_descs[..want]) };
+            if n == 0 {
+                break;
+            }
+            for desc in &self.rx_descs[..n] {
+                // SAFETY: the descriptor was just taken off the RX ring of this UMEM; the kernel
+                // does not touch the chunk again until it goes back on the fill ring below, and
+                // no mutable reference to it exists.
+                let data = unsafe { self.umem.data(desc) };
+                let bytes = data.contents();
+                if self.plan.multi_buffer && (desc.has_more_frames() || !self.gather.is_empty()) {
+                    self.gather.extend_from_slice(bytes);
+                    if desc.has_more_frames() {
+                        continue;
+                    }
+                    if self.gather.len() <= self.plan.frame_capacity {
+                        on_frame(&self.gather);
+                        delivered += 1;
+                    } else {
+                        self.stats.rx_oversized += 1;
+                    }
+                    self.gather.clear();
+                } else {
+                    on_frame(bytes);
+                    delivered += 1;
+                }
+            }
+            // SAFETY: these chunks belong to this UMEM and nothing refers to them any more.
+            let put = unsafe { self.fq.produce(&self.rx_descs[..n]) };
+            if put != n {
+                self.fill_backlog.extend_from_slice(&self.rx_descs[..n]);
+            }
+            if n < want {
+                break;
+            }
+        }
+        self.stats.rx_frames += delivered as u64;
+        self.refill()?;
+        Ok(delivered)
+    }
+
+    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+        self.reclaim();
+        let capacity = self.plan.frame_capacity;
+        let mut queued = 0;
+        self.tx_staged.clear();
+        while queued < budget {
+            if self.plan.multi_buffer {
+                let chunks = capacity.div_ceil(BUFFER_CAPACITY);
+                if self.tx_free.len() < chunks {
+                    break;
+                }
+                let Some(len) = fill(&mut self.scatter[..capacity]) else {
+                    break;
+                };
+                assert!(len <= capacity, "frame of {len} bytes overran its buffer");
+                if len == 0 {
+                    continue;
+                }
+                let pieces = len.div_ceil(BUFFER_CAPACITY);
+                for (i, piece) in self.scatter[..len].chunks(BUFFER_CAPACITY).enumerate() {
+                    let mut desc = self.tx_free.pop().expect("counted above");
+                    // SAFETY: a free transmit chunk of this UMEM, in no ring, referenced nowhere.
+                    let mut data = unsafe { self.umem.data_mut(&mut desc) };
+                    let mut cur = data.cursor();
+                    cur.set_pos(0);
+                    std::io::Write::write_all(&mut cur, piece).expect("piece fits a chunk");
+                    desc.set_options(if i + 1 < pieces { 1 } else { 0 });
+                    self.tx_staged.push(desc);
+                }
+                queued += 1;
+                continue;
+            }
+            let Some(mut desc) = self.tx_free.pop() else {
+                break;
+            };
+            // SAFETY: a free transmit chunk of this UMEM: in no ring and referenced nowhere, so
+            // this is the only reference to its bytes.
+            let mut data = unsafe { self.umem.data_mut(&mut desc) };
+            let full = data.cursor().buf_len();
+            data.cursor().set_pos(full);
+            let result = fill(&mut data.contents_mut()[..capacity]);
+            match result {
+                Some(len) if len > 0 => {
+                    assert!(len <= capacity, "frame of {len} bytes overran its buffer");
+                    data.cursor().set_pos(len);
+                    desc.set_options(0);
+                    self.tx_staged.push(desc);
+                    queued += 1;
+                }
+                Some(_) => {
+                    self.tx_free.push(desc);
+                }
+                None => {
+                    self.tx_free.push(desc);
+                    break;
+                }
+            }
+        }
+        if !self.tx_staged.is_empty() {
+            // SAFETY: staged descriptors are transmit chunks of this UMEM, filled above.
+            let n = unsafe { self.tx.produce(&self.tx_staged) };
+            assert_eq!(n, self.tx_staged.len(), "the TX ring holds every transmit buffer");
+            self.tx_unkicked += n;
+            self.stats.tx_frames += queued as u64;
+            self.kick()?;
+        }
+        Ok(queued)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        // Copy mode transmits a bounded batch per wake-up: kick until the ring is drained, with
+        // a bound so a stalled device cannot spin us forever.
+        let mut rounds = self.tx_ring_size as usize / 16 + 4;
+        while self.tx.nb_free_exact() < self.tx_ring_size && rounds > 0 {
+            self.kick()?;
+            rounds -= 1;
+        }
+        self.reclaim();
+        self.refill()
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.rx.fd_borrowed())
+    }
+}

@@ -1,0 +1,267 @@
+//! Privileged tests: AF_XDP on a veth pair between two throw-away network namespaces.
+//!
+//! Each test creates its own uniquely named namespaces; a guard deletes them on drop, panics
+//! included. Threads enter a namespace with `setns(2)`, so every socket they open (netlink for
+//! the XDP attach, AF_XDP, ioctl) lives there. The tests skip, saying why, only when not root
+//! or when the kernel has no AF_XDP.
+
+use std::process::Command;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use tyche_transport::FrameTransport;
+use tyche_wire::{DataHeader, Envelope, Frame, MacAddr, Message, Seq, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
+use tyche_xdp::{AsyncTransport, BusyPoll, Error, PortConfig, SteerStats, XdpPort};
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+}
+
+/// Two namespaces joined by veth `tya` / `tyb`; deleted on drop.
+struct Lab {
+    a: String,
+    b: String,
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for ns in [&self.a, &self.b] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// Why this machine cannot run the test, if it cannot.
+fn unsupported() -> Option<&'static str> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not root");
+    }
+    // SAFETY: plain socket(2); closed right away.
+    let fd = unsafe { libc::socket(libc::AF_XDP, libc::SOCK_RAW, 0) };
+    if fd < 0 {
+        return Some("kernel has no AF_XDP");
+    }
+    // SAFETY: `fd` was just opened.
+    unsafe { libc::close(fd) };
+    None
+}
+
+fn lab(tag: &str, mtu: u32) -> Option<Lab> {
+    if let Some(why) = unsupported() {
+        eprintln!("SKIPPED: AF_XDP veth test {tag}: {why}");
+        return None;
+    }
+    let id = std::process::id();
+    let lab = Lab { a: format!("txt-{tag}-a-{id}"), b: format!("txt-{tag}-b-{id}") };
+    ip(&["netns", "add", &lab.a]);
+    ip(&["netns", "add", &lab.b]);
+    ip(&["link", "add", "tya", "netns", &lab.a, "type", "veth", "peer", "name", "tyb", "netns", &lab.b]);
+    let mtu = mtu.to_string();
+    for (ns, dev, addr, mac) in
+        [(&lab.a, "tya", "10.99.200.1/24", "02:54:00:00:75:01"), (&lab.b, "tyb", "10.99.200.2/24", "02:54:00:00:75:02")]
+    {
+        ip(&["-n", ns, "link", "set", dev, "address", mac, "mtu", &mtu]);
+        ip(&["-n", ns, "addr", "add", addr, "dev", dev]);
+        ip(&["-n", ns, "link", "set", dev, "up"]);
+        ip(&["-n", ns, "link", "set", "lo", "up"]);
+    }
+    Some(lab)
+}
+
+const MAC_A: MacAddr = MacAddr([0x02, 0x54, 0, 0, 0x75, 0x01]);
+const MAC_B: MacAddr = MacAddr([0x02, 0x54, 0, 0, 0x75, 0x02]);
+
+/// Runs `f` on a thread inside namespace `ns`.
+fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> std::thread::JoinHandle<T> {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).expect("open netns");
+        // SAFETY: `file` is an open network namespace descriptor; setns only affects this thread.
+        let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&file), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+}
+
+fn env(src: MacAddr, dst: MacAddr) -> Envelope {
+    Envelope { dst, src, ethertype: DEFAULT_ETHERTYPE, channel: 0, session: 7 }
+}
+
+/// Writes DATA frame `seq` with a payload of `segment` bytes marked with `seq`.
+fn data_frame(env: &Envelope, seq: u32, segment: usize, buf: &mut [u8]) -> usize {
+    let payload = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + segment];
+    payload.fill(seq as u8);
+    payload[..4].copy_from_slice(&seq.to_be_bytes());
+    DataHeader { seq: Seq { seq, ack: 0 }, damq: 0, seg_index: 0, seg_count: 1, tag: u64::from(seq), offset: 0 }
+        .emit_in_place(env, segment, buf)
+}
+
+/// Checks a received DATA frame and returns its sequence number.
+fn check_data(buf: &[u8], segment: usize) -> u32 {
+    let frame = Frame::new_checked(buf, DEFAULT_ETHERTYPE).expect("a valid Tyche frame");
+    let Ok(Message::Data(d)) = frame.parse() else {
+        panic!("expected DATA");
+    };
+    let seq = d.header.seq.seq;
+    assert_eq!(d.payload.len(), segment, "payload length");
+    assert_eq!(d.payload[..4], seq.to_be_bytes(), "payload head");
+    assert!(d.payload[4..].iter().all(|&b| b == seq as u8), "payload body of frame {seq}");
+    seq
+}
+
+/// Sends `n` DATA frames (plus, first, one foreign-EtherType and one bad-version frame) and
+/// receives `n` from the peer, in order. Returns the steering counters.
+fn exchange(
+    ifname: &str,
+    me: MacAddr,
+    peer: MacAddr,
+    n: u32,
+    busy_poll: bool,
+    mtu_ok: &Barrier,
+    done: &Barrier,
+) -> SteerStats {
+    let config =
+        PortConfig { busy_poll: busy_poll.then_some(BusyPoll { usecs: 20, budget: 64 }), ..PortConfig::default() };
+    let mut port = XdpPort::open(ifname, &config).expect("open AF_XDP port");
+    let segment = port.plan().segment_size as usize;
+    let env = env(me, peer);
+    mtu_ok.wait();
+    // Frames the program must pass to the kernel, not steer.
+    let mut k = 0;
+    let sent = port
+        .send(2, &mut |buf| {
+            let len = data_frame(&env, 0, segment, buf);
+            k += 1;
+            if k == 1 {
+                buf[12..14].copy_from_slice(&0x88B6u16.to_be_bytes()); // another EtherType
+            } else {
+                buf[14] = 99; // another protocol version
+            }
+            Some(len)
+        })
+        .expect("send foreign frames");
+    assert_eq!(sent, 2);
+    let (mut next_tx, mut next_rx) = (0u32, 0u32);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while next_rx < n || next_tx < n {
+        assert!(Instant::now() < deadline, "{ifname}: stalled: sent {next_tx}, got {next_rx}");
+        if next_tx < n {
+            port.send(32, &mut |buf| {
+                if next_tx == n {
+                    return None;
+                }
+                next_tx += 1;
+                Some(data_frame(&env, next_tx - 1, segment, buf))
+            })
+            .expect("send");
+        }
+        port.flush().expect("flush");
+        port.recv(64, &mut |buf| {
+            assert_eq!(check_data(buf, segment), next_rx, "in order, nothing foreign");
+            next_rx += 1;
+        })
+        .expect("recv");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    // Hold the port (and the program) while the main thread pings across the link.
+    done.wait();
+    done.wait();
+    port.program().stats().expect("steering counters")
+}
+
+#[test]
+fn tyche_frames_cross_af_xdp_while_ip_passes() {
+    // Side a also turns on kernel busy polling of its socket.
+    let Some(lab) = lab("x", 3000) else { return };
+    let start = Arc::new(Barrier::new(2));
+    let done = Arc::new(Barrier::new(3));
+    let n = 1500;
+    let (s1, d1) = (start.clone(), done.clone());
+    let a = in_ns(&lab.a, move || exchange("tya", MAC_A, MAC_B, n, true, &s1, &d1));
+    let (s2, d2) = (start.clone(), done.clone());
+    let b = in_ns(&lab.b, move || exchange("tyb", MAC_B, MAC_A, n, false, &s2, &d2));
+    done.wait();
+    // IP on the same link while both programs and sockets are in place.
+    let ping = Command::new("ip")
+        .args(["netns", "exec", &lab.b, "ping", "-q", "-c", "3", "-i", "0.2", "-W", "2"])
+        .arg("10.99.200.1")
+        .output()
+        .expect("run ping");
+    done.wait();
+    let sa = a.join().expect("side a");
+    let sb = b.join().expect("side b");
+    assert!(ping.status.success(), "ping across the steered veth failed");
+    for s in [sa, sb] {
+        assert!(s.steered >= u64::from(n), "steered {s:?}");
+        assert!(s.malformed >= 1, "a bad-version Tyche frame is counted: {s:?}");
+        assert!(s.passed >= 3, "IP, ARP and the foreign EtherType go to the kernel: {s:?}");
+    }
+}
+
+#[test]
+fn jumbo_frames_use_multi_buffer_or_fail_clearly() {
+    let Some(lab) = lab("j", 9000) else { return };
+    // Without multi-buffer, a 9000 MTU is a setup error, not silent drops.
+    let err = in_ns(&lab.a, || {
+        let cfg = PortConfig { multi_buffer: false, ..PortConfig::default() };
+        XdpPort::open("tya", &cfg).map(|_| ()).expect_err("MTU 9000 must not fit one chunk")
+    })
+    .join()
+    .expect("thread");
+    assert!(matches!(err, Error::FrameSize { mtu: 9000, .. }), "unexpected error: {err}");
+    // With multi-buffer (XDP_USE_SG + xdp.frags), 8 KiB segments cross intact.
+    let start = Arc::new(Barrier::new(2));
+    let done = Arc::new(Barrier::new(3));
+    let (s1, d1) = (start.clone(), done.clone());
+    let a = in_ns(&lab.a, move || exchange("tya", MAC_A, MAC_B, 300, false, &s1, &d1));
+    let (s2, d2) = (start.clone(), done.clone());
+    let b = in_ns(&lab.b, move || exchange("tyb", MAC_B, MAC_A, 300, false, &s2, &d2));
+    done.wait();
+    done.wait();
+    a.join().expect("side a");
+    b.join().expect("side b");
+}
+
+#[test]
+fn async_port_sleeps_until_a_frame_arrives() {
+    let Some(lab) = lab("a", 3000) else { return };
+    let ready = Arc::new(Barrier::new(2));
+    let r1 = ready.clone();
+    let receiver = in_ns(&lab.a, move || {
+        let port = XdpPort::open("tya", &PortConfig::default()).expect("open port");
+        let segment = port.plan().segment_size as usize;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        rt.block_on(async move {
+            let mut port = AsyncTransport::new(port, 8).expect("register with tokio");
+            r1.wait();
+            let t0 = Instant::now();
+            let mut seqs = Vec::new();
+            let n = tokio::time::timeout(
+                Duration::from_secs(10),
+                port.recv(16, &mut |buf| seqs.push(check_data(buf, segment))),
+            )
+            .await
+            .expect("a frame within 10 s")
+            .expect("recv");
+            (n, seqs, t0.elapsed())
+        })
+    });
+    let r2 = ready.clone();
+    let sender = in_ns(&lab.b, move || {
+        let mut port = XdpPort::open("tyb", &PortConfig::default()).expect("open port");
+        let segment = port.plan().segment_size as usize;
+        let env = env(MAC_B, MAC_A);
+        r2.wait();
+        std::thread::sleep(Duration::from_millis(300));
+        let n = port.send(1, &mut |buf| Some(data_frame(&env, 42, segment, buf))).expect("send");
+        port.flush().expect("flush");
+        std::thread::sleep(Duration::from_millis(200));
+        n
+    });
+    assert_eq!(sender.join().expect("sender"), 1);
+    let (n, seqs, waited) = receiver.join().expect("receiver");
+    assert_eq!((n, seqs), (1, vec![42]));
+    assert!(waited >= Duration::from_millis(250), "the receiver slept until the frame came ({waited:?})");
+}
