@@ -1,10 +1,11 @@
 //! The `tyched` binary in a two-NIC veth lab (root only; skipped otherwise).
 //!
-//! The test creates two network namespaces of its own (`tyd<pid>i`, `tyd<pid>t`) joined by two
-//! veth pairs, runs `tyched serve --transport packet` with a file export in the target namespace
-//! and drives it with the initiator engine from the other: patterns of many sizes over both NICs,
-//! a SIGTERM in the middle of nothing (clean exit 0), a restart with the same config, and a read
-//! back of everything acknowledged before the signal. A guard deletes the namespaces (and with
+//! Each test creates two network namespaces of its own (`tyd<transport><pid>i`/`t`) joined by
+//! two veth pairs, runs `tyched serve --transport packet|xdp --config FILE` in the target
+//! namespace and drives it with the initiator engine (over AF_PACKET or AF_XDP) from the other:
+//! patterns of many sizes over both NICs, FLUSH/FUA/DISCARD/WRITE_ZEROES, a refused MAC, a refused
+//! key, garbage frames, SIGTERM (exit 0), a restart with the same config, and a read back of
+//! everything acknowledged before the signal. A guard deletes the namespaces (and with
 //! them the veths) however the test ends.
 
 mod common;
@@ -14,8 +15,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{pattern, Initiator, Port};
-use tyche_wire::Op;
+use tyche_channel::ConnectError;
+use tyche_wire::{Op, RejectReason};
 use tyched::packet::PacketTransport;
+
+const KEY: &str = "lab pre-shared key 0123456789";
 
 struct Lab {
     ns_i: String,
@@ -74,14 +78,21 @@ impl Lab {
         .expect("netns thread")
     }
 
+    /// Starts the daemon from a config file (three exports: a file, a MAC-locked RAM export and
+    /// a keyed RAM export), with the transport and interfaces given as flags.
     fn tyched(&self, transport: &str, file: &std::path::Path, socket: &std::path::Path) -> Daemon {
+        let config = file.with_extension("toml");
+        let text = format!(
+            "workers = 2\nstats_socket = {socket:?}\n\n[[export]]\nname = \"disk\"\npath = {file:?}\n\n\
+             [[export]]\nname = \"locked\"\nsize = \"1M\"\nallow = [\"02:00:00:00:99:99\"]\n\n\
+             [[export]]\nname = \"secret\"\nsize = \"1M\"\nkey = \"{KEY}\"\n"
+        );
+        std::fs::write(&config, text).expect("write config");
         let child = Command::new("ip")
             .args(["netns", "exec", &self.ns_t, env!("CARGO_BIN_EXE_tyched"), "serve", "--transport", transport])
-            .args(["--iface", "tydt0", "--iface", "tydt1", "--workers", "2"])
-            .arg("--export")
-            .arg(format!("disk={}", file.display()))
-            .arg("--stats-socket")
-            .arg(socket)
+            .args(["--iface", "tydt0", "--iface", "tydt1"])
+            .arg("--config")
+            .arg(&config)
             .env("TYCHE_LOG", "info")
             .stdin(Stdio::null())
             .spawn()
@@ -146,6 +157,10 @@ fn tyched_binary_over_two_veth_nics_af_xdp() {
 /// Writes patterns of many sizes over both NICs, SIGTERMs the daemon (exit 0), restarts it with
 /// the same config and reads everything back.
 fn run_lab(transport: &str) {
+    // One lab at a time: opening AF_XDP sockets while the other lab sets up failed once
+    // ("non-zero error code returned when creating AF_XDP socket").
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let xdp = transport == "xdp";
     let Some(lab) = Lab::new(transport) else { return };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -177,10 +192,54 @@ fn run_lab(transport: &str) {
     let snap = tyched::stats_server::query(&socket).expect("stats");
     assert!(snap.nics.iter().all(|n| n.frames_rx > 0), "both NICs used: {:?}", snap.nics);
     assert_eq!(snap.exports[0].requests.write, sizes.len() as u64);
-    // Garbage on the wire is counted, not fatal.
+    // FLUSH, DISCARD and WRITE_ZEROES over the wire.
+    let base = 8u64 << 20;
+    let mut expect = pattern(base, 65536, 77);
+    ini.write(base, &expect);
+    ini.range_op(Op::Flush, 0, 0).expect("flush");
+    ini.range_op(Op::Discard, base + 4096, 8192).expect("discard");
+    expect[4096..12288].fill(0);
+    ini.range_op(Op::WriteZeroes, base + 32768, 4096).expect("write zeroes");
+    expect[32768..36864].fill(0);
+    assert!(ini.read(base, 65536) == expect, "discard and write-zeroes read back as zeroes");
+    written.push((base, expect));
+
+    // Strangers: a MAC not on the allow-list, a wrong key; the right key attaches.
+    let (_, r) = ini.handshake(0, 0, "locked", None);
+    assert_eq!(r.err(), Some(ConnectError::Rejected(RejectReason::NotAllowed)), "MAC allow-list");
+    let (_, r) = ini.handshake(1, 0, "secret", Some(b"not the lab key at all"));
+    assert_eq!(r.err(), Some(ConnectError::Rejected(RejectReason::AuthFailed)), "wrong key");
+    let (_, r) = ini.handshake(1, 0, "secret", Some(KEY.as_bytes()));
+    assert!(r.is_ok(), "right key attaches: {r:?}");
+
+    // Garbage: well-formed frames for sessions nobody has, and an unparsable Tyche frame.
     for k in 0..2 {
-        common::send(&mut ini.ports[k], &[0x5a; 60]);
+        let env = tyche_wire::Envelope {
+            dst: common::target_mac(k),
+            src: common::init_mac(k),
+            ethertype: tyche_wire::DEFAULT_ETHERTYPE,
+            channel: 3,
+            session: 0xdead_beef_0000 + k as u64,
+        };
+        let mut buf = [0u8; 128];
+        let n = tyche_wire::Message::Ack(tyche_wire::Ack { cumulative: 9, sack: 0 }).emit(&env, &mut buf);
+        common::send(&mut ini.ports[k], &buf[..n]);
+        buf[15] = 0x7f; // an unknown kind
+        common::send(&mut ini.ports[k], &buf[..n]);
     }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let snap = tyched::stats_server::query(&socket).expect("stats");
+        let (unknown, mac, key) =
+            (snap.drops(|d| d.unknown_session), snap.drops(|d| d.denied_mac), snap.drops(|d| d.denied_key));
+        if unknown >= 2 && mac >= 1 && key >= 1 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "refusals and garbage are counted: {:?}", snap.nics);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Still serving.
+    assert!(ini.read(0, 512) == written[0].1, "serving after garbage");
     let out = Command::new(env!("CARGO_BIN_EXE_tyched"))
         .args(["stats", "--json", "--socket"])
         .arg(&socket)

@@ -210,6 +210,7 @@ impl Initiator {
                     Some(out.len)
                 })
                 .expect("send");
+            port.flush().expect("flush");
             moved |= n > 0;
         }
         moved
@@ -246,6 +247,7 @@ pub fn send(port: &mut Port, frame: &[u8]) {
         Some(f.len())
     })
     .expect("send");
+    port.flush().expect("flush");
 }
 
 /// A recognisable pattern for a write of `len` bytes at `offset`, version `v`.
