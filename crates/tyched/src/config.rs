@@ -387,7 +387,7 @@ mod tests {
         assert_eq!(c.exports[0].size, Some(Size(256 << 20)));
         assert!(c.exports[2].read_only && c.exports[2].key.is_some());
         assert_eq!(c.exports[2].allowed_macs().len(), 2);
-        assert_eq!(c.transport, TransportKind::Packet);
+        assert_eq!(c.transport, TransportKind::Xdp);
         assert_eq!(c.ifaces.len(), 2);
     }
 

@@ -57,6 +57,9 @@ struct ServeArgs {
     /// Transport: xdp, tcp or packet.
     #[arg(long)]
     transport: Option<TransportKind>,
+    /// TCP transport: address to listen on (host:port; one connection per --iface).
+    #[arg(long)]
+    tcp_listen: Option<String>,
     /// Storage worker threads (0: automatic).
     #[arg(long)]
     workers: Option<usize>,
@@ -114,6 +117,9 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if let Some(t) = args.transport {
         config.transport = t;
     }
+    if let Some(a) = &args.tcp_listen {
+        config.tcp_listen = Some(a.clone());
+    }
     if let Some(w) = args.workers {
         config.workers = w;
     }
@@ -153,8 +159,14 @@ fn serve(args: ServeArgs) -> Result<()> {
     while !term.load(Ordering::SeqCst) && !handle.is_finished() {
         std::thread::sleep(Duration::from_millis(50));
     }
-    tracing::info!("signal received: shutting down");
+    let died = !term.load(Ordering::SeqCst);
+    if !died {
+        tracing::info!("signal received: shutting down");
+    }
     let snap = handle.shutdown();
+    if died {
+        bail!("the network thread stopped unexpectedly (see the log above)");
+    }
     tracing::info!(sessions = snap.sessions, reclaimed = snap.sessions_reclaimed, "exited cleanly");
     Ok(())
 }
