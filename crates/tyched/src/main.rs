@@ -79,6 +79,9 @@ struct StatsArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Print the Prometheus text format.
+    #[arg(long, conflicts_with = "json")]
+    prometheus: bool,
 }
 
 fn main() -> Result<()> {
@@ -245,6 +248,8 @@ fn stats(args: &StatsArgs) -> Result<()> {
     let snap = stats_server::query(&args.socket).with_context(|| format!("reading {}", args.socket.display()))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&snap)?);
+    } else if args.prometheus {
+        print!("{}", snap.prometheus());
     } else {
         print!("{}", snap.human());
     }

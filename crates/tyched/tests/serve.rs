@@ -45,6 +45,9 @@ fn many_sizes_over_two_nics_to_ram_and_file() {
     assert_eq!(e.bytes_written, sizes.iter().sum::<usize>() as u64);
     assert!(s.payload_copied_bytes >= 2 * e.bytes_written, "payload copies are counted: {}", s.payload_copied_bytes);
     assert_eq!(s.channels.len(), 2, "one channel per NIC");
+    let prom = s.prometheus();
+    assert!(prom.contains("tyched_export_requests_total{export=\"ram\",op=\"write\"} 8"), "{prom}");
+    assert!(s.human().contains("ram"), "human rendering names the export");
     assert!(s.nics.iter().all(|n| n.frames_rx > 0), "both NICs carried traffic: {:?}", s.nics);
     drop(ini);
 
