@@ -166,6 +166,8 @@ fn random_u64() -> u64 {
 struct Job {
     session: u64,
     channel: u16,
+    /// Which instance of channel `channel` (a reconnect on the same index is a new one).
+    epoch: u64,
     export: usize,
     request: Request,
     buf: Option<Memory>,
@@ -177,6 +179,7 @@ struct Job {
 struct Done {
     session: u64,
     channel: u16,
+    epoch: u64,
     export: usize,
     request: Request,
     buf: Option<Memory>,
@@ -313,6 +316,7 @@ impl Target {
                     let done = Done {
                         session: job.session,
                         channel: job.channel,
+                        epoch: job.epoch,
                         export: job.export,
                         request: job.request,
                         buf: job.buf,
@@ -468,11 +472,16 @@ struct SessionState {
     nic_of: BTreeMap<u16, usize>,
     /// Storage jobs outstanding per channel.
     executing: BTreeMap<u16, u64>,
+    /// Instance of each channel index (bumped when a reconnect replaces a channel), so that slot
+    /// memory of a replaced channel's requests still executing is never mixed with the new one's.
+    epochs: BTreeMap<u16, u64>,
     all_dead_since: Option<Instant>,
 }
 
 /// Slot memory of one `damq` slot: `None` while a worker holds it.
 type Slot = Option<Memory>;
+/// (session, channel, channel epoch, `damq` slot).
+type SlotKey = (u64, u16, u64, u16);
 
 struct Network {
     ethertype: u16,
@@ -482,7 +491,7 @@ struct Network {
     export_stats: Vec<ExportStats>,
     acceptor: Acceptor,
     sessions: BTreeMap<u64, SessionState>,
-    slots: HashMap<(u64, u16, u16), Slot>,
+    slots: HashMap<SlotKey, Slot>,
     slot_len: usize,
     node: Option<u32>,
     job_tx: mpsc::SyncSender<Job>,
@@ -635,7 +644,8 @@ impl Network {
         match s.session.handle_frame(now, bytes) {
             TargetInbound::Consumed => {}
             TargetInbound::Write { channel, damq, offset, payload } => {
-                let key = (s.session.id(), channel, damq);
+                let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
+                let key = (s.session.id(), channel, epoch, damq);
                 let (slot_len, node) = (self.slot_len, self.node);
                 let slot = self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node)));
                 match slot {
@@ -738,12 +748,19 @@ impl Network {
                         export,
                         nic_of: BTreeMap::new(),
                         executing: BTreeMap::new(),
+                        epochs: BTreeMap::new(),
                         all_dead_since: None,
                     }
                 });
                 tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(), "channel open");
                 st.session.add_channel(*channel);
-                st.nic_of.insert(idx, k);
+                if st.nic_of.insert(idx, k).is_some() {
+                    // A reconnect replaced the channel: its slot memory goes with it.
+                    let epoch = st.epochs.entry(idx).or_default();
+                    let old = *epoch;
+                    *epoch += 1;
+                    self.slots.retain(|key, _| !(key.0 == session && key.1 == idx && key.2 == old));
+                }
                 st.all_dead_since = None;
                 buf.truncate(len);
                 self.control[k].push_back(buf);
@@ -778,7 +795,7 @@ impl Network {
                 match ev {
                     TargetEvent::Execute { channel, request } => {
                         let buf = if request.op.uses_damq() {
-                            let key = (sid, channel, request.damq);
+                            let key = (sid, channel, s.epochs.get(&channel).copied().unwrap_or(0), request.damq);
                             let slot = self
                                 .slots
                                 .entry(key)
@@ -789,7 +806,16 @@ impl Network {
                             None
                         };
                         *s.executing.entry(channel).or_default() += 1;
-                        jobs.push(Job { session: sid, channel, export: s.export, request, buf, abort: stopping });
+                        let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
+                        jobs.push(Job {
+                            session: sid,
+                            channel,
+                            epoch,
+                            export: s.export,
+                            request,
+                            buf,
+                            abort: stopping,
+                        });
                     }
                     TargetEvent::ChannelDead { channel, reason } => {
                         tracing::info!(session = format_args!("{sid:016x}"), channel, ?reason, "channel dead");
@@ -839,7 +865,7 @@ impl Network {
                 *n -= 1;
             }
             if let Some(buf) = d.buf {
-                if let Some(slot) = self.slots.get_mut(&(d.session, d.channel, r.damq)) {
+                if let Some(slot) = self.slots.get_mut(&(d.session, d.channel, d.epoch, r.damq)) {
                     *slot = Some(buf);
                 }
             }
@@ -906,10 +932,11 @@ impl Network {
                 while cursor < order.len() {
                     let (sid, ch) = order[cursor];
                     let s = sessions.get_mut(&sid).expect("listed");
+                    let epoch = s.epochs.get(&ch).copied().unwrap_or(0);
                     if let Some(t) = s.session.poll_transmit(now, ch, buf) {
                         if let Some(p) = t.payload {
                             let dst = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + p.len as usize];
-                            match slots.get(&(sid, ch, p.damq)) {
+                            match slots.get(&(sid, ch, epoch, p.damq)) {
                                 Some(Some(mem)) => {
                                     dst.copy_from_slice(
                                         &mem.as_slice()[p.offset as usize..(p.offset + p.len) as usize],
