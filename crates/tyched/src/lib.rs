@@ -23,3 +23,9 @@ pub mod target;
 pub use config::{Config, ConfigError, ExportConfig};
 pub use stats::Snapshot;
 pub use target::{Nic, Placement, StartError, Target, TargetHandle};
+
+/// The MAC address the `k`th TCP connection of `tyched serve --transport tcp` uses when its
+/// interface has none (loopback): a locally administered `02:00:00:00:7c:0k`-style address.
+pub fn tcp_mac(k: usize) -> tyche_wire::MacAddr {
+    tyche_wire::MacAddr::local(0x7c00 + k as u32)
+}

@@ -223,12 +223,19 @@ fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
                         Err(e) => return Err(e).context("tcp accept"),
                     }
                 };
-                let t = tyche_tcp::TcpTransport::new(stream, info.mtu, info.mac)?;
+                // Loopback has no MAC and a 64 KiB MTU: give frames an address and an Ethernet size.
+                let mac = if info.mac == tyche_wire::MacAddr::ZERO { tcp_mac(nics.len()) } else { info.mac };
+                let t = tyche_tcp::TcpTransport::new(stream, info.mtu.min(9000), mac)?;
                 nics.push(Nic { name: name.clone(), transport: Box::new(t) });
             }
         }
     }
     Ok(nics)
+}
+
+/// The MAC a TCP "NIC" without an address of its own (loopback) uses: `tyched::tcp_mac`.
+fn tcp_mac(k: usize) -> tyche_wire::MacAddr {
+    tyched::tcp_mac(k)
 }
 
 /// Memory on the serving NICs' node and threads on its CPUs, when the topology says so.

@@ -369,7 +369,9 @@ impl Target {
             reclaimed: 0,
             duplicates_from_reclaimed: 0,
             stopping: None,
+            nic_down: Vec::new(),
         };
+        net.nic_down = vec![false; net.nics.len()];
         net.control = (0..net.nics.len()).map(|_| VecDeque::new()).collect();
         let cpus = placement.network_cpus.clone();
         let network = std::thread::Builder::new().name("tyched-net".into()).spawn(move || {
@@ -508,6 +510,14 @@ struct Network {
     reclaimed: u64,
     duplicates_from_reclaimed: u64,
     stopping: Option<Instant>,
+    /// NICs whose transport failed for good (a closed TCP connection).
+    nic_down: Vec<bool>,
+}
+
+/// Whether a transport error means the link is gone for good.
+fn permanent(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(e.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected)
 }
 
 fn drop_name(r: DropReason) -> String {
@@ -587,7 +597,9 @@ impl Network {
         let mut fds: Vec<libc::pollfd> = self
             .nics
             .iter()
-            .filter_map(|n| n.transport.readiness_fd())
+            .zip(&self.nic_down)
+            .filter(|(_, down)| !**down)
+            .filter_map(|(n, _)| n.transport.readiness_fd())
             .map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 })
             .collect();
         fds.push(libc::pollfd { fd: self.shared.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
@@ -606,13 +618,22 @@ impl Network {
         let mut any = false;
         let mut nics = std::mem::take(&mut self.nics);
         for (k, nic) in nics.iter_mut().enumerate() {
+            if self.nic_down[k] {
+                continue;
+            }
             let local = nic.transport.local_mac();
             let r = nic.transport.recv(RX_BUDGET, &mut |bytes| self.on_frame(now, k, local, bytes));
             match r {
                 Ok(n) => any |= n > 0,
                 Err(e) => {
                     self.nic_stats[k].rx_errors += 1;
-                    tracing::warn!(nic = %nic.name, "receive failed: {e}");
+                    if permanent(&e) {
+                        // A closed TCP connection, say: stop polling it (its channels die by timeout).
+                        tracing::warn!(nic = %nic.name, "link down: {e}");
+                        self.nic_down[k] = true;
+                    } else if self.nic_stats[k].rx_errors.is_power_of_two() {
+                        tracing::warn!(nic = %nic.name, errors = self.nic_stats[k].rx_errors, "receive failed: {e}");
+                    }
                 }
             }
         }
@@ -913,6 +934,10 @@ impl Network {
         let mut any = false;
         let mut nics = std::mem::take(&mut self.nics);
         for (k, nic) in nics.iter_mut().enumerate() {
+            if self.nic_down[k] {
+                self.control[k].clear();
+                continue;
+            }
             let mut order: Vec<(u64, u16)> = Vec::new();
             for (&sid, s) in &self.sessions {
                 order.extend(s.nic_of.iter().filter(|&(_, &n)| n == k).map(|(&c, _)| (sid, c)));
@@ -958,7 +983,12 @@ impl Network {
             });
             if let Err(e) = r {
                 self.nic_stats[k].tx_errors += 1;
-                tracing::warn!(nic = %nic.name, "send failed: {e}");
+                if permanent(&e) {
+                    tracing::warn!(nic = %nic.name, "link down: {e}");
+                    self.nic_down[k] = true;
+                } else if self.nic_stats[k].tx_errors.is_power_of_two() {
+                    tracing::warn!(nic = %nic.name, errors = self.nic_stats[k].tx_errors, "send failed: {e}");
+                }
             }
             if let Err(e) = nic.transport.flush() {
                 tracing::warn!(nic = %nic.name, "flush failed: {e}");

@@ -51,6 +51,8 @@ pub struct Initiator {
     buf: Vec<u8>,
     /// When set, the volume believes the export has this size (so the target does the checking).
     pub pretend_size: Option<u64>,
+    /// The target's MAC on each path.
+    pub target_macs: Vec<MacAddr>,
 }
 
 pub fn want() -> ChannelParams {
@@ -75,6 +77,7 @@ impl Initiator {
             next_id: 1,
             buf: vec![0; 65536],
             pretend_size: None,
+            target_macs: (0..8).map(target_mac).collect(),
         }
     }
 
@@ -90,8 +93,13 @@ impl Initiator {
         export: &str,
         key: Option<&[u8]>,
     ) -> (Connector, Result<Connected, ConnectError>) {
-        let env =
-            Envelope { dst: target_mac(k), src: init_mac(k), ethertype: DEFAULT_ETHERTYPE, channel: k as u16, session };
+        let env = Envelope {
+            dst: self.target_macs[k],
+            src: init_mac(k),
+            ethertype: DEFAULT_ETHERTYPE,
+            channel: k as u16,
+            session,
+        };
         let nonce = 0x1234_5678_0000 + k as u64 + (self.clock.elapsed().as_nanos() as u64) * 7;
         let mut c = Connector::new(env, export, want(), nonce, Duration::from_millis(100), 20, self.now());
         if let Some(key) = key {
