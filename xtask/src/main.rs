@@ -2,6 +2,7 @@
 //! test, benchmarks, filesystem checks). Plain `cargo build` and `cargo test` work without it.
 
 mod bpfgen;
+mod demo;
 mod disk;
 mod lab;
 mod sim;
@@ -22,6 +23,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Bring up a lab, serve a RAM-backed export, use it as a disk with ext4, report (root).
+    Demo(demo::DemoArgs),
     /// Run the whole test suite as CI does.
     Test(suite::TestArgs),
     /// Run the deterministic simulator over many seeds (or replay one).
@@ -61,6 +64,10 @@ fn root() -> PathBuf {
 
 fn main() -> Result<()> {
     match Cli::parse().command {
+        Command::Demo(a) => {
+            ctrlc::set_handler(|| demo::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            demo::demo(&root(), &a)
+        }
         Command::Test(a) => suite::run(a),
         Command::Sim(a) => sim::run(a),
         Command::Lab { action } => lab::run(action),

@@ -17,7 +17,7 @@ pub struct TestArgs {
     sim_seeds: u64,
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     // The effective uid, from /proc (no libc dependency in xtask).
     std::fs::read_to_string("/proc/self/status")
         .ok()
