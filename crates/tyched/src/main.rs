@@ -195,10 +195,18 @@ fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
                 nics.push(Nic { name: name.clone(), transport: Box::new(t) });
             }
             TransportKind::Xdp => {
+                let mut first: Option<(std::sync::Arc<tyche_xdp::XdpProgram>, tyche_xdp::InterfaceInfo)> = None;
                 for q in 0..u32::from(config.channels_per_nic) {
                     let pc = tyche_xdp::PortConfig { queue: q, ethertype: config.ethertype, ..Default::default() };
-                    let port =
-                        tyche_xdp::XdpPort::open(name, &pc).with_context(|| format!("{name} queue {q}: AF_XDP"))?;
+                    // The steering program is attached once per interface; later queues share it.
+                    let port = match &first {
+                        None => tyche_xdp::XdpPort::open(name, &pc),
+                        Some((prog, info)) => tyche_xdp::XdpPort::open_on(prog.clone(), info.clone(), &pc),
+                    }
+                    .with_context(|| format!("{name} queue {q}: AF_XDP"))?;
+                    if first.is_none() {
+                        first = Some((port.program().clone(), port.interface().clone()));
+                    }
                     tracing::info!(iface = %name, queue = q, mode = %port.mode(), "AF_XDP port open");
                     let label = if config.channels_per_nic > 1 { format!("{name}/{q}") } else { name.clone() };
                     nics.push(Nic { name: label, transport: Box::new(port) });
