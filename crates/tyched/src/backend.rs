@@ -367,4 +367,40 @@ mod tests {
         b.read_at(&mut back, 0).expect("read");
         assert_eq!(back[0], 1, "data survives a reopen");
     }
+
+    /// A loop device over a temporary file (root only; skipped where losetup is unavailable).
+    #[test]
+    fn block_device_backend_on_a_loop_device() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let img = dir.path().join("loop.img");
+        std::fs::File::create(&img).expect("create").set_len(8 << 20).expect("size");
+        let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output();
+        let Ok(out) = out.map_err(|e| eprintln!("skipping: losetup: {e}")) else { return };
+        if !out.status.success() {
+            eprintln!("skipping: losetup: {}", String::from_utf8_lossy(&out.stderr));
+            return;
+        }
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        struct Detach(String);
+        impl Drop for Detach {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("losetup").args(["-d", &self.0]).status();
+            }
+        }
+        let _guard = Detach(dev.clone());
+        let b = FileBackend::open(Path::new(&dev), None, false, true).expect("open the loop device");
+        assert_eq!(b.kind(), "block");
+        assert_eq!(b.size(), 8 << 20, "size from BLKGETSIZE64");
+        exercise(&b);
+        // Page-aligned memory takes the O_DIRECT path.
+        let mut m = Memory::new(8192, Some(0));
+        let aligned = m.as_slice().as_ptr() as usize % 4096 == 0;
+        m.as_mut_slice()[..8192].fill(0xab);
+        b.write_at(&m.as_slice()[..8192], 1 << 20, false).expect("aligned write");
+        let mut back = Memory::new(8192, Some(0));
+        b.read_at(&mut back.as_mut_slice()[..8192], 1 << 20).expect("aligned read");
+        assert!(back.as_slice()[..8192].iter().all(|&x| x == 0xab), "aligned round trip (O_DIRECT: {aligned})");
+        let too_big = FileBackend::open(Path::new(&dev), Some(16 << 20), false, true);
+        assert!(matches!(too_big, Err(BackendError::Size(_))), "a size beyond the device is refused");
+    }
 }
