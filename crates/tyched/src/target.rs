@@ -689,7 +689,8 @@ impl Network {
         let env_in = Envelope::of(frame);
         let reply_env =
             Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
-        let mut buf = vec![0u8; 512];
+        // Largest reply: a DISCOVER_REPLY of 8 exports with 64-byte names (672 bytes).
+        let mut buf = vec![0u8; 2048];
         let mut target_proof = None;
         if let Message::Connect(c) = msg {
             if self.stopping.is_some() {

@@ -329,3 +329,41 @@ fn shutdown_with_writes_in_flight_loses_nothing_acknowledged() {
     }
     drop(target);
 }
+
+#[test]
+fn discovery_of_many_long_names_pages() {
+    let exports = (0..10).map(|i| ExportConfig::ram(&format!("{i:0>64}"), 1 << 20)).collect();
+    let (target, mut ports) = common::start(config(exports), 1);
+    let mut seen = Vec::new();
+    for start in [0u16, 8] {
+        let env = tyche_wire::Envelope {
+            dst: common::target_mac(0),
+            src: common::init_mac(0),
+            ethertype: tyche_wire::DEFAULT_ETHERTYPE,
+            channel: 0,
+            session: 0,
+        };
+        let mut buf = vec![0u8; 256];
+        let len = tyche_wire::Message::Discover(tyche_wire::Discover { nonce: 1, start }).emit(&env, &mut buf);
+        common::send(&mut ports[0], &buf[..len]);
+        let deadline = std::time::Instant::now() + common::LIMIT;
+        let mut got = None;
+        while got.is_none() {
+            assert!(std::time::Instant::now() < deadline, "no DISCOVER_REPLY for start {start}");
+            ports[0]
+                .recv(8, &mut |b| {
+                    let f = tyche_wire::Frame::new_checked(b, tyche_wire::DEFAULT_ETHERTYPE).expect("valid reply");
+                    if let Ok(tyche_wire::Message::DiscoverReply(r)) = f.parse() {
+                        got = Some((r.total, r.exports.iter().map(|e| e.name.to_string()).collect::<Vec<_>>()));
+                    }
+                })
+                .expect("recv");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let (total, names) = got.expect("reply");
+        assert_eq!(total, 10);
+        seen.extend(names);
+    }
+    assert_eq!(seen.len(), 10, "two pages list every export: {seen:?}");
+    assert_eq!(target.stats().exports.len(), 10);
+}
