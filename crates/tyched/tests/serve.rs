@@ -367,3 +367,31 @@ fn discovery_of_many_long_names_pages() {
     assert_eq!(seen.len(), 10, "two pages list every export: {seen:?}");
     assert_eq!(target.stats().exports.len(), 10);
 }
+
+#[test]
+fn corrupted_copies_of_every_frame_never_crash_the_target() {
+    for seed in 1..=6 {
+        let (target, ports) = common::start(config(vec![ExportConfig::ram("r", 4 << 20)]), 2);
+        let mut ini = Initiator::new(ports);
+        ini.attach("r", None).expect("attach");
+        ini.mutate = Some(tyche_transport::SplitMix64::new(seed));
+        // Corrupted copies can be mistaken for real frames (Tyche relies on the Ethernet FCS),
+        // so only liveness is checked here, not the data: every request ends, one way or another.
+        let mut ids = Vec::new();
+        for i in 0..48u64 {
+            let op = if i % 3 == 2 { Op::Read } else { Op::Write };
+            let len = 512 * (1 + (i * 37 + seed) % 200);
+            let data = if op == Op::Write { pattern(i << 16, len as usize, i as u8) } else { vec![0; len as usize] };
+            ids.push(ini.submit(op, i << 16, data, len, i % 5 == 0));
+        }
+        for id in ids {
+            let _ = ini.wait(id);
+        }
+        let s = target.stats();
+        assert!(!target.is_finished(), "seed {seed}: the target is still running");
+        let dropped: u64 = s.nics.iter().map(|n| n.drops.malformed + n.drops.not_ours + n.drops.channel_total()).sum();
+        assert!(dropped > 0, "seed {seed}: corrupted frames were counted: {:?}", s.nics);
+        let last = target.shutdown();
+        assert_eq!(last.storage_inflight, 0, "seed {seed}: clean shutdown");
+    }
+}

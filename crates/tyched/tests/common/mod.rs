@@ -53,6 +53,8 @@ pub struct Initiator {
     pub pretend_size: Option<u64>,
     /// The target's MAC on each path.
     pub target_macs: Vec<MacAddr>,
+    /// When set, every frame sent is followed by a corrupted copy.
+    pub mutate: Option<tyche_transport::SplitMix64>,
 }
 
 pub fn want() -> ChannelParams {
@@ -78,6 +80,7 @@ impl Initiator {
             buf: vec![0; 65536],
             pretend_size: None,
             target_macs: (0..8).map(target_mac).collect(),
+            mutate: None,
         }
     }
 
@@ -208,6 +211,8 @@ impl Initiator {
         for ch in indices {
             let port = &mut self.ports[ch as usize];
             let bufs = &self.bufs;
+            let mut copies = Vec::new();
+            let mutate = &mut self.mutate;
             let n = port
                 .send(256, &mut |buf| {
                     let out = vol.poll_transmit(now, ch, buf)?;
@@ -215,10 +220,26 @@ impl Initiator {
                         buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len as usize]
                             .copy_from_slice(&bufs[&id][off as usize..off as usize + len as usize]);
                     }
+                    if let Some(rng) = mutate.as_mut() {
+                        // A corrupted copy after the original: a few random bytes past the
+                        // Ethernet header changed.
+                        let mut c = buf[..out.len].to_vec();
+                        for _ in 0..rng.range(1, 4) {
+                            let i = rng.range(14, c.len() as u64 - 1) as usize;
+                            c[i] = rng.next_u64() as u8;
+                        }
+                        if rng.chance(0.2) {
+                            c.truncate(rng.range(14, c.len() as u64) as usize);
+                        }
+                        copies.push(c);
+                    }
                     Some(out.len)
                 })
                 .expect("send");
             port.flush().expect("flush");
+            for c in copies {
+                send(port, &c);
+            }
             moved |= n > 0;
         }
         moved
