@@ -38,8 +38,10 @@ pub enum ConnectError {
     Timeout,
     /// The target granted parameters this implementation cannot use, or more than asked.
     BadGrant,
-    /// The target asked for a key proof (not supported by this connector).
+    /// The target asked for a key proof and this connector has no key.
     ChallengeUnsupported,
+    /// The target's proof of the key in ACCEPT was missing or wrong (see [`Connector::with_key`]).
+    BadProof,
 }
 
 /// Opens one channel (initiator side): sends CONNECT until ACCEPT or REJECT arrives.
@@ -53,6 +55,9 @@ pub struct Connector {
     attempts_left: u32,
     next_send: Instant,
     outcome: Option<Result<Connected, ConnectError>>,
+    key: Option<Vec<u8>>,
+    /// The target nonce of the CHALLENGE answered, once one arrived.
+    challenge: Option<u64>,
 }
 
 impl Connector {
@@ -78,6 +83,25 @@ impl Connector {
             attempts_left: attempts,
             next_send: now,
             outcome: None,
+            key: None,
+            challenge: None,
+        }
+    }
+
+    /// Gives the connector the export's pre-shared key: a CHALLENGE is answered with a CONNECT
+    /// carrying the proof ([`crate::auth`]), and ACCEPT must carry the target's proof.
+    pub fn with_key(mut self, key: &[u8]) -> Self {
+        self.key = Some(key.to_vec());
+        self
+    }
+
+    fn proof_input(&self, target_nonce: u64) -> crate::auth::ProofInput<'_> {
+        crate::auth::ProofInput {
+            nonce: self.nonce,
+            target_nonce,
+            export: &self.export,
+            initiator: self.env.src,
+            target: self.env.dst,
         }
     }
 
@@ -88,7 +112,13 @@ impl Connector {
         }
         self.attempts_left -= 1;
         self.next_send = now + self.retry;
-        let c = Connect { nonce: self.nonce, params: self.want, proof: None, export: &self.export };
+        let proof = match (&self.key, self.challenge) {
+            (Some(key), Some(tn)) => {
+                Some(crate::auth::proof(key, crate::auth::ProofRole::Initiator, &self.proof_input(tn)))
+            }
+            _ => None,
+        };
+        let c = Connect { nonce: self.nonce, params: self.want, proof, export: &self.export };
         Some(Message::Connect(c).emit(&self.env, buf))
     }
 
@@ -119,6 +149,20 @@ impl Connector {
                     && p.max_io <= self.want.max_io
                     && p.features & !self.want.features == 0;
                 let same_session = self.env.session == 0 || self.env.session == session;
+                if let Some(key) = &self.key {
+                    let ok = match (self.challenge, a.proof) {
+                        (Some(tn), Some(p)) => {
+                            crate::auth::verify(key, crate::auth::ProofRole::Target, &self.proof_input(tn), &p)
+                        }
+                        // An export without a key: the target sent no CHALLENGE and no proof.
+                        (None, None) => a.export_flags & flags::EXPORT_NEEDS_KEY == 0,
+                        _ => false,
+                    };
+                    if !ok {
+                        self.outcome = Some(Err(ConnectError::BadProof));
+                        return self.outcome;
+                    }
+                }
                 if within && params_supported(&p) && session != 0 && same_session {
                     Some(Ok(Connected {
                         session,
@@ -132,6 +176,15 @@ impl Connector {
                 }
             }
             Message::Reject(r) if r.nonce == self.nonce => Some(Err(ConnectError::Rejected(r.reason))),
+            Message::Challenge(c) if c.nonce == self.nonce && self.key.is_some() => {
+                // Answer at once with the proof; the answer gets a fresh attempt of its own.
+                if self.challenge.is_none() {
+                    self.challenge = Some(c.target_nonce);
+                    self.next_send = Instant::ZERO;
+                    self.attempts_left += 1;
+                }
+                None
+            }
             Message::Challenge(c) if c.nonce == self.nonce => Some(Err(ConnectError::ChallengeUnsupported)),
             _ => None,
         };
@@ -245,6 +298,25 @@ impl Acceptor {
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
     ) -> Option<Accepted> {
+        self.handle_keyed(now, local, src, env_in, msg, new_session_id, buf, None)
+    }
+
+    /// As [`Acceptor::handle`], for a caller (the target daemon) that has checked the CONNECT's
+    /// proof of the export's key itself: `target_proof` is `Some(the target's proof)` when the
+    /// initiator's proof was right, and is then sent in ACCEPT. An export with flag
+    /// `EXPORT_NEEDS_KEY` is refused with `AuthRequired` when `target_proof` is `None`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_keyed(
+        &mut self,
+        now: Instant,
+        local: MacAddr,
+        src: MacAddr,
+        env_in: &Envelope,
+        msg: &Message<'_>,
+        new_session_id: &mut dyn FnMut() -> u64,
+        buf: &mut [u8],
+        target_proof: Option<[u8; 32]>,
+    ) -> Option<Accepted> {
         let reply_env =
             Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
         match msg {
@@ -263,7 +335,9 @@ impl Acceptor {
                 };
                 Some(Accepted::Reply(Message::DiscoverReply(r).emit(&reply_env, buf)))
             }
-            Message::Connect(c) => Some(self.connect(now, src, env_in, c, reply_env, new_session_id, buf)),
+            Message::Connect(c) => {
+                Some(self.connect(now, src, env_in, c, reply_env, new_session_id, buf, target_proof))
+            }
             _ => None,
         }
     }
@@ -278,6 +352,7 @@ impl Acceptor {
         reply_env: Envelope,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
+        target_proof: Option<[u8; 32]>,
     ) -> Accepted {
         let reject = |reason, buf: &mut [u8]| {
             Accepted::Reply(Message::Reject(Reject { nonce: c.nonce, reason }).emit(&reply_env, buf))
@@ -285,7 +360,7 @@ impl Acceptor {
         let Some(export) = self.exports.iter().position(|e| e.name == c.export) else {
             return reject(RejectReason::UnknownExport, buf);
         };
-        if self.exports[export].flags & flags::EXPORT_NEEDS_KEY != 0 {
+        if self.exports[export].flags & flags::EXPORT_NEEDS_KEY != 0 && target_proof.is_none() {
             return reject(RejectReason::AuthRequired, buf);
         }
         // A retransmitted CONNECT: answer with the same ACCEPT.
@@ -326,7 +401,7 @@ impl Acceptor {
             export_size: e.size,
             block_size: e.block_size,
             export_flags: e.flags,
-            proof: None,
+            proof: target_proof,
         };
         let record = self.sessions.get_mut(&sid).expect("inserted or checked");
         record.channels.insert(env_in.channel, Granted { nonce: c.nonce, accept });

@@ -24,6 +24,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+/// Pre-shared key proofs for the CHALLENGE round.
+pub mod auth;
 mod channel;
 /// Limits and timer settings.
 pub mod config;

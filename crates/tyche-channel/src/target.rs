@@ -271,6 +271,14 @@ impl TargetSession {
         true
     }
 
+    /// Starts an orderly close of every channel: each sends DISCONNECT with `reason` and is dead
+    /// after it (target shutdown).
+    pub fn close(&mut self, reason: tyche_wire::DisconnectReason) {
+        for c in self.channels.iter_mut().flatten() {
+            c.close(reason);
+        }
+    }
+
     /// Writes the next frame channel `channel` wants to send into `buf`.
     pub fn poll_transmit(&mut self, now: Instant, channel: u16, buf: &mut [u8]) -> Option<Transmit> {
         let t = self.channels.get_mut(channel as usize)?.as_mut()?.poll_transmit(now, buf);

@@ -1,16 +1,26 @@
 //! `tyched`: the Tyche target daemon.
 //!
 //! Subcommands:
+//! - `tyched serve [--config FILE] [--export NAME=PATH|NAME=ram:SIZE]... [--iface IF]... ...`:
+//!   serve exports until SIGTERM/SIGINT.
+//! - `tyched stats [--socket PATH] [--json]`: the counters of a running daemon.
 //! - `tyched topology [--xml FILE] [--json] [--model]`: the NUMA nodes, NICs and their nodes,
 //!   and the channel placement plan (and, with `--model`, the I/O bandwidth model).
 
 mod topology;
 
 use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::Result;
-use clap::{Parser, Subcommand};
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
+use tyched::config::{Config, ExportConfig, TransportKind};
+use tyched::stats_server::{self, StatsServer};
+use tyched::{Nic, Placement, Target};
 
 /// Tyche target daemon.
 #[derive(Debug, Parser)]
@@ -22,19 +32,241 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve exports until SIGTERM or SIGINT.
+    Serve(ServeArgs),
+    /// Print the counters of a running daemon.
+    Stats(StatsArgs),
     /// Show NUMA nodes, NICs with their node, and the channel placement plan.
     Topology(topology::TopologyArgs),
 }
 
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// Configuration file (TOML); flags below override or extend it.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// An export: NAME=PATH (file or block device) or NAME=ram:SIZE (e.g. disk=ram:256M).
+    #[arg(long = "export", value_name = "NAME=PATH|NAME=ram:SIZE")]
+    exports: Vec<String>,
+    /// Interface to serve on (repeat for several NICs).
+    #[arg(long = "iface", value_name = "IF")]
+    ifaces: Vec<String>,
+    /// Channels per NIC.
+    #[arg(long)]
+    channels_per_nic: Option<u16>,
+    /// Transport: xdp, tcp or packet.
+    #[arg(long)]
+    transport: Option<TransportKind>,
+    /// TCP transport: address to listen on (host:port; one connection per --iface).
+    #[arg(long)]
+    tcp_listen: Option<String>,
+    /// Storage worker threads (0: automatic).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Unix socket for `tyched stats`.
+    #[arg(long)]
+    stats_socket: Option<PathBuf>,
+    /// Check the configuration and exit.
+    #[arg(long)]
+    check: bool,
+}
+
+#[derive(Debug, Args)]
+struct StatsArgs {
+    /// The daemon's stats socket.
+    #[arg(long, default_value = "/run/tyched/stats.sock")]
+    socket: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+    /// Print the Prometheus text format.
+    #[arg(long, conflicts_with = "json")]
+    prometheus: bool,
+}
+
 fn main() -> Result<()> {
-    // Log lines (placement warnings among them) go to stderr; stdout stays parseable.
+    // Log lines go to stderr; stdout stays parseable.
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(EnvFilter::try_from_env("TYCHE_LOG").unwrap_or_else(|_| EnvFilter::new("warn")))
+        .with_env_filter(EnvFilter::try_from_env("TYCHE_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Stats(args) => stats(&args),
         Command::Topology(args) => topology::run(&args),
     }
+}
+
+fn load_config(args: &ServeArgs) -> Result<Config> {
+    let mut config = match &args.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let c: Config = toml::from_str(&text).with_context(|| format!("{}", p.display()))?;
+            c
+        }
+        None => Config::default(),
+    };
+    for e in &args.exports {
+        config.exports.push(ExportConfig::from_flag(e)?);
+    }
+    if !args.ifaces.is_empty() {
+        config.ifaces = args.ifaces.clone();
+    }
+    if let Some(n) = args.channels_per_nic {
+        config.channels_per_nic = n;
+    }
+    if let Some(t) = args.transport {
+        config.transport = t;
+    }
+    if let Some(a) = &args.tcp_listen {
+        config.tcp_listen = Some(a.clone());
+    }
+    if let Some(w) = args.workers {
+        config.workers = w;
+    }
+    if let Some(s) = &args.stats_socket {
+        config.stats_socket = s.clone();
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let config = load_config(&args)?;
+    if args.check {
+        println!("configuration ok: {} export(s), {} interface(s)", config.exports.len(), config.ifaces.len());
+        return Ok(());
+    }
+    if config.ifaces.is_empty() {
+        bail!("ifaces: no interface to serve on (--iface IF)");
+    }
+    let term = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handlers")?;
+    }
+    let nics = open_nics(&config, &term)?;
+    if term.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    let placement = placement_for(&config.ifaces);
+    let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
+    let _stats = match StatsServer::start(&config.stats_socket, handle.stats_source()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(socket = %config.stats_socket.display(), "no stats socket: {e}");
+            None
+        }
+    };
+    while !term.load(Ordering::SeqCst) && !handle.is_finished() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let died = !term.load(Ordering::SeqCst);
+    if !died {
+        tracing::info!("signal received: shutting down");
+    }
+    let snap = handle.shutdown();
+    if died {
+        bail!("the network thread stopped unexpectedly (see the log above)");
+    }
+    tracing::info!(sessions = snap.sessions, reclaimed = snap.sessions_reclaimed, "exited cleanly");
+    Ok(())
+}
+
+/// One transport per interface (and per channel queue with AF_XDP).
+fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
+    let mut nics = Vec::new();
+    let listener = match config.transport {
+        TransportKind::Tcp => {
+            let addr = config.tcp_listen.as_deref().unwrap_or("0.0.0.0:7788");
+            let l = std::net::TcpListener::bind(addr).with_context(|| format!("tcp_listen: binding {addr}"))?;
+            l.set_nonblocking(true)?;
+            tracing::info!(%addr, connections = config.ifaces.len(), "TCP transport: waiting for initiators");
+            Some(l)
+        }
+        _ => None,
+    };
+    for name in &config.ifaces {
+        match config.transport {
+            TransportKind::Packet => {
+                let t = tyched::packet::PacketTransport::open(name, config.ethertype)
+                    .with_context(|| format!("{name}: AF_PACKET socket"))?;
+                nics.push(Nic { name: name.clone(), transport: Box::new(t) });
+            }
+            TransportKind::Xdp => {
+                let mut first: Option<(std::sync::Arc<tyche_xdp::XdpProgram>, tyche_xdp::InterfaceInfo)> = None;
+                for q in 0..u32::from(config.channels_per_nic) {
+                    let pc = tyche_xdp::PortConfig { queue: q, ethertype: config.ethertype, ..Default::default() };
+                    // The steering program is attached once per interface; later queues share it.
+                    let port = match &first {
+                        None => tyche_xdp::XdpPort::open(name, &pc),
+                        Some((prog, info)) => tyche_xdp::XdpPort::open_on(prog.clone(), info.clone(), &pc),
+                    }
+                    .with_context(|| format!("{name} queue {q}: AF_XDP"))?;
+                    if first.is_none() {
+                        first = Some((port.program().clone(), port.interface().clone()));
+                    }
+                    tracing::info!(iface = %name, queue = q, mode = %port.mode(), "AF_XDP port open");
+                    let label = if config.channels_per_nic > 1 { format!("{name}/{q}") } else { name.clone() };
+                    nics.push(Nic { name: label, transport: Box::new(port) });
+                }
+            }
+            TransportKind::Tcp => {
+                // One TCP connection stands for each interface, in the order they connect.
+                let info = tyche_xdp::InterfaceInfo::query(name).with_context(|| format!("{name}: interface"))?;
+                let l = listener.as_ref().expect("bound above");
+                let stream = loop {
+                    if term.load(Ordering::SeqCst) {
+                        return Ok(nics);
+                    }
+                    match l.accept() {
+                        Ok((s, peer)) => {
+                            tracing::info!(iface = %name, %peer, "TCP initiator connected");
+                            break s;
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        Err(e) => return Err(e).context("tcp accept"),
+                    }
+                };
+                // Loopback has no MAC and a 64 KiB MTU: give frames an address and an Ethernet size.
+                let mac = if info.mac == tyche_wire::MacAddr::ZERO { tcp_mac(nics.len()) } else { info.mac };
+                let t = tyche_tcp::TcpTransport::new(stream, info.mtu.min(9000), mac)?;
+                nics.push(Nic { name: name.clone(), transport: Box::new(t) });
+            }
+        }
+    }
+    Ok(nics)
+}
+
+/// The MAC a TCP "NIC" without an address of its own (loopback) uses: `tyched::tcp_mac`.
+fn tcp_mac(k: usize) -> tyche_wire::MacAddr {
+    tyched::tcp_mac(k)
+}
+
+/// Memory on the serving NICs' node and threads on its CPUs, when the topology says so.
+fn placement_for(ifaces: &[String]) -> Placement {
+    let Ok(topo) = tyche_numa::Topology::this_system() else { return Placement::default() };
+    let nodes: Vec<Option<u32>> =
+        ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
+    let node = match nodes.first() {
+        Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => *n,
+        _ => return Placement::default(),
+    };
+    let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == node).map(|n| n.cpus.clone()).unwrap_or_default();
+    Placement { node: Some(node), network_cpus: cpus.clone(), worker_cpus: cpus }
+}
+
+fn stats(args: &StatsArgs) -> Result<()> {
+    let snap = stats_server::query(&args.socket).with_context(|| format!("reading {}", args.socket.display()))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&snap)?);
+    } else if args.prometheus {
+        print!("{}", snap.prometheus());
+    } else {
+        print!("{}", snap.human());
+    }
+    Ok(())
 }

@@ -1,0 +1,121 @@
+//! The CHALLENGE round with a pre-shared key: `Connector::with_key` against `Acceptor::handle_keyed`.
+
+use std::time::Duration;
+
+use tyche_channel::auth::{self, ProofInput, ProofRole};
+use tyche_channel::{Accepted, Acceptor, ConnectError, Connector, ExportSpec, Instant, Timers};
+use tyche_wire::{
+    flags, Challenge, ChannelParams, Envelope, Frame, MacAddr, Message, RejectReason, DEFAULT_ETHERTYPE, SECTOR_SIZE,
+};
+
+const KEY: &[u8] = b"sixteen or more bytes of key";
+
+fn params() -> ChannelParams {
+    ChannelParams { ring: 256, remq_slots: 32, damq_slots: 32, segment: 1024, max_io: 65536, features: 0 }
+}
+
+fn acceptor() -> Acceptor {
+    let e = ExportSpec {
+        name: "k".into(),
+        size: 1 << 20,
+        block_size: SECTOR_SIZE,
+        flags: flags::EXPORT_NEEDS_KEY | flags::EXPORT_DISCARD,
+    };
+    Acceptor::new(DEFAULT_ETHERTYPE, vec![e], params(), Timers::default())
+}
+
+fn init() -> MacAddr {
+    MacAddr::local(1)
+}
+fn target() -> MacAddr {
+    MacAddr::local(2)
+}
+
+/// Runs the exchange the way the target daemon does: CHALLENGE for a CONNECT without proof,
+/// verify the proof, then `handle_keyed` with the target's proof. `target_key` is the key the
+/// target checks with (it may differ from the initiator's).
+fn run(mut c: Connector, target_key: &[u8], tamper_accept: bool) -> Result<u64, ConnectError> {
+    let mut a = acceptor();
+    let now = Instant(1);
+    let target_nonce = 0x7777;
+    let mut buf = [0u8; 512];
+    let mut out = [0u8; 512];
+    for _ in 0..4 {
+        let Some(len) = c.poll_transmit(now, &mut buf) else { break };
+        let frame = Frame::new_checked(&buf[..len], DEFAULT_ETHERTYPE).expect("valid CONNECT");
+        let Ok(Message::Connect(m)) = frame.parse() else { panic!("expected CONNECT") };
+        let env = Envelope::of(&frame);
+        let reply_env = Envelope { dst: init(), src: target(), ..env };
+        let reply = match m.proof {
+            None => {
+                let n = Message::Challenge(Challenge { nonce: m.nonce, target_nonce }).emit(&reply_env, &mut out);
+                out[..n].to_vec()
+            }
+            Some(p) => {
+                let input =
+                    ProofInput { nonce: m.nonce, target_nonce, export: m.export, initiator: init(), target: target() };
+                if !auth::verify(target_key, ProofRole::Initiator, &input, &p) {
+                    let r = tyche_wire::Reject { nonce: m.nonce, reason: RejectReason::AuthFailed };
+                    let n = Message::Reject(r).emit(&reply_env, &mut out);
+                    out[..n].to_vec()
+                } else {
+                    let mut proof = auth::proof(target_key, ProofRole::Target, &input);
+                    if tamper_accept {
+                        proof[0] ^= 1;
+                    }
+                    let msg = Message::Connect(m);
+                    match a.handle_keyed(now, target(), init(), &env, &msg, &mut || 42, &mut out, Some(proof)) {
+                        Some(Accepted::Channel { len, .. }) => out[..len].to_vec(),
+                        other => panic!("expected a channel, got {other:?}"),
+                    }
+                }
+            }
+        };
+        let f = Frame::new_checked(&reply[..], DEFAULT_ETHERTYPE).expect("valid reply");
+        if let Some(r) = c.handle(f.src(), f.session(), &f.parse().expect("parses")) {
+            return r.map(|x| x.session);
+        }
+    }
+    panic!("no outcome")
+}
+
+fn connector() -> Connector {
+    let env = Envelope { dst: target(), src: init(), ethertype: DEFAULT_ETHERTYPE, channel: 0, session: 0 };
+    Connector::new(env, "k", params(), 99, Duration::from_millis(10), 5, Instant(1))
+}
+
+#[test]
+fn right_key_attaches_and_the_target_proves_it_too() {
+    assert_eq!(run(connector().with_key(KEY), KEY, false), Ok(42));
+}
+
+#[test]
+fn wrong_key_is_refused() {
+    assert_eq!(
+        run(connector().with_key(b"a different key of length"), KEY, false),
+        Err(ConnectError::Rejected(RejectReason::AuthFailed))
+    );
+}
+
+#[test]
+fn no_key_cannot_answer_the_challenge() {
+    assert_eq!(run(connector(), KEY, false), Err(ConnectError::ChallengeUnsupported));
+}
+
+#[test]
+fn a_forged_target_proof_is_caught() {
+    assert_eq!(run(connector().with_key(KEY), KEY, true), Err(ConnectError::BadProof));
+}
+
+#[test]
+fn plain_handle_still_refuses_a_keyed_export() {
+    let mut a = acceptor();
+    let env = Envelope { dst: target(), src: init(), ethertype: DEFAULT_ETHERTYPE, channel: 0, session: 0 };
+    let m = Message::Connect(tyche_wire::Connect { nonce: 1, params: params(), proof: None, export: "k" });
+    let mut out = [0u8; 512];
+    let Some(Accepted::Reply(n)) = a.handle(Instant(1), target(), init(), &env, &m, &mut || 5, &mut out) else {
+        panic!("expected a reply")
+    };
+    let f = Frame::new_checked(&out[..n], DEFAULT_ETHERTYPE).expect("valid");
+    assert!(matches!(f.parse(), Ok(Message::Reject(r)) if r.reason == RejectReason::AuthRequired));
+}

@@ -1,0 +1,406 @@
+//! Export backends: RAM (node-bound), regular file, block device.
+//!
+//! Every backend is shared by the storage workers (`&self` methods); requests of one session
+//! may run concurrently, and the initiator orders overlapping ones (docs/protocol.md §4.3).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::RwLock;
+
+use tyche_numa::{HugePages, NodeRegion};
+
+/// Errors opening a backend.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The backing file or device could not be opened or sized.
+    #[error("{path}: {source}")]
+    Open {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The configured size does not fit the device, or the device's size is not whole sectors.
+    #[error("{0}")]
+    Size(String),
+    /// RAM could not be allocated.
+    #[error("RAM export of {size} bytes: {message}")]
+    Ram {
+        /// Requested size.
+        size: u64,
+        /// Why.
+        message: String,
+    },
+}
+
+/// Storage behind one export.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// What kind of backend ("ram", "file", "block").
+    fn kind(&self) -> &'static str;
+    /// Fills `buf` from `offset`.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes `buf` at `offset`; with `fua`, the data is durable before this returns.
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+    /// Deallocates a range; it reads back as zeroes.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Writes zeroes over a range.
+    fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()>;
+}
+
+/// Memory that is node-bound when a node is known and the kernel allows it, else the heap.
+#[derive(Debug)]
+pub enum Memory {
+    /// Pages bound to a NUMA node.
+    Node(NodeRegion),
+    /// Ordinary heap memory.
+    Heap(Vec<u8>),
+}
+
+impl Memory {
+    /// `len` zeroed bytes, on `node` if given (falls back to the heap when binding fails).
+    pub fn new(len: usize, node: Option<u32>) -> Memory {
+        if let Some(node) = node {
+            match NodeRegion::new(len, node, HugePages::No) {
+                Ok(r) => return Memory::Node(r),
+                Err(e) => tracing::debug!(node, len, "node-bound allocation failed, using the heap: {e}"),
+            }
+        }
+        Memory::Heap(vec![0; len])
+    }
+
+    /// The bytes (a node region is rounded up to whole pages; callers index within their length).
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Memory::Node(r) => r.as_slice(),
+            Memory::Heap(v) => v,
+        }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Memory::Node(r) => r.as_mut_slice(),
+            Memory::Heap(v) => v,
+        }
+    }
+}
+
+/// A RAM export: contents are lost when the daemon stops.
+#[derive(Debug)]
+pub struct RamBackend {
+    mem: RwLock<Memory>,
+    size: u64,
+}
+
+impl RamBackend {
+    /// `size` bytes of zeroes on `node`.
+    pub fn new(size: u64, node: Option<u32>) -> Result<Self, BackendError> {
+        let len = usize::try_from(size).map_err(|_| BackendError::Ram { size, message: "too large".into() })?;
+        Ok(RamBackend { mem: RwLock::new(Memory::new(len, node)), size })
+    }
+
+    fn range(&self, offset: u64, len: u64) -> io::Result<std::ops::Range<usize>> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(offset as usize..end as usize),
+            _ => Err(io::Error::new(io::ErrorKind::InvalidInput, "range past the end of the export")),
+        }
+    }
+}
+
+impl Backend for RamBackend {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn kind(&self) -> &'static str {
+        "ram"
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let r = self.range(offset, buf.len() as u64)?;
+        buf.copy_from_slice(&self.mem.read().expect("RAM export lock").as_slice()[r]);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64, _fua: bool) -> io::Result<()> {
+        let r = self.range(offset, buf.len() as u64)?;
+        self.mem.write().expect("RAM export lock").as_mut_slice()[r].copy_from_slice(buf);
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.write_zeroes(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
+        let r = self.range(offset, len)?;
+        self.mem.write().expect("RAM export lock").as_mut_slice()[r].fill(0);
+        Ok(())
+    }
+}
+
+/// `ioctl` request numbers from `<linux/fs.h>`.
+mod blk {
+    /// `_IOR(0x12, 114, size_t)`: device size in bytes.
+    pub const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+    /// `_IO(0x12, 119)`: discard a byte range.
+    pub const BLKDISCARD: libc::c_ulong = 0x1277;
+    /// `_IO(0x12, 127)`: zero a byte range.
+    pub const BLKZEROOUT: libc::c_ulong = 0x127f;
+    /// `_IO(0x12, 104)`: logical block size.
+    pub const BLKSSZGET: libc::c_ulong = 0x1268;
+}
+
+/// A regular file or a block device.
+#[derive(Debug)]
+pub struct FileBackend {
+    file: File,
+    /// A second descriptor with O_DIRECT (block devices), used for aligned transfers.
+    direct: Option<File>,
+    /// Logical block size of the device (alignment needed by O_DIRECT).
+    align: usize,
+    size: u64,
+    block: bool,
+}
+
+fn open_err(path: &Path) -> impl FnOnce(io::Error) -> BackendError + '_ {
+    move |source| BackendError::Open { path: path.to_owned(), source }
+}
+
+fn check(ret: libc::c_int) -> io::Result<()> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+impl FileBackend {
+    /// Opens `path`: a block device (size from the device; O_DIRECT when `direct`), or a regular
+    /// file (created if missing, and grown to `size` when given).
+    pub fn open(path: &Path, size: Option<u64>, read_only: bool, direct: bool) -> Result<Self, BackendError> {
+        let meta = std::fs::metadata(path);
+        let block = meta.as_ref().is_ok_and(|m| m.file_type().is_block_device());
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(!read_only);
+        if !block && !read_only {
+            opts.create(true);
+        }
+        let file = opts.open(path).map_err(open_err(path))?;
+        if block {
+            let mut bytes: u64 = 0;
+            // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points at `bytes`.
+            check(unsafe { libc::ioctl(file.as_raw_fd(), blk::BLKGETSIZE64, &mut bytes as *mut u64) })
+                .map_err(open_err(path))?;
+            let mut ssz: libc::c_int = 0;
+            // SAFETY: BLKSSZGET writes one int through the pointer, which points at `ssz`.
+            check(unsafe { libc::ioctl(file.as_raw_fd(), blk::BLKSSZGET, &mut ssz as *mut libc::c_int) })
+                .map_err(open_err(path))?;
+            let size = match size {
+                Some(s) if s > bytes => {
+                    return Err(BackendError::Size(format!(
+                        "{}: size {s} exceeds the device ({bytes})",
+                        path.display()
+                    )))
+                }
+                Some(s) => s,
+                None => bytes / tyche_wire::SECTOR_SIZE as u64 * tyche_wire::SECTOR_SIZE as u64,
+            };
+            let direct = if direct {
+                let mut o = OpenOptions::new();
+                o.read(true).write(!read_only).custom_flags(libc::O_DIRECT);
+                o.open(path).map_err(|e| tracing::info!(path = %path.display(), "no O_DIRECT: {e}")).ok()
+            } else {
+                None
+            };
+            return Ok(FileBackend { file, direct, align: (ssz as usize).max(512), size, block: true });
+        }
+        let current = file.metadata().map_err(open_err(path))?.len();
+        let size = match size {
+            Some(s) if s > current && !read_only => {
+                file.set_len(s).map_err(open_err(path))?;
+                s
+            }
+            Some(s) if s > current => {
+                return Err(BackendError::Size(format!("{}: read-only file is smaller than size {s}", path.display())))
+            }
+            Some(s) => s,
+            None => current / tyche_wire::SECTOR_SIZE as u64 * tyche_wire::SECTOR_SIZE as u64,
+        };
+        if size == 0 {
+            return Err(BackendError::Size(format!("{}: empty file and no size given", path.display())));
+        }
+        Ok(FileBackend { file, direct: None, align: 512, size, block: false })
+    }
+
+    fn aligned(&self, ptr: *const u8, len: usize, offset: u64) -> Option<&File> {
+        let a = self.align;
+        let ok = (ptr as usize) % a == 0 && len % a == 0 && offset % a as u64 == 0;
+        self.direct.as_ref().filter(|_| ok)
+    }
+
+    fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
+        // SAFETY: fallocate only takes integers; the descriptor is owned by `self.file`.
+        check(unsafe { libc::fallocate(self.file.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) })
+    }
+
+    fn blk_range(&self, req: libc::c_ulong, offset: u64, len: u64) -> io::Result<()> {
+        let range: [u64; 2] = [offset, len];
+        // SAFETY: BLKDISCARD and BLKZEROOUT read two u64 (start, length) through the pointer.
+        check(unsafe { libc::ioctl(self.file.as_raw_fd(), req, range.as_ptr()) })
+    }
+
+    fn write_zero_bytes(&self, mut offset: u64, len: u64) -> io::Result<()> {
+        let zeros = vec![0u8; (len as usize).min(1 << 20)];
+        let end = offset + len;
+        while offset < end {
+            let n = ((end - offset) as usize).min(zeros.len());
+            self.file.write_all_at(&zeros[..n], offset)?;
+            offset += n as u64;
+        }
+        Ok(())
+    }
+}
+
+fn unsupported(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL))
+}
+
+impl Backend for FileBackend {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn kind(&self) -> &'static str {
+        if self.block {
+            "block"
+        } else {
+            "file"
+        }
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let f = self.aligned(buf.as_ptr(), buf.len(), offset).unwrap_or(&self.file);
+        f.read_exact_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        let f = self.aligned(buf.as_ptr(), buf.len(), offset).unwrap_or(&self.file);
+        f.write_all_at(buf, offset)?;
+        if fua {
+            f.sync_data()?;
+        }
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        let r = if self.block {
+            self.blk_range(blk::BLKDISCARD, offset, len)
+        } else {
+            self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+        };
+        match r {
+            // DISCARD promises zeroes afterwards: where the storage cannot deallocate, zero.
+            Err(e) if unsupported(&e) => self.write_zeroes(offset, len),
+            r => r,
+        }
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
+        let r = if self.block {
+            self.blk_range(blk::BLKZEROOUT, offset, len)
+        } else {
+            self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+        };
+        match r {
+            Err(e) if unsupported(&e) => self.write_zero_bytes(offset, len),
+            r => r,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exercise(b: &dyn Backend) {
+        let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8 + 1).collect();
+        b.write_at(&data, 4096, false).expect("write");
+        b.write_at(&data[..512], 0, true).expect("FUA write");
+        b.flush().expect("flush");
+        let mut back = vec![0u8; 8192];
+        b.read_at(&mut back, 4096).expect("read");
+        assert!(back == data, "{}: read returns what was written", b.kind());
+        b.discard(4096, 4096).expect("discard");
+        b.read_at(&mut back, 4096).expect("read");
+        assert!(back[..4096].iter().all(|&x| x == 0), "{}: discarded range reads as zeroes", b.kind());
+        assert!(back[4096..] == data[4096..], "{}: discard stays in its range", b.kind());
+        b.write_zeroes(10240, 512).expect("write zeroes");
+        b.read_at(&mut back[..1024], 9728).expect("read");
+        assert!(back[..512] == data[5632..6144], "{}: before the zeroed range", b.kind());
+        assert!(back[512..1024].iter().all(|&x| x == 0), "{}: zeroed range", b.kind());
+    }
+
+    #[test]
+    fn ram_backend_semantics() {
+        let b = RamBackend::new(1 << 20, None).expect("RAM");
+        exercise(&b);
+        assert!(b.read_at(&mut [0; 512], 1 << 20).is_err(), "read past the end fails");
+    }
+
+    #[test]
+    fn file_backend_semantics_and_persistence() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("export.img");
+        {
+            let b = FileBackend::open(&path, Some(1 << 20), false, true).expect("open");
+            assert_eq!(b.size(), 1 << 20);
+            assert_eq!(b.kind(), "file");
+            exercise(&b);
+        }
+        let b = FileBackend::open(&path, None, true, true).expect("reopen read-only");
+        assert_eq!(b.size(), 1 << 20, "size comes from the file");
+        let mut back = vec![0u8; 512];
+        b.read_at(&mut back, 0).expect("read");
+        assert_eq!(back[0], 1, "data survives a reopen");
+    }
+
+    /// A loop device over a temporary file (root only; skipped where losetup is unavailable).
+    #[test]
+    fn block_device_backend_on_a_loop_device() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let img = dir.path().join("loop.img");
+        std::fs::File::create(&img).expect("create").set_len(8 << 20).expect("size");
+        let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output();
+        let Ok(out) = out.map_err(|e| eprintln!("skipping: losetup: {e}")) else { return };
+        if !out.status.success() {
+            eprintln!("skipping: losetup: {}", String::from_utf8_lossy(&out.stderr));
+            return;
+        }
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        struct Detach(String);
+        impl Drop for Detach {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("losetup").args(["-d", &self.0]).status();
+            }
+        }
+        let _guard = Detach(dev.clone());
+        let b = FileBackend::open(Path::new(&dev), None, false, true).expect("open the loop device");
+        assert_eq!(b.kind(), "block");
+        assert_eq!(b.size(), 8 << 20, "size from BLKGETSIZE64");
+        exercise(&b);
+        // Page-aligned memory takes the O_DIRECT path.
+        let mut m = Memory::new(8192, Some(0));
+        let aligned = m.as_slice().as_ptr() as usize % 4096 == 0;
+        m.as_mut_slice()[..8192].fill(0xab);
+        b.write_at(&m.as_slice()[..8192], 1 << 20, false).expect("aligned write");
+        let mut back = Memory::new(8192, Some(0));
+        b.read_at(&mut back.as_mut_slice()[..8192], 1 << 20).expect("aligned read");
+        assert!(back.as_slice()[..8192].iter().all(|&x| x == 0xab), "aligned round trip (O_DIRECT: {aligned})");
+        let too_big = FileBackend::open(Path::new(&dev), Some(16 << 20), false, true);
+        assert!(matches!(too_big, Err(BackendError::Size(_))), "a size beyond the device is refused");
+    }
+}

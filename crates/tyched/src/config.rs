@@ -1,0 +1,403 @@
+//! The daemon's configuration: a TOML file (`tyched serve --config FILE`), flag overrides, and
+//! validation that names the bad field (`export[1].size: ...`).
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tyche_wire::{MacAddr, DEFAULT_ETHERTYPE, SECTOR_SIZE};
+
+/// A configuration error: the field and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file is not valid TOML or does not match the format.
+    #[error("config: {0}")]
+    Parse(String),
+    /// A field has a bad value.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// Path of the field, e.g. `export[1].size`.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field: field.into(), message: message.into() }
+}
+
+/// Which transport carries the frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// AF_XDP (the `tyche-xdp` crate).
+    #[default]
+    Xdp,
+    /// Frames over TCP (the `tyche-tcp` crate), for comparison.
+    Tcp,
+    /// AF_PACKET raw sockets (built in; works on any interface, copies every frame).
+    Packet,
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "xdp" => Ok(TransportKind::Xdp),
+            "tcp" => Ok(TransportKind::Tcp),
+            "packet" => Ok(TransportKind::Packet),
+            _ => Err(format!("unknown transport {s:?} (xdp, tcp or packet)")),
+        }
+    }
+}
+
+/// The whole configuration (the TOML file's top level).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Network interfaces to serve on.
+    #[serde(default)]
+    pub ifaces: Vec<String>,
+    /// Channels (queues) per NIC.
+    #[serde(default = "default_channels_per_nic")]
+    pub channels_per_nic: u16,
+    /// Which transport.
+    #[serde(default)]
+    pub transport: TransportKind,
+    /// TCP transport: address to listen on (`host:port`).
+    #[serde(default)]
+    pub tcp_listen: Option<String>,
+    /// EtherType (default 0x88B5).
+    #[serde(default = "default_ethertype")]
+    pub ethertype: u16,
+    /// Storage worker threads (0: one per core of the serving node, at most 8).
+    #[serde(default)]
+    pub workers: usize,
+    /// Unix socket serving `tyched stats` (JSON).
+    #[serde(default = "default_stats_socket")]
+    pub stats_socket: PathBuf,
+    /// Channel limits granted to initiators.
+    #[serde(default)]
+    pub limits: Limits,
+    /// A channel that hears nothing for this long is dead and its slots reclaimed (ms).
+    #[serde(default = "default_dead_after_ms")]
+    pub dead_after_ms: u64,
+    /// The exports.
+    #[serde(default, rename = "export")]
+    pub exports: Vec<ExportConfig>,
+}
+
+/// Channel limits the target grants at most.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Ring positions per direction.
+    pub ring: u16,
+    /// `remq` slots.
+    pub remq_slots: u16,
+    /// `damq` slots.
+    pub damq_slots: u16,
+    /// Largest request in bytes (the `damq` slot size).
+    pub max_io: u32,
+    /// Largest segment (payload bytes per DATA frame).
+    pub segment: u16,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { ring: 1024, remq_slots: 64, damq_slots: 64, max_io: 1 << 20, segment: 8192 }
+    }
+}
+
+/// One export (`[[export]]` in the file).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportConfig {
+    /// Name initiators attach by.
+    pub name: String,
+    /// Backing file or block device; absent for a RAM export.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Size: required for RAM, creates or grows a regular file to this size when given, and
+    /// must not exceed a block device. Bytes, or with a suffix K, M, G, T (powers of 1024).
+    #[serde(default)]
+    pub size: Option<Size>,
+    /// Refuse WRITE, DISCARD and WRITE_ZEROES.
+    #[serde(default)]
+    pub read_only: bool,
+    /// Initiator MAC addresses allowed to attach; empty: any.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Pre-shared key (at least 16 bytes): initiators must prove it in the handshake.
+    #[serde(default)]
+    pub key: Option<String>,
+    /// Use O_DIRECT on a block device when requests are aligned (default true).
+    #[serde(default = "default_true")]
+    pub direct: bool,
+}
+
+/// A byte size, written as a number or a string with a K/M/G/T suffix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (digits, mult) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+            None => (s, 1u64),
+            Some((i, _)) => {
+                let m = match s[i..].trim().to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
+                    "" => 1,
+                    "K" => 1 << 10,
+                    "M" => 1 << 20,
+                    "G" => 1 << 30,
+                    "T" => 1 << 40,
+                    other => return Err(format!("unknown size suffix {other:?}")),
+                };
+                (&s[..i], m)
+            }
+        };
+        let n: u64 = digits.parse().map_err(|_| format!("not a size: {s:?}"))?;
+        n.checked_mul(mult).map(Size).ok_or_else(|| format!("size too large: {s:?}"))
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Size(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+fn default_channels_per_nic() -> u16 {
+    1
+}
+fn default_ethertype() -> u16 {
+    DEFAULT_ETHERTYPE
+}
+fn default_stats_socket() -> PathBuf {
+    PathBuf::from("/run/tyched/stats.sock")
+}
+fn default_dead_after_ms() -> u64 {
+    3000
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            ifaces: Vec::new(),
+            channels_per_nic: default_channels_per_nic(),
+            transport: TransportKind::default(),
+            tcp_listen: None,
+            ethertype: default_ethertype(),
+            workers: 0,
+            stats_socket: default_stats_socket(),
+            limits: Limits::default(),
+            dead_after_ms: default_dead_after_ms(),
+            exports: Vec::new(),
+        }
+    }
+}
+
+impl ExportConfig {
+    /// A RAM export of `size` bytes.
+    pub fn ram(name: &str, size: u64) -> Self {
+        ExportConfig {
+            name: name.into(),
+            path: None,
+            size: Some(Size(size)),
+            read_only: false,
+            allow: Vec::new(),
+            key: None,
+            direct: true,
+        }
+    }
+
+    /// An export backed by the file or block device at `path`.
+    pub fn file(name: &str, path: impl Into<PathBuf>, size: Option<u64>) -> Self {
+        ExportConfig { path: Some(path.into()), size: size.map(Size), ..ExportConfig::ram(name, 0) }
+    }
+
+    /// Parses a `--export NAME=PATH` or `--export NAME=ram:SIZE` flag.
+    pub fn from_flag(s: &str) -> Result<Self, ConfigError> {
+        let (name, what) =
+            s.split_once('=').ok_or_else(|| invalid("--export", "expected NAME=PATH or NAME=ram:SIZE"))?;
+        if let Some(size) = what.strip_prefix("ram:") {
+            let size: Size = size.parse().map_err(|e: String| invalid("--export", e))?;
+            Ok(ExportConfig::ram(name, size.0))
+        } else {
+            Ok(ExportConfig::file(name, what, None))
+        }
+    }
+
+    /// The allow-list, parsed (validated by [`Config::validate`]).
+    pub fn allowed_macs(&self) -> Vec<MacAddr> {
+        self.allow.iter().filter_map(|m| m.parse().ok()).collect()
+    }
+}
+
+impl Config {
+    /// Parses and validates a TOML document.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        let c: Config = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The channel dead-after bound.
+    pub fn dead_after(&self) -> Duration {
+        Duration::from_millis(self.dead_after_ms)
+    }
+
+    /// The target's channel timers: defaults, with the dead-after bound from the config (and the
+    /// keepalive and retransmission ceiling scaled down to fit under a short one).
+    pub fn timers(&self) -> tyche_channel::Timers {
+        let d = tyche_channel::Timers::default();
+        let dead_after = self.dead_after();
+        let quarter = dead_after / 4;
+        let max_rto = d.max_rto.min(quarter);
+        tyche_channel::Timers {
+            dead_after,
+            keepalive: d.keepalive.min(quarter),
+            max_rto,
+            initial_rto: d.initial_rto.min(max_rto),
+            min_rto: d.min_rto.min(max_rto),
+            ..d
+        }
+    }
+
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.exports.is_empty() {
+            return Err(invalid("export", "at least one export is needed"));
+        }
+        if self.channels_per_nic == 0 || self.channels_per_nic > 64 {
+            return Err(invalid("channels_per_nic", "must be 1 to 64"));
+        }
+        if self.ethertype < 0x0600 {
+            return Err(invalid("ethertype", "must be at least 0x0600 (an EtherType, not a length)"));
+        }
+        if self.workers > 256 {
+            return Err(invalid("workers", "at most 256"));
+        }
+        if self.dead_after_ms < 100 || self.dead_after_ms > 3_600_000 {
+            return Err(invalid("dead_after_ms", "100 to 3600000"));
+        }
+        self.timers().validate().map_err(|e| invalid("dead_after_ms", e))?;
+        for (i, name) in self.ifaces.iter().enumerate() {
+            if name.is_empty() || name.len() > 15 {
+                return Err(invalid(format!("ifaces[{i}]"), "interface names are 1 to 15 bytes"));
+            }
+        }
+        let l = &self.limits;
+        let p = tyche_wire::ChannelParams {
+            ring: l.ring,
+            remq_slots: l.remq_slots,
+            damq_slots: l.damq_slots,
+            segment: l.segment,
+            max_io: l.max_io,
+            features: 0,
+        };
+        if !tyche_channel::config::params_supported(&p) {
+            return Err(invalid("limits", format!("unsupported channel limits {p:?}")));
+        }
+        for (i, e) in self.exports.iter().enumerate() {
+            let f = |name: &str| format!("export[{i}].{name}");
+            if e.name.is_empty() || e.name.len() > tyche_wire::MAX_EXPORT_NAME || e.name.chars().any(char::is_control) {
+                return Err(invalid(f("name"), "1 to 64 bytes of UTF-8 without control characters"));
+            }
+            if self.exports[..i].iter().any(|o| o.name == e.name) {
+                return Err(invalid(f("name"), format!("duplicate export name {:?}", e.name)));
+            }
+            match (&e.path, e.size) {
+                (None, None) => return Err(invalid(f("size"), "a RAM export (no path) needs a size")),
+                (_, Some(Size(s))) if s == 0 || s % SECTOR_SIZE as u64 != 0 => {
+                    return Err(invalid(f("size"), format!("{s} is not a positive multiple of {SECTOR_SIZE}")));
+                }
+                (Some(p), _) if p.as_os_str().is_empty() => return Err(invalid(f("path"), "empty path")),
+                _ => {}
+            }
+            for (j, m) in e.allow.iter().enumerate() {
+                if m.parse::<MacAddr>().is_err() {
+                    return Err(invalid(format!("export[{i}].allow[{j}]"), format!("not a MAC address: {m:?}")));
+                }
+            }
+            if let Some(k) = &e.key {
+                if k.len() < 16 {
+                    return Err(invalid(f("key"), "a pre-shared key has at least 16 bytes"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!("512".parse::<Size>().unwrap(), Size(512));
+        assert_eq!("64M".parse::<Size>().unwrap(), Size(64 << 20));
+        assert_eq!("2GiB".parse::<Size>().unwrap(), Size(2 << 30));
+        assert!("12Q".parse::<Size>().is_err(), "unknown suffix");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let text = r#"
+            [[export]]
+            name = "a"
+            size = "1M"
+            [[export]]
+            name = "b"
+            size = 1000
+        "#;
+        let e = Config::from_toml(text).expect_err("size 1000 is not a multiple of 512");
+        assert!(e.to_string().starts_with("export[1].size:"), "{e}");
+        let e = Config::from_toml("bogus = 1\n[[export]]\nname=\"a\"\nsize=512").expect_err("unknown field");
+        assert!(e.to_string().contains("bogus"), "{e}");
+        let text = "[[export]]\nname = \"a\"\nsize = \"1M\"\nallow = [\"nope\"]";
+        let e = Config::from_toml(text).expect_err("bad MAC");
+        assert!(e.to_string().starts_with("export[0].allow[0]:"), "{e}");
+        let text = "[[export]]\nname = \"a\"\nsize = \"1M\"\nkey = \"short\"";
+        assert!(Config::from_toml(text).expect_err("short key").to_string().starts_with("export[0].key:"));
+    }
+
+    #[test]
+    fn example_config_parses() {
+        let c =
+            Config::from_toml(include_str!("../../../examples/tyched.toml")).expect("examples/tyched.toml is valid");
+        assert_eq!(c.exports.len(), 3);
+        assert_eq!(c.exports[0].size, Some(Size(256 << 20)));
+        assert!(c.exports[2].read_only && c.exports[2].key.is_some());
+        assert_eq!(c.exports[2].allowed_macs().len(), 2);
+        assert_eq!(c.transport, TransportKind::Xdp);
+        assert_eq!(c.ifaces.len(), 2);
+    }
+
+    #[test]
+    fn export_flags_parse() {
+        let e = ExportConfig::from_flag("disk=ram:16M").expect("ram flag");
+        assert_eq!(e.size, Some(Size(16 << 20)));
+        assert!(e.path.is_none());
+        let e = ExportConfig::from_flag("disk=/tmp/x.img").expect("file flag");
+        assert_eq!(e.path.as_deref(), Some(std::path::Path::new("/tmp/x.img")));
+        assert!(ExportConfig::from_flag("nothing").is_err());
+    }
+}

@@ -1,0 +1,31 @@
+//! `tyched`, the Tyche target daemon, as a library: tests, the demo and benchmarks start a target
+//! in-process with [`Target::start`] over any [`tyche_transport::FrameTransport`].
+//!
+//! - [`config`]: the TOML configuration and its validation.
+//! - [`backend`]: RAM, file and block-device exports.
+//! - [`target`]: the runtime (network thread, storage workers, access control, shutdown).
+//! - [`stats`]: the counters `tyched stats` shows, and [`stats_server`] serving them.
+//!
+//! # Promises
+//! - A malformed, stray or hostile frame is dropped and counted, never a panic.
+//! - [`TargetHandle::shutdown`] stops accepting channels, completes or aborts every request in
+//!   flight, flushes every export, and returns the final counters.
+//! - Payload bytes are copied once in user space each way (frame ↔ `damq` slot memory); the
+//!   counter `payload_copied_bytes` says how many. Storage I/O goes straight from/to slot memory.
+
+pub mod backend;
+pub mod config;
+pub mod packet;
+pub mod stats;
+pub mod stats_server;
+pub mod target;
+
+pub use config::{Config, ConfigError, ExportConfig};
+pub use stats::Snapshot;
+pub use target::{Nic, Placement, StartError, Target, TargetHandle};
+
+/// The MAC address the `k`th TCP connection of `tyched serve --transport tcp` uses when its
+/// interface has none (loopback): a locally administered `02:00:00:00:7c:0k`-style address.
+pub fn tcp_mac(k: usize) -> tyche_wire::MacAddr {
+    tyche_wire::MacAddr::local(0x7c00 + k as u32)
+}

@@ -1,0 +1,298 @@
+//! Counters and the snapshot `tyched stats` prints.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Drops of received frames, by reason.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drops {
+    /// Not a valid Tyche frame (short, wrong version, wrong EtherType, bad fields).
+    pub malformed: u64,
+    /// For a session this target does not have (a stranger, or a reclaimed session).
+    pub unknown_session: u64,
+    /// For a channel or from a MAC the session does not have.
+    pub not_ours: u64,
+    /// Refused by the channel (duplicate, out of window, bad slot, ...), by reason.
+    pub channel: BTreeMap<String, u64>,
+    /// Write data for a slot whose request is being executed.
+    pub slot_busy: u64,
+    /// CONNECTs refused because the MAC is not allowed.
+    pub denied_mac: u64,
+    /// CONNECTs refused because the key proof was missing or wrong.
+    pub denied_key: u64,
+    /// CONNECTs ignored while shutting down.
+    pub shutting_down: u64,
+}
+
+/// Counters of one NIC (transport).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicStats {
+    /// Interface name (or transport index).
+    pub name: String,
+    /// Local MAC.
+    pub mac: String,
+    /// Frames received.
+    pub frames_rx: u64,
+    /// Bytes received.
+    pub bytes_rx: u64,
+    /// Frames sent.
+    pub frames_tx: u64,
+    /// Bytes sent.
+    pub bytes_tx: u64,
+    /// Receive errors reported by the transport.
+    pub rx_errors: u64,
+    /// Send errors reported by the transport.
+    pub tx_errors: u64,
+    /// Drops by reason.
+    pub drops: Drops,
+}
+
+/// Requests by operation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpCounts {
+    /// READ.
+    pub read: u64,
+    /// WRITE.
+    pub write: u64,
+    /// FLUSH.
+    pub flush: u64,
+    /// DISCARD.
+    pub discard: u64,
+    /// WRITE_ZEROES.
+    pub write_zeroes: u64,
+}
+
+impl OpCounts {
+    pub(crate) fn bump(&mut self, op: tyche_wire::Op) {
+        use tyche_wire::Op;
+        *match op {
+            Op::Read => &mut self.read,
+            Op::Write => &mut self.write,
+            Op::Flush => &mut self.flush,
+            Op::Discard => &mut self.discard,
+            Op::WriteZeroes => &mut self.write_zeroes,
+        } += 1;
+    }
+}
+
+/// Counters of one export.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportStats {
+    /// Name.
+    pub name: String,
+    /// Backend kind.
+    pub backend: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Whether read-only.
+    pub read_only: bool,
+    /// Whether a key is needed.
+    pub keyed: bool,
+    /// Live sessions.
+    pub sessions: u64,
+    /// Requests executed, by op.
+    pub requests: OpCounts,
+    /// Bytes read from storage.
+    pub bytes_read: u64,
+    /// Bytes written to storage.
+    pub bytes_written: u64,
+    /// Requests that completed with an error status (from storage, or aborted at shutdown).
+    pub errors: u64,
+    /// CONNECTs refused (MAC or key).
+    pub denied: u64,
+}
+
+/// Counters of one live channel.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelSnapshot {
+    /// Session id.
+    pub session: u64,
+    /// Channel index.
+    pub channel: u16,
+    /// Export name.
+    pub export: String,
+    /// NIC it runs on.
+    pub nic: String,
+    /// Initiator MAC.
+    pub peer: String,
+    /// Whether dead (waiting to be reclaimed).
+    pub dead: bool,
+    /// Frames sent.
+    pub frames_tx: u64,
+    /// Frames received.
+    pub frames_rx: u64,
+    /// Payload bytes sent.
+    pub payload_tx: u64,
+    /// Payload bytes received.
+    pub payload_rx: u64,
+    /// Retransmissions.
+    pub retransmits: u64,
+    /// Drops by reason.
+    pub drops: BTreeMap<String, u64>,
+    /// Requests being executed by storage (queue occupancy).
+    pub executing: u64,
+}
+
+/// Everything `tyched stats` shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// Milliseconds since start.
+    pub uptime_ms: u64,
+    /// Whether the daemon is shutting down.
+    pub stopping: bool,
+    /// Live sessions.
+    pub sessions: u64,
+    /// Sessions reclaimed after all their channels died.
+    pub sessions_reclaimed: u64,
+    /// Payload bytes copied in user space on the target (write data into slot memory, read data
+    /// from slot memory into frames). Zero only with a zero-copy data path, which this daemon
+    /// does not have yet (docs/tyched.md).
+    pub payload_copied_bytes: u64,
+    /// Storage requests queued or running (queue occupancy).
+    pub storage_inflight: u64,
+    /// Copies of executed modifying requests not executed again.
+    pub duplicates_suppressed: u64,
+    /// Per NIC.
+    pub nics: Vec<NicStats>,
+    /// Per export.
+    pub exports: Vec<ExportStats>,
+    /// Per live channel.
+    pub channels: Vec<ChannelSnapshot>,
+}
+
+impl Snapshot {
+    /// Sum of a drop counter over every NIC.
+    pub fn drops(&self, f: impl Fn(&Drops) -> u64) -> u64 {
+        self.nics.iter().map(|n| f(&n.drops)).sum()
+    }
+
+    /// A human-readable rendering.
+    pub fn human(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "uptime {:.1}s{}  sessions {} (reclaimed {})  storage in flight {}  payload copied {} B  duplicates suppressed {}",
+            self.uptime_ms as f64 / 1000.0,
+            if self.stopping { " (stopping)" } else { "" },
+            self.sessions,
+            self.sessions_reclaimed,
+            self.storage_inflight,
+            self.payload_copied_bytes,
+            self.duplicates_suppressed
+        );
+        let _ = writeln!(s, "\nNICs:");
+        for n in &self.nics {
+            let d = &n.drops;
+            let _ = writeln!(
+                s,
+                "  {:<10} {}  rx {} frames {} B  tx {} frames {} B  drops: malformed {} unknown-session {} not-ours {} slot-busy {} denied-mac {} denied-key {} channel {:?}",
+                n.name, n.mac, n.frames_rx, n.bytes_rx, n.frames_tx, n.bytes_tx, d.malformed, d.unknown_session,
+                d.not_ours, d.slot_busy, d.denied_mac, d.denied_key, d.channel
+            );
+        }
+        let _ = writeln!(s, "\nExports:");
+        for e in &self.exports {
+            let r = &e.requests;
+            let _ = writeln!(
+                s,
+                "  {:<12} {} {} B{}{}  sessions {}  read {} ({} B) write {} ({} B) flush {} discard {} write-zeroes {}  errors {} denied {}",
+                e.name, e.backend, e.size, if e.read_only { " ro" } else { "" }, if e.keyed { " keyed" } else { "" },
+                e.sessions, r.read, e.bytes_read, r.write, e.bytes_written, r.flush, r.discard, r.write_zeroes,
+                e.errors, e.denied
+            );
+        }
+        let _ = writeln!(s, "\nChannels:");
+        for c in &self.channels {
+            let _ = writeln!(
+                s,
+                "  session {:016x} ch {} {} on {} from {}{}  tx {} frames {} B  rx {} frames {} B  retransmits {}  executing {}  drops {:?}",
+                c.session, c.channel, c.export, c.nic, c.peer, if c.dead { " (dead)" } else { "" }, c.frames_tx,
+                c.payload_tx, c.frames_rx, c.payload_rx, c.retransmits, c.executing, c.drops
+            );
+        }
+        s
+    }
+
+    /// The counters in the Prometheus text exposition format.
+    pub fn prometheus(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let mut metric = |name: &str, help: &str, kind: &str, rows: Vec<(String, u64)>| {
+            let _ = writeln!(s, "# HELP tyched_{name} {help}\n# TYPE tyched_{name} {kind}");
+            for (labels, v) in rows {
+                let _ = writeln!(s, "tyched_{name}{labels} {v}");
+            }
+        };
+        let one = |v: u64| vec![(String::new(), v)];
+        metric("uptime_milliseconds", "Time since start.", "counter", one(self.uptime_ms));
+        metric("sessions", "Live sessions.", "gauge", one(self.sessions));
+        metric("sessions_reclaimed_total", "Sessions reclaimed.", "counter", one(self.sessions_reclaimed));
+        metric(
+            "payload_copied_bytes_total",
+            "Payload bytes copied in user space.",
+            "counter",
+            one(self.payload_copied_bytes),
+        );
+        metric("storage_inflight", "Storage requests queued or running.", "gauge", one(self.storage_inflight));
+        let nic = |f: &dyn Fn(&NicStats) -> u64| {
+            self.nics.iter().map(|n| (format!("{{nic=\"{}\"}}", n.name), f(n))).collect::<Vec<_>>()
+        };
+        metric("nic_rx_frames_total", "Frames received.", "counter", nic(&|n| n.frames_rx));
+        metric("nic_rx_bytes_total", "Bytes received.", "counter", nic(&|n| n.bytes_rx));
+        metric("nic_tx_frames_total", "Frames sent.", "counter", nic(&|n| n.frames_tx));
+        metric("nic_tx_bytes_total", "Bytes sent.", "counter", nic(&|n| n.bytes_tx));
+        let mut drops = Vec::new();
+        for n in &self.nics {
+            let d = &n.drops;
+            for (reason, v) in [
+                ("malformed", d.malformed),
+                ("unknown_session", d.unknown_session),
+                ("not_ours", d.not_ours),
+                ("slot_busy", d.slot_busy),
+                ("denied_mac", d.denied_mac),
+                ("denied_key", d.denied_key),
+                ("shutting_down", d.shutting_down),
+            ] {
+                drops.push((format!("{{nic=\"{}\",reason=\"{reason}\"}}", n.name), v));
+            }
+            for (reason, v) in &d.channel {
+                drops.push((format!("{{nic=\"{}\",reason=\"channel_{reason}\"}}", n.name), *v));
+            }
+        }
+        metric("nic_drops_total", "Frames dropped, by reason.", "counter", drops);
+        let mut reqs = Vec::new();
+        for e in &self.exports {
+            let r = &e.requests;
+            for (op, v) in [
+                ("read", r.read),
+                ("write", r.write),
+                ("flush", r.flush),
+                ("discard", r.discard),
+                ("write_zeroes", r.write_zeroes),
+            ] {
+                reqs.push((format!("{{export=\"{}\",op=\"{op}\"}}", e.name), v));
+            }
+        }
+        metric("export_requests_total", "Requests executed, by op.", "counter", reqs);
+        let ex = |f: &dyn Fn(&ExportStats) -> u64| {
+            self.exports.iter().map(|e| (format!("{{export=\"{}\"}}", e.name), f(e))).collect::<Vec<_>>()
+        };
+        metric("export_read_bytes_total", "Bytes read from storage.", "counter", ex(&|e| e.bytes_read));
+        metric("export_written_bytes_total", "Bytes written to storage.", "counter", ex(&|e| e.bytes_written));
+        metric("export_errors_total", "Requests completed with an error.", "counter", ex(&|e| e.errors));
+        metric("export_denied_total", "CONNECTs refused.", "counter", ex(&|e| e.denied));
+        let ch = |f: &dyn Fn(&ChannelSnapshot) -> u64| {
+            self.channels
+                .iter()
+                .map(|c| {
+                    (format!("{{session=\"{:016x}\",channel=\"{}\",nic=\"{}\"}}", c.session, c.channel, c.nic), f(c))
+                })
+                .collect::<Vec<_>>()
+        };
+        metric("channel_retransmits_total", "Retransmissions.", "counter", ch(&|c| c.retransmits));
+        metric("channel_executing", "Requests executing.", "gauge", ch(&|c| c.executing));
+        s
+    }
+}

@@ -1,0 +1,1075 @@
+//! The target runtime: a network thread that owns the channel engine and the transports, and a
+//! bounded pool of storage workers.
+//!
+//! ```text
+//!  transports ──recv──▶ network thread ──jobs (bounded)──▶ storage workers ──▶ backend
+//!      ▲                 (Acceptor, TargetSessions,                 │
+//!      └────send──────── slot memory, timers)  ◀──completions+wake──┘
+//! ```
+//!
+//! The network thread polls every transport it was given, answers DISCOVER/CONNECT (with the
+//! MAC allow-list and the key proof in front of the [`Acceptor`]), places write data into the
+//! request's `damq` slot memory, hands executable requests to the workers together with that
+//! slot memory, and sends completions and read data when the workers hand them back. When
+//! nothing is due it sleeps in `poll(2)` on the transports' readiness descriptors and an eventfd
+//! the workers signal, until the engine's next timer.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tyche_channel::auth::{self, ProofInput, ProofRole};
+use tyche_channel::{
+    Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, TargetEvent, TargetInbound,
+    TargetSession,
+};
+use tyche_transport::FrameTransport;
+use tyche_wire::{
+    flags, Challenge, ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Reject, RejectReason, Request,
+    Status, DATA_FRAME_OVERHEAD, SECTOR_SIZE,
+};
+
+use crate::backend::{Backend, BackendError, FileBackend, Memory, RamBackend};
+use crate::config::Config;
+use crate::stats::{ChannelSnapshot, Drops, ExportStats, NicStats, Snapshot};
+
+/// Frames received per transport per loop turn.
+const RX_BUDGET: usize = 64;
+/// Frames sent per transport per loop turn.
+const TX_BUDGET: usize = 256;
+/// Storage jobs queued at most (the workers' queue).
+const JOB_QUEUE: usize = 4096;
+/// Outstanding CHALLENGEs remembered (oldest forgotten first).
+const CHALLENGES: usize = 4096;
+/// Longest sleep when some transport has no readiness descriptor (in-memory links).
+const POLL_CAP_NO_FD: Duration = Duration::from_millis(1);
+/// Longest sleep otherwise (the stop flag and stats requests are also signalled on the eventfd).
+const POLL_CAP: Duration = Duration::from_millis(100);
+/// How long shutdown waits for storage and for the last completions to be acknowledged.
+const DRAIN_LIMIT: Duration = Duration::from_secs(5);
+/// A session whose channels are all dead is dropped after this grace period.
+const RECLAIM_GRACE: Duration = Duration::from_millis(500);
+
+/// Errors starting a target.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// An export could not be opened.
+    #[error("export[{index}] ({name}): {source}")]
+    Backend {
+        /// Index in the config.
+        index: usize,
+        /// Name.
+        name: String,
+        /// Why.
+        source: BackendError,
+    },
+    /// No transport to serve on.
+    #[error("no transport to serve on")]
+    NoTransport,
+    /// A thread or descriptor could not be created.
+    #[error("{0}")]
+    Os(#[from] std::io::Error),
+}
+
+/// Placement of the target's threads and memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// NUMA node of the serving NICs: RAM exports and slot memory are bound to it.
+    pub node: Option<u32>,
+    /// CPUs for the network thread.
+    pub network_cpus: Vec<u32>,
+    /// CPUs for the storage workers.
+    pub worker_cpus: Vec<u32>,
+}
+
+/// A transport with the name it is shown under.
+pub struct Nic {
+    /// Interface name (or any label).
+    pub name: String,
+    /// The transport.
+    pub transport: Box<dyn FrameTransport + Send>,
+}
+
+impl std::fmt::Debug for Nic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nic").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+struct Export {
+    spec: ExportSpec,
+    backend: Arc<dyn Backend>,
+    allow: Vec<MacAddr>,
+    key: Option<Vec<u8>>,
+    read_only: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    stop: AtomicBool,
+    wake: OwnedFd,
+    stats_requested: AtomicU64,
+    snapshot: Mutex<(u64, Snapshot)>,
+    published: Condvar,
+}
+
+impl Shared {
+    fn wake(&self) {
+        wake_fd(&self.wake);
+    }
+}
+
+fn wake_fd(fd: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to an eventfd the caller owns.
+    let _ = unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+}
+
+fn drain_fd(fd: &OwnedFd) {
+    let mut v: u64 = 0;
+    // SAFETY: reads at most 8 bytes into a live u64; the eventfd is non-blocking.
+    let _ = unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+}
+
+fn new_eventfd() -> std::io::Result<OwnedFd> {
+    // SAFETY: eventfd takes integers and returns a new descriptor or -1.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// 64 unpredictable bits from the kernel (session ids, challenge nonces).
+fn random_u64() -> u64 {
+    let mut v: u64 = 0;
+    loop {
+        // SAFETY: getrandom writes at most 8 bytes into the live u64.
+        let n = unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
+        if n == 8 {
+            return v;
+        }
+    }
+}
+
+/// A storage request for a worker.
+#[derive(Debug)]
+struct Job {
+    session: u64,
+    channel: u16,
+    /// Which instance of channel `channel` (a reconnect on the same index is a new one).
+    epoch: u64,
+    export: usize,
+    request: Request,
+    buf: Option<Memory>,
+    abort: bool,
+}
+
+/// A finished storage request.
+#[derive(Debug)]
+struct Done {
+    session: u64,
+    channel: u16,
+    epoch: u64,
+    export: usize,
+    request: Request,
+    buf: Option<Memory>,
+    status: Status,
+}
+
+fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
+    if job.abort {
+        return Status::Aborted;
+    }
+    let r = &job.request;
+    let len = r.length as usize;
+    let res = match r.op {
+        Op::Read => backend.read_at(&mut job.buf.as_mut().expect("read slot").as_mut_slice()[..len], r.offset),
+        Op::Write => backend.write_at(&job.buf.as_ref().expect("write slot").as_slice()[..len], r.offset, r.fua),
+        Op::Flush => backend.flush(),
+        Op::Discard => backend.discard(r.offset, r.length as u64),
+        Op::WriteZeroes => backend.write_zeroes(r.offset, r.length as u64),
+    };
+    match res {
+        Ok(()) => Status::Ok,
+        Err(e) => {
+            tracing::warn!(op = ?r.op, offset = r.offset, length = r.length, "storage error: {e}");
+            if e.raw_os_error() == Some(libc::ENOSPC) {
+                Status::NoSpace
+            } else {
+                Status::IoError
+            }
+        }
+    }
+}
+
+/// Starts targets.
+#[derive(Debug)]
+pub struct Target;
+
+/// A running target.
+#[derive(Debug)]
+pub struct TargetHandle {
+    shared: Arc<Shared>,
+    network: Option<JoinHandle<()>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Target {
+    /// Opens the exports of `config` and serves them on `nics`, with RAM and slot memory on no
+    /// particular node.
+    pub fn start(config: Config, nics: Vec<Nic>) -> Result<TargetHandle, StartError> {
+        Target::start_placed(config, nics, Placement::default())
+    }
+
+    /// As [`Target::start`], placing memory and threads as `placement` says.
+    pub fn start_placed(config: Config, nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
+        config.validate()?;
+        if nics.is_empty() {
+            return Err(StartError::NoTransport);
+        }
+        let mut exports = Vec::new();
+        for (index, e) in config.exports.iter().enumerate() {
+            let backend: Arc<dyn Backend> = match &e.path {
+                None => Arc::new(
+                    RamBackend::new(e.size.expect("validated").0, placement.node)
+                        .map_err(|source| StartError::Backend { index, name: e.name.clone(), source })?,
+                ),
+                Some(p) => Arc::new(
+                    FileBackend::open(p, e.size.map(|s| s.0), e.read_only, e.direct)
+                        .map_err(|source| StartError::Backend { index, name: e.name.clone(), source })?,
+                ),
+            };
+            let mut f = flags::EXPORT_DISCARD;
+            if e.read_only {
+                f |= flags::EXPORT_READ_ONLY;
+            }
+            if e.key.is_some() {
+                f |= flags::EXPORT_NEEDS_KEY;
+            }
+            tracing::info!(export = %e.name, backend = backend.kind(), size = backend.size(), read_only = e.read_only,
+                keyed = e.key.is_some(), "export ready");
+            exports.push(Export {
+                spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
+                backend,
+                allow: e.allowed_macs(),
+                key: e.key.as_ref().map(|k| k.as_bytes().to_vec()),
+                read_only: e.read_only,
+            });
+        }
+        // The segment must fit every NIC's MTU and buffers.
+        let segment = nics
+            .iter()
+            .filter_map(|n| tyche_wire::segment_size_for(n.transport.mtu(), n.transport.frame_capacity()))
+            .min()
+            .unwrap_or(SECTOR_SIZE)
+            .min(config.limits.segment as u32) as u16;
+        let l = config.limits;
+        let limit = ChannelParams {
+            ring: l.ring,
+            remq_slots: l.remq_slots,
+            damq_slots: l.damq_slots,
+            segment,
+            max_io: l.max_io,
+            features: 0,
+        };
+        let timers = config.timers();
+        let acceptor = Acceptor::new(config.ethertype, exports.iter().map(|e| e.spec.clone()).collect(), limit, timers);
+
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            wake: new_eventfd()?,
+            stats_requested: AtomicU64::new(0),
+            snapshot: Mutex::new((0, Snapshot::default())),
+            published: Condvar::new(),
+        });
+        let backends: Vec<Arc<dyn Backend>> = exports.iter().map(|e| Arc::clone(&e.backend)).collect();
+        let (job_tx, job_rx) = mpsc::sync_channel::<Job>(JOB_QUEUE);
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        let (done_tx, done_rx) = mpsc::channel::<Done>();
+        let n_workers = match config.workers {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8),
+            n => n,
+        };
+        let mut workers = Vec::new();
+        for w in 0..n_workers {
+            let rx = Arc::clone(&job_rx);
+            let tx = done_tx.clone();
+            let backends = backends.clone();
+            let shared = Arc::clone(&shared);
+            let cpus = placement.worker_cpus.clone();
+            workers.push(std::thread::Builder::new().name(format!("tyched-io{w}")).spawn(move || {
+                pin(&cpus, "storage worker");
+                loop {
+                    let job = rx.lock().expect("job queue").recv();
+                    let Ok(mut job) = job else { return };
+                    let status = execute(&*backends[job.export], &mut job);
+                    let done = Done {
+                        session: job.session,
+                        channel: job.channel,
+                        epoch: job.epoch,
+                        export: job.export,
+                        request: job.request,
+                        buf: job.buf,
+                        status,
+                    };
+                    if tx.send(done).is_err() {
+                        return;
+                    }
+                    shared.wake();
+                }
+            })?);
+        }
+        drop(done_tx);
+        let nic_stats = nics
+            .iter()
+            .map(|n| NicStats { name: n.name.clone(), mac: n.transport.local_mac().to_string(), ..NicStats::default() })
+            .collect();
+        let export_stats = exports
+            .iter()
+            .map(|e| ExportStats {
+                name: e.spec.name.clone(),
+                backend: e.backend.kind().into(),
+                size: e.spec.size,
+                read_only: e.read_only,
+                keyed: e.key.is_some(),
+                ..ExportStats::default()
+            })
+            .collect();
+        let mut net = Network {
+            ethertype: config.ethertype,
+            nics,
+            nic_stats,
+            exports,
+            export_stats,
+            acceptor,
+            sessions: BTreeMap::new(),
+            slots: HashMap::new(),
+            slot_len: l.max_io as usize,
+            node: placement.node,
+            job_tx,
+            overflow: VecDeque::new(),
+            done_rx,
+            inflight: 0,
+            control: Vec::new(),
+            challenges: HashMap::new(),
+            challenge_order: VecDeque::new(),
+            clock: std::time::Instant::now(),
+            shared: Arc::clone(&shared),
+            payload_copied: 0,
+            reclaimed: 0,
+            duplicates_from_reclaimed: 0,
+            stopping: None,
+            nic_down: Vec::new(),
+        };
+        net.nic_down = vec![false; net.nics.len()];
+        net.control = (0..net.nics.len()).map(|_| VecDeque::new()).collect();
+        let cpus = placement.network_cpus.clone();
+        let network = std::thread::Builder::new().name("tyched-net".into()).spawn(move || {
+            pin(&cpus, "network thread");
+            net.run();
+        })?;
+        Ok(TargetHandle { shared, network: Some(network), workers })
+    }
+}
+
+fn pin(cpus: &[u32], what: &str) {
+    if !cpus.is_empty() {
+        if let Err(e) = tyche_numa::pin_current_thread(cpus) {
+            tracing::warn!(?cpus, "could not pin the {what}: {e}");
+        }
+    }
+}
+
+impl TargetHandle {
+    /// A fresh snapshot of the counters (waits up to a second for the network thread).
+    pub fn stats(&self) -> Snapshot {
+        let want = self.shared.stats_requested.fetch_add(1, Ordering::SeqCst) + 1;
+        self.shared.wake();
+        let guard = self.shared.snapshot.lock().expect("snapshot lock");
+        let (guard, _) = self
+            .shared
+            .published
+            .wait_timeout_while(guard, Duration::from_secs(1), |(gen, _)| {
+                *gen < want && self.network.as_ref().is_some_and(|h| !h.is_finished())
+            })
+            .expect("snapshot lock");
+        guard.1.clone()
+    }
+
+    /// A function that returns a fresh snapshot, for a stats server thread.
+    pub fn stats_source(&self) -> impl Fn() -> Snapshot + Send + Sync + 'static {
+        let shared = Arc::clone(&self.shared);
+        move || {
+            let want = shared.stats_requested.fetch_add(1, Ordering::SeqCst) + 1;
+            shared.wake();
+            let guard = shared.snapshot.lock().expect("snapshot lock");
+            let (guard, _) = shared
+                .published
+                .wait_timeout_while(guard, Duration::from_secs(1), |(gen, _)| *gen < want)
+                .expect("snapshot lock");
+            guard.1.clone()
+        }
+    }
+
+    /// Asks the target to stop (from a signal handler thread, say); [`TargetHandle::join`] waits.
+    pub fn request_stop(&self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.wake();
+    }
+
+    /// Whether the network thread has exited.
+    pub fn is_finished(&self) -> bool {
+        self.network.as_ref().is_none_or(|h| h.is_finished())
+    }
+
+    /// Stops accepting, finishes (or aborts) in-flight requests, flushes every export and
+    /// returns the final counters.
+    pub fn shutdown(mut self) -> Snapshot {
+        self.request_stop();
+        self.join_inner()
+    }
+
+    /// Waits for the target to stop (after [`TargetHandle::request_stop`]).
+    pub fn join(mut self) -> Snapshot {
+        self.join_inner()
+    }
+
+    fn join_inner(&mut self) -> Snapshot {
+        if let Some(h) = self.network.take() {
+            if h.join().is_err() {
+                tracing::error!("the network thread panicked");
+            }
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+        self.shared.snapshot.lock().expect("snapshot lock").1.clone()
+    }
+}
+
+impl Drop for TargetHandle {
+    fn drop(&mut self) {
+        if self.network.is_some() {
+            self.request_stop();
+            self.join_inner();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SessionState {
+    session: TargetSession,
+    export: usize,
+    /// Channel index → NIC index.
+    nic_of: BTreeMap<u16, usize>,
+    /// Storage jobs outstanding per channel.
+    executing: BTreeMap<u16, u64>,
+    /// Instance of each channel index (bumped when a reconnect replaces a channel), so that slot
+    /// memory of a replaced channel's requests still executing is never mixed with the new one's.
+    epochs: BTreeMap<u16, u64>,
+    all_dead_since: Option<Instant>,
+}
+
+/// Slot memory of one `damq` slot: `None` while a worker holds it.
+type Slot = Option<Memory>;
+/// (session, channel, channel epoch, `damq` slot).
+type SlotKey = (u64, u16, u64, u16);
+
+struct Network {
+    ethertype: u16,
+    nics: Vec<Nic>,
+    nic_stats: Vec<NicStats>,
+    exports: Vec<Export>,
+    export_stats: Vec<ExportStats>,
+    acceptor: Acceptor,
+    sessions: BTreeMap<u64, SessionState>,
+    slots: HashMap<SlotKey, Slot>,
+    slot_len: usize,
+    node: Option<u32>,
+    job_tx: mpsc::SyncSender<Job>,
+    overflow: VecDeque<Job>,
+    done_rx: mpsc::Receiver<Done>,
+    inflight: u64,
+    /// Control replies (ACCEPT, REJECT, CHALLENGE, DISCOVER_REPLY) waiting per NIC.
+    control: Vec<VecDeque<Vec<u8>>>,
+    challenges: HashMap<(MacAddr, u64), u64>,
+    challenge_order: VecDeque<(MacAddr, u64)>,
+    clock: std::time::Instant,
+    shared: Arc<Shared>,
+    payload_copied: u64,
+    reclaimed: u64,
+    duplicates_from_reclaimed: u64,
+    stopping: Option<Instant>,
+    /// NICs whose transport failed for good (a closed TCP connection).
+    nic_down: Vec<bool>,
+}
+
+/// Whether a transport error means the link is gone for good.
+fn permanent(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(e.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected)
+}
+
+fn drop_name(r: DropReason) -> String {
+    format!("{r:?}")
+}
+
+impl Network {
+    fn now(&self) -> Instant {
+        Instant(self.clock.elapsed().as_nanos() as u64 + 1)
+    }
+
+    fn run(&mut self) {
+        tracing::info!(nics = self.nics.len(), "serving");
+        loop {
+            let now = self.now();
+            let stop = self.shared.stop.load(Ordering::SeqCst);
+            if stop && self.stopping.is_none() {
+                tracing::info!(inflight = self.inflight, "stopping: no new channels, finishing in-flight requests");
+                self.stopping = Some(now);
+            }
+            let mut busy = self.receive(now);
+            busy |= self.completions(now);
+            self.timers(now);
+            self.collect_events(now);
+            self.submit_overflow();
+            busy |= self.transmit(now);
+            self.reclaim(now);
+            self.publish_if_requested(now);
+            if let Some(since) = self.stopping {
+                let drained = self.inflight == 0 && self.overflow.is_empty();
+                let quiet = drained && !self.any_wants_transmit() && now.since(since) > Duration::from_millis(50);
+                if quiet || now.since(since) > DRAIN_LIMIT {
+                    self.finish(now);
+                    return;
+                }
+            }
+            if !busy {
+                self.sleep(now);
+            }
+        }
+    }
+
+    fn any_wants_transmit(&self) -> bool {
+        self.control.iter().any(|q| !q.is_empty())
+            || self.sessions.values().any(|s| s.nic_of.keys().any(|&c| s.session.wants_transmit(c)))
+    }
+
+    /// The orderly end: DISCONNECT every channel, flush every export, publish the last counters.
+    fn finish(&mut self, now: Instant) {
+        for s in self.sessions.values_mut() {
+            s.session.close(tyche_wire::DisconnectReason::Shutdown);
+        }
+        self.transmit(now);
+        for e in &self.exports {
+            if let Err(err) = e.backend.flush() {
+                tracing::error!(export = %e.spec.name, "flush at shutdown failed: {err}");
+            }
+        }
+        let snap = self.snapshot(now);
+        let mut g = self.shared.snapshot.lock().expect("snapshot lock");
+        g.0 = u64::MAX;
+        g.1 = snap;
+        self.shared.published.notify_all();
+        tracing::info!("stopped");
+    }
+
+    fn sleep(&mut self, now: Instant) {
+        let mut timeout =
+            if self.nics.iter().all(|n| n.transport.readiness_fd().is_some()) { POLL_CAP } else { POLL_CAP_NO_FD };
+        let next = self.sessions.values().filter_map(|s| s.session.poll_timeout()).min();
+        if let Some(t) = next {
+            timeout = timeout.min(t.since(now));
+        }
+        if self.stopping.is_some() {
+            timeout = timeout.min(Duration::from_millis(5));
+        }
+        let mut fds: Vec<libc::pollfd> = self
+            .nics
+            .iter()
+            .zip(&self.nic_down)
+            .filter(|(_, down)| !**down)
+            .filter_map(|(n, _)| n.transport.readiness_fd())
+            .map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 })
+            .collect();
+        fds.push(libc::pollfd { fd: self.shared.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+        if ms > 0 {
+            // SAFETY: `fds` is a live array of `fds.len()` pollfd structures.
+            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        }
+        drain_fd(&self.shared.wake);
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Receive.
+
+    fn receive(&mut self, now: Instant) -> bool {
+        let mut any = false;
+        let mut nics = std::mem::take(&mut self.nics);
+        for (k, nic) in nics.iter_mut().enumerate() {
+            if self.nic_down[k] {
+                continue;
+            }
+            let local = nic.transport.local_mac();
+            let r = nic.transport.recv(RX_BUDGET, &mut |bytes| self.on_frame(now, k, local, bytes));
+            match r {
+                Ok(n) => any |= n > 0,
+                Err(e) => {
+                    self.nic_stats[k].rx_errors += 1;
+                    if permanent(&e) {
+                        // A closed TCP connection, say: stop polling it (its channels die by timeout).
+                        tracing::warn!(nic = %nic.name, "link down: {e}");
+                        self.nic_down[k] = true;
+                    } else if self.nic_stats[k].rx_errors.is_power_of_two() {
+                        tracing::warn!(nic = %nic.name, errors = self.nic_stats[k].rx_errors, "receive failed: {e}");
+                    }
+                }
+            }
+        }
+        self.nics = nics;
+        any
+    }
+
+    fn on_frame(&mut self, now: Instant, k: usize, local: MacAddr, bytes: &[u8]) {
+        let st = &mut self.nic_stats[k];
+        st.frames_rx += 1;
+        st.bytes_rx += bytes.len() as u64;
+        let Ok(frame) = Frame::new_checked(bytes, self.ethertype) else {
+            st.drops.malformed += 1;
+            return;
+        };
+        if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
+            let Ok(msg) = frame.parse() else {
+                st.drops.malformed += 1;
+                return;
+            };
+            self.on_handshake(now, k, local, &frame, &msg);
+            return;
+        }
+        let Some(s) = self.sessions.get_mut(&frame.session()) else {
+            st.drops.unknown_session += 1;
+            tracing::trace!(src = %frame.src(), session = frame.session(), "frame for an unknown session");
+            return;
+        };
+        match s.session.handle_frame(now, bytes) {
+            TargetInbound::Consumed => {}
+            TargetInbound::Write { channel, damq, offset, payload } => {
+                let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
+                let key = (s.session.id(), channel, epoch, damq);
+                let (slot_len, node) = (self.slot_len, self.node);
+                let slot = self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node)));
+                match slot {
+                    Some(mem) => {
+                        let o = offset as usize;
+                        mem.as_mut_slice()[o..o + payload.len()].copy_from_slice(payload);
+                        self.payload_copied += payload.len() as u64;
+                    }
+                    None => st.drops.slot_busy += 1,
+                }
+            }
+            TargetInbound::Dropped(FrameDrop::Wire(_)) => st.drops.malformed += 1,
+            TargetInbound::Dropped(FrameDrop::NotOurs) => st.drops.not_ours += 1,
+            TargetInbound::Dropped(FrameDrop::Channel(r)) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+        }
+    }
+
+    fn on_handshake(&mut self, now: Instant, k: usize, local: MacAddr, frame: &Frame<&[u8]>, msg: &Message<'_>) {
+        let src = frame.src();
+        let env_in = Envelope::of(frame);
+        let reply_env =
+            Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
+        // Largest reply: a DISCOVER_REPLY of 8 exports with 64-byte names (672 bytes).
+        let mut buf = vec![0u8; 2048];
+        let mut target_proof = None;
+        if let Message::Connect(c) = msg {
+            if self.stopping.is_some() {
+                self.nic_stats[k].drops.shutting_down += 1;
+                return;
+            }
+            if let Some(i) = self.exports.iter().position(|e| e.spec.name == c.export) {
+                let e = &self.exports[i];
+                let reject = |reason, buf: &mut Vec<u8>| {
+                    let len = Message::Reject(Reject { nonce: c.nonce, reason }).emit(&reply_env, buf);
+                    buf.truncate(len);
+                };
+                if !e.allow.is_empty() && !e.allow.contains(&src) {
+                    tracing::warn!(%src, export = %c.export, nic = %self.nics_name(k), "refused: MAC not allowed");
+                    self.nic_stats[k].drops.denied_mac += 1;
+                    self.export_stats[i].denied += 1;
+                    reject(RejectReason::NotAllowed, &mut buf);
+                    self.control[k].push_back(buf);
+                    return;
+                }
+                if let Some(key) = &e.key {
+                    let Some(proof) = c.proof else {
+                        let tn = match self.challenges.get(&(src, c.nonce)) {
+                            Some(&tn) => tn,
+                            None => {
+                                let tn = random_u64();
+                                self.remember_challenge(src, c.nonce, tn);
+                                tn
+                            }
+                        };
+                        let env = Envelope { session: env_in.session, ..reply_env };
+                        let len =
+                            Message::Challenge(Challenge { nonce: c.nonce, target_nonce: tn }).emit(&env, &mut buf);
+                        buf.truncate(len);
+                        self.control[k].push_back(buf);
+                        return;
+                    };
+                    let input = |tn| ProofInput {
+                        nonce: c.nonce,
+                        target_nonce: tn,
+                        export: c.export,
+                        initiator: src,
+                        target: local,
+                    };
+                    let ok = self
+                        .challenges
+                        .get(&(src, c.nonce))
+                        .is_some_and(|&tn| auth::verify(key, ProofRole::Initiator, &input(tn), &proof));
+                    if !ok {
+                        tracing::warn!(%src, export = %c.export, "refused: wrong key proof");
+                        self.nic_stats[k].drops.denied_key += 1;
+                        self.export_stats[i].denied += 1;
+                        reject(RejectReason::AuthFailed, &mut buf);
+                        self.control[k].push_back(buf);
+                        return;
+                    }
+                    let tn = self.challenges[&(src, c.nonce)];
+                    target_proof = Some(auth::proof(key, ProofRole::Target, &input(tn)));
+                }
+            }
+        }
+        let mut ids = random_u64;
+        match self.acceptor.handle_keyed(now, local, src, &env_in, msg, &mut ids, &mut buf, target_proof) {
+            Some(Accepted::Reply(len)) => {
+                buf.truncate(len);
+                self.control[k].push_back(buf);
+            }
+            Some(Accepted::Channel { session, export, channel, len }) => {
+                let e = &self.exports[export];
+                let geometry = ExportGeometry { size: e.spec.size, read_only: e.read_only, discard: true };
+                let idx = channel.envelope().channel;
+                let ethertype = self.ethertype;
+                let st = self.sessions.entry(session).or_insert_with(|| {
+                    tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
+                    SessionState {
+                        session: TargetSession::new(session, ethertype, geometry),
+                        export,
+                        nic_of: BTreeMap::new(),
+                        executing: BTreeMap::new(),
+                        epochs: BTreeMap::new(),
+                        all_dead_since: None,
+                    }
+                });
+                tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(), "channel open");
+                st.session.add_channel(*channel);
+                if st.nic_of.insert(idx, k).is_some() {
+                    // A reconnect replaced the channel: its slot memory goes with it.
+                    let epoch = st.epochs.entry(idx).or_default();
+                    let old = *epoch;
+                    *epoch += 1;
+                    self.slots.retain(|key, _| !(key.0 == session && key.1 == idx && key.2 == old));
+                }
+                st.all_dead_since = None;
+                buf.truncate(len);
+                self.control[k].push_back(buf);
+            }
+            None => {}
+        }
+    }
+
+    fn nics_name(&self, k: usize) -> &str {
+        &self.nic_stats[k].name
+    }
+
+    fn remember_challenge(&mut self, src: MacAddr, nonce: u64, tn: u64) {
+        if self.challenge_order.len() >= CHALLENGES {
+            if let Some(old) = self.challenge_order.pop_front() {
+                self.challenges.remove(&old);
+            }
+        }
+        self.challenges.insert((src, nonce), tn);
+        self.challenge_order.push_back((src, nonce));
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Storage.
+
+    fn collect_events(&mut self, now: Instant) {
+        let _ = now;
+        let stopping = self.stopping.is_some();
+        let mut jobs = Vec::new();
+        for (&sid, s) in self.sessions.iter_mut() {
+            while let Some(ev) = s.session.poll_event() {
+                match ev {
+                    TargetEvent::Execute { channel, request } => {
+                        let buf = if request.op.uses_damq() {
+                            let key = (sid, channel, s.epochs.get(&channel).copied().unwrap_or(0), request.damq);
+                            let slot = self
+                                .slots
+                                .entry(key)
+                                .or_insert_with(|| Some(Memory::new(self.slot_len, self.node)))
+                                .take();
+                            Some(slot.unwrap_or_else(|| Memory::new(self.slot_len, self.node)))
+                        } else {
+                            None
+                        };
+                        *s.executing.entry(channel).or_default() += 1;
+                        let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
+                        jobs.push(Job {
+                            session: sid,
+                            channel,
+                            epoch,
+                            export: s.export,
+                            request,
+                            buf,
+                            abort: stopping,
+                        });
+                    }
+                    TargetEvent::ChannelDead { channel, reason } => {
+                        tracing::info!(session = format_args!("{sid:016x}"), channel, ?reason, "channel dead");
+                    }
+                }
+            }
+        }
+        for j in jobs {
+            self.inflight += 1;
+            self.overflow.push_back(j);
+        }
+        self.submit_overflow();
+    }
+
+    fn submit_overflow(&mut self) {
+        while let Some(j) = self.overflow.pop_front() {
+            match self.job_tx.try_send(j) {
+                Ok(()) => {}
+                Err(mpsc::TrySendError::Full(j)) => {
+                    self.overflow.push_front(j);
+                    return;
+                }
+                Err(mpsc::TrySendError::Disconnected(_)) => panic!("storage workers are gone"),
+            }
+        }
+    }
+
+    fn completions(&mut self, _now: Instant) -> bool {
+        let mut any = false;
+        while let Ok(d) = self.done_rx.try_recv() {
+            any = true;
+            self.inflight -= 1;
+            let r = d.request;
+            let es = &mut self.export_stats[d.export];
+            es.requests.bump(r.op);
+            if d.status == Status::Ok {
+                match r.op {
+                    Op::Read => es.bytes_read += r.length as u64,
+                    Op::Write => es.bytes_written += r.length as u64,
+                    _ => {}
+                }
+            } else {
+                es.errors += 1;
+            }
+            let Some(s) = self.sessions.get_mut(&d.session) else { continue };
+            if let Some(n) = s.executing.get_mut(&d.channel) {
+                *n -= 1;
+            }
+            if let Some(buf) = d.buf {
+                if let Some(slot) = self.slots.get_mut(&(d.session, d.channel, d.epoch, r.damq)) {
+                    *slot = Some(buf);
+                }
+            }
+            s.session.complete(d.channel, &r, d.status);
+        }
+        any
+    }
+
+    fn timers(&mut self, now: Instant) {
+        for s in self.sessions.values_mut() {
+            if s.session.poll_timeout().is_some_and(|t| t <= now) {
+                s.session.handle_timeout(now);
+            }
+        }
+    }
+
+    /// Drops sessions whose channels are all dead once nothing of theirs executes.
+    fn reclaim(&mut self, now: Instant) {
+        let mut gone = Vec::new();
+        for (&sid, s) in self.sessions.iter_mut() {
+            if !s.session.all_dead() {
+                s.all_dead_since = None;
+                continue;
+            }
+            let since = *s.all_dead_since.get_or_insert(now);
+            let busy = s.executing.values().any(|&n| n > 0);
+            if !busy && now.since(since) >= RECLAIM_GRACE {
+                gone.push(sid);
+            }
+        }
+        for sid in gone {
+            let s = self.sessions.remove(&sid).expect("listed");
+            self.duplicates_from_reclaimed += s.session.duplicates_suppressed();
+            self.acceptor.forget_session(sid);
+            self.slots.retain(|k, _| k.0 != sid);
+            self.reclaimed += 1;
+            tracing::info!(session = format_args!("{sid:016x}"), "session reclaimed");
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Transmit.
+
+    fn transmit(&mut self, now: Instant) -> bool {
+        let mut any = false;
+        let mut nics = std::mem::take(&mut self.nics);
+        for (k, nic) in nics.iter_mut().enumerate() {
+            if self.nic_down[k] {
+                self.control[k].clear();
+                continue;
+            }
+            let mut order: Vec<(u64, u16)> = Vec::new();
+            for (&sid, s) in &self.sessions {
+                order.extend(s.nic_of.iter().filter(|&(_, &n)| n == k).map(|(&c, _)| (sid, c)));
+            }
+            let mut cursor = 0;
+            let (mut frames, mut bytes, mut copied) = (0u64, 0u64, 0u64);
+            let control = &mut self.control[k];
+            let sessions = &mut self.sessions;
+            let slots = &self.slots;
+            let r = nic.transport.send(TX_BUDGET, &mut |buf| {
+                if let Some(f) = control.pop_front() {
+                    buf[..f.len()].copy_from_slice(&f);
+                    frames += 1;
+                    bytes += f.len() as u64;
+                    return Some(f.len());
+                }
+                while cursor < order.len() {
+                    let (sid, ch) = order[cursor];
+                    let s = sessions.get_mut(&sid).expect("listed");
+                    let epoch = s.epochs.get(&ch).copied().unwrap_or(0);
+                    if let Some(t) = s.session.poll_transmit(now, ch, buf) {
+                        if let Some(p) = t.payload {
+                            let dst = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + p.len as usize];
+                            match slots.get(&(sid, ch, epoch, p.damq)) {
+                                Some(Some(mem)) => {
+                                    dst.copy_from_slice(
+                                        &mem.as_slice()[p.offset as usize..(p.offset + p.len) as usize],
+                                    );
+                                    copied += p.len as u64;
+                                }
+                                // Read data always lies in its slot until the completion is sent;
+                                // never send stale bytes.
+                                _ => return Some(0),
+                            }
+                        }
+                        frames += 1;
+                        bytes += t.len as u64;
+                        return Some(t.len);
+                    }
+                    cursor += 1;
+                }
+                None
+            });
+            if let Err(e) = r {
+                self.nic_stats[k].tx_errors += 1;
+                if permanent(&e) {
+                    tracing::warn!(nic = %nic.name, "link down: {e}");
+                    self.nic_down[k] = true;
+                } else if self.nic_stats[k].tx_errors.is_power_of_two() {
+                    tracing::warn!(nic = %nic.name, errors = self.nic_stats[k].tx_errors, "send failed: {e}");
+                }
+            }
+            if let Err(e) = nic.transport.flush() {
+                tracing::warn!(nic = %nic.name, "flush failed: {e}");
+            }
+            any |= frames > 0;
+            self.nic_stats[k].frames_tx += frames;
+            self.nic_stats[k].bytes_tx += bytes;
+            self.payload_copied += copied;
+        }
+        self.nics = nics;
+        // Transmitting can make channels die (a DISCONNECT sent): collect those events.
+        any
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Counters.
+
+    fn publish_if_requested(&mut self, now: Instant) {
+        let want = self.shared.stats_requested.load(Ordering::SeqCst);
+        if self.shared.snapshot.lock().expect("snapshot lock").0 >= want {
+            return;
+        }
+        let snap = self.snapshot(now);
+        let mut g = self.shared.snapshot.lock().expect("snapshot lock");
+        g.0 = want;
+        g.1 = snap;
+        self.shared.published.notify_all();
+    }
+
+    fn snapshot(&self, now: Instant) -> Snapshot {
+        let mut exports = self.export_stats.clone();
+        let mut channels = Vec::new();
+        let mut dups = self.duplicates_from_reclaimed;
+        for (&sid, s) in &self.sessions {
+            exports[s.export].sessions += 1;
+            dups += s.session.duplicates_suppressed();
+            for (&ch, &k) in &s.nic_of {
+                let Some(c) = s.session.channel(ch) else { continue };
+                let cs = c.stats();
+                let drops = DropReason::ALL
+                    .iter()
+                    .zip(cs.dropped)
+                    .filter(|(_, n)| *n > 0)
+                    .map(|(r, n)| (drop_name(*r), n))
+                    .collect();
+                channels.push(ChannelSnapshot {
+                    session: sid,
+                    channel: ch,
+                    export: self.exports[s.export].spec.name.clone(),
+                    nic: self.nic_stats[k].name.clone(),
+                    peer: c.envelope().dst.to_string(),
+                    dead: c.dead().is_some(),
+                    frames_tx: cs.frames_tx,
+                    frames_rx: cs.frames_rx,
+                    payload_tx: cs.payload_tx,
+                    payload_rx: cs.payload_rx,
+                    retransmits: cs.retransmits,
+                    drops,
+                    executing: s.executing.get(&ch).copied().unwrap_or(0),
+                });
+            }
+        }
+        Snapshot {
+            uptime_ms: now.as_nanos() / 1_000_000,
+            stopping: self.stopping.is_some(),
+            sessions: self.sessions.len() as u64,
+            sessions_reclaimed: self.reclaimed,
+            payload_copied_bytes: self.payload_copied,
+            storage_inflight: self.inflight,
+            duplicates_suppressed: dups,
+            nics: self.nic_stats.clone(),
+            exports,
+            channels,
+        }
+    }
+}
+
+impl Drops {
+    /// Sum of the channel drop counters.
+    pub fn channel_total(&self) -> u64 {
+        self.channel.values().sum()
+    }
+}

@@ -1,0 +1,268 @@
+//! The `tyched` binary in a two-NIC veth lab (root only; skipped otherwise).
+//!
+//! Each test creates two network namespaces of its own (`tyd<transport><pid>i`/`t`) joined by
+//! two veth pairs, runs `tyched serve --transport packet|xdp --config FILE` in the target
+//! namespace and drives it with the initiator engine (over AF_PACKET or AF_XDP) from the other:
+//! patterns of many sizes over both NICs, FLUSH/FUA/DISCARD/WRITE_ZEROES, a refused MAC, a refused
+//! key, garbage frames, SIGTERM (exit 0), a restart with the same config, and a read back of
+//! everything acknowledged before the signal. A guard deletes the namespaces (and with
+//! them the veths) however the test ends.
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{pattern, Initiator, Port};
+use tyche_channel::ConnectError;
+use tyche_wire::{Op, RejectReason};
+use tyched::packet::PacketTransport;
+
+const KEY: &str = "lab pre-shared key 0123456789";
+
+struct Lab {
+    ns_i: String,
+    ns_t: String,
+}
+
+fn ip(args: &[&str]) {
+    let st = Command::new("ip").args(args).status().expect("run ip");
+    assert!(st.success(), "ip {args:?} failed");
+}
+
+impl Lab {
+    fn new(tag: &str) -> Option<Lab> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || Command::new("ip").arg("-V").output().is_err() {
+            eprintln!("skipping: the veth lab needs root and iproute2");
+            return None;
+        }
+        let pid = std::process::id();
+        let lab = Lab { ns_i: format!("tyd{tag}{pid}i"), ns_t: format!("tyd{tag}{pid}t") };
+        // Interface names are per namespace: the two variants may run at once.
+        ip(&["netns", "add", &lab.ns_i]);
+        ip(&["netns", "add", &lab.ns_t]);
+        for k in 0..2u32 {
+            let (a, b) = (format!("tydi{k}"), format!("tydt{k}"));
+            ip(&["link", "add", &a, "netns", &lab.ns_i, "type", "veth", "peer", "name", &b, "netns", &lab.ns_t]);
+            let (ma, mb) = (common::init_mac(k as usize).to_string(), common::target_mac(k as usize).to_string());
+            ip(&["-n", &lab.ns_i, "link", "set", &a, "address", &ma, "up"]);
+            ip(&["-n", &lab.ns_t, "link", "set", &b, "address", &mb, "up"]);
+        }
+        Some(lab)
+    }
+
+    /// Opens the initiator's sockets (AF_PACKET, or AF_XDP with `xdp`) inside its namespace.
+    fn initiator_ports(&self, xdp: bool) -> Vec<Port> {
+        let ns = format!("/var/run/netns/{}", self.ns_i);
+        std::thread::spawn(move || {
+            let f = std::fs::File::open(&ns).expect("open netns");
+            // SAFETY: setns on this (short-lived) thread only; the descriptor is a live netns file.
+            let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+            (0..2)
+                .map(|k| {
+                    let name = format!("tydi{k}");
+                    if xdp {
+                        let port = tyche_xdp::XdpPort::open(&name, &tyche_xdp::PortConfig::default())
+                            .unwrap_or_else(|e| panic!("{name}: AF_XDP port: {e}"));
+                        Box::new(port) as Port
+                    } else {
+                        Box::new(PacketTransport::open(&name, tyche_wire::DEFAULT_ETHERTYPE).expect("socket")) as Port
+                    }
+                })
+                .collect()
+        })
+        .join()
+        .expect("netns thread")
+    }
+
+    /// Starts the daemon from a config file (three exports: a file, a MAC-locked RAM export and
+    /// a keyed RAM export), with the transport and interfaces given as flags.
+    fn tyched(&self, transport: &str, file: &std::path::Path, socket: &std::path::Path) -> Daemon {
+        let config = file.with_extension("toml");
+        let text = format!(
+            "workers = 2\nstats_socket = {socket:?}\n\n[[export]]\nname = \"disk\"\npath = {file:?}\n\n\
+             [[export]]\nname = \"locked\"\nsize = \"1M\"\nallow = [\"02:00:00:00:99:99\"]\n\n\
+             [[export]]\nname = \"secret\"\nsize = \"1M\"\nkey = \"{KEY}\"\n"
+        );
+        std::fs::write(&config, text).expect("write config");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.ns_t, env!("CARGO_BIN_EXE_tyched"), "serve", "--transport", transport])
+            .args(["--iface", "tydt0", "--iface", "tydt1"])
+            .arg("--config")
+            .arg(&config)
+            .env("TYCHE_LOG", "info")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start tyched");
+        Daemon(child)
+    }
+}
+
+/// The daemon's process; killed if the test ends without stopping it.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for ns in [&self.ns_i, &self.ns_t] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+fn wait_exit(d: &mut Daemon) -> std::process::ExitStatus {
+    let child = &mut d.0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("tyched did not exit after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn wait_socket(socket: &std::path::Path) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while tyched::stats_server::query(socket).is_err() {
+        assert!(std::time::Instant::now() < deadline, "tyched never answered on its stats socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn tyched_binary_over_two_veth_nics_af_packet() {
+    run_lab("packet");
+}
+
+#[test]
+fn tyched_binary_over_two_veth_nics_af_xdp() {
+    run_lab("xdp");
+}
+
+/// Writes patterns of many sizes over both NICs, SIGTERMs the daemon (exit 0), restarts it with
+/// the same config and reads everything back.
+fn run_lab(transport: &str) {
+    // One lab at a time: opening AF_XDP sockets while the other lab sets up failed once
+    // ("non-zero error code returned when creating AF_XDP socket").
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let xdp = transport == "xdp";
+    let Some(lab) = Lab::new(transport) else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("disk.img");
+    std::fs::File::create(&file).expect("create").set_len(16 << 20).expect("size");
+    let socket = dir.path().join("stats.sock");
+
+    let mut child = lab.tyched(transport, &file, &socket);
+    wait_socket(&socket);
+    let mut ini = Initiator::new(lab.initiator_ports(xdp));
+    let c = ini.attach("disk", None).expect("attach over veth");
+    assert_eq!(c.export_size, 16 << 20);
+    let sizes = [512usize, 4096, 65536, 200 * 1024, 1 << 20];
+    let mut written = Vec::new();
+    let mut offset = 0u64;
+    let mut ids = Vec::new();
+    for (i, &len) in sizes.iter().enumerate() {
+        let data = pattern(offset, len, i as u8 + 40);
+        ids.push(ini.submit(Op::Write, offset, data.clone(), len as u64, i % 2 == 0));
+        written.push((offset, data));
+        offset += len as u64 + 4096;
+    }
+    for id in ids {
+        ini.wait(id).0.expect("write acknowledged");
+    }
+    for (off, data) in &written {
+        assert!(ini.read(*off, data.len()) == *data, "read back {} bytes at {off}", data.len());
+    }
+    let snap = tyched::stats_server::query(&socket).expect("stats");
+    assert!(snap.nics.iter().all(|n| n.frames_rx > 0), "both NICs used: {:?}", snap.nics);
+    assert_eq!(snap.exports[0].requests.write, sizes.len() as u64);
+    // FLUSH, DISCARD and WRITE_ZEROES over the wire.
+    let base = 8u64 << 20;
+    let mut expect = pattern(base, 65536, 77);
+    ini.write(base, &expect);
+    ini.range_op(Op::Flush, 0, 0).expect("flush");
+    ini.range_op(Op::Discard, base + 4096, 8192).expect("discard");
+    expect[4096..12288].fill(0);
+    ini.range_op(Op::WriteZeroes, base + 32768, 4096).expect("write zeroes");
+    expect[32768..36864].fill(0);
+    assert!(ini.read(base, 65536) == expect, "discard and write-zeroes read back as zeroes");
+    written.push((base, expect));
+
+    // Strangers: a MAC not on the allow-list, a wrong key; the right key attaches.
+    let (_, r) = ini.handshake(0, 0, "locked", None);
+    assert_eq!(r.err(), Some(ConnectError::Rejected(RejectReason::NotAllowed)), "MAC allow-list");
+    let (_, r) = ini.handshake(1, 0, "secret", Some(b"not the lab key at all"));
+    assert_eq!(r.err(), Some(ConnectError::Rejected(RejectReason::AuthFailed)), "wrong key");
+    let (_, r) = ini.handshake(1, 0, "secret", Some(KEY.as_bytes()));
+    assert!(r.is_ok(), "right key attaches: {r:?}");
+
+    // Garbage: well-formed frames for sessions nobody has, and an unparsable Tyche frame.
+    for k in 0..2 {
+        let env = tyche_wire::Envelope {
+            dst: common::target_mac(k),
+            src: common::init_mac(k),
+            ethertype: tyche_wire::DEFAULT_ETHERTYPE,
+            channel: 3,
+            session: 0xdead_beef_0000 + k as u64,
+        };
+        let mut buf = [0u8; 128];
+        let n = tyche_wire::Message::Ack(tyche_wire::Ack { cumulative: 9, sack: 0 }).emit(&env, &mut buf);
+        common::send(&mut ini.ports[k], &buf[..n]);
+        buf[15] = 0x7f; // an unknown kind
+        common::send(&mut ini.ports[k], &buf[..n]);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let snap = tyched::stats_server::query(&socket).expect("stats");
+        let (unknown, mac, key) =
+            (snap.drops(|d| d.unknown_session), snap.drops(|d| d.denied_mac), snap.drops(|d| d.denied_key));
+        if unknown >= 2 && mac >= 1 && key >= 1 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "refusals and garbage are counted: {:?}", snap.nics);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Still serving.
+    assert!(ini.read(0, 512) == written[0].1, "serving after garbage");
+    let out = Command::new(env!("CARGO_BIN_EXE_tyched"))
+        .args(["stats", "--json", "--socket"])
+        .arg(&socket)
+        .output()
+        .expect("tyched stats");
+    assert!(out.status.success(), "tyched stats: {}", String::from_utf8_lossy(&out.stderr));
+    let _: tyched::Snapshot = serde_json::from_slice(&out.stdout).expect("stats --json is a snapshot");
+
+    // SAFETY: kill takes integers; the child is ours and has not been reaped.
+    assert_eq!(unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) }, 0);
+    let st = wait_exit(&mut child);
+    assert!(st.success(), "tyched exits 0 after SIGTERM: {st:?}");
+    drop(ini);
+
+    // Same config, new daemon: everything acknowledged before the signal is there.
+    let mut child = lab.tyched(transport, &file, &socket);
+    wait_socket(&socket);
+    let mut ini = Initiator::new(lab.initiator_ports(xdp));
+    ini.attach("disk", None).expect("attach after restart");
+    for (off, data) in &written {
+        assert!(ini.read(*off, data.len()) == *data, "after restart: {} bytes at {off}", data.len());
+    }
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(child.0.id() as i32, libc::SIGINT) }, 0);
+    assert!(wait_exit(&mut child).success(), "tyched exits 0 after SIGINT");
+}

@@ -1,0 +1,397 @@
+//! An in-process target over in-memory links, driven by the initiator-side engine.
+
+mod common;
+
+use common::{pattern, Initiator};
+use tyche_channel::{ConnectError, IoError};
+use tyche_wire::{Op, RejectReason, Status};
+use tyched::config::{Config, ExportConfig};
+
+fn config(exports: Vec<ExportConfig>) -> Config {
+    Config { exports, workers: 2, ..Config::default() }
+}
+
+#[test]
+fn many_sizes_over_two_nics_to_ram_and_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("disk.img");
+    let cfg = config(vec![ExportConfig::ram("ram", 8 << 20), ExportConfig::file("file", &file, Some(8 << 20))]);
+    let (target, ports) = common::start(cfg.clone(), 2);
+    let (_, ports2) = (0, ports);
+    let mut ini = Initiator::new(ports2);
+    let c = ini.attach("ram", None).expect("attach ram");
+    assert_eq!(c.export_size, 8 << 20, "size reported in ACCEPT");
+    let sizes = [512usize, 1024, 4096, 8192, 12288, 65536, 131072 + 512, 1 << 20];
+    let mut offset = 0u64;
+    let mut written = Vec::new();
+    // Several in flight at once, spread over both channels.
+    let mut ids = Vec::new();
+    for (i, &len) in sizes.iter().enumerate() {
+        let data = pattern(offset, len, i as u8);
+        ids.push(ini.submit(Op::Write, offset, data.clone(), len as u64, false));
+        written.push((offset, data));
+        offset += len as u64;
+    }
+    for id in ids {
+        let (r, _) = ini.wait(id);
+        r.expect("write completes");
+    }
+    for (off, data) in &written {
+        assert_eq!(&ini.read(*off, data.len()), data, "read back {} bytes at {off}", data.len());
+    }
+    let s = target.stats();
+    let e = &s.exports[0];
+    assert_eq!(e.requests.write, sizes.len() as u64, "{s:?}");
+    assert_eq!(e.bytes_written, sizes.iter().sum::<usize>() as u64);
+    assert!(s.payload_copied_bytes >= 2 * e.bytes_written, "payload copies are counted: {}", s.payload_copied_bytes);
+    assert_eq!(s.channels.len(), 2, "one channel per NIC");
+    let prom = s.prometheus();
+    assert!(prom.contains("tyched_export_requests_total{export=\"ram\",op=\"write\"} 8"), "{prom}");
+    assert!(s.human().contains("ram"), "human rendering names the export");
+    assert!(s.nics.iter().all(|n| n.frames_rx > 0), "both NICs carried traffic: {:?}", s.nics);
+    drop(ini);
+
+    // The file export on a fresh attachment (new session over new links).
+    drop(target);
+    let (target, ports) = common::start(cfg, 2);
+    let mut ini = Initiator::new(ports);
+    ini.attach("file", None).expect("attach file");
+    for (off, data) in &written {
+        ini.write(*off, data);
+    }
+    for (off, data) in &written {
+        assert_eq!(&ini.read(*off, data.len()), data, "file: read back {} bytes at {off}", data.len());
+    }
+    let s = target.shutdown();
+    assert_eq!(s.exports[1].requests.write, sizes.len() as u64);
+    let on_disk = std::fs::read(&file).expect("read the file");
+    for (off, data) in &written {
+        assert_eq!(&on_disk[*off as usize..*off as usize + data.len()], &data[..], "file holds the write at {off}");
+    }
+}
+
+#[test]
+fn flush_fua_discard_write_zeroes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("disk.img");
+    let (target, ports) = common::start(config(vec![ExportConfig::file("f", &file, Some(4 << 20))]), 1);
+    let mut ini = Initiator::new(ports);
+    ini.attach("f", None).expect("attach");
+    let data = pattern(0, 65536, 9);
+    ini.write(0, &data);
+    ini.range_op(Op::Flush, 0, 0).expect("flush");
+    ini.io(Op::Write, 65536, data.clone(), true).expect("FUA write");
+    // Durable writes are in the file (read through another descriptor).
+    let disk = std::fs::read(&file).expect("file");
+    assert_eq!(&disk[..65536], &data[..], "flushed write in the file");
+    assert_eq!(&disk[65536..131072], &data[..], "FUA write in the file");
+    ini.range_op(Op::Discard, 4096, 8192).expect("discard");
+    let back = ini.read(0, 65536);
+    assert_eq!(&back[..4096], &data[..4096], "before the discard");
+    assert!(back[4096..12288].iter().all(|&b| b == 0), "discarded range reads zeroes");
+    assert_eq!(&back[12288..], &data[12288..], "after the discard");
+    ini.range_op(Op::WriteZeroes, 65536 + 512, 1024).expect("write zeroes");
+    let back = ini.read(65536, 4096);
+    assert_eq!(&back[..512], &data[..512]);
+    assert!(back[512..1536].iter().all(|&b| b == 0), "zeroed range");
+    assert_eq!(&back[1536..], &data[1536..4096]);
+    let s = target.shutdown();
+    let r = &s.exports[0].requests;
+    assert_eq!((r.flush, r.discard, r.write_zeroes), (1, 1, 1), "{r:?}");
+}
+
+#[test]
+fn read_only_and_out_of_range_are_refused_by_the_target() {
+    let ro = ExportConfig { read_only: true, ..ExportConfig::ram("ro", 1 << 20) };
+    let (target, ports) = common::start(config(vec![ro]), 1);
+    let mut ini = Initiator::new(ports);
+    // The volume is told a larger export so that the target, not the volume, refuses.
+    ini.pretend_size = Some(2 << 20);
+    let c = ini.attach("ro", None).expect("attach");
+    assert_ne!(c.export_flags & tyche_wire::flags::EXPORT_READ_ONLY, 0, "read-only flag in ACCEPT");
+    let r = ini.io(Op::Write, 0, vec![1; 4096], false);
+    assert_eq!(r.err(), Some(IoError::Target(Status::ReadOnly)), "write to a read-only export");
+    assert_eq!(ini.range_op(Op::Discard, 0, 512), Err(IoError::Target(Status::ReadOnly)));
+    let r = ini.io(Op::Read, (1 << 20) - 512, vec![0; 1024], false);
+    assert_eq!(r.err(), Some(IoError::Target(Status::OutOfRange)), "read past the end");
+    assert_eq!(ini.read(0, 4096), vec![0; 4096], "reads still work");
+    drop(target);
+}
+
+#[test]
+fn mac_not_allowed_is_refused() {
+    let e = ExportConfig { allow: vec!["02:00:00:00:99:99".into()], ..ExportConfig::ram("locked", 1 << 20) };
+    let open = ExportConfig { allow: vec![common::init_mac(0).to_string()], ..ExportConfig::ram("mine", 1 << 20) };
+    let (target, ports) = common::start(config(vec![e, open]), 1);
+    let mut ini = Initiator::new(ports);
+    let (_, r) = ini.handshake(0, 0, "locked", None);
+    assert_eq!(r.err(), Some(ConnectError::Rejected(RejectReason::NotAllowed)));
+    ini.attach("mine", None).expect("an allowed MAC attaches");
+    let s = target.stats();
+    assert_eq!(s.drops(|d| d.denied_mac), 1, "{:?}", s.nics);
+    assert_eq!(s.exports[0].denied, 1);
+}
+
+#[test]
+fn pre_shared_key_right_wrong_and_missing() {
+    let key = "correct horse battery staple";
+    let e = ExportConfig { key: Some(key.into()), ..ExportConfig::ram("secret", 1 << 20) };
+    let (target, ports) = common::start(config(vec![e]), 2);
+    let mut ini = Initiator::new(ports);
+    let (_, r) = ini.handshake(0, 0, "secret", Some(b"wrong horse battery staple"));
+    assert_eq!(r.err(), Some(ConnectError::Rejected(RejectReason::AuthFailed)), "wrong key");
+    let (_, r) = ini.handshake(0, 0, "secret", None);
+    assert_eq!(r.err(), Some(ConnectError::ChallengeUnsupported), "no key: the target challenges");
+    let c = ini.attach("secret", Some(key.as_bytes())).expect("right key attaches on both NICs");
+    assert_ne!(c.export_flags & tyche_wire::flags::EXPORT_NEEDS_KEY, 0);
+    let data = pattern(0, 8192, 3);
+    ini.write(0, &data);
+    assert_eq!(ini.read(0, 8192), data);
+    let s = target.stats();
+    assert_eq!(s.drops(|d| d.denied_key), 1, "{:?}", s.nics);
+    assert_eq!(s.sessions, 1);
+}
+
+#[test]
+fn garbage_frames_are_counted_and_ignored() {
+    let (target, ports) = common::start(config(vec![ExportConfig::ram("r", 1 << 20)]), 1);
+    let mut ini = Initiator::new(ports);
+    let c = ini.attach("r", None).expect("attach");
+    let mut rng = tyche_transport::SplitMix64::new(42);
+    let t = common::target_mac(0).octets();
+    let s = common::init_mac(0).octets();
+    for i in 0..500u32 {
+        let len = rng.range(1, 200) as usize;
+        let mut f: Vec<u8> = (0..len.max(60)).map(|_| rng.next_u64() as u8).collect();
+        if i % 2 == 0 && f.len() >= 30 {
+            // A Tyche header with a random kind and session: must be dropped, never crash.
+            f[..6].copy_from_slice(&t);
+            f[6..12].copy_from_slice(&s);
+            f[12..14].copy_from_slice(&tyche_wire::DEFAULT_ETHERTYPE.to_be_bytes());
+            f[14] = 1;
+            if i % 4 == 0 {
+                f[22..30].copy_from_slice(&c.session.to_be_bytes());
+            }
+        }
+        common::send(&mut ini.ports[0], &f[..len.min(f.len())]);
+        if i % 5 == 0 {
+            // Well-formed frames for a session nobody has, and an injection into the real session
+            // on a channel it does not have.
+            let session = if i % 10 == 0 { rng.next_u64() | 1 } else { c.session };
+            let env = tyche_wire::Envelope {
+                dst: common::target_mac(0),
+                src: common::init_mac(0),
+                ethertype: tyche_wire::DEFAULT_ETHERTYPE,
+                channel: 7,
+                session,
+            };
+            let mut buf = [0u8; 128];
+            let m = tyche_wire::Message::Ack(tyche_wire::Ack { cumulative: rng.next_u64() as u32, sack: 0 });
+            let n = m.emit(&env, &mut buf);
+            common::send(&mut ini.ports[0], &buf[..n]);
+        }
+        if i % 64 == 0 {
+            ini.pump();
+        }
+    }
+    let data = pattern(4096, 16384, 5);
+    ini.write(4096, &data);
+    assert_eq!(ini.read(4096, 16384), data, "still serving after garbage");
+    let st = target.stats();
+    let n = &st.nics[0];
+    let dropped = n.drops.malformed + n.drops.unknown_session + n.drops.not_ours + n.drops.channel_total();
+    assert!(dropped >= 400, "garbage is counted: {:?}", n.drops);
+    assert!(n.drops.malformed > 0, "{:?}", n.drops);
+    assert_eq!(n.drops.unknown_session, 50, "{:?}", n.drops);
+    assert_eq!(n.drops.not_ours, 50, "{:?}", n.drops);
+}
+
+#[test]
+fn restart_with_the_same_file_serves_the_same_data() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("disk.img");
+    let cfg = config(vec![ExportConfig::file("f", &file, Some(2 << 20))]);
+    let data = pattern(8192, 300 * 1024, 7);
+    {
+        let (target, ports) = common::start(cfg.clone(), 1);
+        let mut ini = Initiator::new(ports);
+        ini.attach("f", None).expect("attach");
+        ini.write(8192, &data);
+        let s = target.shutdown();
+        assert_eq!(s.storage_inflight, 0, "nothing left in flight");
+        assert!(s.stopping);
+    }
+    let (target, ports) = common::start(cfg, 1);
+    let mut ini = Initiator::new(ports);
+    ini.attach("f", None).expect("attach after restart");
+    assert_eq!(ini.read(8192, data.len()), data, "acknowledged data survives a restart");
+    drop(target);
+}
+
+#[test]
+fn a_vanished_initiator_is_reclaimed() {
+    let cfg = Config { dead_after_ms: 250, ..config(vec![ExportConfig::ram("r", 1 << 20)]) };
+    let (target, ports) = common::start(cfg, 2);
+    let mut ini = Initiator::new(ports);
+    ini.attach("r", None).expect("attach");
+    ini.write(0, &[7; 4096]);
+    assert_eq!(target.stats().sessions, 1);
+    drop(ini); // vanishes without a word
+    let deadline = std::time::Instant::now() + common::LIMIT;
+    loop {
+        let s = target.stats();
+        if s.sessions == 0 {
+            assert_eq!(s.sessions_reclaimed, 1, "{s:?}");
+            assert!(s.channels.is_empty());
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "session never reclaimed: {s:?}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn discovery_reports_exports_and_sizes() {
+    let (target, mut ports) = common::start(
+        config(vec![
+            ExportConfig::ram("a", 1 << 20),
+            ExportConfig { read_only: true, ..ExportConfig::ram("b", 2 << 20) },
+        ]),
+        1,
+    );
+    let env = tyche_wire::Envelope {
+        dst: tyche_wire::MacAddr::BROADCAST,
+        src: common::init_mac(0),
+        ethertype: tyche_wire::DEFAULT_ETHERTYPE,
+        channel: 0,
+        session: 0,
+    };
+    let mut buf = vec![0u8; 256];
+    let len = tyche_wire::Message::Discover(tyche_wire::Discover { nonce: 5, start: 0 }).emit(&env, &mut buf);
+    common::send(&mut ports[0], &buf[..len]);
+    let deadline = std::time::Instant::now() + common::LIMIT;
+    let mut got = Vec::new();
+    while got.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no DISCOVER_REPLY");
+        ports[0]
+            .recv(8, &mut |b| {
+                let f = tyche_wire::Frame::new_checked(b, tyche_wire::DEFAULT_ETHERTYPE).expect("valid reply");
+                if let Ok(tyche_wire::Message::DiscoverReply(r)) = f.parse() {
+                    got = r.exports.iter().map(|e| (e.name.to_string(), e.size, e.flags)).collect();
+                }
+            })
+            .expect("recv");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(got[0].0, "a");
+    assert_eq!(got[0].1, 1 << 20);
+    assert_eq!(got[1].1, 2 << 20);
+    assert_ne!(got[1].2 & tyche_wire::flags::EXPORT_READ_ONLY, 0);
+    drop(target);
+}
+
+#[test]
+fn shutdown_with_writes_in_flight_loses_nothing_acknowledged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("disk.img");
+    let cfg = config(vec![ExportConfig::file("f", &file, Some(8 << 20))]);
+    let (target, ports) = common::start(cfg.clone(), 2);
+    let mut ini = Initiator::new(ports);
+    ini.attach("f", None).expect("attach");
+    // 64 writes of 64 KiB in flight, then the target is told to stop while they run.
+    let mut pending = Vec::new();
+    for i in 0..64u64 {
+        let data = pattern(i * 65536, 65536, i as u8);
+        let id = ini.submit(Op::Write, i * 65536, data.clone(), 65536, false);
+        pending.push((id, i * 65536, data));
+    }
+    for _ in 0..3 {
+        ini.pump();
+    }
+    let stopper = std::thread::spawn(move || target.shutdown());
+    let mut acked = Vec::new();
+    let mut failed = 0;
+    for (id, off, data) in pending {
+        match ini.wait(id).0 {
+            Ok(()) => acked.push((off, data)),
+            Err(_) => failed += 1,
+        }
+    }
+    let snap = stopper.join().expect("shutdown");
+    assert_eq!(snap.storage_inflight, 0, "shutdown waited for storage");
+    assert!(!acked.is_empty(), "some writes were acknowledged ({failed} failed)");
+    drop(ini);
+    let (target, ports) = common::start(cfg, 1);
+    let mut ini = Initiator::new(ports);
+    ini.attach("f", None).expect("attach after restart");
+    for (off, data) in &acked {
+        assert!(ini.read(*off, data.len()) == *data, "acknowledged write at {off} survived the shutdown");
+    }
+    drop(target);
+}
+
+#[test]
+fn discovery_of_many_long_names_pages() {
+    let exports = (0..10).map(|i| ExportConfig::ram(&format!("{i:0>64}"), 1 << 20)).collect();
+    let (target, mut ports) = common::start(config(exports), 1);
+    let mut seen = Vec::new();
+    for start in [0u16, 8] {
+        let env = tyche_wire::Envelope {
+            dst: common::target_mac(0),
+            src: common::init_mac(0),
+            ethertype: tyche_wire::DEFAULT_ETHERTYPE,
+            channel: 0,
+            session: 0,
+        };
+        let mut buf = vec![0u8; 256];
+        let len = tyche_wire::Message::Discover(tyche_wire::Discover { nonce: 1, start }).emit(&env, &mut buf);
+        common::send(&mut ports[0], &buf[..len]);
+        let deadline = std::time::Instant::now() + common::LIMIT;
+        let mut got = None;
+        while got.is_none() {
+            assert!(std::time::Instant::now() < deadline, "no DISCOVER_REPLY for start {start}");
+            ports[0]
+                .recv(8, &mut |b| {
+                    let f = tyche_wire::Frame::new_checked(b, tyche_wire::DEFAULT_ETHERTYPE).expect("valid reply");
+                    if let Ok(tyche_wire::Message::DiscoverReply(r)) = f.parse() {
+                        got = Some((r.total, r.exports.iter().map(|e| e.name.to_string()).collect::<Vec<_>>()));
+                    }
+                })
+                .expect("recv");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let (total, names) = got.expect("reply");
+        assert_eq!(total, 10);
+        seen.extend(names);
+    }
+    assert_eq!(seen.len(), 10, "two pages list every export: {seen:?}");
+    assert_eq!(target.stats().exports.len(), 10);
+}
+
+#[test]
+fn corrupted_copies_of_every_frame_never_crash_the_target() {
+    for seed in 1..=6 {
+        let (target, ports) = common::start(config(vec![ExportConfig::ram("r", 4 << 20)]), 2);
+        let mut ini = Initiator::new(ports);
+        ini.attach("r", None).expect("attach");
+        ini.mutate = Some(tyche_transport::SplitMix64::new(seed));
+        // Corrupted copies can be mistaken for real frames (Tyche relies on the Ethernet FCS),
+        // so only liveness is checked here, not the data: every request ends, one way or another.
+        let mut ids = Vec::new();
+        for i in 0..48u64 {
+            let op = if i % 3 == 2 { Op::Read } else { Op::Write };
+            let len = 512 * (1 + (i * 37 + seed) % 200);
+            let data = if op == Op::Write { pattern(i << 16, len as usize, i as u8) } else { vec![0; len as usize] };
+            ids.push(ini.submit(op, i << 16, data, len, i % 5 == 0));
+        }
+        for id in ids {
+            let _ = ini.wait(id);
+        }
+        let s = target.stats();
+        assert!(!target.is_finished(), "seed {seed}: the target is still running");
+        let dropped: u64 = s.nics.iter().map(|n| n.drops.malformed + n.drops.not_ours + n.drops.channel_total()).sum();
+        assert!(dropped > 0, "seed {seed}: corrupted frames were counted: {:?}", s.nics);
+        let last = target.shutdown();
+        assert_eq!(last.storage_inflight, 0, "seed {seed}: clean shutdown");
+    }
+}
