@@ -105,6 +105,8 @@ pub struct InitiatorConfig {
     pub send_mode: SendMode,
     /// EtherType.
     pub ethertype: u16,
+    /// The export's pre-shared key, for exports that need one (CHALLENGE and proofs).
+    pub key: Option<Vec<u8>>,
 }
 
 impl InitiatorConfig {
@@ -126,6 +128,7 @@ impl InitiatorConfig {
             scheduler: SchedulerKind::default(),
             send_mode: SendMode::default(),
             ethertype: DEFAULT_ETHERTYPE,
+            key: None,
         }
     }
 
@@ -138,6 +141,9 @@ impl InitiatorConfig {
         }
         if self.connect_attempts == 0 || self.connect_retry.is_zero() {
             return Err("connect attempts and retry interval must be positive".into());
+        }
+        if self.key.as_ref().is_some_and(|k| k.len() < 16) {
+            return Err("a pre-shared key has at least 16 bytes".into());
         }
         if self.max_requests == 0 {
             return Err("max_requests must be positive".into());

@@ -260,8 +260,11 @@ impl Engine {
         };
         let want = self.want(link);
         let nonce = self.rng.next_u64();
-        let connector =
+        let mut connector =
             Connector::new(env, &self.cfg.export, want, nonce, self.cfg.connect_retry, self.cfg.connect_attempts, now);
+        if let Some(key) = &self.cfg.key {
+            connector = connector.with_key(key);
+        }
         self.connectors.insert(channel, Pending { slot, connector });
         self.slots[slot].state = SlotState::Connecting { channel, attempt };
     }

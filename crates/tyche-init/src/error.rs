@@ -67,8 +67,8 @@ pub enum ConnectError {
         /// Export asked for.
         export: String,
     },
-    /// The export needs a key (not supported yet by this initiator) or the key was wrong.
-    #[error("export {export:?} needs a key ({reason:?}); key proofs are not supported by this initiator yet")]
+    /// The export needs a key and none was given, or the key was wrong.
+    #[error("export {export:?}: {reason:?} (give the export's pre-shared key with --key FILE, or check it)")]
     Auth {
         /// Export asked for.
         export: String,

@@ -113,9 +113,6 @@ struct ConnArgs {
 
 impl ConnArgs {
     fn config(&self) -> Result<InitiatorConfig> {
-        if self.key.is_some() {
-            bail!("--key: pre-shared key proofs are not supported by this initiator yet");
-        }
         if !(self.no_path_timeout.is_finite() && self.no_path_timeout >= 0.0) {
             bail!("--no-path-timeout must be a non-negative number of seconds");
         }
@@ -125,6 +122,17 @@ impl ConnArgs {
         c.reconnect_attempts = self.reconnect_attempts;
         c.scheduler = self.scheduler;
         c.send_mode = self.send_mode;
+        if let Some(path) = &self.key {
+            let mut key = std::fs::read(path).with_context(|| format!("reading the key file {}", path.display()))?;
+            // The key is the file's bytes, without a final line break.
+            while key.last().is_some_and(|&b| b == b'\n' || b == b'\r') {
+                key.pop();
+            }
+            if key.len() < 16 {
+                bail!("--key {}: a pre-shared key has at least 16 bytes", path.display());
+            }
+            c.key = Some(key);
+        }
         Ok(c)
     }
 

@@ -37,7 +37,10 @@ fn bad_connection_options_say_what_is_wrong() {
         &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--iface", "lo", "--target", "zz"],
         "not a MAC",
     );
-    fails_with(&["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--loopback-mib", "1", "--key", "/k"], "key");
+    fails_with(
+        &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--loopback-mib", "1", "--key", "/nonexistent/k"],
+        "reading the key file",
+    );
     fails_with(
         &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--loopback-mib", "1", "--send-mode", "bulk"],
         "send mode",
