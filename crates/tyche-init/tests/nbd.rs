@@ -278,3 +278,34 @@ async fn fio_random_writes_verify() {
     .await
     .unwrap();
 }
+
+/// Against the real target daemon: `tests/tcp-tyched.sh` (TCP baseline, keyed export, target
+/// found by discovery) and `tests/xdp-veth-nbd.sh` with `TYCHED` (AF_XDP, failover). Needs root
+/// and a `tyched` binary built next to this one (`cargo build -p tyched`).
+#[test]
+#[ignore = "needs root, network namespaces, AF_XDP and a built tyched"]
+fn interop_with_tyched() {
+    let me = Path::new(env!("CARGO_BIN_EXE_tyche-init"));
+    let tyched = me.with_file_name("tyched");
+    if !tyched.exists() || !have("nbdcopy") {
+        eprintln!("SKIP: no tyched binary at {} (cargo build -p tyched)", tyched.display());
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    for (script, needles) in [
+        ("tcp-tyched.sh", &["TCP NBDCOPY ROUND TRIP OK"][..]),
+        ("xdp-veth-nbd.sh", &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..]),
+    ] {
+        let out = Command::new("bash")
+            .arg(dir.join(script))
+            .env("BIN", me)
+            .env("TYCHED", &tyched)
+            .env("FIND_TARGET", "1")
+            .output()
+            .expect("run the script");
+        let text = String::from_utf8_lossy(&out.stdout);
+        for n in needles {
+            assert!(text.contains(n), "{script}: no {n:?}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+}
