@@ -308,9 +308,11 @@ impl Engine {
                 }
                 let Some(v) = volume.as_mut() else { return };
                 if let Inbound::Read { id, offset, payload } = v.handle_frame(now, bytes) {
-                    if let Some(r) = inflight.get_mut(&id) {
-                        let at = offset as usize;
-                        r.buf[at..at + payload.len()].copy_from_slice(payload);
+                    let at = offset as usize;
+                    // The volume only places data inside the request; a range outside it would be
+                    // an engine bug, and is dropped rather than trusted.
+                    if let Some(dst) = inflight.get_mut(&id).and_then(|r| r.buf.get_mut(at..at + payload.len())) {
+                        dst.copy_from_slice(payload);
                         stats.bytes_read += payload.len() as u64;
                     }
                 }
