@@ -323,7 +323,10 @@ impl Volume {
                 },
                 None => ChannelView { live: false, has_room: false, node: None },
             }));
-            let Some(i) = self.scheduler.pick(part.length as u64, part.node, &self.views) else { break };
+            // Schedulers balance the bytes that cross the link: a DISCARD or WRITE_ZEROES of a
+            // whole export moves none, and must not make its channel look loaded.
+            let moved = if part.op.uses_damq() { part.length as u64 } else { 0 };
+            let Some(i) = self.scheduler.pick(moved, part.node, &self.views) else { break };
             assert!(self.views[i].live && self.views[i].has_room, "scheduler picked an unusable channel");
             let member = self.members[i].as_mut().expect("picked a present channel");
             let sub = Submission { tag, op: part.op, fua: part.fua, offset: part.offset, length: part.length };

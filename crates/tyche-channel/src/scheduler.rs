@@ -13,8 +13,9 @@ pub struct ChannelView {
 
 /// Picks a channel for a request part.
 pub trait Scheduler: std::fmt::Debug + Send {
-    /// Index of a live channel with room for a part of `bytes` bytes whose buffers live on
-    /// `node`, or `None` to wait.
+    /// Index of a live channel with room for a part moving `bytes` bytes of payload (zero for
+    /// FLUSH, DISCARD and WRITE_ZEROES, whatever their range) whose buffers live on `node`, or
+    /// `None` to wait.
     fn pick(&mut self, bytes: u64, node: Option<u32>, channels: &[ChannelView]) -> Option<usize>;
 }
 
