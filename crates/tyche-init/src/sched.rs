@@ -33,7 +33,12 @@ impl NumaScheduler {
 impl Scheduler for NumaScheduler {
     fn pick(&mut self, bytes: u64, node: Option<u32>, channels: &[ChannelView]) -> Option<usize> {
         while self.inner.len() < channels.len() {
-            self.inner.add_channel(channels[self.inner.len()].node);
+            // A new index (a channel opened late, or reopened after dying) starts level with the
+            // least loaded live channel of its node, so it does not take every request until it
+            // has caught up with the bytes the others carried.
+            let id = self.inner.add_channel(channels[self.inner.len()].node);
+            self.inner.set_live(id, false);
+            self.inner.set_live(id, true);
         }
         for (i, v) in channels.iter().enumerate() {
             self.inner.set_live(ChannelId(i), v.live);
@@ -102,6 +107,22 @@ mod tests {
         assert_eq!(s.pick(4096, Some(1), &v), Some(4));
         let dead: Vec<_> = v.iter().map(|c| ChannelView { live: false, ..*c }).collect();
         assert_eq!(s.pick(4096, Some(1), &dead), None);
+    }
+
+    #[test]
+    fn a_reopened_channel_starts_level_with_the_others() {
+        let mut s = NumaScheduler::new(SchedulerKind::Affinity, &[0]);
+        let mut v = vec![view(true, 0), view(true, 0)];
+        for _ in 0..1000 {
+            s.pick(65536, Some(0), &v).unwrap();
+        }
+        v[1].live = false;
+        v.push(view(true, 0)); // channel 1 reopened as index 2
+        let mut per = [0u32; 3];
+        for _ in 0..100 {
+            per[s.pick(65536, Some(0), &v).unwrap()] += 1;
+        }
+        assert!(per[0] >= 45 && per[2] >= 45, "the new channel shares, not hogs: {per:?}");
     }
 
     #[test]
