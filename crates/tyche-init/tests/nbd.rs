@@ -269,6 +269,7 @@ async fn fio_random_writes_verify() {
                 .arg(format!("--name=verify{bs}"))
                 .args(["--ioengine=nbd", "--rw=randwrite", "--size=16M", "--offset_increment=16M"])
                 .args(["--iodepth=32", "--numjobs=2", "--verify=crc32c", "--do_verify=1", "--group_reporting"])
+                .arg("--verify_state_save=0")
                 .arg(format!("--bs={bs}"))
                 .arg(format!("--uri={u}")));
             assert!(out.contains("err= 0"), "fio reported errors:\n{out}");
