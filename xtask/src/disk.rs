@@ -87,6 +87,16 @@ impl NbdDisk {
         Ok(())
     }
 
+    /// Empties every cache between the filesystem and the export (the loop device's buffers and
+    /// the page cache of nbdfuse's file), so the next reads really go to the NBD server.
+    pub fn drop_caches(&self) -> Result<()> {
+        ensure!(self.mounted.is_none(), "dropping caches under a mounted filesystem");
+        run(&mut Command::new("sync"))?;
+        run(Command::new("blockdev").args(["--flushbufs", &self.dev]))?;
+        fs::write("/proc/sys/vm/drop_caches", "3").context("dropping the page cache")?;
+        Ok(())
+    }
+
     /// `e2fsck -fn`: a full check that changes nothing; fails unless clean.
     pub fn fsck(&self) -> Result<()> {
         ensure!(self.mounted.is_none(), "fsck on a mounted filesystem");
@@ -266,7 +276,9 @@ pub fn check_cycle(socket: &Path, work: &Path, tree: &Tree) -> Result<()> {
     let mnt = disk.mount()?;
     tree.write(&mnt, &mut progress_bar("write", tree.bytes()))?;
     disk.umount()?;
+    disk.drop_caches()?;
     disk.fsck()?;
+    disk.drop_caches()?;
     let mnt = disk.mount()?;
     tree.verify(&mnt, &mut progress_bar("verify", tree.bytes()))?;
     disk.detach()
