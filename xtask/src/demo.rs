@@ -41,13 +41,13 @@ pub struct DemoArgs {
 }
 
 /// A child process killed (and reaped) when dropped.
-struct Daemon {
+pub(crate) struct Daemon {
     name: &'static str,
     child: Child,
 }
 
 impl Daemon {
-    fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Result<Daemon> {
+    pub(crate) fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Result<Daemon> {
         let out = fs::File::create(log)?;
         let child = cmd
             .stdin(Stdio::null())
@@ -58,7 +58,7 @@ impl Daemon {
         Ok(Daemon { name, child })
     }
 
-    fn check_alive(&mut self, log: &Path) -> Result<()> {
+    pub(crate) fn check_alive(&mut self, log: &Path) -> Result<()> {
         if let Some(status) = self.child.try_wait()? {
             let tail = fs::read_to_string(log).unwrap_or_default();
             let tail: Vec<&str> = tail.lines().rev().take(15).collect();
@@ -72,7 +72,7 @@ impl Daemon {
     }
 
     /// SIGTERM, then SIGKILL after a grace period.
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         if self.child.try_wait().ok().flatten().is_some() {
             return;
         }
@@ -123,7 +123,7 @@ fn interrupted() -> Result<()> {
     Ok(())
 }
 
-fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
+pub(crate) fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
     let deadline = Instant::now() + timeout;
     while !ready()? {
         interrupted()?;

@@ -4,6 +4,7 @@
 mod bpfgen;
 mod demo;
 mod disk;
+mod e2e;
 mod lab;
 mod sim;
 mod suite;
@@ -27,6 +28,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run the whole test suite as CI does.
     Test(suite::TestArgs),
+    /// ext4 over Tyche end to end on a veth lab, clean, then with loss and a failing link (root).
+    E2e(e2e::E2eArgs),
     /// Run the deterministic simulator over many seeds (or replay one).
     Sim(sim::SimArgs),
     /// The veth lab: two network namespaces (target, initiator) joined by veth pairs.
@@ -69,6 +72,7 @@ fn main() -> Result<()> {
             demo::demo(&root(), &a)
         }
         Command::Test(a) => suite::run(a),
+        Command::E2e(a) => e2e::e2e(&root(), &a),
         Command::Sim(a) => sim::run(a),
         Command::Lab { action } => lab::run(action),
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),

@@ -57,6 +57,8 @@ pub fn run(args: TestArgs) -> Result<()> {
     if is_root() {
         // ext4 over nbdfuse over tyche-init's NBD server; AF_XDP over veth with a failing link.
         step("tyche-init root tests", cargo().args(["test", "-p", "tyche-init", "--test", "nbd", "--", "--ignored"]))?;
+        eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
+        crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
     } else {
         eprintln!("xtask test: SKIPPING tyche-init root tests (nbdfuse, ext4, AF_XDP over veth)");
     }

@@ -109,6 +109,20 @@ struct ConnArgs {
     /// Send mode: inline or queue.
     #[arg(long, default_value = "inline")]
     send_mode: SendMode,
+    /// Testing only: drop this fraction of frames on every link, both ways, with the seeded
+    /// fault-injection wrapper (AF_XDP copy-mode transmit bypasses the qdisc, so `tc netem`
+    /// cannot drop Tyche frames).
+    #[arg(long, hide = true, value_parser = parse_probability)]
+    inject_loss: Option<f64>,
+}
+
+fn parse_probability(s: &str) -> std::result::Result<f64, String> {
+    let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..1.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(format!("{p} is not a probability in [0, 1)"))
+    }
 }
 
 impl ConnArgs {
@@ -199,6 +213,18 @@ impl ConnArgs {
         }
         if targets.is_empty() {
             self.find_targets(&mut links)?;
+        }
+        if let Some(loss) = self.inject_loss {
+            warn!(loss, "testing: injecting frame loss on every link, both ways");
+            let faults = tyche_transport::FaultConfig { loss, ..Default::default() };
+            links = links
+                .into_iter()
+                .enumerate()
+                .map(|(k, l)| {
+                    let lossy = tyche_transport::FaultInjector::new(l.transport, faults, faults, 0x1055 + k as u64);
+                    Link { transport: Box::new(lossy), ..l }
+                })
+                .collect();
         }
         Ok((links, None))
     }
