@@ -145,7 +145,7 @@ pub fn demo(root: &Path, args: &DemoArgs) -> Result<()> {
         .current_dir(root)
         .status()?;
     ensure!(status.success(), "cargo build failed");
-    let bin = |name: &str| root.join("target/release").join(name);
+    let bin = |name: &str| crate::xdp::target_dir(root).join("release").join(name);
 
     let work = PathBuf::from("/run/tyche-demo");
     let _ = fs::remove_dir_all(&work);

@@ -59,7 +59,7 @@ struct Stack<'a> {
 
 impl Stack<'_> {
     fn bin(&self, name: &str) -> PathBuf {
-        self.root.join("target/release").join(name)
+        crate::xdp::target_dir(self.root).join("release").join(name)
     }
 
     fn socket(&self) -> PathBuf {
