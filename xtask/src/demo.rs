@@ -71,6 +71,11 @@ impl Daemon {
         Ok(())
     }
 
+    /// The process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGTERM, then SIGKILL after a grace period.
     pub(crate) fn stop(&mut self) {
         if self.child.try_wait().ok().flatten().is_some() {

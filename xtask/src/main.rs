@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the project's orchestration (test suite, simulation, lab, AF_XDP smoke
 //! test, benchmarks, filesystem checks). Plain `cargo build` and `cargo test` work without it.
 
+mod bench_e2e;
 mod bpfgen;
 mod demo;
 mod disk;
@@ -58,6 +59,8 @@ enum Command {
 enum BenchCommand {
     /// Raw Tyche frames over AF_XDP on one veth pair, against iperf3 TCP on the same pair.
     Xdp(xdp::BenchArgs),
+    /// fio through NBD: Tyche over AF_XDP (1 and 2 NICs) and over TCP against nbdkit (root).
+    E2e(bench_e2e::BenchE2eArgs),
 }
 
 /// The workspace root.
@@ -77,6 +80,7 @@ fn main() -> Result<()> {
         Command::Lab { action } => lab::run(action),
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),
         Command::Bench { what: BenchCommand::Xdp(args) } => xdp::bench(&root(), &args),
+        Command::Bench { what: BenchCommand::E2e(args) } => bench_e2e::bench_e2e(&root(), &args),
         Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
         Command::FsCheck(a) => disk::fs_check(a),
     }

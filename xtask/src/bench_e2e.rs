@@ -1,0 +1,303 @@
+//! `cargo xtask bench e2e [--quick]`: the same fio jobs (fio's `nbd` engine) against
+//!
+//! 1. nbdkit's memory plugin over TCP on a veth pair (what users run today);
+//! 2. Tyche over AF_XDP: `tyched` with a RAM export, `tyche-init serve-nbd` on a Unix socket (a local
+//!    hop that nbdkit's path does not have, so the comparison is conservative), with 1 and 2 NICs;
+//! 3. Tyche over its TCP transport (the papers' TSockets baseline), same path as 2, one link.
+//!
+//! For each: IOPS, GB/s, p50/p99 completion latency, and CPU seconds per GB on each side (the
+//! target's server process; on the initiator, fio plus `tyche-init` where there is one), from
+//! `/proc/PID/stat` and fio's own accounting. Prints a table and the ratios against nbdkit and
+//! writes `docs/benchmarks-e2e.md`.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+
+use crate::demo::{ensure_packages, wait_for, Daemon};
+use crate::disk::run;
+use crate::lab::Lab;
+
+#[derive(Args, Debug)]
+pub struct BenchE2eArgs {
+    /// Short runs (4 s per job) so the whole suite takes a few minutes.
+    #[arg(long)]
+    quick: bool,
+    /// Seconds per fio job (default 4 with --quick, else 15).
+    #[arg(long)]
+    runtime: Option<u64>,
+    /// Do not install missing packages.
+    #[arg(long)]
+    no_install: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    name: &'static str,
+    rw: &'static str,
+    bs: &'static str,
+    depth: u32,
+}
+
+const JOBS: [Job; 6] = [
+    Job { name: "randread4k", rw: "randread", bs: "4k", depth: 32 },
+    Job { name: "randwrite4k", rw: "randwrite", bs: "4k", depth: 32 },
+    Job { name: "seqread128k", rw: "read", bs: "128k", depth: 16 },
+    Job { name: "seqwrite128k", rw: "write", bs: "128k", depth: 16 },
+    Job { name: "seqread1m", rw: "read", bs: "1m", depth: 4 },
+    Job { name: "seqwrite1m", rw: "write", bs: "1m", depth: 4 },
+];
+
+#[derive(Debug, Clone)]
+struct Row {
+    system: String,
+    nics: u32,
+    job: &'static str,
+    iops: f64,
+    gbps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    cpu_target_s_per_gb: f64,
+    cpu_init_s_per_gb: f64,
+}
+
+/// CPU seconds (user + system) a process has used, from `/proc/PID/stat`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map_or("", |r| r.1);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of stat, i.e. 12 and 13 after the name.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+struct Bench<'a> {
+    root: &'a Path,
+    work: PathBuf,
+    runtime: u64,
+}
+
+impl Bench<'_> {
+    fn bin(&self, name: &str) -> PathBuf {
+        crate::xdp::target_dir(self.root).join("release").join(name)
+    }
+
+    /// Runs one fio job in namespace `ns` against `uri`; `target` and `initiator` are the pids
+    /// whose CPU time is charged to each side.
+    #[allow(clippy::too_many_arguments)]
+    fn fio(
+        &self,
+        system: &str,
+        nics: u32,
+        ns: &str,
+        uri: &str,
+        job: Job,
+        target: &[u32],
+        initiator: &[u32],
+    ) -> Result<Row> {
+        let out = self.work.join(format!("fio-{system}-{nics}-{}.json", job.name));
+        let before_t: f64 = target.iter().map(|&p| cpu_seconds(p)).sum();
+        let before_i: f64 = initiator.iter().map(|&p| cpu_seconds(p)).sum();
+        run(Command::new("ip").args(["netns", "exec", ns, "fio", "--name", job.name, "--ioengine=nbd"]).args([
+            format!("--uri={uri}"),
+            format!("--rw={}", job.rw),
+            format!("--bs={}", job.bs),
+            format!("--iodepth={}", job.depth),
+            format!("--runtime={}", self.runtime),
+            "--ramp_time=1".into(),
+            "--time_based".into(),
+            "--size=512m".into(),
+            "--output-format=json".into(),
+            format!("--output={}", out.display()),
+        ]))
+        .with_context(|| format!("fio {} against {system}", job.name))?;
+        let cpu_t = target.iter().map(|&p| cpu_seconds(p)).sum::<f64>() - before_t;
+        let cpu_i = initiator.iter().map(|&p| cpu_seconds(p)).sum::<f64>() - before_i;
+        let text = fs::read_to_string(&out)?;
+        let json = &text[text.find('{').context("fio wrote no JSON")?..];
+        let v: serde_json::Value = serde_json::from_str(json).context("fio's JSON")?;
+        let j = &v["jobs"][0];
+        let dir = if job.rw.contains("read") { &j["read"] } else { &j["write"] };
+        let pct = |p: &str| dir["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
+        let secs = j["job_runtime"].as_f64().unwrap_or(0.0) / 1000.0;
+        let bytes = dir["io_bytes"].as_f64().unwrap_or(0.0);
+        ensure!(bytes > 0.0, "fio moved no data in {} against {system}", job.name);
+        let fio_cpu = (j["usr_cpu"].as_f64().unwrap_or(0.0) + j["sys_cpu"].as_f64().unwrap_or(0.0)) / 100.0 * secs;
+        let gb = bytes / 1e9;
+        Ok(Row {
+            system: system.to_string(),
+            nics,
+            job: job.name,
+            iops: dir["iops"].as_f64().unwrap_or(0.0),
+            gbps: dir["bw_bytes"].as_f64().unwrap_or(0.0) / 1e9,
+            p50_us: pct("50.000000"),
+            p99_us: pct("99.000000"),
+            cpu_target_s_per_gb: cpu_t / gb,
+            cpu_init_s_per_gb: (cpu_i + fio_cpu) / gb,
+        })
+    }
+
+    fn nbdkit(&self, lab: &Lab, rows: &mut Vec<Row>) -> Result<()> {
+        let log = self.work.join("nbdkit.log");
+        let addr = &lab.pairs[0].target_ip;
+        let mut cmd = Command::new("ip");
+        cmd.args([
+            "netns",
+            "exec",
+            &lab.target_ns,
+            "nbdkit",
+            "--foreground",
+            "--no-fork",
+            "-i",
+            addr,
+            "-p",
+            "10809",
+            "memory",
+            "1G",
+        ]);
+        let mut d = Daemon::spawn("nbdkit", &mut cmd, &log)?;
+        let uri = format!("nbd://{addr}:10809/");
+        let probe = lab.initiator_ns.clone();
+        wait_for("nbdkit", Duration::from_secs(20), || {
+            d.check_alive(&log)?;
+            Ok(Command::new("ip")
+                .args(["netns", "exec", &probe, "nbdinfo", "--size", &uri])
+                .output()
+                .is_ok_and(|o| o.status.success()))
+        })?;
+        let pid = d.pid();
+        for job in JOBS {
+            rows.push(self.fio("nbdkit-tcp", 1, &lab.initiator_ns, &uri, job, &[pid], &[])?);
+        }
+        Ok(())
+    }
+
+    fn tyche(&self, lab: &Lab, tcp: bool, rows: &mut Vec<Row>) -> Result<()> {
+        let nics = if tcp { 1 } else { lab.pairs.len() as u32 };
+        let system = if tcp { "tyche-tcp" } else { "tyche-xdp" };
+        let tsock = self.work.join(format!("{system}-{nics}.stats"));
+        let tlog = self.work.join(format!("{system}-{nics}-tyched.log"));
+        let mut t = Command::new("ip");
+        t.args(["netns", "exec", &lab.target_ns]).arg(self.bin("tyched")).args(["serve", "--export", "bench=ram:1G"]);
+        t.arg("--stats-socket").arg(&tsock);
+        let listen = format!("{}:7788", lab.pairs[0].target_ip);
+        if tcp {
+            t.args(["--transport", "tcp", "--tcp-listen", &listen, "--iface", &lab.pairs[0].target_if]);
+        } else {
+            for p in &lab.pairs {
+                t.arg("--iface").arg(&p.target_if);
+            }
+        }
+        let mut tyched = Daemon::spawn("tyched", &mut t, &tlog)?;
+        wait_for("tyched", Duration::from_secs(30), || {
+            tyched.check_alive(&tlog)?;
+            // Over TCP, tyched takes its initiator's connection before it opens the stats socket.
+            Ok(tsock.exists() || (tcp && fs::read_to_string(&tlog).is_ok_and(|l| l.contains("waiting for initiators"))))
+        })?;
+        let sock = self.work.join(format!("{system}-{nics}.nbd"));
+        let ilog = self.work.join(format!("{system}-{nics}-init.log"));
+        let mut i = Command::new("ip");
+        i.args(["netns", "exec", &lab.initiator_ns]).arg(self.bin("tyche-init")).arg("serve-nbd");
+        i.arg("--socket").arg(&sock).args(["--export", "bench"]);
+        if tcp {
+            i.args(["--tcp", &listen]);
+        } else {
+            for p in &lab.pairs {
+                i.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
+            }
+        }
+        let mut init = Daemon::spawn("tyche-init", &mut i, &ilog)?;
+        wait_for("tyche-init", Duration::from_secs(30), || {
+            init.check_alive(&ilog)?;
+            Ok(sock.exists())
+        })?;
+        let uri = format!("nbd+unix:///bench?socket={}", sock.display());
+        for job in JOBS {
+            rows.push(self.fio(system, nics, &lab.initiator_ns, &uri, job, &[tyched.pid()], &[init.pid()])?);
+        }
+        Ok(())
+    }
+}
+
+fn ratio(rows: &[Row], system: &str, nics: u32, job: &str, metric: fn(&Row) -> f64) -> Option<f64> {
+    let get = |s: &str, n: u32| rows.iter().find(|r| r.system == s && r.nics == n && r.job == job).map(metric);
+    Some(get(system, nics)? / get("nbdkit-tcp", 1)?)
+}
+
+pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
+    ensure!(crate::suite::is_root(), "bench e2e needs root (network namespaces, AF_XDP)");
+    if !args.no_install {
+        ensure_packages(root)?;
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let st = Command::new(cargo)
+        .args(["build", "--release", "--quiet", "-p", "tyched", "-p", "tyche-init"])
+        .current_dir(root)
+        .status()?;
+    ensure!(st.success(), "cargo build failed");
+    let runtime = args.runtime.unwrap_or(if args.quick { 4 } else { 15 });
+    let work = PathBuf::from(format!("/run/tyche-bench-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&work);
+    fs::create_dir_all(&work)?;
+    let bench = Bench { root, work: work.clone(), runtime };
+    let mut rows = Vec::new();
+    for nics in [1u32, 2] {
+        let pid = std::process::id();
+        let lab = Lab::create(&format!("tyb-t{pid}"), &format!("tyb-i{pid}"), nics, 3000)?;
+        eprintln!("bench: {nics} NIC(s)");
+        if nics == 1 {
+            bench.nbdkit(&lab, &mut rows)?;
+            bench.tyche(&lab, true, &mut rows)?;
+        }
+        bench.tyche(&lab, false, &mut rows)?;
+    }
+    let _ = fs::remove_dir_all(&work);
+
+    let mut table = String::new();
+    writeln!(table, "| system | NICs | job | IOPS | GB/s | p50 µs | p99 µs | CPU s/GB target | CPU s/GB initiator |")?;
+    writeln!(table, "|---|---|---|---:|---:|---:|---:|---:|---:|")?;
+    for r in &rows {
+        writeln!(
+            table,
+            "| {} | {} | {} | {:.0} | {:.3} | {:.0} | {:.0} | {:.2} | {:.2} |",
+            r.system, r.nics, r.job, r.iops, r.gbps, r.p50_us, r.p99_us, r.cpu_target_s_per_gb, r.cpu_init_s_per_gb
+        )?;
+    }
+    let mut ratios = String::new();
+    for (system, nics) in [("tyche-xdp", 1), ("tyche-xdp", 2), ("tyche-tcp", 1)] {
+        let parts: Vec<String> = JOBS
+            .iter()
+            .filter_map(|j| ratio(&rows, system, nics, j.name, |r| r.iops).map(|x| format!("{}={x:.2}x", j.name)))
+            .collect();
+        writeln!(ratios, "- {system} ({nics} NIC) / nbdkit: {}", parts.join(", "))?;
+    }
+    println!("{table}\n{ratios}");
+    let kernel = run(Command::new("uname").arg("-r")).unwrap_or_default();
+    let commit = run(Command::new("git").args(["rev-parse", "--short", "HEAD"]).current_dir(root)).unwrap_or_default();
+    let date = run(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"])).unwrap_or_default();
+    let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let doc = format!(
+        "# End-to-end benchmarks (`cargo xtask bench e2e{}`)\n\nGenerated by the command; do not edit by hand.\nMachine: {} cores, kernel {kernel}, commit {commit}, {date}, load average at the end: {}.\nfio's `nbd` engine, {runtime} s per job after 1 s of ramp, RAM exports of 1 GiB, veth pairs at MTU 3000 in two network namespaces. nbdkit's path is fio → TCP → nbdkit; Tyche's is fio → Unix socket → `tyche-init` → AF_XDP (or TCP) → `tyched`, one local hop longer. nbdkit and tyche-tcp use one link; CPU s/GB counts the server process on the target side and fio plus `tyche-init` on the initiator side.\n\n{table}\nRatios of IOPS against nbdkit:\n\n{ratios}",
+        if args.quick { " --quick" } else { "" },
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load.split_whitespace().next().unwrap_or("?"),
+    );
+    fs::write(root.join("docs/benchmarks-e2e.md"), doc)?;
+    let r = |job| ratio(&rows, "tyche-xdp", 2, job, |r| r.iops).unwrap_or(0.0);
+    if rows.is_empty() {
+        bail!("no results");
+    }
+    println!(
+        "bench: tyche/nbd randread4k={:.2}x seqread1m={:.2}x seqwrite1m={:.2}x",
+        r("randread4k"),
+        r("seqread1m"),
+        r("seqwrite1m")
+    );
+    Ok(())
+}
