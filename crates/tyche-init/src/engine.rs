@@ -37,7 +37,7 @@ const BUSY_SLEEP_FD: Duration = Duration::from_millis(1);
 /// Longest the engine sleeps while idle.
 const IDLE_SLEEP: Duration = Duration::from_millis(2);
 /// Idle iterations spent yielding before sleeping.
-const SPIN_ROUNDS: u32 = 64;
+const SPIN_ROUNDS: u32 = 8;
 /// Longest a closing engine waits for requests in flight.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
