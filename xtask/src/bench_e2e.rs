@@ -19,9 +19,9 @@ use std::time::Duration;
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 
-use crate::demo::{ensure_packages, wait_for, Daemon};
 use crate::disk::run;
 use crate::lab::Lab;
+use crate::stack::{prepare, start_initiator, start_tyched, wait_for, Daemon, Link};
 
 #[derive(Args, Debug)]
 pub struct BenchE2eArgs {
@@ -84,10 +84,6 @@ struct Bench<'a> {
 }
 
 impl Bench<'_> {
-    fn bin(&self, name: &str) -> PathBuf {
-        crate::xdp::target_dir(self.root).join("release").join(name)
-    }
-
     /// Runs one fio job in namespace `ns` against `uri`; `target` and `initiator` are the pids
     /// whose CPU time is charged to each side.
     #[allow(clippy::too_many_arguments)]
@@ -181,45 +177,24 @@ impl Bench<'_> {
     fn tyche(&self, lab: &Lab, tcp: bool, rows: &mut Vec<Row>) -> Result<()> {
         let nics = if tcp { 1 } else { lab.pairs.len() as u32 };
         let system = if tcp { "tyche-tcp" } else { "tyche-xdp" };
+        let link = if tcp { Link::Tcp } else { Link::Xdp };
         let tsock = self.work.join(format!("{system}-{nics}.stats"));
         let tlog = self.work.join(format!("{system}-{nics}-tyched.log"));
-        let mut t = Command::new("ip");
-        t.args(["netns", "exec", &lab.target_ns]).arg(self.bin("tyched")).args(["serve", "--export", "bench=ram:1G"]);
-        t.arg("--stats-socket").arg(&tsock);
-        let listen = format!("{}:7788", lab.pairs[0].target_ip);
-        if tcp {
-            t.args(["--transport", "tcp", "--tcp-listen", &listen, "--iface", &lab.pairs[0].target_if]);
-        } else {
-            for p in &lab.pairs {
-                t.arg("--iface").arg(&p.target_if);
-            }
-        }
-        let mut tyched = Daemon::spawn("tyched", &mut t, &tlog)?;
-        wait_for("tyched", Duration::from_secs(30), || {
-            tyched.check_alive(&tlog)?;
-            // Over TCP, tyched takes its initiator's connection before it opens the stats socket.
-            Ok(tsock.exists() || (tcp && fs::read_to_string(&tlog).is_ok_and(|l| l.contains("waiting for initiators"))))
-        })?;
+        let tyched = start_tyched(self.root, lab, link, "bench=ram:1G", &tsock, tlog)?;
         let sock = self.work.join(format!("{system}-{nics}.nbd"));
         let ilog = self.work.join(format!("{system}-{nics}-init.log"));
-        let mut i = Command::new("ip");
-        i.args(["netns", "exec", &lab.initiator_ns]).arg(self.bin("tyche-init")).arg("serve-nbd");
-        i.arg("--socket").arg(&sock).args(["--export", "bench"]);
-        if tcp {
-            i.args(["--tcp", &listen]);
-        } else {
-            for p in &lab.pairs {
-                i.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
-            }
-        }
-        let mut init = Daemon::spawn("tyche-init", &mut i, &ilog)?;
-        wait_for("tyche-init", Duration::from_secs(30), || {
-            init.check_alive(&ilog)?;
-            Ok(sock.exists())
-        })?;
+        let init = start_initiator(self.root, lab, link, "bench", &sock, ilog, &[])?;
         let uri = format!("nbd+unix:///bench?socket={}", sock.display());
         for job in JOBS {
-            rows.push(self.fio(system, nics, &lab.initiator_ns, &uri, job, &[tyched.pid()], &[init.pid()])?);
+            rows.push(self.fio(
+                system,
+                nics,
+                &lab.initiator_ns,
+                &uri,
+                job,
+                &[tyched.daemon.pid()],
+                &[init.daemon.pid()],
+            )?);
         }
         Ok(())
     }
@@ -231,16 +206,7 @@ fn ratio(rows: &[Row], system: &str, nics: u32, job: &str, metric: fn(&Row) -> f
 }
 
 pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
-    ensure!(crate::suite::is_root(), "bench e2e needs root (network namespaces, AF_XDP)");
-    if !args.no_install {
-        ensure_packages(root)?;
-    }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let st = Command::new(cargo)
-        .args(["build", "--release", "--quiet", "-p", "tyched", "-p", "tyche-init"])
-        .current_dir(root)
-        .status()?;
-    ensure!(st.success(), "cargo build failed");
+    prepare(root, "bench e2e", args.no_install)?;
     let runtime = args.runtime.unwrap_or(if args.quick { 4 } else { 15 });
     let work = PathBuf::from(format!("/run/tyche-bench-{}", std::process::id()));
     let _ = fs::remove_dir_all(&work);

@@ -8,18 +8,16 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::Result;
 use clap::Args;
 
 use crate::disk::{progress_bar, run, NbdDisk, Tree};
 use crate::lab::Lab;
-
-/// Set by the Ctrl-C handler; long steps check it and unwind, so every guard tears down.
-pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+use crate::stack::{self, interrupted, prepare, start_initiator, start_tyched, Link, INTERRUPTED};
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -40,117 +38,10 @@ pub struct DemoArgs {
     no_install: bool,
 }
 
-/// A child process killed (and reaped) when dropped.
-pub(crate) struct Daemon {
-    name: &'static str,
-    child: Child,
-}
-
-impl Daemon {
-    pub(crate) fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Result<Daemon> {
-        let out = fs::File::create(log)?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .spawn()
-            .with_context(|| format!("starting {name}"))?;
-        Ok(Daemon { name, child })
-    }
-
-    pub(crate) fn check_alive(&mut self, log: &Path) -> Result<()> {
-        if let Some(status) = self.child.try_wait()? {
-            let tail = fs::read_to_string(log).unwrap_or_default();
-            let tail: Vec<&str> = tail.lines().rev().take(15).collect();
-            bail!(
-                "{} exited ({status}); its log ends:\n{}",
-                self.name,
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            );
-        }
-        Ok(())
-    }
-
-    /// The process id.
-    pub(crate) fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// SIGTERM, then SIGKILL after a grace period.
-    pub(crate) fn stop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if self.child.try_wait().ok().flatten().is_some() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// Installs the packages in `.ci/packages` that are missing (root only).
-pub fn ensure_packages(root: &Path) -> Result<()> {
-    let list = fs::read_to_string(root.join(".ci/packages")).context("reading .ci/packages")?;
-    let wanted: Vec<&str> = list.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
-    let missing: Vec<&str> = wanted
-        .into_iter()
-        .filter(|p| {
-            let q = Command::new("dpkg-query").args(["-W", "-f=${Status}", p]).output();
-            !q.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
-        })
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    eprintln!("demo: installing {}", missing.join(" "));
-    run(Command::new("apt-get").args(["update", "-qq"]))?;
-    run(Command::new("apt-get")
-        .args(["install", "-y", "-qq", "--no-install-recommends"])
-        .args(&missing)
-        .env("DEBIAN_FRONTEND", "noninteractive"))?;
-    Ok(())
-}
-
-fn interrupted() -> Result<()> {
-    ensure!(!INTERRUPTED.load(Ordering::Relaxed), "interrupted");
-    Ok(())
-}
-
-pub(crate) fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    while !ready()? {
-        interrupted()?;
-        ensure!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Ok(())
-}
-
 pub fn demo(root: &Path, args: &DemoArgs) -> Result<()> {
-    ensure!(crate::suite::is_root(), "the demo needs root (network namespaces, AF_XDP, loop devices)");
-    if !args.no_install {
-        ensure_packages(root)?;
-    }
     eprintln!("demo: building tyched and tyche-init (release)");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--release", "--quiet", "-p", "tyched", "-p", "tyche-init"])
-        .current_dir(root)
-        .status()?;
-    ensure!(status.success(), "cargo build failed");
-    let bin = |name: &str| crate::xdp::target_dir(root).join("release").join(name);
+    prepare(root, "the demo", args.no_install)?;
+    let bin = |name: &str| stack::bin(root, name);
 
     let work = PathBuf::from("/run/tyche-demo");
     let _ = fs::remove_dir_all(&work);
@@ -165,19 +56,9 @@ pub fn demo(root: &Path, args: &DemoArgs) -> Result<()> {
         lab.initiator_ns
     );
 
-    let tlog = work.join("tyched.log");
-    let mut tcmd = Command::new("ip");
-    tcmd.args(["netns", "exec", &lab.target_ns]).arg(bin("tyched")).arg("serve");
-    tcmd.arg("--export").arg(format!("demo=ram:{}M", args.export_mib));
-    tcmd.arg("--stats-socket").arg(work.join("tyched.sock"));
-    for p in &lab.pairs {
-        tcmd.arg("--iface").arg(&p.target_if);
-    }
-    let mut tyched = Daemon::spawn("tyched", &mut tcmd, &tlog)?;
-    wait_for("tyched's stats socket", Duration::from_secs(20), || {
-        tyched.check_alive(&tlog)?;
-        Ok(work.join("tyched.sock").exists())
-    })?;
+    let stats = work.join("tyched.sock");
+    let export = format!("demo=ram:{}M", args.export_mib);
+    let mut tyched = start_tyched(root, &lab, Link::Xdp, &export, &stats, work.join("tyched.log"))?;
     eprintln!(
         "demo: tyched serving 'demo' ({} MiB of RAM) on {}",
         args.export_mib,
@@ -185,18 +66,7 @@ pub fn demo(root: &Path, args: &DemoArgs) -> Result<()> {
     );
 
     let socket = work.join("nbd.sock");
-    let ilog = work.join("tyche-init.log");
-    let mut icmd = Command::new("ip");
-    icmd.args(["netns", "exec", &lab.initiator_ns]).arg(bin("tyche-init")).arg("serve-nbd");
-    icmd.arg("--socket").arg(&socket).args(["--export", "demo"]);
-    for p in &lab.pairs {
-        icmd.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
-    }
-    let mut init = Daemon::spawn("tyche-init", &mut icmd, &ilog)?;
-    wait_for("tyche-init's NBD socket", Duration::from_secs(30), || {
-        init.check_alive(&ilog)?;
-        Ok(socket.exists())
-    })?;
+    let mut init = start_initiator(root, &lab, Link::Xdp, "demo", &socket, work.join("tyche-init.log"), &[])?;
     eprintln!("demo: tyche-init attached 'demo' over {} channels, NBD on {}", lab.pairs.len(), socket.display());
 
     let tree = Tree::new(0x0de0_7e5c, 400, args.data_mib << 20);
@@ -225,10 +95,10 @@ pub fn demo(root: &Path, args: &DemoArgs) -> Result<()> {
     let read_secs = read_start.elapsed().as_secs_f64();
     let dev = disk.dev.clone();
     disk.detach()?;
-    tyched.check_alive(&tlog)?;
-    init.check_alive(&ilog)?;
+    tyched.check_alive()?;
+    init.check_alive()?;
 
-    let stats = run(Command::new(bin("tyched")).args(["stats", "--socket"]).arg(work.join("tyched.sock")))
+    let stats = run(Command::new(bin("tyched")).args(["stats", "--socket"]).arg(&stats))
         .unwrap_or_else(|e| format!("(stats unavailable: {e:#})"));
     let mb = tree.bytes() as f64 / 1e6;
     println!();

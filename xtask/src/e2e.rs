@@ -16,14 +16,13 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 
-use crate::demo::{ensure_packages, wait_for, Daemon};
 use crate::disk::{progress_bar, run, NbdDisk, Tree};
 use crate::lab::{ip, Lab};
+use crate::stack::{self, prepare, start_initiator, start_tyched, Link, Running};
 
 #[derive(Args, Debug)]
 pub struct E2eArgs {
@@ -58,49 +57,22 @@ struct Stack<'a> {
 }
 
 impl Stack<'_> {
-    fn bin(&self, name: &str) -> PathBuf {
-        crate::xdp::target_dir(self.root).join("release").join(name)
-    }
-
     fn socket(&self) -> PathBuf {
         self.work.join("nbd.sock")
     }
 
-    fn start_initiator(&self, loss: Option<f64>, log: &str) -> Result<(Daemon, PathBuf)> {
-        let log = self.work.join(log);
-        let _ = fs::remove_file(self.socket());
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.lab.initiator_ns]).arg(self.bin("tyche-init")).arg("serve-nbd");
-        cmd.arg("--socket").arg(self.socket()).args(["--export", "e2e", "--no-path-timeout", "30"]);
-        for p in &self.lab.pairs {
-            cmd.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
-        }
+    fn start_initiator(&self, loss: Option<f64>, log: &str) -> Result<Running> {
+        let mut extra = vec!["--no-path-timeout".to_string(), "30".to_string()];
         if let Some(loss) = loss {
-            cmd.arg("--inject-loss").arg(loss.to_string());
+            extra.extend(["--inject-loss".to_string(), loss.to_string()]);
         }
-        cmd.env("TYCHE_LOG", "info");
-        let mut d = Daemon::spawn("tyche-init", &mut cmd, &log)?;
-        let sock = self.socket();
-        wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
-            d.check_alive(&log)?;
-            Ok(sock.exists())
-        })?;
-        Ok((d, log))
+        start_initiator(self.root, self.lab, Link::Xdp, "e2e", &self.socket(), self.work.join(log), &extra)
     }
 }
 
 pub fn e2e(root: &Path, args: &E2eArgs) -> Result<()> {
-    ensure!(crate::suite::is_root(), "e2e needs root (network namespaces, AF_XDP, loop devices)");
     ensure!(args.nics >= 2, "e2e needs at least 2 NICs to fail one over");
-    if !args.no_install {
-        ensure_packages(root)?;
-    }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let st = Command::new(cargo)
-        .args(["build", "--release", "--quiet", "-p", "tyched", "-p", "tyche-init"])
-        .current_dir(root)
-        .status()?;
-    ensure!(st.success(), "cargo build failed");
+    prepare(root, "e2e", args.no_install)?;
 
     let pid = std::process::id();
     let work = PathBuf::from(format!("/run/tyche-e2e-{pid}"));
@@ -121,33 +93,23 @@ pub fn e2e(root: &Path, args: &E2eArgs) -> Result<()> {
 }
 
 fn phases(s: &Stack<'_>, args: &E2eArgs) -> Result<()> {
-    let tlog = s.work.join("tyched.log");
-    let mut tcmd = Command::new("ip");
-    tcmd.args(["netns", "exec", &s.lab.target_ns]).arg(s.bin("tyched")).arg("serve");
-    tcmd.arg("--export").arg("e2e=ram:1G").arg("--stats-socket").arg(s.work.join("tyched.sock"));
-    for p in &s.lab.pairs {
-        tcmd.arg("--iface").arg(&p.target_if);
-    }
-    let mut tyched = Daemon::spawn("tyched", &mut tcmd, &tlog)?;
-    wait_for("tyched", Duration::from_secs(30), || {
-        tyched.check_alive(&tlog)?;
-        Ok(s.work.join("tyched.sock").exists())
-    })?;
+    let stats = s.work.join("tyched.sock");
+    let mut tyched = start_tyched(s.root, s.lab, Link::Xdp, "e2e=ram:1G", &stats, s.work.join("tyched.log"))?;
     let disk_work = s.work.join("disk");
     let first = Tree::new(0xe2e1, 150, args.data_mib << 20);
     let second = Tree::new(0xe2e2, 150, args.data_mib << 20);
 
     // Phase 1: a clean network.
     eprintln!("e2e: phase 1: ext4 over tyche, detach, re-attach, fsck, verify");
-    let (mut init, _) = s.start_initiator(None, "init-1.log")?;
+    let mut init = s.start_initiator(None, "init-1.log")?;
     let mut disk = NbdDisk::attach(&s.socket(), &disk_work)?;
     disk.mkfs()?;
     let mnt = disk.mount()?;
     first.write(&mnt, &mut progress_bar("write", first.bytes()))?;
     disk.umount()?;
     disk.detach()?;
-    init.stop();
-    let (mut init, _) = s.start_initiator(None, "init-2.log")?;
+    init.daemon.stop();
+    let mut init = s.start_initiator(None, "init-2.log")?;
     let mut disk = NbdDisk::attach(&s.socket(), &disk_work)?;
     disk.drop_caches()?;
     disk.fsck()?;
@@ -155,11 +117,11 @@ fn phases(s: &Stack<'_>, args: &E2eArgs) -> Result<()> {
     first.verify(&mnt, &mut progress_bar("verify", first.bytes()))?;
     disk.umount()?;
     disk.detach()?;
-    init.stop();
+    init.daemon.stop();
 
     // Phase 2: loss both ways, and a link going down in the middle of the copy.
     eprintln!("e2e: phase 2: {}% loss each way, {} down mid-copy", args.loss * 100.0, s.lab.pairs[1].target_if);
-    let (mut init, ilog) = s.start_initiator(Some(args.loss), "init-3.log")?;
+    let mut init = s.start_initiator(Some(args.loss), "init-3.log")?;
     let mut disk = NbdDisk::attach(&s.socket(), &disk_work)?;
     disk.drop_caches()?;
     disk.fsck()?;
@@ -179,9 +141,9 @@ fn phases(s: &Stack<'_>, args: &E2eArgs) -> Result<()> {
     ensure!(cut.load(Ordering::Relaxed), "the link was never taken down");
     disk.umount()?; // every write reaches the target over the surviving link
     disk.detach()?;
-    init.check_alive(&ilog)?;
-    init.stop();
-    let log = fs::read_to_string(&ilog).unwrap_or_default();
+    init.check_alive()?;
+    init.daemon.stop();
+    let log = fs::read_to_string(&init.log).unwrap_or_default();
     // tyche-init logs "channel dead; its requests go to the other channels" with the link name.
     let failed_over = log.lines().any(|l| l.contains("channel dead") && l.contains(victim.initiator_if.as_str()));
     ensure!(
@@ -193,7 +155,7 @@ fn phases(s: &Stack<'_>, args: &E2eArgs) -> Result<()> {
     ip(&["-n", &s.lab.target_ns, "link", "set", &victim.target_if, "up"]).context("bringing the link back")?;
 
     eprintln!("e2e: phase 2: re-attach (still lossy), fsck, verify both trees");
-    let (mut init, _) = s.start_initiator(Some(args.loss), "init-4.log")?;
+    let mut init = s.start_initiator(Some(args.loss), "init-4.log")?;
     let mut disk = NbdDisk::attach(&s.socket(), &disk_work)?;
     disk.drop_caches()?;
     disk.fsck()?;
@@ -202,12 +164,12 @@ fn phases(s: &Stack<'_>, args: &E2eArgs) -> Result<()> {
     second.verify(&mnt.join("phase2"), &mut progress_bar("verify 2", second.bytes()))?;
     disk.umount()?;
     disk.detach()?;
-    init.stop();
-    tyched.check_alive(&tlog)?;
-    let stats = run(Command::new(s.bin("tyched")).args(["stats", "--socket"]).arg(s.work.join("tyched.sock")))?;
-    for line in stats.lines().filter(|l| l.contains("retransmits") || l.contains("NICs")) {
+    init.daemon.stop();
+    tyched.check_alive()?;
+    let report = run(Command::new(stack::bin(s.root, "tyched")).args(["stats", "--socket"]).arg(&stats))?;
+    for line in report.lines().filter(|l| l.contains("retransmits") || l.contains("NICs")) {
         eprintln!("  {}", line.trim());
     }
-    tyched.stop();
+    tyched.daemon.stop();
     Ok(())
 }

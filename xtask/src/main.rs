@@ -8,6 +8,7 @@ mod disk;
 mod e2e;
 mod lab;
 mod sim;
+mod stack;
 mod suite;
 mod xdp;
 
@@ -71,7 +72,7 @@ fn root() -> PathBuf {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Demo(a) => {
-            ctrlc::set_handler(|| demo::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
             demo::demo(&root(), &a)
         }
         Command::Test(a) => suite::run(a),

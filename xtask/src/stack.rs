@@ -1,0 +1,225 @@
+//! What the demo, the end-to-end test and the end-to-end benchmark share: preparing the machine
+//! (packages, release build of the daemons), guarded child processes, and starting `tyched` and
+//! `tyche-init serve-nbd` in a lab's namespaces.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+
+use crate::disk::run;
+use crate::lab::Lab;
+
+/// Set by the Ctrl-C handler; long steps check it and unwind, so every guard tears down.
+pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Checks for root, installs missing packages (unless `no_install`) and builds `tyched` and
+/// `tyche-init` in release mode. `what` names the command in the error for non-root users.
+pub fn prepare(root: &Path, what: &str, no_install: bool) -> Result<()> {
+    ensure!(crate::suite::is_root(), "{what} needs root (network namespaces, AF_XDP, loop devices)");
+    if !no_install {
+        ensure_packages(root)?;
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--release", "--quiet", "-p", "tyched", "-p", "tyche-init"])
+        .current_dir(root)
+        .status()?;
+    ensure!(status.success(), "cargo build failed");
+    Ok(())
+}
+
+/// A release binary of the workspace.
+pub fn bin(root: &Path, name: &str) -> PathBuf {
+    crate::xdp::target_dir(root).join("release").join(name)
+}
+
+/// How the initiator reaches the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// AF_XDP on every veth pair of the lab.
+    Xdp,
+    /// Tyche's TCP transport over the first veth pair.
+    Tcp,
+}
+
+fn tcp_addr(lab: &Lab) -> String {
+    format!("{}:7788", lab.pairs[0].target_ip)
+}
+
+/// A started daemon and its log.
+pub struct Running {
+    /// The process.
+    pub daemon: Daemon,
+    /// Its stdout and stderr.
+    pub log: PathBuf,
+}
+
+impl Running {
+    /// Fails with the log's tail if the daemon has exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        self.daemon.check_alive(&self.log)
+    }
+}
+
+/// Starts `tyched serve --export EXPORT` (e.g. `demo=ram:1G`) in the target namespace, with its
+/// stats socket at `stats`, and waits until it serves.
+pub fn start_tyched(root: &Path, lab: &Lab, link: Link, export: &str, stats: &Path, log: PathBuf) -> Result<Running> {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &lab.target_ns]).arg(bin(root, "tyched")).args(["serve", "--export", export]);
+    cmd.arg("--stats-socket").arg(stats);
+    match link {
+        Link::Tcp => {
+            cmd.args(["--transport", "tcp", "--tcp-listen", &tcp_addr(lab), "--iface", &lab.pairs[0].target_if]);
+        }
+        Link::Xdp => {
+            for p in &lab.pairs {
+                cmd.arg("--iface").arg(&p.target_if);
+            }
+        }
+    }
+    let mut t = Running { daemon: Daemon::spawn("tyched", &mut cmd, &log)?, log };
+    wait_for("tyched", Duration::from_secs(30), || {
+        t.check_alive()?;
+        // Over TCP, tyched takes its initiator's connection before it opens the stats socket.
+        let waiting = || fs::read_to_string(&t.log).is_ok_and(|l| l.contains("waiting for initiators"));
+        Ok(stats.exists() || (link == Link::Tcp && waiting()))
+    })?;
+    Ok(t)
+}
+
+/// Starts `tyche-init serve-nbd` for export `export` in the initiator namespace, serving NBD on
+/// `socket` (`extra` arguments appended), and waits for the socket. Logs at `info`.
+pub fn start_initiator(
+    root: &Path,
+    lab: &Lab,
+    link: Link,
+    export: &str,
+    socket: &Path,
+    log: PathBuf,
+    extra: &[String],
+) -> Result<Running> {
+    let _ = fs::remove_file(socket);
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &lab.initiator_ns]).arg(bin(root, "tyche-init")).arg("serve-nbd");
+    cmd.arg("--socket").arg(socket).args(["--export", export]);
+    match link {
+        Link::Tcp => {
+            cmd.args(["--tcp", &tcp_addr(lab)]);
+        }
+        Link::Xdp => {
+            for p in &lab.pairs {
+                cmd.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
+            }
+        }
+    }
+    cmd.args(extra).env("TYCHE_LOG", "info");
+    let mut i = Running { daemon: Daemon::spawn("tyche-init", &mut cmd, &log)?, log };
+    wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
+        i.check_alive()?;
+        Ok(socket.exists())
+    })?;
+    Ok(i)
+}
+
+/// A child process killed (and reaped) when dropped.
+pub struct Daemon {
+    name: &'static str,
+    child: Child,
+}
+
+impl Daemon {
+    pub fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Result<Daemon> {
+        let out = fs::File::create(log)?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        Ok(Daemon { name, child })
+    }
+
+    pub fn check_alive(&mut self, log: &Path) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            let tail = fs::read_to_string(log).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(15).collect();
+            bail!(
+                "{} exited ({status}); its log ends:\n{}",
+                self.name,
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        Ok(())
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, then SIGKILL after a grace period.
+    pub fn stop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Installs the packages in `.ci/packages` that are missing (root only).
+pub fn ensure_packages(root: &Path) -> Result<()> {
+    let list = fs::read_to_string(root.join(".ci/packages")).context("reading .ci/packages")?;
+    let wanted: Vec<&str> = list.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
+    let missing: Vec<&str> = wanted
+        .into_iter()
+        .filter(|p| {
+            let q = Command::new("dpkg-query").args(["-W", "-f=${Status}", p]).output();
+            !q.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {}", missing.join(" "));
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    Ok(())
+}
+
+/// Fails once Ctrl-C was pressed.
+pub fn interrupted() -> Result<()> {
+    ensure!(!INTERRUPTED.load(Ordering::Relaxed), "interrupted");
+    Ok(())
+}
+
+pub fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !ready()? {
+        interrupted()?;
+        ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
