@@ -60,6 +60,13 @@ pub struct VmTestArgs {
     tcg: bool,
 }
 
+impl VmTestArgs {
+    /// What `cargo xtask test` runs.
+    pub fn standard() -> VmTestArgs {
+        VmTestArgs { no_install: false, only: vec![GuestTest::Ublk], timeout: 900, tcg: false }
+    }
+}
+
 /// Guest memory per NUMA node, MiB.
 const NODE_MIB: u32 = 1024;
 /// The qemu hub of node N joins NIC `52:54:00:74:0N:01` (target side) and `...:0N:02` (initiator).
@@ -615,7 +622,8 @@ fn boot(kernel: &Kernel, initrd: &Path, log: &Path, accel: &'static str, deadlin
                 let _ = e.read_to_string(&mut err);
             }
             if accel == "kvm" && !booted {
-                eprintln!("vm-test: qemu with KVM failed: {}", err.trim());
+                let why = err.lines().rev().find(|l| l.contains("error")).unwrap_or(err.trim());
+                eprintln!("vm-test: qemu with KVM failed: {why}");
             } else {
                 bail!("qemu failed ({st}): {}", err.trim());
             }
