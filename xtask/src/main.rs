@@ -3,6 +3,7 @@
 
 mod bench_e2e;
 mod bpfgen;
+mod charts;
 mod demo;
 mod disk;
 mod e2e;
