@@ -5,6 +5,7 @@
 //! - [`backend`]: RAM, file and block-device exports.
 //! - [`target`]: the runtime (network thread, storage workers, access control, shutdown).
 //! - [`stats`]: the counters `tyched stats` shows, and [`stats_server`] serving them.
+//! - [`prometheus`]: the same counters as Prometheus text on `GET /metrics` (local HTTP).
 //!
 //! # Promises
 //! - A malformed, stray or hostile frame is dropped and counted, never a panic.
@@ -16,6 +17,7 @@
 pub mod backend;
 pub mod config;
 pub mod packet;
+pub mod prometheus;
 pub mod stats;
 pub mod stats_server;
 pub mod target;

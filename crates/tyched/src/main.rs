@@ -3,7 +3,8 @@
 //! Subcommands:
 //! - `tyched serve [--config FILE] [--export NAME=PATH|NAME=ram:SIZE]... [--iface IF]... ...`:
 //!   serve exports until SIGTERM/SIGINT.
-//! - `tyched stats [--socket PATH] [--json]`: the counters of a running daemon.
+//! - `tyched stats [--socket PATH] [--json]`: the counters of a running daemon (also served as
+//!   Prometheus text on `GET /metrics` with `tyched serve --prometheus-listen ADDR`).
 //! - `tyched topology [--xml FILE] [--json] [--model]`: the NUMA nodes, NICs and their nodes,
 //!   and the channel placement plan (and, with `--model`, the I/O bandwidth model).
 
@@ -19,6 +20,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 use tyched::config::{Config, ExportConfig, TransportKind};
+use tyched::prometheus::PrometheusListener;
 use tyched::stats_server::{self, StatsServer};
 use tyched::{Nic, Placement, Target};
 
@@ -66,6 +68,13 @@ struct ServeArgs {
     /// Unix socket for `tyched stats`.
     #[arg(long)]
     stats_socket: Option<PathBuf>,
+    /// Serve Prometheus text on GET /metrics at IP:PORT (loopback only unless
+    /// --prometheus-allow-remote), localhost:PORT, or a Unix socket path.
+    #[arg(long, value_name = "ADDR")]
+    prometheus_listen: Option<String>,
+    /// Allow --prometheus-listen on a non-loopback address (the endpoint has no authentication).
+    #[arg(long)]
+    prometheus_allow_remote: bool,
     /// Check the configuration and exit.
     #[arg(long)]
     check: bool,
@@ -129,6 +138,12 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if let Some(s) = &args.stats_socket {
         config.stats_socket = s.clone();
     }
+    if let Some(a) = &args.prometheus_listen {
+        config.prometheus_listen = Some(a.clone());
+    }
+    if args.prometheus_allow_remote {
+        config.prometheus_allow_remote = true;
+    }
     config.validate()?;
     Ok(config)
 }
@@ -146,6 +161,13 @@ fn serve(args: ServeArgs) -> Result<()> {
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handlers")?;
     }
+    // Bound before the NICs open, so that a taken or bad address fails the start at once.
+    let prometheus = match config.prometheus_addr()? {
+        Some(addr) => {
+            Some(PrometheusListener::bind(&addr).with_context(|| format!("prometheus_listen: binding {addr}"))?)
+        }
+        None => None,
+    };
     let nics = open_nics(&config, &term)?;
     if term.load(Ordering::SeqCst) {
         return Ok(());
@@ -158,6 +180,10 @@ fn serve(args: ServeArgs) -> Result<()> {
             tracing::warn!(socket = %config.stats_socket.display(), "no stats socket: {e}");
             None
         }
+    };
+    let _prometheus = match prometheus {
+        Some(l) => Some(l.serve(handle.stats_source()).context("prometheus_listen: starting the endpoint")?),
+        None => None,
     };
     while !term.load(Ordering::SeqCst) && !handle.is_finished() {
         std::thread::sleep(Duration::from_millis(50));

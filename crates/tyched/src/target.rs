@@ -127,7 +127,7 @@ impl Shared {
     }
 }
 
-fn wake_fd(fd: &OwnedFd) {
+pub(crate) fn wake_fd(fd: &OwnedFd) {
     let one: u64 = 1;
     // SAFETY: writes 8 bytes from a live u64 to an eventfd the caller owns.
     let _ = unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
@@ -139,7 +139,7 @@ fn drain_fd(fd: &OwnedFd) {
     let _ = unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
 }
 
-fn new_eventfd() -> std::io::Result<OwnedFd> {
+pub(crate) fn new_eventfd() -> std::io::Result<OwnedFd> {
     // SAFETY: eventfd takes integers and returns a new descriptor or -1.
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if fd < 0 {

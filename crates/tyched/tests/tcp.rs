@@ -103,3 +103,89 @@ fn tyched_binary_over_tcp_survives_sigterm_and_restart() {
     }
     stop(&mut d, libc::SIGINT);
 }
+
+/// One HTTP GET over TCP; returns the whole response.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the Prometheus endpoint");
+    s.set_read_timeout(Some(common::LIMIT)).expect("timeout");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("send");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("response");
+    out
+}
+
+#[test]
+fn tyched_binary_serves_prometheus_metrics() {
+    if Command::new("ip").args(["link", "show", "lo"]).output().map_or(true, |o| !o.status.success()) {
+        eprintln!("skipping: no loopback interface");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("disk.img");
+    std::fs::File::create(&file).expect("create").set_len(4 << 20).expect("size");
+    let socket = dir.path().join("stats.sock");
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").expect("free port").local_addr().expect("addr").port();
+    let addr = format!("127.0.0.1:{}", free());
+    let metrics = format!("127.0.0.1:{}", free());
+
+    // A non-loopback address is refused unless allowed, with the field named.
+    let check = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_tyched"))
+            .args(["serve", "--check", "--export", "d=ram:1M"])
+            .args(extra)
+            .output()
+            .expect("tyched serve --check")
+    };
+    let out = check(&["--prometheus-listen", "0.0.0.0:9464"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("prometheus_listen: 0.0.0.0:9464 is not a loopback address"), "{err}");
+    assert!(check(&["--prometheus-listen", "0.0.0.0:9464", "--prometheus-allow-remote"]).status.success());
+
+    let child = Command::new(env!("CARGO_BIN_EXE_tyched"))
+        .args(["serve", "--transport", "tcp", "--iface", "lo", "--tcp-listen", &addr, "--workers", "2"])
+        .arg("--export")
+        .arg(format!("disk={}", file.display()))
+        .arg("--stats-socket")
+        .arg(&socket)
+        .args(["--prometheus-listen", &metrics])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("start tyched");
+    let mut d = Daemon(child);
+    let mut ini = Initiator::new(vec![connect(&addr)]);
+    ini.target_macs = vec![tyched::tcp_mac(0)];
+    ini.attach("disk", None).expect("attach over TCP");
+    for i in 0..3u64 {
+        ini.write(i << 16, &pattern(i << 16, 8192, 9));
+    }
+    let _ = ini.read(0, 8192);
+    // Scrape until the counters show the writes (a snapshot is taken per scrape).
+    let deadline = std::time::Instant::now() + common::LIMIT;
+    let body = loop {
+        let r = http_get(&metrics, "/metrics");
+        let (head, body) = r.split_once("\r\n\r\n").expect("headers");
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(head.contains("\r\nContent-Type: text/plain; version=0.0.4"), "{head}");
+        if body.contains("tyched_export_requests_total{export=\"disk\",op=\"write\"} 3\n") {
+            break body.to_owned();
+        }
+        assert!(std::time::Instant::now() < deadline, "the write counter never reached 3:\n{body}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(body.contains("tyched_export_requests_total{export=\"disk\",op=\"read\"} 1\n"), "{body}");
+    assert!(body.contains("# TYPE tyched_sessions gauge\ntyched_sessions 1\n"), "{body}");
+    assert!(body.contains("tyched_nic_rx_frames_total{nic=\"lo\"}"), "{body}");
+    // The same text as `tyched stats --prometheus`, apart from values that move between reads.
+    let out = Command::new(env!("CARGO_BIN_EXE_tyched"))
+        .args(["stats", "--prometheus", "--socket"])
+        .arg(&socket)
+        .output()
+        .expect("tyched stats --prometheus");
+    let names = |t: &str| t.lines().map(|l| l.rsplit_once(' ').map_or(l, |(n, _)| n).to_owned()).collect::<Vec<_>>();
+    assert_eq!(names(&body), names(&String::from_utf8_lossy(&out.stdout)), "same series as stats --prometheus");
+    assert!(http_get(&metrics, "/").starts_with("HTTP/1.1 404 Not Found\r\n"));
+    stop(&mut d, libc::SIGTERM);
+    assert!(std::net::TcpStream::connect(&metrics).is_err(), "the endpoint is gone after exit");
+}
