@@ -52,15 +52,78 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
     /// Writes zeroes over a range.
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// The file or block device behind the export, for the io_uring engine (None: RAM).
+    fn as_file(&self) -> Option<&FileBackend> {
+        None
+    }
 }
 
 /// Memory that is node-bound when a node is known and the kernel allows it, else the heap.
+/// Either way it starts on a page boundary, so O_DIRECT can use it.
 #[derive(Debug)]
 pub enum Memory {
     /// Pages bound to a NUMA node.
     Node(NodeRegion),
-    /// Ordinary heap memory.
-    Heap(Vec<u8>),
+    /// Page-aligned heap memory.
+    Heap(AlignedBuf),
+}
+
+/// Zeroed heap bytes starting on a page (4 KiB) boundary: O_DIRECT needs buffers aligned to the
+/// device's logical block size, which the default allocator does not give.
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf owns its allocation exclusively (like a Vec<u8>); nothing else aliases it.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references only give `&[u8]`, as with a Vec<u8>.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Alignment of every buffer.
+    pub const ALIGN: usize = 4096;
+
+    fn layout(len: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN).expect("buffer size fits a layout")
+    }
+
+    /// `len` zeroed bytes.
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(ptr) else { std::alloc::handle_alloc_error(layout) };
+        AlignedBuf { ptr, len }
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` points at `len` initialised (zeroed at first) bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this very layout, and freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf").field("len", &self.len).finish_non_exhaustive()
+    }
 }
 
 impl Memory {
@@ -72,7 +135,7 @@ impl Memory {
                 Err(e) => tracing::debug!(node, len, "node-bound allocation failed, using the heap: {e}"),
             }
         }
-        Memory::Heap(vec![0; len])
+        Memory::Heap(AlignedBuf::zeroed(len))
     }
 
     /// The bytes (a node region is rounded up to whole pages; callers index within their length).
@@ -238,6 +301,27 @@ impl FileBackend {
         Ok(FileBackend { file, direct: None, align: 512, size, block: false })
     }
 
+    /// Whether this is a block device (else a regular file).
+    pub fn is_block(&self) -> bool {
+        self.block
+    }
+
+    /// The descriptor a transfer of `len` bytes at `ptr` and `offset` uses: the O_DIRECT one when
+    /// everything is aligned to the device's logical block size, else the buffered one.
+    pub fn fd_for(&self, ptr: *const u8, len: usize, offset: u64) -> std::os::fd::RawFd {
+        self.aligned(ptr, len, offset).unwrap_or(&self.file).as_raw_fd()
+    }
+
+    /// The buffered descriptor (FLUSH, DISCARD, WRITE_ZEROES).
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// Whether a transfer would use O_DIRECT.
+    pub fn is_direct(&self, ptr: *const u8, len: usize, offset: u64) -> bool {
+        self.aligned(ptr, len, offset).is_some()
+    }
+
     fn aligned(&self, ptr: *const u8, len: usize, offset: u64) -> Option<&File> {
         let a = self.align;
         let ok = (ptr as usize) % a == 0 && len % a == 0 && offset % a as u64 == 0;
@@ -267,13 +351,17 @@ impl FileBackend {
     }
 }
 
-fn unsupported(e: &io::Error) -> bool {
+/// Whether an error means "this storage cannot do that operation" (so a fallback applies).
+pub(crate) fn unsupported(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL))
 }
 
 impl Backend for FileBackend {
     fn size(&self) -> u64 {
         self.size
+    }
+    fn as_file(&self) -> Option<&FileBackend> {
+        Some(self)
     }
     fn kind(&self) -> &'static str {
         if self.block {

@@ -75,6 +75,10 @@ pub struct Config {
     /// Storage worker threads (0: one per core of the serving node, at most 8).
     #[serde(default)]
     pub workers: usize,
+    /// File and block exports use io_uring where the kernel allows it (else, and when false,
+    /// the worker threads).
+    #[serde(default = "default_true")]
+    pub io_uring: bool,
     /// Unix socket serving `tyched stats` (JSON).
     #[serde(default = "default_stats_socket")]
     pub stats_socket: PathBuf,
@@ -212,6 +216,7 @@ impl Default for Config {
             tcp_listen: None,
             ethertype: default_ethertype(),
             workers: 0,
+            io_uring: true,
             stats_socket: default_stats_socket(),
             prometheus_listen: None,
             prometheus_allow_remote: false,

@@ -3,6 +3,8 @@
 //!
 //! - [`config`]: the TOML configuration and its validation.
 //! - [`backend`]: RAM, file and block-device exports.
+//! - [`uring`]: the io_uring engine for file and block exports (the worker pool where the
+//!   kernel does not allow io_uring).
 //! - [`target`]: the runtime (network thread, storage workers, access control, shutdown).
 //! - [`stats`]: the counters `tyched stats` shows, and [`stats_server`] serving them.
 //! - [`prometheus`]: the same counters as Prometheus text on `GET /metrics` (local HTTP).
@@ -21,6 +23,7 @@ pub mod prometheus;
 pub mod stats;
 pub mod stats_server;
 pub mod target;
+pub mod uring;
 
 pub use config::{Config, ConfigError, ExportConfig};
 pub use stats::Snapshot;

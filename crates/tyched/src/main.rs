@@ -65,6 +65,9 @@ struct ServeArgs {
     /// Storage worker threads (0: automatic).
     #[arg(long)]
     workers: Option<usize>,
+    /// File and block exports use the worker threads, not io_uring.
+    #[arg(long)]
+    no_io_uring: bool,
     /// Unix socket for `tyched stats`.
     #[arg(long)]
     stats_socket: Option<PathBuf>,
@@ -134,6 +137,9 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     }
     if let Some(w) = args.workers {
         config.workers = w;
+    }
+    if args.no_io_uring {
+        config.io_uring = false;
     }
     if let Some(s) = &args.stats_socket {
         config.stats_socket = s.clone();

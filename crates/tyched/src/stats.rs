@@ -101,6 +101,9 @@ pub struct ExportStats {
     pub errors: u64,
     /// CONNECTs refused (MAC or key).
     pub denied: u64,
+    /// How storage requests run: `io_uring`, `threads` (the pool) or `inline` (RAM).
+    #[serde(default)]
+    pub io: String,
 }
 
 /// Counters of one live channel.

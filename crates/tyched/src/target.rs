@@ -107,6 +107,8 @@ impl std::fmt::Debug for Nic {
 struct Export {
     spec: ExportSpec,
     backend: Arc<dyn Backend>,
+    /// Whether its storage requests go to the io_uring engine (else the pool, or inline for RAM).
+    uring: bool,
     allow: Vec<MacAddr>,
     key: Option<Vec<u8>>,
     read_only: bool,
@@ -133,7 +135,7 @@ pub(crate) fn wake_fd(fd: &OwnedFd) {
     let _ = unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
 
-fn drain_fd(fd: &OwnedFd) {
+pub(crate) fn drain_fd(fd: &OwnedFd) {
     let mut v: u64 = 0;
     // SAFETY: reads at most 8 bytes into a live u64; the eventfd is non-blocking.
     let _ = unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
@@ -163,30 +165,30 @@ fn random_u64() -> u64 {
 
 /// A storage request for a worker.
 #[derive(Debug)]
-struct Job {
-    session: u64,
-    channel: u16,
+pub(crate) struct Job {
+    pub(crate) session: u64,
+    pub(crate) channel: u16,
     /// Which instance of channel `channel` (a reconnect on the same index is a new one).
-    epoch: u64,
-    export: usize,
-    request: Request,
-    buf: Option<Memory>,
-    abort: bool,
+    pub(crate) epoch: u64,
+    pub(crate) export: usize,
+    pub(crate) request: Request,
+    pub(crate) buf: Option<Memory>,
+    pub(crate) abort: bool,
 }
 
 /// A finished storage request.
 #[derive(Debug)]
-struct Done {
-    session: u64,
-    channel: u16,
-    epoch: u64,
-    export: usize,
-    request: Request,
-    buf: Option<Memory>,
-    status: Status,
+pub(crate) struct Done {
+    pub(crate) session: u64,
+    pub(crate) channel: u16,
+    pub(crate) epoch: u64,
+    pub(crate) export: usize,
+    pub(crate) request: Request,
+    pub(crate) buf: Option<Memory>,
+    pub(crate) status: Status,
 }
 
-fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
+pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
     if job.abort {
         return Status::Aborted;
     }
@@ -261,6 +263,7 @@ impl Target {
             exports.push(Export {
                 spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
                 backend,
+                uring: false,
                 allow: e.allowed_macs(),
                 key: e.key.as_ref().map(|k| k.as_bytes().to_vec()),
                 read_only: e.read_only,
@@ -329,6 +332,39 @@ impl Target {
                 }
             })?);
         }
+        // File and block exports use io_uring where the kernel allows it, else the pool.
+        let mut uring = None;
+        if exports.iter().any(|e| e.backend.as_file().is_some()) {
+            let ring = if config.io_uring { crate::uring::open() } else { Err("disabled (io_uring = false)".into()) };
+            match ring {
+                Ok(ring) => {
+                    let notify = Arc::clone(&shared);
+                    let (queue, thread) = crate::uring::start(
+                        ring,
+                        backends.clone(),
+                        done_tx.clone(),
+                        Arc::new(move || notify.wake()),
+                        job_tx.clone(),
+                        placement.worker_cpus.clone(),
+                    )?;
+                    tracing::info!(depth = crate::uring::DEPTH, fallocate = queue.fallocate, "io_uring storage engine");
+                    workers.push(thread);
+                    for e in exports.iter_mut().filter(|e| e.backend.as_file().is_some()) {
+                        e.uring = true;
+                    }
+                    uring = Some(queue);
+                }
+                Err(reason) if config.io_uring => {
+                    tracing::warn!(
+                        workers = n_workers,
+                        "io_uring unavailable ({reason}): file and block exports use the thread pool"
+                    );
+                }
+                Err(reason) => {
+                    tracing::info!(workers = n_workers, "io_uring {reason}: file and block exports use the thread pool")
+                }
+            }
+        }
         drop(done_tx);
         let nic_stats = nics
             .iter()
@@ -342,6 +378,14 @@ impl Target {
                 size: e.spec.size,
                 read_only: e.read_only,
                 keyed: e.key.is_some(),
+                io: if e.uring {
+                    "io_uring"
+                } else if e.backend.kind() == "ram" {
+                    "inline"
+                } else {
+                    "threads"
+                }
+                .into(),
                 ..ExportStats::default()
             })
             .collect();
@@ -357,6 +401,7 @@ impl Target {
             slot_len: l.max_io as usize,
             node: placement.node,
             job_tx,
+            uring,
             overflow: VecDeque::new(),
             done_rx,
             inflight: 0,
@@ -382,7 +427,7 @@ impl Target {
     }
 }
 
-fn pin(cpus: &[u32], what: &str) {
+pub(crate) fn pin(cpus: &[u32], what: &str) {
     if !cpus.is_empty() {
         if let Err(e) = tyche_numa::pin_current_thread(cpus) {
             tracing::warn!(?cpus, "could not pin the {what}: {e}");
@@ -497,6 +542,8 @@ struct Network {
     slot_len: usize,
     node: Option<u32>,
     job_tx: mpsc::SyncSender<Job>,
+    /// The io_uring engine, when file and block exports use it.
+    uring: Option<crate::uring::UringQueue>,
     overflow: VecDeque<Job>,
     done_rx: mpsc::Receiver<Done>,
     inflight: u64,
@@ -854,6 +901,12 @@ impl Network {
                 let status = execute(&*backend, &mut j);
                 let Job { session, channel, epoch, export, request, buf, .. } = j;
                 self.finish_job(Done { session, channel, epoch, export, request, buf, status });
+            } else if let Some(q) = self
+                .uring
+                .as_ref()
+                .filter(|q| self.exports[j.export].uring && crate::uring::handles(q.fallocate, &*backend, j.request.op))
+            {
+                q.submit(j);
             } else {
                 self.overflow.push_back(j);
             }
