@@ -53,6 +53,30 @@ impl FromStr for TransportKind {
     }
 }
 
+/// How many network threads serve the NICs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+pub enum NetworkThreads {
+    /// One thread per NIC (per transport: per AF_XDP queue with `channels_per_nic` > 1), pinned
+    /// to the NIC's node.
+    #[default]
+    #[serde(rename = "per-nic")]
+    PerNic,
+    /// One thread for every NIC.
+    #[serde(rename = "one")]
+    One,
+}
+
+impl FromStr for NetworkThreads {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "per-nic" => Ok(NetworkThreads::PerNic),
+            "one" => Ok(NetworkThreads::One),
+            _ => Err(format!("unknown network_threads {s:?} (per-nic or one)")),
+        }
+    }
+}
+
 /// The whole configuration (the TOML file's top level).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -75,6 +99,9 @@ pub struct Config {
     /// Storage worker threads (0: one per core of the serving node, at most 8).
     #[serde(default)]
     pub workers: usize,
+    /// Network threads: one per NIC (default) or one for all.
+    #[serde(default)]
+    pub network_threads: NetworkThreads,
     /// File and block exports use io_uring where the kernel allows it (else, and when false,
     /// the worker threads).
     #[serde(default = "default_true")]
@@ -216,6 +243,7 @@ impl Default for Config {
             tcp_listen: None,
             ethertype: default_ethertype(),
             workers: 0,
+            network_threads: NetworkThreads::default(),
             io_uring: true,
             stats_socket: default_stats_socket(),
             prometheus_listen: None,

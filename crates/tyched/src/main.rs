@@ -19,7 +19,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
-use tyched::config::{Config, ExportConfig, TransportKind};
+use tyched::config::{Config, ExportConfig, NetworkThreads, TransportKind};
 use tyched::prometheus::PrometheusListener;
 use tyched::stats_server::{self, StatsServer};
 use tyched::{Nic, Placement, Target};
@@ -65,6 +65,9 @@ struct ServeArgs {
     /// Storage worker threads (0: automatic).
     #[arg(long)]
     workers: Option<usize>,
+    /// Network threads: per-nic (one per NIC, pinned to its node) or one.
+    #[arg(long, value_name = "per-nic|one")]
+    network_threads: Option<NetworkThreads>,
     /// File and block exports use the worker threads, not io_uring.
     #[arg(long)]
     no_io_uring: bool,
@@ -138,6 +141,9 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if let Some(w) = args.workers {
         config.workers = w;
     }
+    if let Some(t) = args.network_threads {
+        config.network_threads = t;
+    }
     if args.no_io_uring {
         config.io_uring = false;
     }
@@ -178,7 +184,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     if term.load(Ordering::SeqCst) {
         return Ok(());
     }
-    let placement = placement_for(&config.ifaces);
+    let placement = placement_for(&config, &nics);
     let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
     let _stats = match StatsServer::start(&config.stats_socket, handle.stats_source()) {
         Ok(s) => Some(s),
@@ -278,17 +284,46 @@ fn tcp_mac(k: usize) -> tyche_wire::MacAddr {
     tyched::tcp_mac(k)
 }
 
-/// Memory on the serving NICs' node and threads on its CPUs, when the topology says so.
-fn placement_for(ifaces: &[String]) -> Placement {
+/// Memory on the serving NICs' node and threads on its CPUs, when the topology says so; with
+/// one network thread per NIC, each on the CPU tyche-numa's placement plan gives that NIC's
+/// channel (for NICs whose node is known).
+fn placement_for(config: &Config, nics: &[Nic]) -> Placement {
     let Ok(topo) = tyche_numa::Topology::this_system() else { return Placement::default() };
+    let mut placement = Placement::default();
     let nodes: Vec<Option<u32>> =
-        ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
-    let node = match nodes.first() {
-        Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => *n,
-        _ => return Placement::default(),
-    };
-    let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == node).map(|n| n.cpus.clone()).unwrap_or_default();
-    Placement { node: Some(node), network_cpus: cpus.clone(), worker_cpus: cpus }
+        config.ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
+    if let Some(Some(node)) = nodes.first() {
+        if nodes.iter().all(|x| x == &Some(*node)) {
+            let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == *node).map(|n| n.cpus.clone()).unwrap_or_default();
+            placement =
+                Placement { node: Some(*node), network_cpus: cpus.clone(), worker_cpus: cpus, nic_cpus: Vec::new() };
+        }
+    }
+    if config.network_threads == NetworkThreads::PerNic {
+        let per_nic = if config.transport == TransportKind::Xdp { u32::from(config.channels_per_nic) } else { 1 };
+        if let Ok(req) = tyche_numa::placement::PlacementRequest::channels_per_nic(&topo, &config.ifaces, per_nic) {
+            let plan = tyche_numa::placement::plan(&topo, &req);
+            for w in &plan.warnings {
+                tracing::warn!("placement: {w}");
+            }
+            placement.nic_cpus = nics
+                .iter()
+                .map(|nic| {
+                    // Labels are "IF" or, with several AF_XDP queues, "IF/QUEUE".
+                    let (name, queue) = match nic.name.split_once('/') {
+                        Some((n, q)) => (n, q.parse().unwrap_or(0)),
+                        None => (nic.name.as_str(), 0),
+                    };
+                    let c = plan.channels.iter().find(|c| c.nic == name && c.channel == queue && c.nic_node.is_some());
+                    if let Some(c) = c {
+                        tracing::info!(nic = %nic.name, node = c.node, cpu = c.network_cpu, "network thread placement");
+                    }
+                    c.map(|c| vec![c.network_cpu]).unwrap_or_default()
+                })
+                .collect();
+        }
+    }
+    placement
 }
 
 fn stats(args: &StatsArgs) -> Result<()> {

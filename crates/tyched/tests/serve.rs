@@ -5,7 +5,7 @@ mod common;
 use common::{pattern, Initiator};
 use tyche_channel::{ConnectError, IoError};
 use tyche_wire::{Op, RejectReason, Status};
-use tyched::config::{Config, ExportConfig};
+use tyched::config::{Config, ExportConfig, NetworkThreads};
 
 fn config(exports: Vec<ExportConfig>) -> Config {
     Config { exports, workers: 2, ..Config::default() }
@@ -13,10 +13,22 @@ fn config(exports: Vec<ExportConfig>) -> Config {
 
 #[test]
 fn many_sizes_over_two_nics_to_ram_and_file() {
+    many_sizes_over_two_nics_with(NetworkThreads::PerNic, 2);
+}
+
+/// The same with one network thread serving both NICs (`network_threads = "one"`).
+#[test]
+fn many_sizes_over_two_nics_with_one_network_thread() {
+    many_sizes_over_two_nics_with(NetworkThreads::One, 1);
+}
+
+fn many_sizes_over_two_nics_with(network_threads: NetworkThreads, threads: usize) {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("disk.img");
     let cfg = config(vec![ExportConfig::ram("ram", 8 << 20), ExportConfig::file("file", &file, Some(8 << 20))]);
+    let cfg = Config { network_threads, ..cfg };
     let (target, ports) = common::start(cfg.clone(), 2);
+    assert_eq!(target.network_threads(), threads, "network threads");
     let (_, ports2) = (0, ports);
     let mut ini = Initiator::new(ports2);
     let c = ini.attach("ram", None).expect("attach ram");
