@@ -68,55 +68,62 @@ pub enum Memory {
     Heap(AlignedBuf),
 }
 
-/// Zeroed heap bytes starting on a page (4 KiB) boundary: O_DIRECT needs buffers aligned to the
-/// device's logical block size, which the default allocator does not give.
+/// Zeroed bytes starting on a page boundary, from an anonymous private mapping: O_DIRECT needs
+/// buffers aligned to the device's logical block size, which the default allocator does not
+/// give, and the kernel zero-fills the pages on first touch (a 1 GiB RAM export costs nothing
+/// until written, as `calloc` would).
 pub struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
 }
 
-// SAFETY: AlignedBuf owns its allocation exclusively (like a Vec<u8>); nothing else aliases it.
+// SAFETY: AlignedBuf owns its mapping exclusively (like a Vec<u8>); nothing else aliases it.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: shared references only give `&[u8]`, as with a Vec<u8>.
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// Alignment of every buffer.
-    pub const ALIGN: usize = 4096;
-
-    fn layout(len: usize) -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN).expect("buffer size fits a layout")
-    }
-
-    /// `len` zeroed bytes.
+    /// `len` zeroed bytes (aborts, as an allocation failure does, when the kernel refuses).
     pub fn zeroed(len: usize) -> AlignedBuf {
-        let layout = Self::layout(len);
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let Some(ptr) = std::ptr::NonNull::new(ptr) else { std::alloc::handle_alloc_error(layout) };
-        AlignedBuf { ptr, len }
+        let map = len.max(1);
+        // SAFETY: an anonymous private mapping at an address of the kernel's choosing; no file
+        // and no existing memory is involved.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(map, 4096).expect("layout"));
+        }
+        AlignedBuf { ptr: std::ptr::NonNull::new(p.cast()).expect("mmap never returns null"), len }
     }
 }
 
 impl std::ops::Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr` points at `len` initialised (zeroed at first) bytes owned by `self`.
+        // SAFETY: `ptr` points at a readable mapping of at least `len` bytes owned by `self`.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl std::ops::DerefMut for AlignedBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
+        // SAFETY: as in `deref` (the mapping is writable), and `&mut self` makes it exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this very layout, and freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        // SAFETY: unmaps exactly the mapping made in `zeroed`, once.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len.max(1)) };
     }
 }
 
@@ -430,6 +437,28 @@ mod tests {
         b.read_at(&mut back[..1024], 9728).expect("read");
         assert!(back[..512] == data[5632..6144], "{}: before the zeroed range", b.kind());
         assert!(back[512..1024].iter().all(|&x| x == 0), "{}: zeroed range", b.kind());
+    }
+
+    /// Resident memory of this process in bytes.
+    fn resident() -> u64 {
+        let statm = std::fs::read_to_string("/proc/self/statm").expect("statm");
+        let pages: u64 = statm.split_whitespace().nth(1).expect("resident").parse().expect("number");
+        pages * 4096
+    }
+
+    #[test]
+    fn memory_is_page_aligned_and_zero_filled_lazily() {
+        let before = resident();
+        let mut m = Memory::new(1 << 30, None);
+        let grew = resident().saturating_sub(before);
+        // (Other tests run in this process at the same time: leave them room.)
+        assert!(grew < 256 << 20, "a 1 GiB region is not touched when made: resident grew by {grew} bytes");
+        let s = m.as_mut_slice();
+        assert_eq!(s.as_ptr() as usize % 4096, 0, "page-aligned");
+        assert!(s[..4096].iter().all(|&b| b == 0) && s[(1 << 30) - 1] == 0, "zero-filled");
+        s[12345] = 7;
+        assert_eq!(m.as_slice()[12345], 7);
+        assert_eq!(Memory::new(0, None).as_slice().len(), 0, "empty regions work");
     }
 
     #[test]

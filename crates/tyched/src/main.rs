@@ -302,10 +302,8 @@ fn placement_for(config: &Config, nics: &[Nic]) -> Placement {
     if config.network_threads == NetworkThreads::PerNic {
         let per_nic = if config.transport == TransportKind::Xdp { u32::from(config.channels_per_nic) } else { 1 };
         if let Ok(req) = tyche_numa::placement::PlacementRequest::channels_per_nic(&topo, &config.ifaces, per_nic) {
+            // (tyche-numa logs the plan's warnings itself.)
             let plan = tyche_numa::placement::plan(&topo, &req);
-            for w in &plan.warnings {
-                tracing::warn!("placement: {w}");
-            }
             placement.nic_cpus = nics
                 .iter()
                 .map(|nic| {
