@@ -52,15 +52,85 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
     /// Writes zeroes over a range.
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// The file or block device behind the export, for the io_uring engine (None: RAM).
+    fn as_file(&self) -> Option<&FileBackend> {
+        None
+    }
 }
 
 /// Memory that is node-bound when a node is known and the kernel allows it, else the heap.
+/// Either way it starts on a page boundary, so O_DIRECT can use it.
 #[derive(Debug)]
 pub enum Memory {
     /// Pages bound to a NUMA node.
     Node(NodeRegion),
-    /// Ordinary heap memory.
-    Heap(Vec<u8>),
+    /// Page-aligned heap memory.
+    Heap(AlignedBuf),
+}
+
+/// Zeroed bytes starting on a page boundary, from an anonymous private mapping: O_DIRECT needs
+/// buffers aligned to the device's logical block size, which the default allocator does not
+/// give, and the kernel zero-fills the pages on first touch (a 1 GiB RAM export costs nothing
+/// until written, as `calloc` would).
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf owns its mapping exclusively (like a Vec<u8>); nothing else aliases it.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references only give `&[u8]`, as with a Vec<u8>.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// `len` zeroed bytes (aborts, as an allocation failure does, when the kernel refuses).
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        let map = len.max(1);
+        // SAFETY: an anonymous private mapping at an address of the kernel's choosing; no file
+        // and no existing memory is involved.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(map, 4096).expect("layout"));
+        }
+        AlignedBuf { ptr: std::ptr::NonNull::new(p.cast()).expect("mmap never returns null"), len }
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` points at a readable mapping of at least `len` bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref` (the mapping is writable), and `&mut self` makes it exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `zeroed`, once.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len.max(1)) };
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf").field("len", &self.len).finish_non_exhaustive()
+    }
 }
 
 impl Memory {
@@ -72,7 +142,7 @@ impl Memory {
                 Err(e) => tracing::debug!(node, len, "node-bound allocation failed, using the heap: {e}"),
             }
         }
-        Memory::Heap(vec![0; len])
+        Memory::Heap(AlignedBuf::zeroed(len))
     }
 
     /// The bytes (a node region is rounded up to whole pages; callers index within their length).
@@ -238,6 +308,27 @@ impl FileBackend {
         Ok(FileBackend { file, direct: None, align: 512, size, block: false })
     }
 
+    /// Whether this is a block device (else a regular file).
+    pub fn is_block(&self) -> bool {
+        self.block
+    }
+
+    /// The descriptor a transfer of `len` bytes at `ptr` and `offset` uses: the O_DIRECT one when
+    /// everything is aligned to the device's logical block size, else the buffered one.
+    pub fn fd_for(&self, ptr: *const u8, len: usize, offset: u64) -> std::os::fd::RawFd {
+        self.aligned(ptr, len, offset).unwrap_or(&self.file).as_raw_fd()
+    }
+
+    /// The buffered descriptor (FLUSH, DISCARD, WRITE_ZEROES).
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// Whether a transfer would use O_DIRECT.
+    pub fn is_direct(&self, ptr: *const u8, len: usize, offset: u64) -> bool {
+        self.aligned(ptr, len, offset).is_some()
+    }
+
     fn aligned(&self, ptr: *const u8, len: usize, offset: u64) -> Option<&File> {
         let a = self.align;
         let ok = (ptr as usize) % a == 0 && len % a == 0 && offset % a as u64 == 0;
@@ -267,13 +358,17 @@ impl FileBackend {
     }
 }
 
-fn unsupported(e: &io::Error) -> bool {
+/// Whether an error means "this storage cannot do that operation" (so a fallback applies).
+pub(crate) fn unsupported(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL))
 }
 
 impl Backend for FileBackend {
     fn size(&self) -> u64 {
         self.size
+    }
+    fn as_file(&self) -> Option<&FileBackend> {
+        Some(self)
     }
     fn kind(&self) -> &'static str {
         if self.block {
@@ -342,6 +437,28 @@ mod tests {
         b.read_at(&mut back[..1024], 9728).expect("read");
         assert!(back[..512] == data[5632..6144], "{}: before the zeroed range", b.kind());
         assert!(back[512..1024].iter().all(|&x| x == 0), "{}: zeroed range", b.kind());
+    }
+
+    /// Resident memory of this process in bytes.
+    fn resident() -> u64 {
+        let statm = std::fs::read_to_string("/proc/self/statm").expect("statm");
+        let pages: u64 = statm.split_whitespace().nth(1).expect("resident").parse().expect("number");
+        pages * 4096
+    }
+
+    #[test]
+    fn memory_is_page_aligned_and_zero_filled_lazily() {
+        let before = resident();
+        let mut m = Memory::new(1 << 30, None);
+        let grew = resident().saturating_sub(before);
+        // (Other tests run in this process at the same time: leave them room.)
+        assert!(grew < 256 << 20, "a 1 GiB region is not touched when made: resident grew by {grew} bytes");
+        let s = m.as_mut_slice();
+        assert_eq!(s.as_ptr() as usize % 4096, 0, "page-aligned");
+        assert!(s[..4096].iter().all(|&b| b == 0) && s[(1 << 30) - 1] == 0, "zero-filled");
+        s[12345] = 7;
+        assert_eq!(m.as_slice()[12345], 7);
+        assert_eq!(Memory::new(0, None).as_slice().len(), 0, "empty regions work");
     }
 
     #[test]

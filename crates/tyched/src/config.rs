@@ -53,6 +53,30 @@ impl FromStr for TransportKind {
     }
 }
 
+/// How many network threads serve the NICs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+pub enum NetworkThreads {
+    /// One thread per NIC (per transport: per AF_XDP queue with `channels_per_nic` > 1), pinned
+    /// to the NIC's node.
+    #[default]
+    #[serde(rename = "per-nic")]
+    PerNic,
+    /// One thread for every NIC.
+    #[serde(rename = "one")]
+    One,
+}
+
+impl FromStr for NetworkThreads {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "per-nic" => Ok(NetworkThreads::PerNic),
+            "one" => Ok(NetworkThreads::One),
+            _ => Err(format!("unknown network_threads {s:?} (per-nic or one)")),
+        }
+    }
+}
+
 /// The whole configuration (the TOML file's top level).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -75,9 +99,23 @@ pub struct Config {
     /// Storage worker threads (0: one per core of the serving node, at most 8).
     #[serde(default)]
     pub workers: usize,
+    /// Network threads: one per NIC (default) or one for all.
+    #[serde(default)]
+    pub network_threads: NetworkThreads,
+    /// File and block exports use io_uring where the kernel allows it (else, and when false,
+    /// the worker threads).
+    #[serde(default = "default_true")]
+    pub io_uring: bool,
     /// Unix socket serving `tyched stats` (JSON).
     #[serde(default = "default_stats_socket")]
     pub stats_socket: PathBuf,
+    /// Serve Prometheus text on `GET /metrics` here: `IP:PORT` (loopback unless
+    /// `prometheus_allow_remote`), `localhost:PORT`, or a Unix socket path. None: no endpoint.
+    #[serde(default)]
+    pub prometheus_listen: Option<String>,
+    /// Allow `prometheus_listen` on a non-loopback address (the endpoint has no authentication).
+    #[serde(default)]
+    pub prometheus_allow_remote: bool,
     /// Channel limits granted to initiators.
     #[serde(default)]
     pub limits: Limits,
@@ -205,7 +243,11 @@ impl Default for Config {
             tcp_listen: None,
             ethertype: default_ethertype(),
             workers: 0,
+            network_threads: NetworkThreads::default(),
+            io_uring: true,
             stats_socket: default_stats_socket(),
+            prometheus_listen: None,
+            prometheus_allow_remote: false,
             limits: Limits::default(),
             dead_after_ms: default_dead_after_ms(),
             exports: Vec::new(),
@@ -280,6 +322,19 @@ impl Config {
         }
     }
 
+    /// The Prometheus endpoint's address, checked (`prometheus_listen`).
+    pub fn prometheus_addr(&self) -> Result<Option<crate::prometheus::MetricsAddr>, ConfigError> {
+        let Some(s) = &self.prometheus_listen else { return Ok(None) };
+        let a: crate::prometheus::MetricsAddr = s.parse().map_err(|e| invalid("prometheus_listen", e))?;
+        a.check_local(self.prometheus_allow_remote).map_err(|e| invalid("prometheus_listen", e))?;
+        if let crate::prometheus::MetricsAddr::Unix(p) = &a {
+            if *p == self.stats_socket {
+                return Err(invalid("prometheus_listen", "the same path as stats_socket"));
+            }
+        }
+        Ok(Some(a))
+    }
+
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.exports.is_empty() {
@@ -298,6 +353,7 @@ impl Config {
             return Err(invalid("dead_after_ms", "100 to 3600000"));
         }
         self.timers().validate().map_err(|e| invalid("dead_after_ms", e))?;
+        self.prometheus_addr()?;
         for (i, name) in self.ifaces.iter().enumerate() {
             if name.is_empty() || name.len() > 15 {
                 return Err(invalid(format!("ifaces[{i}]"), "interface names are 1 to 15 bytes"));
@@ -377,6 +433,25 @@ mod tests {
         assert!(e.to_string().starts_with("export[0].allow[0]:"), "{e}");
         let text = "[[export]]\nname = \"a\"\nsize = \"1M\"\nkey = \"short\"";
         assert!(Config::from_toml(text).expect_err("short key").to_string().starts_with("export[0].key:"));
+    }
+
+    #[test]
+    fn prometheus_listen_is_checked() {
+        let base = "[[export]]\nname = \"a\"\nsize = \"1M\"\n";
+        let with = |extra: &str| Config::from_toml(&format!("{extra}\n{base}"));
+        let c = with("prometheus_listen = \"127.0.0.1:9464\"").expect("loopback");
+        assert_eq!(c.prometheus_addr().unwrap(), Some("127.0.0.1:9464".parse().unwrap()));
+        with("prometheus_listen = \"/run/tyched/metrics.sock\"").expect("a Unix socket");
+        assert_eq!(with("").expect("none").prometheus_addr().unwrap(), None);
+        let e = with("prometheus_listen = \"0.0.0.0:9464\"").expect_err("not loopback");
+        assert!(e.to_string().starts_with("prometheus_listen: 0.0.0.0:9464 is not a loopback address"), "{e}");
+        with("prometheus_listen = \"0.0.0.0:9464\"\nprometheus_allow_remote = true").expect("allowed");
+        let e = with("prometheus_listen = \"nowhere\"").expect_err("not an address");
+        assert!(e.to_string().starts_with("prometheus_listen:"), "{e}");
+        let e = with("prometheus_listen = 9464").expect_err("not a string");
+        assert!(e.to_string().contains("prometheus_listen"), "{e}");
+        let e = with("stats_socket = \"/tmp/s.sock\"\nprometheus_listen = \"/tmp/s.sock\"").expect_err("clash");
+        assert!(e.to_string().starts_with("prometheus_listen:"), "{e}");
     }
 
     #[test]

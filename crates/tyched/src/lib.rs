@@ -3,8 +3,11 @@
 //!
 //! - [`config`]: the TOML configuration and its validation.
 //! - [`backend`]: RAM, file and block-device exports.
+//! - [`uring`]: the io_uring engine for file and block exports (the worker pool where the
+//!   kernel does not allow io_uring).
 //! - [`target`]: the runtime (network thread, storage workers, access control, shutdown).
 //! - [`stats`]: the counters `tyched stats` shows, and [`stats_server`] serving them.
+//! - [`prometheus`]: the same counters as Prometheus text on `GET /metrics` (local HTTP).
 //!
 //! # Promises
 //! - A malformed, stray or hostile frame is dropped and counted, never a panic.
@@ -16,9 +19,11 @@
 pub mod backend;
 pub mod config;
 pub mod packet;
+pub mod prometheus;
 pub mod stats;
 pub mod stats_server;
 pub mod target;
+pub mod uring;
 
 pub use config::{Config, ConfigError, ExportConfig};
 pub use stats::Snapshot;

@@ -3,7 +3,8 @@
 //! Subcommands:
 //! - `tyched serve [--config FILE] [--export NAME=PATH|NAME=ram:SIZE]... [--iface IF]... ...`:
 //!   serve exports until SIGTERM/SIGINT.
-//! - `tyched stats [--socket PATH] [--json]`: the counters of a running daemon.
+//! - `tyched stats [--socket PATH] [--json]`: the counters of a running daemon (also served as
+//!   Prometheus text on `GET /metrics` with `tyched serve --prometheus-listen ADDR`).
 //! - `tyched topology [--xml FILE] [--json] [--model]`: the NUMA nodes, NICs and their nodes,
 //!   and the channel placement plan (and, with `--model`, the I/O bandwidth model).
 
@@ -18,7 +19,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
-use tyched::config::{Config, ExportConfig, TransportKind};
+use tyched::config::{Config, ExportConfig, NetworkThreads, TransportKind};
+use tyched::prometheus::PrometheusListener;
 use tyched::stats_server::{self, StatsServer};
 use tyched::{Nic, Placement, Target};
 
@@ -63,9 +65,22 @@ struct ServeArgs {
     /// Storage worker threads (0: automatic).
     #[arg(long)]
     workers: Option<usize>,
+    /// Network threads: per-nic (one per NIC, pinned to its node) or one.
+    #[arg(long, value_name = "per-nic|one")]
+    network_threads: Option<NetworkThreads>,
+    /// File and block exports use the worker threads, not io_uring.
+    #[arg(long)]
+    no_io_uring: bool,
     /// Unix socket for `tyched stats`.
     #[arg(long)]
     stats_socket: Option<PathBuf>,
+    /// Serve Prometheus text on GET /metrics at IP:PORT (loopback only unless
+    /// --prometheus-allow-remote), localhost:PORT, or a Unix socket path.
+    #[arg(long, value_name = "ADDR")]
+    prometheus_listen: Option<String>,
+    /// Allow --prometheus-listen on a non-loopback address (the endpoint has no authentication).
+    #[arg(long)]
+    prometheus_allow_remote: bool,
     /// Check the configuration and exit.
     #[arg(long)]
     check: bool,
@@ -126,8 +141,20 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if let Some(w) = args.workers {
         config.workers = w;
     }
+    if let Some(t) = args.network_threads {
+        config.network_threads = t;
+    }
+    if args.no_io_uring {
+        config.io_uring = false;
+    }
     if let Some(s) = &args.stats_socket {
         config.stats_socket = s.clone();
+    }
+    if let Some(a) = &args.prometheus_listen {
+        config.prometheus_listen = Some(a.clone());
+    }
+    if args.prometheus_allow_remote {
+        config.prometheus_allow_remote = true;
     }
     config.validate()?;
     Ok(config)
@@ -146,11 +173,18 @@ fn serve(args: ServeArgs) -> Result<()> {
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handlers")?;
     }
+    // Bound before the NICs open, so that a taken or bad address fails the start at once.
+    let prometheus = match config.prometheus_addr()? {
+        Some(addr) => {
+            Some(PrometheusListener::bind(&addr).with_context(|| format!("prometheus_listen: binding {addr}"))?)
+        }
+        None => None,
+    };
     let nics = open_nics(&config, &term)?;
     if term.load(Ordering::SeqCst) {
         return Ok(());
     }
-    let placement = placement_for(&config.ifaces);
+    let placement = placement_for(&config, &nics);
     let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
     let _stats = match StatsServer::start(&config.stats_socket, handle.stats_source()) {
         Ok(s) => Some(s),
@@ -158,6 +192,10 @@ fn serve(args: ServeArgs) -> Result<()> {
             tracing::warn!(socket = %config.stats_socket.display(), "no stats socket: {e}");
             None
         }
+    };
+    let _prometheus = match prometheus {
+        Some(l) => Some(l.serve(handle.stats_source()).context("prometheus_listen: starting the endpoint")?),
+        None => None,
     };
     while !term.load(Ordering::SeqCst) && !handle.is_finished() {
         std::thread::sleep(Duration::from_millis(50));
@@ -246,17 +284,44 @@ fn tcp_mac(k: usize) -> tyche_wire::MacAddr {
     tyched::tcp_mac(k)
 }
 
-/// Memory on the serving NICs' node and threads on its CPUs, when the topology says so.
-fn placement_for(ifaces: &[String]) -> Placement {
+/// Memory on the serving NICs' node and threads on its CPUs, when the topology says so; with
+/// one network thread per NIC, each on the CPU tyche-numa's placement plan gives that NIC's
+/// channel (for NICs whose node is known).
+fn placement_for(config: &Config, nics: &[Nic]) -> Placement {
     let Ok(topo) = tyche_numa::Topology::this_system() else { return Placement::default() };
+    let mut placement = Placement::default();
     let nodes: Vec<Option<u32>> =
-        ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
-    let node = match nodes.first() {
-        Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => *n,
-        _ => return Placement::default(),
-    };
-    let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == node).map(|n| n.cpus.clone()).unwrap_or_default();
-    Placement { node: Some(node), network_cpus: cpus.clone(), worker_cpus: cpus }
+        config.ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
+    if let Some(Some(node)) = nodes.first() {
+        if nodes.iter().all(|x| x == &Some(*node)) {
+            let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == *node).map(|n| n.cpus.clone()).unwrap_or_default();
+            placement =
+                Placement { node: Some(*node), network_cpus: cpus.clone(), worker_cpus: cpus, nic_cpus: Vec::new() };
+        }
+    }
+    if config.network_threads == NetworkThreads::PerNic {
+        let per_nic = if config.transport == TransportKind::Xdp { u32::from(config.channels_per_nic) } else { 1 };
+        if let Ok(req) = tyche_numa::placement::PlacementRequest::channels_per_nic(&topo, &config.ifaces, per_nic) {
+            // (tyche-numa logs the plan's warnings itself.)
+            let plan = tyche_numa::placement::plan(&topo, &req);
+            placement.nic_cpus = nics
+                .iter()
+                .map(|nic| {
+                    // Labels are "IF" or, with several AF_XDP queues, "IF/QUEUE".
+                    let (name, queue) = match nic.name.split_once('/') {
+                        Some((n, q)) => (n, q.parse().unwrap_or(0)),
+                        None => (nic.name.as_str(), 0),
+                    };
+                    let c = plan.channels.iter().find(|c| c.nic == name && c.channel == queue && c.nic_node.is_some());
+                    if let Some(c) = c {
+                        tracing::info!(nic = %nic.name, node = c.node, cpu = c.network_cpu, "network thread placement");
+                    }
+                    c.map(|c| vec![c.network_cpu]).unwrap_or_default()
+                })
+                .collect();
+        }
+    }
+    placement
 }
 
 fn stats(args: &StatsArgs) -> Result<()> {

@@ -101,6 +101,9 @@ pub struct ExportStats {
     pub errors: u64,
     /// CONNECTs refused (MAC or key).
     pub denied: u64,
+    /// How storage requests run: `io_uring`, `threads` (the pool) or `inline` (RAM).
+    #[serde(default)]
+    pub io: String,
 }
 
 /// Counters of one live channel.
@@ -237,7 +240,7 @@ impl Snapshot {
         );
         metric("storage_inflight", "Storage requests queued or running.", "gauge", one(self.storage_inflight));
         let nic = |f: &dyn Fn(&NicStats) -> u64| {
-            self.nics.iter().map(|n| (format!("{{nic=\"{}\"}}", n.name), f(n))).collect::<Vec<_>>()
+            self.nics.iter().map(|n| (format!("{{nic=\"{}\"}}", esc(&n.name)), f(n))).collect::<Vec<_>>()
         };
         metric("nic_rx_frames_total", "Frames received.", "counter", nic(&|n| n.frames_rx));
         metric("nic_rx_bytes_total", "Bytes received.", "counter", nic(&|n| n.bytes_rx));
@@ -255,10 +258,10 @@ impl Snapshot {
                 ("denied_key", d.denied_key),
                 ("shutting_down", d.shutting_down),
             ] {
-                drops.push((format!("{{nic=\"{}\",reason=\"{reason}\"}}", n.name), v));
+                drops.push((format!("{{nic=\"{}\",reason=\"{reason}\"}}", esc(&n.name)), v));
             }
             for (reason, v) in &d.channel {
-                drops.push((format!("{{nic=\"{}\",reason=\"channel_{reason}\"}}", n.name), *v));
+                drops.push((format!("{{nic=\"{}\",reason=\"channel_{}\"}}", esc(&n.name), esc(reason)), *v));
             }
         }
         metric("nic_drops_total", "Frames dropped, by reason.", "counter", drops);
@@ -272,12 +275,12 @@ impl Snapshot {
                 ("discard", r.discard),
                 ("write_zeroes", r.write_zeroes),
             ] {
-                reqs.push((format!("{{export=\"{}\",op=\"{op}\"}}", e.name), v));
+                reqs.push((format!("{{export=\"{}\",op=\"{op}\"}}", esc(&e.name)), v));
             }
         }
         metric("export_requests_total", "Requests executed, by op.", "counter", reqs);
         let ex = |f: &dyn Fn(&ExportStats) -> u64| {
-            self.exports.iter().map(|e| (format!("{{export=\"{}\"}}", e.name), f(e))).collect::<Vec<_>>()
+            self.exports.iter().map(|e| (format!("{{export=\"{}\"}}", esc(&e.name)), f(e))).collect::<Vec<_>>()
         };
         metric("export_read_bytes_total", "Bytes read from storage.", "counter", ex(&|e| e.bytes_read));
         metric("export_written_bytes_total", "Bytes written to storage.", "counter", ex(&|e| e.bytes_written));
@@ -287,12 +290,36 @@ impl Snapshot {
             self.channels
                 .iter()
                 .map(|c| {
-                    (format!("{{session=\"{:016x}\",channel=\"{}\",nic=\"{}\"}}", c.session, c.channel, c.nic), f(c))
+                    (
+                        format!("{{session=\"{:016x}\",channel=\"{}\",nic=\"{}\"}}", c.session, c.channel, esc(&c.nic)),
+                        f(c),
+                    )
                 })
                 .collect::<Vec<_>>()
         };
         metric("channel_retransmits_total", "Retransmissions.", "counter", ch(&|c| c.retransmits));
         metric("channel_executing", "Requests executing.", "gauge", ch(&|c| c.executing));
         s
+    }
+}
+
+/// A Prometheus label value with `\`, `"` and newlines escaped (export names may hold them).
+fn esc(v: &str) -> std::borrow::Cow<'_, str> {
+    if !v.contains(['\\', '"', '\n']) {
+        return v.into();
+    }
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n").into()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn prometheus_label_values_are_escaped() {
+        let mut s = super::Snapshot::default();
+        s.exports.push(super::ExportStats { name: "a\"b\\c".into(), ..Default::default() });
+        let text = s.prometheus();
+        assert!(text.contains("tyched_export_errors_total{export=\"a\\\"b\\\\c\"} 0\n"), "{text}");
+        assert_eq!(super::esc("plain"), "plain");
+        assert_eq!(super::esc("x\ny"), "x\\ny");
     }
 }

@@ -34,7 +34,7 @@ use tyche_wire::{
 };
 
 use crate::backend::{Backend, BackendError, FileBackend, Memory, RamBackend};
-use crate::config::Config;
+use crate::config::{Config, NetworkThreads};
 use crate::stats::{ChannelSnapshot, Drops, ExportStats, NicStats, Snapshot};
 
 /// Frames received per transport per loop turn.
@@ -83,8 +83,13 @@ pub enum StartError {
 pub struct Placement {
     /// NUMA node of the serving NICs: RAM exports and slot memory are bound to it.
     pub node: Option<u32>,
-    /// CPUs for the network thread.
+    /// CPUs for the network thread (or, with one thread per NIC, for those NICs that have no
+    /// entry in `nic_cpus`).
     pub network_cpus: Vec<u32>,
+    /// CPUs for the network thread of each NIC, in the order of the `nics` given to
+    /// [`Target::start_placed`] (with `network_threads = "per-nic"`); missing or empty entries
+    /// use `network_cpus`.
+    pub nic_cpus: Vec<Vec<u32>>,
     /// CPUs for the storage workers.
     pub worker_cpus: Vec<u32>,
 }
@@ -107,6 +112,8 @@ impl std::fmt::Debug for Nic {
 struct Export {
     spec: ExportSpec,
     backend: Arc<dyn Backend>,
+    /// Whether its storage requests go to the io_uring engine (else the pool, or inline for RAM).
+    uring: bool,
     allow: Vec<MacAddr>,
     key: Option<Vec<u8>>,
     read_only: bool,
@@ -127,19 +134,19 @@ impl Shared {
     }
 }
 
-fn wake_fd(fd: &OwnedFd) {
+pub(crate) fn wake_fd(fd: &OwnedFd) {
     let one: u64 = 1;
     // SAFETY: writes 8 bytes from a live u64 to an eventfd the caller owns.
     let _ = unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
 
-fn drain_fd(fd: &OwnedFd) {
+pub(crate) fn drain_fd(fd: &OwnedFd) {
     let mut v: u64 = 0;
     // SAFETY: reads at most 8 bytes into a live u64; the eventfd is non-blocking.
     let _ = unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
 }
 
-fn new_eventfd() -> std::io::Result<OwnedFd> {
+pub(crate) fn new_eventfd() -> std::io::Result<OwnedFd> {
     // SAFETY: eventfd takes integers and returns a new descriptor or -1.
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if fd < 0 {
@@ -163,30 +170,30 @@ fn random_u64() -> u64 {
 
 /// A storage request for a worker.
 #[derive(Debug)]
-struct Job {
-    session: u64,
-    channel: u16,
+pub(crate) struct Job {
+    pub(crate) session: u64,
+    pub(crate) channel: u16,
     /// Which instance of channel `channel` (a reconnect on the same index is a new one).
-    epoch: u64,
-    export: usize,
-    request: Request,
-    buf: Option<Memory>,
-    abort: bool,
+    pub(crate) epoch: u64,
+    pub(crate) export: usize,
+    pub(crate) request: Request,
+    pub(crate) buf: Option<Memory>,
+    pub(crate) abort: bool,
 }
 
 /// A finished storage request.
 #[derive(Debug)]
-struct Done {
-    session: u64,
-    channel: u16,
-    epoch: u64,
-    export: usize,
-    request: Request,
-    buf: Option<Memory>,
-    status: Status,
+pub(crate) struct Done {
+    pub(crate) session: u64,
+    pub(crate) channel: u16,
+    pub(crate) epoch: u64,
+    pub(crate) export: usize,
+    pub(crate) request: Request,
+    pub(crate) buf: Option<Memory>,
+    pub(crate) status: Status,
 }
 
-fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
+pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
     if job.abort {
         return Status::Aborted;
     }
@@ -220,7 +227,8 @@ pub struct Target;
 #[derive(Debug)]
 pub struct TargetHandle {
     shared: Arc<Shared>,
-    network: Option<JoinHandle<()>>,
+    /// The network threads (one per NIC, or one for all).
+    network: Vec<JoinHandle<()>>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -261,6 +269,7 @@ impl Target {
             exports.push(Export {
                 spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
                 backend,
+                uring: false,
                 allow: e.allowed_macs(),
                 key: e.key.as_ref().map(|k| k.as_bytes().to_vec()),
                 read_only: e.read_only,
@@ -329,6 +338,39 @@ impl Target {
                 }
             })?);
         }
+        // File and block exports use io_uring where the kernel allows it, else the pool.
+        let mut uring = None;
+        if exports.iter().any(|e| e.backend.as_file().is_some()) {
+            let ring = if config.io_uring { crate::uring::open() } else { Err("disabled (io_uring = false)".into()) };
+            match ring {
+                Ok(ring) => {
+                    let notify = Arc::clone(&shared);
+                    let (queue, thread) = crate::uring::start(
+                        ring,
+                        backends.clone(),
+                        done_tx.clone(),
+                        Arc::new(move || notify.wake()),
+                        job_tx.clone(),
+                        placement.worker_cpus.clone(),
+                    )?;
+                    tracing::info!(depth = crate::uring::DEPTH, fallocate = queue.fallocate, "io_uring storage engine");
+                    workers.push(thread);
+                    for e in exports.iter_mut().filter(|e| e.backend.as_file().is_some()) {
+                        e.uring = true;
+                    }
+                    uring = Some(queue);
+                }
+                Err(reason) if config.io_uring => {
+                    tracing::warn!(
+                        workers = n_workers,
+                        "io_uring unavailable ({reason}): file and block exports use the thread pool"
+                    );
+                }
+                Err(reason) => {
+                    tracing::info!(workers = n_workers, "io_uring {reason}: file and block exports use the thread pool")
+                }
+            }
+        }
         drop(done_tx);
         let nic_stats = nics
             .iter()
@@ -342,12 +384,31 @@ impl Target {
                 size: e.spec.size,
                 read_only: e.read_only,
                 keyed: e.key.is_some(),
+                io: if e.uring {
+                    "io_uring"
+                } else if e.backend.kind() == "ram" {
+                    "inline"
+                } else {
+                    "threads"
+                }
+                .into(),
                 ..ExportStats::default()
             })
             .collect();
+        let n_nics = nics.len();
+        let groups: Vec<Vec<usize>> = match config.network_threads {
+            NetworkThreads::One => vec![(0..n_nics).collect()],
+            NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
+        };
+        let mut group_of = vec![0; n_nics];
+        for (g, members) in groups.iter().enumerate() {
+            for &k in members {
+                group_of[k] = g;
+            }
+        }
+        let group_wakes = groups.iter().map(|_| new_eventfd().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
         let mut net = Network {
             ethertype: config.ethertype,
-            nics,
             nic_stats,
             exports,
             export_stats,
@@ -357,6 +418,7 @@ impl Target {
             slot_len: l.max_io as usize,
             node: placement.node,
             job_tx,
+            uring,
             overflow: VecDeque::new(),
             done_rx,
             inflight: 0,
@@ -369,20 +431,102 @@ impl Target {
             reclaimed: 0,
             duplicates_from_reclaimed: 0,
             stopping: None,
-            nic_down: Vec::new(),
+            nic_down: vec![false; n_nics],
+            group_of,
+            group_wakes: group_wakes.clone(),
+            sleeping: vec![false; groups.len()],
+            closing: false,
+            exited: 0,
         };
-        net.nic_down = vec![false; net.nics.len()];
-        net.control = (0..net.nics.len()).map(|_| VecDeque::new()).collect();
-        let cpus = placement.network_cpus.clone();
-        let network = std::thread::Builder::new().name("tyched-net".into()).spawn(move || {
-            pin(&cpus, "network thread");
-            net.run();
-        })?;
-        Ok(TargetHandle { shared, network: Some(network), workers })
+        net.control = (0..n_nics).map(|_| VecDeque::new()).collect();
+        tracing::info!(nics = n_nics, threads = groups.len(), "serving");
+        let engine = Arc::new(Mutex::new(net));
+        let mut slots: Vec<Option<Nic>> = nics.into_iter().map(Some).collect();
+        let mut network = Vec::new();
+        for (g, members) in groups.iter().enumerate() {
+            let mine: Vec<(usize, Nic)> =
+                members.iter().map(|&k| (k, slots[k].take().expect("each NIC in one group"))).collect();
+            let cpus = match members[..] {
+                [k] => placement.nic_cpus.get(k).filter(|c| !c.is_empty()).unwrap_or(&placement.network_cpus).clone(),
+                _ => placement.network_cpus.clone(),
+            };
+            let name = if groups.len() == 1 { "tyched-net".to_owned() } else { format!("tyched-net{g}") };
+            let engine = Arc::clone(&engine);
+            let wakes = group_wakes.clone();
+            let shared = Arc::clone(&shared);
+            network.push(std::thread::Builder::new().name(name).spawn(move || {
+                pin(&cpus, "network thread");
+                serve_group(g, mine, &engine, &wakes, &shared);
+            })?);
+        }
+        Ok(TargetHandle { shared, network, workers })
     }
 }
 
-fn pin(cpus: &[u32], what: &str) {
+/// What one turn of a network thread left to do.
+struct Turn {
+    /// Something happened: go round again without sleeping.
+    busy: bool,
+    /// How long to sleep at most when not busy.
+    timeout: Duration,
+    /// Other network threads (groups) that now have frames to send.
+    wake: Vec<usize>,
+    /// The target has stopped: exit.
+    exit: bool,
+    /// Per NIC of the thread: whether to poll it (false once its transport failed for good).
+    live: Vec<bool>,
+}
+
+/// The loop of the network thread serving the NICs `nics` (group `g`): a turn of the engine
+/// under its lock, then, outside it, the transports' flush (the AF_XDP kick) and the sleep.
+fn serve_group(
+    g: usize,
+    mut nics: Vec<(usize, Nic)>,
+    engine: &Mutex<Network>,
+    wakes: &[Arc<OwnedFd>],
+    shared: &Shared,
+) {
+    loop {
+        let turn = engine.lock().expect("engine lock").turn(g, &mut nics);
+        for (_, nic) in nics.iter_mut() {
+            if let Err(e) = nic.transport.flush() {
+                tracing::warn!(nic = %nic.name, "flush failed: {e}");
+            }
+        }
+        for &h in &turn.wake {
+            wake_fd(&wakes[h]);
+        }
+        if turn.exit {
+            return;
+        }
+        if !turn.busy {
+            sleep(&nics, &turn.live, turn.timeout, &wakes[g], shared);
+        }
+    }
+}
+
+/// Sleeps in `poll(2)` on the transports' descriptors, this thread's eventfd and the shared one
+/// (storage completions, stats requests, stop), at most `timeout`.
+fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &OwnedFd, shared: &Shared) {
+    let mut fds: Vec<libc::pollfd> = nics
+        .iter()
+        .zip(live)
+        .filter(|(_, live)| **live)
+        .filter_map(|((_, n), _)| n.transport.readiness_fd())
+        .map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 })
+        .collect();
+    fds.push(libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+    fds.push(libc::pollfd { fd: shared.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+    if ms > 0 {
+        // SAFETY: `fds` is a live array of `fds.len()` pollfd structures.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    }
+    drain_fd(wake);
+    drain_fd(&shared.wake);
+}
+
+pub(crate) fn pin(cpus: &[u32], what: &str) {
     if !cpus.is_empty() {
         if let Err(e) = tyche_numa::pin_current_thread(cpus) {
             tracing::warn!(?cpus, "could not pin the {what}: {e}");
@@ -400,7 +544,7 @@ impl TargetHandle {
             .shared
             .published
             .wait_timeout_while(guard, Duration::from_secs(1), |(gen, _)| {
-                *gen < want && self.network.as_ref().is_some_and(|h| !h.is_finished())
+                *gen < want && self.network.iter().any(|h| !h.is_finished())
             })
             .expect("snapshot lock");
         guard.1.clone()
@@ -427,9 +571,14 @@ impl TargetHandle {
         self.shared.wake();
     }
 
-    /// Whether the network thread has exited.
+    /// How many network threads serve the NICs.
+    pub fn network_threads(&self) -> usize {
+        self.network.len()
+    }
+
+    /// Whether a network thread has exited (they exit together, after a stop or a panic).
     pub fn is_finished(&self) -> bool {
-        self.network.as_ref().is_none_or(|h| h.is_finished())
+        self.network.is_empty() || self.network.iter().any(|h| h.is_finished())
     }
 
     /// Stops accepting, finishes (or aborts) in-flight requests, flushes every export and
@@ -445,9 +594,9 @@ impl TargetHandle {
     }
 
     fn join_inner(&mut self) -> Snapshot {
-        if let Some(h) = self.network.take() {
+        for h in self.network.drain(..) {
             if h.join().is_err() {
-                tracing::error!("the network thread panicked");
+                tracing::error!("a network thread panicked");
             }
         }
         for w in self.workers.drain(..) {
@@ -459,7 +608,7 @@ impl TargetHandle {
 
 impl Drop for TargetHandle {
     fn drop(&mut self) {
-        if self.network.is_some() {
+        if !self.network.is_empty() {
             self.request_stop();
             self.join_inner();
         }
@@ -485,9 +634,10 @@ type Slot = Option<Memory>;
 /// (session, channel, channel epoch, `damq` slot).
 type SlotKey = (u64, u16, u64, u16);
 
+/// The engine state every network thread works on, under one lock (see docs/architecture.md,
+/// "Network threads").
 struct Network {
     ethertype: u16,
-    nics: Vec<Nic>,
     nic_stats: Vec<NicStats>,
     exports: Vec<Export>,
     export_stats: Vec<ExportStats>,
@@ -497,6 +647,8 @@ struct Network {
     slot_len: usize,
     node: Option<u32>,
     job_tx: mpsc::SyncSender<Job>,
+    /// The io_uring engine, when file and block exports use it.
+    uring: Option<crate::uring::UringQueue>,
     overflow: VecDeque<Job>,
     done_rx: mpsc::Receiver<Done>,
     inflight: u64,
@@ -512,6 +664,16 @@ struct Network {
     stopping: Option<Instant>,
     /// NICs whose transport failed for good (a closed TCP connection).
     nic_down: Vec<bool>,
+    /// NIC → the network thread (group) that serves it.
+    group_of: Vec<usize>,
+    /// Each network thread's eventfd.
+    group_wakes: Vec<Arc<OwnedFd>>,
+    /// Network threads that ended their last turn with nothing to do (and sleep or will).
+    sleeping: Vec<bool>,
+    /// Shutdown: every channel was told DISCONNECT; each thread sends its NICs' and exits.
+    closing: bool,
+    /// Network threads that have exited; the last one flushes and publishes the final counters.
+    exited: usize,
 }
 
 /// Whether a transport error means the link is gone for good.
@@ -529,35 +691,88 @@ impl Network {
         Instant(self.clock.elapsed().as_nanos() as u64 + 1)
     }
 
-    fn run(&mut self) {
-        tracing::info!(nics = self.nics.len(), "serving");
-        loop {
-            let now = self.now();
-            let stop = self.shared.stop.load(Ordering::SeqCst);
-            if stop && self.stopping.is_none() {
-                tracing::info!(inflight = self.inflight, "stopping: no new channels, finishing in-flight requests");
-                self.stopping = Some(now);
+    /// One turn of network thread `g` over its NICs.
+    fn turn(&mut self, g: usize, nics: &mut [(usize, Nic)]) -> Turn {
+        self.sleeping[g] = false;
+        let now = self.now();
+        let stop = self.shared.stop.load(Ordering::SeqCst);
+        if stop && self.stopping.is_none() {
+            tracing::info!(inflight = self.inflight, "stopping: no new channels, finishing in-flight requests");
+            self.stopping = Some(now);
+        }
+        if self.closing {
+            for (k, nic) in nics.iter_mut() {
+                self.transmit_on(now, *k, nic);
             }
-            let mut busy = self.receive(now);
-            busy |= self.completions(now);
-            self.timers(now);
-            self.collect_events(now);
-            self.submit_overflow();
-            busy |= self.transmit(now);
-            self.reclaim(now);
-            self.publish_if_requested(now);
-            if let Some(since) = self.stopping {
-                let drained = self.inflight == 0 && self.overflow.is_empty();
-                let quiet = drained && !self.any_wants_transmit() && now.since(since) > Duration::from_millis(50);
-                if quiet || now.since(since) > DRAIN_LIMIT {
-                    self.finish(now);
-                    return;
+            self.exited += 1;
+            if self.exited == self.group_wakes.len() {
+                self.finish(now);
+            }
+            return Turn { busy: false, timeout: Duration::ZERO, wake: Vec::new(), exit: true, live: Vec::new() };
+        }
+        let mut busy = false;
+        for (k, nic) in nics.iter_mut() {
+            busy |= self.receive_on(now, *k, nic);
+        }
+        busy |= self.completions(now);
+        self.timers(now);
+        self.collect_events(now);
+        self.submit_overflow();
+        for (k, nic) in nics.iter_mut() {
+            busy |= self.transmit_on(now, *k, nic);
+        }
+        self.reclaim(now);
+        self.publish_if_requested(now);
+        if let Some(since) = self.stopping {
+            let drained = self.inflight == 0 && self.overflow.is_empty();
+            let quiet = drained && !self.any_wants_transmit() && now.since(since) > Duration::from_millis(50);
+            if quiet || now.since(since) > DRAIN_LIMIT {
+                // DISCONNECT every channel; each thread sends its own NICs' and exits.
+                for s in self.sessions.values_mut() {
+                    s.session.close(tyche_wire::DisconnectReason::Shutdown);
                 }
-            }
-            if !busy {
-                self.sleep(now);
+                self.closing = true;
+                let wake = (0..self.group_wakes.len()).filter(|&h| h != g).collect();
+                return Turn { busy: true, timeout: Duration::ZERO, wake, exit: false, live: Vec::new() };
             }
         }
+        // Work this turn made for the NICs of other threads (completions, a copy of a request
+        // that waited on another channel's execution, timers): wake them if they sleep.
+        let mut wake = Vec::new();
+        for k in 0..self.nic_stats.len() {
+            let h = self.group_of[k];
+            if h == g || !self.sleeping[h] || wake.contains(&h) {
+                continue;
+            }
+            let wants = !self.control[k].is_empty()
+                || self
+                    .sessions
+                    .values()
+                    .any(|s| s.nic_of.iter().any(|(&c, &on)| on == k && s.session.wants_transmit(c)));
+            if wants {
+                wake.push(h);
+            }
+        }
+        let mine = |k: &usize| self.group_of[*k] == g;
+        let mut timeout =
+            if nics.iter().all(|(_, n)| n.transport.readiness_fd().is_some()) { POLL_CAP } else { POLL_CAP_NO_FD };
+        let next = self
+            .sessions
+            .values()
+            .filter(|s| s.nic_of.values().any(mine))
+            .filter_map(|s| s.session.poll_timeout())
+            .min();
+        if let Some(t) = next {
+            timeout = timeout.min(t.since(now));
+        }
+        if self.stopping.is_some() {
+            timeout = timeout.min(Duration::from_millis(5));
+        }
+        if !busy {
+            self.sleeping[g] = true;
+        }
+        let live = nics.iter().map(|(k, _)| !self.nic_down[*k]).collect();
+        Turn { busy, timeout, wake, exit: false, live }
     }
 
     fn any_wants_transmit(&self) -> bool {
@@ -565,12 +780,9 @@ impl Network {
             || self.sessions.values().any(|s| s.nic_of.keys().any(|&c| s.session.wants_transmit(c)))
     }
 
-    /// The orderly end: DISCONNECT every channel, flush every export, publish the last counters.
+    /// The orderly end, once every channel was told DISCONNECT: flush every export, publish the
+    /// last counters.
     fn finish(&mut self, now: Instant) {
-        for s in self.sessions.values_mut() {
-            s.session.close(tyche_wire::DisconnectReason::Shutdown);
-        }
-        self.transmit(now);
         for e in &self.exports {
             if let Err(err) = e.backend.flush() {
                 tracing::error!(export = %e.spec.name, "flush at shutdown failed: {err}");
@@ -584,61 +796,28 @@ impl Network {
         tracing::info!("stopped");
     }
 
-    fn sleep(&mut self, now: Instant) {
-        let mut timeout =
-            if self.nics.iter().all(|n| n.transport.readiness_fd().is_some()) { POLL_CAP } else { POLL_CAP_NO_FD };
-        let next = self.sessions.values().filter_map(|s| s.session.poll_timeout()).min();
-        if let Some(t) = next {
-            timeout = timeout.min(t.since(now));
-        }
-        if self.stopping.is_some() {
-            timeout = timeout.min(Duration::from_millis(5));
-        }
-        let mut fds: Vec<libc::pollfd> = self
-            .nics
-            .iter()
-            .zip(&self.nic_down)
-            .filter(|(_, down)| !**down)
-            .filter_map(|(n, _)| n.transport.readiness_fd())
-            .map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 })
-            .collect();
-        fds.push(libc::pollfd { fd: self.shared.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
-        if ms > 0 {
-            // SAFETY: `fds` is a live array of `fds.len()` pollfd structures.
-            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        }
-        drain_fd(&self.shared.wake);
-    }
-
     // ---------------------------------------------------------------------------------------
     // Receive.
 
-    fn receive(&mut self, now: Instant) -> bool {
-        let mut any = false;
-        let mut nics = std::mem::take(&mut self.nics);
-        for (k, nic) in nics.iter_mut().enumerate() {
-            if self.nic_down[k] {
-                continue;
-            }
-            let local = nic.transport.local_mac();
-            let r = nic.transport.recv(RX_BUDGET, &mut |bytes| self.on_frame(now, k, local, bytes));
-            match r {
-                Ok(n) => any |= n > 0,
-                Err(e) => {
-                    self.nic_stats[k].rx_errors += 1;
-                    if permanent(&e) {
-                        // A closed TCP connection, say: stop polling it (its channels die by timeout).
-                        tracing::warn!(nic = %nic.name, "link down: {e}");
-                        self.nic_down[k] = true;
-                    } else if self.nic_stats[k].rx_errors.is_power_of_two() {
-                        tracing::warn!(nic = %nic.name, errors = self.nic_stats[k].rx_errors, "receive failed: {e}");
-                    }
+    fn receive_on(&mut self, now: Instant, k: usize, nic: &mut Nic) -> bool {
+        if self.nic_down[k] {
+            return false;
+        }
+        let local = nic.transport.local_mac();
+        match nic.transport.recv(RX_BUDGET, &mut |bytes| self.on_frame(now, k, local, bytes)) {
+            Ok(n) => n > 0,
+            Err(e) => {
+                self.nic_stats[k].rx_errors += 1;
+                if permanent(&e) {
+                    // A closed TCP connection, say: stop polling it (its channels die by timeout).
+                    tracing::warn!(nic = %nic.name, "link down: {e}");
+                    self.nic_down[k] = true;
+                } else if self.nic_stats[k].rx_errors.is_power_of_two() {
+                    tracing::warn!(nic = %nic.name, errors = self.nic_stats[k].rx_errors, "receive failed: {e}");
                 }
+                false
             }
         }
-        self.nics = nics;
-        any
     }
 
     fn on_frame(&mut self, now: Instant, k: usize, local: MacAddr, bytes: &[u8]) {
@@ -854,6 +1033,12 @@ impl Network {
                 let status = execute(&*backend, &mut j);
                 let Job { session, channel, epoch, export, request, buf, .. } = j;
                 self.finish_job(Done { session, channel, epoch, export, request, buf, status });
+            } else if let Some(q) = self
+                .uring
+                .as_ref()
+                .filter(|q| self.exports[j.export].uring && crate::uring::handles(q.fallocate, &*backend, j.request.op))
+            {
+                q.submit(j);
             } else {
                 self.overflow.push_back(j);
             }
@@ -945,13 +1130,12 @@ impl Network {
     // ---------------------------------------------------------------------------------------
     // Transmit.
 
-    fn transmit(&mut self, now: Instant) -> bool {
-        let mut any = false;
-        let mut nics = std::mem::take(&mut self.nics);
-        for (k, nic) in nics.iter_mut().enumerate() {
+    /// Sends what NIC `k` has to send (the caller flushes the transport, outside the lock).
+    fn transmit_on(&mut self, now: Instant, k: usize, nic: &mut Nic) -> bool {
+        {
             if self.nic_down[k] {
                 self.control[k].clear();
-                continue;
+                return false;
             }
             let mut order: Vec<(u64, u16)> = Vec::new();
             for (&sid, s) in &self.sessions {
@@ -1005,17 +1189,11 @@ impl Network {
                     tracing::warn!(nic = %nic.name, errors = self.nic_stats[k].tx_errors, "send failed: {e}");
                 }
             }
-            if let Err(e) = nic.transport.flush() {
-                tracing::warn!(nic = %nic.name, "flush failed: {e}");
-            }
-            any |= frames > 0;
             self.nic_stats[k].frames_tx += frames;
             self.nic_stats[k].bytes_tx += bytes;
             self.payload_copied += copied;
+            frames > 0
         }
-        self.nics = nics;
-        // Transmitting can make channels die (a DISCONNECT sent): collect those events.
-        any
     }
 
     // ---------------------------------------------------------------------------------------

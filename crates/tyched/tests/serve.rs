@@ -5,7 +5,7 @@ mod common;
 use common::{pattern, Initiator};
 use tyche_channel::{ConnectError, IoError};
 use tyche_wire::{Op, RejectReason, Status};
-use tyched::config::{Config, ExportConfig};
+use tyched::config::{Config, ExportConfig, NetworkThreads};
 
 fn config(exports: Vec<ExportConfig>) -> Config {
     Config { exports, workers: 2, ..Config::default() }
@@ -13,10 +13,22 @@ fn config(exports: Vec<ExportConfig>) -> Config {
 
 #[test]
 fn many_sizes_over_two_nics_to_ram_and_file() {
+    many_sizes_over_two_nics_with(NetworkThreads::PerNic, 2);
+}
+
+/// The same with one network thread serving both NICs (`network_threads = "one"`).
+#[test]
+fn many_sizes_over_two_nics_with_one_network_thread() {
+    many_sizes_over_two_nics_with(NetworkThreads::One, 1);
+}
+
+fn many_sizes_over_two_nics_with(network_threads: NetworkThreads, threads: usize) {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("disk.img");
     let cfg = config(vec![ExportConfig::ram("ram", 8 << 20), ExportConfig::file("file", &file, Some(8 << 20))]);
+    let cfg = Config { network_threads, ..cfg };
     let (target, ports) = common::start(cfg.clone(), 2);
+    assert_eq!(target.network_threads(), threads, "network threads");
     let (_, ports2) = (0, ports);
     let mut ini = Initiator::new(ports2);
     let c = ini.attach("ram", None).expect("attach ram");
@@ -64,6 +76,7 @@ fn many_sizes_over_two_nics_to_ram_and_file() {
     }
     let s = target.shutdown();
     assert_eq!(s.exports[1].requests.write, sizes.len() as u64);
+    assert_eq!((s.exports[0].io.as_str(), s.exports[1].io.as_str()), ("inline", "io_uring"), "storage engines");
     let on_disk = std::fs::read(&file).expect("read the file");
     for (off, data) in &written {
         assert_eq!(&on_disk[*off as usize..*off as usize + data.len()], &data[..], "file holds the write at {off}");
@@ -72,9 +85,20 @@ fn many_sizes_over_two_nics_to_ram_and_file() {
 
 #[test]
 fn flush_fua_discard_write_zeroes() {
+    flush_fua_discard_write_zeroes_with(true, "io_uring");
+}
+
+/// The same through the worker threads (io_uring off, as where the kernel refuses it).
+#[test]
+fn flush_fua_discard_write_zeroes_on_the_thread_pool() {
+    flush_fua_discard_write_zeroes_with(false, "threads");
+}
+
+fn flush_fua_discard_write_zeroes_with(io_uring: bool, io: &str) {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("disk.img");
-    let (target, ports) = common::start(config(vec![ExportConfig::file("f", &file, Some(4 << 20))]), 1);
+    let cfg = Config { io_uring, ..config(vec![ExportConfig::file("f", &file, Some(4 << 20))]) };
+    let (target, ports) = common::start(cfg, 1);
     let mut ini = Initiator::new(ports);
     ini.attach("f", None).expect("attach");
     let data = pattern(0, 65536, 9);
@@ -98,6 +122,8 @@ fn flush_fua_discard_write_zeroes() {
     let s = target.shutdown();
     let r = &s.exports[0].requests;
     assert_eq!((r.flush, r.discard, r.write_zeroes), (1, 1, 1), "{r:?}");
+    assert_eq!(s.exports[0].io, io, "storage engine");
+    assert_eq!(s.exports[0].errors, 0);
 }
 
 #[test]
