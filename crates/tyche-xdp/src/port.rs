@@ -164,6 +164,8 @@ pub struct XdpPort {
     scatter: Vec<u8>,
     stats: PortStats,
     numa_node: Option<u32>,
+    /// Start and length of the UMEM mapping.
+    umem_area: (usize, usize),
 }
 
 fn xsk_err(what: &str, e: impl std::fmt::Display) -> Error {
@@ -250,12 +252,18 @@ impl XdpPort {
             .bind_flags(bind)
             .build();
         let iface: Interface = info.name.parse().map_err(|_| Error::NoInterface(info.name.clone()))?;
+        // The RX and TX rings are allocated by the kernel when the socket is set up, under the
+        // calling thread's memory policy: bind it here too so they land beside the UMEM.
         // SAFETY: this UMEM is bound to (ifname, queue) once, by this socket; the program is
         // ours (INHIBIT_PROG_LOAD), so libxdp never detaches one it did not load.
-        let (tx, rx, rings) = unsafe { Socket::new(socket_config, &umem, &iface, config.queue) }.map_err(|e| {
-            let hint = if plan.multi_buffer { " (multi-buffer needs kernel 6.6+ and driver support)" } else { "" };
-            xsk_err(&format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue), e)
-        })?;
+        let (tx, rx, rings) =
+            numa::with_memory_on(numa_node, || unsafe { Socket::new(socket_config, &umem, &iface, config.queue) })
+                .map_err(|e| Error::io("binding the rings to the NIC's NUMA node", e))?
+                .map_err(|e| {
+                    let hint =
+                        if plan.multi_buffer { " (multi-buffer needs kernel 6.6+ and driver support)" } else { "" };
+                    xsk_err(&format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue), e)
+                })?;
         let (mut fq, cq) = rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
 
         if let Some(bp) = config.busy_poll {
@@ -270,6 +278,11 @@ impl XdpPort {
             }
         }
 
+        // The UMEM's first chunk has address 0, so its data pointer is the start of the area.
+        // SAFETY: `descs[0]` is a chunk of this UMEM that no ring holds yet; only its address is
+        // taken, nothing is read.
+        let umem_base = unsafe { umem.data(&descs[0]) }.contents().as_ptr() as usize - descs[0].addr();
+        let umem_len = config.frame_count as usize * CHUNK_SIZE;
         let (rx_half, tx_half) = descs.split_at(half as usize);
         // SAFETY: the descriptors come from this UMEM and none is in any ring yet.
         let filled = unsafe { fq.produce(rx_half) };
@@ -299,6 +312,7 @@ impl XdpPort {
             scatter: if plan.multi_buffer { vec![0; plan.frame_capacity] } else { Vec::new() },
             stats: PortStats::default(),
             numa_node,
+            umem_area: (umem_base, umem_len),
             info,
         })
     }
@@ -326,6 +340,18 @@ impl XdpPort {
     /// The NUMA node the UMEM was placed on, if any.
     pub fn numa_node(&self) -> Option<u32> {
         self.numa_node
+    }
+
+    /// The memory of this port: the UMEM, and the four rings (fill, completion, RX, TX) the
+    /// kernel allocated and mapped through the socket (found in `/proc/self/maps` by the
+    /// socket's inode).
+    pub fn memory_areas(&self) -> Vec<tyche_transport::MemoryArea> {
+        let mut areas =
+            vec![tyche_transport::MemoryArea { what: "umem", addr: self.umem_area.0, len: self.umem_area.1 }];
+        for (start, end) in socket_mappings(self.rx.fd().as_raw_fd()) {
+            areas.push(tyche_transport::MemoryArea { what: "rings", addr: start, len: end - start });
+        }
+        areas
     }
 
     /// Counters of this port, including the kernel's socket statistics.
@@ -392,6 +418,25 @@ impl XdpPort {
         self.tx_unkicked = 0;
         Ok(())
     }
+}
+
+/// The mappings of socket `fd` in this process (`/proc/self/maps` names them `socket:[INODE]`).
+fn socket_mappings(fd: i32) -> Vec<(usize, usize)> {
+    // SAFETY: all-zero is a valid `stat`, which fstat fills in.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, writable stat buffer; a bad descriptor is an error, not UB.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Vec::new();
+    }
+    let name = format!("socket:[{}]", st.st_ino);
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter(|l| l.split_whitespace().nth(5) == Some(name.as_str()))
+        .filter_map(|l| {
+            let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+            Some((usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?))
+        })
+        .collect()
 }
 
 trait FdBorrow {
@@ -555,5 +600,13 @@ impl FrameTransport for XdpPort {
 
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
         Some(self.rx.fd_borrowed())
+    }
+
+    fn numa_node(&self) -> Option<u32> {
+        self.numa_node
+    }
+
+    fn memory_areas(&self) -> Vec<tyche_transport::MemoryArea> {
+        XdpPort::memory_areas(self)
     }
 }
