@@ -35,7 +35,7 @@ use tyche_wire::{
 
 use crate::backend::{Backend, BackendError, FileBackend, Memory, RamBackend};
 use crate::config::Config;
-use crate::stats::{ChannelSnapshot, Drops, ExportStats, NicStats, Snapshot};
+use crate::stats::{ChannelSnapshot, Drops, ExportStats, NicPlacement, NicStats, Snapshot};
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
@@ -356,6 +356,7 @@ impl Target {
             slots: HashMap::new(),
             slot_len: l.max_io as usize,
             node: placement.node,
+            nic_node: Vec::new(),
             job_tx,
             overflow: VecDeque::new(),
             done_rx,
@@ -372,6 +373,9 @@ impl Target {
             nic_down: Vec::new(),
         };
         net.nic_down = vec![false; net.nics.len()];
+        // Slot memory of a channel goes on its NIC's node (where the transport put its UMEM),
+        // else where the placement says.
+        net.nic_node = net.nics.iter().map(|n| n.transport.numa_node().or(placement.node)).collect();
         net.control = (0..net.nics.len()).map(|_| VecDeque::new()).collect();
         let cpus = placement.network_cpus.clone();
         let network = std::thread::Builder::new().name("tyched-net".into()).spawn(move || {
@@ -496,6 +500,8 @@ struct Network {
     slots: HashMap<SlotKey, Slot>,
     slot_len: usize,
     node: Option<u32>,
+    /// NUMA node of each NIC's memory (slot memory of its channels goes there).
+    nic_node: Vec<Option<u32>>,
     job_tx: mpsc::SyncSender<Job>,
     overflow: VecDeque<Job>,
     done_rx: mpsc::Receiver<Done>,
@@ -667,7 +673,7 @@ impl Network {
             TargetInbound::Write { channel, damq, offset, payload } => {
                 let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
                 let key = (s.session.id(), channel, epoch, damq);
-                let (slot_len, node) = (self.slot_len, self.node);
+                let (slot_len, node) = (self.slot_len, self.nic_node[k]);
                 let slot = self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node)));
                 match slot {
                     Some(mem) => {
@@ -818,12 +824,11 @@ impl Network {
                     TargetEvent::Execute { channel, request } => {
                         let buf = if request.op.uses_damq() {
                             let key = (sid, channel, s.epochs.get(&channel).copied().unwrap_or(0), request.damq);
-                            let slot = self
-                                .slots
-                                .entry(key)
-                                .or_insert_with(|| Some(Memory::new(self.slot_len, self.node)))
-                                .take();
-                            Some(slot.unwrap_or_else(|| Memory::new(self.slot_len, self.node)))
+                            let node = s.nic_of.get(&channel).map_or(self.node, |&k| self.nic_node[k]);
+                            let slot_len = self.slot_len;
+                            let slot =
+                                self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node))).take();
+                            Some(slot.unwrap_or_else(|| Memory::new(slot_len, node)))
                         } else {
                             None
                         };
@@ -1033,9 +1038,56 @@ impl Network {
         self.shared.published.notify_all();
     }
 
+    /// Where the slot memory of channel `ch` of session `sid` is, against `node`.
+    fn slot_pages(&self, sid: u64, ch: u16, epoch: u64, node: Option<u32>) -> tyche_numa::PageCounts {
+        let mut c = tyche_numa::PageCounts { expected_node: node, ..Default::default() };
+        for (key, slot) in &self.slots {
+            if key.0 == sid && key.1 == ch && key.2 == epoch {
+                if let Some(mem) = slot {
+                    if let Ok(p) = tyche_numa::report::count_slice(mem.as_slice(), node) {
+                        c.add(&p);
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    /// Where each NIC's memory is and which CPUs this (the serving) thread may use.
+    fn placement(&self, channels: &[ChannelSnapshot]) -> Vec<NicPlacement> {
+        let thread = tyche_numa::report::this_thread();
+        self.nics
+            .iter()
+            .enumerate()
+            .map(|(k, nic)| {
+                let node = self.nic_node[k];
+                let mut p = NicPlacement {
+                    nic: self.nic_stats[k].name.clone(),
+                    node,
+                    thread: thread.clone(),
+                    umem: tyche_numa::PageCounts { expected_node: node, ..Default::default() },
+                    rings: tyche_numa::PageCounts { expected_node: node, ..Default::default() },
+                    slots: tyche_numa::PageCounts { expected_node: node, ..Default::default() },
+                };
+                for a in nic.transport.memory_areas() {
+                    let Ok(c) = tyche_numa::report::count_area(a.addr, a.len, node) else { continue };
+                    match a.what {
+                        "umem" => p.umem.add(&c),
+                        _ => p.rings.add(&c),
+                    }
+                }
+                for c in channels.iter().filter(|c| c.nic == p.nic) {
+                    p.slots.add(&c.slots);
+                }
+                p
+            })
+            .collect()
+    }
+
     fn snapshot(&self, now: Instant) -> Snapshot {
         let mut exports = self.export_stats.clone();
         let mut channels = Vec::new();
+        let thread = tyche_numa::report::this_thread();
         let mut dups = self.duplicates_from_reclaimed;
         for (&sid, s) in &self.sessions {
             exports[s.export].sessions += 1;
@@ -1063,9 +1115,13 @@ impl Network {
                     retransmits: cs.retransmits,
                     drops,
                     executing: s.executing.get(&ch).copied().unwrap_or(0),
+                    node: self.nic_node[k],
+                    slots: self.slot_pages(sid, ch, s.epochs.get(&ch).copied().unwrap_or(0), self.nic_node[k]),
+                    thread: thread.clone(),
                 });
             }
         }
+        let placement = self.placement(&channels);
         Snapshot {
             uptime_ms: now.as_nanos() / 1_000_000,
             stopping: self.stopping.is_some(),
@@ -1077,6 +1133,7 @@ impl Network {
             nics: self.nic_stats.clone(),
             exports,
             channels,
+            placement,
         }
     }
 }
