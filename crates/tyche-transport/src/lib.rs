@@ -17,6 +17,7 @@
 
 mod fault;
 mod mem;
+pub mod stats_socket;
 
 use std::io;
 use std::os::fd::BorrowedFd;

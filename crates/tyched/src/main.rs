@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 use tyched::config::{Config, ExportConfig, TransportKind};
-use tyched::stats_server::{self, StatsServer};
+use tyched::stats_server;
 use tyched::{Nic, Placement, Target};
 
 /// Tyche target daemon.
@@ -152,7 +152,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let placement = placement_for(&config.ifaces);
     let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
-    let _stats = match StatsServer::start(&config.stats_socket, handle.stats_source()) {
+    let _stats = match stats_server::start(&config.stats_socket, handle.stats_source()) {
         Ok(s) => Some(s),
         Err(e) => {
             tracing::warn!(socket = %config.stats_socket.display(), "no stats socket: {e}");
