@@ -10,6 +10,8 @@ mod lab;
 mod sim;
 mod stack;
 mod suite;
+#[allow(dead_code)] // until `xtask vm-guest numa` calls it
+mod vm_numa;
 mod xdp;
 
 use std::path::{Path, PathBuf};
