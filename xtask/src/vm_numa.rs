@@ -355,6 +355,12 @@ pub fn guest() -> Result<String> {
                 found["node_source"],
                 n.node
             );
+            check!(
+                found["node_source"] == "hwloc",
+                "{ns}: the node of {} comes from {}, not from hwloc",
+                n.name,
+                found["node_source"]
+            );
             say(format!("{ns}: topology puts {} on node {} ({})", n.name, n.node, found["node_source"]));
         }
     }

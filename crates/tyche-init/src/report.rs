@@ -153,29 +153,59 @@ impl Report {
     }
 }
 
-/// The NBD server's per-connection reports, shared with whoever serves `tyche-init stats`.
+/// Closed NBD connections whose reports are kept (the oldest are forgotten first).
+const CLOSED_KEPT: usize = 64;
+
+/// The NBD server's per-connection reports, shared with whoever serves `tyche-init stats`:
+/// every open connection and the last [`CLOSED_KEPT`] closed ones.
 #[derive(Debug, Clone, Default)]
-pub struct NbdStats(Arc<Mutex<Vec<NbdConnReport>>>);
+pub struct NbdStats(Arc<Mutex<std::collections::BTreeMap<u64, NbdConnReport>>>);
 
 impl NbdStats {
-    /// A copy of every connection's report.
+    /// A copy of every connection's report, in accept order.
     pub fn snapshot(&self) -> Vec<NbdConnReport> {
-        self.0.lock().map(|v| v.clone()).unwrap_or_default()
+        self.0.lock().map(|v| v.values().cloned().collect()).unwrap_or_default()
     }
 
-    /// Registers a connection; returns its index for [`NbdStats::update`].
-    pub(crate) fn add(&self, r: NbdConnReport) -> usize {
+    /// Registers a connection; returns its key for [`NbdStats::update`].
+    pub(crate) fn add(&self, r: NbdConnReport) -> u64 {
         let mut v = self.0.lock().expect("nbd stats lock");
-        v.push(r);
-        v.len() - 1
+        let closed: Vec<u64> = v.values().filter(|c| !c.open).map(|c| c.conn).collect();
+        for k in closed.iter().take(closed.len().saturating_sub(CLOSED_KEPT)) {
+            v.remove(k);
+        }
+        let key = r.conn;
+        v.insert(key, r);
+        key
     }
 
-    /// Changes the report of connection `i`.
-    pub(crate) fn update(&self, i: usize, f: impl FnOnce(&mut NbdConnReport)) {
+    /// Changes the report of connection `key`.
+    pub(crate) fn update(&self, key: u64, f: impl FnOnce(&mut NbdConnReport)) {
         if let Ok(mut v) = self.0.lock() {
-            if let Some(r) = v.get_mut(i) {
+            if let Some(r) = v.get_mut(&key) {
                 f(r);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closed_nbd_connections_are_forgotten_oldest_first() {
+        let s = NbdStats::default();
+        for n in 1..=100 {
+            let k = s.add(NbdConnReport { conn: n, open: true, ..Default::default() });
+            if n != 3 {
+                s.update(k, |r| r.open = false);
+            }
+        }
+        let all = s.snapshot();
+        assert!(all.iter().any(|c| c.conn == 3 && c.open), "open connections stay");
+        assert!(all.len() <= CLOSED_KEPT + 2, "{}", all.len());
+        assert_eq!(all.last().map(|c| c.conn), Some(100));
+        assert!(all.windows(2).all(|w| w[0].conn < w[1].conn), "accept order");
     }
 }

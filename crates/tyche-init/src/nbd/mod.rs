@@ -155,7 +155,7 @@ pub async fn serve(listener: UnixListener, client: Client, opts: NbdOptions) -> 
     }
 }
 
-async fn run_connection(n: u64, idx: usize, node: Option<u32>, stream: UnixStream, client: Client, opts: &NbdOptions) {
+async fn run_connection(n: u64, idx: u64, node: Option<u32>, stream: UnixStream, client: Client, opts: &NbdOptions) {
     debug!(conn = n, ?node, "NBD connection");
     match connection(stream, client, opts, idx, node).await {
         Ok(()) => debug!(conn = n, "NBD connection closed"),
@@ -187,7 +187,7 @@ async fn connection(
     stream: UnixStream,
     client: Client,
     opts: &NbdOptions,
-    idx: usize,
+    idx: u64,
     node: Option<u32>,
 ) -> io::Result<()> {
     let (mut rd, mut wr) = stream.into_split();
@@ -306,7 +306,7 @@ async fn transmission(
     mut wr: OwnedWriteHalf,
     client: Client,
     opts: &NbdOptions,
-    idx: usize,
+    idx: u64,
     node: Option<u32>,
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::channel::<Reply>(opts.max_inflight);
