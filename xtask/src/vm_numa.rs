@@ -56,8 +56,8 @@ const AFFINITY_SHARE: f64 = 0.99;
 /// With round robin each channel carries half the bytes, give or take this (1 MiB requests
 /// alternate exactly; the slack covers retransmissions).
 const RR_SPREAD: f64 = 0.15;
-/// Work directory in the guest.
-const WORK: &str = "/run/tyche-numa";
+/// Work directory in the guest (the VM's `/init` prints `/tmp/*/*.log` when a test fails).
+const WORK: &str = "/tmp/tyche-numa";
 
 /// One NIC of the VM.
 #[derive(Debug, Clone)]
@@ -67,10 +67,15 @@ struct VmNic {
     node: u32,
 }
 
-/// The binary `name`: from `TYCHE_BIN_DIR`, next to this executable, or on `PATH`.
+/// The binary `name`: from `TYCHE_BIN_DIR`, the release build (`stack::bin`, which the VM's
+/// `CARGO_TARGET_DIR=/tyche` points at), next to this executable, or on `PATH`.
 fn guest_bin(name: &str) -> PathBuf {
     if let Some(d) = std::env::var_os("TYCHE_BIN_DIR") {
         return Path::new(&d).join(name);
+    }
+    let release = crate::stack::bin(&crate::root(), name);
+    if release.exists() {
+        return release;
     }
     if let Some(p) = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join(name))) {
         if p.exists() {
