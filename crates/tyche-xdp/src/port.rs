@@ -157,6 +157,9 @@ pub struct XdpPort {
     fill_backlog: Vec<FrameDesc>,
     tx_free: Vec<FrameDesc>,
     tx_staged: Vec<FrameDesc>,
+    /// Filled transmit chunks the TX ring had no room for yet, in order (the kernel can hand
+    /// chunks back on the completion ring before it releases their TX ring slots).
+    tx_pending: Vec<FrameDesc>,
     comp_descs: Vec<FrameDesc>,
     tx_ring_size: u32,
     tx_unkicked: usize,
@@ -305,6 +308,7 @@ impl XdpPort {
             fill_backlog: Vec::new(),
             tx_free: tx_half.to_vec(),
             tx_staged: Vec::with_capacity(batch * 3),
+            tx_pending: Vec::new(),
             comp_descs: vec![FrameDesc::default(); half as usize],
             tx_ring_size: half,
             tx_unkicked: 0,
@@ -407,6 +411,27 @@ impl XdpPort {
             self.fq.wakeup(self.rx.fd_mut(), 0)?;
         }
         Ok(())
+    }
+
+    /// Puts pending frames on the TX ring; returns whether none is left pending.
+    fn push_pending(&mut self) -> io::Result<bool> {
+        if self.tx_pending.is_empty() {
+            return Ok(true);
+        }
+        for _ in 0..2 {
+            // SAFETY: pending descriptors are filled transmit chunks of this UMEM, in no ring.
+            // `produce` is all or nothing.
+            if unsafe { self.tx.produce(&self.tx_pending) } == self.tx_pending.len() {
+                self.tx_unkicked += self.tx_pending.len();
+                self.tx_pending.clear();
+                self.kick()?;
+                return Ok(true);
+            }
+            // Make the kernel consume the ring (and release its slots), then try once more.
+            self.tx.wakeup()?;
+            self.reclaim();
+        }
+        Ok(false)
     }
 
     /// Kicks the kernel to transmit what is on the TX ring (one `sendto`; the kernel sends a
@@ -519,6 +544,9 @@ impl FrameTransport for XdpPort {
 
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         self.reclaim();
+        if !self.push_pending()? {
+            return Ok(0);
+        }
         let capacity = self.plan.frame_capacity;
         let mut queued = 0;
         self.tx_staged.clear();
@@ -578,10 +606,16 @@ impl FrameTransport for XdpPort {
         if !self.tx_staged.is_empty() {
             // SAFETY: staged descriptors are transmit chunks of this UMEM, filled above.
             let n = unsafe { self.tx.produce(&self.tx_staged) };
-            assert_eq!(n, self.tx_staged.len(), "the TX ring holds every transmit buffer");
-            self.tx_unkicked += n;
             self.stats.tx_frames += queued as u64;
-            self.kick()?;
+            if n == self.tx_staged.len() {
+                self.tx_unkicked += n;
+                self.kick()?;
+            } else {
+                // No room on the ring yet (`produce` is all or nothing): keep the frames, in
+                // order, for the next send or flush.
+                self.tx_pending.append(&mut self.tx_staged);
+                self.tx.wakeup()?;
+            }
         }
         Ok(queued)
     }
@@ -589,6 +623,7 @@ impl FrameTransport for XdpPort {
     fn flush(&mut self) -> io::Result<()> {
         // Copy mode transmits a bounded batch per wake-up: kick until the ring is drained, with
         // a bound so a stalled device cannot spin us forever.
+        self.push_pending()?;
         let mut rounds = self.tx_ring_size as usize / 16 + 4;
         while self.tx.nb_free_exact() < self.tx_ring_size && rounds > 0 {
             self.kick()?;
