@@ -23,40 +23,19 @@ pub fn run(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// An NBD export attached as a block device through nbdfuse and a loop device.
+/// An ext4 filesystem on a block device, mounted under a scratch directory.
 #[derive(Debug)]
-pub struct NbdDisk {
-    work: PathBuf,
-    fuse: Child,
-    /// The loop device (`/dev/loopN`).
+pub struct BlockFs {
+    /// The block device (`/dev/loopN`, `/dev/ublkbN`).
     pub dev: String,
+    work: PathBuf,
     mounted: Option<PathBuf>,
 }
 
-impl NbdDisk {
-    /// Attaches the NBD server listening on `socket`, with `work` as scratch directory.
-    pub fn attach(socket: &Path, work: &Path) -> Result<NbdDisk> {
-        let fuse_dir = work.join("fuse");
-        fs::create_dir_all(&fuse_dir)?;
-        let fuse = Command::new("nbdfuse")
-            .arg(&fuse_dir)
-            .arg("--unix")
-            .arg(socket)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("starting nbdfuse (package libnbd-bin)")?;
-        let image = fuse_dir.join("nbd");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while fs::metadata(&image).map(|m| m.len()).unwrap_or(0) == 0 {
-            ensure!(Instant::now() < deadline, "nbdfuse did not expose {}", image.display());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let mut disk = NbdDisk { work: work.to_path_buf(), fuse, dev: String::new(), mounted: None };
-        disk.dev =
-            run(Command::new("losetup").args(["-f", "--show"]).arg(&image)).context("attaching a loop device")?;
-        Ok(disk)
+impl BlockFs {
+    /// The device `dev`, with `work` as scratch directory (the mount point goes there).
+    pub fn new(dev: &str, work: &Path) -> BlockFs {
+        BlockFs { dev: dev.to_string(), work: work.to_path_buf(), mounted: None }
     }
 
     /// Size of the device in bytes.
@@ -74,7 +53,7 @@ impl NbdDisk {
     pub fn mount(&mut self) -> Result<PathBuf> {
         let mnt = self.work.join("mnt");
         fs::create_dir_all(&mnt)?;
-        run(Command::new("mount").arg(&self.dev).arg(&mnt))?;
+        run(Command::new("mount").args(["-t", "ext4"]).arg(&self.dev).arg(&mnt))?;
         self.mounted = Some(mnt.clone());
         Ok(mnt)
     }
@@ -87,8 +66,17 @@ impl NbdDisk {
         Ok(())
     }
 
-    /// Empties every cache between the filesystem and the export (the loop device's buffers and
-    /// the page cache of nbdfuse's file), so the next reads really go to the NBD server.
+    /// Unmounts, lazily if the normal unmount fails (teardown paths).
+    fn umount_or_detach(&mut self) -> Result<()> {
+        let r = self.umount();
+        if r.is_err() {
+            let _ = run(Command::new("umount").arg("-l").arg(self.work.join("mnt")));
+        }
+        r
+    }
+
+    /// Empties every cache between the filesystem and the device (the block device's buffers and
+    /// the page cache), so the next reads really go to the server behind it.
     pub fn drop_caches(&self) -> Result<()> {
         ensure!(self.mounted.is_none(), "dropping caches under a mounted filesystem");
         run(&mut Command::new("sync"))?;
@@ -103,6 +91,62 @@ impl NbdDisk {
         run(Command::new("e2fsck").args(["-f", "-n", &self.dev])).context("e2fsck -fn found problems")?;
         Ok(())
     }
+}
+
+impl Drop for BlockFs {
+    fn drop(&mut self) {
+        if let Err(e) = self.umount_or_detach() {
+            eprintln!("warning: unmounting {}: {e:#}", self.dev);
+        }
+    }
+}
+
+/// An NBD export attached as a block device through nbdfuse and a loop device.
+#[derive(Debug)]
+pub struct NbdDisk {
+    fs: BlockFs,
+    work: PathBuf,
+    fuse: Child,
+}
+
+impl std::ops::Deref for NbdDisk {
+    type Target = BlockFs;
+    fn deref(&self) -> &BlockFs {
+        &self.fs
+    }
+}
+
+impl std::ops::DerefMut for NbdDisk {
+    fn deref_mut(&mut self) -> &mut BlockFs {
+        &mut self.fs
+    }
+}
+
+impl NbdDisk {
+    /// Attaches the NBD server listening on `socket`, with `work` as scratch directory.
+    pub fn attach(socket: &Path, work: &Path) -> Result<NbdDisk> {
+        let fuse_dir = work.join("fuse");
+        fs::create_dir_all(&fuse_dir)?;
+        let fuse = Command::new("nbdfuse")
+            .arg(&fuse_dir)
+            .arg("--unix")
+            .arg(socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting nbdfuse (package libnbd-bin)")?;
+        let image = fuse_dir.join("nbd");
+        let mut disk = NbdDisk { fs: BlockFs::new("", work), work: work.to_path_buf(), fuse };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while fs::metadata(&image).map(|m| m.len()).unwrap_or(0) == 0 {
+            ensure!(Instant::now() < deadline, "nbdfuse did not expose {}", image.display());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        disk.fs.dev =
+            run(Command::new("losetup").args(["-f", "--show"]).arg(&image)).context("attaching a loop device")?;
+        Ok(disk)
+    }
 
     /// Detaches everything (also done on drop).
     pub fn detach(mut self) -> Result<()> {
@@ -110,18 +154,12 @@ impl NbdDisk {
     }
 
     fn teardown(&mut self) -> Result<()> {
-        let mut first_err = None;
-        if let Some(mnt) = self.mounted.take() {
-            if let Err(e) = run(Command::new("umount").arg(&mnt)) {
-                let _ = run(Command::new("umount").arg("-l").arg(&mnt));
+        let mut first_err = self.fs.umount_or_detach().err();
+        if !self.fs.dev.is_empty() {
+            if let Err(e) = run(Command::new("losetup").args(["-d", &self.fs.dev])) {
                 first_err.get_or_insert(e);
             }
-        }
-        if !self.dev.is_empty() {
-            if let Err(e) = run(Command::new("losetup").args(["-d", &self.dev])) {
-                first_err.get_or_insert(e);
-            }
-            self.dev.clear();
+            self.fs.dev.clear();
         }
         let fuse_dir = self.work.join("fuse");
         let _ = run(Command::new("umount").arg(&fuse_dir));

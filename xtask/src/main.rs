@@ -3,6 +3,7 @@
 
 mod bench_e2e;
 mod bpfgen;
+mod charts;
 mod demo;
 mod disk;
 mod e2e;
@@ -10,8 +11,9 @@ mod lab;
 mod sim;
 mod stack;
 mod suite;
-#[allow(dead_code)] // until `xtask vm-guest numa` calls it
+mod vm;
 mod vm_numa;
+mod vm_ublk;
 mod xdp;
 
 use std::path::{Path, PathBuf};
@@ -56,6 +58,14 @@ enum Command {
     },
     /// ext4 over an NBD Unix socket (nbdfuse, loop): mkfs, write, fsck, remount, verify (root).
     FsCheck(disk::FsCheckArgs),
+    /// Boots a VM (Debian 6.12 kernel, 2 NUMA nodes): /dev/ublkbN with ext4, NUMA placement (root).
+    VmTest(vm::VmTestArgs),
+    /// Inside the VM only: runs one guest test and prints its `VMTEST` verdict line.
+    #[command(hide = true)]
+    VmGuest {
+        #[arg(value_enum)]
+        test: vm::GuestTest,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -86,5 +96,10 @@ fn main() -> Result<()> {
         Command::Bench { what: BenchCommand::E2e(args) } => bench_e2e::bench_e2e(&root(), &args),
         Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
         Command::FsCheck(a) => disk::fs_check(a),
+        Command::VmTest(a) => {
+            ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            vm::vm_test(&root(), &a)
+        }
+        Command::VmGuest { test } => vm::guest(test),
     }
 }

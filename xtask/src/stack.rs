@@ -161,6 +161,18 @@ impl Daemon {
         self.child.id()
     }
 
+    /// Waits for the process to exit on its own, up to `timeout`.
+    pub fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            ensure!(Instant::now() < deadline, "{} still runs after {timeout:?}", self.name);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// SIGTERM, then SIGKILL after a grace period.
     pub fn stop(&mut self) {
         if self.child.try_wait().ok().flatten().is_some() {

@@ -349,8 +349,29 @@ async fn attach(conn: ConnArgs, queues: u16, depth: u16) -> Result<()> {
     // Fail before connecting when the kernel cannot give us a device.
     UblkFrontend::probe()?;
     let (client, _target) = open(&conn).await?;
-    let dev = UblkFrontend::create(client.clone(), UblkOptions { queues, depth })?;
-    let path = dev.path();
+    // libublk keeps its control ring per thread: the device is created and served on one thread.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let ublk_client = client.clone();
+    let server = std::thread::Builder::new().name("tyche-ublk".into()).spawn(move || {
+        match UblkFrontend::create(ublk_client, UblkOptions { queues, depth }) {
+            Ok(dev) => {
+                let _ = tx.send(Ok((dev.path(), dev.stopper())));
+                dev.serve()
+            }
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                Ok(())
+            }
+        }
+    })?;
+    let (path, stop) = match rx.await {
+        Ok(Ok(created)) => created,
+        Ok(Err(e)) => {
+            client.close().await;
+            return Err(e.into());
+        }
+        Err(_) => bail!("the ublk thread ended before creating the device"),
+    };
     println!("{path}");
     let dir = state::dir();
     let pid = std::process::id();
@@ -366,14 +387,18 @@ async fn attach(conn: ConnArgs, queues: u16, depth: u16) -> Result<()> {
     if let Err(e) = state::record(&dir, &rec) {
         warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
     }
-    let stop = dev.stopper();
     tokio::spawn(async move {
         if terminated().await.is_ok() {
             info!("detaching");
             stop();
         }
     });
-    let result = tokio::task::spawn_blocking(move || dev.serve()).await;
+    let result = tokio::task::spawn_blocking(move || {
+        server
+            .join()
+            .unwrap_or_else(|_| Err(tyche_init::frontend::FrontendError::Other("the ublk thread panicked".into())))
+    })
+    .await;
     client.close().await;
     state::remove(&dir, pid);
     result??;
@@ -485,6 +510,7 @@ fn run() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -6,8 +6,15 @@
 //! engine thread while the queue thread sleeps in `io_uring_enter`, so every client future is
 //! polled with a waker that also rings a per-queue eventfd; a doorbell task keeps a read of
 //! that eventfd in the queue's ring, so the ring wakes, libublk reaps, and the executor runs the
-//! woken task. Data is copied between the ublk I/O buffer and the request (no USER_COPY or zero
-//! copy yet).
+//! woken task.
+//!
+//! Data path: with `UBLK_F_USER_COPY` (kernel 6.5 and later; used whenever the driver offers it)
+//! there is no per-tag I/O buffer: write data is read from `/dev/ublkcN` straight into the
+//! request's buffer, and read data is written from the completion's buffer straight into the
+//! block request's pages, each with one `pread`/`pwrite` (the kernel's copy). Without it, data is
+//! copied once more through a per-tag I/O buffer. Zero copy (`UBLK_F_SUPPORT_ZERO_COPY`, 6.15) is
+//! not used: it needs the data to move through io_uring fixed buffers, which the network side
+//! does not do yet.
 
 use std::future::Future;
 use std::os::fd::AsRawFd;
@@ -18,7 +25,7 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::helpers::IoBuf;
-use libublk::io::{UblkDev, UblkQueue};
+use libublk::io::{UblkDev, UblkIOCtx, UblkQueue};
 use libublk::{sys, BufDesc, UblkError, UblkFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::{error, info};
@@ -76,8 +83,63 @@ async fn doorbell(q: &UblkQueue<'_>, efd: &EventFd) {
     }
 }
 
+/// Where a tag's request data lives.
+enum Data<'a> {
+    /// `UBLK_F_USER_COPY`: in the kernel, reached with pread/pwrite on `/dev/ublkcN` at `pos`.
+    UserCopy { cdev: i32, pos: u64 },
+    /// The tag's I/O buffer.
+    Buf(&'a mut IoBuf<u8>),
+}
+
+impl Data<'_> {
+    /// Write data of the current request (`len` bytes).
+    async fn take(&mut self, q: &UblkQueue<'_>, len: usize) -> Result<Vec<u8>, i32> {
+        match self {
+            Data::UserCopy { cdev, pos } => {
+                let mut v = vec![0u8; len];
+                // The ring reads into `v`, which lives across the await until the completion.
+                let sqe = io_uring::opcode::Read::new(io_uring::types::Fd(*cdev), v.as_mut_ptr(), len as u32)
+                    .offset(*pos)
+                    .build();
+                match q.ublk_submit_sqe(sqe).await {
+                    n if n == len as i32 => Ok(v),
+                    n if n < 0 => Err(n),
+                    _ => Err(-libc::EIO),
+                }
+            }
+            Data::Buf(buf) => Ok(buf.as_slice()[..len].to_vec()),
+        }
+    }
+
+    /// Delivers read data of the current request.
+    async fn give(&mut self, q: &UblkQueue<'_>, data: &[u8]) -> Result<(), i32> {
+        match self {
+            Data::UserCopy { cdev, pos } => {
+                let sqe = io_uring::opcode::Write::new(io_uring::types::Fd(*cdev), data.as_ptr(), data.len() as u32)
+                    .offset(*pos)
+                    .build();
+                match q.ublk_submit_sqe(sqe).await {
+                    n if n == data.len() as i32 => Ok(()),
+                    n if n < 0 => Err(n),
+                    _ => Err(-libc::EIO),
+                }
+            }
+            Data::Buf(buf) => {
+                buf.as_mut_slice()[..data.len()].copy_from_slice(data);
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Serves one ublk request; returns bytes done or a negative errno.
-async fn serve_one(iod: &sys::ublksrv_io_desc, buf: &mut IoBuf<u8>, client: &Client, efd: &Arc<EventFd>) -> i32 {
+async fn serve_one(
+    q: &UblkQueue<'_>,
+    iod: &sys::ublksrv_io_desc,
+    mut data: Data<'_>,
+    client: &Client,
+    efd: &Arc<EventFd>,
+) -> i32 {
     let op = iod.op_flags & 0xff;
     let fua = iod.op_flags & sys::UBLK_IO_F_FUA != 0;
     let offset = iod.start_sector << 9;
@@ -85,16 +147,13 @@ async fn serve_one(iod: &sys::ublksrv_io_desc, buf: &mut IoBuf<u8>, client: &Cli
     let done = |r: Result<(), crate::Error>| r.map_or_else(|e| -e.errno(), |()| len as i32);
     match op {
         sys::UBLK_IO_OP_READ => match rung(efd, client.read(offset, len)).await {
-            Ok(data) => {
-                buf.as_mut_slice()[..len].copy_from_slice(&data);
-                len as i32
-            }
+            Ok(bytes) => data.give(q, &bytes).await.map_or_else(|e| e, |()| len as i32),
             Err(e) => -e.errno(),
         },
-        sys::UBLK_IO_OP_WRITE => {
-            let data = buf.as_slice()[..len].to_vec();
-            done(rung(efd, client.write_owned(offset, data, fua)).await)
-        }
+        sys::UBLK_IO_OP_WRITE => match data.take(q, len).await {
+            Ok(bytes) => done(rung(efd, client.write_owned(offset, bytes, fua)).await),
+            Err(e) => e,
+        },
         sys::UBLK_IO_OP_FLUSH => done(rung(efd, client.flush()).await),
         sys::UBLK_IO_OP_DISCARD => done(rung(efd, client.discard(offset, len as u64)).await),
         sys::UBLK_IO_OP_WRITE_ZEROES => done(rung(efd, client.write_zeroes(offset, len as u64, fua)).await),
@@ -103,13 +162,40 @@ async fn serve_one(iod: &sys::ublksrv_io_desc, buf: &mut IoBuf<u8>, client: &Cli
 }
 
 async fn tag_task(q: &UblkQueue<'_>, tag: u16, client: &Client, efd: &Arc<EventFd>) -> Result<(), UblkError> {
+    if q.dev.dev_info.flags & u64::from(sys::UBLK_F_USER_COPY) != 0 {
+        let cdev = q.dev.tgt.fds[0];
+        let pos = UblkIOCtx::ublk_user_copy_pos(q.get_qid(), tag, 0);
+        q.submit_io_prep_cmd(tag, BufDesc::Slice(&[]), 0, None).await?;
+        loop {
+            let iod = *q.get_iod(tag);
+            let res = serve_one(q, &iod, Data::UserCopy { cdev, pos }, client, efd).await;
+            q.submit_io_commit_cmd(tag, BufDesc::Slice(&[]), res).await?;
+        }
+    }
     let mut buf = IoBuf::<u8>::new(q.dev.dev_info.max_io_buf_bytes as usize);
     q.submit_io_prep_cmd(tag, BufDesc::Slice(buf.as_slice()), 0, Some(&buf)).await?;
     loop {
         let iod = *q.get_iod(tag);
-        let res = serve_one(&iod, &mut buf, client, efd).await;
+        let res = serve_one(q, &iod, Data::Buf(&mut buf), client, efd).await;
         q.submit_io_commit_cmd(tag, BufDesc::Slice(buf.as_slice()), res).await?;
     }
+}
+
+/// Names of the ublk feature flags in `flags` (the device's, or the driver's).
+pub fn feature_names(flags: u64) -> Vec<&'static str> {
+    const NAMES: &[(u64, &str)] = &[
+        (sys::UBLK_F_SUPPORT_ZERO_COPY as u64, "zero_copy"),
+        (sys::UBLK_F_URING_CMD_COMP_IN_TASK as u64, "uring_cmd_comp_in_task"),
+        (sys::UBLK_F_NEED_GET_DATA as u64, "need_get_data"),
+        (sys::UBLK_F_USER_RECOVERY as u64, "user_recovery"),
+        (sys::UBLK_F_USER_RECOVERY_REISSUE as u64, "user_recovery_reissue"),
+        (sys::UBLK_F_UNPRIVILEGED_DEV as u64, "unprivileged_dev"),
+        (sys::UBLK_F_CMD_IOCTL_ENCODE as u64, "cmd_ioctl_encode"),
+        (sys::UBLK_F_USER_COPY as u64, "user_copy"),
+        (sys::UBLK_F_ZONED as u64, "zoned"),
+        (sys::UBLK_F_AUTO_BUF_REG as u64, "auto_buf_reg"),
+    ];
+    NAMES.iter().filter(|(bit, _)| flags & bit != 0).map(|(_, n)| *n).collect()
 }
 
 /// The body of one queue thread.
@@ -163,14 +249,17 @@ impl std::fmt::Debug for UblkDevice {
 impl UblkDevice {
     /// Adds the device (not started yet: [`BlockFrontend::serve`] starts it).
     pub fn new(client: Client, opts: UblkOptions) -> Result<Self, FrontendError> {
-        let features = UblkCtrl::get_features().unwrap_or(0);
-        info!("ublk driver features {features:#x}");
+        let offered = UblkCtrl::get_features().unwrap_or(0);
+        info!("ublk driver offers {offered:#x} ({})", feature_names(offered).join(","));
+        // USER_COPY saves a copy each way; libublk adds CMD_IOCTL_ENCODE where the driver has it.
+        let ctrl_flags = offered & u64::from(sys::UBLK_F_USER_COPY);
         let ctrl = UblkCtrlBuilder::default()
             .name("tyche")
             .id(-1)
             .nr_queues(opts.queues)
             .depth(opts.depth)
             .io_buf_bytes(IO_BUF_BYTES)
+            .ctrl_flags(ctrl_flags)
             .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
             .build()
             .map_err(|e| FrontendError::Other(format!("creating the ublk device: {e}")))?;
@@ -235,7 +324,9 @@ impl BlockFrontend for UblkDevice {
         };
         let queues = self.opts.queues;
         let on_start = move |c: &UblkCtrl| {
-            info!(device = format_args!("/dev/ublkb{}", c.dev_info().dev_id), queues, "ublk device started");
+            let features = feature_names(c.dev_info().flags).join(",");
+            let features = if features.is_empty() { "none".to_string() } else { features };
+            info!(device = format_args!("/dev/ublkb{}", c.dev_info().dev_id), queues, features, "ublk device started");
         };
         self.ctrl
             .run_target(tgt_init, q_fn, on_start)

@@ -1,0 +1,648 @@
+//! `cargo xtask vm-test`: what this machine cannot show, proved in a VM.
+//!
+//! This kernel has no ublk driver and one NUMA node. The VM boots Debian's bookworm-backports 6.12
+//! cloud kernel (`ublk_drv`, `veth` and `virtio_net` as modules, which we load) with an initramfs
+//! holding busybox, the release `tyched` and `tyche-init`, iproute2, e2fsprogs and this xtask
+//! binary itself, and two NUMA nodes, each with a PCI expander bridge carrying two virtio-net NICs
+//! joined by a qemu hub. The guest's `/init` runs `xtask vm-guest TEST` for each test; each prints
+//! a `VMTEST <name> ok|FAIL ...` line on the console, and the host reads the verdict from the
+//! console log (qemu exits 0 whatever happens inside).
+//!
+//! Everything downloaded (the kernel package) is cached under `target/vm/` and reused offline.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::{Args, ValueEnum};
+
+use crate::disk::run;
+
+/// Marker prefix of guest verdict lines on the console.
+pub const MARK: &str = "VMTEST";
+
+/// A test run inside the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
+pub enum GuestTest {
+    /// `/dev/ublkb0` with ext4 over a 2-NIC veth lab.
+    Ublk,
+    /// Placement on a 2-node topology with a NIC per node on each side.
+    Numa,
+}
+
+impl GuestTest {
+    fn name(self) -> &'static str {
+        match self {
+            GuestTest::Ublk => "ublk",
+            GuestTest::Numa => "numa",
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct VmTestArgs {
+    /// Do not install missing packages.
+    #[arg(long)]
+    no_install: bool,
+    /// Run only these tests (default: all).
+    #[arg(long = "only", value_enum)]
+    only: Vec<GuestTest>,
+    /// Seconds the whole VM run may take.
+    #[arg(long, default_value_t = 900)]
+    timeout: u64,
+    /// Accelerator: try KVM first, or force TCG.
+    #[arg(long)]
+    tcg: bool,
+}
+
+impl VmTestArgs {
+    /// What `cargo xtask test` runs.
+    pub fn standard() -> VmTestArgs {
+        VmTestArgs { no_install: false, only: vec![GuestTest::Ublk], timeout: 900, tcg: false }
+    }
+}
+
+/// Guest memory per NUMA node, MiB.
+const NODE_MIB: u32 = 1024;
+/// The qemu hub of node N joins NIC `52:54:00:74:0N:01` (target side) and `...:0N:02` (initiator).
+pub fn nic_mac(node: u32, side: u32) -> String {
+    format!("52:54:00:74:{node:02x}:{side:02x}")
+}
+
+/// Where the guest finds the release binaries (`stack::bin` with `CARGO_TARGET_DIR=/tyche`).
+const GUEST_TARGET_DIR: &str = "/tyche";
+
+pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
+    crate::stack::prepare(root, "vm-test", args.no_install)?;
+    let cache = crate::xdp::target_dir(root).join("vm");
+    fs::create_dir_all(&cache)?;
+    ensure_qemu(&cache, args.no_install)?;
+    let kernel = fetch_kernel(&cache)?;
+    eprintln!("vm-test: kernel {}", kernel.version);
+    let tests: Vec<GuestTest> = if args.only.is_empty() {
+        vec![GuestTest::Ublk, GuestTest::Numa]
+    } else {
+        args.only.iter().copied().collect::<BTreeSet<_>>().into_iter().collect()
+    };
+    let initrd = build_initramfs(root, &cache, &kernel, &tests)?;
+    let log = cache.join("console.log");
+    let deadline = Duration::from_secs(args.timeout);
+    let accel = if !args.tcg && kvm_usable() { "kvm" } else { "tcg" };
+    let mut outcome = boot(&kernel, &initrd, &log, accel, deadline)?;
+    if accel == "kvm" && !outcome.booted {
+        eprintln!("vm-test: the guest did not boot under KVM; trying TCG");
+        outcome = boot(&kernel, &initrd, &log, "tcg", deadline)?;
+    }
+    verdict(&log, &tests, &outcome)
+}
+
+/// How the qemu run ended.
+struct Outcome {
+    booted: bool,
+    timed_out: bool,
+    accel: &'static str,
+    secs: f64,
+}
+
+fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<()> {
+    let text = fs::read_to_string(log).unwrap_or_default();
+    let marks: Vec<&str> = text.lines().filter_map(|l| l.trim_end_matches('\r').strip_prefix(MARK)).collect();
+    let mut failed = Vec::new();
+    let mut summaries = Vec::new();
+    for t in tests {
+        let name = t.name();
+        let ok = marks.iter().find_map(|m| m.trim().strip_prefix(name)?.trim().strip_prefix("ok").map(str::trim));
+        match ok {
+            Some(summary) => summaries.push((*t, summary.to_string())),
+            None => failed.push(name),
+        }
+    }
+    if !failed.is_empty() || !outcome.booted {
+        let tail: Vec<&str> = text.lines().collect();
+        let tail = tail[tail.len().saturating_sub(60)..].join("\n");
+        eprintln!("---- guest console (last 60 lines of {}) ----\n{tail}\n----", log.display());
+        if !outcome.booted {
+            bail!("vm-test: the guest never reached /init ({} s, {})", outcome.secs as u64, outcome.accel);
+        }
+        let why = if outcome.timed_out { " (the VM timed out)" } else { "" };
+        bail!("vm-test: {} failed{why}", failed.join(", "));
+    }
+    eprintln!("vm-test: {} run in {:.0} s", outcome.accel, outcome.secs);
+    let part = |t: GuestTest| summaries.iter().find(|(x, _)| *x == t).map(|(_, s)| s.as_str());
+    let mut line = Vec::new();
+    if let Some(s) = part(GuestTest::Ublk) {
+        line.push(format!("ublk ext4 ok ({s})"));
+    }
+    if let Some(s) = part(GuestTest::Numa) {
+        line.push(format!("numa ok ({s})"));
+    }
+    println!("vm-test: {}", line.join(", "));
+    Ok(())
+}
+
+/// The extracted kernel package.
+#[derive(Debug)]
+struct Kernel {
+    version: String,
+    vmlinuz: PathBuf,
+    modules: PathBuf,
+}
+
+/// The machine's Debian mirror, read from its apt sources (never a host written here).
+fn debian_mirror() -> Result<String> {
+    let mut texts = Vec::new();
+    for dir in ["/etc/apt/sources.list.d"] {
+        if let Ok(rd) = fs::read_dir(dir) {
+            for e in rd.flatten() {
+                let p = e.path();
+                if p.extension().is_some_and(|x| x == "sources" || x == "list") {
+                    texts.push(fs::read_to_string(&p).unwrap_or_default());
+                }
+            }
+        }
+    }
+    texts.push(fs::read_to_string("/etc/apt/sources.list").unwrap_or_default());
+    for text in &texts {
+        // deb822 stanzas: URIs + Suites.
+        for stanza in text.split("\n\n") {
+            let field = |k: &str| stanza.lines().find_map(|l| l.strip_prefix(k).map(|v| v.trim().to_string()));
+            if let (Some(uris), Some(suites)) = (field("URIs:"), field("Suites:")) {
+                if suites.split_whitespace().any(|s| s == "bookworm") {
+                    if let Some(u) = uris.split_whitespace().next() {
+                        return Ok(u.to_string());
+                    }
+                }
+            }
+        }
+        // One-line style: deb [opts] URI suite components.
+        for l in text.lines() {
+            let words: Vec<&str> = l.split_whitespace().filter(|w| !w.starts_with('[')).collect();
+            if words.first() == Some(&"deb") && words.get(2) == Some(&"bookworm") {
+                return Ok(words[1].to_string());
+            }
+        }
+    }
+    bail!("no Debian bookworm source in /etc/apt: cannot fetch the bookworm-backports kernel")
+}
+
+/// Compares Debian-ish version strings by their numeric runs (enough for 6.12.N+deb12).
+fn version_key(s: &str) -> Vec<u64> {
+    s.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty()).map(|p| p.parse().unwrap_or(0)).collect()
+}
+
+/// A private apt configuration: the machine's own sources plus bookworm-backports on the same
+/// mirror, with its own lists, so the machine's apt setup is left as it is.
+struct Apt {
+    dir: PathBuf,
+}
+
+impl Apt {
+    fn new(cache: &Path) -> Result<Apt> {
+        let dir = cache.join("apt");
+        for d in ["lists/partial", "cache/archives/partial", "sources"] {
+            fs::create_dir_all(dir.join(d))?;
+        }
+        Ok(Apt { dir })
+    }
+
+    fn cmd(&self, prog: &str) -> Command {
+        let mut cmd = Command::new(prog);
+        for (k, v) in [
+            ("Dir::Etc::sourceparts", self.dir.join("sources")),
+            ("Dir::State::Lists", self.dir.join("lists")),
+            ("Dir::Cache", self.dir.join("cache")),
+        ] {
+            cmd.arg("-o").arg(format!("{k}={}", v.display()));
+        }
+        cmd.args(["-o", "APT::Sandbox::User=root"]).env("DEBIAN_FRONTEND", "noninteractive");
+        cmd
+    }
+
+    /// Writes the sources and runs `apt-get update`.
+    fn update(&self) -> Result<()> {
+        let sources = self.dir.join("sources");
+        for e in fs::read_dir(&sources)?.flatten() {
+            fs::remove_file(e.path())?;
+        }
+        if let Ok(rd) = fs::read_dir("/etc/apt/sources.list.d") {
+            for e in rd.flatten() {
+                let p = e.path();
+                if p.extension().is_some_and(|x| x == "sources" || x == "list") {
+                    fs::copy(&p, sources.join(e.file_name()))?;
+                }
+            }
+        }
+        let mirror = debian_mirror()?;
+        fs::write(
+            sources.join("tyche-backports.sources"),
+            format!(
+                "Types: deb\nURIs: {mirror}\nSuites: bookworm-backports\nComponents: main\n\
+                 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+            ),
+        )?;
+        run(self.cmd("apt-get").args(["update", "-qq"])).context("apt-get update (with bookworm-backports)")?;
+        Ok(())
+    }
+}
+
+/// qemu's major version, if installed.
+fn qemu_major() -> Option<u32> {
+    let out = Command::new("qemu-system-x86_64").arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    text.split("version ").nth(1)?.split('.').next()?.parse().ok()
+}
+
+/// bookworm's qemu 7.2 corrupts guest state under TCG with more than one vCPU (seen here: slab
+/// and list corruption oopses within seconds of boot); bookworm-backports' qemu 10 does not.
+fn ensure_qemu(cache: &Path, no_install: bool) -> Result<()> {
+    const WANT: u32 = 8;
+    match qemu_major() {
+        Some(v) if v >= WANT => return Ok(()),
+        found => {
+            let have = found.map_or("no qemu".to_string(), |v| format!("qemu {v}"));
+            ensure!(!no_install, "vm-test needs qemu-system-x86 {WANT} or later (bookworm-backports); found {have}");
+            eprintln!("vm-test: installing qemu-system-x86 from bookworm-backports (found {have})");
+        }
+    }
+    let apt = Apt::new(cache)?;
+    apt.update()?;
+    run(apt.cmd("apt-get").args([
+        "install",
+        "-y",
+        "-qq",
+        "--no-install-recommends",
+        "-t",
+        "bookworm-backports",
+        "qemu-system-x86",
+    ]))
+    .context("installing qemu-system-x86 from bookworm-backports")?;
+    ensure!(qemu_major().is_some_and(|v| v >= WANT), "qemu-system-x86_64 is still older than {WANT}");
+    Ok(())
+}
+
+/// Fetches (or reuses) the newest bookworm-backports 6.12 cloud kernel.
+fn fetch_kernel(cache: &Path) -> Result<Kernel> {
+    let kernels = cache.join("kernels");
+    fs::create_dir_all(&kernels)?;
+    let fetched = (|| -> Result<Kernel> {
+        let apt = Apt::new(cache)?;
+        apt.update()?;
+        let found = run(apt.cmd("apt-cache").args([
+            "search",
+            "--names-only",
+            r"^linux-image-6\.12\..*-cloud-amd64-unsigned$",
+        ]))?;
+        let pkg = found
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .max_by_key(|p| version_key(p))
+            .context("bookworm-backports has no linux-image-6.12.*-cloud-amd64-unsigned")?
+            .to_string();
+        let dir = kernels.join(&pkg);
+        if !dir.join("done").exists() {
+            let debs = cache.join("debs");
+            fs::create_dir_all(&debs)?;
+            run(apt.cmd("apt-get").args(["download", &pkg]).current_dir(&debs))
+                .with_context(|| format!("downloading {pkg}"))?;
+            let deb = fs::read_dir(&debs)?
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("{pkg}_"))))
+                .context("the downloaded package is missing")?;
+            let _ = fs::remove_dir_all(&dir);
+            run(Command::new("dpkg").arg("-x").arg(&deb).arg(&dir))?;
+            fs::remove_file(&deb)?;
+            fs::write(dir.join("done"), "")?;
+        }
+        kernel_in(&dir)
+    })();
+    match fetched {
+        Ok(k) => Ok(k),
+        Err(e) => {
+            // Offline: any kernel fetched before will do.
+            let cached = fs::read_dir(&kernels)?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.join("done").exists())
+                .max_by_key(|p| version_key(&p.to_string_lossy()));
+            match cached {
+                Some(dir) => {
+                    eprintln!("vm-test: cannot fetch a kernel ({e:#}); using the cached {}", dir.display());
+                    kernel_in(&dir)
+                }
+                None => Err(e),
+            }
+        }
+    }
+}
+
+fn kernel_in(dir: &Path) -> Result<Kernel> {
+    let modules_root = dir.join("lib/modules");
+    let version = fs::read_dir(&modules_root)
+        .with_context(|| format!("{}", modules_root.display()))?
+        .flatten()
+        .next()
+        .context("the kernel package has no modules")?
+        .file_name()
+        .to_string_lossy()
+        .to_string();
+    let vmlinuz = dir.join("boot").join(format!("vmlinuz-{version}"));
+    ensure!(vmlinuz.exists(), "{} missing", vmlinuz.display());
+    Ok(Kernel { modules: modules_root.join(&version), version, vmlinuz })
+}
+
+/// A kernel module: its name and its decompressed object.
+struct Module {
+    name: String,
+    object: Vec<u8>,
+}
+
+/// Modules the guest loads, in dependency order. Debian's package ships no `modules.dep` (depmod
+/// makes it at install), so the dependencies come from each module's `.modinfo` `depends=`.
+fn module_order(kernel: &Kernel, wanted: &[&str]) -> Result<Vec<Module>> {
+    fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                files(&p, out);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    let mut all = Vec::new();
+    files(&kernel.modules.join("kernel"), &mut all);
+    fn visit(name: &str, all: &[PathBuf], order: &mut Vec<Module>, seen: &mut BTreeSet<String>) -> Result<()> {
+        let norm = |s: &str| s.replace('-', "_");
+        if !seen.insert(norm(name)) {
+            return Ok(());
+        }
+        let path = all
+            .iter()
+            .find(|p| {
+                let f = p.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
+                norm(f.trim_end_matches(".xz").trim_end_matches(".ko")) == norm(name)
+            })
+            .with_context(|| format!("module {name} is not in this kernel"))?;
+        let object = if path.extension().is_some_and(|x| x == "xz") {
+            let out = Command::new("xz").arg("-dc").arg(path).output().context("xz (package xz-utils)")?;
+            ensure!(out.status.success(), "xz -dc {} failed", path.display());
+            out.stdout
+        } else {
+            fs::read(path)?
+        };
+        let needle = b"depends=";
+        let deps = object
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .map(|at| {
+                let rest = &object[at + needle.len()..];
+                let end = rest.iter().position(|&b| b == 0).unwrap_or(0);
+                String::from_utf8_lossy(&rest[..end]).to_string()
+            })
+            .unwrap_or_default();
+        for d in deps.split(',').filter(|d| !d.is_empty()) {
+            visit(d, all, order, seen)?;
+        }
+        order.push(Module { name: name.replace('-', "_"), object });
+        Ok(())
+    }
+    let mut order = Vec::new();
+    let mut seen = BTreeSet::new();
+    for w in wanted {
+        visit(w, &all, &mut order, &mut seen)?;
+    }
+    Ok(order)
+}
+
+/// An initramfs being assembled in a directory.
+struct Initramfs {
+    dir: PathBuf,
+    libs: BTreeSet<PathBuf>,
+}
+
+impl Initramfs {
+    fn path(&self, inside: &Path) -> PathBuf {
+        self.dir.join(inside.strip_prefix("/").unwrap_or(inside))
+    }
+
+    fn copy(&self, from: &Path, inside: &Path, mode: u32) -> Result<()> {
+        let to = self.path(inside);
+        fs::create_dir_all(to.parent().expect("absolute"))?;
+        fs::copy(from, &to).with_context(|| format!("copying {} into the initramfs", from.display()))?;
+        fs::set_permissions(&to, fs::Permissions::from_mode(mode))?;
+        Ok(())
+    }
+
+    /// Copies a dynamically linked program and every shared library `ldd` names for it.
+    fn program(&mut self, from: &Path, inside: &Path) -> Result<()> {
+        self.copy(from, inside, 0o755)?;
+        let out = Command::new("ldd").arg(from).output().context("ldd")?;
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let lib = match line.split_once("=>") {
+                Some((_, rest)) => rest.split_whitespace().next(),
+                None => line.split_whitespace().next().filter(|w| w.starts_with('/')),
+            };
+            let Some(lib) = lib.filter(|l| l.starts_with('/')) else { continue };
+            let lib = PathBuf::from(lib);
+            if self.libs.insert(lib.clone()) {
+                self.copy(&fs::canonicalize(&lib)?, &lib, 0o755)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write(&self, inside: &str, text: &str, mode: u32) -> Result<()> {
+        let to = self.path(Path::new(inside));
+        fs::create_dir_all(to.parent().expect("absolute"))?;
+        fs::write(&to, text)?;
+        fs::set_permissions(&to, fs::Permissions::from_mode(mode))?;
+        Ok(())
+    }
+
+    /// `find . | cpio -o -H newc | gzip`.
+    fn pack(&self, out: &Path) -> Result<()> {
+        let script = format!(
+            "cd '{}' && find . -print0 | cpio --null -o -H newc --quiet | gzip -1 > '{}'",
+            self.dir.display(),
+            out.display()
+        );
+        run(Command::new("sh").args(["-c", &script])).context("packing the initramfs (cpio, gzip)")?;
+        Ok(())
+    }
+}
+
+fn which(name: &str) -> Result<PathBuf> {
+    let path = run(Command::new("sh").args(["-c", &format!("command -v {name}")]))
+        .with_context(|| format!("{name} not found"))?;
+    ensure!(!path.is_empty(), "{name} not found");
+    Ok(fs::canonicalize(path)?)
+}
+
+fn build_initramfs(root: &Path, cache: &Path, kernel: &Kernel, tests: &[GuestTest]) -> Result<PathBuf> {
+    let dir = cache.join("initramfs");
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir)?;
+    let mut fs_ = Initramfs { dir, libs: BTreeSet::new() };
+    let busybox = which("busybox")?;
+    let ldd = Command::new("ldd").arg(&busybox).output()?;
+    ensure!(!ldd.status.success(), "{} is not static: install busybox-static", busybox.display());
+    fs_.copy(&busybox, Path::new("/bin/busybox"), 0o755)?;
+    let release = crate::xdp::target_dir(root).join("release");
+    for b in ["tyched", "tyche-init"] {
+        fs_.program(&release.join(b), &Path::new(GUEST_TARGET_DIR).join("release").join(b))?;
+    }
+    fs_.program(&std::env::current_exe()?, Path::new("/usr/local/bin/xtask"))?;
+    for (prog, name) in
+        [("ip", "ip"), ("mkfs.ext4", "mkfs.ext4"), ("e2fsck", "e2fsck"), ("lstopo-no-graphics", "lstopo-no-graphics")]
+    {
+        fs_.program(&which(prog)?, &Path::new("/usr/local/bin").join(name))?;
+    }
+    if Path::new("/etc/mke2fs.conf").exists() {
+        fs_.copy(Path::new("/etc/mke2fs.conf"), Path::new("/etc/mke2fs.conf"), 0o644)?;
+    }
+    let mut names = Vec::new();
+    for m in module_order(kernel, &["ublk_drv", "veth", "virtio_net"])? {
+        let name = format!("{}.ko", m.name);
+        fs_.write(&format!("/lib/modules/{name}"), "", 0o644)?;
+        fs::write(fs_.path(&Path::new("/lib/modules").join(&name)), &m.object)?;
+        names.push(name);
+    }
+    fs_.write("/etc/modules", &(names.join("\n") + "\n"), 0o644)?;
+    let names: Vec<&str> = tests.iter().map(|t| t.name()).collect();
+    fs_.write("/etc/tests", &(names.join("\n") + "\n"), 0o644)?;
+    fs_.write("/init", INIT, 0o755)?;
+    let out = cache.join("initramfs.cpio.gz");
+    fs_.pack(&out)?;
+    Ok(out)
+}
+
+/// The guest's `/init`: mounts, loads modules, runs each test through `xtask vm-guest`, powers
+/// off. Every failure still reaches `poweroff`, so the host never waits for its timeout.
+const INIT: &str = r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/usr/local/bin:/bin CARGO_TARGET_DIR=/tyche HOME=/root TYCHE_LOG=info
+mkdir -p /proc /sys /dev /run /tmp /root /mnt /var
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mount -t tmpfs tmpfs /run
+mount -t tmpfs tmpfs /tmp
+ln -sf /run /var/run
+mount -t bpf bpf /sys/fs/bpf 2>/dev/null
+for m in $(cat /etc/modules); do
+    insmod /lib/modules/$m || echo "VMTEST insmod $m failed"
+done
+ip link set lo up
+echo "VMTEST boot $(uname -r) cpus=$(nproc) nodes=$(ls -d /sys/devices/system/node/node* | wc -l)"
+for t in $(cat /etc/tests); do
+    if ! xtask vm-guest $t; then
+        echo "VMTEST $t FAIL (exit $?)"
+        # The daemons' logs, for the host's report.
+        for f in /tmp/*/*.log; do
+            echo "---- $f"; grep -m3 -A4 panicked "$f"; tail -n 25 "$f"
+        done
+    fi
+done
+echo "VMTEST end"
+sync
+poweroff -f
+"#;
+
+fn kvm_usable() -> bool {
+    fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok()
+}
+
+/// Boots the guest and waits for it to power off (or the deadline).
+fn boot(kernel: &Kernel, initrd: &Path, log: &Path, accel: &'static str, deadline: Duration) -> Result<Outcome> {
+    let _ = fs::remove_file(log);
+    let mut cmd = Command::new("qemu-system-x86_64");
+    cmd.args(["-machine", "pc", "-accel", accel, "-cpu", if accel == "kvm" { "host" } else { "max" }]);
+    cmd.args(["-smp", "4", "-m", &format!("{}M", 2 * NODE_MIB)]);
+    for node in 0..2u32 {
+        cmd.args(["-object", &format!("memory-backend-ram,id=mem{node},size={NODE_MIB}M")]);
+        let cpus = format!("{}-{}", node * 2, node * 2 + 1);
+        cmd.args(["-numa", &format!("node,nodeid={node},cpus={cpus},memdev=mem{node}")]);
+        // A PCI expander bridge on this node, carrying this node's two NICs.
+        cmd.args(["-device", &format!("pxb,id=pxb{node},bus_nr={},numa_node={node},bus=pci.0", 16 * (node + 1))]);
+        for side in 1..=2u32 {
+            cmd.args(["-netdev", &format!("hubport,id=hp{node}{side},hubid={node}")]);
+            cmd.args([
+                "-device",
+                &format!(
+                    "virtio-net-pci,netdev=hp{node}{side},mac={},bus=pxb{node},addr={side:#x}",
+                    nic_mac(node, side)
+                ),
+            ]);
+        }
+    }
+    cmd.arg("-kernel").arg(&kernel.vmlinuz).arg("-initrd").arg(initrd);
+    cmd.args(["-append", "console=ttyS0 rdinit=/init panic=-1 oops=panic quiet loglevel=4"]);
+    cmd.args(["-nodefaults", "-display", "none", "-no-reboot"]);
+    cmd.arg("-serial").arg(format!("file:{}", log.display()));
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    eprintln!("vm-test: booting ({accel})");
+    let start = Instant::now();
+    let mut child = cmd.spawn().context("starting qemu-system-x86_64 (package qemu-system-x86)")?;
+    let mut booted = false;
+    let mut printed = 0usize;
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break Some(st);
+        }
+        // Echo the guest's verdict lines as they come, so a long run shows progress.
+        let text = fs::read_to_string(log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains(MARK)).collect();
+        for l in &lines[printed.min(lines.len())..] {
+            eprintln!("  guest: {}", l.trim_end_matches('\r'));
+        }
+        printed = lines.len();
+        booted |= !lines.is_empty();
+        // Under KVM a guest that has not reached /init in 60 s is not going to.
+        let limit = if accel == "kvm" && !booted { Duration::from_secs(60) } else { deadline };
+        if start.elapsed() > limit || crate::stack::INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    let text = fs::read_to_string(log).unwrap_or_default();
+    booted |= text.contains(MARK);
+    if let Some(st) = status {
+        if !st.success() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                use std::io::Read;
+                let _ = e.read_to_string(&mut err);
+            }
+            if accel == "kvm" && !booted {
+                let why = err.lines().rev().find(|l| l.contains("error")).unwrap_or(err.trim());
+                eprintln!("vm-test: qemu with KVM failed: {why}");
+            } else {
+                bail!("qemu failed ({st}): {}", err.trim());
+            }
+        }
+    }
+    Ok(Outcome { booted, timed_out: status.is_none(), accel, secs: start.elapsed().as_secs_f64() })
+}
+
+/// `xtask vm-guest TEST`, inside the VM: runs one test and prints its verdict line.
+pub fn guest(test: GuestTest) -> Result<()> {
+    let result = match test {
+        GuestTest::Ublk => crate::vm_ublk::guest(),
+        GuestTest::Numa => crate::vm_numa::guest(),
+    };
+    let mut out = std::io::stdout().lock();
+    match &result {
+        Ok(summary) => writeln!(out, "{MARK} {} ok {summary}", test.name())?,
+        Err(e) => writeln!(out, "{MARK} {} FAIL {}", test.name(), format!("{e:#}").replace('\n', " | "))?,
+    }
+    out.flush()?;
+    result.map(drop)
+}
