@@ -614,6 +614,9 @@ fn boot(kernel: &Kernel, initrd: &Path, log: &Path, accel: &'static str, deadlin
     };
     let text = fs::read_to_string(log).unwrap_or_default();
     booted |= text.contains(MARK);
+    for l in text.lines().filter(|l| l.contains(MARK)).skip(printed) {
+        eprintln!("  guest: {}", l.trim_end_matches('\r'));
+    }
     if let Some(st) = status {
         if !st.success() {
             let mut err = String::new();
