@@ -196,9 +196,22 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     let (tx, rx) = std::sync::mpsc::channel();
     let send_mode = engine.cfg.send_mode;
     let nodes: Vec<Option<u32>> = engine.links.iter().map(|l| l.node).collect();
+    // With every link on one node, the engine thread runs on that node's CPUs (as tyched's
+    // network thread does); links on several nodes leave it unpinned.
+    let home = match nodes.first() {
+        Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => Some(*n),
+        _ => None,
+    };
     std::thread::Builder::new()
         .name("tyche-engine".into())
-        .spawn(move || engine.run(rx))
+        .spawn(move || {
+            if let Some(cpus) = home.and_then(crate::sched::node_cpus) {
+                if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
+                    warn!(node = home, "cannot pin the engine thread: {e}");
+                }
+            }
+            engine.run(rx)
+        })
         .map_err(|e| ConnectError::Config(format!("cannot start the engine thread: {e}")))?;
     Ok(Client::new(tx, bell, info, send_mode, &nodes))
 }
