@@ -107,10 +107,12 @@ pub async fn serve(listener: UnixListener, client: Client, opts: NbdOptions) -> 
         match (node, cpus) {
             (Some(node), Some(cpus)) => {
                 // A thread of its own on the node: buffers it allocates and fills are there.
+                let stats = opts.stats.clone();
                 let std_stream = match stream.into_std() {
                     Ok(s) => s,
                     Err(e) => {
                         warn!(conn = n, "NBD connection: {e}");
+                        opts.stats.update(idx, |r| r.open = false);
                         continue;
                     }
                 };
@@ -143,6 +145,7 @@ pub async fn serve(listener: UnixListener, client: Client, opts: NbdOptions) -> 
                 });
                 if let Err(e) = spawned {
                     warn!(conn = n, "cannot start an NBD connection thread: {e}");
+                    stats.update(idx, |r| r.open = false);
                 }
             }
             _ => {
