@@ -197,17 +197,26 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     let send_mode = engine.cfg.send_mode;
     let nodes: Vec<Option<u32>> = engine.links.iter().map(|l| l.node).collect();
     // With every link on one node, the engine thread runs on that node's CPUs (as tyched's
-    // network thread does); links on several nodes leave it unpinned.
+    // network thread does); links on several nodes leave it unpinned, with its memory policy
+    // bound to their nodes so that NUMA balancing does not drag the request buffers it copies
+    // to whichever node it runs on.
     let home = match nodes.first() {
         Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => Some(*n),
         _ => None,
     };
+    let mut spread: Vec<u32> = nodes.iter().flatten().copied().collect();
+    spread.sort_unstable();
+    spread.dedup();
     std::thread::Builder::new()
         .name("tyche-engine".into())
         .spawn(move || {
             if let Some(cpus) = home.and_then(crate::sched::node_cpus) {
                 if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
                     warn!(node = home, "cannot pin the engine thread: {e}");
+                }
+            } else if spread.len() > 1 {
+                if let Err(e) = tyche_numa::alloc::bind_thread_memory_to(&spread) {
+                    warn!(nodes = ?spread, "cannot bind the engine thread's memory policy: {e}");
                 }
             }
             engine.run(rx)

@@ -253,10 +253,20 @@ fn placement_for(ifaces: &[String]) -> Placement {
         ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
     let node = match nodes.first() {
         Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => *n,
-        _ => return Placement::default(),
+        _ => {
+            // NICs on several nodes: one network thread serves them all, unpinned, with its
+            // memory policy bound to their nodes.
+            let mut memory_nodes: Vec<u32> = nodes.iter().flatten().copied().collect();
+            memory_nodes.sort_unstable();
+            memory_nodes.dedup();
+            if memory_nodes.len() < 2 {
+                memory_nodes.clear();
+            }
+            return Placement { memory_nodes, ..Placement::default() };
+        }
     };
     let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == node).map(|n| n.cpus.clone()).unwrap_or_default();
-    Placement { node: Some(node), network_cpus: cpus.clone(), worker_cpus: cpus }
+    Placement { node: Some(node), network_cpus: cpus.clone(), worker_cpus: cpus, memory_nodes: Vec::new() }
 }
 
 fn stats(args: &StatsArgs) -> Result<()> {

@@ -87,6 +87,10 @@ pub struct Placement {
     pub network_cpus: Vec<u32>,
     /// CPUs for the storage workers.
     pub worker_cpus: Vec<u32>,
+    /// NICs on several nodes: the network thread's memory policy is bound to these nodes, so
+    /// that automatic NUMA balancing does not move the pages it touches towards the CPU it
+    /// happens to run on (`tyche_numa::alloc::bind_thread_memory_to`).
+    pub memory_nodes: Vec<u32>,
 }
 
 /// A transport with the name it is shown under.
@@ -378,8 +382,14 @@ impl Target {
         net.nic_node = net.nics.iter().map(|n| n.transport.numa_node().or(placement.node)).collect();
         net.control = (0..net.nics.len()).map(|_| VecDeque::new()).collect();
         let cpus = placement.network_cpus.clone();
+        let memory_nodes = placement.memory_nodes.clone();
         let network = std::thread::Builder::new().name("tyched-net".into()).spawn(move || {
             pin(&cpus, "network thread");
+            if !memory_nodes.is_empty() {
+                if let Err(e) = tyche_numa::alloc::bind_thread_memory_to(&memory_nodes) {
+                    tracing::warn!(nodes = ?memory_nodes, "cannot bind the network thread's memory policy: {e}");
+                }
+            }
             net.run();
         })?;
         Ok(TargetHandle { shared, network: Some(network), workers })
