@@ -158,9 +158,16 @@ impl Client {
         rx.await.unwrap_or(Err(Error::Closed))
     }
 
-    /// Reads `length` bytes at `offset` (both multiples of 512).
+    /// Reads `length` bytes at `offset` (both multiples of 512). The buffer is allocated, and
+    /// its pages touched, by the calling thread, so it sits on that thread's NUMA node (under
+    /// its memory policy) before the engine places the data into it.
     pub async fn read(&self, offset: u64, length: usize) -> Result<Vec<u8>, Error> {
-        self.io(Op::Read, false, offset, length as u64, Vec::new()).await
+        let mut buf = vec![0u8; length];
+        // A zeroed allocation may be untouched pages: fault each one in here, not in the engine.
+        for i in (0..length).step_by(4096) {
+            buf[i] = std::hint::black_box(0);
+        }
+        self.io(Op::Read, false, offset, length as u64, buf).await
     }
 
     /// Writes `data` at `offset` (offset and length multiples of 512).
@@ -199,6 +206,22 @@ impl Client {
         self.inner.engine.send(Cmd::Stats(tx)).map_err(|_| Error::Closed)?;
         self.inner.bell.ring();
         rx.await.map_err(|_| Error::Closed)
+    }
+
+    /// Counters, per channel payload bytes and placement of the session (see [`crate::Report`]).
+    pub async fn report(&self) -> Result<crate::Report, Error> {
+        let (tx, rx) = oneshot::channel();
+        self.inner.engine.send(Cmd::Report(tx)).map_err(|_| Error::Closed)?;
+        self.inner.bell.ring();
+        rx.await.map_err(|_| Error::Closed)
+    }
+
+    /// [`Client::report`] for threads outside an async runtime (a stats socket thread).
+    pub fn report_blocking(&self) -> Result<crate::Report, Error> {
+        let (tx, rx) = oneshot::channel();
+        self.inner.engine.send(Cmd::Report(tx)).map_err(|_| Error::Closed)?;
+        self.inner.bell.ring();
+        rx.blocking_recv().map_err(|_| Error::Closed)
     }
 
     /// Closes the session: new requests fail, requests in flight get up to 5 s to finish, every

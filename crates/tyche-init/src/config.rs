@@ -50,6 +50,15 @@ impl FromStr for SchedulerKind {
     }
 }
 
+impl fmt::Display for SchedulerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SchedulerKind::Affinity => "affinity",
+            SchedulerKind::RoundRobin => "round-robin",
+        })
+    }
+}
+
 /// How requests reach the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SendMode {

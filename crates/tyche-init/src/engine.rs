@@ -81,6 +81,7 @@ pub(crate) enum Cmd {
     Io(IoCmd),
     Batch(Vec<IoCmd>),
     Stats(oneshot::Sender<Stats>),
+    Report(oneshot::Sender<crate::report::Report>),
     Close(oneshot::Sender<()>),
 }
 
@@ -137,6 +138,8 @@ pub(crate) struct Engine {
     /// Links on which the initial channel timed out.
     initial_timeouts: usize,
     bell: Arc<Bell>,
+    /// The link of every channel index ever opened.
+    channel_link: HashMap<u16, usize>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -193,9 +196,31 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     let (tx, rx) = std::sync::mpsc::channel();
     let send_mode = engine.cfg.send_mode;
     let nodes: Vec<Option<u32>> = engine.links.iter().map(|l| l.node).collect();
+    // With every link on one node, the engine thread runs on that node's CPUs (as tyched's
+    // network thread does); links on several nodes leave it unpinned, with its memory policy
+    // bound to their nodes so that NUMA balancing does not drag the request buffers it copies
+    // to whichever node it runs on.
+    let home = match nodes.first() {
+        Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => Some(*n),
+        _ => None,
+    };
+    let mut spread: Vec<u32> = nodes.iter().flatten().copied().collect();
+    spread.sort_unstable();
+    spread.dedup();
     std::thread::Builder::new()
         .name("tyche-engine".into())
-        .spawn(move || engine.run(rx))
+        .spawn(move || {
+            if let Some(cpus) = home.and_then(crate::sched::node_cpus) {
+                if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
+                    warn!(node = home, "cannot pin the engine thread: {e}");
+                }
+            } else if spread.len() > 1 {
+                if let Err(e) = tyche_numa::alloc::bind_thread_memory_to(&spread) {
+                    warn!(nodes = ?spread, "cannot bind the engine thread's memory policy: {e}");
+                }
+            }
+            engine.run(rx)
+        })
         .map_err(|e| ConnectError::Config(format!("cannot start the engine thread: {e}")))?;
     Ok(Client::new(tx, bell, info, send_mode, &nodes))
 }
@@ -225,6 +250,7 @@ impl Engine {
             fatal: None,
             initial_timeouts: 0,
             bell,
+            channel_link: HashMap::new(),
         }
     }
 
@@ -358,6 +384,7 @@ impl Engine {
                 }
                 let vol = self.volume.as_mut().expect("created");
                 vol.add_channel(channel, self.links[link].node, now);
+                self.channel_link.insert(ch, link);
                 if attempt > 0 {
                     self.stats.reconnects += 1;
                     info!(link = %name, channel = ch, "channel reconnected after {attempt} attempt(s)");
@@ -596,6 +623,9 @@ impl Engine {
             Cmd::Stats(reply) => {
                 let _ = reply.send(self.snapshot());
             }
+            Cmd::Report(reply) => {
+                let _ = reply.send(self.report());
+            }
             Cmd::Close(done) => {
                 info!("closing the session");
                 for io in self.backlog.drain(..) {
@@ -631,7 +661,13 @@ impl Engine {
         match vol.submit(now, req) {
             Ok(()) => {
                 self.next_id += 1;
-                let buf = if io.op == Op::Read { vec![0; io.length as usize] } else { io.data };
+                // Read data lands in the buffer the caller allocated (on its thread's node),
+                // when it gave one.
+                let buf = if io.op == Op::Read && io.data.len() != io.length as usize {
+                    vec![0; io.length as usize]
+                } else {
+                    io.data
+                };
                 self.inflight.insert(id, InFlight { op: io.op, buf, reply: io.reply });
                 Ok(())
             }
@@ -667,6 +703,59 @@ impl Engine {
             s.retransmits = v.channel_indices().filter_map(|i| v.channel(i)).map(|c| c.stats().retransmits).sum();
         }
         s
+    }
+
+    /// Counters and placement, measured on this (the engine) thread.
+    fn report(&self) -> crate::report::Report {
+        use crate::report::{ChannelReport, LinkReport, Report};
+        let s = self.snapshot();
+        let thread = tyche_numa::report::this_thread();
+        let mut r = Report {
+            export: self.cfg.export.clone(),
+            session: self.connected.as_ref().map_or(0, |c| c.session),
+            scheduler: self.cfg.scheduler.to_string(),
+            live_channels: s.live_channels,
+            completed: s.completed,
+            failed: s.failed,
+            bytes_read: s.bytes_read,
+            bytes_written: s.bytes_written,
+            reconnects: s.reconnects,
+            ..Report::default()
+        };
+        if let Some(v) = &self.volume {
+            for ch in v.channel_indices() {
+                let Some(c) = v.channel(ch) else { continue };
+                let link = self.channel_link.get(&ch).copied();
+                let cs = c.stats();
+                r.channels.push(ChannelReport {
+                    channel: ch,
+                    link: link.map_or_else(String::new, |k| self.links[k].name.clone()),
+                    node: link.and_then(|k| self.links[k].node),
+                    live: c.dead().is_none(),
+                    payload_tx: cs.payload_tx,
+                    payload_rx: cs.payload_rx,
+                    frames_tx: cs.frames_tx,
+                    frames_rx: cs.frames_rx,
+                    retransmits: cs.retransmits,
+                    thread: thread.clone(),
+                });
+            }
+        }
+        for l in &self.links {
+            let node = l.transport.numa_node().or(l.node);
+            let empty = tyche_numa::PageCounts { expected_node: node, ..Default::default() };
+            let mut lr =
+                LinkReport { name: l.name.clone(), node, umem: empty.clone(), rings: empty, thread: thread.clone() };
+            for a in l.transport.memory_areas() {
+                let Ok(c) = tyche_numa::report::count_area(a.addr, a.len, node) else { continue };
+                match a.what {
+                    "umem" => lr.umem.add(&c),
+                    _ => lr.rings.add(&c),
+                }
+            }
+            r.links.push(lr);
+        }
+        r
     }
 
     /// The engine thread's loop; returns when every client is gone or the session is closed.

@@ -31,6 +31,7 @@ mod error;
 pub mod frontend;
 pub mod loopback;
 pub mod nbd;
+pub mod report;
 pub mod sched;
 pub mod state;
 #[cfg(feature = "ublk")]
@@ -41,6 +42,7 @@ pub use config::{InitiatorConfig, Link, SchedulerKind, SendMode};
 pub use discover::{discover, DiscoveredExport, DiscoveredTarget};
 pub use engine::connect_blocking;
 pub use error::{ConnectError, Error};
+pub use report::{ChannelReport, LinkReport, NbdConnReport, NbdStats, Report};
 
 /// Opens a session to `config.export` over `links` and starts the engine thread.
 ///

@@ -51,6 +51,19 @@ enum Command {
         /// NBD requests in flight per connection.
         #[arg(long, default_value_t = 128)]
         max_inflight: usize,
+        /// NUMA nodes NBD connections are served for, in turn by accept order (default: the
+        /// NICs' nodes). A connection served for a node runs on a thread pinned to that node's
+        /// CPUs, its buffers are allocated there, and its requests go to that node's channels.
+        #[arg(long, value_delimiter = ',', value_name = "NODE,...")]
+        nbd_nodes: Vec<u32>,
+    },
+    /// Print the counters, per channel payload bytes and NUMA placement of a running front end.
+    Stats {
+        /// Device path, socket path or pid of the attachment (see `list`), or a stats socket.
+        what: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// List attached exports.
     List,
@@ -109,6 +122,9 @@ struct ConnArgs {
     /// Send mode: inline or queue.
     #[arg(long, default_value = "inline")]
     send_mode: SendMode,
+    /// Unix socket for `tyche-init stats` (default: PID.stats.sock in the state directory).
+    #[arg(long)]
+    stats_socket: Option<PathBuf>,
     /// Testing only: drop this fraction of frames on every link, both ways, with the seeded
     /// fault-injection wrapper (AF_XDP copy-mode transmit bypasses the qdisc, so `tc netem`
     /// cannot drop Tyche frames).
@@ -271,20 +287,48 @@ async fn terminated() -> Result<()> {
     Ok(())
 }
 
-async fn serve_nbd(socket: PathBuf, conn: ConnArgs, max_inflight: usize) -> Result<()> {
+/// Starts the stats socket of a front end; `nbd` adds the NBD connections' reports.
+fn start_stats(
+    conn: &ConnArgs,
+    dir: &std::path::Path,
+    pid: u32,
+    client: &Client,
+    nbd: Option<tyche_init::NbdStats>,
+) -> (Option<tyche_transport::stats_socket::StatsServer>, String) {
+    let path = conn.stats_socket.clone().unwrap_or_else(|| state::stats_socket(dir, pid));
+    let c = client.clone();
+    let source = move || {
+        let mut r = c.report_blocking().unwrap_or_default();
+        if let Some(n) = &nbd {
+            r.nbd = n.snapshot();
+        }
+        r
+    };
+    match tyche_transport::stats_socket::StatsServer::start(&path, "tyche-stats", source) {
+        Ok(s) => (Some(s), path.display().to_string()),
+        Err(e) => {
+            warn!(socket = %path.display(), "no stats socket: {e}");
+            (None, String::new())
+        }
+    }
+}
+
+async fn serve_nbd(socket: PathBuf, conn: ConnArgs, max_inflight: usize, nbd_nodes: Vec<u32>) -> Result<()> {
     let (client, _target) = open(&conn).await?;
     let i = client.info();
     println!("{}", socket.display());
     info!(export = %i.export, size = i.size, session = format_args!("{:#x}", i.session), "attached");
-    let opts = NbdOptions { max_inflight, ..NbdOptions::new(&conn.export) };
+    let opts = NbdOptions { max_inflight, connection_nodes: nbd_nodes, ..NbdOptions::new(&conn.export) };
     let dir = state::dir();
     let pid = std::process::id();
+    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, Some(opts.stats.clone()));
     let rec = state::Attachment {
         pid,
         kind: "nbd".into(),
         path: socket.display().to_string(),
         export: conn.export.clone(),
         target: conn.target_name(),
+        stats,
     };
     if let Err(e) = state::record(&dir, &rec) {
         warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
@@ -331,8 +375,15 @@ async fn attach(conn: ConnArgs, queues: u16, depth: u16) -> Result<()> {
     println!("{path}");
     let dir = state::dir();
     let pid = std::process::id();
-    let rec =
-        state::Attachment { pid, kind: "ublk".into(), path, export: conn.export.clone(), target: conn.target_name() };
+    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, None);
+    let rec = state::Attachment {
+        pid,
+        kind: "ublk".into(),
+        path,
+        export: conn.export.clone(),
+        target: conn.target_name(),
+        stats,
+    };
     if let Err(e) = state::record(&dir, &rec) {
         warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
     }
@@ -401,6 +452,31 @@ fn discover(ifaces: &[String], wait: f64) -> Result<()> {
     Ok(())
 }
 
+fn stats(what: &str, json: bool) -> Result<()> {
+    let p = std::path::Path::new(what);
+    let socket = if what.ends_with(".stats.sock") && p.exists() {
+        p.to_owned()
+    } else {
+        let all = state::list(&state::dir())?;
+        let a = all
+            .iter()
+            .find(|a| a.path == what || a.pid.to_string() == what)
+            .with_context(|| format!("no attachment {what:?} (see `tyche-init list`)"))?;
+        if a.stats.is_empty() {
+            bail!("attachment {what:?} has no stats socket");
+        }
+        PathBuf::from(&a.stats)
+    };
+    let r: tyche_init::Report = tyche_transport::stats_socket::query(&socket)
+        .with_context(|| format!("reading the stats socket {}", socket.display()))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", r.human());
+    }
+    Ok(())
+}
+
 fn detach(what: &str) -> Result<()> {
     let dir = state::dir();
     let all = state::list(&dir)?;
@@ -441,7 +517,10 @@ fn run() -> Result<()> {
     match cli.command {
         Command::Discover { ifaces, wait } => discover(&ifaces, wait),
         Command::Attach { conn, queues, depth } => rt.block_on(attach(conn, queues, depth)),
-        Command::ServeNbd { socket, conn, max_inflight } => rt.block_on(serve_nbd(socket, conn, max_inflight)),
+        Command::ServeNbd { socket, conn, max_inflight, nbd_nodes } => {
+            rt.block_on(serve_nbd(socket, conn, max_inflight, nbd_nodes))
+        }
+        Command::Stats { what, json } => stats(&what, json),
         Command::List => {
             let all = state::list(&state::dir())?;
             if all.is_empty() {

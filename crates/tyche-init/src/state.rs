@@ -22,13 +22,15 @@ pub struct Attachment {
     pub export: String,
     /// Target (MAC, TCP address or `loopback`).
     pub target: String,
+    /// Stats socket (`tyche-init stats`); empty when there is none.
+    pub stats: String,
 }
 
 impl Attachment {
     fn encode(&self) -> String {
         format!(
-            "pid={}\nkind={}\npath={}\nexport={}\ntarget={}\n",
-            self.pid, self.kind, self.path, self.export, self.target
+            "pid={}\nkind={}\npath={}\nexport={}\ntarget={}\nstats={}\n",
+            self.pid, self.kind, self.path, self.export, self.target, self.stats
         )
     }
 
@@ -40,6 +42,7 @@ impl Attachment {
             path: get("path")?,
             export: get("export")?,
             target: get("target")?,
+            stats: get("stats").unwrap_or_default(),
         })
     }
 
@@ -66,6 +69,11 @@ pub fn record(dir: &Path, a: &Attachment) -> io::Result<PathBuf> {
     fs::write(&tmp, a.encode())?;
     fs::rename(&tmp, &f)?;
     Ok(f)
+}
+
+/// The default stats socket of the front end running as `pid`.
+pub fn stats_socket(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("{pid}.stats.sock"))
 }
 
 /// Forgets the attachment of `pid`.
@@ -110,6 +118,7 @@ mod tests {
             path: "/tmp/x.sock".into(),
             export: "ram".into(),
             target: "02:00:00:00:02:00".into(),
+            stats: "/tmp/x.stats.sock".into(),
         };
         record(d.path(), &me).unwrap();
         let dead = Attachment { pid: u32::MAX - 1, ..me.clone() };

@@ -313,6 +313,12 @@ impl BlockFrontend for UblkDevice {
                 if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
                     error!(queue = qid, ?node, "cannot pin the queue thread: {e}");
                 }
+                // Buffers this thread allocates (read buffers, write copies) go on the node.
+                if let Some(n) = node {
+                    if let Err(e) = tyche_numa::alloc::bind_thread_memory(n) {
+                        error!(queue = qid, node = n, "cannot bind the queue thread's memory: {e}");
+                    }
+                }
             }
             queue_thread(qid, dev, &client.on_node(node));
         };

@@ -86,3 +86,74 @@ fn serve_nbd_is_listed_and_detached() {
     let list = bin().arg("list").env("TYCHE_INIT_STATE_DIR", &state).output().unwrap();
     assert!(String::from_utf8_lossy(&list.stdout).contains("no attached exports"));
 }
+
+#[test]
+fn stats_show_per_channel_bytes_and_nbd_buffers_on_their_node() {
+    if Command::new("nbdcopy").arg("--version").output().is_err()
+        || !Path::new("/sys/devices/system/node/node0").exists()
+    {
+        eprintln!("SKIP: needs nbdcopy (libnbd-bin) and sysfs NUMA nodes");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("t.sock");
+    let stats = dir.path().join("t.stats.sock");
+    let state = dir.path().join("state");
+    let mut child = bin()
+        .args(["serve-nbd", "--loopback-mib", "16", "--export", "ram", "--nbd-nodes", "0", "--socket"])
+        .arg(&socket)
+        .arg("--stats-socket")
+        .arg(&stats)
+        .env("TYCHE_INIT_STATE_DIR", &state)
+        .env("TYCHE_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn serve-nbd");
+    let t0 = Instant::now();
+    while !socket.exists() || !stats.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "sockets never appeared");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let input = dir.path().join("in");
+    let data: Vec<u8> = (0..8u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    std::fs::write(&input, &data).unwrap();
+    let uri = format!("nbd+unix:///ram?socket={}", socket.display());
+    let out = Command::new("nbdcopy").args(["--connections=1", "--requests=4"]).arg(&input).arg(&uri).output().unwrap();
+    assert!(out.status.success(), "nbdcopy: {}", String::from_utf8_lossy(&out.stderr));
+    let back = dir.path().join("out");
+    let out = Command::new("nbdcopy").args(["--connections=1"]).arg(&uri).arg(&back).output().unwrap();
+    assert!(out.status.success(), "nbdcopy: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&back).unwrap()[..data.len()] == data[..], "read back differs");
+    // By the NBD socket's path (through the state directory) and straight from the stats socket.
+    for what in [socket.clone(), stats.clone()] {
+        let out = bin().arg("stats").arg(&what).arg("--json").env("TYCHE_INIT_STATE_DIR", &state).output().unwrap();
+        assert!(out.status.success(), "stats: {}", String::from_utf8_lossy(&out.stderr));
+        let r: tyche_init::Report = serde_json::from_slice(&out.stdout).expect("stats --json is a report");
+        assert_eq!(r.channels.len(), 2, "{r:?}");
+        let tx: u64 = r.channels.iter().map(|c| c.payload_tx).sum();
+        let rx: u64 = r.channels.iter().map(|c| c.payload_rx).sum();
+        assert!(tx >= 8 << 20 && rx >= 8 << 20, "payload per channel: {:?}", r.channels);
+        assert!(r.channels.iter().all(|c| c.thread.name == "tyche-engine"), "{:?}", r.channels);
+        let node0 = std::fs::read_to_string("/sys/devices/system/node/node0/cpulist").unwrap();
+        let node0 = tyche_numa::report::parse_cpu_list(node0.trim()).unwrap();
+        let busy: Vec<_> = r.nbd.iter().filter(|c| c.bytes_written > 0).collect();
+        assert_eq!(busy.len(), 1, "{:?}", r.nbd);
+        let c = busy[0];
+        assert_eq!(c.node, Some(0));
+        assert_eq!(c.bytes_written, 8 << 20);
+        assert_eq!(c.thread.name, format!("tyche-nbd{}", c.conn), "{c:?}");
+        assert_eq!(c.thread.cpus, node0, "the connection thread is pinned to node 0's CPUs: {c:?}");
+        assert!(c.buffers.all_on_expected(), "every buffer page on node 0: {c:?}");
+        let text = bin().arg("stats").arg(&what).env("TYCHE_INIT_STATE_DIR", &state).output().unwrap();
+        assert!(String::from_utf8_lossy(&text.stdout).contains("NBD connections"), "human output");
+    }
+    let _ = bin().arg("detach").arg(&socket).env("TYCHE_INIT_STATE_DIR", &state).output();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("serve-nbd did not exit after detach");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

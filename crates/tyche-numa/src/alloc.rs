@@ -224,6 +224,30 @@ pub fn bind_thread_memory(node: u32) -> Result<(), NumaError> {
     Ok(())
 }
 
+/// Binds the memory policy of the calling thread to the set `nodes` (`MPOL_BIND`, no
+/// `MPOL_F_NUMA_BALANCING`). For a thread that serves several nodes (a network thread with NICs
+/// on each): its allocations still come from the nearest node of the set, and automatic NUMA
+/// balancing no longer migrates pages *it* touches towards the CPU it happens to run on, so
+/// buffers that consumers placed on their node stay there. (The kernel asks the faulting
+/// thread's policy whether a page without a VMA policy is misplaced; a bound policy without
+/// `MPOL_F_NUMA_BALANCING` says never.)
+pub fn bind_thread_memory_to(nodes: &[u32]) -> Result<(), NumaError> {
+    let Some(&max) = nodes.iter().max() else { return Err(NumaError::EmptyRegion) };
+    let bits = c_ulong::BITS as usize;
+    let mut mask = vec![0 as c_ulong; max as usize / bits + 1];
+    for &n in nodes {
+        mask[n as usize / bits] |= 1 << (n as usize % bits);
+    }
+    let maxnode = (mask.len() * bits + 1) as c_ulong;
+    // SAFETY: `mask` holds `maxnode - 1` bits and outlives the call; set_mempolicy only
+    // changes the calling thread's policy.
+    let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, MPOL_BIND, mask.as_ptr(), maxnode) };
+    if rc != 0 {
+        return Err(NumaError::last_os("set_mempolicy"));
+    }
+    Ok(())
+}
+
 /// Returns the calling thread to the default memory policy (allocate on the local node).
 pub fn reset_thread_memory() -> Result<(), NumaError> {
     // SAFETY: MPOL_DEFAULT takes no node mask (NULL, 0); only this thread's policy changes.
@@ -306,6 +330,20 @@ mod tests {
             bind_thread_memory(0).expect("bind this thread's memory to node 0");
             let v = vec![1u8; 1 << 20];
             assert_eq!(v.iter().map(|&b| b as usize).sum::<usize>(), 1 << 20);
+            reset_thread_memory().expect("reset policy");
+        })
+        .join()
+        .expect("thread ran");
+    }
+
+    #[test]
+    fn a_thread_can_be_bound_to_a_set_of_nodes() {
+        std::thread::spawn(|| {
+            bind_thread_memory_to(&[0]).expect("bind this thread's memory to {0}");
+            let v = vec![1u8; 1 << 20];
+            let c = crate::report::count_slice(&v, Some(0)).expect("query");
+            assert!(c.all_on_expected(), "{c:?}");
+            assert!(bind_thread_memory_to(&[]).is_err(), "an empty set is refused");
             reset_thread_memory().expect("reset policy");
         })
         .join()

@@ -14,6 +14,8 @@
 //! - [`scheduler`]: the affinity-aware channel scheduler (equal bytes per channel on the
 //!   buffer's node, nearest node when those are down or full) and the round-robin baseline.
 //! - [`model`]: the I/O bandwidth model (node-bound copy tests grouped into bandwidth classes).
+//! - [`report`]: where memory really is (page by page, `move_pages(2)`) and where a thread may
+//!   run, for the daemons' stats.
 //!
 //! # Promises
 //! - Everything except [`Topology::this_system`], [`alloc`], [`pin_current_thread`] and
@@ -28,12 +30,14 @@ pub mod alloc;
 mod error;
 pub mod model;
 pub mod placement;
+pub mod report;
 pub mod scheduler;
 pub mod topology;
 
 pub use alloc::{HugePages, NodeRegion};
 pub use error::NumaError;
 pub use model::{BandwidthModel, ModelConfig};
-pub use placement::{pin_current_thread, ChannelSpec, PlacementRequest, Plan};
+pub use placement::{current_thread_cpus, pin_current_thread, ChannelSpec, PlacementRequest, Plan};
+pub use report::{PageCounts, ThreadPlacement};
 pub use scheduler::{ChannelId, ChannelScheduler, NodeOrder, Policy};
 pub use topology::{Nic, NicNodeSource, Node, Topology, TopologySource};

@@ -79,6 +79,12 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
     fn local_mac(&self) -> MacAddr {
         self.inner.local_mac()
     }
+    fn numa_node(&self) -> Option<u32> {
+        self.inner.numa_node()
+    }
+    fn memory_areas(&self) -> Vec<crate::MemoryArea> {
+        self.inner.memory_areas()
+    }
 
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
         let (rx, rng, held, stats) = (self.rx, &mut self.rng, &mut self.held, &mut self.stats);

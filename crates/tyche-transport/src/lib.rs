@@ -17,6 +17,7 @@
 
 mod fault;
 mod mem;
+pub mod stats_socket;
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -57,6 +58,28 @@ pub trait FrameTransport {
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
         None
     }
+
+    /// The NUMA node the transport placed its memory on (`None`: none in particular).
+    fn numa_node(&self) -> Option<u32> {
+        None
+    }
+
+    /// The memory the transport owns for frames (UMEM, rings), for placement reports. The
+    /// areas are only described, never to be dereferenced through this.
+    fn memory_areas(&self) -> Vec<MemoryArea> {
+        Vec::new()
+    }
+}
+
+/// A range of this process's address space that a transport owns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryArea {
+    /// What it is: `umem`, `rings`, ...
+    pub what: &'static str,
+    /// Start address.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
 }
 
 impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
@@ -80,6 +103,12 @@ impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
     }
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
         (**self).readiness_fd()
+    }
+    fn numa_node(&self) -> Option<u32> {
+        (**self).numa_node()
+    }
+    fn memory_areas(&self) -> Vec<MemoryArea> {
+        (**self).memory_areas()
     }
 }
 

@@ -11,12 +11,17 @@
 
 use std::io;
 
-/// The NUMA node of network interface `ifname`, or `None` when unknown.
+/// The NUMA node of network interface `ifname`, or `None` when unknown: the `numa_node` of its
+/// device, else of the device's parent (a virtio NIC's `device` is the virtio device, whose PCI
+/// parent has the node), as `tyche-numa`'s topology reads it.
 pub fn nic_node(ifname: &str) -> Option<u32> {
-    let path = format!("/sys/class/net/{ifname}/device/numa_node");
-    let text = std::fs::read_to_string(path).ok()?;
-    let node: i64 = text.trim().parse().ok()?;
-    u32::try_from(node).ok()
+    let read = |p: &std::path::Path| -> Option<u32> {
+        let text = std::fs::read_to_string(p.join("numa_node")).ok()?;
+        let node: i64 = text.trim().parse().ok()?;
+        u32::try_from(node).ok()
+    };
+    let dev = std::fs::canonicalize(format!("/sys/class/net/{ifname}/device")).ok()?;
+    read(&dev).or_else(|| read(dev.parent()?))
 }
 
 const MPOL_DEFAULT: libc::c_int = 0;

@@ -157,6 +157,9 @@ pub struct XdpPort {
     fill_backlog: Vec<FrameDesc>,
     tx_free: Vec<FrameDesc>,
     tx_staged: Vec<FrameDesc>,
+    /// Filled transmit chunks the TX ring had no room for yet, in order (the kernel can hand
+    /// chunks back on the completion ring before it releases their TX ring slots).
+    tx_pending: Vec<FrameDesc>,
     comp_descs: Vec<FrameDesc>,
     tx_ring_size: u32,
     tx_unkicked: usize,
@@ -164,6 +167,8 @@ pub struct XdpPort {
     scatter: Vec<u8>,
     stats: PortStats,
     numa_node: Option<u32>,
+    /// Start and length of the UMEM mapping.
+    umem_area: (usize, usize),
 }
 
 fn xsk_err(what: &str, e: impl std::fmt::Display) -> Error {
@@ -250,12 +255,18 @@ impl XdpPort {
             .bind_flags(bind)
             .build();
         let iface: Interface = info.name.parse().map_err(|_| Error::NoInterface(info.name.clone()))?;
+        // The RX and TX rings are allocated by the kernel when the socket is set up, under the
+        // calling thread's memory policy: bind it here too so they land beside the UMEM.
         // SAFETY: this UMEM is bound to (ifname, queue) once, by this socket; the program is
         // ours (INHIBIT_PROG_LOAD), so libxdp never detaches one it did not load.
-        let (tx, rx, rings) = unsafe { Socket::new(socket_config, &umem, &iface, config.queue) }.map_err(|e| {
-            let hint = if plan.multi_buffer { " (multi-buffer needs kernel 6.6+ and driver support)" } else { "" };
-            xsk_err(&format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue), e)
-        })?;
+        let (tx, rx, rings) =
+            numa::with_memory_on(numa_node, || unsafe { Socket::new(socket_config, &umem, &iface, config.queue) })
+                .map_err(|e| Error::io("binding the rings to the NIC's NUMA node", e))?
+                .map_err(|e| {
+                    let hint =
+                        if plan.multi_buffer { " (multi-buffer needs kernel 6.6+ and driver support)" } else { "" };
+                    xsk_err(&format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue), e)
+                })?;
         let (mut fq, cq) = rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
 
         if let Some(bp) = config.busy_poll {
@@ -270,6 +281,11 @@ impl XdpPort {
             }
         }
 
+        // The UMEM's first chunk has address 0, so its data pointer is the start of the area.
+        // SAFETY: `descs[0]` is a chunk of this UMEM that no ring holds yet; only its address is
+        // taken, nothing is read.
+        let umem_base = unsafe { umem.data(&descs[0]) }.contents().as_ptr() as usize - descs[0].addr();
+        let umem_len = config.frame_count as usize * CHUNK_SIZE;
         let (rx_half, tx_half) = descs.split_at(half as usize);
         // SAFETY: the descriptors come from this UMEM and none is in any ring yet.
         let filled = unsafe { fq.produce(rx_half) };
@@ -292,6 +308,7 @@ impl XdpPort {
             fill_backlog: Vec::new(),
             tx_free: tx_half.to_vec(),
             tx_staged: Vec::with_capacity(batch * 3),
+            tx_pending: Vec::new(),
             comp_descs: vec![FrameDesc::default(); half as usize],
             tx_ring_size: half,
             tx_unkicked: 0,
@@ -299,6 +316,7 @@ impl XdpPort {
             scatter: if plan.multi_buffer { vec![0; plan.frame_capacity] } else { Vec::new() },
             stats: PortStats::default(),
             numa_node,
+            umem_area: (umem_base, umem_len),
             info,
         })
     }
@@ -326,6 +344,18 @@ impl XdpPort {
     /// The NUMA node the UMEM was placed on, if any.
     pub fn numa_node(&self) -> Option<u32> {
         self.numa_node
+    }
+
+    /// The memory of this port: the UMEM, and the four rings (fill, completion, RX, TX) the
+    /// kernel allocated and mapped through the socket (found in `/proc/self/maps` by the
+    /// socket's inode).
+    pub fn memory_areas(&self) -> Vec<tyche_transport::MemoryArea> {
+        let mut areas =
+            vec![tyche_transport::MemoryArea { what: "umem", addr: self.umem_area.0, len: self.umem_area.1 }];
+        for (start, end) in socket_mappings(self.rx.fd().as_raw_fd()) {
+            areas.push(tyche_transport::MemoryArea { what: "rings", addr: start, len: end - start });
+        }
+        areas
     }
 
     /// Counters of this port, including the kernel's socket statistics.
@@ -383,6 +413,27 @@ impl XdpPort {
         Ok(())
     }
 
+    /// Puts pending frames on the TX ring; returns whether none is left pending.
+    fn push_pending(&mut self) -> io::Result<bool> {
+        if self.tx_pending.is_empty() {
+            return Ok(true);
+        }
+        for _ in 0..2 {
+            // SAFETY: pending descriptors are filled transmit chunks of this UMEM, in no ring.
+            // `produce` is all or nothing.
+            if unsafe { self.tx.produce(&self.tx_pending) } == self.tx_pending.len() {
+                self.tx_unkicked += self.tx_pending.len();
+                self.tx_pending.clear();
+                self.kick()?;
+                return Ok(true);
+            }
+            // Make the kernel consume the ring (and release its slots), then try once more.
+            self.tx.wakeup()?;
+            self.reclaim();
+        }
+        Ok(false)
+    }
+
     /// Kicks the kernel to transmit what is on the TX ring (one `sendto`; the kernel sends a
     /// bounded batch per call in copy mode).
     fn kick(&mut self) -> io::Result<()> {
@@ -392,6 +443,25 @@ impl XdpPort {
         self.tx_unkicked = 0;
         Ok(())
     }
+}
+
+/// The mappings of socket `fd` in this process (`/proc/self/maps` names them `socket:[INODE]`).
+fn socket_mappings(fd: i32) -> Vec<(usize, usize)> {
+    // SAFETY: all-zero is a valid `stat`, which fstat fills in.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, writable stat buffer; a bad descriptor is an error, not UB.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Vec::new();
+    }
+    let name = format!("socket:[{}]", st.st_ino);
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter(|l| l.split_whitespace().nth(5) == Some(name.as_str()))
+        .filter_map(|l| {
+            let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+            Some((usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?))
+        })
+        .collect()
 }
 
 trait FdBorrow {
@@ -474,6 +544,9 @@ impl FrameTransport for XdpPort {
 
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         self.reclaim();
+        if !self.push_pending()? {
+            return Ok(0);
+        }
         let capacity = self.plan.frame_capacity;
         let mut queued = 0;
         self.tx_staged.clear();
@@ -533,10 +606,16 @@ impl FrameTransport for XdpPort {
         if !self.tx_staged.is_empty() {
             // SAFETY: staged descriptors are transmit chunks of this UMEM, filled above.
             let n = unsafe { self.tx.produce(&self.tx_staged) };
-            assert_eq!(n, self.tx_staged.len(), "the TX ring holds every transmit buffer");
-            self.tx_unkicked += n;
             self.stats.tx_frames += queued as u64;
-            self.kick()?;
+            if n == self.tx_staged.len() {
+                self.tx_unkicked += n;
+                self.kick()?;
+            } else {
+                // No room on the ring yet (`produce` is all or nothing): keep the frames, in
+                // order, for the next send or flush.
+                self.tx_pending.append(&mut self.tx_staged);
+                self.tx.wakeup()?;
+            }
         }
         Ok(queued)
     }
@@ -544,6 +623,7 @@ impl FrameTransport for XdpPort {
     fn flush(&mut self) -> io::Result<()> {
         // Copy mode transmits a bounded batch per wake-up: kick until the ring is drained, with
         // a bound so a stalled device cannot spin us forever.
+        self.push_pending()?;
         let mut rounds = self.tx_ring_size as usize / 16 + 4;
         while self.tx.nb_free_exact() < self.tx_ring_size && rounds > 0 {
             self.kick()?;
@@ -555,5 +635,13 @@ impl FrameTransport for XdpPort {
 
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
         Some(self.rx.fd_borrowed())
+    }
+
+    fn numa_node(&self) -> Option<u32> {
+        self.numa_node
+    }
+
+    fn memory_areas(&self) -> Vec<tyche_transport::MemoryArea> {
+        XdpPort::memory_areas(self)
     }
 }

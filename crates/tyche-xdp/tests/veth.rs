@@ -265,3 +265,29 @@ fn async_port_sleeps_until_a_frame_arrives() {
     assert_eq!((n, seqs), (1, vec![42]));
     assert!(waited >= Duration::from_millis(250), "the receiver slept until the frame came ({waited:?})");
 }
+
+#[test]
+fn umem_and_rings_are_on_the_asked_node_page_by_page() {
+    let Some(lab) = lab("n", 3000) else { return };
+    let (areas, node) = in_ns(&lab.a, || {
+        let cfg = PortConfig { numa: tyche_xdp::NumaPlacement::Node(0), frame_count: 256, ..PortConfig::default() };
+        let port = XdpPort::open("tya", &cfg).expect("open port");
+        let areas = port.memory_areas();
+        let counts: Vec<_> = areas
+            .iter()
+            .map(|a| (a.what, tyche_numa::report::count_area(a.addr, a.len, Some(0)).expect("move_pages")))
+            .collect();
+        (counts, FrameTransport::numa_node(&port))
+    })
+    .join()
+    .expect("thread");
+    assert_eq!(node, Some(0));
+    let umem: Vec<_> = areas.iter().filter(|(w, _)| *w == "umem").collect();
+    assert_eq!(umem.len(), 1, "{areas:?}");
+    assert_eq!(umem[0].1.pages, 256, "256 chunks of 4 KiB: {areas:?}");
+    let rings: Vec<_> = areas.iter().filter(|(w, _)| *w == "rings").collect();
+    assert_eq!(rings.len(), 4, "fill, completion, RX and TX rings are mapped: {areas:?}");
+    for (what, c) in &areas {
+        assert!(c.all_on_expected(), "{what}: every page on node 0: {c:?}");
+    }
+}

@@ -21,7 +21,7 @@ use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 use tyched::config::{Config, ExportConfig, NetworkThreads, TransportKind};
 use tyched::prometheus::PrometheusListener;
-use tyched::stats_server::{self, StatsServer};
+use tyched::stats_server;
 use tyched::{Nic, Placement, Target};
 
 /// Tyche target daemon.
@@ -186,7 +186,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let placement = placement_for(&config, &nics);
     let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
-    let _stats = match StatsServer::start(&config.stats_socket, handle.stats_source()) {
+    let _stats = match stats_server::start(&config.stats_socket, handle.stats_source()) {
         Ok(s) => Some(s),
         Err(e) => {
             tracing::warn!(socket = %config.stats_socket.display(), "no stats socket: {e}");
@@ -292,11 +292,22 @@ fn placement_for(config: &Config, nics: &[Nic]) -> Placement {
     let mut placement = Placement::default();
     let nodes: Vec<Option<u32>> =
         config.ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
-    if let Some(Some(node)) = nodes.first() {
-        if nodes.iter().all(|x| x == &Some(*node)) {
+    match nodes.first() {
+        Some(Some(node)) if nodes.iter().all(|x| x == &Some(*node)) => {
             let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == *node).map(|n| n.cpus.clone()).unwrap_or_default();
-            placement =
-                Placement { node: Some(*node), network_cpus: cpus.clone(), worker_cpus: cpus, nic_cpus: Vec::new() };
+            placement.node = Some(*node);
+            placement.network_cpus = cpus.clone();
+            placement.worker_cpus = cpus;
+        }
+        _ => {
+            // NICs on several nodes: a network thread that serves several of them is unpinned,
+            // with its memory policy bound to their nodes.
+            let mut memory_nodes: Vec<u32> = nodes.iter().flatten().copied().collect();
+            memory_nodes.sort_unstable();
+            memory_nodes.dedup();
+            if memory_nodes.len() >= 2 {
+                placement.memory_nodes = memory_nodes;
+            }
         }
     }
     if config.network_threads == NetworkThreads::PerNic {

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use tyche_numa::{PageCounts, ThreadPlacement};
 
 /// Drops of received frames, by reason.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -135,6 +136,32 @@ pub struct ChannelSnapshot {
     pub drops: BTreeMap<String, u64>,
     /// Requests being executed by storage (queue occupancy).
     pub executing: u64,
+    /// NUMA node the channel was placed on: its NIC's node (`None`: unknown).
+    #[serde(default)]
+    pub node: Option<u32>,
+    /// Where the channel's `damq` slot memory is, page by page, against `node`.
+    #[serde(default)]
+    pub slots: PageCounts,
+    /// The thread serving the channel (its NIC's network thread), as it sees itself.
+    #[serde(default)]
+    pub thread: ThreadPlacement,
+}
+
+/// Where one NIC's memory and serving thread are.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicPlacement {
+    /// Interface name (as in `nics`).
+    pub nic: String,
+    /// The NIC's NUMA node as the transport placed its memory (`None`: unknown, not bound).
+    pub node: Option<u32>,
+    /// The transport's frame memory (AF_XDP UMEM), page by page, against `node`.
+    pub umem: PageCounts,
+    /// The transport's rings (AF_XDP fill, completion, RX, TX), page by page, against `node`.
+    pub rings: PageCounts,
+    /// `damq` slot memory of the live channels on this NIC, page by page, against `node`.
+    pub slots: PageCounts,
+    /// The thread that serves this NIC, as it sees itself (`sched_getaffinity`).
+    pub thread: ThreadPlacement,
 }
 
 /// Everything `tyched stats` shows.
@@ -162,6 +189,9 @@ pub struct Snapshot {
     pub exports: Vec<ExportStats>,
     /// Per live channel.
     pub channels: Vec<ChannelSnapshot>,
+    /// Per NIC: where its memory and its thread are.
+    #[serde(default)]
+    pub placement: Vec<NicPlacement>,
 }
 
 impl Snapshot {
@@ -204,6 +234,22 @@ impl Snapshot {
                 e.name, e.backend, e.size, if e.read_only { " ro" } else { "" }, if e.keyed { " keyed" } else { "" },
                 e.sessions, r.read, e.bytes_read, r.write, e.bytes_written, r.flush, r.discard, r.write_zeroes,
                 e.errors, e.denied
+            );
+        }
+        let _ = writeln!(s, "\nPlacement (pages on the NIC's node / elsewhere / not present):");
+        let pc = |c: &PageCounts| format!("{}/{}/{}", c.on_expected, c.elsewhere, c.not_present);
+        for p in &self.placement {
+            let _ = writeln!(
+                s,
+                "  {:<10} node {}  umem {}  rings {}  slots {}  thread {} cpus {:?} (nodes {:?})",
+                p.nic,
+                p.node.map_or("unknown".into(), |n| n.to_string()),
+                pc(&p.umem),
+                pc(&p.rings),
+                pc(&p.slots),
+                p.thread.name,
+                p.thread.cpus,
+                p.thread.nodes
             );
         }
         let _ = writeln!(s, "\nChannels:");

@@ -1,75 +1,18 @@
-//! Serves the counters as JSON on a Unix socket: one connection, one snapshot, then close.
+//! Serves the counters as JSON on a Unix socket: one connection, one snapshot, then close
+//! (the shared [`tyche_transport::stats_socket`]).
 
-use std::io::{Read, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::path::Path;
+
+pub use tyche_transport::stats_socket::StatsServer;
 
 use crate::Snapshot;
 
-/// A running stats server; stops (and removes its socket) on drop.
-#[derive(Debug)]
-pub struct StatsServer {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-    path: PathBuf,
-}
-
-impl StatsServer {
-    /// Listens on `path` (replacing a stale socket) and answers each connection with
-    /// `source()` as JSON.
-    pub fn start(path: &Path, source: impl Fn() -> Snapshot + Send + 'static) -> std::io::Result<StatsServer> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        if path.exists() {
-            std::fs::remove_file(path)?;
-        }
-        let listener = UnixListener::bind(path)?;
-        listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
-        let thread = std::thread::Builder::new().name("tyched-stats".into()).spawn(move || {
-            while !flag.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((mut s, _)) => {
-                        let _ = s.set_nonblocking(false);
-                        let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-                        let json = serde_json::to_vec(&source()).expect("snapshot serialises");
-                        let _ = s.write_all(&json);
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                    Err(e) => {
-                        tracing::warn!("stats socket: {e}");
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                }
-            }
-        })?;
-        Ok(StatsServer { stop, thread: Some(thread), path: path.to_owned() })
-    }
-}
-
-impl Drop for StatsServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        let _ = std::fs::remove_file(&self.path);
-    }
+/// Starts the stats server of a target on `path`.
+pub fn start(path: &Path, source: impl Fn() -> Snapshot + Send + 'static) -> std::io::Result<StatsServer> {
+    StatsServer::start(path, "tyched-stats", source)
 }
 
 /// Reads one snapshot from the socket at `path`.
 pub fn query(path: &Path) -> std::io::Result<Snapshot> {
-    let mut s = UnixStream::connect(path)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf)?;
-    serde_json::from_slice(&buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    tyche_transport::stats_socket::query(path)
 }

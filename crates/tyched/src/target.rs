@@ -35,7 +35,7 @@ use tyche_wire::{
 
 use crate::backend::{Backend, BackendError, FileBackend, Memory, RamBackend};
 use crate::config::{Config, NetworkThreads};
-use crate::stats::{ChannelSnapshot, Drops, ExportStats, NicStats, Snapshot};
+use crate::stats::{ChannelSnapshot, Drops, ExportStats, NicPlacement, NicStats, Snapshot};
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
@@ -92,6 +92,10 @@ pub struct Placement {
     pub nic_cpus: Vec<Vec<u32>>,
     /// CPUs for the storage workers.
     pub worker_cpus: Vec<u32>,
+    /// NICs on several nodes: the network thread's memory policy is bound to these nodes, so
+    /// that automatic NUMA balancing does not move the pages it touches towards the CPU it
+    /// happens to run on (`tyche_numa::alloc::bind_thread_memory_to`).
+    pub memory_nodes: Vec<u32>,
 }
 
 /// A transport with the name it is shown under.
@@ -417,6 +421,9 @@ impl Target {
             slots: HashMap::new(),
             slot_len: l.max_io as usize,
             node: placement.node,
+            nic_node: Vec::new(),
+            nic_areas: Vec::new(),
+            nic_thread: Vec::new(),
             job_tx,
             uring,
             overflow: VecDeque::new(),
@@ -438,6 +445,12 @@ impl Target {
             closing: false,
             exited: 0,
         };
+        // Slot memory of a channel goes on its NIC's node (where the transport put its UMEM),
+        // else where the placement says. The transports' memory does not move: where it is is
+        // read once here, for the placement report.
+        net.nic_node = nics.iter().map(|n| n.transport.numa_node().or(placement.node)).collect();
+        net.nic_areas = nics.iter().map(|n| n.transport.memory_areas()).collect();
+        net.nic_thread = vec![None; n_nics];
         net.control = (0..n_nics).map(|_| VecDeque::new()).collect();
         tracing::info!(nics = n_nics, threads = groups.len(), "serving");
         let engine = Arc::new(Mutex::new(net));
@@ -450,12 +463,27 @@ impl Target {
                 [k] => placement.nic_cpus.get(k).filter(|c| !c.is_empty()).unwrap_or(&placement.network_cpus).clone(),
                 _ => placement.network_cpus.clone(),
             };
+            // A thread serving NICs on several nodes binds its memory policy to them.
+            let memory_nodes = if members.len() > 1 { placement.memory_nodes.clone() } else { Vec::new() };
             let name = if groups.len() == 1 { "tyched-net".to_owned() } else { format!("tyched-net{g}") };
             let engine = Arc::clone(&engine);
             let wakes = group_wakes.clone();
             let shared = Arc::clone(&shared);
             network.push(std::thread::Builder::new().name(name).spawn(move || {
                 pin(&cpus, "network thread");
+                if !memory_nodes.is_empty() {
+                    if let Err(e) = tyche_numa::alloc::bind_thread_memory_to(&memory_nodes) {
+                        tracing::warn!(nodes = ?memory_nodes, "cannot bind the network thread's memory policy: {e}");
+                    }
+                }
+                {
+                    // The placement report shows each NIC's serving thread as it sees itself.
+                    let me = tyche_numa::report::this_thread();
+                    let mut net = engine.lock().expect("engine lock");
+                    for (k, _) in &mine {
+                        net.nic_thread[*k] = Some(me.clone());
+                    }
+                }
                 serve_group(g, mine, &engine, &wakes, &shared);
             })?);
         }
@@ -646,6 +674,12 @@ struct Network {
     slots: HashMap<SlotKey, Slot>,
     slot_len: usize,
     node: Option<u32>,
+    /// NUMA node of each NIC's memory (slot memory of its channels goes there).
+    nic_node: Vec<Option<u32>>,
+    /// Each NIC's transport memory (UMEM, rings), for the placement report.
+    nic_areas: Vec<Vec<tyche_transport::MemoryArea>>,
+    /// Each NIC's serving thread, as it saw itself when it started.
+    nic_thread: Vec<Option<tyche_numa::report::ThreadPlacement>>,
     job_tx: mpsc::SyncSender<Job>,
     /// The io_uring engine, when file and block exports use it.
     uring: Option<crate::uring::UringQueue>,
@@ -846,7 +880,7 @@ impl Network {
             TargetInbound::Write { channel, damq, offset, payload } => {
                 let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
                 let key = (s.session.id(), channel, epoch, damq);
-                let (slot_len, node) = (self.slot_len, self.node);
+                let (slot_len, node) = (self.slot_len, self.nic_node[k]);
                 let slot = self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node)));
                 match slot {
                     Some(mem) => {
@@ -997,12 +1031,11 @@ impl Network {
                     TargetEvent::Execute { channel, request } => {
                         let buf = if request.op.uses_damq() {
                             let key = (sid, channel, s.epochs.get(&channel).copied().unwrap_or(0), request.damq);
-                            let slot = self
-                                .slots
-                                .entry(key)
-                                .or_insert_with(|| Some(Memory::new(self.slot_len, self.node)))
-                                .take();
-                            Some(slot.unwrap_or_else(|| Memory::new(self.slot_len, self.node)))
+                            let node = s.nic_of.get(&channel).map_or(self.node, |&k| self.nic_node[k]);
+                            let slot_len = self.slot_len;
+                            let slot =
+                                self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node))).take();
+                            Some(slot.unwrap_or_else(|| Memory::new(slot_len, node)))
                         } else {
                             None
                         };
@@ -1211,6 +1244,56 @@ impl Network {
         self.shared.published.notify_all();
     }
 
+    /// Where the slot memory of channel `ch` of session `sid` is, against `node`.
+    fn slot_pages(&self, sid: u64, ch: u16, epoch: u64, node: Option<u32>) -> tyche_numa::PageCounts {
+        let mut c = tyche_numa::PageCounts { expected_node: node, ..Default::default() };
+        for (key, slot) in &self.slots {
+            if key.0 == sid && key.1 == ch && key.2 == epoch {
+                if let Some(mem) = slot {
+                    if let Ok(p) = tyche_numa::report::count_slice(mem.as_slice(), node) {
+                        c.add(&p);
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    /// Where each NIC's memory is and which CPUs this (the serving) thread may use.
+    fn placement(&self, channels: &[ChannelSnapshot]) -> Vec<NicPlacement> {
+        self.nic_areas
+            .iter()
+            .enumerate()
+            .map(|(k, areas)| {
+                let node = self.nic_node[k];
+                let mut p = NicPlacement {
+                    nic: self.nic_stats[k].name.clone(),
+                    node,
+                    thread: self.thread_of(k),
+                    umem: tyche_numa::PageCounts { expected_node: node, ..Default::default() },
+                    rings: tyche_numa::PageCounts { expected_node: node, ..Default::default() },
+                    slots: tyche_numa::PageCounts { expected_node: node, ..Default::default() },
+                };
+                for a in areas {
+                    let Ok(c) = tyche_numa::report::count_area(a.addr, a.len, node) else { continue };
+                    match a.what {
+                        "umem" => p.umem.add(&c),
+                        _ => p.rings.add(&c),
+                    }
+                }
+                for c in channels.iter().filter(|c| c.nic == p.nic) {
+                    p.slots.add(&c.slots);
+                }
+                p
+            })
+            .collect()
+    }
+
+    /// The thread serving NIC `k` (the calling thread until that one has reported itself).
+    fn thread_of(&self, k: usize) -> tyche_numa::report::ThreadPlacement {
+        self.nic_thread.get(k).cloned().flatten().unwrap_or_else(tyche_numa::report::this_thread)
+    }
+
     fn snapshot(&self, now: Instant) -> Snapshot {
         let mut exports = self.export_stats.clone();
         let mut channels = Vec::new();
@@ -1241,9 +1324,13 @@ impl Network {
                     retransmits: cs.retransmits,
                     drops,
                     executing: s.executing.get(&ch).copied().unwrap_or(0),
+                    node: self.nic_node[k],
+                    slots: self.slot_pages(sid, ch, s.epochs.get(&ch).copied().unwrap_or(0), self.nic_node[k]),
+                    thread: self.thread_of(k),
                 });
             }
         }
+        let placement = self.placement(&channels);
         Snapshot {
             uptime_ms: now.as_nanos() / 1_000_000,
             stopping: self.stopping.is_some(),
@@ -1255,6 +1342,7 @@ impl Network {
             nics: self.nic_stats.clone(),
             exports,
             channels,
+            placement,
         }
     }
 }

@@ -192,6 +192,30 @@ fn run_lab(transport: &str) {
     let snap = tyched::stats_server::query(&socket).expect("stats");
     assert!(snap.nics.iter().all(|n| n.frames_rx > 0), "both NICs used: {:?}", snap.nics);
     assert_eq!(snap.exports[0].requests.write, sizes.len() as u64);
+    // Placement: veth has no NUMA node, so nothing is bound; on this one-node machine every
+    // present page is on node 0 and the network thread reports its own affinity.
+    assert_eq!(snap.placement.len(), 2, "one placement entry per NIC: {:?}", snap.placement);
+    for p in &snap.placement {
+        assert_eq!(p.node, None, "veth has no node: {p:?}");
+        assert_eq!(p.thread.name, "tyched-net", "{p:?}");
+        assert!(!p.thread.cpus.is_empty(), "{p:?}");
+        if xdp {
+            assert_eq!(p.umem.pages, 4096, "4096 UMEM chunks of 4 KiB: {p:?}");
+            assert!(p.rings.pages >= 4, "four rings mapped: {p:?}");
+            assert_eq!(p.rings.not_present, 0, "ring pages are mapped: {p:?}");
+        }
+        if std::path::Path::new("/sys/devices/system/node/node1").exists() {
+            continue;
+        }
+        for c in [&p.umem, &p.rings, &p.slots] {
+            assert_eq!(
+                c.by_node.keys().copied().collect::<Vec<_>>(),
+                c.by_node.keys().filter(|&&n| n == 0).copied().collect::<Vec<_>>(),
+                "{p:?}"
+            );
+        }
+    }
+    assert!(snap.channels.iter().all(|c| c.thread.name == "tyched-net" && c.slots.pages > 0), "{:?}", snap.channels);
     // FLUSH, DISCARD and WRITE_ZEROES over the wire.
     let base = 8u64 << 20;
     let mut expect = pattern(base, 65536, 77);

@@ -49,12 +49,25 @@ pub struct NbdOptions {
     pub description: String,
     /// Requests in flight per connection.
     pub max_inflight: usize,
+    /// NUMA nodes the connections are served for, in turn by accept order (empty: the nodes of
+    /// the session's NICs). A connection served for a node runs on a thread of its own, pinned
+    /// to that node's CPUs with its memory bound there, so its request buffers are on the node
+    /// and the affinity scheduler sends its requests to that node's channels.
+    pub connection_nodes: Vec<u32>,
+    /// Per connection counters, shared with the stats socket.
+    pub stats: crate::report::NbdStats,
 }
 
 impl NbdOptions {
     /// Defaults for `name`.
     pub fn new(name: &str) -> Self {
-        NbdOptions { name: name.to_owned(), description: "Tyche export".into(), max_inflight: 128 }
+        NbdOptions {
+            name: name.to_owned(),
+            description: "Tyche export".into(),
+            max_inflight: 128,
+            connection_nodes: Vec::new(),
+            stats: crate::report::NbdStats::default(),
+        }
     }
 }
 
@@ -85,17 +98,73 @@ pub async fn serve(listener: UnixListener, client: Client, opts: NbdOptions) -> 
         };
         n += 1;
         // Each connection is served for one node: its requests go to that node's channels.
-        let nodes = client.nodes();
+        let nodes = if opts.connection_nodes.is_empty() { client.nodes() } else { &opts.connection_nodes[..] };
         let node = (!nodes.is_empty()).then(|| nodes[(n as usize - 1) % nodes.len()]);
         let (client, opts) = (client.on_node(node), Arc::clone(&opts));
-        tokio::spawn(async move {
-            debug!(conn = n, ?node, "NBD connection");
-            match connection(stream, client, &opts).await {
-                Ok(()) => debug!(conn = n, "NBD connection closed"),
-                Err(e) => warn!(conn = n, "NBD connection ended: {e}"),
+        let cpus = node.and_then(crate::sched::node_cpus);
+        let report = crate::report::NbdConnReport { conn: n, node, open: true, ..Default::default() };
+        let idx = opts.stats.add(report);
+        match (node, cpus) {
+            (Some(node), Some(cpus)) => {
+                // A thread of its own on the node: buffers it allocates and fills are there.
+                let stats = opts.stats.clone();
+                let std_stream = match stream.into_std() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        warn!(conn = n, "NBD connection: {e}");
+                        opts.stats.update(idx, |r| r.open = false);
+                        continue;
+                    }
+                };
+                let spawned = std::thread::Builder::new().name(format!("tyche-nbd{n}")).spawn(move || {
+                    if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
+                        warn!(conn = n, node, "cannot pin the NBD connection thread: {e}");
+                    }
+                    if let Err(e) = tyche_numa::alloc::bind_thread_memory(node) {
+                        warn!(conn = n, node, "cannot bind the NBD connection's memory: {e}");
+                    }
+                    let thread = tyche_numa::report::this_thread();
+                    opts.stats.update(idx, |r| r.thread = thread);
+                    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            warn!(conn = n, "NBD connection runtime: {e}");
+                            return;
+                        }
+                    };
+                    rt.block_on(async move {
+                        let stream = match UnixStream::from_std(std_stream) {
+                            Ok(s) => s,
+                            Err(e) => {
+                                warn!(conn = n, "NBD connection: {e}");
+                                return;
+                            }
+                        };
+                        run_connection(n, idx, node.into(), stream, client, &opts).await;
+                    });
+                });
+                if let Err(e) = spawned {
+                    warn!(conn = n, "cannot start an NBD connection thread: {e}");
+                    stats.update(idx, |r| r.open = false);
+                }
             }
-        });
+            _ => {
+                tokio::spawn(async move {
+                    opts.stats.update(idx, |r| r.thread = tyche_numa::report::this_thread());
+                    run_connection(n, idx, node, stream, client, &opts).await;
+                });
+            }
+        }
     }
+}
+
+async fn run_connection(n: u64, idx: u64, node: Option<u32>, stream: UnixStream, client: Client, opts: &NbdOptions) {
+    debug!(conn = n, ?node, "NBD connection");
+    match connection(stream, client, opts, idx, node).await {
+        Ok(()) => debug!(conn = n, "NBD connection closed"),
+        Err(e) => warn!(conn = n, "NBD connection ended: {e}"),
+    }
+    opts.stats.update(idx, |r| r.open = false);
 }
 
 fn transmission_flags(client: &Client) -> u16 {
@@ -117,10 +186,16 @@ fn invalid(msg: &str) -> io::Error {
 }
 
 /// Handshake, then transmission.
-async fn connection(stream: UnixStream, client: Client, opts: &NbdOptions) -> io::Result<()> {
+async fn connection(
+    stream: UnixStream,
+    client: Client,
+    opts: &NbdOptions,
+    idx: u64,
+    node: Option<u32>,
+) -> io::Result<()> {
     let (mut rd, mut wr) = stream.into_split();
     if handshake(&mut rd, &mut wr, &client, opts).await? {
-        transmission(rd, wr, client, opts).await?;
+        transmission(rd, wr, client, opts, idx, node).await?;
     }
     Ok(())
 }
@@ -234,6 +309,8 @@ async fn transmission(
     mut wr: OwnedWriteHalf,
     client: Client,
     opts: &NbdOptions,
+    idx: u64,
+    node: Option<u32>,
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::channel::<Reply>(opts.max_inflight);
     let writer = tokio::spawn(async move {
@@ -277,12 +354,32 @@ async fn transmission(
                 break Err(e);
             }
         }
-        let (client, tx) = (client.clone(), tx.clone());
+        let (client, tx, stats) = (client.clone(), tx.clone(), opts.stats.clone());
         tokio::spawn(async move {
+            // Where the request's buffer is, page by page (write data as received; read data
+            // as returned), against the connection's node.
+            let written = data.len() as u64;
+            let mut pages = tyche_numa::report::count_slice(&data, node).ok();
             let (error, data) = match execute(&client, req, data, size).await {
                 Ok(d) => (0, d),
                 Err(e) => (e, Vec::new()),
             };
+            if !data.is_empty() {
+                pages = tyche_numa::report::count_slice(&data, node).ok();
+            }
+            let read = data.len() as u64;
+            stats.update(idx, |r| {
+                if error == 0 {
+                    r.bytes_written += written;
+                    r.bytes_read += read;
+                }
+                if let Some(p) = pages.filter(|p| p.pages > 0) {
+                    if r.buffers.pages == 0 {
+                        r.buffers.expected_node = node;
+                    }
+                    r.buffers.add(&p);
+                }
+            });
             let _ = tx.send(Reply { header: codec::simple_reply(error, req.cookie), data }).await;
             drop((permit, bytes_permit));
         });

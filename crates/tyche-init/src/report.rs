@@ -1,0 +1,211 @@
+//! What `tyche-init stats` shows: the session's counters, per channel payload bytes, and where
+//! each link's memory and the threads serving it are (measured, not planned: pages by
+//! `move_pages(2)`, affinities by the threads themselves).
+
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tyche_numa::{PageCounts, ThreadPlacement};
+
+/// One channel of the session.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelReport {
+    /// Channel index (a reconnected channel gets a new one).
+    pub channel: u16,
+    /// Link (NIC) it runs on.
+    pub link: String,
+    /// NUMA node it was placed on: its NIC's node (`None`: unknown).
+    pub node: Option<u32>,
+    /// Whether it is alive.
+    pub live: bool,
+    /// Payload bytes sent (write data; retransmissions included).
+    pub payload_tx: u64,
+    /// Payload bytes received (read data placed).
+    pub payload_rx: u64,
+    /// Frames sent.
+    pub frames_tx: u64,
+    /// Frames received.
+    pub frames_rx: u64,
+    /// Retransmissions.
+    pub retransmits: u64,
+    /// The thread serving it (the engine thread), as it sees itself.
+    pub thread: ThreadPlacement,
+}
+
+/// Where one link's memory is.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkReport {
+    /// Link (interface) name.
+    pub name: String,
+    /// NUMA node of the NIC, as the transport placed its memory.
+    pub node: Option<u32>,
+    /// Frame memory (AF_XDP UMEM), page by page, against `node`.
+    pub umem: PageCounts,
+    /// Rings (AF_XDP fill, completion, RX, TX), page by page, against `node`.
+    pub rings: PageCounts,
+    /// The thread serving the link (the engine thread), as it sees itself.
+    pub thread: ThreadPlacement,
+}
+
+/// One NBD connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NbdConnReport {
+    /// Connection number, in accept order (from 1).
+    pub conn: u64,
+    /// NUMA node the connection is served for (`None`: any).
+    pub node: Option<u32>,
+    /// Whether it is still open.
+    pub open: bool,
+    /// The thread serving it, as it sees itself.
+    pub thread: ThreadPlacement,
+    /// Bytes written through it.
+    pub bytes_written: u64,
+    /// Bytes read through it.
+    pub bytes_read: u64,
+    /// Its request buffers (write data and read data), page by page against `node`, asked of
+    /// the kernel for every request.
+    pub buffers: PageCounts,
+}
+
+/// Everything `tyche-init stats` shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    /// Export name.
+    pub export: String,
+    /// Session id.
+    pub session: u64,
+    /// Channel scheduler (`affinity` or `round-robin`).
+    pub scheduler: String,
+    /// Channels open now.
+    pub live_channels: usize,
+    /// Requests completed successfully.
+    pub completed: u64,
+    /// Requests failed.
+    pub failed: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Channels reopened after dying.
+    pub reconnects: u64,
+    /// Per channel.
+    pub channels: Vec<ChannelReport>,
+    /// Per link.
+    pub links: Vec<LinkReport>,
+    /// Per NBD connection (empty for other front ends).
+    pub nbd: Vec<NbdConnReport>,
+}
+
+impl Report {
+    /// A human-readable rendering.
+    pub fn human(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let node = |n: Option<u32>| n.map_or("unknown".to_owned(), |n| n.to_string());
+        let pc = |c: &PageCounts| format!("{}/{}/{}", c.on_expected, c.elsewhere, c.not_present);
+        let _ = writeln!(
+            s,
+            "export {}  session {:#x}  scheduler {}  live channels {}  completed {} failed {}  read {} B  written {} B  reconnects {}",
+            self.export, self.session, self.scheduler, self.live_channels, self.completed, self.failed,
+            self.bytes_read, self.bytes_written, self.reconnects
+        );
+        let _ = writeln!(s, "\nChannels:");
+        for c in &self.channels {
+            let _ = writeln!(
+                s,
+                "  ch {:<3} {:<12} node {:<7} {}  payload tx {} B rx {} B  frames tx {} rx {}  retransmits {}  thread {} cpus {:?}",
+                c.channel, c.link, node(c.node), if c.live { "live" } else { "dead" }, c.payload_tx, c.payload_rx,
+                c.frames_tx, c.frames_rx, c.retransmits, c.thread.name, c.thread.cpus
+            );
+        }
+        let _ = writeln!(s, "\nLinks (pages on the NIC's node / elsewhere / not present):");
+        for l in &self.links {
+            let _ = writeln!(
+                s,
+                "  {:<12} node {:<7} umem {}  rings {}  thread {} cpus {:?} (nodes {:?})",
+                l.name,
+                node(l.node),
+                pc(&l.umem),
+                pc(&l.rings),
+                l.thread.name,
+                l.thread.cpus,
+                l.thread.nodes
+            );
+        }
+        if !self.nbd.is_empty() {
+            let _ = writeln!(s, "\nNBD connections (buffer pages on the connection's node / elsewhere / not present):");
+            for c in &self.nbd {
+                let _ = writeln!(
+                    s,
+                    "  conn {:<3} node {:<7} {}  written {} B read {} B  buffers {}  thread {} cpus {:?}",
+                    c.conn,
+                    node(c.node),
+                    if c.open { "open" } else { "closed" },
+                    c.bytes_written,
+                    c.bytes_read,
+                    pc(&c.buffers),
+                    c.thread.name,
+                    c.thread.cpus
+                );
+            }
+        }
+        s
+    }
+}
+
+/// Closed NBD connections whose reports are kept (the oldest are forgotten first).
+const CLOSED_KEPT: usize = 64;
+
+/// The NBD server's per-connection reports, shared with whoever serves `tyche-init stats`:
+/// every open connection and the last [`CLOSED_KEPT`] closed ones.
+#[derive(Debug, Clone, Default)]
+pub struct NbdStats(Arc<Mutex<std::collections::BTreeMap<u64, NbdConnReport>>>);
+
+impl NbdStats {
+    /// A copy of every connection's report, in accept order.
+    pub fn snapshot(&self) -> Vec<NbdConnReport> {
+        self.0.lock().map(|v| v.values().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Registers a connection; returns its key for [`NbdStats::update`].
+    pub(crate) fn add(&self, r: NbdConnReport) -> u64 {
+        let mut v = self.0.lock().expect("nbd stats lock");
+        let closed: Vec<u64> = v.values().filter(|c| !c.open).map(|c| c.conn).collect();
+        for k in closed.iter().take(closed.len().saturating_sub(CLOSED_KEPT)) {
+            v.remove(k);
+        }
+        let key = r.conn;
+        v.insert(key, r);
+        key
+    }
+
+    /// Changes the report of connection `key`.
+    pub(crate) fn update(&self, key: u64, f: impl FnOnce(&mut NbdConnReport)) {
+        if let Ok(mut v) = self.0.lock() {
+            if let Some(r) = v.get_mut(&key) {
+                f(r);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closed_nbd_connections_are_forgotten_oldest_first() {
+        let s = NbdStats::default();
+        for n in 1..=100 {
+            let k = s.add(NbdConnReport { conn: n, open: true, ..Default::default() });
+            if n != 3 {
+                s.update(k, |r| r.open = false);
+            }
+        }
+        let all = s.snapshot();
+        assert!(all.iter().any(|c| c.conn == 3 && c.open), "open connections stay");
+        assert!(all.len() <= CLOSED_KEPT + 2, "{}", all.len());
+        assert_eq!(all.last().map(|c| c.conn), Some(100));
+        assert!(all.windows(2).all(|w| w[0].conn < w[1].conn), "accept order");
+    }
+}
