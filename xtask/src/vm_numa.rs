@@ -19,7 +19,8 @@
 //!    - with `affinity`, at least [`AFFINITY_SHARE`] of the payload bytes on the node-1
 //!      channel (initiator and target); with `round-robin`, each channel within
 //!      [`RR_SPREAD`] of half;
-//!    - the network threads' CPUs are reported; see [`guest`] for what they show.
+//!    - each of `tyched`'s per-NIC network threads on its NIC's node's CPUs; the initiator's
+//!      engine thread is reported (see [`guest`]).
 //!
 //! Prints each step and the per-channel byte counts, prefixed `vm-numa:`.
 
@@ -306,10 +307,11 @@ struct Run {
 
 /// Runs the NUMA test; returns a summary such as `2 nodes, 2 nics`.
 ///
-/// The network threads: `tyched` serves all its NICs from one network thread and `tyche-init`
-/// all its links from one engine thread, so with NICs on two nodes neither thread can be on
-/// both nodes' CPUs. The test reports their affinity (and says so in the summary) instead of
-/// claiming node-local threads; the consumer side (the NBD connection thread) is checked.
+/// The network threads: `tyched` serves each NIC from a network thread of its own, pinned to
+/// the NIC's node, and that is checked. `tyche-init` serves all its links from one engine
+/// thread, so with links on two nodes it cannot be on both nodes' CPUs: the test reports its
+/// affinity (and says so in the summary, `initiator engine thread not node-local`) instead of
+/// claiming it; the consumer side (the NBD connection thread) is checked.
 pub fn guest() -> Result<String> {
     let tyched = guest_bin("tyched");
     let tyche_init = guest_bin("tyche-init");
@@ -377,8 +379,8 @@ pub fn guest() -> Result<String> {
 
     // Automatic NUMA balancing (on by default on a NUMA kernel) migrates a page towards the CPU
     // that touches it, unless a memory policy says otherwise. The test runs with it as the
-    // machine has it: the daemons bind the memory policy of their network threads (which serve
-    // both nodes) so that the buffers they copy stay where the consumers put them.
+    // machine has it: the initiator binds the memory policy of its engine thread (which serves
+    // both nodes) so that the buffers it copies stay where the consumers put them.
     let balancing = fs::read_to_string(NUMA_BALANCING).unwrap_or_default();
     say(format!("automatic NUMA balancing: {}", if balancing.trim() == "0" { "off" } else { "on" }));
 
@@ -416,7 +418,7 @@ pub fn guest() -> Result<String> {
     let shared: Vec<&String> = aff.threads.iter().chain(&rr.threads).collect();
     let mut summary = "2 nodes, 2 nics".to_string();
     if !shared.is_empty() {
-        summary += "; network threads not node-local";
+        summary += "; initiator engine thread not node-local";
     }
     say(format!("ok: {summary}"));
     Ok(summary)
@@ -557,9 +559,14 @@ fn run_scheduler(
         say(format!("{scheduler}: {a}; {b}; {c}"));
         let tc: Vec<u64> =
             p["thread"]["cpus"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default();
-        if !tc.iter().all(|c| cpus[node as usize].contains(c)) {
-            threads.push(format!("target {name}: {} on cpus {tc:?}", p["thread"]["name"]));
-        }
+        // tyched serves each NIC from a network thread of its own, pinned to the NIC's node.
+        check!(
+            !tc.is_empty() && tc.iter().all(|c| cpus[node as usize].contains(c)),
+            "target {name}: its network thread {} runs on cpus {tc:?}, not only node {node}'s {:?}",
+            p["thread"]["name"],
+            cpus[node as usize]
+        );
+        say(format!("{scheduler}: target {name}: network thread {} on cpus {tc:?} (node {node})", p["thread"]["name"]));
     }
     let mut tgt_by_node = BTreeMap::new();
     for ch in tr["channels"].as_array().context("tyched stats: no channels")? {
@@ -574,7 +581,7 @@ fn run_scheduler(
         ));
     }
     for l in &threads {
-        say(format!("{scheduler}: network thread not on its NIC's node only: {l}"));
+        say(format!("{scheduler}: not on its NIC's node only: {l}"));
     }
     i.stop();
     t.stop();
