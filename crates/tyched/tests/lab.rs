@@ -195,9 +195,11 @@ fn run_lab(transport: &str) {
     // Placement: veth has no NUMA node, so nothing is bound; on this one-node machine every
     // present page is on node 0 and the network thread reports its own affinity.
     assert_eq!(snap.placement.len(), 2, "one placement entry per NIC: {:?}", snap.placement);
+    assert_ne!(snap.placement[0].thread.tid, snap.placement[1].thread.tid, "a thread per NIC: {:?}", snap.placement);
     for p in &snap.placement {
         assert_eq!(p.node, None, "veth has no node: {p:?}");
-        assert!(p.thread.name.starts_with("tyched-net"), "the NIC's network thread: {p:?}");
+        // One network thread per NIC (the default): tyched-net0, tyched-net1.
+        assert!(p.thread.name.starts_with("tyched-net"), "{p:?}");
         assert!(!p.thread.cpus.is_empty(), "{p:?}");
         if xdp {
             assert_eq!(p.umem.pages, 4096, "4096 UMEM chunks of 4 KiB: {p:?}");
@@ -215,8 +217,9 @@ fn run_lab(transport: &str) {
             );
         }
     }
+    // Each channel is reported with its NIC's serving thread (tydt0 → tyched-net0, ...).
     assert!(
-        snap.channels.iter().all(|c| c.thread.name.starts_with("tyched-net") && c.slots.pages > 0),
+        snap.channels.iter().all(|c| c.thread.name == format!("tyched-net{}", &c.nic[4..]) && c.slots.pages > 0),
         "{:?}",
         snap.channels
     );
