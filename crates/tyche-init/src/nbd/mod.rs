@@ -33,6 +33,14 @@ pub const MAX_REQUEST: u32 = 32 << 20;
 const BYTE_UNIT: u32 = 64 << 10;
 /// Data (read buffers and write payloads) one connection may hold at once: 256 MiB, in units.
 const BYTE_UNITS: u32 = (256 << 20) / BYTE_UNIT;
+/// Replies gathered into one write, bytes.
+const REPLY_BATCH: usize = 256 << 10;
+/// Largest reply payload copied into a gathered write; larger ones are written on their own.
+const REPLY_INLINE: usize = 64 << 10;
+/// Read buffer of a connection's request stream.
+const REQUEST_BUFFER: usize = 64 << 10;
+/// Request buffers of a node's connection are located page by page on one request in this many.
+const BUFFER_SAMPLE: u64 = 16;
 /// Largest option data the server reads.
 const MAX_OPTION: u32 = 64 << 10;
 /// Smallest block size advertised (the Tyche sector).
@@ -305,7 +313,7 @@ fn nbd_error(e: Error) -> u32 {
 
 /// Reads requests, runs each in its own task, writes replies as they complete.
 async fn transmission(
-    mut rd: OwnedReadHalf,
+    rd: OwnedReadHalf,
     mut wr: OwnedWriteHalf,
     client: Client,
     opts: &NbdOptions,
@@ -314,17 +322,38 @@ async fn transmission(
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::channel::<Reply>(opts.max_inflight);
     let writer = tokio::spawn(async move {
-        while let Some(r) = rx.recv().await {
-            wr.write_all(&r.header).await?;
-            if !r.data.is_empty() {
-                wr.write_all(&r.data).await?;
+        // Replies that are ready together go out in one write: headers and small payloads are
+        // gathered (a copy of at most REPLY_BATCH bytes is cheaper than a syscall per reply);
+        // large payloads are written from their own buffers.
+        let mut out: Vec<u8> = Vec::with_capacity(REPLY_BATCH);
+        while let Some(first) = rx.recv().await {
+            let mut next = Some(first);
+            while let Some(r) = next.take() {
+                out.extend_from_slice(&r.header);
+                if r.data.len() > REPLY_INLINE {
+                    wr.write_all(&out).await?;
+                    out.clear();
+                    wr.write_all(&r.data).await?;
+                } else {
+                    out.extend_from_slice(&r.data);
+                }
+                if out.len() < REPLY_BATCH {
+                    next = rx.try_recv().ok();
+                }
+            }
+            if !out.is_empty() {
+                wr.write_all(&out).await?;
+                out.clear();
             }
         }
         wr.shutdown().await
     });
+    // Several requests that arrive together are parsed from one read.
+    let mut rd = tokio::io::BufReader::with_capacity(REQUEST_BUFFER, rd);
     let slots = Arc::new(Semaphore::new(opts.max_inflight));
     let bytes = Arc::new(Semaphore::new(BYTE_UNITS as usize));
     let size = client.size();
+    let mut seq = 0u64;
     let result = loop {
         let mut h = [0u8; codec::REQUEST_LEN];
         match rd.read_exact(&mut h).await {
@@ -355,16 +384,19 @@ async fn transmission(
             }
         }
         let (client, tx, stats) = (client.clone(), tx.clone(), opts.stats.clone());
+        // Where request buffers are, page by page (a move_pages(2) call), is checked on
+        // connections served for a node only, and there on the first requests and one in
+        // BUFFER_SAMPLE after: a syscall per request would cost more than the request.
+        let sample = node.is_some() && (seq < 64 || seq % BUFFER_SAMPLE == 0);
+        seq += 1;
         tokio::spawn(async move {
-            // Where the request's buffer is, page by page (write data as received; read data
-            // as returned), against the connection's node.
             let written = data.len() as u64;
-            let mut pages = tyche_numa::report::count_slice(&data, node).ok();
+            let mut pages = sample.then(|| tyche_numa::report::count_slice(&data, node).ok()).flatten();
             let (error, data) = match execute(&client, req, data, size).await {
                 Ok(d) => (0, d),
                 Err(e) => (e, Vec::new()),
             };
-            if !data.is_empty() {
+            if sample && !data.is_empty() {
                 pages = tyche_numa::report::count_slice(&data, node).ok();
             }
             let read = data.len() as u64;
