@@ -417,6 +417,40 @@ impl Backend for FileBackend {
     }
 }
 
+/// Test fixtures shared by this crate's unit tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    /// A loop device over a temporary file, detached when dropped.
+    pub(crate) struct LoopDevice {
+        /// `/dev/loopN`.
+        pub dev: String,
+        _dir: tempfile::TempDir,
+    }
+
+    impl LoopDevice {
+        /// A `len`-byte loop device; `None` (with the reason on stderr) where losetup fails,
+        /// e.g. without root.
+        pub(crate) fn new(len: u64) -> Option<LoopDevice> {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let img = dir.path().join("loop.img");
+            std::fs::File::create(&img).expect("create").set_len(len).expect("size");
+            let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output();
+            let out = out.map_err(|e| eprintln!("skipping: losetup: {e}")).ok()?;
+            if !out.status.success() {
+                eprintln!("skipping: losetup: {}", String::from_utf8_lossy(&out.stderr));
+                return None;
+            }
+            Some(LoopDevice { dev: String::from_utf8_lossy(&out.stdout).trim().to_owned(), _dir: dir })
+        }
+    }
+
+    impl Drop for LoopDevice {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("losetup").args(["-d", &self.dev]).status();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -488,23 +522,8 @@ mod tests {
     /// A loop device over a temporary file (root only; skipped where losetup is unavailable).
     #[test]
     fn block_device_backend_on_a_loop_device() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let img = dir.path().join("loop.img");
-        std::fs::File::create(&img).expect("create").set_len(8 << 20).expect("size");
-        let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output();
-        let Ok(out) = out.map_err(|e| eprintln!("skipping: losetup: {e}")) else { return };
-        if !out.status.success() {
-            eprintln!("skipping: losetup: {}", String::from_utf8_lossy(&out.stderr));
-            return;
-        }
-        let dev = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        struct Detach(String);
-        impl Drop for Detach {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("losetup").args(["-d", &self.0]).status();
-            }
-        }
-        let _guard = Detach(dev.clone());
+        let Some(lo) = test_support::LoopDevice::new(8 << 20) else { return };
+        let dev = lo.dev.clone();
         let b = FileBackend::open(Path::new(&dev), None, false, true).expect("open the loop device");
         assert_eq!(b.kind(), "block");
         assert_eq!(b.size(), 8 << 20, "size from BLKGETSIZE64");

@@ -521,23 +521,8 @@ mod tests {
     /// O_DIRECT through the ring on a loop device (root only; skipped where losetup fails).
     #[test]
     fn block_device_with_o_direct_through_the_ring() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let img = dir.path().join("loop.img");
-        std::fs::File::create(&img).expect("create").set_len(8 << 20).expect("size");
-        let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output();
-        let Ok(out) = out.map_err(|e| eprintln!("skipping: losetup: {e}")) else { return };
-        if !out.status.success() {
-            eprintln!("skipping: losetup: {}", String::from_utf8_lossy(&out.stderr));
-            return;
-        }
-        let dev = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        struct Detach(String);
-        impl Drop for Detach {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("losetup").args(["-d", &self.0]).status();
-            }
-        }
-        let _guard = Detach(dev.clone());
+        let Some(lo) = crate::backend::test_support::LoopDevice::new(8 << 20) else { return };
+        let dev = lo.dev.clone();
         let file = FileBackend::open(Path::new(&dev), None, false, true).expect("open the loop device");
         assert!(file.is_block());
         let m = Memory::new(8192, None);
