@@ -266,15 +266,8 @@ impl Nbd {
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    let mut g = tyche_transport::SplitMix64::new(seed);
+    (0..len).map(|_| g.next_u64() as u8).collect()
 }
 
 // ------------------------------------------------------------------------------------------

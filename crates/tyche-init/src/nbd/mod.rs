@@ -33,10 +33,8 @@ pub const MAX_REQUEST: u32 = 32 << 20;
 const BYTE_UNIT: u32 = 64 << 10;
 /// Data (read buffers and write payloads) one connection may hold at once: 256 MiB, in units.
 const BYTE_UNITS: u32 = (256 << 20) / BYTE_UNIT;
-/// Replies gathered into one write, bytes.
-const REPLY_BATCH: usize = 256 << 10;
-/// Largest reply payload copied into a gathered write; larger ones are written on their own.
-const REPLY_INLINE: usize = 64 << 10;
+/// Most replies gathered into one write (two iovecs each, well under IOV_MAX).
+const REPLY_BATCH: usize = 256;
 /// Read buffer of a connection's request stream.
 const REQUEST_BUFFER: usize = 64 << 10;
 /// Request buffers of a node's connection are located page by page on one request in this many.
@@ -307,6 +305,41 @@ struct Reply {
     data: Vec<u8>,
 }
 
+/// Writes every reply of `batch` (header, then payload) with as few `writev` calls as the socket
+/// takes.
+async fn write_replies(wr: &mut OwnedWriteHalf, batch: &[Reply]) -> io::Result<()> {
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(batch.len() * 2);
+    for r in batch {
+        parts.push(&r.header);
+        if !r.data.is_empty() {
+            parts.push(&r.data);
+        }
+    }
+    // Write from `parts[i][off..]` on.
+    let (mut i, mut off) = (0, 0);
+    while i < parts.len() {
+        let slices: Vec<io::IoSlice<'_>> = std::iter::once(io::IoSlice::new(&parts[i][off..]))
+            .chain(parts[i + 1..].iter().map(|p| io::IoSlice::new(p)))
+            .collect();
+        let mut n = wr.write_vectored(&slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let left = parts[i].len() - off;
+            if n >= left {
+                n -= left;
+                i += 1;
+                off = 0;
+            } else {
+                off += n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn nbd_error(e: Error) -> u32 {
     errno::from_errno(e.errno())
 }
@@ -322,29 +355,19 @@ async fn transmission(
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::channel::<Reply>(opts.max_inflight);
     let writer = tokio::spawn(async move {
-        // Replies that are ready together go out in one write: headers and small payloads are
-        // gathered (a copy of at most REPLY_BATCH bytes is cheaper than a syscall per reply);
-        // large payloads are written from their own buffers.
-        let mut out: Vec<u8> = Vec::with_capacity(REPLY_BATCH);
+        // Replies that are ready together go out in one vectored write, headers and payloads
+        // from their own buffers (no copy).
+        let mut batch: Vec<Reply> = Vec::with_capacity(REPLY_BATCH);
         while let Some(first) = rx.recv().await {
-            let mut next = Some(first);
-            while let Some(r) = next.take() {
-                out.extend_from_slice(&r.header);
-                if r.data.len() > REPLY_INLINE {
-                    wr.write_all(&out).await?;
-                    out.clear();
-                    wr.write_all(&r.data).await?;
-                } else {
-                    out.extend_from_slice(&r.data);
-                }
-                if out.len() < REPLY_BATCH {
-                    next = rx.try_recv().ok();
+            batch.push(first);
+            while batch.len() < REPLY_BATCH {
+                match rx.try_recv() {
+                    Ok(r) => batch.push(r),
+                    Err(_) => break,
                 }
             }
-            if !out.is_empty() {
-                wr.write_all(&out).await?;
-                out.clear();
-            }
+            write_replies(&mut wr, &batch).await?;
+            batch.clear();
         }
         wr.shutdown().await
     });
