@@ -55,8 +55,10 @@ pub struct Stats {
 
 #[derive(Debug)]
 struct Inner {
-    engine: Sender<Cmd>,
-    bell: Arc<Bell>,
+    /// Each engine thread's command queue and bell; the first one takes the session commands.
+    engines: Vec<(Sender<Cmd>, Arc<Bell>)>,
+    /// The engine thread serving each node's links.
+    node_engine: Vec<(Option<u32>, usize)>,
     /// Queue mode: one queue per node (key `None` for requests of unknown node).
     queues: HashMap<Option<u32>, Sender<IoCmd>>,
     info: ExportInfo,
@@ -89,10 +91,16 @@ fn submitter(rx: std::sync::mpsc::Receiver<IoCmd>, engine: Sender<Cmd>, bell: Ar
     }
 }
 
+/// The engine thread for requests whose buffers are on `node`: the one serving that node's
+/// links, else the first.
+fn engine_for(node_engine: &[(Option<u32>, usize)], node: Option<u32>) -> usize {
+    node_engine.iter().find(|(n, _)| *n == node).map_or(0, |(_, g)| *g)
+}
+
 impl Client {
     pub(crate) fn new(
-        engine: Sender<Cmd>,
-        bell: Arc<Bell>,
+        engines: Vec<(Sender<Cmd>, Arc<Bell>)>,
+        node_engine: Vec<(Option<u32>, usize)>,
         info: ExportInfo,
         mode: SendMode,
         nodes: &[Option<u32>],
@@ -105,7 +113,8 @@ impl Client {
             keys.dedup();
             for node in keys {
                 let (tx, rx) = std::sync::mpsc::channel();
-                let (engine, bell) = (engine.clone(), Arc::clone(&bell));
+                let (engine, bell) = &engines[engine_for(&node_engine, node)];
+                let (engine, bell) = (engine.clone(), Arc::clone(bell));
                 let name = node.map_or("tyche-submit".to_owned(), |n| format!("tyche-submit{n}"));
                 std::thread::Builder::new()
                     .name(name)
@@ -117,7 +126,7 @@ impl Client {
         let mut known: Vec<u32> = nodes.iter().flatten().copied().collect();
         known.sort_unstable();
         known.dedup();
-        Client { inner: Arc::new(Inner { engine, bell, queues, info, nodes: known }), node: None }
+        Client { inner: Arc::new(Inner { engines, node_engine, queues, info, nodes: known }), node: None }
     }
 
     /// A handle whose requests say their buffers live on NUMA node `node` (the scheduler sends
@@ -147,8 +156,9 @@ impl Client {
         let sent = match self.inner.queues.get(&self.node).or_else(|| self.inner.queues.get(&None)) {
             Some(q) => q.send(io).is_ok(),
             None => {
-                let ok = self.inner.engine.send(Cmd::Io(io)).is_ok();
-                self.inner.bell.ring();
+                let (engine, bell) = &self.inner.engines[engine_for(&self.inner.node_engine, self.node)];
+                let ok = engine.send(Cmd::Io(io)).is_ok();
+                bell.ring();
                 ok
             }
         };
@@ -203,24 +213,21 @@ impl Client {
     /// Session counters.
     pub async fn stats(&self) -> Result<Stats, Error> {
         let (tx, rx) = oneshot::channel();
-        self.inner.engine.send(Cmd::Stats(tx)).map_err(|_| Error::Closed)?;
-        self.inner.bell.ring();
+        self.session_cmd(Cmd::Stats(tx))?;
         rx.await.map_err(|_| Error::Closed)
     }
 
     /// Counters, per channel payload bytes and placement of the session (see [`crate::Report`]).
     pub async fn report(&self) -> Result<crate::Report, Error> {
         let (tx, rx) = oneshot::channel();
-        self.inner.engine.send(Cmd::Report(tx)).map_err(|_| Error::Closed)?;
-        self.inner.bell.ring();
+        self.session_cmd(Cmd::Report(tx))?;
         rx.await.map_err(|_| Error::Closed)
     }
 
     /// [`Client::report`] for threads outside an async runtime (a stats socket thread).
     pub fn report_blocking(&self) -> Result<crate::Report, Error> {
         let (tx, rx) = oneshot::channel();
-        self.inner.engine.send(Cmd::Report(tx)).map_err(|_| Error::Closed)?;
-        self.inner.bell.ring();
+        self.session_cmd(Cmd::Report(tx))?;
         rx.blocking_recv().map_err(|_| Error::Closed)
     }
 
@@ -228,9 +235,16 @@ impl Client {
     /// channel sends DISCONNECT. Returns when the engine has stopped.
     pub async fn close(&self) {
         let (tx, rx) = oneshot::channel();
-        if self.inner.engine.send(Cmd::Close(tx)).is_ok() {
-            self.inner.bell.ring();
+        if self.session_cmd(Cmd::Close(tx)).is_ok() {
             let _ = rx.await;
         }
+    }
+
+    /// Hands a command about the whole session to the first engine thread.
+    fn session_cmd(&self, cmd: Cmd) -> Result<(), Error> {
+        let (engine, bell) = &self.inner.engines[0];
+        engine.send(cmd).map_err(|_| Error::Closed)?;
+        bell.ring();
+        Ok(())
     }
 }

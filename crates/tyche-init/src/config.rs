@@ -80,6 +80,39 @@ impl FromStr for SendMode {
     }
 }
 
+/// How many engine threads serve the links.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EngineThreads {
+    /// One engine thread per NUMA node of the links' NICs, pinned to that node's CPUs, each
+    /// serving the links on its node (one thread when every link is on one node or none is
+    /// known). The session's state is shared under one lock, as tyched's per-NIC threads share
+    /// theirs.
+    #[default]
+    PerNode,
+    /// One engine thread for every link (unpinned when the links span several nodes).
+    One,
+}
+
+impl FromStr for EngineThreads {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "per-node" => Ok(EngineThreads::PerNode),
+            "one" => Ok(EngineThreads::One),
+            o => Err(format!("unknown engine thread layout {o:?} (expected per-node or one)")),
+        }
+    }
+}
+
+impl fmt::Display for EngineThreads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EngineThreads::PerNode => "per-node",
+            EngineThreads::One => "one",
+        })
+    }
+}
+
 /// Settings of an initiator session.
 #[derive(Debug, Clone)]
 pub struct InitiatorConfig {
@@ -112,6 +145,8 @@ pub struct InitiatorConfig {
     pub scheduler: SchedulerKind,
     /// Send mode.
     pub send_mode: SendMode,
+    /// Engine threads: one per NUMA node of the links (default) or one for all.
+    pub engine_threads: EngineThreads,
     /// EtherType.
     pub ethertype: u16,
     /// The export's pre-shared key, for exports that need one (CHALLENGE and proofs).
@@ -136,6 +171,7 @@ impl InitiatorConfig {
             max_requests: 512,
             scheduler: SchedulerKind::default(),
             send_mode: SendMode::default(),
+            engine_threads: EngineThreads::default(),
             ethertype: DEFAULT_ETHERTYPE,
             key: None,
         }

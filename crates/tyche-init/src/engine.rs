@@ -1,11 +1,15 @@
-//! The engine thread: owns the [`Volume`], the transports and the request buffers, and loops
-//! receive → handle → events → transmit → timers → reconnects.
+//! The engine threads: one per NUMA node of the links (see [`EngineThreads`]), each owning the
+//! transports of its node's links and pinned to that node's CPUs. They share the session (the
+//! [`Volume`], the request buffers, the connectors) under one lock, and each loops receive →
+//! handle → events → transmit → timers → reconnects over its own links. A thread that leaves
+//! work for another one's links (a request scheduled on a channel of another node, a
+//! retransmission, a reconnect) rings that thread's bell.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, TryRecvError};
-use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use nix::poll::{PollFd, PollFlags};
@@ -18,11 +22,11 @@ use tyche_channel::{
     ConnectError as ChannelConnectError, Connected, Connector, Inbound, Instant, IoError, IoRequest, Scheduler,
     SubmitError, Volume, VolumeConfig, VolumeEvent,
 };
-use tyche_transport::SplitMix64;
+use tyche_transport::{FrameTransport, MemoryArea, SplitMix64};
 use tyche_wire::{flags, ChannelParams, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD};
 
 use crate::client::{Client, ExportInfo, Stats};
-use crate::config::{InitiatorConfig, Link};
+use crate::config::{EngineThreads, InitiatorConfig, Link};
 use crate::error::{ConnectError, Error};
 use crate::sched::NumaScheduler;
 
@@ -41,7 +45,8 @@ const SPIN_ROUNDS: u32 = 8;
 /// Longest a closing engine waits for requests in flight.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
-/// Wakes the engine thread when it sleeps: clients ring it after queueing a command.
+/// Wakes an engine thread when it sleeps: clients ring it after queueing a command, other engine
+/// threads after leaving it frames to send.
 #[derive(Debug)]
 pub(crate) struct Bell {
     efd: EventFd,
@@ -59,6 +64,12 @@ impl Bell {
         if self.sleeping.swap(false, Ordering::AcqRel) {
             let _ = self.efd.write(1);
         }
+    }
+
+    /// Wakes the engine whether or not it has said it sleeps.
+    fn force(&self) {
+        self.sleeping.store(false, Ordering::Release);
+        let _ = self.efd.write(1);
     }
 }
 
@@ -117,10 +128,34 @@ struct Pending {
     connector: Connector,
 }
 
+/// A link's transport, owned by the engine thread that serves the link.
+type Transport = Box<dyn FrameTransport + Send>;
+
+/// The transports one engine thread serves, with their link indices.
+type Io = [(usize, Transport)];
+
+/// What the engine keeps of a link once its transport has moved to the thread that serves it.
+#[derive(Debug)]
+struct LinkMeta {
+    name: String,
+    target: tyche_wire::MacAddr,
+    /// NUMA node of the NIC, as configured.
+    node: Option<u32>,
+    local_mac: tyche_wire::MacAddr,
+    mtu: usize,
+    frame_capacity: usize,
+    /// The node the transport placed its memory on.
+    memory_node: Option<u32>,
+    /// The transport's memory (UMEM, rings), for placement reports.
+    areas: Vec<MemoryArea>,
+    /// The engine thread serving the link.
+    group: usize,
+}
+
 pub(crate) struct Engine {
     cfg: InitiatorConfig,
     clock: std::time::Instant,
-    links: Vec<Link>,
+    links: Vec<LinkMeta>,
     slots: Vec<Slot>,
     connectors: HashMap<u16, Pending>,
     volume: Option<Volume>,
@@ -137,7 +172,16 @@ pub(crate) struct Engine {
     fatal: Option<ConnectError>,
     /// Links on which the initial channel timed out.
     initial_timeouts: usize,
-    bell: Arc<Bell>,
+    /// One bell per engine thread.
+    bells: Vec<Arc<Bell>>,
+    /// Each engine thread as it sees itself once placed (for reports).
+    threads: Vec<Option<tyche_numa::report::ThreadPlacement>>,
+    /// The session is over: every engine thread sends what is left on its links and exits.
+    finished: bool,
+    /// Engine threads that have exited.
+    exited: usize,
+    /// Who waits for the last engine thread to exit.
+    closers: Vec<oneshot::Sender<()>>,
     /// The link of every channel index ever opened.
     channel_link: HashMap<u16, usize>,
 }
@@ -145,6 +189,19 @@ pub(crate) struct Engine {
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine").field("links", &self.links).field("slots", &self.slots).finish_non_exhaustive()
+    }
+}
+
+/// What the engine threads share.
+struct Shared {
+    engine: Mutex<Engine>,
+}
+
+impl Shared {
+    /// The engine, also when another thread panicked while holding it (its state is still
+    /// consistent enough to fail requests and close).
+    fn lock(&self) -> MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -157,19 +214,64 @@ fn seed() -> SplitMix64 {
     s
 }
 
-/// Opens the session and starts the engine thread (blocking version of [`crate::connect`]).
+/// Which engine thread serves each link: one per distinct node (in order of first appearance)
+/// with [`EngineThreads::PerNode`], else all on one.
+fn groups_of(layout: EngineThreads, nodes: &[Option<u32>]) -> Vec<usize> {
+    match layout {
+        EngineThreads::One => vec![0; nodes.len()],
+        EngineThreads::PerNode => {
+            let mut seen: Vec<Option<u32>> = Vec::new();
+            nodes
+                .iter()
+                .map(|n| match seen.iter().position(|s| s == n) {
+                    Some(g) => g,
+                    None => {
+                        seen.push(*n);
+                        seen.len() - 1
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+/// Opens the session and starts the engine threads (blocking version of [`crate::connect`]).
 pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client, ConnectError> {
     cfg.validate().map_err(ConnectError::Config)?;
     if links.is_empty() {
         return Err(ConnectError::NoLinks);
     }
-    let bell = Arc::new(Bell::new().map_err(|e| ConnectError::Config(format!("cannot create an eventfd: {e}")))?);
-    let mut engine = Engine::new(cfg, links, Arc::clone(&bell));
+    let nodes: Vec<Option<u32>> = links.iter().map(|l| l.node).collect();
+    let group = groups_of(cfg.engine_threads, &nodes);
+    let groups = group.iter().max().map_or(1, |g| g + 1);
+    let bells = (0..groups)
+        .map(|_| Bell::new().map(Arc::new))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| ConnectError::Config(format!("cannot create an eventfd: {e}")))?;
+    let mut io: Vec<(usize, Transport)> = Vec::with_capacity(links.len());
+    let mut metas = Vec::with_capacity(links.len());
+    for (k, l) in links.into_iter().enumerate() {
+        let t = &l.transport;
+        metas.push(LinkMeta {
+            name: l.name,
+            target: l.target,
+            node: l.node,
+            local_mac: t.local_mac(),
+            mtu: t.mtu(),
+            frame_capacity: t.frame_capacity(),
+            memory_node: t.numa_node(),
+            areas: t.memory_areas(),
+            group: group[k],
+        });
+        io.push((k, l.transport));
+    }
+    let mut engine = Engine::new(cfg, metas, bells.clone());
     let now = engine.now();
     engine.start_initial(0, now);
-    // Bounded: every connector gives up after `connect_attempts * connect_retry`.
+    // The session opens on this thread, over every link. Bounded: every connector gives up
+    // after `connect_attempts * connect_retry`.
     loop {
-        engine.step();
+        engine.step(&mut io);
         if let Some(e) = engine.fatal.take() {
             return Err(e);
         }
@@ -191,46 +293,74 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     info!(
         export = %info.export, session = format_args!("{:#x}", info.session), size = info.size,
         channels = engine.volume.as_ref().map_or(0, Volume::live_channels),
+        engine_threads = groups,
         "session open"
     );
-    let (tx, rx) = std::sync::mpsc::channel();
     let send_mode = engine.cfg.send_mode;
-    let nodes: Vec<Option<u32>> = engine.links.iter().map(|l| l.node).collect();
-    // With every link on one node, the engine thread runs on that node's CPUs (as tyched's
-    // network thread does); links on several nodes leave it unpinned, with its memory policy
-    // bound to their nodes so that NUMA balancing does not drag the request buffers it copies
-    // to whichever node it runs on.
-    let home = match nodes.first() {
-        Some(Some(n)) if nodes.iter().all(|x| *x == Some(*n)) => Some(*n),
-        _ => None,
-    };
-    let mut spread: Vec<u32> = nodes.iter().flatten().copied().collect();
-    spread.sort_unstable();
-    spread.dedup();
-    std::thread::Builder::new()
-        .name("tyche-engine".into())
-        .spawn(move || {
-            if let Some(cpus) = home.and_then(crate::sched::node_cpus) {
-                if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
-                    warn!(node = home, "cannot pin the engine thread: {e}");
-                }
-            } else if spread.len() > 1 {
-                if let Err(e) = tyche_numa::alloc::bind_thread_memory_to(&spread) {
-                    warn!(nodes = ?spread, "cannot bind the engine thread's memory policy: {e}");
-                }
+    let shared = Arc::new(Shared { engine: Mutex::new(engine) });
+    let mut queues: Vec<(Sender<Cmd>, Arc<Bell>)> = Vec::with_capacity(groups);
+    let mut node_group: Vec<(Option<u32>, usize)> = Vec::new();
+    let mut all_nodes: Vec<u32> = nodes.iter().flatten().copied().collect();
+    all_nodes.sort_unstable();
+    all_nodes.dedup();
+    let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
+    for (k, t) in io {
+        by_group[group[k]].push((k, t));
+    }
+    for (g, (mine, bell)) in by_group.into_iter().zip(&bells).enumerate() {
+        let mut spread: Vec<u32> = mine.iter().filter_map(|(k, _)| nodes[*k]).collect();
+        spread.sort_unstable();
+        spread.dedup();
+        // A thread whose links are all on one node runs on that node's CPUs (as tyched's
+        // network threads do); one thread for links on several nodes stays unpinned. With links
+        // on several nodes, every engine thread's memory policy is bound to their nodes: a
+        // thread also copies data of requests whose buffers are on another node (round robin, a
+        // dead channel's requests), and automatic NUMA balancing must not drag those buffers to
+        // the node it runs on.
+        let home = match (spread.as_slice(), mine.iter().all(|(k, _)| nodes[*k].is_some())) {
+            ([n], true) => Some(*n),
+            _ => None,
+        };
+        for (k, _) in &mine {
+            if !node_group.iter().any(|(n, _)| *n == nodes[*k]) {
+                node_group.push((nodes[*k], g));
             }
-            engine.run(rx)
-        })
-        .map_err(|e| ConnectError::Config(format!("cannot start the engine thread: {e}")))?;
-    Ok(Client::new(tx, bell, info, send_mode, &nodes))
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        queues.push((tx, Arc::clone(bell)));
+        let name = match (groups, home) {
+            (1, _) | (_, None) => "tyche-engine".to_owned(),
+            (_, Some(n)) => format!("tyche-engine{n}"),
+        };
+        let shared = Arc::clone(&shared);
+        let all_nodes = all_nodes.clone();
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                if let Some(cpus) = home.and_then(crate::sched::node_cpus) {
+                    if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
+                        warn!(node = home, "cannot pin an engine thread: {e}");
+                    }
+                }
+                if all_nodes.len() > 1 {
+                    if let Err(e) = tyche_numa::alloc::bind_thread_memory_to(&all_nodes) {
+                        warn!(nodes = ?all_nodes, "cannot bind an engine thread's memory policy: {e}");
+                    }
+                }
+                serve(&shared, g, mine, rx)
+            })
+            .map_err(|e| ConnectError::Config(format!("cannot start an engine thread: {e}")))?;
+    }
+    Ok(Client::new(queues, node_group, info, send_mode, &nodes))
 }
 
 impl Engine {
-    fn new(cfg: InitiatorConfig, links: Vec<Link>, bell: Arc<Bell>) -> Self {
+    fn new(cfg: InitiatorConfig, links: Vec<LinkMeta>, bells: Vec<Arc<Bell>>) -> Self {
         let per = cfg.channels_per_link;
         let slots = (0..links.len() * per)
             .map(|i| Slot { link: i / per, state: SlotState::Waiting { attempt: 0, at: Instant::ZERO } })
             .collect();
+        let threads = vec![None; bells.len()];
         Engine {
             cfg,
             clock: std::time::Instant::now(),
@@ -249,7 +379,11 @@ impl Engine {
             closing: None,
             fatal: None,
             initial_timeouts: 0,
-            bell,
+            bells,
+            threads,
+            finished: false,
+            exited: 0,
+            closers: Vec::new(),
             channel_link: HashMap::new(),
         }
     }
@@ -259,8 +393,8 @@ impl Engine {
     }
 
     fn want(&self, link: usize) -> ChannelParams {
-        let t = &self.links[link].transport;
-        let segment = tyche_wire::segment_size_for(t.mtu(), t.frame_capacity()).unwrap_or(512);
+        let l = &self.links[link];
+        let segment = tyche_wire::segment_size_for(l.mtu, l.frame_capacity).unwrap_or(512);
         ChannelParams {
             ring: self.cfg.ring,
             remq_slots: self.cfg.slots,
@@ -279,7 +413,7 @@ impl Engine {
         let session = self.connected.map_or(0, |c| c.session);
         let env = Envelope {
             dst: self.links[link].target,
-            src: self.links[link].transport.local_mac(),
+            src: self.links[link].local_mac,
             ethertype: self.cfg.ethertype,
             channel,
             session,
@@ -302,25 +436,25 @@ impl Engine {
         self.start_connector(slot, 0, now);
     }
 
-    /// One pass of the loop. Returns whether anything happened.
-    fn step(&mut self) -> bool {
+    /// One pass of the loop over the links in `io`. Returns whether anything happened.
+    fn step(&mut self, io: &mut Io) -> bool {
         let now = self.now();
-        let mut work = self.receive(now);
+        let mut work = self.receive(now, io);
         work |= self.events(now);
-        work |= self.transmit(now);
+        work |= self.transmit(now, io);
         work |= self.timers(now);
         work |= self.events(now);
         work
     }
 
-    fn receive(&mut self, now: Instant) -> bool {
+    fn receive(&mut self, now: Instant, io: &mut Io) -> bool {
         let mut outcomes = Vec::new();
         let mut n = 0;
         let ethertype = self.cfg.ethertype;
-        for k in 0..self.links.len() {
+        for (k, transport) in io.iter_mut() {
             let Engine { links, connectors, volume, inflight, stats, .. } = self;
-            let link = &mut links[k];
-            let res = link.transport.recv(RX_BUDGET, &mut |bytes| {
+            let link = &links[*k];
+            let res = transport.recv(RX_BUDGET, &mut |bytes| {
                 if let Ok(frame) = Frame::new_checked(bytes, ethertype) {
                     if matches!(frame.kind(), Kind::Accept | Kind::Reject | Kind::Challenge) {
                         let ch = frame.channel();
@@ -510,11 +644,11 @@ impl Engine {
         work
     }
 
-    fn transmit(&mut self, now: Instant) -> bool {
+    fn transmit(&mut self, now: Instant, io: &mut Io) -> bool {
         let mut sent = 0;
         let Engine { links, connectors, volume, inflight, slots, .. } = self;
-        for (k, link) in links.iter_mut().enumerate() {
-            let t = &mut link.transport;
+        for (k, t) in io.iter_mut() {
+            let (k, link) = (*k, &links[*k]);
             for p in connectors.values_mut().filter(|p| slots[p.slot].link == k) {
                 let r = t.send(1, &mut |buf| p.connector.poll_transmit(now, buf));
                 sent += r.unwrap_or(0);
@@ -627,7 +761,9 @@ impl Engine {
                 let _ = reply.send(self.report());
             }
             Cmd::Close(done) => {
-                info!("closing the session");
+                if self.closing.is_none() {
+                    info!("closing the session");
+                }
                 for io in self.backlog.drain(..) {
                     let _ = io.reply.send(Err(Error::Closed));
                 }
@@ -705,11 +841,12 @@ impl Engine {
         s
     }
 
-    /// Counters and placement, measured on this (the engine) thread.
+    /// Counters and placement; each link's thread as that engine thread saw itself once placed.
     fn report(&self) -> crate::report::Report {
         use crate::report::{ChannelReport, LinkReport, Report};
         let s = self.snapshot();
-        let thread = tyche_numa::report::this_thread();
+        let here = tyche_numa::report::this_thread();
+        let thread_of = |k: usize| self.threads[self.links[k].group].clone().unwrap_or_else(|| here.clone());
         let mut r = Report {
             export: self.cfg.export.clone(),
             session: self.connected.as_ref().map_or(0, |c| c.session),
@@ -737,16 +874,16 @@ impl Engine {
                     frames_tx: cs.frames_tx,
                     frames_rx: cs.frames_rx,
                     retransmits: cs.retransmits,
-                    thread: thread.clone(),
+                    thread: link.map_or_else(|| here.clone(), thread_of),
                 });
             }
         }
-        for l in &self.links {
-            let node = l.transport.numa_node().or(l.node);
+        for (k, l) in self.links.iter().enumerate() {
+            let node = l.memory_node.or(l.node);
             let empty = tyche_numa::PageCounts { expected_node: node, ..Default::default() };
             let mut lr =
-                LinkReport { name: l.name.clone(), node, umem: empty.clone(), rings: empty, thread: thread.clone() };
-            for a in l.transport.memory_areas() {
+                LinkReport { name: l.name.clone(), node, umem: empty.clone(), rings: empty, thread: thread_of(k) };
+            for a in &l.areas {
                 let Ok(c) = tyche_numa::report::count_area(a.addr, a.len, node) else { continue };
                 match a.what {
                     "umem" => lr.umem.add(&c),
@@ -758,102 +895,185 @@ impl Engine {
         r
     }
 
-    /// The engine thread's loop; returns when every client is gone or the session is closed.
-    fn run(mut self, rx: Receiver<Cmd>) {
-        let mut idle = 0u32;
-        let mut disconnected = false;
-        loop {
-            let now = self.now();
-            let mut work = false;
-            loop {
-                match rx.try_recv() {
-                    Ok(cmd) => {
-                        self.command(cmd, now);
-                        work = true;
-                    }
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => {
-                        if !disconnected {
-                            disconnected = true;
-                            let (tx, _rx) = oneshot::channel();
-                            self.command(Cmd::Close(tx), now);
-                        }
-                        break;
-                    }
-                }
+    /// Whether engine thread `g` has frames to send on its links (a request scheduled on one of
+    /// its channels, a retransmission, a connector).
+    fn group_wants_transmit(&self, g: usize) -> bool {
+        if self.connectors.values().any(|p| self.links[self.slots[p.slot].link].group == g) {
+            return true;
+        }
+        let Some(vol) = &self.volume else { return false };
+        self.slots.iter().any(|s| match s.state {
+            SlotState::Up { channel } => self.links[s.link].group == g && vol.wants_transmit(channel),
+            _ => false,
+        })
+    }
+
+    /// Rings the other engine threads that have something to send.
+    fn wake_others(&self, me: usize) {
+        if self.bells.len() < 2 {
+            return;
+        }
+        for (g, bell) in self.bells.iter().enumerate() {
+            if g != me && self.group_wants_transmit(g) {
+                bell.ring();
             }
-            work |= self.drain_backlog(now);
-            work |= self.step();
-            if let Some((deadline, _)) = &self.closing {
-                if self.inflight.is_empty() || now >= *deadline {
-                    self.finish(now);
-                    return;
-                }
-            }
-            idle = if work { 0 } else { idle.saturating_add(1) };
-            if idle < SPIN_ROUNDS {
-                std::thread::yield_now();
-                continue;
-            }
-            let busy = !self.inflight.is_empty() || !self.connectors.is_empty();
-            // Links without a readiness descriptor (in-memory ones) are polled: sleep briefly.
-            let all_fds = self.links.iter().all(|l| l.transport.readiness_fd().is_some());
-            let mut wait = match (busy, all_fds) {
-                (true, false) => BUSY_SLEEP,
-                (true, true) => BUSY_SLEEP_FD,
-                (false, _) => IDLE_SLEEP,
-            };
-            if let Some(t) = self.volume.as_ref().and_then(Volume::poll_timeout) {
-                wait = wait.min(t.since(now));
-            }
-            if disconnected {
-                std::thread::sleep(wait);
-                continue;
-            }
-            self.bell.sleeping.store(true, Ordering::Release);
-            match rx.try_recv() {
-                Ok(cmd) => {
-                    self.bell.sleeping.store(false, Ordering::Release);
-                    idle = 0;
-                    let now = self.now();
-                    self.command(cmd, now);
-                    continue;
-                }
-                Err(TryRecvError::Empty) => {}
-                // Every client is gone: the top of the loop starts closing.
-                Err(TryRecvError::Disconnected) => {
-                    self.bell.sleeping.store(false, Ordering::Release);
-                    continue;
-                }
-            }
-            self.sleep(wait);
-            self.bell.sleeping.store(false, Ordering::Release);
-            let _ = self.bell.efd.read();
         }
     }
 
-    /// Sleeps until a client rings, a transport becomes readable, or `wait` passes.
-    fn sleep(&self, wait: Duration) {
-        let mut fds = vec![PollFd::new(self.bell.efd.as_fd(), PollFlags::POLLIN)];
-        fds.extend(
-            self.links.iter().filter_map(|l| l.transport.readiness_fd()).map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
-        );
-        let _ = nix::poll::ppoll(&mut fds, Some(TimeSpec::from_duration(wait)), None);
-    }
-
-    /// Fails what is left, sends DISCONNECT on every channel and wakes the closers.
-    fn finish(&mut self, now: Instant) {
+    /// Fails what is left, sends DISCONNECT on every channel of `io`'s links, and tells the
+    /// other engine threads to send theirs and exit.
+    fn finish(&mut self, now: Instant, io: &mut Io) {
         for (_, r) in self.inflight.drain() {
             let _ = r.reply.send(Err(Error::Closed));
+        }
+        for io in self.backlog.drain(..) {
+            let _ = io.reply.send(Err(Error::Closed));
         }
         if let Some(v) = self.volume.as_mut() {
             v.close();
         }
-        self.transmit(now);
-        let (_, waiters) = self.closing.take().expect("closing");
-        for w in waiters {
-            let _ = w.send(());
+        self.transmit(now, io);
+        if let Some((_, waiters)) = self.closing.take() {
+            self.closers.extend(waiters);
         }
-        info!("session closed");
+        self.finished = true;
+        for bell in &self.bells {
+            bell.force();
+        }
+    }
+
+    /// An engine thread is done; the last one wakes the closers.
+    fn exit_thread(&mut self) {
+        self.exited += 1;
+        if self.exited == self.bells.len() {
+            for w in self.closers.drain(..) {
+                let _ = w.send(());
+            }
+            info!("session closed");
+        }
+    }
+}
+
+/// An engine thread's loop over its links `io`; returns when the session is closed (after every
+/// client is gone or one asked).
+fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receiver<Cmd>) {
+    let bell = Arc::clone(&shared.lock().bells[g]);
+    shared.lock().threads[g] = Some(tyche_numa::report::this_thread());
+    // Links without a readiness descriptor (in-memory ones) are polled: sleep briefly.
+    let all_fds = io.iter().all(|(_, t)| t.readiness_fd().is_some());
+    let mut idle = 0u32;
+    let mut disconnected = false;
+    let mut next: Option<Cmd> = None;
+    loop {
+        let mut e = shared.lock();
+        let now = e.now();
+        if e.finished {
+            // Another thread closed the session: DISCONNECT on this thread's channels.
+            e.transmit(now, &mut io);
+            e.exit_thread();
+            return;
+        }
+        let mut work = false;
+        if let Some(cmd) = next.take() {
+            e.command(cmd, now);
+            work = true;
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => {
+                    e.command(cmd, now);
+                    work = true;
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    if !disconnected {
+                        disconnected = true;
+                        let (tx, _rx) = oneshot::channel();
+                        e.command(Cmd::Close(tx), now);
+                    }
+                    break;
+                }
+            }
+        }
+        work |= e.drain_backlog(now);
+        work |= e.step(&mut io);
+        if let Some((deadline, _)) = &e.closing {
+            if e.inflight.is_empty() || now >= *deadline {
+                e.finish(now, &mut io);
+                e.exit_thread();
+                return;
+            }
+        }
+        e.wake_others(g);
+        idle = if work { 0 } else { idle.saturating_add(1) };
+        if idle < SPIN_ROUNDS {
+            drop(e);
+            std::thread::yield_now();
+            continue;
+        }
+        let busy = !e.inflight.is_empty() || !e.connectors.is_empty();
+        let mut wait = match (busy, all_fds) {
+            (true, false) => BUSY_SLEEP,
+            (true, true) => BUSY_SLEEP_FD,
+            (false, _) => IDLE_SLEEP,
+        };
+        if let Some(t) = e.volume.as_ref().and_then(Volume::poll_timeout) {
+            wait = wait.min(t.since(now));
+        }
+        // Say so before letting go of the lock: a thread that then leaves work for this one
+        // rings, and the sleep below returns at once.
+        bell.sleeping.store(!disconnected, Ordering::Release);
+        drop(e);
+        if disconnected {
+            std::thread::sleep(wait);
+            continue;
+        }
+        match rx.try_recv() {
+            Ok(cmd) => {
+                bell.sleeping.store(false, Ordering::Release);
+                idle = 0;
+                next = Some(cmd);
+                continue;
+            }
+            Err(TryRecvError::Empty) => {}
+            // Every client is gone: the top of the loop starts closing.
+            Err(TryRecvError::Disconnected) => {
+                bell.sleeping.store(false, Ordering::Release);
+                continue;
+            }
+        }
+        sleep(&bell, &io, wait);
+        bell.sleeping.store(false, Ordering::Release);
+        let _ = bell.efd.read();
+    }
+}
+
+/// Sleeps until a client or another engine thread rings, a transport becomes readable, or
+/// `wait` passes.
+fn sleep(bell: &Bell, io: &Io, wait: Duration) {
+    let mut fds = vec![PollFd::new(bell.efd.as_fd(), PollFlags::POLLIN)];
+    fds.extend(io.iter().filter_map(|(_, t)| t.readiness_fd()).map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+    let _ = nix::poll::ppoll(&mut fds, Some(TimeSpec::from_duration(wait)), None);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn links_are_grouped_by_node_in_order_of_first_appearance() {
+        let nodes = [Some(1), Some(0), Some(1), None, Some(0)];
+        assert_eq!(groups_of(EngineThreads::PerNode, &nodes), [0, 1, 0, 2, 1]);
+        assert_eq!(groups_of(EngineThreads::One, &nodes), [0; 5]);
+        assert_eq!(groups_of(EngineThreads::PerNode, &[None, None]), [0, 0]);
+        assert_eq!(groups_of(EngineThreads::PerNode, &[Some(3)]), [0]);
+    }
+
+    #[test]
+    fn engine_thread_layout_parses_and_prints() {
+        for t in [EngineThreads::PerNode, EngineThreads::One] {
+            assert_eq!(t.to_string().parse::<EngineThreads>(), Ok(t));
+        }
+        assert!("two".parse::<EngineThreads>().unwrap_err().contains("per-node or one"));
     }
 }

@@ -9,7 +9,7 @@ use tracing::{info, warn};
 use tyche_init::frontend::{UblkFrontend, UblkOptions};
 use tyche_init::loopback::{mem_links, RamExport, RamTarget};
 use tyche_init::nbd::NbdOptions;
-use tyche_init::{state, Client, InitiatorConfig, Link, SchedulerKind, SendMode};
+use tyche_init::{state, Client, EngineThreads, InitiatorConfig, Link, SchedulerKind, SendMode};
 use tyche_wire::MacAddr;
 
 #[derive(Debug, Parser)]
@@ -122,6 +122,9 @@ struct ConnArgs {
     /// Send mode: inline or queue.
     #[arg(long, default_value = "inline")]
     send_mode: SendMode,
+    /// Engine threads: per-node (one per NUMA node of the NICs, pinned there) or one.
+    #[arg(long, default_value = "per-node")]
+    engine_threads: EngineThreads,
     /// Unix socket for `tyche-init stats` (default: PID.stats.sock in the state directory).
     #[arg(long)]
     stats_socket: Option<PathBuf>,
@@ -152,6 +155,7 @@ impl ConnArgs {
         c.reconnect_attempts = self.reconnect_attempts;
         c.scheduler = self.scheduler;
         c.send_mode = self.send_mode;
+        c.engine_threads = self.engine_threads;
         if let Some(path) = &self.key {
             let mut key = std::fs::read(path).with_context(|| format!("reading the key file {}", path.display()))?;
             // The key is the file's bytes, without a final line break.

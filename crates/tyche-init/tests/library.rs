@@ -239,3 +239,55 @@ fn discover_lists_the_target_and_its_export() {
         client.write(0, &[3; 512]).await.unwrap();
     });
 }
+
+/// Links on two nodes: one engine thread per node, each serving its node's link, sharing one
+/// session. Requests for either node, and for none, complete; with the node-1 link down, node-1
+/// requests (handed to the node-1 thread) go out on the node-0 link (sent by the node-0 thread,
+/// which the node-1 thread wakes); closing stops both threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_engine_thread_per_node_shares_the_session() {
+    let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    links[0].node = Some(0);
+    links[1].node = Some(1);
+    let mut cfg = config();
+    cfg.reconnect_attempts = 1;
+    let client = bounded("connect", connect(cfg, links)).await.expect("connect");
+    let (n0, n1) = (client.on_node(Some(0)), client.on_node(Some(1)));
+    bounded("node 0 requests", concurrent(&n0, 32, 64 << 10)).await;
+    let r = client.report().await.expect("report");
+    let names: Vec<&str> = r.links.iter().map(|l| l.thread.name.as_str()).collect();
+    assert_eq!(names, ["tyche-engine0", "tyche-engine1"], "{}", r.human());
+    assert_ne!(r.links[0].thread.tid, r.links[1].thread.tid);
+    for ch in &r.channels {
+        let link = r.links.iter().find(|l| l.name == ch.link).expect("channel's link");
+        assert_eq!(ch.thread.tid, link.thread.tid, "channel {} is served by its link's thread", ch.channel);
+    }
+    // Node-1 requests on the node-1 channel, from the node-1 thread.
+    let before = r.channels.iter().find(|c| c.link == "mem1").map_or(0, |c| c.payload_tx);
+    let len = 64 << 10;
+    for i in 0..32u64 {
+        n1.write_owned((16 * MIB) + i * len, pattern(i, len as usize), false).await.expect("node-1 write");
+    }
+    let r = client.report().await.expect("report");
+    let after = r.channels.iter().find(|c| c.link == "mem1").map_or(0, |c| c.payload_tx);
+    assert!(after - before >= 32 * len, "node-1 writes went to the node-1 channel: {}", r.human());
+    // Requests of unknown node go to the first thread.
+    bounded("requests of no node", concurrent(&client, 16, 16 << 10)).await;
+    // The node-1 link fails: its thread's requests go out on node 0's link.
+    set_link_down(&switches[1], true);
+    let t0 = std::time::Instant::now();
+    while client.stats().await.unwrap().live_channels == 2 {
+        assert!(t0.elapsed() < LIMIT, "channel never declared dead");
+        n1.write(0, &[1; 4096]).await.expect("node-1 write with its link down");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for i in 0..32u64 {
+        let at = 8 * MIB + i * len;
+        bounded("node-1 write", n1.write_owned(at, pattern(100 + i, len as usize), false)).await.expect("write");
+        let back = bounded("node-1 read", n1.read(at, len as usize)).await.expect("read");
+        assert!(back == pattern(100 + i, len as usize), "node-1 request {i} over the node-0 link");
+    }
+    assert!(target.snapshot(8 * MIB, len as usize) == pattern(100, len as usize));
+    bounded("close", client.close()).await;
+    assert_eq!(n1.read(0, 512).await, Err(Error::Closed));
+}
