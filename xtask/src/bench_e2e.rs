@@ -38,6 +38,10 @@ pub struct BenchE2eArgs {
     /// MTU of the veth pairs (above about 3500 AF_XDP needs multi-buffer frames).
     #[arg(long, default_value_t = 3000)]
     mtu: u32,
+    /// Who serves NBD requests in `tyche-init serve-nbd`: `engine` (its engine threads) or
+    /// `tasks` (a task per request handing each to the engine).
+    #[arg(long, default_value = "engine", value_parser = ["engine", "tasks"])]
+    nbd_io: String,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -94,6 +98,7 @@ struct Bench<'a> {
     root: &'a Path,
     work: PathBuf,
     runtime: u64,
+    nbd_io: &'a str,
 }
 
 impl Bench<'_> {
@@ -196,7 +201,8 @@ impl Bench<'_> {
         let tyched = start_tyched(self.root, lab, link, "bench=ram:1G", &tsock, tlog)?;
         let sock = self.work.join(format!("{system}-{nics}.nbd"));
         let ilog = self.work.join(format!("{system}-{nics}-init.log"));
-        let init = start_initiator(self.root, lab, link, "bench", &sock, ilog, &[])?;
+        let extra = ["--nbd-io".to_string(), self.nbd_io.to_string()];
+        let init = start_initiator(self.root, lab, link, "bench", &sock, ilog, &extra)?;
         let uri = format!("nbd+unix:///bench?socket={}", sock.display());
         for job in JOBS {
             rows.push(self.fio(
@@ -224,7 +230,7 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
     let work = PathBuf::from(format!("/run/tyche-bench-{}", std::process::id()));
     let _ = fs::remove_dir_all(&work);
     fs::create_dir_all(&work)?;
-    let bench = Bench { root, work: work.clone(), runtime };
+    let bench = Bench { root, work: work.clone(), runtime, nbd_io: &args.nbd_io };
     let mut rows = Vec::new();
     for nics in [1u32, 2] {
         let pid = std::process::id();

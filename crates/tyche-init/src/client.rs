@@ -6,8 +6,9 @@ use tokio::sync::oneshot;
 use tyche_wire::Op;
 
 use crate::config::SendMode;
-use crate::engine::{Bell, Cmd, IoCmd};
+use crate::engine::{Bell, Cmd, Completion, IoCmd};
 use crate::error::Error;
+use crate::nbd::direct::DirectConn;
 
 /// What the session attached.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,7 +153,7 @@ impl Client {
 
     async fn io(&self, op: Op, fua: bool, offset: u64, length: u64, data: Vec<u8>) -> Result<Vec<u8>, Error> {
         let (reply, rx) = oneshot::channel();
-        let io = IoCmd { op, fua, offset, length, data, node: self.node, reply };
+        let io = IoCmd { op, fua, offset, length, data, node: self.node, reply: Completion::Client(reply) };
         let sent = match self.inner.queues.get(&self.node).or_else(|| self.inner.queues.get(&None)) {
             Some(q) => q.send(io).is_ok(),
             None => {
@@ -238,6 +239,17 @@ impl Client {
         if self.session_cmd(Cmd::Close(tx)).is_ok() {
             let _ = rx.await;
         }
+    }
+
+    /// Hands an NBD connection, past its handshake, to the engine thread of this handle's node,
+    /// which serves its requests from then on (see [`crate::nbd::direct`]).
+    pub(crate) fn serve_nbd(&self, mut conn: DirectConn) -> Result<(), Error> {
+        let g = engine_for(&self.inner.node_engine, self.node);
+        conn.owner = g;
+        let (engine, bell) = &self.inner.engines[g];
+        engine.send(Cmd::Nbd(Box::new(conn))).map_err(|_| Error::Closed)?;
+        bell.ring();
+        Ok(())
     }
 
     /// Hands a command about the whole session to the first engine thread.

@@ -28,6 +28,7 @@ use tyche_wire::{flags, ChannelParams, Envelope, Frame, Kind, Op, RejectReason, 
 use crate::client::{Client, ExportInfo, Stats};
 use crate::config::{EngineThreads, InitiatorConfig, Link};
 use crate::error::{ConnectError, Error};
+use crate::nbd::direct::{DirectConn, NbdReply};
 use crate::sched::NumaScheduler;
 
 /// Frames handled per transport per loop iteration.
@@ -83,7 +84,16 @@ pub(crate) struct IoCmd {
     /// Write data (empty for other ops).
     pub data: Vec<u8>,
     pub node: Option<u32>,
-    pub reply: oneshot::Sender<Result<Vec<u8>, Error>>,
+    pub reply: Completion,
+}
+
+/// Where a request's outcome goes.
+#[derive(Debug)]
+pub(crate) enum Completion {
+    /// A [`Client`] call waits for it.
+    Client(oneshot::Sender<Result<Vec<u8>, Error>>),
+    /// An NBD connection served by the engine turns it into a reply.
+    Nbd(NbdReply),
 }
 
 /// What the client sends the engine.
@@ -94,13 +104,15 @@ pub(crate) enum Cmd {
     Stats(oneshot::Sender<Stats>),
     Report(oneshot::Sender<crate::report::Report>),
     Close(oneshot::Sender<()>),
+    /// An NBD connection for the engine thread that receives it to serve.
+    Nbd(Box<DirectConn>),
 }
 
 #[derive(Debug)]
 struct InFlight {
     op: Op,
     buf: Vec<u8>,
-    reply: oneshot::Sender<Result<Vec<u8>, Error>>,
+    reply: Completion,
 }
 
 /// One logical channel of a link: reopened under a new channel index when it dies.
@@ -182,6 +194,8 @@ pub(crate) struct Engine {
     exited: usize,
     /// Who waits for the last engine thread to exit.
     closers: Vec<oneshot::Sender<()>>,
+    /// NBD connections the engine threads serve, by stats key.
+    nbd: HashMap<u64, DirectConn>,
     /// The link of every channel index ever opened.
     channel_link: HashMap<u16, usize>,
 }
@@ -384,6 +398,7 @@ impl Engine {
             finished: false,
             exited: 0,
             closers: Vec::new(),
+            nbd: HashMap::new(),
             channel_link: HashMap::new(),
         }
     }
@@ -588,6 +603,7 @@ impl Engine {
         let mut work = false;
         let mut dead = Vec::new();
         let mut no_path = 0usize;
+        let mut completed = Vec::new();
         while let Some(ev) = vol.poll_event() {
             work = true;
             match ev {
@@ -610,7 +626,7 @@ impl Engine {
                             })
                         }
                     };
-                    let _ = r.reply.send(result);
+                    completed.push((r.reply, result));
                 }
                 VolumeEvent::ChannelDead { channel, reason, reissued } => {
                     dead.push(channel);
@@ -641,7 +657,31 @@ impl Engine {
                 self.schedule_reconnect(slot, 1, now);
             }
         }
+        for (c, result) in completed {
+            self.complete(c, result, now);
+        }
         work
+    }
+
+    /// Hands a request's outcome to whoever waits for it.
+    fn complete(&mut self, c: Completion, result: Result<Vec<u8>, Error>, now: Instant) {
+        match c {
+            Completion::Client(reply) => {
+                let _ = reply.send(result);
+            }
+            Completion::Nbd(reply) if reply.then_flush && result.is_ok() => {
+                // TRIM with FUA: the discard is done, now the flush, then the reply.
+                let node = self.nbd.get(&reply.conn).and_then(DirectConn::node);
+                let reply = Completion::Nbd(NbdReply { then_flush: false, ..reply });
+                let io = IoCmd { op: Op::Flush, fua: false, offset: 0, length: 0, data: Vec::new(), node, reply };
+                self.submit(io, now);
+            }
+            Completion::Nbd(reply) => {
+                if let Some(conn) = self.nbd.get_mut(&reply.conn) {
+                    conn.complete(reply, result);
+                }
+            }
+        }
     }
 
     fn transmit(&mut self, now: Instant, io: &mut Io) -> bool {
@@ -760,12 +800,21 @@ impl Engine {
             Cmd::Report(reply) => {
                 let _ = reply.send(self.report());
             }
+            Cmd::Nbd(conn) => {
+                let thread = self.threads.get(conn.owner).cloned().flatten();
+                conn.placed(thread);
+                if self.closing.is_some() {
+                    conn.close(true);
+                } else {
+                    self.nbd.insert(conn.id, *conn);
+                }
+            }
             Cmd::Close(done) => {
                 if self.closing.is_none() {
                     info!("closing the session");
                 }
-                for io in self.backlog.drain(..) {
-                    let _ = io.reply.send(Err(Error::Closed));
+                for io in std::mem::take(&mut self.backlog) {
+                    self.complete(io.reply, Err(Error::Closed), now);
                 }
                 match &mut self.closing {
                     Some((_, waiters)) => waiters.push(done),
@@ -777,7 +826,7 @@ impl Engine {
 
     fn submit(&mut self, io: IoCmd, now: Instant) {
         if self.closing.is_some() {
-            let _ = io.reply.send(Err(Error::Closed));
+            self.complete(io.reply, Err(Error::Closed), now);
             return;
         }
         if !self.backlog.is_empty() {
@@ -800,7 +849,13 @@ impl Engine {
                 // Read data lands in the buffer the caller allocated (on its thread's node),
                 // when it gave one.
                 let buf = if io.op == Op::Read && io.data.len() != io.length as usize {
-                    vec![0; io.length as usize]
+                    // Touched here, on the submitting thread (the NBD connection's node), not
+                    // first by whichever thread receives the data.
+                    let mut buf = vec![0; io.length as usize];
+                    for i in (0..buf.len()).step_by(4096) {
+                        buf[i] = std::hint::black_box(0);
+                    }
+                    buf
                 } else {
                     io.data
                 };
@@ -809,7 +864,7 @@ impl Engine {
             }
             Err(SubmitError::Busy) => Err(io),
             Err(e) => {
-                let _ = io.reply.send(Err(e.into()));
+                self.complete(io.reply, Err(e.into()), now);
                 Ok(())
             }
         }
@@ -908,26 +963,91 @@ impl Engine {
         })
     }
 
-    /// Rings the other engine threads that have something to send.
+    /// Rings the other engine threads that have something to send (frames, or NBD replies).
     fn wake_others(&self, me: usize) {
         if self.bells.len() < 2 {
             return;
         }
         for (g, bell) in self.bells.iter().enumerate() {
-            if g != me && self.group_wants_transmit(g) {
+            if g != me && (self.group_wants_transmit(g) || self.nbd.values().any(|c| c.owner == g && c.wants_write())) {
                 bell.ring();
             }
         }
     }
 
+    /// Reads and submits the requests waiting on engine thread `g`'s NBD connections.
+    fn nbd_receive(&mut self, g: usize, now: Instant) -> bool {
+        if self.nbd.is_empty() {
+            return false;
+        }
+        let mut ios = Vec::new();
+        for conn in self.nbd.values_mut().filter(|c| c.owner == g) {
+            let node = conn.node();
+            ios.extend(conn.poll_requests().into_iter().map(|io| (node, io)));
+        }
+        let work = !ios.is_empty();
+        for (node, io) in ios {
+            let reply = Completion::Nbd(io.reply);
+            self.submit(
+                IoCmd { op: io.op, fua: io.fua, offset: io.offset, length: io.length, data: io.data, node, reply },
+                now,
+            );
+        }
+        work
+    }
+
+    /// Writes the replies of engine thread `g`'s NBD connections and ends those that are over.
+    fn nbd_send(&mut self, g: usize) -> bool {
+        if self.nbd.is_empty() {
+            return false;
+        }
+        let mut work = false;
+        let mut over = Vec::new();
+        for conn in self.nbd.values_mut().filter(|c| c.owner == g) {
+            work |= conn.write_replies();
+            if conn.finished() {
+                over.push(conn.id);
+            }
+        }
+        for id in over {
+            if let Some(conn) = self.nbd.remove(&id) {
+                conn.close(false);
+            }
+        }
+        work
+    }
+
+    /// What engine thread `g` polls its NBD connections for while it sleeps.
+    fn nbd_poll_set(&self, g: usize) -> Vec<(Arc<std::os::unix::net::UnixStream>, PollFlags)> {
+        self.nbd
+            .values()
+            .filter(|c| c.owner == g)
+            .filter_map(|c| {
+                let mut f = PollFlags::empty();
+                if c.wants_read() {
+                    f |= PollFlags::POLLIN;
+                }
+                if c.wants_write() {
+                    f |= PollFlags::POLLOUT;
+                }
+                (!f.is_empty()).then(|| (c.socket(), f))
+            })
+            .collect()
+    }
+
     /// Fails what is left, sends DISCONNECT on every channel of `io`'s links, and tells the
     /// other engine threads to send theirs and exit.
     fn finish(&mut self, now: Instant, io: &mut Io) {
-        for (_, r) in self.inflight.drain() {
-            let _ = r.reply.send(Err(Error::Closed));
+        let inflight: Vec<InFlight> = self.inflight.drain().map(|(_, r)| r).collect();
+        for r in inflight {
+            self.complete(r.reply, Err(Error::Closed), now);
         }
-        for io in self.backlog.drain(..) {
-            let _ = io.reply.send(Err(Error::Closed));
+        for io in std::mem::take(&mut self.backlog) {
+            self.complete(io.reply, Err(Error::Closed), now);
+        }
+        for (_, mut conn) in self.nbd.drain() {
+            conn.write_replies();
+            conn.close(true);
         }
         if let Some(v) = self.volume.as_mut() {
             v.close();
@@ -995,8 +1115,10 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
                 }
             }
         }
+        work |= e.nbd_receive(g, now);
         work |= e.drain_backlog(now);
         work |= e.step(&mut io);
+        work |= e.nbd_send(g);
         if let Some((deadline, _)) = &e.closing {
             if e.inflight.is_empty() || now >= *deadline {
                 e.finish(now, &mut io);
@@ -1020,6 +1142,7 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
         if let Some(t) = e.volume.as_ref().and_then(Volume::poll_timeout) {
             wait = wait.min(t.since(now));
         }
+        let sockets = e.nbd_poll_set(g);
         // Say so before letting go of the lock: a thread that then leaves work for this one
         // rings, and the sleep below returns at once.
         bell.sleeping.store(!disconnected, Ordering::Release);
@@ -1042,17 +1165,18 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
                 continue;
             }
         }
-        sleep(&bell, &io, wait);
+        sleep(&bell, &io, &sockets, wait);
         bell.sleeping.store(false, Ordering::Release);
         let _ = bell.efd.read();
     }
 }
 
-/// Sleeps until a client or another engine thread rings, a transport becomes readable, or
-/// `wait` passes.
-fn sleep(bell: &Bell, io: &Io, wait: Duration) {
+/// Sleeps until a client or another engine thread rings, a transport becomes readable, an NBD
+/// connection readable or writable as asked, or `wait` passes.
+fn sleep(bell: &Bell, io: &Io, sockets: &[(Arc<std::os::unix::net::UnixStream>, PollFlags)], wait: Duration) {
     let mut fds = vec![PollFd::new(bell.efd.as_fd(), PollFlags::POLLIN)];
     fds.extend(io.iter().filter_map(|(_, t)| t.readiness_fd()).map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+    fds.extend(sockets.iter().map(|(s, f)| PollFd::new(s.as_fd(), *f)));
     let _ = nix::poll::ppoll(&mut fds, Some(TimeSpec::from_duration(wait)), None);
 }
 

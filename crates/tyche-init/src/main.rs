@@ -56,6 +56,11 @@ enum Command {
         /// CPUs, its buffers are allocated there, and its requests go to that node's channels.
         #[arg(long, value_delimiter = ',', value_name = "NODE,...")]
         nbd_nodes: Vec<u32>,
+        /// Who serves NBD requests after the handshake: `engine` (the engine thread of the
+        /// connection's node reads requests and writes replies in its own loop) or `tasks` (a
+        /// task per request on the connection's thread, handing each to the engine).
+        #[arg(long, default_value = "engine", value_parser = ["engine", "tasks"])]
+        nbd_io: String,
     },
     /// Print the counters, per channel payload bytes and NUMA placement of a running front end.
     Stats {
@@ -317,12 +322,18 @@ fn start_stats(
     }
 }
 
-async fn serve_nbd(socket: PathBuf, conn: ConnArgs, max_inflight: usize, nbd_nodes: Vec<u32>) -> Result<()> {
+async fn serve_nbd(
+    socket: PathBuf,
+    conn: ConnArgs,
+    max_inflight: usize,
+    nbd_nodes: Vec<u32>,
+    engine_io: bool,
+) -> Result<()> {
     let (client, _target) = open(&conn).await?;
     let i = client.info();
     println!("{}", socket.display());
     info!(export = %i.export, size = i.size, session = format_args!("{:#x}", i.session), "attached");
-    let opts = NbdOptions { max_inflight, connection_nodes: nbd_nodes, ..NbdOptions::new(&conn.export) };
+    let opts = NbdOptions { max_inflight, connection_nodes: nbd_nodes, engine_io, ..NbdOptions::new(&conn.export) };
     let dir = state::dir();
     let pid = std::process::id();
     let (_stats, stats) = start_stats(&conn, &dir, pid, &client, Some(opts.stats.clone()));
@@ -521,8 +532,8 @@ fn run() -> Result<()> {
     match cli.command {
         Command::Discover { ifaces, wait } => discover(&ifaces, wait),
         Command::Attach { conn, queues, depth } => rt.block_on(attach(conn, queues, depth)),
-        Command::ServeNbd { socket, conn, max_inflight, nbd_nodes } => {
-            rt.block_on(serve_nbd(socket, conn, max_inflight, nbd_nodes))
+        Command::ServeNbd { socket, conn, max_inflight, nbd_nodes, nbd_io } => {
+            rt.block_on(serve_nbd(socket, conn, max_inflight, nbd_nodes, nbd_io == "engine"))
         }
         Command::Stats { what, json } => stats(&what, json),
         Command::List => {

@@ -100,7 +100,11 @@ fn stats_show_per_channel_bytes_and_nbd_buffers_on_their_node() {
     let stats = dir.path().join("t.stats.sock");
     let state = dir.path().join("state");
     let mut child = bin()
-        .args(["serve-nbd", "--loopback-mib", "16", "--export", "ram", "--nbd-nodes", "0", "--socket"])
+        // A task per request on the connection's own (pinned) thread: the in-process target's links
+        // have no node, so their engine thread is not pinned (`cargo xtask vm-test` checks the
+        // engine threads of real NICs on two nodes serving NBD connections).
+        .args(["serve-nbd", "--loopback-mib", "16", "--export", "ram", "--nbd-nodes", "0", "--nbd-io", "tasks"])
+        .arg("--socket")
         .arg(&socket)
         .arg("--stats-socket")
         .arg(&stats)

@@ -53,6 +53,12 @@ impl Drop for Server {
 }
 
 async fn server(size: u64) -> Server {
+    server_with(size, true).await
+}
+
+/// A server whose connections are served by the engine threads (`engine_io`) or by a task per
+/// request.
+async fn server_with(size: u64, engine_io: bool) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("nbd.sock");
     let (links, _sw, target) = mem_links(RamExport::new("ram", size), 2);
@@ -60,7 +66,8 @@ async fn server(size: u64) -> Server {
     cfg.timers = initiator_timers();
     let client = connect(cfg, links).await.expect("connect");
     let s = socket.clone();
-    let task = tokio::spawn(async move { tyche_init::nbd::serve_unix(&s, client, NbdOptions::new("ram")).await });
+    let opts = NbdOptions { engine_io, ..NbdOptions::new("ram") };
+    let task = tokio::spawn(async move { tyche_init::nbd::serve_unix(&s, client, opts).await });
     for _ in 0..100 {
         if socket.exists() {
             break;
@@ -129,10 +136,21 @@ async fn nbdcopy_round_trip_over_several_connections() {
     assert!(back == data, "nbdcopy out differs from what nbdcopy wrote in");
 }
 
-/// A raw client: handshake with NBD_OPT_GO, then out-of-order replies and error mapping.
+/// A raw client: handshake with NBD_OPT_GO, then out-of-order replies and error mapping, with
+/// connections served by the engine threads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_protocol_exchange() {
-    let s = server(4 * MIB).await;
+    raw_exchange(true).await;
+}
+
+/// The same exchange with a task per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_protocol_exchange_with_tasks() {
+    raw_exchange(false).await;
+}
+
+async fn raw_exchange(engine_io: bool) {
+    let s = server_with(4 * MIB, engine_io).await;
     let mut c = UnixStream::connect(&s.socket).await.unwrap();
     let mut greet = [0u8; 18];
     c.read_exact(&mut greet).await.unwrap();
@@ -200,6 +218,54 @@ async fn raw_protocol_exchange() {
     c.write_all(&req(codec::cmd::FLUSH, 0, 4, 0, 0)).await.unwrap();
     c.read_exact(&mut h).await.unwrap();
     assert_eq!(h, codec::simple_reply(0, 4));
+    // Pipelined: 48 requests in one write (writes of 64 KiB, reads of what an earlier request
+    // in the batch wrote, TRIM with FUA, WRITE_ZEROES, an empty read, CACHE, an unknown
+    // command), replies in any order.
+    let mut batch = Vec::new();
+    let mut expect = std::collections::HashMap::new();
+    for k in 0..16u64 {
+        let at = MIB + k * 65536;
+        let mut w = req(codec::cmd::WRITE, 0, 100 + k, at, 65536);
+        w.extend(std::iter::repeat_n(k as u8 + 1, 65536));
+        batch.extend(w);
+        expect.insert(100 + k, (0u32, 0usize));
+    }
+    // Requests on one connection may complete in any order, so the reads go after a flush
+    // round trip below; here: the other kinds.
+    batch.extend(req(codec::cmd::TRIM, codec::cflag::FUA, 200, 2 * MIB, 8192));
+    expect.insert(200, (0, 0));
+    batch.extend(req(codec::cmd::WRITE_ZEROES, 0, 201, 2 * MIB + 8192, 4096));
+    expect.insert(201, (0, 0));
+    batch.extend(req(codec::cmd::READ, 0, 202, 0, 0));
+    expect.insert(202, (0, 0));
+    batch.extend(req(codec::cmd::CACHE, 0, 203, 0, 4096));
+    expect.insert(203, (0, 0));
+    batch.extend(req(99, 0, 204, 0, 512));
+    expect.insert(204, (codec::errno::EINVAL, 0));
+    c.write_all(&batch).await.unwrap();
+    while !expect.is_empty() {
+        c.read_exact(&mut h).await.unwrap();
+        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        let (want, _) = expect.remove(&cookie).unwrap_or_else(|| panic!("unexpected reply {h:?}"));
+        assert_eq!(error, want, "reply to {cookie}");
+    }
+    let mut batch = Vec::new();
+    for k in 0..16u64 {
+        batch.extend(req(codec::cmd::READ, 0, 300 + k, MIB + k * 65536, 65536));
+    }
+    c.write_all(&batch).await.unwrap();
+    let mut seen = 0;
+    while seen < 16 {
+        c.read_exact(&mut h).await.unwrap();
+        let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        assert_eq!(h, codec::simple_reply(0, cookie));
+        let mut d = vec![0u8; 65536];
+        c.read_exact(&mut d).await.unwrap();
+        let k = cookie - 300;
+        assert!(d.iter().all(|&b| b == k as u8 + 1), "read {k} returns what write {k} wrote");
+        seen += 1;
+    }
     c.write_all(&req(codec::cmd::DISC, 0, 5, 0, 0)).await.unwrap();
     let mut rest = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.expect("server closes").unwrap();

@@ -12,6 +12,7 @@
 //! bytes and against libnbd's tools (`nbdinfo`, `nbdcopy`, `nbdfuse`).
 
 pub mod codec;
+pub(crate) mod direct;
 
 use std::io;
 use std::path::Path;
@@ -62,6 +63,10 @@ pub struct NbdOptions {
     pub connection_nodes: Vec<u32>,
     /// Per connection counters, shared with the stats socket.
     pub stats: crate::report::NbdStats,
+    /// After the handshake, serve the connection from the engine thread of its node (requests
+    /// read and replies written in the engine's loop, see [`direct`]) rather than from a task
+    /// per request on the connection's own thread.
+    pub engine_io: bool,
 }
 
 impl NbdOptions {
@@ -73,6 +78,7 @@ impl NbdOptions {
             max_inflight: 128,
             connection_nodes: Vec::new(),
             stats: crate::report::NbdStats::default(),
+            engine_io: true,
         }
     }
 }
@@ -200,10 +206,29 @@ async fn connection(
     node: Option<u32>,
 ) -> io::Result<()> {
     let (mut rd, mut wr) = stream.into_split();
-    if handshake(&mut rd, &mut wr, &client, opts).await? {
-        transmission(rd, wr, client, opts, idx, node).await?;
+    if !handshake(&mut rd, &mut wr, &client, opts).await? {
+        return Ok(());
     }
-    Ok(())
+    if !opts.engine_io {
+        return transmission(rd, wr, client, opts, idx, node).await;
+    }
+    // The handshake reads no further than its last option, so requests the client already
+    // sent are still in the socket for the engine thread to read.
+    let stream = rd.reunite(wr).map_err(|e| io::Error::other(e.to_string()))?.into_std()?;
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let info = client.info();
+    let conn = direct::DirectConn::new(
+        stream,
+        idx,
+        info.size,
+        info.discard,
+        node,
+        opts.stats.clone(),
+        opts.max_inflight,
+        done,
+    )?;
+    client.serve_nbd(conn).map_err(|e| io::Error::other(e.to_string()))?;
+    finished.await.unwrap_or_else(|_| Err(io::Error::other("the engine stopped")))
 }
 
 /// Option haggling. Returns whether to enter transmission.
@@ -447,6 +472,7 @@ async fn transmission(
     result
 }
 
+/// The sector: reads and trims are rounded to it.
 const SECTOR: u64 = MIN_BLOCK as u64;
 
 /// Runs one command; returns read data or an NBD error number.

@@ -1,0 +1,456 @@
+//! NBD transmission served by the engine thread itself.
+//!
+//! After the handshake (async, on the connection's own thread or task), the socket is handed to
+//! the engine thread of the connection's node ([`crate::Client`] routes it). That thread reads
+//! requests from the socket without blocking, submits them to the volume directly, and writes
+//! the replies of completed requests back in gathered writes, in the same loop that moves the
+//! frames: no thread hand-off per request, no async task per request. A connection is a
+//! [`DirectConn`]: a non-blocking socket, a request parser, and a queue of replies.
+//!
+//! Semantics are those of the task-based server in [`super`]: the same validation, the same
+//! replies and error numbers, out-of-order completion, at most `max_inflight` requests and
+//! [`HELD_BYTES`] of data per connection.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use tokio::sync::oneshot;
+use tyche_wire::Op;
+
+use super::codec::{self, cflag, cmd, errno};
+use super::{MAX_REQUEST, REPLY_BATCH, REQUEST_BUFFER, SECTOR};
+use crate::error::Error;
+use crate::report::NbdStats;
+
+/// Data (read buffers and write payloads) one connection may hold at once.
+pub(crate) const HELD_BYTES: u64 = 256 << 20;
+/// Request buffers of a node's connection are located page by page on one request in this many.
+const BUFFER_SAMPLE: u64 = super::BUFFER_SAMPLE;
+
+/// A request for the volume, parsed from the socket.
+#[derive(Debug)]
+pub(crate) struct NbdIo {
+    pub op: Op,
+    pub fua: bool,
+    pub offset: u64,
+    pub length: u64,
+    /// Write data.
+    pub data: Vec<u8>,
+    /// How the completion turns into a reply.
+    pub reply: NbdReply,
+}
+
+/// Where a request's reply goes, and what is left to do when the volume completes it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NbdReply {
+    /// The connection (its stats key).
+    pub conn: u64,
+    pub cookie: u64,
+    /// For a read of sectors covering an unaligned range: the part to return.
+    pub trim: Option<(usize, usize)>,
+    /// A TRIM with FUA: flush after the discard succeeds.
+    pub then_flush: bool,
+    /// Locate the buffer's pages for the stats (see [`BUFFER_SAMPLE`]).
+    pub sample: bool,
+    /// Data bytes the request holds (released on completion).
+    pub held: u64,
+    /// Bytes a write carries (for the counters).
+    pub written: u64,
+}
+
+/// One reply: header and, for a successful read, its data.
+#[derive(Debug)]
+struct Reply {
+    header: [u8; 16],
+    data: Vec<u8>,
+}
+
+/// A write request whose payload is still arriving.
+#[derive(Debug)]
+struct Partial {
+    req: codec::Request,
+    data: Vec<u8>,
+    filled: usize,
+}
+
+/// An NBD connection in transmission, served by an engine thread.
+#[derive(Debug)]
+pub(crate) struct DirectConn {
+    /// The stats key of the connection (unique per server).
+    pub(crate) id: u64,
+    /// The engine thread that serves it.
+    pub(crate) owner: usize,
+    stream: Arc<UnixStream>,
+    size: u64,
+    discard: bool,
+    node: Option<u32>,
+    stats: NbdStats,
+    max_inflight: usize,
+    inbuf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    partial: Option<Partial>,
+    out: VecDeque<Reply>,
+    /// Bytes of `out`'s first reply (header and data together) already written.
+    out_off: usize,
+    inflight: usize,
+    held: u64,
+    seq: u64,
+    /// The client sent DISC or closed its end.
+    eof: bool,
+    /// The connection failed (bad request, socket error); replies are dropped.
+    error: Option<io::Error>,
+    done: Option<oneshot::Sender<io::Result<()>>>,
+}
+
+impl DirectConn {
+    /// A connection on `stream` (any blocking mode; it is made non-blocking) for an export of
+    /// `size` bytes. `done` learns how it ended.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        stream: UnixStream,
+        id: u64,
+        size: u64,
+        discard: bool,
+        node: Option<u32>,
+        stats: NbdStats,
+        max_inflight: usize,
+        done: oneshot::Sender<io::Result<()>>,
+    ) -> io::Result<Self> {
+        stream.set_nonblocking(true)?;
+        Ok(DirectConn {
+            id,
+            owner: 0,
+            stream: Arc::new(stream),
+            size,
+            discard,
+            node,
+            stats,
+            max_inflight: max_inflight.max(1),
+            inbuf: vec![0; REQUEST_BUFFER].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            partial: None,
+            out: VecDeque::new(),
+            out_off: 0,
+            inflight: 0,
+            held: 0,
+            seq: 0,
+            eof: false,
+            error: None,
+            done: Some(done),
+        })
+    }
+
+    /// The node the connection is served for.
+    pub(crate) fn node(&self) -> Option<u32> {
+        self.node
+    }
+
+    /// Records the engine thread that serves the connection in its report.
+    pub(crate) fn placed(&self, thread: Option<tyche_numa::report::ThreadPlacement>) {
+        if let Some(t) = thread {
+            self.stats.update(self.id, |r| r.thread = t);
+        }
+    }
+
+    /// The socket, for the engine thread's `poll`.
+    pub(crate) fn socket(&self) -> Arc<UnixStream> {
+        Arc::clone(&self.stream)
+    }
+
+    /// Whether more requests may be read now.
+    pub(crate) fn wants_read(&self) -> bool {
+        !self.eof && self.error.is_none() && self.inflight < self.max_inflight && self.held < HELD_BYTES
+    }
+
+    /// Whether replies wait to be written.
+    pub(crate) fn wants_write(&self) -> bool {
+        self.error.is_none() && !self.out.is_empty()
+    }
+
+    /// Whether the connection is over: the client left (or it failed), nothing is in flight
+    /// and every reply is out.
+    pub(crate) fn finished(&self) -> bool {
+        (self.eof || self.error.is_some()) && self.inflight == 0 && (self.out.is_empty() || self.error.is_some())
+    }
+
+    /// Reads what the socket has and parses requests, up to the connection's limits. Requests
+    /// that need the volume are returned; the others (validation errors, empty ranges, CACHE)
+    /// are answered at once.
+    pub(crate) fn poll_requests(&mut self) -> Vec<NbdIo> {
+        let mut ios = Vec::new();
+        while self.wants_read() {
+            match self.next_request() {
+                Ok(Some(io)) => {
+                    if let Some(io) = io {
+                        ios.push(io);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    if e.kind() == io::ErrorKind::UnexpectedEof {
+                        self.eof = true;
+                    } else {
+                        self.error = Some(e);
+                    }
+                    break;
+                }
+            }
+        }
+        ios
+    }
+
+    /// One step of the parser: `Ok(None)` when the socket has nothing more now,
+    /// `Ok(Some(None))` when a request was answered without the volume.
+    fn next_request(&mut self) -> io::Result<Option<Option<NbdIo>>> {
+        if let Some(p) = &mut self.partial {
+            // Payload already buffered, then straight from the socket into the request's buffer.
+            let buffered = (self.end - self.start).min(p.data.len() - p.filled);
+            p.data[p.filled..p.filled + buffered].copy_from_slice(&self.inbuf[self.start..self.start + buffered]);
+            p.filled += buffered;
+            self.start += buffered;
+            while p.filled < p.data.len() {
+                match self.stream.as_ref().read(&mut p.data[p.filled..]) {
+                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Ok(n) => p.filled += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            let p = self.partial.take().expect("partial");
+            return Ok(Some(self.request(p.req, p.data)));
+        }
+        if self.end - self.start < codec::REQUEST_LEN {
+            self.inbuf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+            loop {
+                match self.stream.as_ref().read(&mut self.inbuf[self.end..]) {
+                    // The client went away (between requests: not an error).
+                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Ok(n) => {
+                        self.end += n;
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if self.end - self.start < codec::REQUEST_LEN {
+                return Ok(Some(None));
+            }
+        }
+        let h: &[u8; codec::REQUEST_LEN] =
+            self.inbuf[self.start..self.start + codec::REQUEST_LEN].try_into().expect("request header");
+        let Some(req) = codec::parse_request(h) else {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
+        };
+        self.start += codec::REQUEST_LEN;
+        match req.command {
+            cmd::DISC => {
+                self.eof = true;
+                Ok(Some(None))
+            }
+            cmd::WRITE if req.length > MAX_REQUEST => {
+                Err(io::Error::new(io::ErrorKind::InvalidData, "write larger than the advertised maximum"))
+            }
+            cmd::WRITE => {
+                self.partial = Some(Partial { req, data: vec![0; req.length as usize], filled: 0 });
+                self.next_request()
+            }
+            _ => Ok(Some(self.request(req, Vec::new()))),
+        }
+    }
+
+    /// Turns a whole request into a volume request, or answers it.
+    fn request(&mut self, req: codec::Request, data: Vec<u8>) -> Option<NbdIo> {
+        let (off, len) = (req.offset, req.length as u64);
+        let fua = req.flags & cflag::FUA != 0;
+        let in_range = off.checked_add(len).is_some_and(|end| end <= self.size);
+        let seq = self.seq;
+        self.seq += 1;
+        let sample = self.node.is_some() && (seq < 64 || seq % BUFFER_SAMPLE == 0);
+        let mut reply =
+            NbdReply { conn: self.id, cookie: req.cookie, trim: None, then_flush: false, sample, held: 0, written: 0 };
+        let io = |op, offset, length, data: Vec<u8>, reply| NbdIo { op, fua, offset, length, data, reply };
+        let io = match req.command {
+            cmd::FLUSH => io(Op::Flush, 0, 0, Vec::new(), reply),
+            _ if !in_range => {
+                self.answer(req.cookie, if req.command == cmd::WRITE { errno::ENOSPC } else { errno::EINVAL });
+                return None;
+            }
+            _ if len == 0 => {
+                self.answer(req.cookie, 0);
+                return None;
+            }
+            cmd::READ => {
+                if len > MAX_REQUEST as u64 {
+                    self.answer(req.cookie, errno::EINVAL);
+                    return None;
+                }
+                // Unaligned reads read the covering sectors.
+                let start = off / SECTOR * SECTOR;
+                let end = (off + len).next_multiple_of(SECTOR);
+                if start != off || end != off + len {
+                    reply.trim = Some(((off - start) as usize, len as usize));
+                }
+                reply.held = end - start;
+                // The buffer is allocated, and its pages touched, here on the connection's
+                // engine thread (on its node), whichever thread later receives the data.
+                let mut buf = vec![0u8; (end - start) as usize];
+                for i in (0..buf.len()).step_by(4096) {
+                    buf[i] = std::hint::black_box(0);
+                }
+                io(Op::Read, start, end - start, buf, reply)
+            }
+            cmd::WRITE => {
+                if sample {
+                    self.count_pages(&data);
+                }
+                reply.held = len;
+                reply.written = len;
+                io(Op::Write, off, len, data, reply)
+            }
+            cmd::TRIM => {
+                if !self.discard {
+                    self.answer(req.cookie, errno::from_errno(Error::Unsupported.errno()));
+                    return None;
+                }
+                // Advisory: trim the whole sectors inside the range.
+                let start = off.next_multiple_of(SECTOR);
+                let end = (off + len) / SECTOR * SECTOR;
+                if end <= start {
+                    self.answer(req.cookie, 0);
+                    return None;
+                }
+                reply.then_flush = fua;
+                NbdIo { op: Op::Discard, fua: false, offset: start, length: end - start, data: Vec::new(), reply }
+            }
+            cmd::WRITE_ZEROES => io(Op::WriteZeroes, off, len, Vec::new(), reply),
+            cmd::CACHE => {
+                self.answer(req.cookie, 0);
+                return None;
+            }
+            _ => {
+                self.answer(req.cookie, errno::EINVAL);
+                return None;
+            }
+        };
+        self.inflight += 1;
+        self.held += io.reply.held;
+        Some(io)
+    }
+
+    /// Queues a reply without data for a request that never reached the volume.
+    fn answer(&mut self, cookie: u64, error: u32) {
+        self.out.push_back(Reply { header: codec::simple_reply(error, cookie), data: Vec::new() });
+    }
+
+    /// Queues the reply of a request the volume completed (`data`: read data).
+    pub(crate) fn complete(&mut self, reply: NbdReply, result: Result<Vec<u8>, Error>) {
+        self.inflight = self.inflight.saturating_sub(1);
+        self.held = self.held.saturating_sub(reply.held);
+        let (error, data) = match result {
+            Ok(mut data) => {
+                if let Some((at, len)) = reply.trim {
+                    data = data[at..at + len].to_vec();
+                }
+                (0, data)
+            }
+            Err(e) => (errno::from_errno(e.errno()), Vec::new()),
+        };
+        if error == 0 {
+            if reply.sample && !data.is_empty() {
+                self.count_pages(&data);
+            }
+            let (read, written) = (data.len() as u64, reply.written);
+            if read > 0 || written > 0 {
+                self.stats.update(self.id, |r| {
+                    r.bytes_read += read;
+                    r.bytes_written += written;
+                });
+            }
+        }
+        if self.error.is_none() {
+            self.out.push_back(Reply { header: codec::simple_reply(error, reply.cookie), data });
+        }
+    }
+
+    /// Adds where `buf`'s pages are to the connection's counters.
+    fn count_pages(&self, buf: &[u8]) {
+        let node = self.node;
+        if let Some(p) = tyche_numa::report::count_slice(buf, node).ok().filter(|p| p.pages > 0) {
+            self.stats.update(self.id, |r| {
+                if r.buffers.pages == 0 {
+                    r.buffers.expected_node = node;
+                }
+                r.buffers.add(&p);
+            });
+        }
+    }
+
+    /// Writes queued replies (gathered: headers and payloads from their own buffers) until the
+    /// socket would block. Returns whether anything was written.
+    pub(crate) fn write_replies(&mut self) -> bool {
+        let mut wrote = false;
+        while self.wants_write() {
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * REPLY_BATCH.min(self.out.len()));
+            let mut skip = self.out_off;
+            for r in self.out.iter().take(REPLY_BATCH) {
+                for part in [&r.header[..], &r.data[..]] {
+                    if skip >= part.len() {
+                        skip -= part.len();
+                    } else {
+                        slices.push(IoSlice::new(&part[skip..]));
+                        skip = 0;
+                    }
+                }
+            }
+            let mut n = match self.stream.as_ref().write_vectored(&slices) {
+                Ok(0) => {
+                    self.error = Some(io::ErrorKind::WriteZero.into());
+                    break;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    self.error = Some(e);
+                    break;
+                }
+            };
+            wrote = true;
+            while n > 0 {
+                let first = self.out.front().expect("written bytes belong to a reply");
+                let left = first.header.len() + first.data.len() - self.out_off;
+                if n >= left {
+                    n -= left;
+                    self.out.pop_front();
+                    self.out_off = 0;
+                } else {
+                    self.out_off += n;
+                    n = 0;
+                }
+            }
+        }
+        wrote
+    }
+
+    /// Ends the connection: shuts the socket down and tells the waiting task how it went.
+    pub(crate) fn close(mut self, closed: bool) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let result = match self.error.take() {
+            Some(e) => Err(e),
+            None if closed && !self.eof => Err(io::Error::other("the session was closed")),
+            None => Ok(()),
+        };
+        if let Some(done) = self.done.take() {
+            let _ = done.send(result);
+        }
+    }
+}
