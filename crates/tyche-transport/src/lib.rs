@@ -12,6 +12,11 @@
 //!   [`FrameTransport::readiness_fd`] for the runtime to wait on.
 //! - Buffers handed to the callbacks live in the transport's own memory (a UMEM chunk for
 //!   AF_XDP): reading or writing them in place is the zero-copy path.
+//! - A receiver may *keep* a received frame instead of copying its bytes out
+//!   ([`FrameTransport::recv_lend`]): the frame's buffer is then lent to it as a [`Lease`] and
+//!   stays where it is, unchanged, until [`FrameTransport::release`] gives it back. A transport
+//!   that cannot lend (or has no buffer to spare right now) offers no lease, and the receiver
+//!   copies.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -19,8 +24,10 @@ mod fault;
 mod mem;
 pub mod stats_socket;
 
+use std::any::Any;
 use std::io;
 use std::os::fd::BorrowedFd;
+use std::sync::Arc;
 
 pub use fault::{FaultConfig, FaultInjector, FaultStats};
 pub use mem::{MemLink, MemPort};
@@ -40,6 +47,30 @@ pub trait FrameTransport {
     /// Receives up to `budget` frames, calling `on_frame` on each, in place, in arrival order.
     /// Returns how many frames were delivered; zero when none is waiting.
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize>;
+
+    /// As [`FrameTransport::recv`], offering with each frame a [`Lease`] on its buffer when the
+    /// transport can spare it. `on_frame` keeps the frame by keeping the lease (the bytes then stay
+    /// at the same address, unchanged, until the lease goes back through
+    /// [`FrameTransport::release`]) and returns `None`; it gives the lease back (returns it) to
+    /// let the buffer be reused at once. Frames offered without a lease must be copied to be kept.
+    ///
+    /// The default offers no lease (transports whose frames are copies anyway: TCP, AF_PACKET).
+    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        self.recv(budget, &mut |bytes| {
+            on_frame(bytes, None);
+        })
+    }
+
+    /// Gives back the buffer of a frame kept from [`FrameTransport::recv_lend`] of this
+    /// transport, to be reused for receiving.
+    fn release(&mut self, lease: Lease) {
+        drop(lease);
+    }
+
+    /// Frames kept by the receiver and not yet released.
+    fn leases_out(&self) -> usize {
+        0
+    }
 
     /// Transmits up to `budget` frames. For each free transmit buffer, `fill` writes one frame
     /// at the start of the buffer it is given and returns its length, `Some(0)` to skip this
@@ -71,6 +102,64 @@ pub trait FrameTransport {
     }
 }
 
+/// What [`FrameTransport::recv_lend`] calls with each frame: the bytes and, when the transport
+/// can lend the buffer, a lease on it; returns the lease unless it keeps the frame.
+pub type OnLentFrame<'a> = dyn FnMut(&[u8], Option<Lease>) -> Option<Lease> + 'a;
+
+/// A received frame's buffer, lent by the transport to the receiver that keeps the frame
+/// ([`FrameTransport::recv_lend`]).
+///
+/// While the lease lives, the frame's bytes stay at [`Lease::addr`] (for [`Lease::len`] bytes)
+/// and nothing writes them: the transport does not reuse the buffer until the lease comes back
+/// through [`FrameTransport::release`], and the lease holds a reference on the memory the buffer
+/// lies in, so the bytes stay mapped even if the transport is dropped first (a storage write
+/// still reading them, say). A lease is not `Clone`: it goes back once.
+pub struct Lease {
+    id: u64,
+    addr: usize,
+    len: usize,
+    memory: Arc<dyn Any + Send + Sync>,
+}
+
+impl Lease {
+    /// For transports: a lease named `id` (the transport's own name for the buffer) on `frame`,
+    /// whose memory `memory` keeps alive.
+    pub fn new(id: u64, frame: &[u8], memory: Arc<dyn Any + Send + Sync>) -> Lease {
+        Lease { id, addr: frame.as_ptr() as usize, len: frame.len(), memory }
+    }
+    /// The transport's name for the buffer.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// Address of the frame's first byte.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+    /// Length of the frame.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the frame is empty (never, for a frame a transport delivered).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Whether `bytes` lies within the lent frame.
+    pub fn covers(&self, bytes: &[u8]) -> bool {
+        let a = bytes.as_ptr() as usize;
+        a >= self.addr && a + bytes.len() <= self.addr + self.len
+    }
+    /// The memory the frame lies in (for transports: to check a lease is theirs).
+    pub fn memory(&self) -> &Arc<dyn Any + Send + Sync> {
+        &self.memory
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease").field("id", &self.id).field("addr", &self.addr).field("len", &self.len).finish()
+    }
+}
+
 /// A range of this process's address space that a transport owns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryArea {
@@ -94,6 +183,15 @@ impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
     }
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
         (**self).recv(budget, on_frame)
+    }
+    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        (**self).recv_lend(budget, on_frame)
+    }
+    fn release(&mut self, lease: Lease) {
+        (**self).release(lease)
+    }
+    fn leases_out(&self) -> usize {
+        (**self).leases_out()
     }
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         (**self).send(budget, fill)

@@ -29,6 +29,12 @@ pub use config::{Config, ConfigError, ExportConfig};
 pub use stats::Snapshot;
 pub use target::{Nic, Placement, StartError, Target, TargetHandle};
 
+/// Spare UMEM chunks each AF_XDP port of `tyched serve` gets so that received write data can
+/// stay in its frames until storage has written it (16 MiB per port): up to this many DATA
+/// frames per port are kept at once; beyond that, write data is copied into slot memory (and
+/// counted in `payload_copied_bytes`).
+pub const LEND_FRAMES: u32 = 4096;
+
 /// The MAC address the `k`th TCP connection of `tyched serve --transport tcp` uses when its
 /// interface has none (loopback): a locally administered `02:00:00:00:7c:0k`-style address.
 pub fn tcp_mac(k: usize) -> tyche_wire::MacAddr {

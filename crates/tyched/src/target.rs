@@ -27,7 +27,7 @@ use tyche_channel::{
     Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, TargetEvent, TargetInbound,
     TargetSession,
 };
-use tyche_transport::FrameTransport;
+use tyche_transport::{FrameTransport, Lease};
 use tyche_wire::{
     flags, Challenge, ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Reject, RejectReason, Request,
     Status, DATA_FRAME_OVERHEAD, SECTOR_SIZE,
@@ -118,6 +118,8 @@ struct Export {
     backend: Arc<dyn Backend>,
     /// Whether its storage requests go to the io_uring engine (else the pool, or inline for RAM).
     uring: bool,
+    /// Whether write data may stay in the received frames ([`Backend::writes_from_frames`]).
+    lend: bool,
     allow: Vec<MacAddr>,
     key: Option<Vec<u8>>,
     read_only: bool,
@@ -182,7 +184,48 @@ pub(crate) struct Job {
     pub(crate) export: usize,
     pub(crate) request: Request,
     pub(crate) buf: Option<Memory>,
+    /// Write data kept in the frames it arrived in, by offset (the rest is in `buf`).
+    pub(crate) lent: Vec<LentSegment>,
     pub(crate) abort: bool,
+}
+
+/// Write data left in the received frame it arrived in: the `len` bytes at `addr` are bytes
+/// `offset..offset + len` of the request's data. The lease keeps them there, unchanged.
+#[derive(Debug)]
+pub(crate) struct LentSegment {
+    pub(crate) offset: u32,
+    pub(crate) len: u32,
+    pub(crate) addr: usize,
+    /// The NIC whose transport lent the frame (it gets the lease back).
+    pub(crate) nic: usize,
+    pub(crate) lease: Lease,
+}
+
+impl Job {
+    /// The request's write data in order: the payloads of the kept frames, and slot memory
+    /// for the parts that were copied there.
+    pub(crate) fn write_pieces(&self) -> Vec<&[u8]> {
+        let len = self.request.length as usize;
+        let mem = || &self.buf.as_ref().expect("write slot").as_slice()[..len];
+        let mut out = Vec::with_capacity(self.lent.len() + 1);
+        let mut at = 0usize;
+        for seg in &self.lent {
+            let (o, l) = (seg.offset as usize, seg.len as usize);
+            assert!(o >= at && o + l <= len, "kept segments lie in order within the request");
+            if o > at {
+                out.push(&mem()[at..o]);
+            }
+            // SAFETY: `addr..addr + len` lies within the frame the lease names (checked with
+            // `Lease::covers` when the frame was kept), and while the lease lives the transport
+            // neither reuses nor unmaps that memory; `self` holds the lease for the borrow.
+            out.push(unsafe { std::slice::from_raw_parts(seg.addr as *const u8, l) });
+            at = o + l;
+        }
+        if at < len {
+            out.push(&mem()[at..]);
+        }
+        out
+    }
 }
 
 /// A finished storage request.
@@ -194,6 +237,7 @@ pub(crate) struct Done {
     pub(crate) export: usize,
     pub(crate) request: Request,
     pub(crate) buf: Option<Memory>,
+    pub(crate) lent: Vec<LentSegment>,
     pub(crate) status: Status,
 }
 
@@ -205,6 +249,7 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
     let len = r.length as usize;
     let res = match r.op {
         Op::Read => backend.read_at(&mut job.buf.as_mut().expect("read slot").as_mut_slice()[..len], r.offset),
+        Op::Write if !job.lent.is_empty() => backend.write_vectored_at(&job.write_pieces(), r.offset, r.fua),
         Op::Write => backend.write_at(&job.buf.as_ref().expect("write slot").as_slice()[..len], r.offset, r.fua),
         Op::Flush => backend.flush(),
         Op::Discard => backend.discard(r.offset, r.length as u64),
@@ -272,6 +317,7 @@ impl Target {
                 keyed = e.key.is_some(), "export ready");
             exports.push(Export {
                 spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
+                lend: backend.writes_from_frames(),
                 backend,
                 uring: false,
                 allow: e.allowed_macs(),
@@ -333,6 +379,7 @@ impl Target {
                         export: job.export,
                         request: job.request,
                         buf: job.buf,
+                        lent: job.lent,
                         status,
                     };
                     if tx.send(done).is_err() {
@@ -419,6 +466,9 @@ impl Target {
             acceptor,
             sessions: BTreeMap::new(),
             slots: HashMap::new(),
+            lent: HashMap::new(),
+            release: (0..n_nics).map(|_| Vec::new()).collect(),
+            leases_held: 0,
             slot_len: l.max_io as usize,
             node: placement.node,
             nic_node: Vec::new(),
@@ -435,6 +485,7 @@ impl Target {
             clock: std::time::Instant::now(),
             shared: Arc::clone(&shared),
             payload_copied: 0,
+            payload_copied_write: 0,
             reclaimed: 0,
             duplicates_from_reclaimed: 0,
             stopping: None,
@@ -662,6 +713,13 @@ type Slot = Option<Memory>;
 /// (session, channel, channel epoch, `damq` slot).
 type SlotKey = (u64, u16, u64, u16);
 
+/// Write data of one `damq` slot kept in received frames (for request `tag`), by offset.
+#[derive(Debug)]
+struct LentSlot {
+    tag: u64,
+    segs: BTreeMap<u32, LentSegment>,
+}
+
 /// The engine state every network thread works on, under one lock (see docs/architecture.md,
 /// "Network threads").
 struct Network {
@@ -672,6 +730,12 @@ struct Network {
     acceptor: Acceptor,
     sessions: BTreeMap<u64, SessionState>,
     slots: HashMap<SlotKey, Slot>,
+    /// Write data kept in frames, per slot (beside or instead of the slot memory).
+    lent: HashMap<SlotKey, LentSlot>,
+    /// Leases to give back, per NIC (by the thread serving it).
+    release: Vec<Vec<Lease>>,
+    /// Write segments kept in frames: in `lent` or in storage jobs.
+    leases_held: u64,
     slot_len: usize,
     node: Option<u32>,
     /// NUMA node of each NIC's memory (slot memory of its channels goes there).
@@ -693,6 +757,8 @@ struct Network {
     clock: std::time::Instant,
     shared: Arc<Shared>,
     payload_copied: u64,
+    /// The part of `payload_copied` on the write path.
+    payload_copied_write: u64,
     reclaimed: u64,
     duplicates_from_reclaimed: u64,
     stopping: Option<Instant>,
@@ -737,6 +803,7 @@ impl Network {
         if self.closing {
             for (k, nic) in nics.iter_mut() {
                 self.transmit_on(now, *k, nic);
+                self.give_back(*k, nic);
             }
             self.exited += 1;
             if self.exited == self.group_wakes.len() {
@@ -746,6 +813,7 @@ impl Network {
         }
         let mut busy = false;
         for (k, nic) in nics.iter_mut() {
+            self.give_back(*k, nic);
             busy |= self.receive_on(now, *k, nic);
         }
         busy |= self.completions(now);
@@ -756,6 +824,9 @@ impl Network {
             busy |= self.transmit_on(now, *k, nic);
         }
         self.reclaim(now);
+        for (k, nic) in nics.iter_mut() {
+            self.give_back(*k, nic);
+        }
         self.publish_if_requested(now);
         if let Some(since) = self.stopping {
             let drained = self.inflight == 0 && self.overflow.is_empty();
@@ -838,7 +909,7 @@ impl Network {
             return false;
         }
         let local = nic.transport.local_mac();
-        match nic.transport.recv(RX_BUDGET, &mut |bytes| self.on_frame(now, k, local, bytes)) {
+        match nic.transport.recv_lend(RX_BUDGET, &mut |bytes, lease| self.on_frame(now, k, local, bytes, lease)) {
             Ok(n) => n > 0,
             Err(e) => {
                 self.nic_stats[k].rx_errors += 1;
@@ -854,46 +925,116 @@ impl Network {
         }
     }
 
-    fn on_frame(&mut self, now: Instant, k: usize, local: MacAddr, bytes: &[u8]) {
+    /// Handles one received frame. Write data is kept in the frame when the transport lends it
+    /// (`lease`) and the export writes from frames; else it is copied into slot memory. Returns
+    /// the lease when the frame is not kept.
+    fn on_frame(
+        &mut self,
+        now: Instant,
+        k: usize,
+        local: MacAddr,
+        bytes: &[u8],
+        lease: Option<Lease>,
+    ) -> Option<Lease> {
         let st = &mut self.nic_stats[k];
         st.frames_rx += 1;
         st.bytes_rx += bytes.len() as u64;
         let Ok(frame) = Frame::new_checked(bytes, self.ethertype) else {
             st.drops.malformed += 1;
-            return;
+            return lease;
         };
         if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
             let Ok(msg) = frame.parse() else {
                 st.drops.malformed += 1;
-                return;
+                return lease;
             };
             self.on_handshake(now, k, local, &frame, &msg);
-            return;
+            return lease;
         }
         let Some(s) = self.sessions.get_mut(&frame.session()) else {
             st.drops.unknown_session += 1;
             tracing::trace!(src = %frame.src(), session = frame.session(), "frame for an unknown session");
-            return;
+            return lease;
         };
         match s.session.handle_frame(now, bytes) {
             TargetInbound::Consumed => {}
             TargetInbound::Write { channel, damq, offset, payload } => {
                 let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
                 let key = (s.session.id(), channel, epoch, damq);
+                let lend = self.exports[s.export].lend;
+                let tag = match frame.parse_borrowed() {
+                    Ok(Message::Data(d)) => d.header.tag,
+                    _ => unreachable!("the channel placed a DATA frame"),
+                };
                 let (slot_len, node) = (self.slot_len, self.nic_node[k]);
                 let slot = self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node)));
-                match slot {
-                    Some(mem) => {
+                let Some(mem) = slot else {
+                    st.drops.slot_busy += 1;
+                    return lease;
+                };
+                // Segments kept for another tag (a write that never executed) or at this offset
+                // (never: the channel drops duplicates) go back first.
+                if let Some(ls) = self.lent.get_mut(&key) {
+                    let stale: Vec<LentSegment> = if ls.tag != tag {
+                        ls.tag = tag;
+                        std::mem::take(&mut ls.segs).into_values().collect()
+                    } else {
+                        ls.segs.remove(&offset).into_iter().collect()
+                    };
+                    for seg in stale {
+                        self.release[seg.nic].push(seg.lease);
+                        self.leases_held -= 1;
+                    }
+                }
+                match lease {
+                    Some(lease) if lend && lease.covers(payload) => {
+                        let ls = self.lent.entry(key).or_insert_with(|| LentSlot { tag, segs: BTreeMap::new() });
+                        let seg = LentSegment {
+                            offset,
+                            len: payload.len() as u32,
+                            addr: payload.as_ptr() as usize,
+                            nic: k,
+                            lease,
+                        };
+                        ls.segs.insert(offset, seg);
+                        self.leases_held += 1;
+                        st.frames_kept += 1;
+                        return None;
+                    }
+                    lease => {
                         let o = offset as usize;
                         mem.as_mut_slice()[o..o + payload.len()].copy_from_slice(payload);
                         self.payload_copied += payload.len() as u64;
+                        self.payload_copied_write += payload.len() as u64;
+                        return lease;
                     }
-                    None => st.drops.slot_busy += 1,
                 }
             }
             TargetInbound::Dropped(FrameDrop::Wire(_)) => st.drops.malformed += 1,
             TargetInbound::Dropped(FrameDrop::NotOurs) => st.drops.not_ours += 1,
             TargetInbound::Dropped(FrameDrop::Channel(r)) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+        }
+        lease
+    }
+
+    /// Gives NIC `k`'s transport back the frames it lent that are no longer needed, and notes
+    /// how many it still has out.
+    fn give_back(&mut self, k: usize, nic: &mut Nic) {
+        for lease in self.release[k].drain(..) {
+            nic.transport.release(lease);
+        }
+        self.nic_stats[k].leases_out = nic.transport.leases_out() as u64;
+    }
+
+    /// Releases the kept write data of the slots `gone` names (their channel or session went).
+    fn release_lent_where(&mut self, gone: impl Fn(&SlotKey) -> bool) {
+        let keys: Vec<SlotKey> = self.lent.keys().filter(|key| gone(key)).copied().collect();
+        for key in keys {
+            let ls = self.lent.remove(&key).expect("listed");
+            for seg in ls.segs.into_values() {
+                self.release[seg.nic].push(seg.lease);
+                self.leases_held -= 1;
+            }
         }
     }
 
@@ -989,14 +1130,16 @@ impl Network {
                 });
                 tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(), "channel open");
                 st.session.add_channel(*channel);
+                st.all_dead_since = None;
                 if st.nic_of.insert(idx, k).is_some() {
-                    // A reconnect replaced the channel: its slot memory goes with it.
+                    // A reconnect replaced the channel: its slot memory (and the frames it kept)
+                    // goes with it.
                     let epoch = st.epochs.entry(idx).or_default();
                     let old = *epoch;
                     *epoch += 1;
                     self.slots.retain(|key, _| !(key.0 == session && key.1 == idx && key.2 == old));
+                    self.release_lent_where(|key| key.0 == session && key.1 == idx && key.2 == old);
                 }
-                st.all_dead_since = None;
                 buf.truncate(len);
                 self.control[k].push_back(buf);
             }
@@ -1029,8 +1172,19 @@ impl Network {
             while let Some(ev) = s.session.poll_event() {
                 match ev {
                     TargetEvent::Execute { channel, request } => {
+                        let mut lent = Vec::new();
                         let buf = if request.op.uses_damq() {
                             let key = (sid, channel, s.epochs.get(&channel).copied().unwrap_or(0), request.damq);
+                            if let Some(ls) = self.lent.remove(&key) {
+                                if request.op == Op::Write && ls.tag == request.tag {
+                                    lent = ls.segs.into_values().collect();
+                                } else {
+                                    for seg in ls.segs.into_values() {
+                                        self.release[seg.nic].push(seg.lease);
+                                        self.leases_held -= 1;
+                                    }
+                                }
+                            }
                             let node = s.nic_of.get(&channel).map_or(self.node, |&k| self.nic_node[k]);
                             let slot_len = self.slot_len;
                             let slot =
@@ -1048,6 +1202,7 @@ impl Network {
                             export: s.export,
                             request,
                             buf,
+                            lent,
                             abort: stopping,
                         });
                     }
@@ -1064,8 +1219,8 @@ impl Network {
             let backend = Arc::clone(&self.exports[j.export].backend);
             if backend.kind() == "ram" && !j.abort {
                 let status = execute(&*backend, &mut j);
-                let Job { session, channel, epoch, export, request, buf, .. } = j;
-                self.finish_job(Done { session, channel, epoch, export, request, buf, status });
+                let Job { session, channel, epoch, export, request, buf, lent, .. } = j;
+                self.finish_job(Done { session, channel, epoch, export, request, buf, lent, status });
             } else if let Some(q) = self
                 .uring
                 .as_ref()
@@ -1102,8 +1257,12 @@ impl Network {
     }
 
     /// Accounts a finished storage operation and completes its request on its channel.
-    fn finish_job(&mut self, d: Done) {
+    fn finish_job(&mut self, mut d: Done) {
         self.inflight -= 1;
+        for seg in d.lent.drain(..) {
+            self.release[seg.nic].push(seg.lease);
+            self.leases_held -= 1;
+        }
         let r = d.request;
         let es = &mut self.export_stats[d.export];
         es.requests.bump(r.op);
@@ -1155,6 +1314,7 @@ impl Network {
             self.duplicates_from_reclaimed += s.session.duplicates_suppressed();
             self.acceptor.forget_session(sid);
             self.slots.retain(|k, _| k.0 != sid);
+            self.release_lent_where(|k| k.0 == sid);
             self.reclaimed += 1;
             tracing::info!(session = format_args!("{sid:016x}"), "session reclaimed");
         }
@@ -1337,6 +1497,8 @@ impl Network {
             sessions: self.sessions.len() as u64,
             sessions_reclaimed: self.reclaimed,
             payload_copied_bytes: self.payload_copied,
+            payload_copied_write_bytes: self.payload_copied_write,
+            leases_held: self.leases_held,
             storage_inflight: self.inflight,
             duplicates_suppressed: dups,
             nics: self.nic_stats.clone(),
