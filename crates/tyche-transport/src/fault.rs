@@ -4,7 +4,7 @@ use std::os::fd::BorrowedFd;
 
 use tyche_wire::MacAddr;
 
-use crate::{FrameTransport, Lease, OnLentFrame, SplitMix64};
+use crate::{FrameTransport, Lease, OnLentFrame, Sent, SplitMix64, TxChunk};
 
 /// What a [`FaultInjector`] does to frames, in each direction independently.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -178,6 +178,23 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
         })
     }
 
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        let (tx, rng, stats) = (self.tx, &mut self.rng, &mut self.stats);
+        self.inner.send_with(budget, &mut |buf| {
+            let sent = fill(buf)?;
+            if tx.down || rng.chance(tx.loss) {
+                stats.tx_dropped += 1;
+                return Some(Sent::Here(0));
+            }
+            Some(sent)
+        })
+    }
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        self.inner.lend_tx_chunks(max)
+    }
+    fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
+        self.inner.tx_chunks_in_flight()
+    }
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()
     }

@@ -17,6 +17,11 @@
 //!   stays where it is, unchanged, until [`FrameTransport::release`] gives it back. A transport
 //!   that cannot lend (or has no buffer to spare right now) offers no lease, and the receiver
 //!   copies.
+//! - A sender may prepare frames in transmit memory the transport lends it for good
+//!   ([`FrameTransport::lend_tx_chunks`]): it writes payloads there ahead of time (a storage read
+//!   straight into them), and [`FrameTransport::send_with`] then sends such a chunk after writing
+//!   only the headers in front of its payload ([`Sent::Chunk`]). A chunk the kernel still
+//!   transmits ([`FrameTransport::tx_chunks_in_flight`]) must be neither rewritten nor sent again.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -78,6 +83,31 @@ pub trait FrameTransport {
     /// buffer is then not used). Returns how many frames were queued; fewer than asked when the
     /// transmit ring is full.
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize>;
+
+    /// As [`FrameTransport::send`], where `fill` may also answer [`Sent::Chunk`]: send one of the
+    /// chunks this transport lent ([`FrameTransport::lend_tx_chunks`]) instead of the buffer it
+    /// was given, after copying the first `header` bytes of that buffer to the start of the
+    /// chunk's frame. The default knows no chunks.
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        self.send(budget, &mut |buf| match fill(buf)? {
+            Sent::Here(len) => Some(len),
+            Sent::Chunk { .. } => panic!("this transport lent no transmit chunk"),
+        })
+    }
+
+    /// Hands the caller up to `max` transmit chunks for good (none by default, nor where frames
+    /// span several buffers): memory it prepares frames in ahead of time and sends with
+    /// [`Sent::Chunk`].
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        let _ = max;
+        Vec::new()
+    }
+
+    /// Ids of the lent transmit chunks the kernel has not finished sending (after taking in
+    /// what it finished).
+    fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
+        Vec::new()
+    }
 
     /// Pushes queued frames out (a kernel wake-up where the transport needs one) and reclaims
     /// buffers of frames already sent.
@@ -160,6 +190,64 @@ impl std::fmt::Debug for Lease {
     }
 }
 
+/// What a [`FrameTransport::send_with`] callback did with the buffer it was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// Send `len` bytes of the buffer (0: skip it, send nothing).
+    Here(usize),
+    /// Send lent chunk `id` instead: its frame is `len` bytes, of which the first `header` are
+    /// to be copied from the buffer (the rest, the payload, is already in the chunk).
+    Chunk {
+        /// [`TxChunk::id`].
+        id: u64,
+        /// Bytes of headers to copy from the buffer.
+        header: usize,
+        /// Frame length.
+        len: usize,
+    },
+}
+
+/// Transmit memory lent for good to the sender ([`FrameTransport::lend_tx_chunks`]): a frame of
+/// up to `capacity` bytes starts at `frame_addr`. The sender writes it through raw pointers
+/// (the crate using it justifies that), only while the chunk is not in flight; the chunk holds
+/// a reference on its memory, so it stays mapped while the chunk lives.
+pub struct TxChunk {
+    id: u64,
+    frame_addr: usize,
+    capacity: usize,
+    memory: Arc<dyn Any + Send + Sync>,
+}
+
+impl TxChunk {
+    /// For transports: chunk `id` whose frame starts at `frame_addr` and holds `capacity`
+    /// bytes, in memory `memory` keeps alive.
+    pub fn new(id: u64, frame_addr: usize, capacity: usize, memory: Arc<dyn Any + Send + Sync>) -> TxChunk {
+        TxChunk { id, frame_addr, capacity, memory }
+    }
+    /// The transport's name for the chunk.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// Address of the frame's first byte.
+    pub fn frame_addr(&self) -> usize {
+        self.frame_addr
+    }
+    /// Largest frame the chunk holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// The memory the chunk lies in.
+    pub fn memory(&self) -> &Arc<dyn Any + Send + Sync> {
+        &self.memory
+    }
+}
+
+impl std::fmt::Debug for TxChunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxChunk").field("id", &self.id).field("frame_addr", &self.frame_addr).finish()
+    }
+}
+
 /// A range of this process's address space that a transport owns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryArea {
@@ -195,6 +283,15 @@ impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
     }
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         (**self).send(budget, fill)
+    }
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        (**self).send_with(budget, fill)
+    }
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        (**self).lend_tx_chunks(max)
+    }
+    fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
+        (**self).tx_chunks_in_flight()
     }
     fn flush(&mut self) -> io::Result<()> {
         (**self).flush()

@@ -6,7 +6,7 @@ use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 
-use tyche_transport::{FrameTransport, Lease, OnLentFrame};
+use tyche_transport::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk};
 use tyche_wire::MacAddr;
 use xsk_rs::config::{BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, SocketConfig, UmemConfig};
 use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
@@ -83,6 +83,9 @@ pub struct PortConfig {
     /// Extra receive chunks, so that up to this many received frames can be lent to the receiver
     /// ([`FrameTransport::recv_lend`]) while the fill ring stays full; 0: frames are never lent.
     pub lend_frames: u32,
+    /// Extra chunks the sender may take for good ([`FrameTransport::lend_tx_chunks`]) to prepare
+    /// frames in ahead of time (read data stored straight into them); 0: none.
+    pub tx_lend_frames: u32,
     /// Descriptors moved per ring operation.
     pub batch: usize,
     /// Where to run the XDP program.
@@ -105,6 +108,7 @@ impl Default for PortConfig {
             queue: 0,
             frame_count: 4096,
             lend_frames: 0,
+            tx_lend_frames: 0,
             batch: 64,
             mode: AttachMode::Auto,
             multi_buffer: true,
@@ -185,6 +189,10 @@ pub struct XdpPort {
     rx_spare: Vec<FrameDesc>,
     /// Chunks lent to the receiver, by address.
     lent: HashMap<u64, FrameDesc>,
+    /// Transmit chunks not lent yet ([`FrameTransport::lend_tx_chunks`]).
+    tx_lendable: Vec<FrameDesc>,
+    /// Transmit chunks lent for good, by address, and whether the kernel has them now.
+    tx_lent: HashMap<u64, (FrameDesc, bool)>,
     /// A handle on the UMEM that every lease shares, so lent bytes stay mapped.
     umem_keep: Arc<dyn std::any::Any + Send + Sync>,
     numa_node: Option<u32>,
@@ -258,7 +266,8 @@ impl XdpPort {
         if let (true, Some(node)) = (config.pin_thread, numa_node) {
             numa::pin_current_thread_to_node(node).map_err(|e| Error::io(format!("pinning to NUMA node {node}"), e))?;
         }
-        let frame_count = NonZeroU32::new(config.frame_count + config.lend_frames).expect("frame_count > 0");
+        let frame_count =
+            NonZeroU32::new(config.frame_count + config.lend_frames + config.tx_lend_frames).expect("frame_count > 0");
         // Umem::new maps with MAP_POPULATE: binding the memory policy around it places every
         // page on the NIC's node.
         let (umem, descs) = numa::with_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
@@ -308,6 +317,7 @@ impl XdpPort {
         let umem_base = unsafe { umem.data(&descs[0]) }.contents().as_ptr() as usize - descs[0].addr();
         let umem_len = frame_count.get() as usize * CHUNK_SIZE;
         let (descs, spare) = descs.split_at(config.frame_count as usize);
+        let (spare, tx_lendable) = spare.split_at(config.lend_frames as usize);
         let (rx_half, tx_half) = descs.split_at(half as usize);
         // SAFETY: the descriptors come from this UMEM and none is in any ring yet.
         let filled = unsafe { fq.produce(rx_half) };
@@ -340,6 +350,8 @@ impl XdpPort {
             stats: PortStats::default(),
             rx_spare: spare.to_vec(),
             lent: HashMap::new(),
+            tx_lendable: tx_lendable.to_vec(),
+            tx_lent: HashMap::new(),
             umem_keep,
             numa_node,
             umem_area: (umem_base, umem_len),
@@ -422,7 +434,12 @@ impl XdpPort {
     fn reclaim(&mut self) {
         // SAFETY: the completion ring only returns descriptors of this UMEM's transmit half.
         let n = unsafe { self.cq.consume(&mut self.comp_descs) };
-        self.tx_free.extend_from_slice(&self.comp_descs[..n]);
+        for desc in &self.comp_descs[..n] {
+            match self.tx_lent.get_mut(&(desc.addr() as u64)) {
+                Some((_, in_flight)) => *in_flight = false,
+                None => self.tx_free.push(*desc),
+            }
+        }
     }
 
     fn refill(&mut self) -> io::Result<()> {
@@ -615,6 +632,33 @@ impl FrameTransport for XdpPort {
     }
 
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+        self.send_with(budget, &mut |buf| fill(buf).map(Sent::Here))
+    }
+
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        if self.plan.multi_buffer {
+            // A frame longer than one chunk cannot be prepared in one.
+            return Vec::new();
+        }
+        let n = max.min(self.tx_lendable.len());
+        let base = self.umem_area.0;
+        self.tx_lendable
+            .split_off(self.tx_lendable.len() - n)
+            .into_iter()
+            .map(|desc| {
+                let id = desc.addr() as u64;
+                self.tx_lent.insert(id, (desc, false));
+                TxChunk::new(id, base + desc.addr(), BUFFER_CAPACITY, Arc::clone(&self.umem_keep))
+            })
+            .collect()
+    }
+
+    fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
+        self.reclaim();
+        self.tx_lent.iter().filter(|(_, (_, busy))| *busy).map(|(&id, _)| id).collect()
+    }
+
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
         self.reclaim();
         if !self.push_pending()? {
             return Ok(0);
@@ -628,8 +672,10 @@ impl FrameTransport for XdpPort {
                 if self.tx_free.len() < chunks {
                     break;
                 }
-                let Some(len) = fill(&mut self.scatter[..capacity]) else {
-                    break;
+                let len = match fill(&mut self.scatter[..capacity]) {
+                    None => break,
+                    Some(Sent::Here(len)) => len,
+                    Some(Sent::Chunk { .. }) => panic!("no transmit chunk is lent in multi-buffer mode"),
                 };
                 assert!(len <= capacity, "frame of {len} bytes overran its buffer");
                 if len == 0 {
@@ -659,15 +705,37 @@ impl FrameTransport for XdpPort {
             data.cursor().set_pos(full);
             let result = fill(&mut data.contents_mut()[..capacity]);
             match result {
-                Some(len) if len > 0 => {
+                Some(Sent::Here(len)) if len > 0 => {
                     assert!(len <= capacity, "frame of {len} bytes overran its buffer");
                     data.cursor().set_pos(len);
                     desc.set_options(0);
                     self.tx_staged.push(desc);
                     queued += 1;
                 }
-                Some(_) => {
+                Some(Sent::Here(_)) => {
                     self.tx_free.push(desc);
+                }
+                Some(Sent::Chunk { id, header, len }) => {
+                    // The headers were written here; the payload already lies in the lent chunk.
+                    let mut head = [0u8; 256];
+                    assert!(header <= head.len() && header <= len && len <= capacity, "bad lent frame");
+                    head[..header].copy_from_slice(&data.contents()[..header]);
+                    self.tx_free.push(desc);
+                    let (chunk, in_flight) = self.tx_lent.get_mut(&id).expect("a transmit chunk this port lent");
+                    assert!(!*in_flight, "a lent chunk is sent again only once the kernel is done with it");
+                    let mut chunk = *chunk;
+                    // SAFETY: a chunk of this UMEM lent to the caller and not in flight, so no
+                    // ring holds it; the caller only writes it (its payload) while it is not
+                    // being sent, never during this call, so this is the only reference.
+                    let mut cdata = unsafe { self.umem.data_mut(&mut chunk) };
+                    let full = cdata.cursor().buf_len();
+                    cdata.cursor().set_pos(full);
+                    cdata.contents_mut()[..header].copy_from_slice(&head[..header]);
+                    cdata.cursor().set_pos(len);
+                    chunk.set_options(0);
+                    *in_flight = true;
+                    self.tx_staged.push(chunk);
+                    queued += 1;
                 }
                 None => {
                     self.tx_free.push(desc);

@@ -65,8 +65,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         }
         Ok(())
     }
-    /// Whether writes may come from received frames in place ([`Backend::write_vectored_at`]):
-    /// false where they need buffers aligned for O_DIRECT, which frame payloads are not.
+    /// Fills `places`, one after the other, from `offset` (read data stored straight into the
+    /// frames it is sent from).
+    fn read_vectored_at(&self, places: &mut [&mut [u8]], mut offset: u64) -> io::Result<()> {
+        for p in places.iter_mut() {
+            self.read_at(p, offset)?;
+            offset += p.len() as u64;
+        }
+        Ok(())
+    }
+    /// Whether writes may come from received frames in place ([`Backend::write_vectored_at`])
+    /// and reads go into transmit frames in place ([`Backend::read_vectored_at`]): false where
+    /// they need buffers aligned for O_DIRECT, which frame payloads are not.
     fn writes_from_frames(&self) -> bool {
         false
     }
@@ -464,6 +474,46 @@ impl Backend for FileBackend {
     }
     fn writes_from_frames(&self) -> bool {
         self.direct.is_none()
+    }
+    fn read_vectored_at(&self, places: &mut [&mut [u8]], mut offset: u64) -> io::Result<()> {
+        // preadv over at most IOV_MAX places at a time, resuming after short reads.
+        let mut todo: Vec<&mut [u8]> = places.iter_mut().map(|p| &mut **p).filter(|p| !p.is_empty()).collect();
+        let mut first = 0;
+        while first < todo.len() {
+            let end = todo.len().min(first + IOV_MAX);
+            let iov: Vec<libc::iovec> = todo[first..end]
+                .iter_mut()
+                .map(|p| libc::iovec { iov_base: p.as_mut_ptr().cast(), iov_len: p.len() })
+                .collect();
+            // SAFETY: every iovec names a live, writable slice of `places` (borrowed mutably for
+            // this call, distinct from each other).
+            let n = unsafe {
+                libc::preadv(self.file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "preadv read nothing"));
+            }
+            let mut n = n as usize;
+            offset += n as u64;
+            while n > 0 {
+                let p = std::mem::take(&mut todo[first]);
+                if n >= p.len() {
+                    n -= p.len();
+                    first += 1;
+                } else {
+                    todo[first] = &mut p[n..];
+                    n = 0;
+                }
+            }
+        }
+        Ok(())
     }
     fn flush(&self) -> io::Result<()> {
         self.file.sync_data()

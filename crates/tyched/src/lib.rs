@@ -35,6 +35,12 @@ pub use target::{Nic, Placement, StartError, Target, TargetHandle};
 /// counted in `payload_copied_bytes`).
 pub const LEND_FRAMES: u32 = 4096;
 
+/// UMEM chunks each AF_XDP port of `tyched serve` lends the target for good to store read data
+/// in, one segment per chunk behind room for the DATA frame's headers, and send it from there
+/// (16 MiB per port). A read finding too few free ones goes through slot memory and is copied
+/// into the transmit buffers (counted in `payload_copied_bytes`).
+pub const TX_LEND_FRAMES: u32 = 4096;
+
 /// The MAC address the `k`th TCP connection of `tyched serve --transport tcp` uses when its
 /// interface has none (loopback): a locally administered `02:00:00:00:7c:0k`-style address.
 pub fn tcp_mac(k: usize) -> tyche_wire::MacAddr {

@@ -239,6 +239,7 @@ fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
                         queue: q,
                         ethertype: config.ethertype,
                         lend_frames: tyched::LEND_FRAMES,
+                        tx_lend_frames: tyched::TX_LEND_FRAMES,
                         ..Default::default()
                     };
                     // The steering program is attached once per interface; later queues share it.

@@ -51,6 +51,12 @@ pub struct NicStats {
     /// Received frames the transport has lent and not yet got back (as the transport last said).
     #[serde(default)]
     pub leases_out: u64,
+    /// DATA frames sent from the transmit chunk the read data was stored in (no copy).
+    #[serde(default)]
+    pub frames_sent_in_place: u64,
+    /// Transmit chunks the transport lent that are free for read data now.
+    #[serde(default)]
+    pub tx_chunks_free: u64,
     /// Drops by reason.
     pub drops: Drops,
 }

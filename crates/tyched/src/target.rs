@@ -14,7 +14,7 @@
 //! nothing is due it sleeps in `poll(2)` on the transports' readiness descriptors and an eventfd
 //! the workers signal, until the engine's next timer.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -27,7 +27,7 @@ use tyche_channel::{
     Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, TargetEvent, TargetInbound,
     TargetSession,
 };
-use tyche_transport::{FrameTransport, Lease};
+use tyche_transport::{FrameTransport, Lease, Sent, TxChunk};
 use tyche_wire::{
     flags, Challenge, ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Reject, RejectReason, Request,
     Status, DATA_FRAME_OVERHEAD, SECTOR_SIZE,
@@ -186,7 +186,19 @@ pub(crate) struct Job {
     pub(crate) buf: Option<Memory>,
     /// Write data kept in the frames it arrived in, by offset (the rest is in `buf`).
     pub(crate) lent: Vec<LentSegment>,
+    /// Read data goes straight into these transmit chunks (one per segment), not `buf`.
+    pub(crate) region: Option<Region>,
     pub(crate) abort: bool,
+}
+
+/// Transmit chunks a NIC's transport lent for good, holding one request's read data: segment
+/// `i` (of `seg` bytes) lies right after the room for a DATA frame's headers in chunk `i`, so
+/// the frame is sent from there once the headers are written in front.
+#[derive(Debug)]
+pub(crate) struct Region {
+    pub(crate) chunks: Vec<TxChunk>,
+    pub(crate) seg: u32,
+    pub(crate) nic: usize,
 }
 
 /// Write data left in the received frame it arrived in: the `len` bytes at `addr` are bytes
@@ -226,6 +238,30 @@ impl Job {
         }
         out
     }
+
+    /// Where the read data goes when it goes straight into transmit chunks: one place per
+    /// segment, right after the room for the DATA frame's headers.
+    pub(crate) fn read_places(&mut self) -> Vec<&mut [u8]> {
+        let len = self.request.length as usize;
+        let region = self.region.as_ref().expect("a read region");
+        let seg = region.seg as usize;
+        assert_eq!(region.chunks.len(), len.div_ceil(seg), "one chunk per segment");
+        region
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let n = seg.min(len - i * seg);
+                assert!(DATA_FRAME_OVERHEAD + n <= c.capacity(), "a segment and its headers fit a chunk");
+                // SAFETY: the chunk was lent to this target for good and lies in memory it keeps
+                // mapped; while this job holds the region no frame is sent from it and the kernel
+                // has none of it in flight (regions are handed out only when idle), so this is
+                // the only reference to these bytes, and the places of distinct chunks are
+                // disjoint.
+                unsafe { std::slice::from_raw_parts_mut((c.frame_addr() + DATA_FRAME_OVERHEAD) as *mut u8, n) }
+            })
+            .collect()
+    }
 }
 
 /// A finished storage request.
@@ -238,6 +274,7 @@ pub(crate) struct Done {
     pub(crate) request: Request,
     pub(crate) buf: Option<Memory>,
     pub(crate) lent: Vec<LentSegment>,
+    pub(crate) region: Option<Region>,
     pub(crate) status: Status,
 }
 
@@ -245,9 +282,10 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
     if job.abort {
         return Status::Aborted;
     }
-    let r = &job.request;
+    let r = job.request;
     let len = r.length as usize;
     let res = match r.op {
+        Op::Read if job.region.is_some() => backend.read_vectored_at(&mut job.read_places(), r.offset),
         Op::Read => backend.read_at(&mut job.buf.as_mut().expect("read slot").as_mut_slice()[..len], r.offset),
         Op::Write if !job.lent.is_empty() => backend.write_vectored_at(&job.write_pieces(), r.offset, r.fua),
         Op::Write => backend.write_at(&job.buf.as_ref().expect("write slot").as_slice()[..len], r.offset, r.fua),
@@ -289,7 +327,7 @@ impl Target {
     }
 
     /// As [`Target::start`], placing memory and threads as `placement` says.
-    pub fn start_placed(config: Config, nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
+    pub fn start_placed(config: Config, mut nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
         config.validate()?;
         if nics.is_empty() {
             return Err(StartError::NoTransport);
@@ -380,6 +418,7 @@ impl Target {
                         request: job.request,
                         buf: job.buf,
                         lent: job.lent,
+                        region: job.region,
                         status,
                     };
                     if tx.send(done).is_err() {
@@ -468,6 +507,10 @@ impl Target {
             slots: HashMap::new(),
             lent: HashMap::new(),
             release: (0..n_nics).map(|_| Vec::new()).collect(),
+            tx_free: Vec::new(),
+            tx_draining: (0..n_nics).map(|_| Vec::new()).collect(),
+            regions: HashMap::new(),
+            in_region: HashSet::new(),
             leases_held: 0,
             slot_len: l.max_io as usize,
             node: placement.node,
@@ -501,6 +544,13 @@ impl Target {
         // read once here, for the placement report.
         net.nic_node = nics.iter().map(|n| n.transport.numa_node().or(placement.node)).collect();
         net.nic_areas = nics.iter().map(|n| n.transport.memory_areas()).collect();
+        // Read data goes straight into transmit chunks the transports lend, where the exports
+        // can read into them.
+        let in_place = net.exports.iter().any(|e| e.lend);
+        net.tx_free = nics
+            .iter_mut()
+            .map(|n| if in_place { n.transport.lend_tx_chunks(usize::MAX) } else { Vec::new() })
+            .collect();
         net.nic_thread = vec![None; n_nics];
         net.control = (0..n_nics).map(|_| VecDeque::new()).collect();
         tracing::info!(nics = n_nics, threads = groups.len(), "serving");
@@ -736,6 +786,15 @@ struct Network {
     release: Vec<Vec<Lease>>,
     /// Write segments kept in frames: in `lent` or in storage jobs.
     leases_held: u64,
+    /// Per NIC: transmit chunks its transport lent, free for read data.
+    tx_free: Vec<Vec<TxChunk>>,
+    /// Per NIC: chunks given up that the kernel may still be sending (checked by the NIC's
+    /// thread before they are free again).
+    tx_draining: Vec<Vec<TxChunk>>,
+    /// Read data held in transmit chunks, per slot, until all of it is acknowledged.
+    regions: HashMap<SlotKey, Region>,
+    /// Slots whose current read data went into a region (never sent from stale slot memory).
+    in_region: HashSet<SlotKey>,
     slot_len: usize,
     node: Option<u32>,
     /// NUMA node of each NIC's memory (slot memory of its channels goes there).
@@ -1024,10 +1083,43 @@ impl Network {
             nic.transport.release(lease);
         }
         self.nic_stats[k].leases_out = nic.transport.leases_out() as u64;
+        // Read data every frame of which is acknowledged (nothing left to send or resend on its
+        // channel) gives its chunks up.
+        let sessions = &self.sessions;
+        let done: Vec<SlotKey> = self
+            .regions
+            .iter()
+            .filter(|(key, r)| {
+                r.nic == k
+                    && sessions
+                        .get(&key.0)
+                        .and_then(|s| s.session.channel(key.1))
+                        .is_none_or(|c| c.dead().is_some() || (c.unacked_frames() == 0 && !c.wants_transmit()))
+            })
+            .map(|(key, _)| *key)
+            .collect();
+        for key in done {
+            let region = self.regions.remove(&key).expect("listed");
+            self.tx_draining[k].extend(region.chunks);
+        }
+        if !self.tx_draining[k].is_empty() {
+            let busy: HashSet<u64> = nic.transport.tx_chunks_in_flight().into_iter().collect();
+            let (idle, busy): (Vec<TxChunk>, Vec<TxChunk>) =
+                self.tx_draining[k].drain(..).partition(|c| !busy.contains(&c.id()));
+            self.tx_free[k].extend(idle);
+            self.tx_draining[k] = busy;
+        }
+        self.nic_stats[k].tx_chunks_free = self.tx_free[k].len() as u64;
     }
 
     /// Releases the kept write data of the slots `gone` names (their channel or session went).
     fn release_lent_where(&mut self, gone: impl Fn(&SlotKey) -> bool) {
+        let keys: Vec<SlotKey> = self.regions.keys().filter(|key| gone(key)).copied().collect();
+        for key in keys {
+            let region = self.regions.remove(&key).expect("listed");
+            self.tx_draining[region.nic].extend(region.chunks);
+        }
+        self.in_region.retain(|key| !gone(key));
         let keys: Vec<SlotKey> = self.lent.keys().filter(|key| gone(key)).copied().collect();
         for key in keys {
             let ls = self.lent.remove(&key).expect("listed");
@@ -1173,8 +1265,24 @@ impl Network {
                 match ev {
                     TargetEvent::Execute { channel, request } => {
                         let mut lent = Vec::new();
+                        let mut region = None;
                         let buf = if request.op.uses_damq() {
                             let key = (sid, channel, s.epochs.get(&channel).copied().unwrap_or(0), request.damq);
+                            // The slot is reused: read data of its previous request is not needed.
+                            if let Some(old) = self.regions.remove(&key) {
+                                self.tx_draining[old.nic].extend(old.chunks);
+                            }
+                            self.in_region.remove(&key);
+                            if let (Op::Read, Some(&k)) = (request.op, s.nic_of.get(&channel)) {
+                                let seg = s.session.channel(channel).map_or(0, |c| c.params().segment as u32);
+                                let need = (request.length as usize).div_ceil(seg.max(1) as usize);
+                                let free = &mut self.tx_free[k];
+                                if self.exports[s.export].lend && seg > 0 && need > 0 && free.len() >= need {
+                                    let chunks = free.split_off(free.len() - need);
+                                    region = Some(Region { chunks, seg, nic: k });
+                                    self.in_region.insert(key);
+                                }
+                            }
                             if let Some(ls) = self.lent.remove(&key) {
                                 if request.op == Op::Write && ls.tag == request.tag {
                                     lent = ls.segs.into_values().collect();
@@ -1203,6 +1311,7 @@ impl Network {
                             request,
                             buf,
                             lent,
+                            region,
                             abort: stopping,
                         });
                     }
@@ -1219,8 +1328,8 @@ impl Network {
             let backend = Arc::clone(&self.exports[j.export].backend);
             if backend.kind() == "ram" && !j.abort {
                 let status = execute(&*backend, &mut j);
-                let Job { session, channel, epoch, export, request, buf, lent, .. } = j;
-                self.finish_job(Done { session, channel, epoch, export, request, buf, lent, status });
+                let Job { session, channel, epoch, export, request, buf, lent, region, .. } = j;
+                self.finish_job(Done { session, channel, epoch, export, request, buf, lent, region, status });
             } else if let Some(q) = self
                 .uring
                 .as_ref()
@@ -1262,6 +1371,16 @@ impl Network {
         for seg in d.lent.drain(..) {
             self.release[seg.nic].push(seg.lease);
             self.leases_held -= 1;
+        }
+        if let Some(region) = d.region.take() {
+            let key = (d.session, d.channel, d.epoch, d.request.damq);
+            if self.slots.contains_key(&key) && d.status == Status::Ok {
+                if let Some(old) = self.regions.insert(key, region) {
+                    self.tx_draining[old.nic].extend(old.chunks);
+                }
+            } else {
+                self.tx_draining[region.nic].extend(region.chunks);
+            }
         }
         let r = d.request;
         let es = &mut self.export_stats[d.export];
@@ -1335,44 +1454,81 @@ impl Network {
                 order.extend(s.nic_of.iter().filter(|&(_, &n)| n == k).map(|(&c, _)| (sid, c)));
             }
             let mut cursor = 0;
-            let (mut frames, mut bytes, mut copied) = (0u64, 0u64, 0u64);
+            let (mut frames, mut bytes, mut copied, mut in_place) = (0u64, 0u64, 0u64, 0u64);
+            // Chunks the kernel still sends cannot be rewritten or sent again yet.
+            let busy: HashSet<u64> = if self.regions.values().any(|r| r.nic == k) {
+                nic.transport.tx_chunks_in_flight().into_iter().collect()
+            } else {
+                HashSet::new()
+            };
+            let mut used = HashSet::new();
             let control = &mut self.control[k];
             let sessions = &mut self.sessions;
             let slots = &self.slots;
-            let r = nic.transport.send(TX_BUDGET, &mut |buf| {
+            let regions = &self.regions;
+            let in_region = &self.in_region;
+            let r = nic.transport.send_with(TX_BUDGET, &mut |buf| {
                 if let Some(f) = control.pop_front() {
                     buf[..f.len()].copy_from_slice(&f);
                     frames += 1;
                     bytes += f.len() as u64;
-                    return Some(f.len());
+                    return Some(Sent::Here(f.len()));
                 }
                 while cursor < order.len() {
                     let (sid, ch) = order[cursor];
                     let s = sessions.get_mut(&sid).expect("listed");
                     let epoch = s.epochs.get(&ch).copied().unwrap_or(0);
                     if let Some(t) = s.session.poll_transmit(now, ch, buf) {
-                        if let Some(p) = t.payload {
+                        let sent = 'frame: {
+                            let Some(p) = t.payload else { break 'frame Sent::Here(t.len) };
+                            let key = (sid, ch, epoch, p.damq);
                             let dst = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + p.len as usize];
-                            match slots.get(&(sid, ch, epoch, p.damq)) {
-                                Some(Some(mem)) => {
-                                    dst.copy_from_slice(
-                                        &mem.as_slice()[p.offset as usize..(p.offset + p.len) as usize],
-                                    );
-                                    copied += p.len as u64;
+                            if let Some(region) = regions.get(&key) {
+                                let c = &region.chunks[(p.offset / region.seg) as usize];
+                                assert_eq!(p.offset % region.seg, 0, "segments start on segment boundaries");
+                                if !busy.contains(&c.id()) && used.insert(c.id()) {
+                                    // The payload is in the chunk already: only the headers go there.
+                                    in_place += 1;
+                                    break 'frame Sent::Chunk { id: c.id(), header: DATA_FRAME_OVERHEAD, len: t.len };
                                 }
-                                // Read data always lies in its slot until the completion is sent;
-                                // never send stale bytes.
-                                _ => return Some(0),
+                                // The kernel still sends this chunk (a resend right after the
+                                // first): copy this once, and count it.
+                                // SAFETY: the region holds read data that nothing writes until
+                                // the region is given up; the kernel may read it at the same
+                                // time, which is fine for a read.
+                                let src = unsafe {
+                                    std::slice::from_raw_parts(
+                                        (c.frame_addr() + DATA_FRAME_OVERHEAD) as *const u8,
+                                        p.len as usize,
+                                    )
+                                };
+                                dst.copy_from_slice(src);
+                                copied += p.len as u64;
+                                break 'frame Sent::Here(t.len);
                             }
+                            match slots.get(&key) {
+                                Some(Some(mem)) if !in_region.contains(&key) => {
+                                    let o = p.offset as usize;
+                                    dst.copy_from_slice(&mem.as_slice()[o..o + p.len as usize]);
+                                    copied += p.len as u64;
+                                    Sent::Here(t.len)
+                                }
+                                // Read data always lies in its slot (or region) until the
+                                // completion is sent; never send stale bytes.
+                                _ => Sent::Here(0),
+                            }
+                        };
+                        if sent != Sent::Here(0) {
+                            frames += 1;
+                            bytes += t.len as u64;
                         }
-                        frames += 1;
-                        bytes += t.len as u64;
-                        return Some(t.len);
+                        return Some(sent);
                     }
                     cursor += 1;
                 }
                 None
             });
+            self.nic_stats[k].frames_sent_in_place += in_place;
             if let Err(e) = r {
                 self.nic_stats[k].tx_errors += 1;
                 if permanent(&e) {

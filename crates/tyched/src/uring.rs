@@ -57,6 +57,7 @@ pub fn open_with(setup: impl FnOnce() -> io::Result<IoUring>) -> Result<Ring, St
         (opcode::Read::CODE, "READ"),
         (opcode::Write::CODE, "WRITE"),
         (opcode::Writev::CODE, "WRITEV"),
+        (opcode::Readv::CODE, "READV"),
         (opcode::Fsync::CODE, "FSYNC"),
         (opcode::PollAdd::CODE, "POLL_ADD"),
     ] {
@@ -271,6 +272,25 @@ impl Engine {
         let off = r.offset + f.done as u64;
         let left = r.length as usize - f.done;
         let e = match r.op {
+            Op::Read if f.job.region.is_some() => {
+                // Straight into the transmit chunks the data is sent from, resuming after `done`
+                // bytes.
+                let mut skip = f.done;
+                f.iov.0.clear();
+                for p in f.job.read_places() {
+                    if skip >= p.len() {
+                        skip -= p.len();
+                        continue;
+                    }
+                    let p = &mut p[skip..];
+                    skip = 0;
+                    f.iov.0.push(libc::iovec { iov_base: p.as_mut_ptr().cast(), iov_len: p.len() });
+                    if f.iov.0.len() == crate::backend::IOV_MAX {
+                        break;
+                    }
+                }
+                opcode::Readv::new(types::Fd(file.fd()), f.iov.0.as_ptr(), f.iov.0.len() as u32).offset(off).build()
+            }
             Op::Read => {
                 let buf = f.job.buf.as_mut().expect("read slot").as_mut_slice();
                 let p = buf[f.done..].as_mut_ptr();
@@ -386,8 +406,8 @@ impl Engine {
     }
 
     fn finish(&mut self, job: Job, status: Status) {
-        let Job { session, channel, epoch, export, request, buf, lent, .. } = job;
-        let _ = self.done.send(Done { session, channel, epoch, export, request, buf, lent, status });
+        let Job { session, channel, epoch, export, request, buf, lent, region, .. } = job;
+        let _ = self.done.send(Done { session, channel, epoch, export, request, buf, lent, region, status });
     }
 }
 
@@ -433,6 +453,7 @@ mod tests {
                 request: request(op, offset, length, fua),
                 buf,
                 lent: Vec::new(),
+                region: None,
                 abort: false,
             };
             self.queue.as_ref().unwrap().submit(job);
@@ -500,6 +521,7 @@ mod tests {
                 request: r,
                 buf: Some(m),
                 lent: Vec::new(),
+                region: None,
                 abort: false,
             });
         }
@@ -519,6 +541,7 @@ mod tests {
             request: request(Op::Flush, 0, 0, false),
             buf: None,
             lent: Vec::new(),
+            region: None,
             abort: true,
         };
         q.submit(j);

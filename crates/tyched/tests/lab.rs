@@ -91,7 +91,7 @@ impl Lab {
             (0..2)
                 .map(|k| {
                     let name = format!("{prefix}{k}");
-                    let pc = tyche_xdp::PortConfig { lend_frames: lend, ..Default::default() };
+                    let pc = tyche_xdp::PortConfig { lend_frames: lend, tx_lend_frames: lend, ..Default::default() };
                     tyche_xdp::XdpPort::open(&name, &pc).unwrap_or_else(|e| panic!("{name}: AF_XDP port: {e}"))
                 })
                 .collect()
@@ -213,6 +213,12 @@ fn run_lab(transport: &str) {
     }
     let snap = tyched::stats_server::query(&socket).expect("stats");
     assert!(snap.nics.iter().all(|n| n.frames_rx > 0), "both NICs used: {:?}", snap.nics);
+    if xdp {
+        // AF_XDP lends frames both ways: no payload byte copied in user space on the target.
+        assert_eq!(snap.payload_copied_bytes, 0, "{snap:?}");
+    } else {
+        assert!(snap.payload_copied_bytes >= 2 * (sizes.iter().sum::<usize>() as u64), "AF_PACKET copies, counted");
+    }
     assert_eq!(snap.exports[0].requests.write, sizes.len() as u64);
     // Placement: veth has no NUMA node, so nothing is bound; on this one-node machine every
     // present page is on node 0 and the network thread reports its own affinity.
@@ -224,7 +230,7 @@ fn run_lab(transport: &str) {
         assert!(p.thread.name.starts_with("tyched-net"), "{p:?}");
         assert!(!p.thread.cpus.is_empty(), "{p:?}");
         if xdp {
-            let chunks = 4096 + tyched::LEND_FRAMES as u64;
+            let chunks = 4096 + tyched::LEND_FRAMES as u64 + tyched::TX_LEND_FRAMES as u64;
             assert_eq!(p.umem.pages, chunks, "4096 UMEM chunks of 4 KiB and the spares to lend: {p:?}");
             assert!(p.rings.pages >= 4, "four rings mapped: {p:?}");
             assert_eq!(p.rings.not_present, 0, "ring pages are mapped: {p:?}");
@@ -337,7 +343,13 @@ fn in_process_target_over_af_xdp_keeps_write_data_in_the_umem() {
     let nics = Lab::xdp_ports(&lab.ns_t, "tydt", tyched::LEND_FRAMES)
         .into_iter()
         .enumerate()
-        .map(|(k, p)| tyched::Nic { name: format!("tydt{k}"), transport: Box::new(p) })
+        .map(|(k, p)| {
+            // The target loses some of what it sends too: resends of read data go out again from
+            // the same chunks.
+            let lossy = tyche_transport::FaultConfig { loss: 0.01, ..Default::default() };
+            let p = tyche_transport::FaultInjector::new(p, lossy, Default::default(), 99 + k as u64);
+            tyched::Nic { name: format!("tydt{k}"), transport: Box::new(p) }
+        })
         .collect();
     let target = tyched::Target::start(cfg, nics).expect("target starts");
     let faults = tyche_transport::FaultConfig { loss: 0.01, duplicate: 0.05, ..Default::default() };
@@ -363,19 +375,36 @@ fn in_process_target_over_af_xdp_keeps_write_data_in_the_umem() {
         for id in ids {
             ini.wait(id).0.expect("write acknowledged");
         }
-        for (off, data) in &written {
-            assert!(ini.read(*off, data.len()) == *data, "{export}: read back {} bytes at {off}", data.len());
+        // Reads in flight together, twice (the initiator balances bytes over the paths, so the
+        // second round goes where the writes did not), so both NICs carry read data.
+        for _ in 0..2 {
+            let reads: Vec<u64> = written
+                .iter()
+                .map(|(off, d)| ini.submit(Op::Read, *off, vec![0; d.len()], d.len() as u64, false))
+                .collect();
+            for (id, (off, data)) in reads.into_iter().zip(&written) {
+                let (r, back) = ini.wait(id);
+                r.expect("read completes");
+                assert!(back == *data, "{export}: read back {} bytes at {off}", data.len());
+            }
         }
         bytes += sizes.iter().sum::<usize>() as u64;
         let s = common::wait_leases_back(&target);
         assert_eq!(s.exports[e].bytes_written, sizes.iter().sum::<usize>() as u64, "{export}");
         assert!(s.nics.iter().all(|n| n.frames_kept > 0), "both NICs kept frames: {:?}", s.nics);
         assert_eq!(s.payload_copied_write_bytes, 0, "{export}: no write payload copied in user space: {s:?}");
+        assert_eq!(s.payload_copied_bytes, 0, "{export}: no payload copied in user space: {s:?}");
+        assert!(
+            s.nics.iter().all(|n| n.frames_sent_in_place > 0),
+            "read data sent in place on both NICs: {:?}",
+            s.nics
+        );
         eprintln!(
-            "{export}: payload_copied_bytes = {} (write path {}), frames kept {}",
+            "{export}: payload_copied_bytes = {} (write path {}), frames kept {}, sent in place {}",
             s.payload_copied_bytes,
             s.payload_copied_write_bytes,
-            s.nics.iter().map(|n| n.frames_kept).sum::<u64>()
+            s.nics.iter().map(|n| n.frames_kept).sum::<u64>(),
+            s.nics.iter().map(|n| n.frames_sent_in_place).sum::<u64>()
         );
         drop(ini);
     }
