@@ -13,8 +13,15 @@
 //! - A malformed, stray or hostile frame is dropped and counted, never a panic.
 //! - [`TargetHandle::shutdown`] stops accepting channels, completes or aborts every request in
 //!   flight, flushes every export, and returns the final counters.
-//! - Payload bytes are copied once in user space each way (frame ↔ `damq` slot memory); the
-//!   counter `payload_copied_bytes` says how many. Storage I/O goes straight from/to slot memory.
+//! - No payload byte is copied in user space where the transport lends frames (AF_XDP): write
+//!   data stays in the received frames until storage has written it (vectored writes over them),
+//!   and read data is read straight into transmit chunks the transport lent, behind the room for
+//!   the DATA headers, and sent from there. Where it cannot (TCP, AF_PACKET, O_DIRECT block
+//!   devices, multi-buffer frames, exhausted chunk pools) each payload is copied once through
+//!   `damq` slot memory, and the counter `payload_copied_bytes` counts every byte copied.
+//! - A kept frame goes back to its transport once its write is done or can never execute
+//!   (slot reused for another tag, channel replaced, session reclaimed); lent memory stays
+//!   mapped while storage uses it, even past its transport.
 
 pub mod backend;
 pub mod config;
