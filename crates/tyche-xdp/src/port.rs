@@ -193,6 +193,8 @@ pub struct XdpPort {
     tx_lendable: Vec<FrameDesc>,
     /// Transmit chunks lent for good, by address, and whether the kernel has them now.
     tx_lent: HashMap<u64, (FrameDesc, bool)>,
+    /// How many of `tx_lent` the kernel has now.
+    tx_lent_in_flight: usize,
     /// A handle on the UMEM that every lease shares, so lent bytes stay mapped.
     umem_keep: Arc<dyn std::any::Any + Send + Sync>,
     numa_node: Option<u32>,
@@ -352,6 +354,7 @@ impl XdpPort {
             lent: HashMap::new(),
             tx_lendable: tx_lendable.to_vec(),
             tx_lent: HashMap::new(),
+            tx_lent_in_flight: 0,
             umem_keep,
             numa_node,
             umem_area: (umem_base, umem_len),
@@ -436,7 +439,10 @@ impl XdpPort {
         let n = unsafe { self.cq.consume(&mut self.comp_descs) };
         for desc in &self.comp_descs[..n] {
             match self.tx_lent.get_mut(&(desc.addr() as u64)) {
-                Some((_, in_flight)) => *in_flight = false,
+                Some((_, in_flight)) => {
+                    *in_flight = false;
+                    self.tx_lent_in_flight -= 1;
+                }
                 None => self.tx_free.push(*desc),
             }
         }
@@ -655,6 +661,9 @@ impl FrameTransport for XdpPort {
 
     fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
         self.reclaim();
+        if self.tx_lent_in_flight == 0 {
+            return Vec::new();
+        }
         self.tx_lent.iter().filter(|(_, (_, busy))| *busy).map(|(&id, _)| id).collect()
     }
 
@@ -734,6 +743,7 @@ impl FrameTransport for XdpPort {
                     cdata.cursor().set_pos(len);
                     chunk.set_options(0);
                     *in_flight = true;
+                    self.tx_lent_in_flight += 1;
                     self.tx_staged.push(chunk);
                     queued += 1;
                 }
