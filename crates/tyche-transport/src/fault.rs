@@ -4,7 +4,7 @@ use std::os::fd::BorrowedFd;
 
 use tyche_wire::MacAddr;
 
-use crate::{FrameTransport, SplitMix64};
+use crate::{FrameTransport, Lease, OnLentFrame, Sent, SplitMix64, TxChunk};
 
 /// What a [`FaultInjector`] does to frames, in each direction independently.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -121,6 +121,51 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
         Ok(delivered)
     }
 
+    /// Frames that pass straight through keep the inner transport's lease; a duplicate is
+    /// offered again without one, and a frame held back for reordering is a copy (no lease).
+    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        let (rx, rng, held, stats) = (self.rx, &mut self.rng, &mut self.held, &mut self.stats);
+        let mut delivered = 0;
+        let n = self.inner.recv_lend(budget, &mut |frame, lease| {
+            if rx.down || rng.chance(rx.loss) {
+                stats.rx_dropped += 1;
+                return lease;
+            }
+            if rng.chance(rx.reorder) {
+                stats.reordered += 1;
+                held.push_back(frame.to_vec());
+                return lease;
+            }
+            let back = on_frame(frame, lease);
+            delivered += 1;
+            if rng.chance(rx.duplicate) {
+                stats.duplicated += 1;
+                on_frame(frame, None);
+                delivered += 1;
+            }
+            if let Some(late) = held.pop_front() {
+                on_frame(&late, None);
+                delivered += 1;
+            }
+            back
+        })?;
+        if n == 0 {
+            while let Some(late) = self.held.pop_front() {
+                on_frame(&late, None);
+                delivered += 1;
+            }
+        }
+        Ok(delivered)
+    }
+
+    fn release(&mut self, lease: Lease) {
+        self.inner.release(lease)
+    }
+
+    fn leases_out(&self) -> usize {
+        self.inner.leases_out()
+    }
+
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         let (tx, rng, stats) = (self.tx, &mut self.rng, &mut self.stats);
         self.inner.send(budget, &mut |buf| {
@@ -133,6 +178,23 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
         })
     }
 
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        let (tx, rng, stats) = (self.tx, &mut self.rng, &mut self.stats);
+        self.inner.send_with(budget, &mut |buf| {
+            let sent = fill(buf)?;
+            if tx.down || rng.chance(tx.loss) {
+                stats.tx_dropped += 1;
+                return Some(Sent::Here(0));
+            }
+            Some(sent)
+        })
+    }
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        self.inner.lend_tx_chunks(max)
+    }
+    fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
+        self.inner.tx_chunks_in_flight()
+    }
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()
     }

@@ -12,6 +12,16 @@
 //!   [`FrameTransport::readiness_fd`] for the runtime to wait on.
 //! - Buffers handed to the callbacks live in the transport's own memory (a UMEM chunk for
 //!   AF_XDP): reading or writing them in place is the zero-copy path.
+//! - A receiver may *keep* a received frame instead of copying its bytes out
+//!   ([`FrameTransport::recv_lend`]): the frame's buffer is then lent to it as a [`Lease`] and
+//!   stays where it is, unchanged, until [`FrameTransport::release`] gives it back. A transport
+//!   that cannot lend (or has no buffer to spare right now) offers no lease, and the receiver
+//!   copies.
+//! - A sender may prepare frames in transmit memory the transport lends it for good
+//!   ([`FrameTransport::lend_tx_chunks`]): it writes payloads there ahead of time (a storage read
+//!   straight into them), and [`FrameTransport::send_with`] then sends such a chunk after writing
+//!   only the headers in front of its payload ([`Sent::Chunk`]). A chunk the kernel still
+//!   transmits ([`FrameTransport::tx_chunks_in_flight`]) must be neither rewritten nor sent again.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -19,8 +29,10 @@ mod fault;
 mod mem;
 pub mod stats_socket;
 
+use std::any::Any;
 use std::io;
 use std::os::fd::BorrowedFd;
+use std::sync::Arc;
 
 pub use fault::{FaultConfig, FaultInjector, FaultStats};
 pub use mem::{MemLink, MemPort};
@@ -41,12 +53,61 @@ pub trait FrameTransport {
     /// Returns how many frames were delivered; zero when none is waiting.
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize>;
 
+    /// As [`FrameTransport::recv`], offering with each frame a [`Lease`] on its buffer when the
+    /// transport can spare it. `on_frame` keeps the frame by keeping the lease (the bytes then stay
+    /// at the same address, unchanged, until the lease goes back through
+    /// [`FrameTransport::release`]) and returns `None`; it gives the lease back (returns it) to
+    /// let the buffer be reused at once. Frames offered without a lease must be copied to be kept.
+    ///
+    /// The default offers no lease (transports whose frames are copies anyway: TCP, AF_PACKET).
+    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        self.recv(budget, &mut |bytes| {
+            on_frame(bytes, None);
+        })
+    }
+
+    /// Gives back the buffer of a frame kept from [`FrameTransport::recv_lend`] of this
+    /// transport, to be reused for receiving.
+    fn release(&mut self, lease: Lease) {
+        drop(lease);
+    }
+
+    /// Frames kept by the receiver and not yet released.
+    fn leases_out(&self) -> usize {
+        0
+    }
+
     /// Transmits up to `budget` frames. For each free transmit buffer, `fill` writes one frame
     /// at the start of the buffer it is given and returns its length, `Some(0)` to skip this
     /// buffer and go on (nothing is sent for it), or `None` when it has nothing more to send (the
     /// buffer is then not used). Returns how many frames were queued; fewer than asked when the
     /// transmit ring is full.
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize>;
+
+    /// As [`FrameTransport::send`], where `fill` may also answer [`Sent::Chunk`]: send one of the
+    /// chunks this transport lent ([`FrameTransport::lend_tx_chunks`]) instead of the buffer it
+    /// was given, after copying the first `header` bytes of that buffer to the start of the
+    /// chunk's frame. The default knows no chunks.
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        self.send(budget, &mut |buf| match fill(buf)? {
+            Sent::Here(len) => Some(len),
+            Sent::Chunk { .. } => panic!("this transport lent no transmit chunk"),
+        })
+    }
+
+    /// Hands the caller up to `max` transmit chunks for good (none by default, nor where frames
+    /// span several buffers): memory it prepares frames in ahead of time and sends with
+    /// [`Sent::Chunk`].
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        let _ = max;
+        Vec::new()
+    }
+
+    /// Ids of the lent transmit chunks the kernel has not finished sending (after taking in
+    /// what it finished).
+    fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
+        Vec::new()
+    }
 
     /// Pushes queued frames out (a kernel wake-up where the transport needs one) and reclaims
     /// buffers of frames already sent.
@@ -68,6 +129,122 @@ pub trait FrameTransport {
     /// areas are only described, never to be dereferenced through this.
     fn memory_areas(&self) -> Vec<MemoryArea> {
         Vec::new()
+    }
+}
+
+/// What [`FrameTransport::recv_lend`] calls with each frame: the bytes and, when the transport
+/// can lend the buffer, a lease on it; returns the lease unless it keeps the frame.
+pub type OnLentFrame<'a> = dyn FnMut(&[u8], Option<Lease>) -> Option<Lease> + 'a;
+
+/// A received frame's buffer, lent by the transport to the receiver that keeps the frame
+/// ([`FrameTransport::recv_lend`]).
+///
+/// While the lease lives, the frame's bytes stay at [`Lease::addr`] (for [`Lease::len`] bytes)
+/// and nothing writes them: the transport does not reuse the buffer until the lease comes back
+/// through [`FrameTransport::release`], and the lease holds a reference on the memory the buffer
+/// lies in, so the bytes stay mapped even if the transport is dropped first (a storage write
+/// still reading them, say). A lease is not `Clone`: it goes back once.
+pub struct Lease {
+    id: u64,
+    addr: usize,
+    len: usize,
+    memory: Arc<dyn Any + Send + Sync>,
+}
+
+impl Lease {
+    /// For transports: a lease named `id` (the transport's own name for the buffer) on `frame`,
+    /// whose memory `memory` keeps alive.
+    pub fn new(id: u64, frame: &[u8], memory: Arc<dyn Any + Send + Sync>) -> Lease {
+        Lease { id, addr: frame.as_ptr() as usize, len: frame.len(), memory }
+    }
+    /// The transport's name for the buffer.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// Address of the frame's first byte.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+    /// Length of the frame.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the frame is empty (never, for a frame a transport delivered).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Whether `bytes` lies within the lent frame.
+    pub fn covers(&self, bytes: &[u8]) -> bool {
+        let a = bytes.as_ptr() as usize;
+        a >= self.addr && a + bytes.len() <= self.addr + self.len
+    }
+    /// The memory the frame lies in (for transports: to check a lease is theirs).
+    pub fn memory(&self) -> &Arc<dyn Any + Send + Sync> {
+        &self.memory
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease").field("id", &self.id).field("addr", &self.addr).field("len", &self.len).finish()
+    }
+}
+
+/// What a [`FrameTransport::send_with`] callback did with the buffer it was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// Send `len` bytes of the buffer (0: skip it, send nothing).
+    Here(usize),
+    /// Send lent chunk `id` instead: its frame is `len` bytes, of which the first `header` are
+    /// to be copied from the buffer (the rest, the payload, is already in the chunk).
+    Chunk {
+        /// [`TxChunk::id`].
+        id: u64,
+        /// Bytes of headers to copy from the buffer.
+        header: usize,
+        /// Frame length.
+        len: usize,
+    },
+}
+
+/// Transmit memory lent for good to the sender ([`FrameTransport::lend_tx_chunks`]): a frame of
+/// up to `capacity` bytes starts at `frame_addr`. The sender writes it through raw pointers
+/// (the crate using it justifies that), only while the chunk is not in flight; the chunk holds
+/// a reference on its memory, so it stays mapped while the chunk lives.
+pub struct TxChunk {
+    id: u64,
+    frame_addr: usize,
+    capacity: usize,
+    memory: Arc<dyn Any + Send + Sync>,
+}
+
+impl TxChunk {
+    /// For transports: chunk `id` whose frame starts at `frame_addr` and holds `capacity`
+    /// bytes, in memory `memory` keeps alive.
+    pub fn new(id: u64, frame_addr: usize, capacity: usize, memory: Arc<dyn Any + Send + Sync>) -> TxChunk {
+        TxChunk { id, frame_addr, capacity, memory }
+    }
+    /// The transport's name for the chunk.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// Address of the frame's first byte.
+    pub fn frame_addr(&self) -> usize {
+        self.frame_addr
+    }
+    /// Largest frame the chunk holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// The memory the chunk lies in.
+    pub fn memory(&self) -> &Arc<dyn Any + Send + Sync> {
+        &self.memory
+    }
+}
+
+impl std::fmt::Debug for TxChunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxChunk").field("id", &self.id).field("frame_addr", &self.frame_addr).finish()
     }
 }
 
@@ -95,8 +272,26 @@ impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
         (**self).recv(budget, on_frame)
     }
+    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        (**self).recv_lend(budget, on_frame)
+    }
+    fn release(&mut self, lease: Lease) {
+        (**self).release(lease)
+    }
+    fn leases_out(&self) -> usize {
+        (**self).leases_out()
+    }
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         (**self).send(budget, fill)
+    }
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        (**self).send_with(budget, fill)
+    }
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        (**self).lend_tx_chunks(max)
+    }
+    fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
+        (**self).tx_chunks_in_flight()
     }
     fn flush(&mut self) -> io::Result<()> {
         (**self).flush()

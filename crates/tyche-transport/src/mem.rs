@@ -1,10 +1,10 @@
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::{Arc, Mutex};
 
 use tyche_wire::MacAddr;
 
-use crate::FrameTransport;
+use crate::{FrameTransport, Lease, OnLentFrame};
 
 /// One direction of an in-memory link: a bounded queue of frames with a pool of spare buffers so
 /// that steady-state traffic allocates nothing. Buffers keep their full capacity (a frame's length
@@ -36,6 +36,9 @@ impl MemLink {
             tx: Arc::clone(tx),
             rx: Arc::clone(rx),
             dropped: 0,
+            lend_limit: 0,
+            lent: HashMap::new(),
+            next_lease: 0,
         };
         (port(macs.0, &ab, &ba), port(macs.1, &ba, &ab))
     }
@@ -51,12 +54,23 @@ pub struct MemPort {
     tx: Arc<Mutex<Lane>>,
     rx: Arc<Mutex<Lane>>,
     dropped: u64,
+    /// Frames that may be lent at once ([`FrameTransport::recv_lend`]); 0: none.
+    lend_limit: usize,
+    /// Frames lent and not yet released, by lease id.
+    lent: HashMap<u64, Arc<Vec<u8>>>,
+    next_lease: u64,
 }
 
 impl MemPort {
     /// Frames this port could not queue because the peer's queue was full.
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+
+    /// Lets [`FrameTransport::recv_lend`] lend up to `frames` received frames at once (none by
+    /// default: a receiver then copies, as over TCP).
+    pub fn set_lending(&mut self, frames: usize) {
+        self.lend_limit = frames;
     }
 }
 
@@ -83,6 +97,48 @@ impl FrameTransport for MemPort {
             n += 1;
         }
         Ok(n)
+    }
+
+    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        let mut n = 0;
+        while n < budget {
+            let Some((frame, len)) = self.rx.lock().expect("lane poisoned").frames.pop_front() else {
+                break;
+            };
+            n += 1;
+            if self.lent.len() >= self.lend_limit {
+                on_frame(&frame[..len], None);
+                self.rx.lock().expect("lane poisoned").spare.push(frame);
+                continue;
+            }
+            // The buffer moves into an Arc the lease shares: its bytes stay put however long
+            // the receiver keeps them, even past this port.
+            let frame = Arc::new(frame);
+            let id = self.next_lease;
+            self.next_lease += 1;
+            let lease = Lease::new(id, &frame[..len], Arc::clone(&frame) as _);
+            match on_frame(&frame[..len], Some(lease)) {
+                None => {
+                    self.lent.insert(id, frame);
+                }
+                Some(lease) => {
+                    drop(lease);
+                    self.recycle(frame);
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    fn release(&mut self, lease: Lease) {
+        let frame = self.lent.remove(&lease.id()).expect("a lease this port lent");
+        assert!(Arc::ptr_eq(&(Arc::clone(&frame) as Arc<dyn std::any::Any + Send + Sync>), lease.memory()));
+        drop(lease);
+        self.recycle(frame);
+    }
+
+    fn leases_out(&self) -> usize {
+        self.lent.len()
     }
 
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
@@ -120,6 +176,15 @@ impl FrameTransport for MemPort {
     }
 }
 
+impl MemPort {
+    /// Puts a buffer back in the spare pool once no lease shares it.
+    fn recycle(&mut self, frame: Arc<Vec<u8>>) {
+        if let Ok(frame) = Arc::try_unwrap(frame) {
+            self.rx.lock().expect("lane poisoned").spare.push(frame);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,5 +206,39 @@ mod tests {
         assert_eq!(seen, [1, 2, 3, 4]);
         assert_eq!(b.recv(10, &mut |_| panic!("queue is empty")).unwrap(), 0);
         assert_eq!(a.send(10, &mut |_| None).unwrap(), 0);
+    }
+
+    #[test]
+    fn lent_frames_stay_put_until_released_and_the_limit_holds() {
+        let (mut a, mut b) = MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 1500, 1514, 16);
+        b.set_lending(2);
+        let mut next = 0u8;
+        a.send(4, &mut |buf| {
+            next += 1;
+            buf[..60].fill(next);
+            Some(60)
+        })
+        .unwrap();
+        let mut kept = Vec::new();
+        let mut offered = 0;
+        b.recv_lend(10, &mut |f, lease| {
+            offered += usize::from(lease.is_some());
+            match lease {
+                Some(l) if f[0] != 2 => {
+                    assert!(l.covers(f));
+                    kept.push(l);
+                    None
+                }
+                other => other,
+            }
+        })
+        .unwrap();
+        // Frame 1 kept, frame 2 given back, frame 3 kept, frame 4 offered none (limit 2).
+        assert_eq!((offered, kept.len(), b.leases_out()), (3, 2, 2));
+        assert_eq!(kept.iter().map(|l| l.len()).collect::<Vec<_>>(), [60, 60]);
+        for l in kept {
+            b.release(l);
+        }
+        assert_eq!(b.leases_out(), 0);
     }
 }

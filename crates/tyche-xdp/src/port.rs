@@ -1,11 +1,12 @@
 //! [`XdpPort`]: one AF_XDP socket on one NIC queue, with its own UMEM, as a [`FrameTransport`].
 
+use std::collections::HashMap;
 use std::io;
 use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use tyche_transport::FrameTransport;
+use tyche_transport::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk};
 use tyche_wire::MacAddr;
 use xsk_rs::config::{BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, SocketConfig, UmemConfig};
 use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
@@ -79,6 +80,12 @@ pub struct PortConfig {
     pub queue: u32,
     /// UMEM chunks, a power of two; half receive, half transmit.
     pub frame_count: u32,
+    /// Extra receive chunks, so that up to this many received frames can be lent to the receiver
+    /// ([`FrameTransport::recv_lend`]) while the fill ring stays full; 0: frames are never lent.
+    pub lend_frames: u32,
+    /// Extra chunks the sender may take for good ([`FrameTransport::lend_tx_chunks`]) to prepare
+    /// frames in ahead of time (read data stored straight into them); 0: none.
+    pub tx_lend_frames: u32,
     /// Descriptors moved per ring operation.
     pub batch: usize,
     /// Where to run the XDP program.
@@ -100,6 +107,8 @@ impl Default for PortConfig {
         PortConfig {
             queue: 0,
             frame_count: 4096,
+            lend_frames: 0,
+            tx_lend_frames: 0,
             batch: 64,
             mode: AttachMode::Auto,
             multi_buffer: true,
@@ -128,6 +137,10 @@ pub struct PortStats {
     pub kernel_fill_ring_empty: u64,
     /// Kernel: invalid TX descriptors.
     pub kernel_tx_invalid: u64,
+    /// Frames lent to the receiver (`recv_lend`) and kept.
+    pub lent: u64,
+    /// Frames offered without a lease because every spare chunk was lent.
+    pub lend_exhausted: u64,
 }
 
 /// An AF_XDP socket bound to one NIC queue, with its own UMEM, implementing
@@ -140,6 +153,12 @@ pub struct PortStats {
 /// on the TX ring, and gets it back from the completion ring. No frame bytes are copied in user
 /// space, except for multi-buffer frames (longer than one chunk), which are gathered on receive
 /// and scattered on transmit through one reusable buffer.
+///
+/// With [`PortConfig::lend_frames`], `lend_frames` more chunks are spare receive buffers: when
+/// the receiver keeps a frame ([`FrameTransport::recv_lend`]), a spare chunk goes on the fill
+/// ring in its place, and the kept chunk becomes a spare again when it is released. So kept
+/// frames never starve the fill ring; when no spare is left, frames are offered without a lease
+/// (the receiver copies).
 #[derive(Debug)]
 pub struct XdpPort {
     // Field order is drop order: the sockets go before the UMEM, the program last.
@@ -166,6 +185,18 @@ pub struct XdpPort {
     gather: Vec<u8>,
     scatter: Vec<u8>,
     stats: PortStats,
+    /// Receive chunks in no ring and lent to nobody, to replace kept frames on the fill ring.
+    rx_spare: Vec<FrameDesc>,
+    /// Chunks lent to the receiver, by address.
+    lent: HashMap<u64, FrameDesc>,
+    /// Transmit chunks not lent yet ([`FrameTransport::lend_tx_chunks`]).
+    tx_lendable: Vec<FrameDesc>,
+    /// Transmit chunks lent for good, by address, and whether the kernel has them now.
+    tx_lent: HashMap<u64, (FrameDesc, bool)>,
+    /// How many of `tx_lent` the kernel has now.
+    tx_lent_in_flight: usize,
+    /// A handle on the UMEM that every lease shares, so lent bytes stay mapped.
+    umem_keep: Arc<dyn std::any::Any + Send + Sync>,
     numa_node: Option<u32>,
     /// Start and length of the UMEM mapping.
     umem_area: (usize, usize),
@@ -237,7 +268,8 @@ impl XdpPort {
         if let (true, Some(node)) = (config.pin_thread, numa_node) {
             numa::pin_current_thread_to_node(node).map_err(|e| Error::io(format!("pinning to NUMA node {node}"), e))?;
         }
-        let frame_count = NonZeroU32::new(config.frame_count).expect("frame_count > 0");
+        let frame_count =
+            NonZeroU32::new(config.frame_count + config.lend_frames + config.tx_lend_frames).expect("frame_count > 0");
         // Umem::new maps with MAP_POPULATE: binding the memory policy around it places every
         // page on the NIC's node.
         let (umem, descs) = numa::with_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
@@ -285,7 +317,9 @@ impl XdpPort {
         // SAFETY: `descs[0]` is a chunk of this UMEM that no ring holds yet; only its address is
         // taken, nothing is read.
         let umem_base = unsafe { umem.data(&descs[0]) }.contents().as_ptr() as usize - descs[0].addr();
-        let umem_len = config.frame_count as usize * CHUNK_SIZE;
+        let umem_len = frame_count.get() as usize * CHUNK_SIZE;
+        let (descs, spare) = descs.split_at(config.frame_count as usize);
+        let (spare, tx_lendable) = spare.split_at(config.lend_frames as usize);
         let (rx_half, tx_half) = descs.split_at(half as usize);
         // SAFETY: the descriptors come from this UMEM and none is in any ring yet.
         let filled = unsafe { fq.produce(rx_half) };
@@ -294,6 +328,7 @@ impl XdpPort {
         program.register(config.queue, rx.fd_borrowed())?;
 
         let batch = config.batch.max(1);
+        let umem_keep: Arc<dyn std::any::Any + Send + Sync> = Arc::new(Mutex::new(umem.clone()));
         Ok(XdpPort {
             rx,
             tx,
@@ -315,6 +350,12 @@ impl XdpPort {
             gather: Vec::new(),
             scatter: if plan.multi_buffer { vec![0; plan.frame_capacity] } else { Vec::new() },
             stats: PortStats::default(),
+            rx_spare: spare.to_vec(),
+            lent: HashMap::new(),
+            tx_lendable: tx_lendable.to_vec(),
+            tx_lent: HashMap::new(),
+            tx_lent_in_flight: 0,
+            umem_keep,
             numa_node,
             umem_area: (umem_base, umem_len),
             info,
@@ -396,7 +437,15 @@ impl XdpPort {
     fn reclaim(&mut self) {
         // SAFETY: the completion ring only returns descriptors of this UMEM's transmit half.
         let n = unsafe { self.cq.consume(&mut self.comp_descs) };
-        self.tx_free.extend_from_slice(&self.comp_descs[..n]);
+        for desc in &self.comp_descs[..n] {
+            match self.tx_lent.get_mut(&(desc.addr() as u64)) {
+                Some((_, in_flight)) => {
+                    *in_flight = false;
+                    self.tx_lent_in_flight -= 1;
+                }
+                None => self.tx_free.push(*desc),
+            }
+        }
     }
 
     fn refill(&mut self) -> io::Result<()> {
@@ -432,6 +481,78 @@ impl XdpPort {
             self.reclaim();
         }
         Ok(false)
+    }
+
+    /// Receives frames, offering leases when `lend` (and a spare chunk is left).
+    fn receive(&mut self, budget: usize, lend: bool, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        let mut delivered = 0;
+        let mut refill = Vec::with_capacity(self.batch);
+        while delivered < budget {
+            let want = (budget - delivered).min(self.batch);
+            // SAFETY: `rx_descs` are plain descriptor slots; the RX ring of this socket only
+            // hands out chunks of this UMEM.
+            let n = unsafe { self.rx.consume(&mut self.rx_descs[..want]) };
+            if n == 0 {
+                break;
+            }
+            refill.clear();
+            for desc in &self.rx_descs[..n] {
+                // SAFETY: the descriptor was just taken off the RX ring of this UMEM; the kernel
+                // does not touch the chunk again until it goes back on the fill ring (here, or
+                // when a lent chunk is released), and no mutable reference to it exists.
+                let data = unsafe { self.umem.data(desc) };
+                let bytes = data.contents();
+                if self.plan.multi_buffer && (desc.has_more_frames() || !self.gather.is_empty()) {
+                    self.gather.extend_from_slice(bytes);
+                    refill.push(*desc);
+                    if desc.has_more_frames() {
+                        continue;
+                    }
+                    if self.gather.len() <= self.plan.frame_capacity {
+                        on_frame(&self.gather, None);
+                        delivered += 1;
+                    } else {
+                        self.stats.rx_oversized += 1;
+                    }
+                    self.gather.clear();
+                    continue;
+                }
+                delivered += 1;
+                if !lend || self.rx_spare.is_empty() {
+                    if lend {
+                        self.stats.lend_exhausted += 1;
+                    }
+                    on_frame(bytes, None);
+                    refill.push(*desc);
+                    continue;
+                }
+                let lease = Lease::new(desc.addr() as u64, bytes, Arc::clone(&self.umem_keep));
+                match on_frame(bytes, Some(lease)) {
+                    None => {
+                        // Kept: a spare chunk takes its place on the fill ring.
+                        self.lent.insert(desc.addr() as u64, *desc);
+                        self.stats.lent += 1;
+                        refill.push(self.rx_spare.pop().expect("checked above"));
+                    }
+                    Some(lease) => {
+                        drop(lease);
+                        refill.push(*desc);
+                    }
+                }
+            }
+            // SAFETY: these chunks belong to this UMEM, are in no ring, and nothing refers to
+            // them any more (kept ones were replaced by spares).
+            let put = unsafe { self.fq.produce(&refill) };
+            if put != refill.len() {
+                self.fill_backlog.extend_from_slice(&refill);
+            }
+            if n < want {
+                break;
+            }
+        }
+        self.stats.rx_frames += delivered as u64;
+        self.refill()?;
+        Ok(delivered)
     }
 
     /// Kicks the kernel to transmit what is on the TX ring (one `sendto`; the kernel sends a
@@ -496,53 +617,57 @@ impl FrameTransport for XdpPort {
     }
 
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
-        let mut delivered = 0;
-        while delivered < budget {
-            let want = (budget - delivered).min(self.batch);
-            // SAFETY: `rx_descs` are plain descriptor slots; the RX ring of this socket only
-            // hands out chunks of this UMEM.
-            let n = unsafe { self.rx.consume(&mut self.rx_descs[..want]) };
-            if n == 0 {
-                break;
-            }
-            for desc in &self.rx_descs[..n] {
-                // SAFETY: the descriptor was just taken off the RX ring of this UMEM; the kernel
-                // does not touch the chunk again until it goes back on the fill ring below, and
-                // no mutable reference to it exists.
-                let data = unsafe { self.umem.data(desc) };
-                let bytes = data.contents();
-                if self.plan.multi_buffer && (desc.has_more_frames() || !self.gather.is_empty()) {
-                    self.gather.extend_from_slice(bytes);
-                    if desc.has_more_frames() {
-                        continue;
-                    }
-                    if self.gather.len() <= self.plan.frame_capacity {
-                        on_frame(&self.gather);
-                        delivered += 1;
-                    } else {
-                        self.stats.rx_oversized += 1;
-                    }
-                    self.gather.clear();
-                } else {
-                    on_frame(bytes);
-                    delivered += 1;
-                }
-            }
-            // SAFETY: these chunks belong to this UMEM and nothing refers to them any more.
-            let put = unsafe { self.fq.produce(&self.rx_descs[..n]) };
-            if put != n {
-                self.fill_backlog.extend_from_slice(&self.rx_descs[..n]);
-            }
-            if n < want {
-                break;
-            }
-        }
-        self.stats.rx_frames += delivered as u64;
-        self.refill()?;
-        Ok(delivered)
+        self.receive(budget, false, &mut |bytes, lease| {
+            on_frame(bytes);
+            lease
+        })
+    }
+
+    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        self.receive(budget, true, on_frame)
+    }
+
+    fn release(&mut self, lease: Lease) {
+        assert!(Arc::ptr_eq(lease.memory(), &self.umem_keep), "a lease goes back to the port that lent it");
+        let desc = self.lent.remove(&lease.id()).expect("a lease this port lent and did not get back yet");
+        self.rx_spare.push(desc);
+    }
+
+    fn leases_out(&self) -> usize {
+        self.lent.len()
     }
 
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+        self.send_with(budget, &mut |buf| fill(buf).map(Sent::Here))
+    }
+
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        if self.plan.multi_buffer {
+            // A frame longer than one chunk cannot be prepared in one.
+            return Vec::new();
+        }
+        let n = max.min(self.tx_lendable.len());
+        let base = self.umem_area.0;
+        self.tx_lendable
+            .split_off(self.tx_lendable.len() - n)
+            .into_iter()
+            .map(|desc| {
+                let id = desc.addr() as u64;
+                self.tx_lent.insert(id, (desc, false));
+                TxChunk::new(id, base + desc.addr(), BUFFER_CAPACITY, Arc::clone(&self.umem_keep))
+            })
+            .collect()
+    }
+
+    fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
+        self.reclaim();
+        if self.tx_lent_in_flight == 0 {
+            return Vec::new();
+        }
+        self.tx_lent.iter().filter(|(_, (_, busy))| *busy).map(|(&id, _)| id).collect()
+    }
+
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
         self.reclaim();
         if !self.push_pending()? {
             return Ok(0);
@@ -556,8 +681,10 @@ impl FrameTransport for XdpPort {
                 if self.tx_free.len() < chunks {
                     break;
                 }
-                let Some(len) = fill(&mut self.scatter[..capacity]) else {
-                    break;
+                let len = match fill(&mut self.scatter[..capacity]) {
+                    None => break,
+                    Some(Sent::Here(len)) => len,
+                    Some(Sent::Chunk { .. }) => panic!("no transmit chunk is lent in multi-buffer mode"),
                 };
                 assert!(len <= capacity, "frame of {len} bytes overran its buffer");
                 if len == 0 {
@@ -587,15 +714,38 @@ impl FrameTransport for XdpPort {
             data.cursor().set_pos(full);
             let result = fill(&mut data.contents_mut()[..capacity]);
             match result {
-                Some(len) if len > 0 => {
+                Some(Sent::Here(len)) if len > 0 => {
                     assert!(len <= capacity, "frame of {len} bytes overran its buffer");
                     data.cursor().set_pos(len);
                     desc.set_options(0);
                     self.tx_staged.push(desc);
                     queued += 1;
                 }
-                Some(_) => {
+                Some(Sent::Here(_)) => {
                     self.tx_free.push(desc);
+                }
+                Some(Sent::Chunk { id, header, len }) => {
+                    // The headers were written here; the payload already lies in the lent chunk.
+                    let mut head = [0u8; 256];
+                    assert!(header <= head.len() && header <= len && len <= capacity, "bad lent frame");
+                    head[..header].copy_from_slice(&data.contents()[..header]);
+                    self.tx_free.push(desc);
+                    let (chunk, in_flight) = self.tx_lent.get_mut(&id).expect("a transmit chunk this port lent");
+                    assert!(!*in_flight, "a lent chunk is sent again only once the kernel is done with it");
+                    let mut chunk = *chunk;
+                    // SAFETY: a chunk of this UMEM lent to the caller and not in flight, so no
+                    // ring holds it; the caller only writes it (its payload) while it is not
+                    // being sent, never during this call, so this is the only reference.
+                    let mut cdata = unsafe { self.umem.data_mut(&mut chunk) };
+                    let full = cdata.cursor().buf_len();
+                    cdata.cursor().set_pos(full);
+                    cdata.contents_mut()[..header].copy_from_slice(&head[..header]);
+                    cdata.cursor().set_pos(len);
+                    chunk.set_options(0);
+                    *in_flight = true;
+                    self.tx_lent_in_flight += 1;
+                    self.tx_staged.push(chunk);
+                    queued += 1;
                 }
                 None => {
                     self.tx_free.push(desc);

@@ -291,3 +291,125 @@ fn umem_and_rings_are_on_the_asked_node_page_by_page() {
         assert!(c.all_on_expected(), "{what}: every page on node 0: {c:?}");
     }
 }
+
+/// Received frames lent to the receiver stay out of the fill ring until released, spare chunks
+/// keep the ring full meanwhile, and beyond the spares frames come without a lease; transmit
+/// chunks lent for good are sent with only their headers written, and come back idle.
+#[test]
+fn lent_frames_and_lent_transmit_chunks() {
+    let Some(lab) = lab("lend", 1500) else { return };
+    let ready = Arc::new(Barrier::new(2));
+    let (ra, rb) = (Arc::clone(&ready), Arc::clone(&ready));
+    const LEND: u32 = 8;
+    let a = in_ns(&lab.a, move || {
+        let config = PortConfig { lend_frames: LEND, tx_lend_frames: 4, ..PortConfig::default() };
+        let mut port = XdpPort::open("tya", &config).expect("open AF_XDP port");
+        let segment = port.plan().segment_size as usize;
+        ra.wait();
+        // B sends 20 DATA frames; keep every one offered with a lease.
+        let mut kept = Vec::new();
+        let (mut got, mut without) = (0u32, 0u32);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while got < 20 {
+            assert!(Instant::now() < deadline, "stalled at {got}");
+            port.recv_lend(64, &mut |buf, lease| {
+                assert_eq!(check_data(buf, segment), got);
+                got += 1;
+                match lease {
+                    Some(l) => {
+                        assert!(l.covers(buf));
+                        kept.push((got - 1, l));
+                        None
+                    }
+                    None => {
+                        without += 1;
+                        None
+                    }
+                }
+            })
+            .expect("recv");
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!((kept.len(), without), (LEND as usize, 20 - LEND), "the spares bound what is kept");
+        assert_eq!(port.leases_out(), LEND as usize);
+        assert!(port.stats().lend_exhausted > 0 && port.stats().lent == u64::from(LEND));
+        // Kept frames are unchanged while more arrive.
+        for (seq, l) in &kept {
+            // SAFETY: the lease keeps the frame's bytes in place and unwritten.
+            let bytes = unsafe { std::slice::from_raw_parts(l.addr() as *const u8, l.len()) };
+            assert_eq!(check_data(bytes, segment), *seq);
+        }
+        for (_, l) in kept {
+            port.release(l);
+        }
+        assert_eq!(port.leases_out(), 0);
+        // Transmit chunks: payload written ahead, headers at send time.
+        let chunks = port.lend_tx_chunks(16);
+        assert_eq!(chunks.len(), 4, "as many as configured");
+        let env = env(MAC_A, MAC_B);
+        for (i, c) in chunks.iter().enumerate() {
+            let mut frame = vec![0u8; DATA_FRAME_OVERHEAD + segment];
+            data_frame(&env, 100 + i as u32, segment, &mut frame);
+            // SAFETY: a chunk lent to this test, not in flight; the frame fits its capacity.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    frame[DATA_FRAME_OVERHEAD..].as_ptr(),
+                    (c.frame_addr() + DATA_FRAME_OVERHEAD) as *mut u8,
+                    segment,
+                )
+            };
+        }
+        let mut next = 0;
+        let sent = port
+            .send_with(8, &mut |buf| {
+                if next == chunks.len() {
+                    return None;
+                }
+                let len = data_frame(&env, 100 + next as u32, segment, buf);
+                buf[DATA_FRAME_OVERHEAD..len].fill(0xEE); // must not be what goes out
+                next += 1;
+                Some(tyche_transport::Sent::Chunk { id: chunks[next - 1].id(), header: DATA_FRAME_OVERHEAD, len })
+            })
+            .expect("send chunks");
+        assert_eq!(sent, 4);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            port.flush().expect("flush");
+            if port.tx_chunks_in_flight().is_empty() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "lent chunks never completed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        ra.wait();
+    });
+    let b = in_ns(&lab.b, move || {
+        let mut port = XdpPort::open("tyb", &PortConfig::default()).expect("open AF_XDP port");
+        let segment = port.plan().segment_size as usize;
+        rb.wait();
+        let env = env(MAC_B, MAC_A);
+        let mut next = 0u32;
+        while next < 20 {
+            port.send(32, &mut |buf| {
+                if next == 20 {
+                    return None;
+                }
+                next += 1;
+                Some(data_frame(&env, next - 1, segment, buf))
+            })
+            .expect("send");
+            port.flush().expect("flush");
+        }
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while got.len() < 4 {
+            assert!(Instant::now() < deadline, "chunks never arrived: {got:?}");
+            port.recv(64, &mut |buf| got.push(check_data(buf, segment))).expect("recv");
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(got, [100, 101, 102, 103], "payloads from the chunks, headers from send time");
+        rb.wait();
+    });
+    a.join().expect("side a");
+    b.join().expect("side b");
+}

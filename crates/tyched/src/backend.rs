@@ -56,6 +56,30 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn as_file(&self) -> Option<&FileBackend> {
         None
     }
+    /// Writes `pieces`, one after the other, from `offset` (write data left in the frames it
+    /// arrived in); with `fua`, durable before this returns.
+    fn write_vectored_at(&self, pieces: &[&[u8]], mut offset: u64, fua: bool) -> io::Result<()> {
+        for (i, p) in pieces.iter().enumerate() {
+            self.write_at(p, offset, fua && i + 1 == pieces.len())?;
+            offset += p.len() as u64;
+        }
+        Ok(())
+    }
+    /// Fills `places`, one after the other, from `offset` (read data stored straight into the
+    /// frames it is sent from).
+    fn read_vectored_at(&self, places: &mut [&mut [u8]], mut offset: u64) -> io::Result<()> {
+        for p in places.iter_mut() {
+            self.read_at(p, offset)?;
+            offset += p.len() as u64;
+        }
+        Ok(())
+    }
+    /// Whether writes may come from received frames in place ([`Backend::write_vectored_at`])
+    /// and reads go into transmit frames in place ([`Backend::read_vectored_at`]): false where
+    /// they need buffers aligned for O_DIRECT, which frame payloads are not.
+    fn writes_from_frames(&self) -> bool {
+        false
+    }
 }
 
 /// Memory that is node-bound when a node is known and the kernel allows it, else the heap.
@@ -201,6 +225,20 @@ impl Backend for RamBackend {
         self.mem.write().expect("RAM export lock").as_mut_slice()[r].copy_from_slice(buf);
         Ok(())
     }
+    fn write_vectored_at(&self, pieces: &[&[u8]], offset: u64, _fua: bool) -> io::Result<()> {
+        let total = pieces.iter().map(|p| p.len() as u64).sum();
+        let r = self.range(offset, total)?;
+        let mut mem = self.mem.write().expect("RAM export lock");
+        let mut at = r.start;
+        for p in pieces {
+            mem.as_mut_slice()[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        Ok(())
+    }
+    fn writes_from_frames(&self) -> bool {
+        true
+    }
     fn flush(&self) -> io::Result<()> {
         Ok(())
     }
@@ -213,6 +251,9 @@ impl Backend for RamBackend {
         Ok(())
     }
 }
+
+/// Most pieces one `pwritev` takes (`IOV_MAX` on Linux).
+pub(crate) const IOV_MAX: usize = 1024;
 
 /// `ioctl` request numbers from `<linux/fs.h>`.
 mod blk {
@@ -386,6 +427,91 @@ impl Backend for FileBackend {
         f.write_all_at(buf, offset)?;
         if fua {
             f.sync_data()?;
+        }
+        Ok(())
+    }
+    fn write_vectored_at(&self, pieces: &[&[u8]], mut offset: u64, fua: bool) -> io::Result<()> {
+        // pwritev over at most IOV_MAX pieces at a time, resuming after short writes.
+        let mut todo: Vec<&[u8]> = pieces.iter().copied().filter(|p| !p.is_empty()).collect();
+        let mut first = 0;
+        while first < todo.len() {
+            let iov: Vec<libc::iovec> = todo[first..todo.len().min(first + IOV_MAX)]
+                .iter()
+                .map(|p| libc::iovec { iov_base: p.as_ptr() as *mut libc::c_void, iov_len: p.len() })
+                .collect();
+            // SAFETY: every iovec names a live slice of `pieces` (borrowed for this call), and
+            // pwritev only reads through them.
+            let n = unsafe {
+                libc::pwritev(self.file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote nothing"));
+            }
+            let mut n = n as usize;
+            offset += n as u64;
+            while n > 0 {
+                let p = todo[first];
+                if n >= p.len() {
+                    n -= p.len();
+                    first += 1;
+                } else {
+                    todo[first] = &p[n..];
+                    n = 0;
+                }
+            }
+        }
+        if fua {
+            self.file.sync_data()?;
+        }
+        Ok(())
+    }
+    fn writes_from_frames(&self) -> bool {
+        self.direct.is_none()
+    }
+    fn read_vectored_at(&self, places: &mut [&mut [u8]], mut offset: u64) -> io::Result<()> {
+        // preadv over at most IOV_MAX places at a time, resuming after short reads.
+        let mut todo: Vec<&mut [u8]> = places.iter_mut().map(|p| &mut **p).filter(|p| !p.is_empty()).collect();
+        let mut first = 0;
+        while first < todo.len() {
+            let end = todo.len().min(first + IOV_MAX);
+            let iov: Vec<libc::iovec> = todo[first..end]
+                .iter_mut()
+                .map(|p| libc::iovec { iov_base: p.as_mut_ptr().cast(), iov_len: p.len() })
+                .collect();
+            // SAFETY: every iovec names a live, writable slice of `places` (borrowed mutably for
+            // this call, distinct from each other).
+            let n = unsafe {
+                libc::preadv(self.file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "preadv read nothing"));
+            }
+            let mut n = n as usize;
+            offset += n as u64;
+            while n > 0 {
+                let p = std::mem::take(&mut todo[first]);
+                if n >= p.len() {
+                    n -= p.len();
+                    first += 1;
+                } else {
+                    todo[first] = &mut p[n..];
+                    n = 0;
+                }
+            }
         }
         Ok(())
     }

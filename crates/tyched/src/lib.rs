@@ -13,8 +13,15 @@
 //! - A malformed, stray or hostile frame is dropped and counted, never a panic.
 //! - [`TargetHandle::shutdown`] stops accepting channels, completes or aborts every request in
 //!   flight, flushes every export, and returns the final counters.
-//! - Payload bytes are copied once in user space each way (frame ↔ `damq` slot memory); the
-//!   counter `payload_copied_bytes` says how many. Storage I/O goes straight from/to slot memory.
+//! - No payload byte is copied in user space where the transport lends frames (AF_XDP): write
+//!   data stays in the received frames until storage has written it (vectored writes over them),
+//!   and read data is read straight into transmit chunks the transport lent, behind the room for
+//!   the DATA headers, and sent from there. Where it cannot (TCP, AF_PACKET, O_DIRECT block
+//!   devices, multi-buffer frames, exhausted chunk pools) each payload is copied once through
+//!   `damq` slot memory, and the counter `payload_copied_bytes` counts every byte copied.
+//! - A kept frame goes back to its transport once its write is done or can never execute
+//!   (slot reused for another tag, channel replaced, session reclaimed); lent memory stays
+//!   mapped while storage uses it, even past its transport.
 
 pub mod backend;
 pub mod config;
@@ -28,6 +35,18 @@ pub mod uring;
 pub use config::{Config, ConfigError, ExportConfig};
 pub use stats::Snapshot;
 pub use target::{Nic, Placement, StartError, Target, TargetHandle};
+
+/// Spare UMEM chunks each AF_XDP port of `tyched serve` gets so that received write data can
+/// stay in its frames until storage has written it (16 MiB per port): up to this many DATA
+/// frames per port are kept at once; beyond that, write data is copied into slot memory (and
+/// counted in `payload_copied_bytes`).
+pub const LEND_FRAMES: u32 = 4096;
+
+/// UMEM chunks each AF_XDP port of `tyched serve` lends the target for good to store read data
+/// in, one segment per chunk behind room for the DATA frame's headers, and send it from there
+/// (16 MiB per port). A read finding too few free ones goes through slot memory and is copied
+/// into the transmit buffers (counted in `payload_copied_bytes`).
+pub const TX_LEND_FRAMES: u32 = 4096;
 
 /// The MAC address the `k`th TCP connection of `tyched serve --transport tcp` uses when its
 /// interface has none (loopback): a locally administered `02:00:00:00:7c:0k`-style address.

@@ -235,7 +235,13 @@ fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
             TransportKind::Xdp => {
                 let mut first: Option<(std::sync::Arc<tyche_xdp::XdpProgram>, tyche_xdp::InterfaceInfo)> = None;
                 for q in 0..u32::from(config.channels_per_nic) {
-                    let pc = tyche_xdp::PortConfig { queue: q, ethertype: config.ethertype, ..Default::default() };
+                    let pc = tyche_xdp::PortConfig {
+                        queue: q,
+                        ethertype: config.ethertype,
+                        lend_frames: tyched::LEND_FRAMES,
+                        tx_lend_frames: tyched::TX_LEND_FRAMES,
+                        ..Default::default()
+                    };
                     // The steering program is attached once per interface; later queues share it.
                     let port = match &first {
                         None => tyche_xdp::XdpPort::open(name, &pc),

@@ -45,6 +45,18 @@ pub struct NicStats {
     pub rx_errors: u64,
     /// Send errors reported by the transport.
     pub tx_errors: u64,
+    /// Write segments kept in the frame they arrived in (no copy), since start.
+    #[serde(default)]
+    pub frames_kept: u64,
+    /// Received frames the transport has lent and not yet got back (as the transport last said).
+    #[serde(default)]
+    pub leases_out: u64,
+    /// DATA frames sent from the transmit chunk the read data was stored in (no copy).
+    #[serde(default)]
+    pub frames_sent_in_place: u64,
+    /// Transmit chunks the transport lent that are free for read data now.
+    #[serde(default)]
+    pub tx_chunks_free: u64,
     /// Drops by reason.
     pub drops: Drops,
 }
@@ -175,10 +187,20 @@ pub struct Snapshot {
     pub sessions: u64,
     /// Sessions reclaimed after all their channels died.
     pub sessions_reclaimed: u64,
-    /// Payload bytes copied in user space on the target (write data into slot memory, read data
-    /// from slot memory into frames). Zero only with a zero-copy data path, which this daemon
-    /// does not have yet (docs/tyched.md).
+    /// Payload bytes copied in user space on the target: write data copied out of a received
+    /// frame into slot memory, and read data copied from slot memory into a transmit buffer.
+    /// Zero when every payload moved between frames and storage in place (AF_XDP with a UMEM
+    /// that can lend its frames; docs/tyched.md, "Data path"). The copy a RAM export's write
+    /// makes into its store, and its read makes out of it, is the storage operation itself and is
+    /// not counted here.
     pub payload_copied_bytes: u64,
+    /// The part of `payload_copied_bytes` copied on the write path (received DATA payloads into
+    /// slot memory); the rest is read data copied into transmit buffers.
+    #[serde(default)]
+    pub payload_copied_write_bytes: u64,
+    /// Write segments kept in received frames by the engine (awaiting or in a storage write).
+    #[serde(default)]
+    pub leases_held: u64,
     /// Storage requests queued or running (queue occupancy).
     pub storage_inflight: u64,
     /// Copies of executed modifying requests not executed again.

@@ -14,7 +14,7 @@
 //! nothing is due it sleeps in `poll(2)` on the transports' readiness descriptors and an eventfd
 //! the workers signal, until the engine's next timer.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -27,7 +27,7 @@ use tyche_channel::{
     Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, TargetEvent, TargetInbound,
     TargetSession,
 };
-use tyche_transport::FrameTransport;
+use tyche_transport::{FrameTransport, Lease, Sent, TxChunk};
 use tyche_wire::{
     flags, Challenge, ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Reject, RejectReason, Request,
     Status, DATA_FRAME_OVERHEAD, SECTOR_SIZE,
@@ -118,6 +118,8 @@ struct Export {
     backend: Arc<dyn Backend>,
     /// Whether its storage requests go to the io_uring engine (else the pool, or inline for RAM).
     uring: bool,
+    /// Whether write data may stay in the received frames ([`Backend::writes_from_frames`]).
+    lend: bool,
     allow: Vec<MacAddr>,
     key: Option<Vec<u8>>,
     read_only: bool,
@@ -182,7 +184,84 @@ pub(crate) struct Job {
     pub(crate) export: usize,
     pub(crate) request: Request,
     pub(crate) buf: Option<Memory>,
+    /// Write data kept in the frames it arrived in, by offset (the rest is in `buf`).
+    pub(crate) lent: Vec<LentSegment>,
+    /// Read data goes straight into these transmit chunks (one per segment), not `buf`.
+    pub(crate) region: Option<Region>,
     pub(crate) abort: bool,
+}
+
+/// Transmit chunks a NIC's transport lent for good, holding one request's read data: segment
+/// `i` (of `seg` bytes) lies right after the room for a DATA frame's headers in chunk `i`, so
+/// the frame is sent from there once the headers are written in front.
+#[derive(Debug)]
+pub(crate) struct Region {
+    pub(crate) chunks: Vec<TxChunk>,
+    pub(crate) seg: u32,
+    pub(crate) nic: usize,
+}
+
+/// Write data left in the received frame it arrived in: the `len` bytes at `addr` are bytes
+/// `offset..offset + len` of the request's data. The lease keeps them there, unchanged.
+#[derive(Debug)]
+pub(crate) struct LentSegment {
+    pub(crate) offset: u32,
+    pub(crate) len: u32,
+    pub(crate) addr: usize,
+    /// The NIC whose transport lent the frame (it gets the lease back).
+    pub(crate) nic: usize,
+    pub(crate) lease: Lease,
+}
+
+impl Job {
+    /// The request's write data in order: the payloads of the kept frames, and slot memory
+    /// for the parts that were copied there.
+    pub(crate) fn write_pieces(&self) -> Vec<&[u8]> {
+        let len = self.request.length as usize;
+        let mem = || &self.buf.as_ref().expect("write slot").as_slice()[..len];
+        let mut out = Vec::with_capacity(self.lent.len() + 1);
+        let mut at = 0usize;
+        for seg in &self.lent {
+            let (o, l) = (seg.offset as usize, seg.len as usize);
+            assert!(o >= at && o + l <= len, "kept segments lie in order within the request");
+            if o > at {
+                out.push(&mem()[at..o]);
+            }
+            // SAFETY: `addr..addr + len` lies within the frame the lease names (checked with
+            // `Lease::covers` when the frame was kept), and while the lease lives the transport
+            // neither reuses nor unmaps that memory; `self` holds the lease for the borrow.
+            out.push(unsafe { std::slice::from_raw_parts(seg.addr as *const u8, l) });
+            at = o + l;
+        }
+        if at < len {
+            out.push(&mem()[at..]);
+        }
+        out
+    }
+
+    /// Where the read data goes when it goes straight into transmit chunks: one place per
+    /// segment, right after the room for the DATA frame's headers.
+    pub(crate) fn read_places(&mut self) -> Vec<&mut [u8]> {
+        let len = self.request.length as usize;
+        let region = self.region.as_ref().expect("a read region");
+        let seg = region.seg as usize;
+        assert_eq!(region.chunks.len(), len.div_ceil(seg), "one chunk per segment");
+        region
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let n = seg.min(len - i * seg);
+                assert!(DATA_FRAME_OVERHEAD + n <= c.capacity(), "a segment and its headers fit a chunk");
+                // SAFETY: the chunk was lent to this target for good and lies in memory it keeps
+                // mapped; while this job holds the region no frame is sent from it and the kernel
+                // has none of it in flight (regions are handed out only when idle), so this is
+                // the only reference to these bytes, and the places of distinct chunks are
+                // disjoint.
+                unsafe { std::slice::from_raw_parts_mut((c.frame_addr() + DATA_FRAME_OVERHEAD) as *mut u8, n) }
+            })
+            .collect()
+    }
 }
 
 /// A finished storage request.
@@ -194,6 +273,8 @@ pub(crate) struct Done {
     pub(crate) export: usize,
     pub(crate) request: Request,
     pub(crate) buf: Option<Memory>,
+    pub(crate) lent: Vec<LentSegment>,
+    pub(crate) region: Option<Region>,
     pub(crate) status: Status,
 }
 
@@ -201,10 +282,12 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
     if job.abort {
         return Status::Aborted;
     }
-    let r = &job.request;
+    let r = job.request;
     let len = r.length as usize;
     let res = match r.op {
+        Op::Read if job.region.is_some() => backend.read_vectored_at(&mut job.read_places(), r.offset),
         Op::Read => backend.read_at(&mut job.buf.as_mut().expect("read slot").as_mut_slice()[..len], r.offset),
+        Op::Write if !job.lent.is_empty() => backend.write_vectored_at(&job.write_pieces(), r.offset, r.fua),
         Op::Write => backend.write_at(&job.buf.as_ref().expect("write slot").as_slice()[..len], r.offset, r.fua),
         Op::Flush => backend.flush(),
         Op::Discard => backend.discard(r.offset, r.length as u64),
@@ -244,7 +327,7 @@ impl Target {
     }
 
     /// As [`Target::start`], placing memory and threads as `placement` says.
-    pub fn start_placed(config: Config, nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
+    pub fn start_placed(config: Config, mut nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
         config.validate()?;
         if nics.is_empty() {
             return Err(StartError::NoTransport);
@@ -272,6 +355,7 @@ impl Target {
                 keyed = e.key.is_some(), "export ready");
             exports.push(Export {
                 spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
+                lend: backend.writes_from_frames(),
                 backend,
                 uring: false,
                 allow: e.allowed_macs(),
@@ -333,6 +417,8 @@ impl Target {
                         export: job.export,
                         request: job.request,
                         buf: job.buf,
+                        lent: job.lent,
+                        region: job.region,
                         status,
                     };
                     if tx.send(done).is_err() {
@@ -419,6 +505,13 @@ impl Target {
             acceptor,
             sessions: BTreeMap::new(),
             slots: HashMap::new(),
+            lent: HashMap::new(),
+            release: (0..n_nics).map(|_| Vec::new()).collect(),
+            tx_free: Vec::new(),
+            tx_draining: (0..n_nics).map(|_| Vec::new()).collect(),
+            regions: HashMap::new(),
+            in_region: HashSet::new(),
+            leases_held: 0,
             slot_len: l.max_io as usize,
             node: placement.node,
             nic_node: Vec::new(),
@@ -435,6 +528,7 @@ impl Target {
             clock: std::time::Instant::now(),
             shared: Arc::clone(&shared),
             payload_copied: 0,
+            payload_copied_write: 0,
             reclaimed: 0,
             duplicates_from_reclaimed: 0,
             stopping: None,
@@ -450,6 +544,13 @@ impl Target {
         // read once here, for the placement report.
         net.nic_node = nics.iter().map(|n| n.transport.numa_node().or(placement.node)).collect();
         net.nic_areas = nics.iter().map(|n| n.transport.memory_areas()).collect();
+        // Read data goes straight into transmit chunks the transports lend, where the exports
+        // can read into them.
+        let in_place = net.exports.iter().any(|e| e.lend);
+        net.tx_free = nics
+            .iter_mut()
+            .map(|n| if in_place { n.transport.lend_tx_chunks(usize::MAX) } else { Vec::new() })
+            .collect();
         net.nic_thread = vec![None; n_nics];
         net.control = (0..n_nics).map(|_| VecDeque::new()).collect();
         tracing::info!(nics = n_nics, threads = groups.len(), "serving");
@@ -662,6 +763,13 @@ type Slot = Option<Memory>;
 /// (session, channel, channel epoch, `damq` slot).
 type SlotKey = (u64, u16, u64, u16);
 
+/// Write data of one `damq` slot kept in received frames (for request `tag`), by offset.
+#[derive(Debug)]
+struct LentSlot {
+    tag: u64,
+    segs: BTreeMap<u32, LentSegment>,
+}
+
 /// The engine state every network thread works on, under one lock (see docs/architecture.md,
 /// "Network threads").
 struct Network {
@@ -672,6 +780,21 @@ struct Network {
     acceptor: Acceptor,
     sessions: BTreeMap<u64, SessionState>,
     slots: HashMap<SlotKey, Slot>,
+    /// Write data kept in frames, per slot (beside or instead of the slot memory).
+    lent: HashMap<SlotKey, LentSlot>,
+    /// Leases to give back, per NIC (by the thread serving it).
+    release: Vec<Vec<Lease>>,
+    /// Write segments kept in frames: in `lent` or in storage jobs.
+    leases_held: u64,
+    /// Per NIC: transmit chunks its transport lent, free for read data.
+    tx_free: Vec<Vec<TxChunk>>,
+    /// Per NIC: chunks given up that the kernel may still be sending (checked by the NIC's
+    /// thread before they are free again).
+    tx_draining: Vec<Vec<TxChunk>>,
+    /// Read data held in transmit chunks, per slot, until all of it is acknowledged.
+    regions: HashMap<SlotKey, Region>,
+    /// Slots whose current read data went into a region (never sent from stale slot memory).
+    in_region: HashSet<SlotKey>,
     slot_len: usize,
     node: Option<u32>,
     /// NUMA node of each NIC's memory (slot memory of its channels goes there).
@@ -693,6 +816,8 @@ struct Network {
     clock: std::time::Instant,
     shared: Arc<Shared>,
     payload_copied: u64,
+    /// The part of `payload_copied` on the write path.
+    payload_copied_write: u64,
     reclaimed: u64,
     duplicates_from_reclaimed: u64,
     stopping: Option<Instant>,
@@ -737,6 +862,7 @@ impl Network {
         if self.closing {
             for (k, nic) in nics.iter_mut() {
                 self.transmit_on(now, *k, nic);
+                self.give_back(*k, nic);
             }
             self.exited += 1;
             if self.exited == self.group_wakes.len() {
@@ -746,6 +872,7 @@ impl Network {
         }
         let mut busy = false;
         for (k, nic) in nics.iter_mut() {
+            self.give_back(*k, nic);
             busy |= self.receive_on(now, *k, nic);
         }
         busy |= self.completions(now);
@@ -756,6 +883,9 @@ impl Network {
             busy |= self.transmit_on(now, *k, nic);
         }
         self.reclaim(now);
+        for (k, nic) in nics.iter_mut() {
+            self.give_back(*k, nic);
+        }
         self.publish_if_requested(now);
         if let Some(since) = self.stopping {
             let drained = self.inflight == 0 && self.overflow.is_empty();
@@ -838,7 +968,7 @@ impl Network {
             return false;
         }
         let local = nic.transport.local_mac();
-        match nic.transport.recv(RX_BUDGET, &mut |bytes| self.on_frame(now, k, local, bytes)) {
+        match nic.transport.recv_lend(RX_BUDGET, &mut |bytes, lease| self.on_frame(now, k, local, bytes, lease)) {
             Ok(n) => n > 0,
             Err(e) => {
                 self.nic_stats[k].rx_errors += 1;
@@ -854,46 +984,149 @@ impl Network {
         }
     }
 
-    fn on_frame(&mut self, now: Instant, k: usize, local: MacAddr, bytes: &[u8]) {
+    /// Handles one received frame. Write data is kept in the frame when the transport lends it
+    /// (`lease`) and the export writes from frames; else it is copied into slot memory. Returns
+    /// the lease when the frame is not kept.
+    fn on_frame(
+        &mut self,
+        now: Instant,
+        k: usize,
+        local: MacAddr,
+        bytes: &[u8],
+        lease: Option<Lease>,
+    ) -> Option<Lease> {
         let st = &mut self.nic_stats[k];
         st.frames_rx += 1;
         st.bytes_rx += bytes.len() as u64;
         let Ok(frame) = Frame::new_checked(bytes, self.ethertype) else {
             st.drops.malformed += 1;
-            return;
+            return lease;
         };
         if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
             let Ok(msg) = frame.parse() else {
                 st.drops.malformed += 1;
-                return;
+                return lease;
             };
             self.on_handshake(now, k, local, &frame, &msg);
-            return;
+            return lease;
         }
         let Some(s) = self.sessions.get_mut(&frame.session()) else {
             st.drops.unknown_session += 1;
             tracing::trace!(src = %frame.src(), session = frame.session(), "frame for an unknown session");
-            return;
+            return lease;
         };
         match s.session.handle_frame(now, bytes) {
             TargetInbound::Consumed => {}
             TargetInbound::Write { channel, damq, offset, payload } => {
                 let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
                 let key = (s.session.id(), channel, epoch, damq);
+                let lend = self.exports[s.export].lend;
+                let tag = match frame.parse_borrowed() {
+                    Ok(Message::Data(d)) => d.header.tag,
+                    _ => unreachable!("the channel placed a DATA frame"),
+                };
                 let (slot_len, node) = (self.slot_len, self.nic_node[k]);
                 let slot = self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node)));
-                match slot {
-                    Some(mem) => {
+                let Some(mem) = slot else {
+                    st.drops.slot_busy += 1;
+                    return lease;
+                };
+                // Segments kept for another tag (a write that never executed) or at this offset
+                // (never: the channel drops duplicates) go back first.
+                if let Some(ls) = self.lent.get_mut(&key) {
+                    let stale: Vec<LentSegment> = if ls.tag != tag {
+                        ls.tag = tag;
+                        std::mem::take(&mut ls.segs).into_values().collect()
+                    } else {
+                        ls.segs.remove(&offset).into_iter().collect()
+                    };
+                    for seg in stale {
+                        self.release[seg.nic].push(seg.lease);
+                        self.leases_held -= 1;
+                    }
+                }
+                match lease {
+                    Some(lease) if lend && lease.covers(payload) => {
+                        let ls = self.lent.entry(key).or_insert_with(|| LentSlot { tag, segs: BTreeMap::new() });
+                        let seg = LentSegment {
+                            offset,
+                            len: payload.len() as u32,
+                            addr: payload.as_ptr() as usize,
+                            nic: k,
+                            lease,
+                        };
+                        ls.segs.insert(offset, seg);
+                        self.leases_held += 1;
+                        st.frames_kept += 1;
+                        return None;
+                    }
+                    lease => {
                         let o = offset as usize;
                         mem.as_mut_slice()[o..o + payload.len()].copy_from_slice(payload);
                         self.payload_copied += payload.len() as u64;
+                        self.payload_copied_write += payload.len() as u64;
+                        return lease;
                     }
-                    None => st.drops.slot_busy += 1,
                 }
             }
             TargetInbound::Dropped(FrameDrop::Wire(_)) => st.drops.malformed += 1,
             TargetInbound::Dropped(FrameDrop::NotOurs) => st.drops.not_ours += 1,
             TargetInbound::Dropped(FrameDrop::Channel(r)) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+        }
+        lease
+    }
+
+    /// Gives NIC `k`'s transport back the frames it lent that are no longer needed, and notes
+    /// how many it still has out.
+    fn give_back(&mut self, k: usize, nic: &mut Nic) {
+        for lease in self.release[k].drain(..) {
+            nic.transport.release(lease);
+        }
+        self.nic_stats[k].leases_out = nic.transport.leases_out() as u64;
+        // Read data every frame of which is acknowledged (nothing left to send or resend on its
+        // channel) gives its chunks up.
+        let sessions = &self.sessions;
+        let done: Vec<SlotKey> = self
+            .regions
+            .iter()
+            .filter(|(key, r)| {
+                r.nic == k
+                    && sessions
+                        .get(&key.0)
+                        .and_then(|s| s.session.channel(key.1))
+                        .is_none_or(|c| c.dead().is_some() || (c.unacked_frames() == 0 && !c.wants_transmit()))
+            })
+            .map(|(key, _)| *key)
+            .collect();
+        for key in done {
+            let region = self.regions.remove(&key).expect("listed");
+            self.tx_draining[k].extend(region.chunks);
+        }
+        if !self.tx_draining[k].is_empty() {
+            let busy: HashSet<u64> = nic.transport.tx_chunks_in_flight().into_iter().collect();
+            let (idle, busy): (Vec<TxChunk>, Vec<TxChunk>) =
+                self.tx_draining[k].drain(..).partition(|c| !busy.contains(&c.id()));
+            self.tx_free[k].extend(idle);
+            self.tx_draining[k] = busy;
+        }
+        self.nic_stats[k].tx_chunks_free = self.tx_free[k].len() as u64;
+    }
+
+    /// Releases the kept write data of the slots `gone` names (their channel or session went).
+    fn release_lent_where(&mut self, gone: impl Fn(&SlotKey) -> bool) {
+        let keys: Vec<SlotKey> = self.regions.keys().filter(|key| gone(key)).copied().collect();
+        for key in keys {
+            let region = self.regions.remove(&key).expect("listed");
+            self.tx_draining[region.nic].extend(region.chunks);
+        }
+        self.in_region.retain(|key| !gone(key));
+        let keys: Vec<SlotKey> = self.lent.keys().filter(|key| gone(key)).copied().collect();
+        for key in keys {
+            let ls = self.lent.remove(&key).expect("listed");
+            for seg in ls.segs.into_values() {
+                self.release[seg.nic].push(seg.lease);
+                self.leases_held -= 1;
+            }
         }
     }
 
@@ -989,14 +1222,16 @@ impl Network {
                 });
                 tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(), "channel open");
                 st.session.add_channel(*channel);
+                st.all_dead_since = None;
                 if st.nic_of.insert(idx, k).is_some() {
-                    // A reconnect replaced the channel: its slot memory goes with it.
+                    // A reconnect replaced the channel: its slot memory (and the frames it kept)
+                    // goes with it.
                     let epoch = st.epochs.entry(idx).or_default();
                     let old = *epoch;
                     *epoch += 1;
                     self.slots.retain(|key, _| !(key.0 == session && key.1 == idx && key.2 == old));
+                    self.release_lent_where(|key| key.0 == session && key.1 == idx && key.2 == old);
                 }
-                st.all_dead_since = None;
                 buf.truncate(len);
                 self.control[k].push_back(buf);
             }
@@ -1029,8 +1264,35 @@ impl Network {
             while let Some(ev) = s.session.poll_event() {
                 match ev {
                     TargetEvent::Execute { channel, request } => {
+                        let mut lent = Vec::new();
+                        let mut region = None;
                         let buf = if request.op.uses_damq() {
                             let key = (sid, channel, s.epochs.get(&channel).copied().unwrap_or(0), request.damq);
+                            // The slot is reused: read data of its previous request is not needed.
+                            if let Some(old) = self.regions.remove(&key) {
+                                self.tx_draining[old.nic].extend(old.chunks);
+                            }
+                            self.in_region.remove(&key);
+                            if let (Op::Read, Some(&k)) = (request.op, s.nic_of.get(&channel)) {
+                                let seg = s.session.channel(channel).map_or(0, |c| c.params().segment as u32);
+                                let need = (request.length as usize).div_ceil(seg.max(1) as usize);
+                                let free = &mut self.tx_free[k];
+                                if self.exports[s.export].lend && seg > 0 && need > 0 && free.len() >= need {
+                                    let chunks = free.split_off(free.len() - need);
+                                    region = Some(Region { chunks, seg, nic: k });
+                                    self.in_region.insert(key);
+                                }
+                            }
+                            if let Some(ls) = self.lent.remove(&key) {
+                                if request.op == Op::Write && ls.tag == request.tag {
+                                    lent = ls.segs.into_values().collect();
+                                } else {
+                                    for seg in ls.segs.into_values() {
+                                        self.release[seg.nic].push(seg.lease);
+                                        self.leases_held -= 1;
+                                    }
+                                }
+                            }
                             let node = s.nic_of.get(&channel).map_or(self.node, |&k| self.nic_node[k]);
                             let slot_len = self.slot_len;
                             let slot =
@@ -1048,6 +1310,8 @@ impl Network {
                             export: s.export,
                             request,
                             buf,
+                            lent,
+                            region,
                             abort: stopping,
                         });
                     }
@@ -1064,8 +1328,8 @@ impl Network {
             let backend = Arc::clone(&self.exports[j.export].backend);
             if backend.kind() == "ram" && !j.abort {
                 let status = execute(&*backend, &mut j);
-                let Job { session, channel, epoch, export, request, buf, .. } = j;
-                self.finish_job(Done { session, channel, epoch, export, request, buf, status });
+                let Job { session, channel, epoch, export, request, buf, lent, region, .. } = j;
+                self.finish_job(Done { session, channel, epoch, export, request, buf, lent, region, status });
             } else if let Some(q) = self
                 .uring
                 .as_ref()
@@ -1102,8 +1366,22 @@ impl Network {
     }
 
     /// Accounts a finished storage operation and completes its request on its channel.
-    fn finish_job(&mut self, d: Done) {
+    fn finish_job(&mut self, mut d: Done) {
         self.inflight -= 1;
+        for seg in d.lent.drain(..) {
+            self.release[seg.nic].push(seg.lease);
+            self.leases_held -= 1;
+        }
+        if let Some(region) = d.region.take() {
+            let key = (d.session, d.channel, d.epoch, d.request.damq);
+            if self.slots.contains_key(&key) && d.status == Status::Ok {
+                if let Some(old) = self.regions.insert(key, region) {
+                    self.tx_draining[old.nic].extend(old.chunks);
+                }
+            } else {
+                self.tx_draining[region.nic].extend(region.chunks);
+            }
+        }
         let r = d.request;
         let es = &mut self.export_stats[d.export];
         es.requests.bump(r.op);
@@ -1155,6 +1433,7 @@ impl Network {
             self.duplicates_from_reclaimed += s.session.duplicates_suppressed();
             self.acceptor.forget_session(sid);
             self.slots.retain(|k, _| k.0 != sid);
+            self.release_lent_where(|k| k.0 == sid);
             self.reclaimed += 1;
             tracing::info!(session = format_args!("{sid:016x}"), "session reclaimed");
         }
@@ -1175,44 +1454,81 @@ impl Network {
                 order.extend(s.nic_of.iter().filter(|&(_, &n)| n == k).map(|(&c, _)| (sid, c)));
             }
             let mut cursor = 0;
-            let (mut frames, mut bytes, mut copied) = (0u64, 0u64, 0u64);
+            let (mut frames, mut bytes, mut copied, mut in_place) = (0u64, 0u64, 0u64, 0u64);
+            // Chunks the kernel still sends cannot be rewritten or sent again yet.
+            let busy: HashSet<u64> = if self.regions.values().any(|r| r.nic == k) {
+                nic.transport.tx_chunks_in_flight().into_iter().collect()
+            } else {
+                HashSet::new()
+            };
+            let mut used = HashSet::new();
             let control = &mut self.control[k];
             let sessions = &mut self.sessions;
             let slots = &self.slots;
-            let r = nic.transport.send(TX_BUDGET, &mut |buf| {
+            let regions = &self.regions;
+            let in_region = &self.in_region;
+            let r = nic.transport.send_with(TX_BUDGET, &mut |buf| {
                 if let Some(f) = control.pop_front() {
                     buf[..f.len()].copy_from_slice(&f);
                     frames += 1;
                     bytes += f.len() as u64;
-                    return Some(f.len());
+                    return Some(Sent::Here(f.len()));
                 }
                 while cursor < order.len() {
                     let (sid, ch) = order[cursor];
                     let s = sessions.get_mut(&sid).expect("listed");
                     let epoch = s.epochs.get(&ch).copied().unwrap_or(0);
                     if let Some(t) = s.session.poll_transmit(now, ch, buf) {
-                        if let Some(p) = t.payload {
+                        let sent = 'frame: {
+                            let Some(p) = t.payload else { break 'frame Sent::Here(t.len) };
+                            let key = (sid, ch, epoch, p.damq);
                             let dst = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + p.len as usize];
-                            match slots.get(&(sid, ch, epoch, p.damq)) {
-                                Some(Some(mem)) => {
-                                    dst.copy_from_slice(
-                                        &mem.as_slice()[p.offset as usize..(p.offset + p.len) as usize],
-                                    );
-                                    copied += p.len as u64;
+                            if let Some(region) = regions.get(&key) {
+                                let c = &region.chunks[(p.offset / region.seg) as usize];
+                                assert_eq!(p.offset % region.seg, 0, "segments start on segment boundaries");
+                                if !busy.contains(&c.id()) && used.insert(c.id()) {
+                                    // The payload is in the chunk already: only the headers go there.
+                                    in_place += 1;
+                                    break 'frame Sent::Chunk { id: c.id(), header: DATA_FRAME_OVERHEAD, len: t.len };
                                 }
-                                // Read data always lies in its slot until the completion is sent;
-                                // never send stale bytes.
-                                _ => return Some(0),
+                                // The kernel still sends this chunk (a resend right after the
+                                // first): copy this once, and count it.
+                                // SAFETY: the region holds read data that nothing writes until
+                                // the region is given up; the kernel may read it at the same
+                                // time, which is fine for a read.
+                                let src = unsafe {
+                                    std::slice::from_raw_parts(
+                                        (c.frame_addr() + DATA_FRAME_OVERHEAD) as *const u8,
+                                        p.len as usize,
+                                    )
+                                };
+                                dst.copy_from_slice(src);
+                                copied += p.len as u64;
+                                break 'frame Sent::Here(t.len);
                             }
+                            match slots.get(&key) {
+                                Some(Some(mem)) if !in_region.contains(&key) => {
+                                    let o = p.offset as usize;
+                                    dst.copy_from_slice(&mem.as_slice()[o..o + p.len as usize]);
+                                    copied += p.len as u64;
+                                    Sent::Here(t.len)
+                                }
+                                // Read data always lies in its slot (or region) until the
+                                // completion is sent; never send stale bytes.
+                                _ => Sent::Here(0),
+                            }
+                        };
+                        if sent != Sent::Here(0) {
+                            frames += 1;
+                            bytes += t.len as u64;
                         }
-                        frames += 1;
-                        bytes += t.len as u64;
-                        return Some(t.len);
+                        return Some(sent);
                     }
                     cursor += 1;
                 }
                 None
             });
+            self.nic_stats[k].frames_sent_in_place += in_place;
             if let Err(e) = r {
                 self.nic_stats[k].tx_errors += 1;
                 if permanent(&e) {
@@ -1337,6 +1653,8 @@ impl Network {
             sessions: self.sessions.len() as u64,
             sessions_reclaimed: self.reclaimed,
             payload_copied_bytes: self.payload_copied,
+            payload_copied_write_bytes: self.payload_copied_write,
+            leases_held: self.leases_held,
             storage_inflight: self.inflight,
             duplicates_suppressed: dups,
             nics: self.nic_stats.clone(),

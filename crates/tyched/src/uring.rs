@@ -56,6 +56,8 @@ pub fn open_with(setup: impl FnOnce() -> io::Result<IoUring>) -> Result<Ring, St
     for (code, name) in [
         (opcode::Read::CODE, "READ"),
         (opcode::Write::CODE, "WRITE"),
+        (opcode::Writev::CODE, "WRITEV"),
+        (opcode::Readv::CODE, "READV"),
         (opcode::Fsync::CODE, "FSYNC"),
         (opcode::PollAdd::CODE, "POLL_ADD"),
     ] {
@@ -141,7 +143,16 @@ pub(crate) fn start(
 struct InFlight {
     job: Job,
     done: usize,
+    /// The iovecs of its WRITEV in flight (write data kept in frames).
+    iov: IoVecs,
 }
+
+/// iovecs the ring reads while a WRITEV is in flight.
+struct IoVecs(Vec<libc::iovec>);
+
+// SAFETY: the iovecs point into memory their job owns or holds leases on (slot memory, kept
+// frames), which moves with the job; the engine thread is the only one that builds or reads them.
+unsafe impl Send for IoVecs {}
 
 struct Engine {
     ring: IoUring,
@@ -247,7 +258,7 @@ impl Engine {
             return self.hand_to_pool(job);
         }
         let slot = self.free.pop().expect("a free slot");
-        self.slots[slot] = Some(InFlight { job, done: 0 });
+        self.slots[slot] = Some(InFlight { job, done: 0, iov: IoVecs(Vec::new()) });
         self.submit(slot);
         false
     }
@@ -261,10 +272,52 @@ impl Engine {
         let off = r.offset + f.done as u64;
         let left = r.length as usize - f.done;
         let e = match r.op {
+            Op::Read if f.job.region.is_some() => {
+                // Straight into the transmit chunks the data is sent from, resuming after `done`
+                // bytes.
+                let mut skip = f.done;
+                f.iov.0.clear();
+                for p in f.job.read_places() {
+                    if skip >= p.len() {
+                        skip -= p.len();
+                        continue;
+                    }
+                    let p = &mut p[skip..];
+                    skip = 0;
+                    f.iov.0.push(libc::iovec { iov_base: p.as_mut_ptr().cast(), iov_len: p.len() });
+                    if f.iov.0.len() == crate::backend::IOV_MAX {
+                        break;
+                    }
+                }
+                opcode::Readv::new(types::Fd(file.fd()), f.iov.0.as_ptr(), f.iov.0.len() as u32).offset(off).build()
+            }
             Op::Read => {
                 let buf = f.job.buf.as_mut().expect("read slot").as_mut_slice();
                 let p = buf[f.done..].as_mut_ptr();
                 opcode::Read::new(types::Fd(file.fd_for(p, left, off)), p, left as u32).offset(off).build()
+            }
+            Op::Write if !f.job.lent.is_empty() => {
+                // Straight from the frames the data arrived in (and slot memory for any part that
+                // was copied), resuming after `done` bytes.
+                let mut skip = f.done;
+                f.iov.0.clear();
+                for p in f.job.write_pieces() {
+                    if skip >= p.len() {
+                        skip -= p.len();
+                        continue;
+                    }
+                    let p = &p[skip..];
+                    skip = 0;
+                    f.iov.0.push(libc::iovec { iov_base: p.as_ptr() as *mut libc::c_void, iov_len: p.len() });
+                    if f.iov.0.len() == crate::backend::IOV_MAX {
+                        break;
+                    }
+                }
+                let flags = if r.fua { libc::RWF_DSYNC } else { 0 };
+                opcode::Writev::new(types::Fd(file.fd()), f.iov.0.as_ptr(), f.iov.0.len() as u32)
+                    .offset(off)
+                    .rw_flags(flags)
+                    .build()
             }
             Op::Write => {
                 let buf = f.job.buf.as_ref().expect("write slot").as_slice();
@@ -353,8 +406,8 @@ impl Engine {
     }
 
     fn finish(&mut self, job: Job, status: Status) {
-        let Job { session, channel, epoch, export, request, buf, .. } = job;
-        let _ = self.done.send(Done { session, channel, epoch, export, request, buf, status });
+        let Job { session, channel, epoch, export, request, buf, lent, region, .. } = job;
+        let _ = self.done.send(Done { session, channel, epoch, export, request, buf, lent, region, status });
     }
 }
 
@@ -399,6 +452,8 @@ mod tests {
                 export: 0,
                 request: request(op, offset, length, fua),
                 buf,
+                lent: Vec::new(),
+                region: None,
                 abort: false,
             };
             self.queue.as_ref().unwrap().submit(job);
@@ -458,7 +513,17 @@ mod tests {
             let mut m = Memory::new(4096, None);
             m.as_mut_slice()[..4096].fill(i as u8);
             let r = request(Op::Write, (i * 4096) as u64, 4096, i % 3 == 0);
-            q.submit(Job { session: 1, channel: 0, epoch: 0, export: 0, request: r, buf: Some(m), abort: false });
+            q.submit(Job {
+                session: 1,
+                channel: 0,
+                epoch: 0,
+                export: 0,
+                request: r,
+                buf: Some(m),
+                lent: Vec::new(),
+                region: None,
+                abort: false,
+            });
         }
         for _ in 0..n {
             let d = h.done.recv_timeout(Duration::from_secs(10)).expect("every write completes");
@@ -475,6 +540,8 @@ mod tests {
             export: 0,
             request: request(Op::Flush, 0, 0, false),
             buf: None,
+            lent: Vec::new(),
+            region: None,
             abort: true,
         };
         q.submit(j);

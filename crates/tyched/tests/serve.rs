@@ -55,7 +55,10 @@ fn many_sizes_over_two_nics_with(network_threads: NetworkThreads, threads: usize
     let e = &s.exports[0];
     assert_eq!(e.requests.write, sizes.len() as u64, "{s:?}");
     assert_eq!(e.bytes_written, sizes.iter().sum::<usize>() as u64);
+    // In-memory links lend nothing: each payload is copied once each way, and counted.
     assert!(s.payload_copied_bytes >= 2 * e.bytes_written, "payload copies are counted: {}", s.payload_copied_bytes);
+    assert!(s.payload_copied_write_bytes >= e.bytes_written, "{s:?}");
+    assert_eq!((s.leases_held, s.nics[0].frames_kept), (0, 0), "nothing kept without lending");
     assert_eq!(s.channels.len(), 2, "one channel per NIC");
     let prom = s.prometheus();
     assert!(prom.contains("tyched_export_requests_total{export=\"ram\",op=\"write\"} 8"), "{prom}");
@@ -420,4 +423,92 @@ fn corrupted_copies_of_every_frame_never_crash_the_target() {
         let last = target.shutdown();
         assert_eq!(last.storage_inflight, 0, "seed {seed}: clean shutdown");
     }
+}
+
+/// Write data stays in the frames it arrived in when the links lend them: nothing copied on the
+/// write path, to a RAM and a file export, with lost and duplicated frames, and every kept frame
+/// goes back to its link.
+#[test]
+fn write_data_stays_in_lent_frames_with_loss_and_duplicates() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("disk.img");
+    let cfg = config(vec![ExportConfig::ram("ram", 8 << 20), ExportConfig::file("file", &file, Some(8 << 20))]);
+    let faults = tyche_transport::FaultConfig { loss: 0.01, duplicate: 0.05, ..Default::default() };
+    for (e, export) in ["ram", "file"].into_iter().enumerate() {
+        let (target, ports) = common::start_lending(cfg.clone(), 2, 1 << 16, faults);
+        let mut ini = Initiator::new(ports);
+        ini.attach(export, None).expect("attach");
+        let sizes = [512usize, 1024, 4096, 8192 + 512, 65536, 131072 + 512, 1 << 20];
+        let (mut offset, mut written, mut ids) = (0u64, Vec::new(), Vec::new());
+        for (i, &len) in sizes.iter().enumerate() {
+            let data = pattern(offset, len, i as u8 + 1);
+            ids.push(ini.submit(Op::Write, offset, data.clone(), len as u64, i % 3 == 0));
+            written.push((offset, data));
+            offset += len as u64;
+        }
+        for id in ids {
+            ini.wait(id).0.expect("write completes");
+        }
+        for (off, data) in &written {
+            assert!(ini.read(*off, data.len()) == *data, "{export}: read back {} bytes at {off}", data.len());
+        }
+        let s = common::wait_leases_back(&target);
+        let bytes: u64 = sizes.iter().map(|&l| l as u64).sum();
+        assert_eq!(s.exports[e].bytes_written, bytes, "{export}");
+        assert_eq!(s.payload_copied_write_bytes, 0, "{export}: no write payload copied: {s:?}");
+        let kept: u64 = s.nics.iter().map(|n| n.frames_kept).sum();
+        assert!(kept >= bytes / 8192, "{export}: every segment kept ({kept})");
+        assert!(s.drops(|d| d.channel.get("Duplicate").copied().unwrap_or(0)) > 0, "duplicates arrived: {:?}", s.nics);
+        let s = target.shutdown();
+        assert_eq!(s.leases_held, 0, "{export}: nothing kept after shutdown");
+        if export == "file" {
+            let disk = std::fs::read(&file).expect("file");
+            for (off, data) in &written {
+                assert!(disk[*off as usize..*off as usize + data.len()] == data[..], "file holds the write at {off}");
+            }
+        }
+    }
+}
+
+/// A link that lends only a few frames at once: the rest is copied, and counted.
+#[test]
+fn lending_limit_falls_back_to_counted_copies() {
+    let cfg = config(vec![ExportConfig::ram("ram", 4 << 20)]);
+    let (target, ports) = common::start_lending(cfg, 1, 8, Default::default());
+    let mut ini = Initiator::new(ports);
+    ini.attach("ram", None).expect("attach");
+    let data = pattern(0, 1 << 20, 3);
+    ini.write(0, &data);
+    assert!(ini.read(0, data.len()) == data, "read back");
+    let s = common::wait_leases_back(&target);
+    let kept = s.nics[0].frames_kept;
+    assert!(kept > 0 && kept <= 8 * 2, "a few kept: {kept}");
+    assert_eq!(s.payload_copied_write_bytes, (1 << 20) - kept * 8192, "the rest copied and counted: {s:?}");
+}
+
+/// Frames kept for writes that never execute go back when the session is reclaimed.
+#[test]
+fn kept_frames_of_a_vanished_initiator_go_back() {
+    let cfg = Config { dead_after_ms: 250, ..config(vec![ExportConfig::ram("r", 4 << 20)]) };
+    let (target, ports) = common::start_lending(cfg, 2, 1 << 16, Default::default());
+    let mut ini = Initiator::new(ports);
+    ini.attach("r", None).expect("attach");
+    // Big writes, only partly sent before the initiator vanishes.
+    for i in 0..3u64 {
+        ini.submit(Op::Write, i << 20, pattern(i << 20, 1 << 20, 9), 1 << 20, false);
+    }
+    ini.pump();
+    let deadline = std::time::Instant::now() + common::LIMIT;
+    while target.stats().leases_held == 0 {
+        assert!(std::time::Instant::now() < deadline, "no frame kept");
+        ini.pump();
+    }
+    drop(ini);
+    let deadline = std::time::Instant::now() + common::LIMIT;
+    while target.stats().sessions_reclaimed == 0 {
+        assert!(std::time::Instant::now() < deadline, "session never reclaimed");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let s = common::wait_leases_back(&target);
+    assert!(s.nics.iter().map(|n| n.frames_kept).sum::<u64>() > 0);
 }

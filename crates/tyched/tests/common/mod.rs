@@ -36,6 +36,45 @@ pub fn start(config: Config, paths: usize) -> (TargetHandle, Vec<Port>) {
     (handle, ports)
 }
 
+/// As [`start`], with the target's ends lending received frames (up to `lend` at once each) and
+/// wrapped in a fault injector that applies `rx` to what the target receives.
+pub fn start_lending(
+    config: Config,
+    paths: usize,
+    lend: usize,
+    rx: tyche_transport::FaultConfig,
+) -> (TargetHandle, Vec<Port>) {
+    let mut ports = Vec::new();
+    let mut nics = Vec::new();
+    for k in 0..paths {
+        let (a, mut b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
+        b.set_lending(lend);
+        let b = tyche_transport::FaultInjector::new(b, Default::default(), rx, 0x5eed + k as u64);
+        ports.push(Box::new(a) as Port);
+        nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
+    }
+    let handle = Target::start(config, nics).expect("target starts");
+    (handle, ports)
+}
+
+/// Waits until the target holds no kept frame and every transport has all its frames back.
+pub fn wait_leases_back(target: &TargetHandle) -> tyched::Snapshot {
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        let s = target.stats();
+        if s.leases_held == 0 && s.nics.iter().all(|n| n.leases_out == 0) {
+            return s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "kept frames never went back: {} held, {:?}",
+            s.leases_held,
+            s.nics.iter().map(|n| n.leases_out).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// An initiator's end of one link.
 pub type Port = Box<dyn FrameTransport + Send>;
 
