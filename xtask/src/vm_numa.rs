@@ -19,6 +19,7 @@
 //!    - with `affinity`, at least [`AFFINITY_SHARE`] of the payload bytes on the node-1
 //!      channel (initiator and target); with `round-robin`, each channel within
 //!      [`RR_SPREAD`] of half;
+//!    - no payload byte copied in user space on the target (`payload_copied_bytes` 0);
 //!    - each of `tyched`'s per-NIC network threads, and each of `tyche-init`'s per-node engine
 //!      threads, on its NIC's node's CPUs.
 //!
@@ -565,6 +566,15 @@ fn run_scheduler(
         );
         say(format!("{scheduler}: target {name}: network thread {} on cpus {tc:?} (node {node})", p["thread"]["name"]));
     }
+    // The target moved the data between UMEM frames and its RAM store with no copy in user space
+    // (native XDP on virtio-net here).
+    let copied = tr["payload_copied_bytes"].as_u64().context("tyched stats: no payload_copied_bytes")?;
+    check!(
+        copied == 0,
+        "target: {copied} payload bytes copied in user space, {} of them on the write path (expected none over AF_XDP)",
+        u(&tr, "payload_copied_write_bytes")
+    );
+    say(format!("{scheduler}: target: payload_copied_bytes 0 (data straight between UMEM frames and storage)"));
     let mut tgt_by_node = BTreeMap::new();
     for ch in tr["channels"].as_array().context("tyched stats: no channels")? {
         let name = ch["nic"].as_str().unwrap_or_default();

@@ -6,7 +6,7 @@ use tokio::sync::oneshot;
 use tyche_wire::Op;
 
 use crate::config::SendMode;
-use crate::engine::{Bell, Cmd, Completion, IoCmd};
+use crate::engine::{Bell, Buf, Cmd, Completion, IoCmd};
 use crate::error::Error;
 use crate::nbd::direct::DirectConn;
 
@@ -153,7 +153,8 @@ impl Client {
 
     async fn io(&self, op: Op, fua: bool, offset: u64, length: u64, data: Vec<u8>) -> Result<Vec<u8>, Error> {
         let (reply, rx) = oneshot::channel();
-        let io = IoCmd { op, fua, offset, length, data, node: self.node, reply: Completion::Client(reply) };
+        let io =
+            IoCmd { op, fua, offset, length, data: Buf::Heap(data), node: self.node, reply: Completion::Client(reply) };
         let sent = match self.inner.queues.get(&self.node).or_else(|| self.inner.queues.get(&None)) {
             Some(q) => q.send(io).is_ok(),
             None => {

@@ -81,11 +81,58 @@ pub(crate) struct IoCmd {
     pub fua: bool,
     pub offset: u64,
     pub length: u64,
-    /// Write data (empty for other ops).
-    pub data: Vec<u8>,
+    /// Write data, or the buffer read data goes into (empty: the engine allocates one).
+    pub data: Buf,
     pub node: Option<u32>,
     pub reply: Completion,
 }
+
+/// A request's data: a heap buffer (the [`Client`] API's `Vec`), or pages bound to a NUMA node
+/// (NBD connections served by the engine, see [`crate::nbd::direct`]).
+#[derive(Debug)]
+pub(crate) enum Buf {
+    Heap(Vec<u8>),
+    /// The first `len` bytes of a region bound to its node.
+    Node(tyche_numa::alloc::NodeRegion, usize),
+}
+
+impl Buf {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Buf::Heap(v) => v.len(),
+            Buf::Node(_, len) => *len,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        match self {
+            Buf::Heap(v) => v,
+            Buf::Node(r, len) => &r.as_slice()[..*len],
+        }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Buf::Heap(v) => v,
+            Buf::Node(r, len) => &mut r.as_mut_slice()[..*len],
+        }
+    }
+
+    /// The data as a `Vec` (a copy only for node-bound buffers, which `Client` never makes).
+    pub(crate) fn into_vec(self) -> Vec<u8> {
+        match self {
+            Buf::Heap(v) => v,
+            Buf::Node(..) => self.as_slice().to_vec(),
+        }
+    }
+}
+
+/// What a request gives back: its op and its buffer (read data for a read).
+pub(crate) type Outcome = Result<(Op, Buf), Error>;
 
 /// Where a request's outcome goes.
 #[derive(Debug)]
@@ -111,7 +158,7 @@ pub(crate) enum Cmd {
 #[derive(Debug)]
 struct InFlight {
     op: Op,
-    buf: Vec<u8>,
+    buf: Buf,
     reply: Completion,
 }
 
@@ -486,7 +533,9 @@ impl Engine {
                     let at = offset as usize;
                     // The volume only places data inside the request; a range outside it would be
                     // an engine bug, and is dropped rather than trusted.
-                    if let Some(dst) = inflight.get_mut(&id).and_then(|r| r.buf.get_mut(at..at + payload.len())) {
+                    if let Some(dst) =
+                        inflight.get_mut(&id).and_then(|r| r.buf.as_mut_slice().get_mut(at..at + payload.len()))
+                    {
                         dst.copy_from_slice(payload);
                         stats.bytes_read += payload.len() as u64;
                     }
@@ -615,7 +664,7 @@ impl Engine {
                             if r.op == Op::Write {
                                 self.stats.bytes_written += r.buf.len() as u64;
                             }
-                            Ok(if r.op == Op::Read { r.buf } else { Vec::new() })
+                            Ok((r.op, r.buf))
                         }
                         Err(e) => {
                             self.stats.failed += 1;
@@ -664,16 +713,17 @@ impl Engine {
     }
 
     /// Hands a request's outcome to whoever waits for it.
-    fn complete(&mut self, c: Completion, result: Result<Vec<u8>, Error>, now: Instant) {
+    fn complete(&mut self, c: Completion, result: Outcome, now: Instant) {
         match c {
             Completion::Client(reply) => {
-                let _ = reply.send(result);
+                let _ = reply.send(result.map(|(op, buf)| if op == Op::Read { buf.into_vec() } else { Vec::new() }));
             }
             Completion::Nbd(reply) if reply.then_flush && result.is_ok() => {
                 // TRIM with FUA: the discard is done, now the flush, then the reply.
                 let node = self.nbd.get(&reply.conn).and_then(DirectConn::node);
                 let reply = Completion::Nbd(NbdReply { then_flush: false, ..reply });
-                let io = IoCmd { op: Op::Flush, fua: false, offset: 0, length: 0, data: Vec::new(), node, reply };
+                let io =
+                    IoCmd { op: Op::Flush, fua: false, offset: 0, length: 0, data: Buf::Heap(Vec::new()), node, reply };
                 self.submit(io, now);
             }
             Completion::Nbd(reply) => {
@@ -713,7 +763,7 @@ impl Engine {
                                 if let Some(r) = inflight.get(&id) {
                                     let (at, len) = (offset as usize, len as usize);
                                     buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len]
-                                        .copy_from_slice(&r.buf[at..at + len]);
+                                        .copy_from_slice(&r.buf.as_slice()[at..at + len]);
                                 }
                             }
                             Some(out.len)
@@ -839,6 +889,9 @@ impl Engine {
     }
 
     /// Submits `io`, or gives it back when the volume is busy.
+    // The request itself comes back when the volume is full: it goes to the backlog as it is
+    // (boxing it would cost an allocation per request).
+    #[allow(clippy::result_large_err)]
     fn try_submit(&mut self, io: IoCmd, now: Instant) -> Result<(), IoCmd> {
         let vol = self.volume.as_mut().expect("engine runs with a volume");
         let id = self.next_id;
@@ -855,7 +908,7 @@ impl Engine {
                     for i in (0..buf.len()).step_by(4096) {
                         buf[i] = std::hint::black_box(0);
                     }
-                    buf
+                    Buf::Heap(buf)
                 } else {
                     io.data
                 };

@@ -54,6 +54,10 @@ pub struct NicStats {
     /// DATA frames sent from the transmit chunk the read data was stored in (no copy).
     #[serde(default)]
     pub frames_sent_in_place: u64,
+    /// Resends of read data skipped because the kernel still held the chunk's earlier send
+    /// (that send carries the same bytes; a copy would be the only other way).
+    #[serde(default)]
+    pub resends_deferred: u64,
     /// Transmit chunks the transport lent that are free for read data now.
     #[serde(default)]
     pub tx_chunks_free: u64,

@@ -1454,7 +1454,7 @@ impl Network {
                 order.extend(s.nic_of.iter().filter(|&(_, &n)| n == k).map(|(&c, _)| (sid, c)));
             }
             let mut cursor = 0;
-            let (mut frames, mut bytes, mut copied, mut in_place) = (0u64, 0u64, 0u64, 0u64);
+            let (mut frames, mut bytes, mut copied, mut in_place, mut deferred) = (0u64, 0u64, 0u64, 0u64, 0u64);
             // Chunks the kernel still sends cannot be rewritten or sent again yet.
             let busy: HashSet<u64> = if self.regions.values().any(|r| r.nic == k) {
                 nic.transport.tx_chunks_in_flight().into_iter().collect()
@@ -1491,20 +1491,13 @@ impl Network {
                                     in_place += 1;
                                     break 'frame Sent::Chunk { id: c.id(), header: DATA_FRAME_OVERHEAD, len: t.len };
                                 }
-                                // The kernel still sends this chunk (a resend right after the
-                                // first): copy this once, and count it.
-                                // SAFETY: the region holds read data that nothing writes until
-                                // the region is given up; the kernel may read it at the same
-                                // time, which is fine for a read.
-                                let src = unsafe {
-                                    std::slice::from_raw_parts(
-                                        (c.frame_addr() + DATA_FRAME_OVERHEAD) as *const u8,
-                                        p.len as usize,
-                                    )
-                                };
-                                dst.copy_from_slice(src);
-                                copied += p.len as u64;
-                                break 'frame Sent::Here(t.len);
+                                // The kernel still holds this chunk from an earlier send of the
+                                // same segment (or it goes out earlier in this batch): that send
+                                // carries these bytes, so this resend is skipped, not copied. If
+                                // it is lost, the retransmission timer sends the chunk again once
+                                // it is back.
+                                deferred += 1;
+                                break 'frame Sent::Here(0);
                             }
                             match slots.get(&key) {
                                 Some(Some(mem)) if !in_region.contains(&key) => {
@@ -1529,6 +1522,7 @@ impl Network {
                 None
             });
             self.nic_stats[k].frames_sent_in_place += in_place;
+            self.nic_stats[k].resends_deferred += deferred;
             if let Err(e) = r {
                 self.nic_stats[k].tx_errors += 1;
                 if permanent(&e) {

@@ -11,7 +11,7 @@
 //! replies and error numbers, out-of-order completion, at most `max_inflight` requests and
 //! [`HELD_BYTES`] of data per connection.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -21,6 +21,7 @@ use tyche_wire::Op;
 
 use super::codec::{self, cflag, cmd, errno};
 use super::{MAX_REQUEST, REPLY_BATCH, REQUEST_BUFFER, SECTOR};
+use crate::engine::{Buf, Outcome};
 use crate::error::Error;
 use crate::report::NbdStats;
 
@@ -28,6 +29,8 @@ use crate::report::NbdStats;
 pub(crate) const HELD_BYTES: u64 = 256 << 20;
 /// Request buffers of a node's connection are located page by page on one request in this many.
 const BUFFER_SAMPLE: u64 = super::BUFFER_SAMPLE;
+/// Smallest pooled buffer (one page).
+const MIN_BUFFER: usize = 4096;
 
 /// A request for the volume, parsed from the socket.
 #[derive(Debug)]
@@ -36,8 +39,8 @@ pub(crate) struct NbdIo {
     pub fua: bool,
     pub offset: u64,
     pub length: u64,
-    /// Write data.
-    pub data: Vec<u8>,
+    /// Write data, or the buffer for read data.
+    pub data: Buf,
     /// How the completion turns into a reply.
     pub reply: NbdReply,
 }
@@ -64,15 +67,57 @@ pub(crate) struct NbdReply {
 #[derive(Debug)]
 struct Reply {
     header: [u8; 16],
-    data: Vec<u8>,
+    data: Buf,
 }
 
 /// A write request whose payload is still arriving.
 #[derive(Debug)]
 struct Partial {
     req: codec::Request,
-    data: Vec<u8>,
+    data: Buf,
     filled: usize,
+}
+
+/// Request buffers of a connection served for a node: regions bound to the node (`mbind`), by
+/// power-of-two size, reused from one request to the next. Their pages are on the node whichever
+/// thread touches them first and whatever the heap held before, and NUMA balancing leaves them
+/// there (the regions' own policy says they are in place).
+#[derive(Debug, Default)]
+struct Pool {
+    free: HashMap<usize, Vec<tyche_numa::alloc::NodeRegion>>,
+    bytes: u64,
+}
+
+impl Pool {
+    /// A buffer of `len` bytes: node-bound for a connection with a node (unless the kernel
+    /// refuses the mapping), else from the heap. Read buffers are zeroed or hold old data, which
+    /// the read overwrites entirely.
+    fn take(&mut self, len: usize, node: Option<u32>) -> Buf {
+        let Some(node) = node.filter(|_| len > 0) else { return Buf::Heap(vec![0; len]) };
+        let class = len.next_power_of_two().max(MIN_BUFFER);
+        if let Some(r) = self.free.get_mut(&class).and_then(Vec::pop) {
+            self.bytes -= class as u64;
+            return Buf::Node(r, len);
+        }
+        match tyche_numa::alloc::NodeRegion::new(class, node, tyche_numa::alloc::HugePages::No) {
+            Ok(r) => Buf::Node(r, len),
+            Err(e) => {
+                tracing::debug!(node, len, "NBD buffer from the heap: {e}");
+                Buf::Heap(vec![0; len])
+            }
+        }
+    }
+
+    /// Keeps `buf` for a later request, up to [`HELD_BYTES`] in the pool.
+    fn give(&mut self, buf: Buf) {
+        if let Buf::Node(r, _) = buf {
+            let class = r.len();
+            if self.bytes + class as u64 <= HELD_BYTES {
+                self.bytes += class as u64;
+                self.free.entry(class).or_default().push(r);
+            }
+        }
+    }
 }
 
 /// An NBD connection in transmission, served by an engine thread.
@@ -93,6 +138,7 @@ pub(crate) struct DirectConn {
     end: usize,
     partial: Option<Partial>,
     out: VecDeque<Reply>,
+    pool: Pool,
     /// Bytes of `out`'s first reply (header and data together) already written.
     out_off: usize,
     inflight: usize,
@@ -134,6 +180,7 @@ impl DirectConn {
             end: 0,
             partial: None,
             out: VecDeque::new(),
+            pool: Pool::default(),
             out_off: 0,
             inflight: 0,
             held: 0,
@@ -208,12 +255,13 @@ impl DirectConn {
     fn next_request(&mut self) -> io::Result<Option<Option<NbdIo>>> {
         if let Some(p) = &mut self.partial {
             // Payload already buffered, then straight from the socket into the request's buffer.
-            let buffered = (self.end - self.start).min(p.data.len() - p.filled);
-            p.data[p.filled..p.filled + buffered].copy_from_slice(&self.inbuf[self.start..self.start + buffered]);
+            let data = p.data.as_mut_slice();
+            let buffered = (self.end - self.start).min(data.len() - p.filled);
+            data[p.filled..p.filled + buffered].copy_from_slice(&self.inbuf[self.start..self.start + buffered]);
             p.filled += buffered;
             self.start += buffered;
-            while p.filled < p.data.len() {
-                match self.stream.as_ref().read(&mut p.data[p.filled..]) {
+            while p.filled < data.len() {
+                match self.stream.as_ref().read(&mut data[p.filled..]) {
                     Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                     Ok(n) => p.filled += n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
@@ -260,15 +308,16 @@ impl DirectConn {
                 Err(io::Error::new(io::ErrorKind::InvalidData, "write larger than the advertised maximum"))
             }
             cmd::WRITE => {
-                self.partial = Some(Partial { req, data: vec![0; req.length as usize], filled: 0 });
+                let data = self.pool.take(req.length as usize, self.node);
+                self.partial = Some(Partial { req, data, filled: 0 });
                 self.next_request()
             }
-            _ => Ok(Some(self.request(req, Vec::new()))),
+            _ => Ok(Some(self.request(req, Buf::Heap(Vec::new())))),
         }
     }
 
     /// Turns a whole request into a volume request, or answers it.
-    fn request(&mut self, req: codec::Request, data: Vec<u8>) -> Option<NbdIo> {
+    fn request(&mut self, req: codec::Request, data: Buf) -> Option<NbdIo> {
         let (off, len) = (req.offset, req.length as u64);
         let fua = req.flags & cflag::FUA != 0;
         let in_range = off.checked_add(len).is_some_and(|end| end <= self.size);
@@ -277,9 +326,10 @@ impl DirectConn {
         let sample = self.node.is_some() && (seq < 64 || seq % BUFFER_SAMPLE == 0);
         let mut reply =
             NbdReply { conn: self.id, cookie: req.cookie, trim: None, then_flush: false, sample, held: 0, written: 0 };
-        let io = |op, offset, length, data: Vec<u8>, reply| NbdIo { op, fua, offset, length, data, reply };
+        let io = |op, offset, length, data: Buf, reply| NbdIo { op, fua, offset, length, data, reply };
+        let none = || Buf::Heap(Vec::new());
         let io = match req.command {
-            cmd::FLUSH => io(Op::Flush, 0, 0, Vec::new(), reply),
+            cmd::FLUSH => io(Op::Flush, 0, 0, none(), reply),
             _ if !in_range => {
                 self.answer(req.cookie, if req.command == cmd::WRITE { errno::ENOSPC } else { errno::EINVAL });
                 return None;
@@ -300,17 +350,13 @@ impl DirectConn {
                     reply.trim = Some(((off - start) as usize, len as usize));
                 }
                 reply.held = end - start;
-                // The buffer is allocated, and its pages touched, here on the connection's
-                // engine thread (on its node), whichever thread later receives the data.
-                let mut buf = vec![0u8; (end - start) as usize];
-                for i in (0..buf.len()).step_by(4096) {
-                    buf[i] = std::hint::black_box(0);
-                }
+                // On the connection's node, whichever thread later receives the data.
+                let buf = self.pool.take((end - start) as usize, self.node);
                 io(Op::Read, start, end - start, buf, reply)
             }
             cmd::WRITE => {
                 if sample {
-                    self.count_pages(&data);
+                    self.count_pages(data.as_slice());
                 }
                 reply.held = len;
                 reply.written = len;
@@ -329,9 +375,9 @@ impl DirectConn {
                     return None;
                 }
                 reply.then_flush = fua;
-                NbdIo { op: Op::Discard, fua: false, offset: start, length: end - start, data: Vec::new(), reply }
+                NbdIo { op: Op::Discard, fua: false, offset: start, length: end - start, data: none(), reply }
             }
-            cmd::WRITE_ZEROES => io(Op::WriteZeroes, off, len, Vec::new(), reply),
+            cmd::WRITE_ZEROES => io(Op::WriteZeroes, off, len, none(), reply),
             cmd::CACHE => {
                 self.answer(req.cookie, 0);
                 return None;
@@ -348,25 +394,32 @@ impl DirectConn {
 
     /// Queues a reply without data for a request that never reached the volume.
     fn answer(&mut self, cookie: u64, error: u32) {
-        self.out.push_back(Reply { header: codec::simple_reply(error, cookie), data: Vec::new() });
+        self.out.push_back(Reply { header: codec::simple_reply(error, cookie), data: Buf::Heap(Vec::new()) });
     }
 
-    /// Queues the reply of a request the volume completed (`data`: read data).
-    pub(crate) fn complete(&mut self, reply: NbdReply, result: Result<Vec<u8>, Error>) {
+    /// Queues the reply of a request the volume completed (a read's data with it).
+    pub(crate) fn complete(&mut self, reply: NbdReply, result: Outcome) {
         self.inflight = self.inflight.saturating_sub(1);
         self.held = self.held.saturating_sub(reply.held);
         let (error, data) = match result {
-            Ok(mut data) => {
-                if let Some((at, len)) = reply.trim {
-                    data = data[at..at + len].to_vec();
+            Ok((Op::Read, data)) => match reply.trim {
+                Some((at, len)) => {
+                    let part = data.as_slice()[at..at + len].to_vec();
+                    self.pool.give(data);
+                    (0, Buf::Heap(part))
                 }
-                (0, data)
+                None => (0, data),
+            },
+            Ok((_, data)) => {
+                // A write's buffer goes back to the pool.
+                self.pool.give(data);
+                (0, Buf::Heap(Vec::new()))
             }
-            Err(e) => (errno::from_errno(e.errno()), Vec::new()),
+            Err(e) => (errno::from_errno(e.errno()), Buf::Heap(Vec::new())),
         };
         if error == 0 {
             if reply.sample && !data.is_empty() {
-                self.count_pages(&data);
+                self.count_pages(data.as_slice());
             }
             let (read, written) = (data.len() as u64, reply.written);
             if read > 0 || written > 0 {
@@ -402,7 +455,7 @@ impl DirectConn {
             let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * REPLY_BATCH.min(self.out.len()));
             let mut skip = self.out_off;
             for r in self.out.iter().take(REPLY_BATCH) {
-                for part in [&r.header[..], &r.data[..]] {
+                for part in [&r.header[..], r.data.as_slice()] {
                     if skip >= part.len() {
                         skip -= part.len();
                     } else {
@@ -430,7 +483,8 @@ impl DirectConn {
                 let left = first.header.len() + first.data.len() - self.out_off;
                 if n >= left {
                     n -= left;
-                    self.out.pop_front();
+                    let done = self.out.pop_front().expect("front");
+                    self.pool.give(done.data);
                     self.out_off = 0;
                 } else {
                     self.out_off += n;
