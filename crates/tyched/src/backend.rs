@@ -283,6 +283,23 @@ fn open_err(path: &Path) -> impl FnOnce(io::Error) -> BackendError + '_ {
     move |source| BackendError::Open { path: path.to_owned(), source }
 }
 
+/// The bytes a `pwritev`/`preadv` call moved: `None` when a signal interrupted it (call again),
+/// the error when it failed, and an error of `nothing` when it moved no byte.
+fn moved(n: isize, nothing: io::ErrorKind, what: &'static str) -> io::Result<Option<usize>> {
+    match n {
+        n if n < 0 => {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                Ok(None)
+            } else {
+                Err(e)
+            }
+        }
+        0 => Err(io::Error::new(nothing, what)),
+        n => Ok(Some(n as usize)),
+    }
+}
+
 fn check(ret: libc::c_int) -> io::Result<()> {
     if ret < 0 {
         Err(io::Error::last_os_error())
@@ -444,17 +461,7 @@ impl Backend for FileBackend {
             let n = unsafe {
                 libc::pwritev(self.file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
             };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            if n == 0 {
-                return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote nothing"));
-            }
-            let mut n = n as usize;
+            let Some(mut n) = moved(n, io::ErrorKind::WriteZero, "pwritev wrote nothing")? else { continue };
             offset += n as u64;
             while n > 0 {
                 let p = todo[first];
@@ -490,17 +497,7 @@ impl Backend for FileBackend {
             let n = unsafe {
                 libc::preadv(self.file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
             };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            if n == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "preadv read nothing"));
-            }
-            let mut n = n as usize;
+            let Some(mut n) = moved(n, io::ErrorKind::UnexpectedEof, "preadv read nothing")? else { continue };
             offset += n as u64;
             while n > 0 {
                 let p = std::mem::take(&mut todo[first]);

@@ -55,12 +55,7 @@ impl Lab {
 
     /// Opens the initiator's sockets (AF_PACKET, or AF_XDP with `xdp`) inside its namespace.
     fn initiator_ports(&self, xdp: bool) -> Vec<Port> {
-        let ns = format!("/var/run/netns/{}", self.ns_i);
-        std::thread::spawn(move || {
-            let f = std::fs::File::open(&ns).expect("open netns");
-            // SAFETY: setns on this (short-lived) thread only; the descriptor is a live netns file.
-            let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+        in_netns(&self.ns_i, move || {
             (0..2)
                 .map(|k| {
                     let name = format!("tydi{k}");
@@ -74,20 +69,13 @@ impl Lab {
                 })
                 .collect()
         })
-        .join()
-        .expect("netns thread")
     }
 
     /// Opens AF_XDP ports on both NICs inside namespace `ns` (`tydi*` or `tydt*`), lending
     /// `lend` frames each.
     fn xdp_ports(ns: &str, prefix: &str, lend: u32) -> Vec<tyche_xdp::XdpPort> {
-        let ns = format!("/var/run/netns/{ns}");
         let prefix = prefix.to_owned();
-        std::thread::spawn(move || {
-            let f = std::fs::File::open(&ns).expect("open netns");
-            // SAFETY: setns on this (short-lived) thread only; the descriptor is a live netns file.
-            let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+        in_netns(ns, move || {
             (0..2)
                 .map(|k| {
                     let name = format!("{prefix}{k}");
@@ -96,8 +84,6 @@ impl Lab {
                 })
                 .collect()
         })
-        .join()
-        .expect("netns thread")
     }
 
     /// Starts the daemon from a config file (three exports: a file, a MAC-locked RAM export and
@@ -411,4 +397,19 @@ fn in_process_target_over_af_xdp_keeps_write_data_in_the_umem() {
     let s = target.shutdown();
     assert_eq!(s.leases_held, 0, "nothing kept after shutdown");
     assert_eq!(s.exports.iter().map(|e| e.bytes_written).sum::<u64>(), bytes);
+}
+
+/// Runs `f` on a short-lived thread that has entered network namespace `ns`, and returns what it
+/// made (sockets opened there stay in that namespace).
+fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/var/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).expect("open netns");
+        // SAFETY: setns on this (short-lived) thread only; the descriptor is a live netns file.
+        let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .expect("netns thread")
 }
