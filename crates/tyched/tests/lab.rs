@@ -80,7 +80,19 @@ impl Lab {
                 .map(|k| {
                     let name = format!("{prefix}{k}");
                     let pc = tyche_xdp::PortConfig { lend_frames: lend, tx_lend_frames: lend, ..Default::default() };
-                    tyche_xdp::XdpPort::open(&name, &pc).unwrap_or_else(|e| panic!("{name}: AF_XDP port: {e}"))
+                    // The kernel releases a closed AF_XDP socket's hold on its queue after an RCU
+                    // grace period, so binding the queue again right after closing a port there
+                    // can fail for a moment: try for up to two seconds.
+                    let t0 = std::time::Instant::now();
+                    loop {
+                        match tyche_xdp::XdpPort::open(&name, &pc) {
+                            Ok(port) => break port,
+                            Err(e) if t0.elapsed() > std::time::Duration::from_secs(2) => {
+                                panic!("{name}: AF_XDP port: {e}")
+                            }
+                            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+                        }
+                    }
                 })
                 .collect()
         })
