@@ -71,17 +71,17 @@ mod tests {
 
     #[test]
     fn segment_sizes_follow_mtu_and_chunk() {
-        // 4 KiB UMEM chunk, 256 B XDP headroom: 3840 bytes per frame.
-        assert_eq!(segment_size_for(1500, 3840), Some(1024));
-        assert_eq!(segment_size_for(2200, 3840), Some(2048));
-        assert_eq!(segment_size_for(3000, 3840), Some(2048));
-        assert_eq!(segment_size_for(3500, 3840), Some(2048));
+        // 4 KiB UMEM chunk, 256 B XDP headroom, 194 B frame headroom: 3646 bytes per frame.
+        assert_eq!(segment_size_for(1500, 3646), Some(1024));
+        assert_eq!(segment_size_for(2200, 3646), Some(2048));
+        assert_eq!(segment_size_for(3000, 3646), Some(2048));
+        assert_eq!(segment_size_for(3500, 3646), Some(2048));
         // Jumbo multi-buffer links: the frame spans several chunks.
         assert_eq!(segment_size_for(9000, 9014), Some(8192));
         assert_eq!(segment_size_for(4200, 9014), Some(4096));
         // 2 KiB chunk (1792 bytes per frame) caps a 3000 MTU link at 1 KiB.
         assert_eq!(segment_size_for(3000, 1792), Some(1024));
-        assert_eq!(segment_size_for(500, 3840), None);
-        assert_eq!(segment_size_for(20, 3840), None);
+        assert_eq!(segment_size_for(500, 3646), None);
+        assert_eq!(segment_size_for(20, 3646), None);
     }
 }

@@ -30,7 +30,7 @@ pub use error::Error;
 pub use iface::InterfaceInfo;
 pub use port::{
     plan_frames, BusyPoll, FramePlan, NumaPlacement, PortConfig, PortStats, XdpPort, BUFFER_CAPACITY, CHUNK_SIZE,
-    MAX_SG_FRAME, XDP_HEADROOM,
+    FRAME_HEADROOM, MAX_SG_FRAME, XDP_HEADROOM,
 };
 pub use program::{AttachMode, AttachedMode, SteerStats, XdpProgram};
 
@@ -45,7 +45,7 @@ mod tests {
         let p = plan_frames("x", 1500, false).expect("1500 fits");
         assert_eq!(p.segment_size, 1024);
         let e = plan_frames("x", 9000, false).expect_err("9000 needs multi-buffer");
-        assert!(matches!(e, Error::FrameSize { mtu: 9000, needed: 9014, per_buffer: 3840, .. }), "{e}");
+        assert!(matches!(e, Error::FrameSize { mtu: 9000, needed: 9014, per_buffer: 3646, .. }), "{e}");
         let p = plan_frames("x", 9000, true).expect("9000 with multi-buffer");
         assert!(p.multi_buffer);
         assert_eq!(p.segment_size, 8192);

@@ -18,8 +18,12 @@ use crate::{numa, Error, InterfaceInfo};
 pub const CHUNK_SIZE: usize = 4096;
 /// Headroom the kernel keeps in front of every received frame (`XDP_PACKET_HEADROOM`).
 pub const XDP_HEADROOM: usize = 256;
+/// Headroom of our own in front of every frame (the UMEM's `frame_headroom`), chosen so that a
+/// DATA frame's payload starts 512 bytes into its chunk: payloads kept in received frames, and
+/// read data stored in transmit chunks, are then aligned for O_DIRECT on 512-byte-sector devices.
+pub const FRAME_HEADROOM: usize = 512 - XDP_HEADROOM - tyche_wire::DATA_FRAME_OVERHEAD;
 /// Bytes of frame one UMEM chunk carries (Ethernet header included).
-pub const BUFFER_CAPACITY: usize = CHUNK_SIZE - XDP_HEADROOM;
+pub const BUFFER_CAPACITY: usize = CHUNK_SIZE - XDP_HEADROOM - FRAME_HEADROOM;
 /// Longest frame accepted in multi-buffer mode (a 9216-byte jumbo MTU plus Ethernet header).
 pub const MAX_SG_FRAME: usize = 9216 + tyche_wire::ETH_HEADER_LEN;
 
@@ -42,7 +46,7 @@ pub fn plan_frames(ifname: &str, mtu: usize, allow_multi_buffer: bool) -> Result
     let too_big =
         |hint| Error::FrameSize { ifname: ifname.to_string(), mtu, needed, per_buffer: BUFFER_CAPACITY, hint };
     if multi_buffer && !allow_multi_buffer {
-        return Err(too_big("lower the MTU to 3826 or less, or enable multi-buffer (XDP_USE_SG)"));
+        return Err(too_big("lower the MTU to 3632 or less, or enable multi-buffer (XDP_USE_SG)"));
     }
     if needed > MAX_SG_FRAME {
         return Err(too_big("MTUs above 9216 are not supported"));
@@ -256,6 +260,7 @@ impl XdpPort {
         let q = |n: u32| QueueSize::new(n).map_err(|e| xsk_err("ring size", e));
         let umem_config = UmemConfig::builder()
             .frame_size(FrameSize::new(CHUNK_SIZE as u32).map_err(|e| xsk_err("frame size", e))?)
+            .frame_headroom(FRAME_HEADROOM as u32)
             .fill_queue_size(q(half)?)
             .comp_queue_size(q(half)?)
             .build()

@@ -75,8 +75,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         Ok(())
     }
     /// Whether writes may come from received frames in place ([`Backend::write_vectored_at`])
-    /// and reads go into transmit frames in place ([`Backend::read_vectored_at`]): false where
-    /// they need buffers aligned for O_DIRECT, which frame payloads are not.
+    /// and reads go into transmit frames in place ([`Backend::read_vectored_at`]).
     fn writes_from_frames(&self) -> bool {
         false
     }
@@ -275,6 +274,8 @@ pub struct FileBackend {
     direct: Option<File>,
     /// Logical block size of the device (alignment needed by O_DIRECT).
     align: usize,
+    /// Bytes handed to the O_DIRECT descriptor.
+    direct_bytes: std::sync::atomic::AtomicU64,
     size: u64,
     block: bool,
 }
@@ -346,7 +347,8 @@ impl FileBackend {
             } else {
                 None
             };
-            return Ok(FileBackend { file, direct, align: (ssz as usize).max(512), size, block: true });
+            let align = (ssz as usize).max(512);
+            return Ok(FileBackend { file, direct, align, direct_bytes: Default::default(), size, block: true });
         }
         let current = file.metadata().map_err(open_err(path))?.len();
         let size = match size {
@@ -363,7 +365,7 @@ impl FileBackend {
         if size == 0 {
             return Err(BackendError::Size(format!("{}: empty file and no size given", path.display())));
         }
-        Ok(FileBackend { file, direct: None, align: 512, size, block: false })
+        Ok(FileBackend { file, direct: None, align: 512, direct_bytes: Default::default(), size, block: false })
     }
 
     /// Whether this is a block device (else a regular file).
@@ -374,12 +376,47 @@ impl FileBackend {
     /// The descriptor a transfer of `len` bytes at `ptr` and `offset` uses: the O_DIRECT one when
     /// everything is aligned to the device's logical block size, else the buffered one.
     pub fn fd_for(&self, ptr: *const u8, len: usize, offset: u64) -> std::os::fd::RawFd {
-        self.aligned(ptr, len, offset).unwrap_or(&self.file).as_raw_fd()
+        self.file_for(ptr, len, offset).as_raw_fd()
     }
 
     /// The buffered descriptor (FLUSH, DISCARD, WRITE_ZEROES).
     pub fn fd(&self) -> std::os::fd::RawFd {
         self.file.as_raw_fd()
+    }
+
+    /// The descriptor for a vectored transfer at `offset`: the O_DIRECT one when every piece
+    /// is aligned for it (frame payloads are: see `tyche_xdp::FRAME_HEADROOM`), else the
+    /// buffered one.
+    pub fn fd_for_iov(&self, iov: &[libc::iovec], offset: u64) -> std::os::fd::RawFd {
+        let a = self.align;
+        let ok = offset % a as u64 == 0 && iov.iter().all(|v| (v.iov_base as usize) % a == 0 && v.iov_len % a == 0);
+        match &self.direct {
+            Some(d) if ok => {
+                self.count_direct(iov.iter().map(|v| v.iov_len).sum());
+                d.as_raw_fd()
+            }
+            _ => self.file.as_raw_fd(),
+        }
+    }
+
+    /// [`FileBackend::fd_for`] as a `File`.
+    fn file_for(&self, ptr: *const u8, len: usize, offset: u64) -> &File {
+        match self.aligned(ptr, len, offset) {
+            Some(d) => {
+                self.count_direct(len);
+                d
+            }
+            None => &self.file,
+        }
+    }
+
+    fn count_direct(&self, len: usize) {
+        self.direct_bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Bytes handed to the O_DIRECT descriptor so far (see `ExportStats::direct_bytes`).
+    pub fn direct_bytes(&self) -> u64 {
+        self.direct_bytes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether a transfer would use O_DIRECT.
@@ -436,11 +473,11 @@ impl Backend for FileBackend {
         }
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let f = self.aligned(buf.as_ptr(), buf.len(), offset).unwrap_or(&self.file);
+        let f = self.file_for(buf.as_ptr(), buf.len(), offset);
         f.read_exact_at(buf, offset)
     }
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-        let f = self.aligned(buf.as_ptr(), buf.len(), offset).unwrap_or(&self.file);
+        let f = self.file_for(buf.as_ptr(), buf.len(), offset);
         f.write_all_at(buf, offset)?;
         if fua {
             f.sync_data()?;
@@ -459,7 +496,12 @@ impl Backend for FileBackend {
             // SAFETY: every iovec names a live slice of `pieces` (borrowed for this call), and
             // pwritev only reads through them.
             let n = unsafe {
-                libc::pwritev(self.file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
+                libc::pwritev(
+                    self.fd_for_iov(&iov, offset),
+                    iov.as_ptr(),
+                    iov.len() as libc::c_int,
+                    offset as libc::off_t,
+                )
             };
             let Some(mut n) = moved(n, io::ErrorKind::WriteZero, "pwritev wrote nothing")? else { continue };
             offset += n as u64;
@@ -480,7 +522,8 @@ impl Backend for FileBackend {
         Ok(())
     }
     fn writes_from_frames(&self) -> bool {
-        self.direct.is_none()
+        // Aligned frames go through O_DIRECT, any others through the buffered descriptor.
+        true
     }
     fn read_vectored_at(&self, places: &mut [&mut [u8]], mut offset: u64) -> io::Result<()> {
         // preadv over at most IOV_MAX places at a time, resuming after short reads.
@@ -495,7 +538,12 @@ impl Backend for FileBackend {
             // SAFETY: every iovec names a live, writable slice of `places` (borrowed mutably for
             // this call, distinct from each other).
             let n = unsafe {
-                libc::preadv(self.file.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int, offset as libc::off_t)
+                libc::preadv(
+                    self.fd_for_iov(&iov, offset),
+                    iov.as_ptr(),
+                    iov.len() as libc::c_int,
+                    offset as libc::off_t,
+                )
             };
             let Some(mut n) = moved(n, io::ErrorKind::UnexpectedEof, "preadv read nothing")? else { continue };
             offset += n as u64;

@@ -121,6 +121,10 @@ pub struct ExportStats {
     /// How storage requests run: `io_uring`, `threads` (the pool) or `inline` (RAM).
     #[serde(default)]
     pub io: String,
+    /// Bytes of reads and writes handed to the device through its O_DIRECT descriptor (block
+    /// devices; the rest went through the page cache).
+    #[serde(default)]
+    pub direct_bytes: u64,
 }
 
 /// Counters of one live channel.

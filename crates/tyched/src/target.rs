@@ -1606,6 +1606,9 @@ impl Network {
 
     fn snapshot(&self, now: Instant) -> Snapshot {
         let mut exports = self.export_stats.clone();
+        for (es, e) in exports.iter_mut().zip(&self.exports) {
+            es.direct_bytes = e.backend.as_file().map_or(0, FileBackend::direct_bytes);
+        }
         let mut channels = Vec::new();
         let mut dups = self.duplicates_from_reclaimed;
         for (&sid, s) in &self.sessions {

@@ -289,7 +289,8 @@ impl Engine {
                         break;
                     }
                 }
-                opcode::Readv::new(types::Fd(file.fd()), f.iov.0.as_ptr(), f.iov.0.len() as u32).offset(off).build()
+                let fd = file.fd_for_iov(&f.iov.0, off);
+                opcode::Readv::new(types::Fd(fd), f.iov.0.as_ptr(), f.iov.0.len() as u32).offset(off).build()
             }
             Op::Read => {
                 let buf = f.job.buf.as_mut().expect("read slot").as_mut_slice();
@@ -314,7 +315,7 @@ impl Engine {
                     }
                 }
                 let flags = if r.fua { libc::RWF_DSYNC } else { 0 };
-                opcode::Writev::new(types::Fd(file.fd()), f.iov.0.as_ptr(), f.iov.0.len() as u32)
+                opcode::Writev::new(types::Fd(file.fd_for_iov(&f.iov.0, off)), f.iov.0.as_ptr(), f.iov.0.len() as u32)
                     .offset(off)
                     .rw_flags(flags)
                     .build()
