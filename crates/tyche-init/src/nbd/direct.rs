@@ -31,6 +31,8 @@ pub(crate) const HELD_BYTES: u64 = 256 << 20;
 const BUFFER_SAMPLE: u64 = super::BUFFER_SAMPLE;
 /// Smallest pooled buffer (one page).
 const MIN_BUFFER: usize = 4096;
+/// Most bytes of idle buffers a connection keeps for reuse.
+const POOL_BYTES: u64 = 64 << 20;
 
 /// A request for the volume, parsed from the socket.
 #[derive(Debug)]
@@ -108,11 +110,11 @@ impl Pool {
         }
     }
 
-    /// Keeps `buf` for a later request, up to [`HELD_BYTES`] in the pool.
+    /// Keeps `buf` for a later request, up to [`POOL_BYTES`] in the pool.
     fn give(&mut self, buf: Buf) {
         if let Buf::Node(r, _) = buf {
             let class = r.len();
-            if self.bytes + class as u64 <= HELD_BYTES {
+            if self.bytes + class as u64 <= POOL_BYTES {
                 self.bytes += class as u64;
                 self.free.entry(class).or_default().push(r);
             }
@@ -506,5 +508,44 @@ impl DirectConn {
         if let Some(done) = self.done.take() {
             let _ = done.send(result);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_reuses_node_buffers_by_size_class_up_to_its_cap() {
+        let mut pool = Pool::default();
+        // No node: heap buffers, never pooled.
+        let b = pool.take(4096, None);
+        assert!(matches!(b, Buf::Heap(_)));
+        pool.give(b);
+        assert_eq!(pool.bytes, 0);
+        let b = pool.take(3000, Some(0));
+        let Buf::Node(r, len) = &b else {
+            eprintln!("SKIP: no node-bound memory here (mbind refused)");
+            return;
+        };
+        assert_eq!((r.len(), *len, b.as_slice().len()), (4096, 3000, 3000));
+        let addr = b.as_slice().as_ptr();
+        pool.give(b);
+        assert_eq!(pool.bytes, 4096);
+        // The same class comes back, a larger one is new.
+        let again = pool.take(4096, Some(0));
+        assert_eq!(again.as_slice().as_ptr(), addr);
+        assert_eq!(pool.bytes, 0);
+        let big = pool.take(5000, Some(0));
+        assert!(matches!(&big, Buf::Node(r, 5000) if r.len() == 8192));
+        pool.give(again);
+        pool.give(big);
+        assert_eq!(pool.bytes, 4096 + 8192);
+        // Never more than POOL_BYTES idle.
+        let many: Vec<Buf> = (0..(POOL_BYTES / (1 << 20)) + 2).map(|_| pool.take(1 << 20, Some(0))).collect();
+        for b in many {
+            pool.give(b);
+        }
+        assert!(pool.bytes <= POOL_BYTES, "{} idle bytes", pool.bytes);
     }
 }
