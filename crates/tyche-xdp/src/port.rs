@@ -197,8 +197,9 @@ pub struct XdpPort {
     tx_lendable: Vec<FrameDesc>,
     /// Transmit chunks lent for good, by address, and whether the kernel has them now.
     tx_lent: HashMap<u64, (FrameDesc, bool)>,
-    /// How many of `tx_lent` the kernel has now.
-    tx_lent_in_flight: usize,
+    /// The ids of `tx_lent` the kernel has now (few: a scan of `tx_lent` would cost a pass over
+    /// every lent chunk per transmit turn).
+    tx_lent_busy: std::collections::HashSet<u64>,
     /// A handle on the UMEM that every lease shares, so lent bytes stay mapped.
     umem_keep: Arc<dyn std::any::Any + Send + Sync>,
     numa_node: Option<u32>,
@@ -359,7 +360,7 @@ impl XdpPort {
             lent: HashMap::new(),
             tx_lendable: tx_lendable.to_vec(),
             tx_lent: HashMap::new(),
-            tx_lent_in_flight: 0,
+            tx_lent_busy: std::collections::HashSet::new(),
             umem_keep,
             numa_node,
             umem_area: (umem_base, umem_len),
@@ -446,7 +447,7 @@ impl XdpPort {
             match self.tx_lent.get_mut(&(desc.addr() as u64)) {
                 Some((_, in_flight)) => {
                     *in_flight = false;
-                    self.tx_lent_in_flight -= 1;
+                    self.tx_lent_busy.remove(&(desc.addr() as u64));
                 }
                 None => self.tx_free.push(*desc),
             }
@@ -666,10 +667,7 @@ impl FrameTransport for XdpPort {
 
     fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
         self.reclaim();
-        if self.tx_lent_in_flight == 0 {
-            return Vec::new();
-        }
-        self.tx_lent.iter().filter(|(_, (_, busy))| *busy).map(|(&id, _)| id).collect()
+        self.tx_lent_busy.iter().copied().collect()
     }
 
     fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
@@ -748,7 +746,7 @@ impl FrameTransport for XdpPort {
                     cdata.cursor().set_pos(len);
                     chunk.set_options(0);
                     *in_flight = true;
-                    self.tx_lent_in_flight += 1;
+                    self.tx_lent_busy.insert(id);
                     self.tx_staged.push(chunk);
                     queued += 1;
                 }

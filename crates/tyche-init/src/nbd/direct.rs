@@ -84,9 +84,11 @@ struct Partial {
 /// power-of-two size, reused from one request to the next. Their pages are on the node whichever
 /// thread touches them first and whatever the heap held before, and NUMA balancing leaves them
 /// there (the regions' own policy says they are in place).
+/// Connections of no particular node reuse heap buffers the same way (no zeroing per request).
 #[derive(Debug, Default)]
 struct Pool {
     free: HashMap<usize, Vec<tyche_numa::alloc::NodeRegion>>,
+    heap: HashMap<usize, Vec<Vec<u8>>>,
     bytes: u64,
 }
 
@@ -95,8 +97,21 @@ impl Pool {
     /// refuses the mapping), else from the heap. Read buffers are zeroed or hold old data, which
     /// the read overwrites entirely.
     fn take(&mut self, len: usize, node: Option<u32>) -> Buf {
-        let Some(node) = node.filter(|_| len > 0) else { return Buf::Heap(vec![0; len]) };
+        if len == 0 {
+            return Buf::Heap(Vec::new());
+        }
         let class = len.next_power_of_two().max(MIN_BUFFER);
+        let Some(node) = node else {
+            let mut v = match self.heap.get_mut(&class).and_then(Vec::pop) {
+                Some(v) => {
+                    self.bytes -= class as u64;
+                    v
+                }
+                None => vec![0; class],
+            };
+            v.truncate(len);
+            return Buf::Heap(v);
+        };
         if let Some(r) = self.free.get_mut(&class).and_then(Vec::pop) {
             self.bytes -= class as u64;
             return Buf::Node(r, len);
@@ -112,11 +127,22 @@ impl Pool {
 
     /// Keeps `buf` for a later request, up to [`POOL_BYTES`] in the pool.
     fn give(&mut self, buf: Buf) {
-        if let Buf::Node(r, _) = buf {
-            let class = r.len();
-            if self.bytes + class as u64 <= POOL_BYTES {
-                self.bytes += class as u64;
-                self.free.entry(class).or_default().push(r);
+        match buf {
+            Buf::Node(r, _) => {
+                let class = r.len();
+                if self.bytes + class as u64 <= POOL_BYTES {
+                    self.bytes += class as u64;
+                    self.free.entry(class).or_default().push(r);
+                }
+            }
+            Buf::Heap(mut v) => {
+                let class = v.capacity();
+                if class.is_power_of_two() && class >= MIN_BUFFER && self.bytes + class as u64 <= POOL_BYTES {
+                    // Back to its full length: zeroes only where it was shorter.
+                    v.resize(class, 0);
+                    self.bytes += class as u64;
+                    self.heap.entry(class).or_default().push(v);
+                }
             }
         }
     }
@@ -518,11 +544,16 @@ mod tests {
     #[test]
     fn pool_reuses_node_buffers_by_size_class_up_to_its_cap() {
         let mut pool = Pool::default();
-        // No node: heap buffers, never pooled.
-        let b = pool.take(4096, None);
-        assert!(matches!(b, Buf::Heap(_)));
+        // No node: heap buffers, pooled too.
+        let b = pool.take(4000, None);
+        assert!(matches!(&b, Buf::Heap(v) if v.len() == 4000 && v.capacity() == 4096));
+        let addr = b.as_slice().as_ptr();
         pool.give(b);
+        assert_eq!(pool.bytes, 4096);
+        let b = pool.take(4096, None);
+        assert_eq!((b.as_slice().as_ptr(), b.len()), (addr, 4096));
         assert_eq!(pool.bytes, 0);
+        drop(b);
         let b = pool.take(3000, Some(0));
         let Buf::Node(r, len) = &b else {
             eprintln!("SKIP: no node-bound memory here (mbind refused)");
