@@ -290,7 +290,12 @@ impl DirectConn {
             self.start += buffered;
             while p.filled < data.len() {
                 match self.stream.as_ref().read(&mut data[p.filled..]) {
-                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Ok(0) => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "closed in the middle of a write's data",
+                        ))
+                    }
                     Ok(n) => p.filled += n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -306,8 +311,11 @@ impl DirectConn {
             self.start = 0;
             loop {
                 match self.stream.as_ref().read(&mut self.inbuf[self.end..]) {
-                    // The client went away (between requests: not an error).
-                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    // The client went away: between requests that is no error.
+                    Ok(0) if self.end == 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Ok(0) => {
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, "closed in the middle of a request"))
+                    }
                     Ok(n) => {
                         self.end += n;
                         break;
