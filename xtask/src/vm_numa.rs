@@ -152,6 +152,23 @@ fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or(0)
 }
 
+/// The CPUs of a thread report (`thread.cpus`).
+fn thread_cpus(thread: &Value) -> Vec<u64> {
+    thread["cpus"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
+}
+
+/// Checks that the reported `thread` runs on node `node`'s CPUs only; returns its CPUs.
+fn thread_on_node(thread: &Value, what: &str, node: u32, cpus: &[Vec<u64>; 2]) -> Result<Vec<u64>> {
+    let tc = thread_cpus(thread);
+    let mine = &cpus[node as usize];
+    check!(
+        !tc.is_empty() && tc.iter().all(|c| mine.contains(c)),
+        "{what} {} runs on cpus {tc:?}, not only node {node}'s {mine:?}",
+        thread["name"]
+    );
+    Ok(tc)
+}
+
 fn node_of(v: &Value) -> Option<u32> {
     v.as_u64().map(|n| n as u32)
 }
@@ -512,15 +529,8 @@ fn run_scheduler(
         let a = pages_ok(&l["umem"], &format!("initiator {name} UMEM"), node, true)?;
         let b = pages_ok(&l["rings"], &format!("initiator {name} rings"), node, true)?;
         say(format!("{scheduler}: {a}; {b}"));
-        let tc: Vec<u64> =
-            l["thread"]["cpus"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default();
         // tyche-init serves each node's links from an engine thread of its own, pinned there.
-        check!(
-            !tc.is_empty() && tc.iter().all(|c| cpus[node as usize].contains(c)),
-            "initiator {name}: its engine thread {} runs on cpus {tc:?}, not only node {node}'s {:?}",
-            l["thread"]["name"],
-            cpus[node as usize]
-        );
+        let tc = thread_on_node(&l["thread"], &format!("initiator {name}: its engine thread"), node, cpus)?;
         engine_threads.push(l["thread"]["tid"].as_u64().unwrap_or_default());
         say(format!(
             "{scheduler}: initiator {name}: engine thread {} on cpus {tc:?} (node {node})",
@@ -536,8 +546,7 @@ fn run_scheduler(
     ensure!(conns.len() == 1, "one NBD connection carried the workload: {}", ir["nbd"]);
     let conn = conns[0];
     check!(node_of(&conn["node"]) == Some(1), "the NBD connection is served for node {}", conn["node"]);
-    let tc: Vec<u64> =
-        conn["thread"]["cpus"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default();
+    let tc = thread_cpus(&conn["thread"]);
     check!(tc == cpus[1], "the NBD connection thread runs on cpus {tc:?}, not node 1's {:?}", cpus[1]);
     let b = pages_ok(&conn["buffers"], "NBD request buffers", 1, true)?;
     say(format!("{scheduler}: NBD connection {} thread {} on cpus {tc:?}; {b}", conn["conn"], conn["thread"]["name"]));
@@ -555,15 +564,8 @@ fn run_scheduler(
         let b = pages_ok(&p["rings"], &format!("target {name} rings"), node, true)?;
         let c = pages_ok(&p["slots"], &format!("target {name} slots"), node, false)?;
         say(format!("{scheduler}: {a}; {b}; {c}"));
-        let tc: Vec<u64> =
-            p["thread"]["cpus"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default();
         // tyched serves each NIC from a network thread of its own, pinned to the NIC's node.
-        check!(
-            !tc.is_empty() && tc.iter().all(|c| cpus[node as usize].contains(c)),
-            "target {name}: its network thread {} runs on cpus {tc:?}, not only node {node}'s {:?}",
-            p["thread"]["name"],
-            cpus[node as usize]
-        );
+        let tc = thread_on_node(&p["thread"], &format!("target {name}: its network thread"), node, cpus)?;
         say(format!("{scheduler}: target {name}: network thread {} on cpus {tc:?} (node {node})", p["thread"]["name"]));
     }
     // The target moved the data between UMEM frames and its RAM store with no copy in user space

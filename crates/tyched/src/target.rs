@@ -264,17 +264,10 @@ impl Job {
     }
 }
 
-/// A finished storage request.
+/// A finished storage request: the job, with its buffers, and how it went.
 #[derive(Debug)]
 pub(crate) struct Done {
-    pub(crate) session: u64,
-    pub(crate) channel: u16,
-    pub(crate) epoch: u64,
-    pub(crate) export: usize,
-    pub(crate) request: Request,
-    pub(crate) buf: Option<Memory>,
-    pub(crate) lent: Vec<LentSegment>,
-    pub(crate) region: Option<Region>,
+    pub(crate) job: Job,
     pub(crate) status: Status,
 }
 
@@ -410,18 +403,7 @@ impl Target {
                     let job = rx.lock().expect("job queue").recv();
                     let Ok(mut job) = job else { return };
                     let status = execute(&*backends[job.export], &mut job);
-                    let done = Done {
-                        session: job.session,
-                        channel: job.channel,
-                        epoch: job.epoch,
-                        export: job.export,
-                        request: job.request,
-                        buf: job.buf,
-                        lent: job.lent,
-                        region: job.region,
-                        status,
-                    };
-                    if tx.send(done).is_err() {
+                    if tx.send(Done { job, status }).is_err() {
                         return;
                     }
                     shared.wake();
@@ -1328,8 +1310,7 @@ impl Network {
             let backend = Arc::clone(&self.exports[j.export].backend);
             if backend.kind() == "ram" && !j.abort {
                 let status = execute(&*backend, &mut j);
-                let Job { session, channel, epoch, export, request, buf, lent, region, .. } = j;
-                self.finish_job(Done { session, channel, epoch, export, request, buf, lent, region, status });
+                self.finish_job(Done { job: j, status });
             } else if let Some(q) = self
                 .uring
                 .as_ref()
@@ -1366,7 +1347,8 @@ impl Network {
     }
 
     /// Accounts a finished storage operation and completes its request on its channel.
-    fn finish_job(&mut self, mut d: Done) {
+    fn finish_job(&mut self, done: Done) {
+        let (mut d, status) = (done.job, done.status);
         self.inflight -= 1;
         for seg in d.lent.drain(..) {
             self.release[seg.nic].push(seg.lease);
@@ -1374,7 +1356,7 @@ impl Network {
         }
         if let Some(region) = d.region.take() {
             let key = (d.session, d.channel, d.epoch, d.request.damq);
-            if self.slots.contains_key(&key) && d.status == Status::Ok {
+            if self.slots.contains_key(&key) && status == Status::Ok {
                 if let Some(old) = self.regions.insert(key, region) {
                     self.tx_draining[old.nic].extend(old.chunks);
                 }
@@ -1385,7 +1367,7 @@ impl Network {
         let r = d.request;
         let es = &mut self.export_stats[d.export];
         es.requests.bump(r.op);
-        if d.status == Status::Ok {
+        if status == Status::Ok {
             match r.op {
                 Op::Read => es.bytes_read += r.length as u64,
                 Op::Write => es.bytes_written += r.length as u64,
@@ -1403,7 +1385,7 @@ impl Network {
                 *slot = Some(buf);
             }
         }
-        s.session.complete(d.channel, &r, d.status);
+        s.session.complete(d.channel, &r, status);
     }
 
     fn timers(&mut self, now: Instant) {

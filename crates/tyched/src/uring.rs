@@ -407,8 +407,7 @@ impl Engine {
     }
 
     fn finish(&mut self, job: Job, status: Status) {
-        let Job { session, channel, epoch, export, request, buf, lent, region, .. } = job;
-        let _ = self.done.send(Done { session, channel, epoch, export, request, buf, lent, region, status });
+        let _ = self.done.send(Done { job, status });
     }
 }
 
@@ -460,7 +459,7 @@ mod tests {
             self.queue.as_ref().unwrap().submit(job);
             loop {
                 if let Ok(d) = self.done.recv_timeout(Duration::from_millis(5)) {
-                    return (d.status, d.buf);
+                    return (d.status, d.job.buf);
                 }
                 if let Ok(mut job) = self.pool.try_recv() {
                     self.pooled.set(self.pooled.get() + 1);
