@@ -320,222 +320,8 @@ impl Target {
     }
 
     /// As [`Target::start`], placing memory and threads as `placement` says.
-    pub fn start_placed(config: Config, mut nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
-        config.validate()?;
-        if nics.is_empty() {
-            return Err(StartError::NoTransport);
-        }
-        let mut exports = Vec::new();
-        for (index, e) in config.exports.iter().enumerate() {
-            let backend: Arc<dyn Backend> = match &e.path {
-                None => Arc::new(
-                    RamBackend::new(e.size.expect("validated").0, placement.node)
-                        .map_err(|source| StartError::Backend { index, name: e.name.clone(), source })?,
-                ),
-                Some(p) => Arc::new(
-                    FileBackend::open(p, e.size.map(|s| s.0), e.read_only, e.direct)
-                        .map_err(|source| StartError::Backend { index, name: e.name.clone(), source })?,
-                ),
-            };
-            let mut f = flags::EXPORT_DISCARD;
-            if e.read_only {
-                f |= flags::EXPORT_READ_ONLY;
-            }
-            if e.key.is_some() {
-                f |= flags::EXPORT_NEEDS_KEY;
-            }
-            tracing::info!(export = %e.name, backend = backend.kind(), size = backend.size(), read_only = e.read_only,
-                keyed = e.key.is_some(), "export ready");
-            exports.push(Export {
-                spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
-                lend: backend.writes_from_frames(),
-                backend,
-                uring: false,
-                allow: e.allowed_macs(),
-                key: e.key.as_ref().map(|k| k.as_bytes().to_vec()),
-                read_only: e.read_only,
-            });
-        }
-        // The segment must fit every NIC's MTU and buffers.
-        let segment = nics
-            .iter()
-            .filter_map(|n| tyche_wire::segment_size_for(n.transport.mtu(), n.transport.frame_capacity()))
-            .min()
-            .unwrap_or(SECTOR_SIZE)
-            .min(config.limits.segment as u32) as u16;
-        let l = config.limits;
-        let limit = ChannelParams {
-            ring: l.ring,
-            remq_slots: l.remq_slots,
-            damq_slots: l.damq_slots,
-            segment,
-            max_io: l.max_io,
-            features: 0,
-        };
-        let timers = config.timers();
-        let acceptor = Acceptor::new(config.ethertype, exports.iter().map(|e| e.spec.clone()).collect(), limit, timers);
-
-        let shared = Arc::new(Shared {
-            stop: AtomicBool::new(false),
-            wake: new_eventfd()?,
-            stats_requested: AtomicU64::new(0),
-            snapshot: Mutex::new((0, Snapshot::default())),
-            published: Condvar::new(),
-        });
-        let backends: Vec<Arc<dyn Backend>> = exports.iter().map(|e| Arc::clone(&e.backend)).collect();
-        let (job_tx, job_rx) = mpsc::sync_channel::<Job>(JOB_QUEUE);
-        let job_rx = Arc::new(Mutex::new(job_rx));
-        let (done_tx, done_rx) = mpsc::channel::<Done>();
-        let n_workers = match config.workers {
-            0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8),
-            n => n,
-        };
-        let mut workers = Vec::new();
-        for w in 0..n_workers {
-            let rx = Arc::clone(&job_rx);
-            let tx = done_tx.clone();
-            let backends = backends.clone();
-            let shared = Arc::clone(&shared);
-            let cpus = placement.worker_cpus.clone();
-            workers.push(std::thread::Builder::new().name(format!("tyched-io{w}")).spawn(move || {
-                pin(&cpus, "storage worker");
-                loop {
-                    let job = rx.lock().expect("job queue").recv();
-                    let Ok(mut job) = job else { return };
-                    let status = execute(&*backends[job.export], &mut job);
-                    if tx.send(Done { job, status }).is_err() {
-                        return;
-                    }
-                    shared.wake();
-                }
-            })?);
-        }
-        // File and block exports use io_uring where the kernel allows it, else the pool.
-        let mut uring = None;
-        if exports.iter().any(|e| e.backend.as_file().is_some()) {
-            let ring = if config.io_uring { crate::uring::open() } else { Err("disabled (io_uring = false)".into()) };
-            match ring {
-                Ok(ring) => {
-                    let notify = Arc::clone(&shared);
-                    let (queue, thread) = crate::uring::start(
-                        ring,
-                        backends.clone(),
-                        done_tx.clone(),
-                        Arc::new(move || notify.wake()),
-                        job_tx.clone(),
-                        placement.worker_cpus.clone(),
-                    )?;
-                    tracing::info!(depth = crate::uring::DEPTH, fallocate = queue.fallocate, "io_uring storage engine");
-                    workers.push(thread);
-                    for e in exports.iter_mut().filter(|e| e.backend.as_file().is_some()) {
-                        e.uring = true;
-                    }
-                    uring = Some(queue);
-                }
-                Err(reason) if config.io_uring => {
-                    tracing::warn!(
-                        workers = n_workers,
-                        "io_uring unavailable ({reason}): file and block exports use the thread pool"
-                    );
-                }
-                Err(reason) => {
-                    tracing::info!(workers = n_workers, "io_uring {reason}: file and block exports use the thread pool")
-                }
-            }
-        }
-        drop(done_tx);
-        let nic_stats = nics
-            .iter()
-            .map(|n| NicStats { name: n.name.clone(), mac: n.transport.local_mac().to_string(), ..NicStats::default() })
-            .collect();
-        let export_stats = exports
-            .iter()
-            .map(|e| ExportStats {
-                name: e.spec.name.clone(),
-                backend: e.backend.kind().into(),
-                size: e.spec.size,
-                read_only: e.read_only,
-                keyed: e.key.is_some(),
-                io: if e.uring {
-                    "io_uring"
-                } else if e.backend.kind() == "ram" {
-                    "inline"
-                } else {
-                    "threads"
-                }
-                .into(),
-                ..ExportStats::default()
-            })
-            .collect();
-        let n_nics = nics.len();
-        let groups: Vec<Vec<usize>> = match config.network_threads {
-            NetworkThreads::One => vec![(0..n_nics).collect()],
-            NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
-        };
-        let mut group_of = vec![0; n_nics];
-        for (g, members) in groups.iter().enumerate() {
-            for &k in members {
-                group_of[k] = g;
-            }
-        }
-        let group_wakes = groups.iter().map(|_| new_eventfd().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
-        let mut net = Network {
-            ethertype: config.ethertype,
-            nic_stats,
-            exports,
-            export_stats,
-            acceptor,
-            sessions: BTreeMap::new(),
-            slots: HashMap::new(),
-            lent: HashMap::new(),
-            release: (0..n_nics).map(|_| Vec::new()).collect(),
-            tx_free: Vec::new(),
-            tx_draining: (0..n_nics).map(|_| Vec::new()).collect(),
-            regions: HashMap::new(),
-            in_region: HashSet::new(),
-            leases_held: 0,
-            slot_len: l.max_io as usize,
-            node: placement.node,
-            nic_node: Vec::new(),
-            nic_areas: Vec::new(),
-            nic_thread: Vec::new(),
-            job_tx,
-            uring,
-            overflow: VecDeque::new(),
-            done_rx,
-            inflight: 0,
-            control: Vec::new(),
-            challenges: HashMap::new(),
-            challenge_order: VecDeque::new(),
-            clock: std::time::Instant::now(),
-            shared: Arc::clone(&shared),
-            payload_copied: 0,
-            payload_copied_write: 0,
-            reclaimed: 0,
-            duplicates_from_reclaimed: 0,
-            stopping: None,
-            nic_down: vec![false; n_nics],
-            group_of,
-            group_wakes: group_wakes.clone(),
-            sleeping: vec![false; groups.len()],
-            closing: false,
-            exited: 0,
-        };
-        // Slot memory of a channel goes on its NIC's node (where the transport put its UMEM),
-        // else where the placement says. The transports' memory does not move: where it is is
-        // read once here, for the placement report.
-        net.nic_node = nics.iter().map(|n| n.transport.numa_node().or(placement.node)).collect();
-        net.nic_areas = nics.iter().map(|n| n.transport.memory_areas()).collect();
-        // Read data goes straight into transmit chunks the transports lend, where the exports
-        // can read into them.
-        let in_place = net.exports.iter().any(|e| e.lend);
-        net.tx_free = nics
-            .iter_mut()
-            .map(|n| if in_place { n.transport.lend_tx_chunks(usize::MAX) } else { Vec::new() })
-            .collect();
-        net.nic_thread = vec![None; n_nics];
-        net.control = (0..n_nics).map(|_| VecDeque::new()).collect();
-        tracing::info!(nics = n_nics, threads = groups.len(), "serving");
+    pub fn start_placed(config: Config, nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
+        let Built { net, nics, groups, shared, workers } = build(config, nics, &placement)?;
         let engine = Arc::new(Mutex::new(net));
         let mut slots: Vec<Option<Nic>> = nics.into_iter().map(Some).collect();
         let mut network = Vec::new();
@@ -550,7 +336,6 @@ impl Target {
             let memory_nodes = if members.len() > 1 { placement.memory_nodes.clone() } else { Vec::new() };
             let name = if groups.len() == 1 { "tyched-net".to_owned() } else { format!("tyched-net{g}") };
             let engine = Arc::clone(&engine);
-            let wakes = group_wakes.clone();
             let shared = Arc::clone(&shared);
             network.push(std::thread::Builder::new().name(name).spawn(move || {
                 pin(&cpus, "network thread");
@@ -562,16 +347,256 @@ impl Target {
                 {
                     // The placement report shows each NIC's serving thread as it sees itself.
                     let me = tyche_numa::report::this_thread();
-                    let mut net = engine.lock().expect("engine lock");
+                    let mut net = lock_engine(&engine);
                     for (k, _) in &mine {
                         net.nic_thread[*k] = Some(me.clone());
                     }
                 }
+                let wakes = lock_engine(&engine).group_wakes.clone();
                 serve_group(g, mine, &engine, &wakes, &shared);
             })?);
         }
         Ok(TargetHandle { shared, network, workers })
     }
+}
+
+/// A target's engine, its NICs and its storage threads, before any network thread runs.
+struct Built {
+    net: Network,
+    nics: Vec<Nic>,
+    /// NIC indices served by each network thread.
+    groups: Vec<Vec<usize>>,
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+/// Locks the engine. A panic on a network thread is contained per session (see
+/// [`Network::guarded`]), so the lock is taken even if an earlier holder panicked: the state is
+/// still consistent for every other session.
+fn lock_engine(engine: &Mutex<Network>) -> std::sync::MutexGuard<'_, Network> {
+    engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Opens the exports, starts the storage threads and builds the engine state.
+fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Built, StartError> {
+    config.validate()?;
+    if nics.is_empty() {
+        return Err(StartError::NoTransport);
+    }
+    let mut exports = Vec::new();
+    for (index, e) in config.exports.iter().enumerate() {
+        let backend: Arc<dyn Backend> = match &e.path {
+            None => Arc::new(
+                RamBackend::new(e.size.expect("validated").0, placement.node)
+                    .map_err(|source| StartError::Backend { index, name: e.name.clone(), source })?,
+            ),
+            Some(p) => Arc::new(
+                FileBackend::open(p, e.size.map(|s| s.0), e.read_only, e.direct)
+                    .map_err(|source| StartError::Backend { index, name: e.name.clone(), source })?,
+            ),
+        };
+        let mut f = flags::EXPORT_DISCARD;
+        if e.read_only {
+            f |= flags::EXPORT_READ_ONLY;
+        }
+        if e.key.is_some() {
+            f |= flags::EXPORT_NEEDS_KEY;
+        }
+        tracing::info!(export = %e.name, backend = backend.kind(), size = backend.size(), read_only = e.read_only,
+                keyed = e.key.is_some(), "export ready");
+        exports.push(Export {
+            spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
+            lend: backend.writes_from_frames(),
+            backend,
+            uring: false,
+            allow: e.allowed_macs(),
+            key: e.key.as_ref().map(|k| k.as_bytes().to_vec()),
+            read_only: e.read_only,
+        });
+    }
+    // The segment must fit every NIC's MTU and buffers.
+    let segment = nics
+        .iter()
+        .filter_map(|n| tyche_wire::segment_size_for(n.transport.mtu(), n.transport.frame_capacity()))
+        .min()
+        .unwrap_or(SECTOR_SIZE)
+        .min(config.limits.segment as u32) as u16;
+    let l = config.limits;
+    let limit = ChannelParams {
+        ring: l.ring,
+        remq_slots: l.remq_slots,
+        damq_slots: l.damq_slots,
+        segment,
+        max_io: l.max_io,
+        features: 0,
+    };
+    let timers = config.timers();
+    let acceptor = Acceptor::new(config.ethertype, exports.iter().map(|e| e.spec.clone()).collect(), limit, timers);
+
+    let shared = Arc::new(Shared {
+        stop: AtomicBool::new(false),
+        wake: new_eventfd()?,
+        stats_requested: AtomicU64::new(0),
+        snapshot: Mutex::new((0, Snapshot::default())),
+        published: Condvar::new(),
+    });
+    let backends: Vec<Arc<dyn Backend>> = exports.iter().map(|e| Arc::clone(&e.backend)).collect();
+    let (job_tx, job_rx) = mpsc::sync_channel::<Job>(JOB_QUEUE);
+    let job_rx = Arc::new(Mutex::new(job_rx));
+    let (done_tx, done_rx) = mpsc::channel::<Done>();
+    // RAM exports execute on the network thread: the workers serve file and block exports
+    // (where io_uring is not used).
+    let n_workers = match config.workers {
+        _ if !exports.iter().any(|e| e.backend.as_file().is_some()) => 0,
+        0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8),
+        n => n,
+    };
+    let mut workers = Vec::new();
+    for w in 0..n_workers {
+        let rx = Arc::clone(&job_rx);
+        let tx = done_tx.clone();
+        let backends = backends.clone();
+        let shared = Arc::clone(&shared);
+        let cpus = placement.worker_cpus.clone();
+        workers.push(std::thread::Builder::new().name(format!("tyched-io{w}")).spawn(move || {
+            pin(&cpus, "storage worker");
+            loop {
+                let job = rx.lock().expect("job queue").recv();
+                let Ok(mut job) = job else { return };
+                let status = execute(&*backends[job.export], &mut job);
+                if tx.send(Done { job, status }).is_err() {
+                    return;
+                }
+                shared.wake();
+            }
+        })?);
+    }
+    // File and block exports use io_uring where the kernel allows it, else the pool.
+    let mut uring = None;
+    if exports.iter().any(|e| e.backend.as_file().is_some()) {
+        let ring = if config.io_uring { crate::uring::open() } else { Err("disabled (io_uring = false)".into()) };
+        match ring {
+            Ok(ring) => {
+                let notify = Arc::clone(&shared);
+                let (queue, thread) = crate::uring::start(
+                    ring,
+                    backends.clone(),
+                    done_tx.clone(),
+                    Arc::new(move || notify.wake()),
+                    job_tx.clone(),
+                    placement.worker_cpus.clone(),
+                )?;
+                tracing::info!(depth = crate::uring::DEPTH, fallocate = queue.fallocate, "io_uring storage engine");
+                workers.push(thread);
+                for e in exports.iter_mut().filter(|e| e.backend.as_file().is_some()) {
+                    e.uring = true;
+                }
+                uring = Some(queue);
+            }
+            Err(reason) if config.io_uring => {
+                tracing::warn!(
+                    workers = n_workers,
+                    "io_uring unavailable ({reason}): file and block exports use the thread pool"
+                );
+            }
+            Err(reason) => {
+                tracing::info!(workers = n_workers, "io_uring {reason}: file and block exports use the thread pool")
+            }
+        }
+    }
+    drop(done_tx);
+    let nic_stats = nics
+        .iter()
+        .map(|n| NicStats { name: n.name.clone(), mac: n.transport.local_mac().to_string(), ..NicStats::default() })
+        .collect();
+    let export_stats = exports
+        .iter()
+        .map(|e| ExportStats {
+            name: e.spec.name.clone(),
+            backend: e.backend.kind().into(),
+            size: e.spec.size,
+            read_only: e.read_only,
+            keyed: e.key.is_some(),
+            io: if e.uring {
+                "io_uring"
+            } else if e.backend.kind() == "ram" {
+                "inline"
+            } else {
+                "threads"
+            }
+            .into(),
+            ..ExportStats::default()
+        })
+        .collect();
+    let n_nics = nics.len();
+    let groups: Vec<Vec<usize>> = match config.network_threads {
+        NetworkThreads::One => vec![(0..n_nics).collect()],
+        NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
+    };
+    let mut group_of = vec![0; n_nics];
+    for (g, members) in groups.iter().enumerate() {
+        for &k in members {
+            group_of[k] = g;
+        }
+    }
+    let group_wakes = groups.iter().map(|_| new_eventfd().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
+    let mut net = Network {
+        ethertype: config.ethertype,
+        nic_stats,
+        exports,
+        export_stats,
+        acceptor,
+        sessions: BTreeMap::new(),
+        slots: HashMap::new(),
+        lent: HashMap::new(),
+        release: (0..n_nics).map(|_| Vec::new()).collect(),
+        tx_free: Vec::new(),
+        tx_draining: (0..n_nics).map(|_| Vec::new()).collect(),
+        regions: HashMap::new(),
+        in_region: HashSet::new(),
+        leases_held: 0,
+        slot_len: l.max_io as usize,
+        node: placement.node,
+        nic_node: Vec::new(),
+        nic_areas: Vec::new(),
+        nic_thread: Vec::new(),
+        job_tx,
+        uring,
+        overflow: VecDeque::new(),
+        done_rx,
+        inflight: 0,
+        control: Vec::new(),
+        challenges: HashMap::new(),
+        challenge_order: VecDeque::new(),
+        clock: std::time::Instant::now(),
+        skew: Duration::ZERO,
+        shared: Arc::clone(&shared),
+        payload_copied: 0,
+        payload_copied_write: 0,
+        reclaimed: 0,
+        duplicates_from_reclaimed: 0,
+        stopping: None,
+        nic_down: vec![false; n_nics],
+        group_of,
+        group_wakes: group_wakes.clone(),
+        sleeping: vec![false; groups.len()],
+        closing: false,
+        exited: 0,
+    };
+    // Slot memory of a channel goes on its NIC's node (where the transport put its UMEM),
+    // else where the placement says. The transports' memory does not move: where it is is
+    // read once here, for the placement report.
+    net.nic_node = nics.iter().map(|n| n.transport.numa_node().or(placement.node)).collect();
+    net.nic_areas = nics.iter().map(|n| n.transport.memory_areas()).collect();
+    // Read data goes straight into transmit chunks the transports lend, where the exports
+    // can read into them.
+    let in_place = net.exports.iter().any(|e| e.lend);
+    net.tx_free =
+        nics.iter_mut().map(|n| if in_place { n.transport.lend_tx_chunks(usize::MAX) } else { Vec::new() }).collect();
+    net.nic_thread = vec![None; n_nics];
+    net.control = (0..n_nics).map(|_| VecDeque::new()).collect();
+    tracing::info!(nics = n_nics, threads = groups.len(), "serving");
+    Ok(Built { net, nics, groups, shared, workers })
 }
 
 /// What one turn of a network thread left to do.
@@ -598,7 +623,7 @@ fn serve_group(
     shared: &Shared,
 ) {
     loop {
-        let turn = engine.lock().expect("engine lock").turn(g, &mut nics);
+        let turn = lock_engine(engine).turn(g, &mut nics);
         for (_, nic) in nics.iter_mut() {
             if let Err(e) = nic.transport.flush() {
                 tracing::warn!(nic = %nic.name, "flush failed: {e}");
@@ -726,6 +751,51 @@ impl Drop for TargetHandle {
     }
 }
 
+/// A target driven on the caller's thread, for fuzzing and deterministic tests: every NIC is
+/// served by [`Harness::turn`], no network thread runs, and the clock is real time plus whatever
+/// [`Harness::advance`] added. RAM exports execute inside the turn; file exports use the storage
+/// threads as in a daemon.
+#[doc(hidden)]
+pub struct Harness {
+    net: Network,
+    nics: Vec<(usize, Nic)>,
+    _workers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Harness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Harness").field("nics", &self.nics.len()).finish_non_exhaustive()
+    }
+}
+
+impl Harness {
+    /// Opens the exports of `config` and serves them on `nics` (one group, on this thread).
+    pub fn new(mut config: Config, nics: Vec<Nic>) -> Result<Harness, StartError> {
+        config.network_threads = NetworkThreads::One;
+        let Built { net, nics, workers, .. } = build(config, nics, &Placement::default())?;
+        Ok(Harness { net, nics: nics.into_iter().enumerate().collect(), _workers: workers })
+    }
+
+    /// One turn of the network loop over every NIC; whether anything happened.
+    pub fn turn(&mut self) -> bool {
+        let t = self.net.turn(0, &mut self.nics);
+        for (_, nic) in self.nics.iter_mut() {
+            let _ = nic.transport.flush();
+        }
+        t.busy
+    }
+
+    /// Moves the target's clock forward (timers, dead channels, reclaim).
+    pub fn advance(&mut self, by: Duration) {
+        self.net.skew += by;
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> Snapshot {
+        self.net.snapshot(self.net.now())
+    }
+}
+
 #[derive(Debug)]
 struct SessionState {
     session: TargetSession,
@@ -796,6 +866,8 @@ struct Network {
     challenges: HashMap<(MacAddr, u64), u64>,
     challenge_order: VecDeque<(MacAddr, u64)>,
     clock: std::time::Instant,
+    /// Added to the clock ([`Harness::advance`]; zero in a daemon).
+    skew: Duration,
     shared: Arc<Shared>,
     payload_copied: u64,
     /// The part of `payload_copied` on the write path.
@@ -829,7 +901,7 @@ fn drop_name(r: DropReason) -> String {
 
 impl Network {
     fn now(&self) -> Instant {
-        Instant(self.clock.elapsed().as_nanos() as u64 + 1)
+        Instant((self.clock.elapsed() + self.skew).as_nanos() as u64 + 1)
     }
 
     /// One turn of network thread `g` over its NICs.
@@ -1308,7 +1380,7 @@ impl Network {
             // A RAM operation is a memcpy of about a microsecond: handing it to a worker thread
             // and back costs more than doing it here (two context switches per request).
             let backend = Arc::clone(&self.exports[j.export].backend);
-            if backend.kind() == "ram" && !j.abort {
+            if backend.kind() == "ram" {
                 let status = execute(&*backend, &mut j);
                 self.finish_job(Done { job: j, status });
             } else if let Some(q) = self
@@ -1332,7 +1404,11 @@ impl Network {
                     self.overflow.push_front(j);
                     return;
                 }
-                Err(mpsc::TrySendError::Disconnected(_)) => panic!("storage workers are gone"),
+                Err(mpsc::TrySendError::Disconnected(j)) => {
+                    // No worker is left (they only exit when the target stops): fail the request.
+                    tracing::error!("storage workers are gone; request failed");
+                    self.finish_job(Done { job: j, status: Status::IoError });
+                }
             }
         }
     }
