@@ -422,7 +422,33 @@ mod hygiene {
         assert_eq!(tgt.handle(now, &r), Received::Consumed);
         assert_eq!(tgt.busy_remq(), 1, "a request being handled occupies its remq slot");
         assert!(tgt.complete(3, Status::Ok).is_some());
+        assert_eq!(tgt.busy_remq(), 1, "the slot is held until its completion is sent");
+        let mut buf = vec![0u8; 4096];
+        while tgt.poll_transmit(now, &mut buf).is_some() {}
         assert_eq!(tgt.busy_remq(), 0);
+    }
+
+    #[test]
+    fn a_slot_is_not_reused_before_its_completion_is_sent() {
+        // A peer that never acknowledges cannot queue more than one completion per slot: a
+        // request on a slot whose completion waits for a ring position is dropped, not queued.
+        let now = Instant(0);
+        let mut p = params();
+        p.ring = 4;
+        let (_, mut tgt) = raw_channels(p, now);
+        let mut buf = vec![0u8; 4096];
+        for seq in 0..200u32 {
+            let mut r = request(seq, 0, 0, Op::Discard, 512);
+            r.damq = tyche_wire::NO_SLOT;
+            r.tag = seq as u64;
+            let _ = tgt.handle(now, &Message::Request(r));
+            while let Some(tyche_channel::ChannelEvent::Request(req)) = tgt.poll_event() {
+                tgt.complete(req.remq, Status::Ok);
+            }
+            while tgt.poll_transmit(now, &mut buf).is_some() {}
+        }
+        assert!(tgt.dead().is_none(), "the channel stays up");
+        assert!(tgt.stats().dropped[DropReason::BadSlot as usize] > 0, "reuses of a completing slot are dropped");
     }
 
     #[test]
