@@ -861,6 +861,14 @@ impl Channel {
                 if !d.active || d.tag != h.tag {
                     return self.drop_frame(DropReason::Stale);
                 }
+                // Read data past the request's end (a full last segment of a shorter read).
+                let within = match self.remq.get(d.remq as usize) {
+                    Some(RemqSlot::InFlight { sub, .. }) => h.offset as u64 + len as u64 <= sub.length as u64,
+                    _ => false,
+                };
+                if !within {
+                    return self.drop_frame(DropReason::Inconsistent);
+                }
             }
             Role::Target => {
                 if d.done_tag == Some(h.tag) && !(d.active && d.tag == h.tag) {
