@@ -51,7 +51,8 @@ const POLL_CAP_NO_FD: Duration = Duration::from_millis(1);
 const POLL_CAP: Duration = Duration::from_millis(100);
 /// How long shutdown waits for storage and for the last completions to be acknowledged.
 const DRAIN_LIMIT: Duration = Duration::from_secs(5);
-/// A session whose channels are all dead is dropped after this grace period.
+/// A session whose channels are all dead is dropped after this grace period when it never
+/// carried a frame after its handshake (`reclaim_after_ms` otherwise).
 const RECLAIM_GRACE: Duration = Duration::from_millis(500);
 
 /// Errors starting a target.
@@ -228,6 +229,8 @@ pub(crate) struct Job {
     /// Read data goes straight into these transmit chunks (one per segment), not `buf`.
     pub(crate) region: Option<Region>,
     pub(crate) abort: bool,
+    /// Names the job while storage has it (0 in tests that build jobs by hand).
+    pub(crate) id: u64,
 }
 
 /// Transmit chunks a NIC's transport lent for good, holding one request's read data: segment
@@ -646,6 +649,13 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         slot_bytes: 0,
         short: HashMap::new(),
         waiting_memory: VecDeque::new(),
+        reclaim_after: Duration::from_millis(config.reclaim_after_ms),
+        running: HashMap::new(),
+        deadlines: std::collections::BTreeSet::new(),
+        storage_deadline: Duration::from_millis(config.storage_deadline_ms),
+        timed_out: HashSet::new(),
+        storage_timeouts: 0,
+        next_job: 0,
         clock: std::time::Instant::now(),
         skew: Duration::ZERO,
         shared: Arc::clone(&shared),
@@ -886,6 +896,8 @@ struct SessionState {
     /// memory of a replaced channel's requests still executing is never mixed with the new one's.
     epochs: BTreeMap<u16, u64>,
     all_dead_since: Option<Instant>,
+    /// Whether any channel of it carried a frame after its handshake (reclaim grace).
+    established: bool,
 }
 
 /// Slot memory of one `damq` slot: `None` while a worker holds it.
@@ -969,6 +981,18 @@ struct Network {
     short: HashMap<SlotKey, u32>,
     /// Reads waiting for slot memory.
     waiting_memory: VecDeque<Deferred>,
+    /// How long a session whose channels are all dead is kept (`reclaim_after_ms`).
+    reclaim_after: Duration,
+    /// Storage requests handed out and not finished: job id → (session, channel, request,
+    /// export).
+    running: HashMap<u64, (u64, u16, Request, usize, Instant)>,
+    /// Running jobs by start time (`storage_deadline_ms`): (start, job id).
+    deadlines: std::collections::BTreeSet<(Instant, u64)>,
+    storage_deadline: Duration,
+    /// Jobs answered with an I/O error at their deadline; their late end is not answered again.
+    timed_out: HashSet<u64>,
+    storage_timeouts: u64,
+    next_job: u64,
     clock: std::time::Instant,
     /// Added to the clock ([`Harness::advance`]; zero in a daemon).
     skew: Duration,
@@ -1034,6 +1058,7 @@ impl Network {
             busy |= self.receive_on(now, *k, nic);
         }
         busy |= self.completions(now);
+        self.storage_deadlines(now);
         self.timers(now);
         self.collect_events();
         self.submit_overflow();
@@ -1089,6 +1114,9 @@ impl Network {
         }
         if self.stopping.is_some() {
             timeout = timeout.min(Duration::from_millis(5));
+        }
+        if let Some(&(started, _)) = self.deadlines.first() {
+            timeout = timeout.min((started + self.storage_deadline).since(now));
         }
         if !busy {
             self.sleeping[g] = true;
@@ -1195,7 +1223,10 @@ impl Network {
             return lease;
         };
         let (channel, damq, offset, payload, generation) = match s.session.handle_frame(now, bytes) {
-            TargetInbound::Consumed => return lease,
+            TargetInbound::Consumed => {
+                s.established = true;
+                return lease;
+            }
             TargetInbound::Dropped(d) => {
                 match d {
                     FrameDrop::Wire(_) => st.drops.malformed += 1,
@@ -1205,6 +1236,7 @@ impl Network {
                 return lease;
             }
             TargetInbound::Write { channel, damq, offset, payload, generation } => {
+                s.established = true;
                 (channel, damq, offset, payload, generation)
             }
         };
@@ -1436,6 +1468,7 @@ impl Network {
                         executing: BTreeMap::new(),
                         epochs: BTreeMap::new(),
                         all_dead_since: None,
+                        established: false,
                     }
                 });
                 if log {
@@ -1635,7 +1668,14 @@ impl Network {
             }
         }
         *self.sessions.get_mut(&sid)?.executing.entry(channel).or_default() += 1;
-        Some(Job { session: sid, channel, epoch, export, request, buf, lent, region, abort: stopping || dead })
+        self.next_job += 1;
+        let id = self.next_job;
+        let now = self.now();
+        self.running.insert(id, (sid, channel, request, export, now));
+        if !self.storage_deadline.is_zero() {
+            self.deadlines.insert((now, id));
+        }
+        Some(Job { session: sid, channel, epoch, export, request, buf, lent, region, abort: stopping || dead, id })
     }
 
     /// `limits.slot_memory` permitting, one slot's memory (on `node`). When the budget is spent,
@@ -1740,9 +1780,28 @@ impl Network {
     fn finish_job(&mut self, done: Done) {
         let (mut d, status) = (done.job, done.status);
         self.inflight -= 1;
+        if let Some((.., started)) = self.running.remove(&d.id) {
+            self.deadlines.remove(&(started, d.id));
+        }
         for seg in d.lent.drain(..) {
             self.release[seg.nic].push(seg.lease);
             self.leases_held -= 1;
+        }
+        if self.timed_out.remove(&d.id) {
+            // Answered at its deadline already: what it held goes back, nothing is sent.
+            if let Some(region) = d.region.take() {
+                self.tx_draining[region.nic].extend(region.chunks);
+            }
+            if let Some(buf) = d.buf.take() {
+                self.free_slot(buf);
+            }
+            if let Some(n) = self.sessions.get_mut(&d.session).and_then(|s| s.executing.get_mut(&d.channel)) {
+                *n -= 1;
+            }
+            if PEER_LOGS.allow() {
+                tracing::warn!(op = ?d.request.op, offset = d.request.offset, ?status, "a storage request ended after its deadline");
+            }
+            return;
         }
         let r = d.request;
         let key = (d.session, d.channel, d.epoch, r.damq);
@@ -1792,6 +1851,35 @@ impl Network {
         }
     }
 
+    /// Answers with an I/O error every storage request running longer than
+    /// `storage_deadline_ms`: a hung backend never wedges a channel. The request's memory stays
+    /// with the storage job until it really ends (the kernel may still use it), and its session
+    /// is not reclaimed before that.
+    fn storage_deadlines(&mut self, now: Instant) {
+        while let Some(&(started, id)) = self.deadlines.first() {
+            if now.since(started) < self.storage_deadline {
+                return;
+            }
+            self.deadlines.pop_first();
+            let Some(&(sid, channel, request, export, _)) = self.running.get(&id) else { continue };
+            self.timed_out.insert(id);
+            self.storage_timeouts += 1;
+            self.export_stats[export].errors += 1;
+            if PEER_LOGS.allow() {
+                tracing::error!(op = ?request.op, offset = request.offset, length = request.length,
+                    deadline = ?self.storage_deadline, "storage request past its deadline: answered with an I/O error");
+            }
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    s.session.complete(channel, &request, Status::IoError)
+                }));
+                if done.is_err() {
+                    self.fail_session(sid, "answering a request past its deadline");
+                }
+            }
+        }
+    }
+
     fn timers(&mut self, now: Instant) {
         let mut failed = Vec::new();
         for (&sid, s) in self.sessions.iter_mut() {
@@ -1817,7 +1905,19 @@ impl Network {
             }
             let since = *s.all_dead_since.get_or_insert(now);
             let busy = s.executing.values().any(|&n| n > 0);
-            if !busy && now.since(since) >= RECLAIM_GRACE {
+            // A session that carried traffic is kept `reclaim_after_ms` so an initiator back in
+            // time resumes it (its ledger too); one that never did (a CONNECT and nothing else,
+            // as in a flood) goes at once.
+            // An initiator that said goodbye on every channel (DISCONNECT NORMAL: a detach) does
+            // not come back for this session.
+            let detached = s.session.channel_indices().all(|c| {
+                matches!(
+                    s.session.channel(c).and_then(|c| c.dead()),
+                    Some(tyche_channel::DeadReason::PeerClosed(tyche_wire::DisconnectReason::Normal))
+                )
+            });
+            let grace = if s.established && !detached { self.reclaim_after.max(RECLAIM_GRACE) } else { RECLAIM_GRACE };
+            if !busy && now.since(since) >= grace {
                 gone.push(sid);
             }
         }
@@ -2049,6 +2149,7 @@ impl Network {
             sessions: self.sessions.len() as u64,
             sessions_reclaimed: self.reclaimed,
             payload_copied_bytes: self.payload_copied,
+            storage_timeouts: self.storage_timeouts,
             payload_copied_write_bytes: self.payload_copied_write,
             leases_held: self.leases_held,
             storage_inflight: self.inflight,

@@ -495,6 +495,7 @@ mod tests {
                 lent: Vec::new(),
                 region: None,
                 abort: false,
+                id: 0,
             };
             self.queue.as_ref().unwrap().submit(job).expect("the engine runs");
             loop {
@@ -563,6 +564,7 @@ mod tests {
                 lent: Vec::new(),
                 region: None,
                 abort: false,
+                id: 0,
             })
             .expect("the engine runs");
         }
@@ -584,6 +586,7 @@ mod tests {
             lent: Vec::new(),
             region: None,
             abort: true,
+            id: 0,
         };
         q.submit(j).expect("the engine runs");
         assert_eq!(h.done.recv_timeout(Duration::from_secs(5)).expect("aborted").status, Status::Aborted);

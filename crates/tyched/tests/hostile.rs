@@ -19,6 +19,7 @@ fn config() -> Config {
     Config {
         exports: vec![ExportConfig::ram("ram", 64 << 20)],
         network_threads: tyched::config::NetworkThreads::One,
+        reclaim_after_ms: 1000,
         ..Config::default()
     }
 }
