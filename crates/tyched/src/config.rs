@@ -233,6 +233,10 @@ pub struct ExportConfig {
     /// Use O_DIRECT on a block device when requests are aligned (default true).
     #[serde(default = "default_true")]
     pub direct: bool,
+    /// Let several initiators attach at once (cluster filesystems). Default false: one
+    /// initiator (host) at a time; another gets REJECT IN_USE naming the holder.
+    #[serde(default)]
+    pub shared: bool,
 }
 
 /// A byte size, written as a number or a string with a K/M/G/T suffix.
@@ -334,6 +338,7 @@ impl ExportConfig {
             allow: Vec::new(),
             key: None,
             direct: true,
+            shared: false,
         }
     }
 

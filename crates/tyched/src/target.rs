@@ -124,6 +124,8 @@ struct Export {
     allow: Vec<MacAddr>,
     key: Option<Vec<u8>>,
     read_only: bool,
+    /// Several initiators may attach at once.
+    shared: bool,
 }
 
 #[derive(Debug)]
@@ -231,6 +233,8 @@ pub(crate) struct Job {
     pub(crate) abort: bool,
     /// Names the job while storage has it (0 in tests that build jobs by hand).
     pub(crate) id: u64,
+    /// Set when the job's session is fenced: a job not started by then is not run.
+    pub(crate) fence: Option<Arc<AtomicBool>>,
 }
 
 /// Transmit chunks a NIC's transport lent for good, holding one request's read data: segment
@@ -286,6 +290,12 @@ impl Job {
         Some(out)
     }
 
+    /// Whether the job is not to run: the target stops, its channel died, or its session was
+    /// fenced by a new attachment of the same initiator.
+    pub(crate) fn aborted(&self) -> bool {
+        self.abort || self.fence.as_ref().is_some_and(|f| f.load(Ordering::Acquire))
+    }
+
     /// Whether the job's data has a place to come from or go to (checked before storage runs).
     pub(crate) fn places_ok(&self) -> bool {
         let len = self.request.length as usize;
@@ -330,7 +340,7 @@ pub(crate) struct Done {
 }
 
 pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
-    if job.abort {
+    if job.aborted() {
         return Status::Aborted;
     }
     let r = job.request;
@@ -486,6 +496,7 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
             allow: e.allowed_macs(),
             key: e.key.as_ref().map(|k| k.as_bytes().to_vec()),
             read_only: e.read_only,
+            shared: e.shared,
         });
     }
     // The segment must fit every NIC's MTU and buffers.
@@ -656,6 +667,7 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         timed_out: HashSet::new(),
         storage_timeouts: 0,
         next_job: 0,
+        fenced: 0,
         clock: std::time::Instant::now(),
         skew: Duration::ZERO,
         shared: Arc::clone(&shared),
@@ -898,6 +910,22 @@ struct SessionState {
     all_dead_since: Option<Instant>,
     /// Whether any channel of it carried a frame after its handshake (reclaim grace).
     established: bool,
+    /// Who attached: the host id the initiator sent, else one made from its MAC.
+    identity: [u8; 16],
+    /// The MAC that created it (named to another initiator refused IN_USE).
+    mac: MacAddr,
+    /// Set when a new attachment of the same initiator fenced this session.
+    fenced: Arc<AtomicBool>,
+    /// Fenced sessions whose storage requests must all end before this one's first runs.
+    waits_for: Vec<u64>,
+}
+
+/// The identity of an initiator that sent no host id: its MAC, marked as such.
+fn mac_identity(mac: MacAddr) -> [u8; 16] {
+    let mut id = [0u8; 16];
+    id[..4].copy_from_slice(b"mac:");
+    id[4..10].copy_from_slice(&mac.octets());
+    id
 }
 
 /// Slot memory of one `damq` slot: `None` while a worker holds it.
@@ -993,6 +1021,8 @@ struct Network {
     timed_out: HashSet<u64>,
     storage_timeouts: u64,
     next_job: u64,
+    /// Sessions fenced by a new attachment of the same initiator.
+    fenced: u64,
     clock: std::time::Instant,
     /// Added to the clock ([`Harness::advance`]; zero in a daemon).
     skew: Duration,
@@ -1376,6 +1406,10 @@ impl Network {
         // Largest reply: a DISCOVER_REPLY of 8 exports with 64-byte names (672 bytes).
         let mut buf = vec![0u8; 2048];
         let mut target_proof = None;
+        // The initiator's identity (for a CONNECT of a known export), and the sessions of it
+        // that a new session fences.
+        let mut new_session = None;
+        let mut fence: Vec<u64> = Vec::new();
         if let Message::Connect(c) = msg {
             if self.stopping.is_some() {
                 self.nic_stats[k].drops.shutting_down += 1;
@@ -1384,7 +1418,7 @@ impl Network {
             if let Some(i) = self.exports.iter().position(|e| e.spec.name == c.export) {
                 let e = &self.exports[i];
                 let reject = |reason, buf: &mut Vec<u8>| {
-                    let len = Message::Reject(Reject { nonce: c.nonce, reason }).emit(&reply_env, buf);
+                    let len = Message::Reject(Reject { nonce: c.nonce, reason, holder: None }).emit(&reply_env, buf);
                     buf.truncate(len);
                 };
                 if !e.allow.is_empty() && !e.allow.contains(&src) {
@@ -1439,6 +1473,38 @@ impl Network {
                     };
                     target_proof = Some(auth::proof(key, ProofRole::Target, &input(tn)));
                 }
+                // One initiator at a time (unless shared); the same initiator again fences its
+                // old sessions. Only for a CONNECT that creates a session (not a retransmitted
+                // one), and only once it passed the MAC and key checks.
+                let identity = c.host.unwrap_or_else(|| mac_identity(src));
+                new_session = Some(identity);
+                if env_in.session == 0 && self.acceptor.created_by(src, c.nonce).is_none() {
+                    let holder = self
+                        .sessions
+                        .values()
+                        .find(|s| s.export == i && s.identity != identity && !s.fenced.load(Ordering::Relaxed));
+                    if let (false, Some(holder)) = (self.exports[i].shared, holder) {
+                        if PEER_LOGS.allow() {
+                            tracing::warn!(%src, export = %c.export, holder = %holder.mac, "refused: the export is attached by another initiator");
+                        }
+                        self.export_stats[i].denied += 1;
+                        let len = Message::Reject(Reject {
+                            nonce: c.nonce,
+                            reason: RejectReason::InUse,
+                            holder: Some(holder.mac),
+                        })
+                        .emit(&reply_env, &mut buf);
+                        buf.truncate(len);
+                        self.queue_control(k, buf);
+                        return;
+                    }
+                    fence = self
+                        .sessions
+                        .iter()
+                        .filter(|(_, s)| s.export == i && s.identity == identity && !s.fenced.load(Ordering::Relaxed))
+                        .map(|(&sid, _)| sid)
+                        .collect();
+                }
             }
         }
         let mut ids = random_u64;
@@ -1454,9 +1520,17 @@ impl Network {
             Some(Accepted::Channel { session, export, channel, len }) => {
                 let e = &self.exports[export];
                 let geometry = ExportGeometry { size: e.spec.size, read_only: e.read_only, discard: true };
+                let fence = std::mem::take(&mut fence);
                 let idx = channel.envelope().channel;
                 let ethertype = self.ethertype;
                 let log = PEER_LOGS.allow();
+                let created = !self.sessions.contains_key(&session);
+                if created {
+                    for &old in &fence {
+                        self.fence(old, session);
+                    }
+                }
+                let e = &self.exports[export];
                 let st = self.sessions.entry(session).or_insert_with(|| {
                     if log {
                         tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
@@ -1469,6 +1543,10 @@ impl Network {
                         epochs: BTreeMap::new(),
                         all_dead_since: None,
                         established: false,
+                        identity: new_session.unwrap_or_else(|| mac_identity(src)),
+                        mac: src,
+                        fenced: Arc::new(AtomicBool::new(false)),
+                        waits_for: fence,
                     }
                 });
                 if log {
@@ -1488,6 +1566,30 @@ impl Network {
                 self.queue_control(k, buf);
             }
             None => {}
+        }
+    }
+
+    /// Fences session `old` for the new session `by` of the same initiator: its channels close,
+    /// its storage requests not started are not run (ABORTED), its reads waiting for memory are
+    /// answered ABORTED, and `by` runs nothing until every request of `old` already in storage
+    /// has ended, so no write of the old session lands after one of the new.
+    fn fence(&mut self, old: u64, by: u64) {
+        let Some(s) = self.sessions.get_mut(&old) else { return };
+        s.fenced.store(true, Ordering::Release);
+        s.session.close(tyche_wire::DisconnectReason::Normal);
+        self.fenced += 1;
+        tracing::warn!(
+            session = format_args!("{old:016x}"),
+            by = format_args!("{by:016x}"),
+            "session fenced: the same initiator attached again"
+        );
+        for j in self.overflow.iter_mut().filter(|j| j.session == old) {
+            j.abort = true;
+        }
+        let waiting: Vec<Deferred> = self.waiting_memory.iter().filter(|d| d.0 == old).copied().collect();
+        self.waiting_memory.retain(|d| d.0 != old);
+        for (_, channel, request, _) in waiting {
+            s.session.complete(channel, &request, Status::Aborted);
         }
     }
 
@@ -1595,6 +1697,18 @@ impl Network {
         let (sid, channel, request, generation) = deferred;
         let stopping = self.stopping.is_some();
         let s = self.sessions.get(&sid)?;
+        if !s.waits_for.is_empty() {
+            // Nothing of this session runs before every request of the sessions it fenced ended.
+            let busy = |old: &u64| self.sessions.get(old).is_some_and(|o| o.executing.values().any(|&n| n > 0));
+            if s.waits_for.iter().any(busy) {
+                self.waiting_memory.push_back(deferred);
+                return None;
+            }
+            let s = self.sessions.get_mut(&sid)?;
+            s.waits_for.clear();
+        }
+        let s = self.sessions.get(&sid)?;
+        let fence = Some(Arc::clone(&s.fenced));
         let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
         let ch = s.session.channel(channel);
         let dead = ch.is_none_or(|c| c.dead().is_some());
@@ -1675,7 +1789,19 @@ impl Network {
         if !self.storage_deadline.is_zero() {
             self.deadlines.insert((now, id));
         }
-        Some(Job { session: sid, channel, epoch, export, request, buf, lent, region, abort: stopping || dead, id })
+        Some(Job {
+            session: sid,
+            channel,
+            epoch,
+            export,
+            request,
+            buf,
+            lent,
+            region,
+            abort: stopping || dead,
+            id,
+            fence,
+        })
     }
 
     /// `limits.slot_memory` permitting, one slot's memory (on `node`). When the budget is spent,
@@ -1916,7 +2042,11 @@ impl Network {
                     Some(tyche_channel::DeadReason::PeerClosed(tyche_wire::DisconnectReason::Normal))
                 )
             });
-            let grace = if s.established && !detached { self.reclaim_after.max(RECLAIM_GRACE) } else { RECLAIM_GRACE };
+            let grace = if s.established && !detached && !s.fenced.load(Ordering::Relaxed) {
+                self.reclaim_after.max(RECLAIM_GRACE)
+            } else {
+                RECLAIM_GRACE
+            };
             if !busy && now.since(since) >= grace {
                 gone.push(sid);
             }
@@ -2150,6 +2280,7 @@ impl Network {
             sessions_reclaimed: self.reclaimed,
             payload_copied_bytes: self.payload_copied,
             storage_timeouts: self.storage_timeouts,
+            sessions_fenced: self.fenced,
             payload_copied_write_bytes: self.payload_copied_write,
             leases_held: self.leases_held,
             storage_inflight: self.inflight,

@@ -250,7 +250,7 @@ impl Engine {
 
     /// Takes a slot and submits the job's first entry; true if it finished at once.
     fn start(&mut self, job: Job) -> bool {
-        if job.abort {
+        if job.aborted() {
             self.finish(job, Status::Aborted);
             return true;
         }
@@ -496,6 +496,7 @@ mod tests {
                 region: None,
                 abort: false,
                 id: 0,
+                fence: None,
             };
             self.queue.as_ref().unwrap().submit(job).expect("the engine runs");
             loop {
@@ -565,6 +566,7 @@ mod tests {
                 region: None,
                 abort: false,
                 id: 0,
+                fence: None,
             })
             .expect("the engine runs");
         }
@@ -587,6 +589,7 @@ mod tests {
             region: None,
             abort: true,
             id: 0,
+            fence: None,
         };
         q.submit(j).expect("the engine runs");
         assert_eq!(h.done.recv_timeout(Duration::from_secs(5)).expect("aborted").status, Status::Aborted);
