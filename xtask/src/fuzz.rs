@@ -55,10 +55,7 @@ struct Outcome {
 fn host_triple() -> Result<String> {
     let out = Command::new("rustc").arg("-vV").output().context("running rustc -vV")?;
     let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| l.strip_prefix("host: "))
-        .map(str::to_owned)
-        .context("rustc -vV names no host")
+    text.lines().find_map(|l| l.strip_prefix("host: ")).map(str::to_owned).context("rustc -vV names no host")
 }
 
 fn build(root: &Path, triple: &str) -> Result<PathBuf> {
@@ -237,7 +234,13 @@ pub fn run(root: &Path, args: &FuzzArgs) -> Result<()> {
         total.frames += o.frames;
         total.crashes += o.crashes;
     }
-    println!("fuzz: {} targets, {} inputs, {} frames, {} crashes", targets.len(), total.inputs, total.frames, total.crashes);
+    println!(
+        "fuzz: {} targets, {} inputs, {} frames, {} crashes",
+        targets.len(),
+        total.inputs,
+        total.frames,
+        total.crashes
+    );
     if total.crashes > 0 {
         bail!("the fuzzer found {} crash(es); inputs are under fuzz/regressions/", total.crashes);
     }

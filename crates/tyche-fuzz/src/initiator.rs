@@ -14,9 +14,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use arbitrary::{Arbitrary, Unstructured};
-use tyche_channel::{Connected, Connector, Inbound, Instant, IoRequest, LeastBytes, Timers, Volume, VolumeConfig, VolumeEvent};
+use tyche_channel::{
+    Connected, Connector, Inbound, Instant, IoRequest, LeastBytes, Timers, Volume, VolumeConfig, VolumeEvent,
+};
 use tyche_wire::{
-    Accept, Ack, ChannelParams, Challenge, Completion, Data, DataHeader, Disconnect, DisconnectReason, Envelope, Frame,
+    Accept, Ack, Challenge, ChannelParams, Completion, Data, DataHeader, Disconnect, DisconnectReason, Envelope, Frame,
     Keepalive, Kind, MacAddr, Message, Nack, Op, Reject, RejectReason, Request, Seq, Status, DEFAULT_ETHERTYPE,
 };
 
@@ -71,26 +73,86 @@ pub enum Bend {
 #[derive(Debug, Clone, Arbitrary)]
 pub enum Action {
     /// The application submits a request (validated by the volume).
-    Submit { op: u8, offset: u16, sectors: u16, fua: bool },
+    Submit {
+        op: u8,
+        offset: u16,
+        sectors: u16,
+        fua: bool,
+    },
     /// The volume transmits what it has (the target sees it).
     Transmit,
     /// A COMPLETION.
-    Complete { which: Which, bend: Bend, status: u8, seq: SeqSel, ack: AckSel },
+    Complete {
+        which: Which,
+        bend: Bend,
+        status: u8,
+        seq: SeqSel,
+        ack: AckSel,
+    },
     /// One DATA segment of a read.
-    Segment { which: Which, bend: Bend, seg_index: u16, seg_count: Option<u16>, offset: Option<u32>, len: Option<u16>, seq: SeqSel, ack: AckSel, fill: u8 },
+    Segment {
+        which: Which,
+        bend: Bend,
+        seg_index: u16,
+        seg_count: Option<u16>,
+        offset: Option<u32>,
+        len: Option<u16>,
+        seq: SeqSel,
+        ack: AckSel,
+        fill: u8,
+    },
     /// Every segment of a read (as a target should), then its completion.
-    Serve { which: Which, skip: u16, complete: bool },
-    Ack { ch: u16, cumulative: AckSel, sack: u64 },
-    Nack { ch: u16, base: AckSel, missing: u64 },
-    Keepalive { ch: u16, nonce: u64, timestamp: u64, reply: bool },
-    Disconnect { ch: u16, reason: u8 },
+    Serve {
+        which: Which,
+        skip: u16,
+        complete: bool,
+    },
+    Ack {
+        ch: u16,
+        cumulative: AckSel,
+        sack: u64,
+    },
+    Nack {
+        ch: u16,
+        base: AckSel,
+        missing: u64,
+    },
+    Keepalive {
+        ch: u16,
+        nonce: u64,
+        timestamp: u64,
+        reply: bool,
+    },
+    Disconnect {
+        ch: u16,
+        reason: u8,
+    },
     /// Handshake replies and other kinds the initiator does not expect mid-session.
-    Unexpected { ch: u16, kind: u8, a: u64, b: u64, seq: SeqSel },
+    Unexpected {
+        ch: u16,
+        kind: u8,
+        a: u64,
+        b: u64,
+        seq: SeqSel,
+    },
     /// A frame of a valid kind and length whose body is arbitrary.
-    Raw { ch: u16, kind: u8, flags: u16, session: bool, body: Vec<u8> },
+    Raw {
+        ch: u16,
+        kind: u8,
+        flags: u16,
+        session: bool,
+        body: Vec<u8>,
+    },
     Bytes(Vec<u8>),
-    Replay { back: u8 },
-    Corrupt { back: u8, at: u16, xor: u8, cut: Option<u16> },
+    Replay {
+        back: u8,
+    },
+    Corrupt {
+        back: u8,
+        at: u16,
+        xor: u8,
+        cut: Option<u16>,
+    },
     /// Time passes (milliseconds), timers run.
     Advance(u16),
 }
@@ -136,11 +198,18 @@ pub fn run(data: &[u8]) {
     crate::count_input();
     let now = Instant(1_000_000);
     let size = (input.sectors as u64 + 1) * 512;
-    let cfg = VolumeConfig { export_size: size, read_only: input.read_only, no_path_timeout: NO_PATH, max_requests: 32 };
+    let cfg =
+        VolumeConfig { export_size: size, read_only: input.read_only, no_path_timeout: NO_PATH, max_requests: 32 };
     let mut vol = Volume::new(cfg, SESSION, DEFAULT_ETHERTYPE, Box::<LeastBytes>::default(), now);
     let mut channels = HashMap::new();
     for ch in 0..1 + input.two_channels as u16 {
-        let env = Envelope { dst: target_mac(), src: init_mac(), ethertype: DEFAULT_ETHERTYPE, channel: ch, session: SESSION };
+        let env = Envelope {
+            dst: target_mac(),
+            src: init_mac(),
+            ethertype: DEFAULT_ETHERTYPE,
+            channel: ch,
+            session: SESSION,
+        };
         let c = Connector::new(env, "fuzz", params, 1, Duration::from_millis(10), 1, now);
         let conn = Connected { session: SESSION, params, export_size: size, block_size: 512, export_flags: 0 };
         vol.add_channel(c.channel(&conn, Timers::default(), now), None, now);
@@ -229,7 +298,14 @@ impl World {
                     if self.seen.len() == 64 {
                         self.seen.pop_front();
                     }
-                    self.seen.push_back(Seen { channel: ch, op: r.op, remq: r.remq, damq: r.damq, tag: r.tag, length: r.length });
+                    self.seen.push_back(Seen {
+                        channel: ch,
+                        op: r.op,
+                        remq: r.remq,
+                        damq: r.damq,
+                        tag: r.tag,
+                        length: r.length,
+                    });
                 }
             }
         }
@@ -361,7 +437,10 @@ impl World {
                         proof: None,
                     }),
                     1 => Message::Challenge(Challenge { nonce: a, target_nonce: b }),
-                    2 => Message::Reject(Reject { nonce: a, reason: RejectReason::ALL[b as usize % RejectReason::ALL.len()] }),
+                    2 => Message::Reject(Reject {
+                        nonce: a,
+                        reason: RejectReason::ALL[b as usize % RejectReason::ALL.len()],
+                    }),
                     3 => Message::Request(Request {
                         seq,
                         op: Op::Read,

@@ -61,7 +61,12 @@ pub enum OptData {
     /// An export name (ours, empty or another).
     Name(u8),
     /// An NBD_OPT_INFO/GO request for a name with info items.
-    Info { name: u8, items: Vec<u16>, count: Option<u16>, name_len: Option<u32> },
+    Info {
+        name: u8,
+        items: Vec<u16>,
+        count: Option<u16>,
+        name_len: Option<u32>,
+    },
     Bytes(Vec<u8>),
 }
 
@@ -128,8 +133,17 @@ fn handshake(input: &Input, size: u64) {
         crate::count_frames(1);
         match o {
             Opt::Option { option, data } => {
-                let option = [opt::EXPORT_NAME, opt::ABORT, opt::LIST, opt::STARTTLS, opt::INFO, opt::GO, opt::STRUCTURED_REPLY, 0, 99]
-                    [*option as usize % 9];
+                let option = [
+                    opt::EXPORT_NAME,
+                    opt::ABORT,
+                    opt::LIST,
+                    opt::STARTTLS,
+                    opt::INFO,
+                    opt::GO,
+                    opt::STRUCTURED_REPLY,
+                    0,
+                    99,
+                ][*option as usize % 9];
                 let d = match data {
                     OptData::None => Vec::new(),
                     OptData::Name(k) => name(*k).as_bytes().to_vec(),
@@ -263,8 +277,9 @@ fn transmission(input: &Input, size: u64) {
         match *item {
             Item::Request { command, flags, offset, length, payload, bad_magic } => {
                 crate::count_frames(1);
-                let command = [cmd::READ, cmd::WRITE, cmd::DISC, cmd::FLUSH, cmd::TRIM, cmd::CACHE, cmd::WRITE_ZEROES, 7, 0xffff]
-                    [command as usize % 9];
+                let command =
+                    [cmd::READ, cmd::WRITE, cmd::DISC, cmd::FLUSH, cmd::TRIM, cmd::CACHE, cmd::WRITE_ZEROES, 7, 0xffff]
+                        [command as usize % 9];
                 let offset = match offset {
                     Offset::Sector(s) => (s as u64 % (size / 512 + 1)) * 512,
                     Offset::Raw(v) => v,

@@ -55,7 +55,22 @@ fn target_mac(k: usize) -> MacAddr {
 
 /// The limits the target grants (small: construction is per input).
 fn limits() -> Limits {
-    Limits { ring: 64, remq_slots: 8, damq_slots: 8, max_io: 64 << 10, segment: 4096 }
+    Limits {
+        ring: 64,
+        remq_slots: 8,
+        damq_slots: 8,
+        max_io: 64 << 10,
+        segment: 4096,
+        sessions: 8,
+        sessions_per_export: 4,
+        sessions_per_mac: 4,
+        channels_per_session: 8,
+        channels: 32,
+        challenges: 64,
+        challenges_per_mac: 8,
+        slot_memory: tyched::config::Size(8 << 20),
+        control_queue: 64,
+    }
 }
 
 /// What the honest initiator asks for.
@@ -211,7 +226,17 @@ pub enum Action {
     },
     /// A well-formed WRITE: REQUEST then the segments `mask` selects (all when zero), in order
     /// or reversed, before or after the REQUEST.
-    Write { ch: Ch, remq: u8, damq: u8, sectors: u16, offset: u16, mask: u16, reverse: bool, data_first: bool, fua: bool },
+    Write {
+        ch: Ch,
+        remq: u8,
+        damq: u8,
+        sectors: u16,
+        offset: u16,
+        mask: u16,
+        reverse: bool,
+        data_first: bool,
+        fua: bool,
+    },
     /// A well-formed READ.
     Read { ch: Ch, remq: u8, damq: u8, sectors: u16, offset: u16 },
     /// A well-formed FLUSH, DISCARD or WRITE_ZEROES.
@@ -387,8 +412,15 @@ impl World {
     }
 
     /// Runs one handshake on `port` (the target turning in between).
-    fn handshake(&mut self, hostile: bool, env: Envelope, export: &str, want: ChannelParams) -> Option<(Connector, Connected)> {
-        let mut c = Connector::new(env, export, want, 0x5eed ^ env.channel as u64, Duration::from_millis(5), 3, self.now());
+    fn handshake(
+        &mut self,
+        hostile: bool,
+        env: Envelope,
+        export: &str,
+        want: ChannelParams,
+    ) -> Option<(Connector, Connected)> {
+        let mut c =
+            Connector::new(env, export, want, 0x5eed ^ env.channel as u64, Duration::from_millis(5), 3, self.now());
         let mut buf = vec![0u8; FRAME];
         for _ in 0..64 {
             let now = self.now();
@@ -485,8 +517,8 @@ impl World {
             let busy = self.honest_pump() | self.h.turn();
             self.drain_hostile();
             if !busy && rounds > 50 {
-                // Lost or held frames: let the retransmission timers run.
-                self.advance(Duration::from_millis(1));
+                // Lost or held frames, or memory the hostile holds: let the timers run.
+                self.advance(Duration::from_millis(5));
             }
         }
         (self.honest.done.remove(&id).expect("done"), self.honest.bufs.remove(&id).expect("buffer"))
@@ -645,7 +677,18 @@ impl World {
 
     /// A well-formed write on `env` of `sectors` at `offset`, segments as `mask` says.
     #[allow(clippy::too_many_arguments)]
-    fn write(&mut self, env: Envelope, remq: u16, damq: u16, sectors: u32, offset: u64, mask: u16, reverse: bool, data_first: bool, fua: bool) {
+    fn write(
+        &mut self,
+        env: Envelope,
+        remq: u16,
+        damq: u16,
+        sectors: u32,
+        offset: u64,
+        mask: u16,
+        reverse: bool,
+        data_first: bool,
+        fua: bool,
+    ) {
         let p = self.params_of(&env);
         let length = (sectors * 512).min(p.max_io).max(512);
         let seg = p.segment as u32;
@@ -664,8 +707,7 @@ impl World {
         for i in order {
             let seq = self.seq(&env, SeqSel::Next, AckSel::Honest);
             let len = seg.min(length - i * seg) as usize;
-            let header =
-                DataHeader { seq, damq, seg_index: i as u16, seg_count: count as u16, tag, offset: i * seg };
+            let header = DataHeader { seq, damq, seg_index: i as u16, seg_count: count as u16, tag, offset: i * seg };
             self.data_frame(env, header, &payload[..len]);
         }
         if req_seq.is_none() {
@@ -688,7 +730,8 @@ impl World {
                     FloorSel::Huge => u64::MAX,
                     FloorSel::Raw(v) => v,
                 };
-                let (offset, length) = if odd { (offset as u64, length) } else { (offset as u64 * 512, length.wrapping_mul(512)) };
+                let (offset, length) =
+                    if odd { (offset as u64, length) } else { (offset as u64 * 512, length.wrapping_mul(512)) };
                 let op = Op::ALL[op as usize % Op::ALL.len()];
                 let r = Request { seq, op, fua, remq, damq, tag, floor, offset, length };
                 self.emit(env, &Message::Request(r));
@@ -732,7 +775,8 @@ impl World {
                 let seq = self.seq(&env, SeqSel::Next, AckSel::Honest);
                 let tag = self.tag(TagSel::Next);
                 let op = [Op::Flush, Op::Discard, Op::WriteZeroes][op as usize % 3];
-                let (offset, length) = if op == Op::Flush { (0, 0) } else { (offset as u64 * 512, (sectors as u32 + 1) * 512) };
+                let (offset, length) =
+                    if op == Op::Flush { (0, 0) } else { (offset as u64 * 512, (sectors as u32 + 1) * 512) };
                 let remq = remq as u16 % p.remq_slots.max(1);
                 let r = Request { seq, op, fua: false, remq, damq: NO_SLOT, tag, floor: tag, offset, length };
                 self.emit(env, &Message::Request(r));
@@ -765,7 +809,12 @@ impl World {
                 };
                 let export = ["fuzz", "honest", "nope"][export as usize % 3];
                 let params = want.params();
-                if session == self.hostile.session && !proof && export == "fuzz" && params.validate().is_ok() && index < 4 {
+                if session == self.hostile.session
+                    && !proof
+                    && export == "fuzz"
+                    && params.validate().is_ok()
+                    && index < 4
+                {
                     // A proper handshake (a reconnect of an open channel, or a new one).
                     self.hostile_attach(want, index);
                 } else {

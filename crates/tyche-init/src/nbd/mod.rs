@@ -540,7 +540,13 @@ pub mod fuzzing {
     /// Runs the server's handshake for export `name` of `size` bytes on the client bytes
     /// `input`. Returns how it ended (whether transmission was entered), what the server wrote
     /// and how many client bytes it read.
-    pub fn handshake(input: &[u8], name: &str, size: u64, read_only: bool, discard: bool) -> (io::Result<bool>, Vec<u8>, usize) {
+    pub fn handshake(
+        input: &[u8],
+        name: &str,
+        size: u64,
+        read_only: bool,
+        discard: bool,
+    ) -> (io::Result<bool>, Vec<u8>, usize) {
         let opts = NbdOptions::new(name);
         let mut rd: &[u8] = input;
         let mut wr: Vec<u8> = Vec::new();
