@@ -352,6 +352,7 @@ impl World {
         s
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn segment(&mut self, s: Seen, seg_index: u16, seg_count: u16, offset: u32, len: usize, seq: Seq, fill: u8) {
         let payload = vec![fill; len.min(FRAME - tyche_wire::DATA_FRAME_OVERHEAD)];
         let header = DataHeader { seq, damq: s.damq, seg_index, seg_count, tag: s.tag, offset };
