@@ -369,6 +369,8 @@ impl World {
             io_uring: false,
             limits: limits(),
             exports: vec![ExportConfig::ram("honest", EXPORT), ExportConfig::ram("fuzz", EXPORT)],
+            // The hostile's session must be gone within the 10 s `hostile_gone` waits.
+            reclaim_after_ms: 1000,
             ..Config::default()
         };
         let nics = vec![
