@@ -7,6 +7,7 @@ mod charts;
 mod demo;
 mod disk;
 mod e2e;
+mod faults;
 mod fuzz;
 mod lab;
 mod sim;
@@ -37,6 +38,9 @@ enum Command {
     Test(suite::TestArgs),
     /// ext4 over Tyche end to end on a veth lab, clean, then with loss and a failing link (root).
     E2e(e2e::E2eArgs),
+    /// Fault scenarios on a veth lab: target restarts, SIGKILL, a long outage, a second
+    /// initiator and fencing, hung storage (root).
+    Faults(faults::FaultsArgs),
     /// Coverage-guided fuzzing of the target, the initiator and the NBD server (docs/fuzzing.md).
     Fuzz(fuzz::FuzzArgs),
     /// Run the deterministic simulator over many seeds (or replay one).
@@ -93,6 +97,7 @@ fn main() -> Result<()> {
         Command::Test(a) => suite::run(a),
         Command::E2e(a) => e2e::e2e(&root(), &a),
         Command::Fuzz(a) => fuzz::run(&root(), &a),
+        Command::Faults(a) => faults::faults(&root(), &a),
         Command::Sim(a) => sim::run(a),
         Command::Lab { action } => lab::run(action),
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),

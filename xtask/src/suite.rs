@@ -59,6 +59,8 @@ pub fn run(args: TestArgs) -> Result<()> {
         step("tyche-init root tests", cargo().args(["test", "-p", "tyche-init", "--test", "nbd", "--", "--ignored"]))?;
         eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
         crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
+        eprintln!("xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage)");
+        crate::faults::faults(&crate::root(), &crate::faults::FaultsArgs::standard())?;
         eprintln!("xtask test: vm-test (/dev/ublkbN with ext4, and NUMA placement, in a VM with two NUMA nodes)");
         crate::vm::vm_test(&crate::root(), &crate::vm::VmTestArgs::standard())?;
     } else {
