@@ -7,6 +7,7 @@ mod charts;
 mod demo;
 mod disk;
 mod e2e;
+mod flood;
 mod lab;
 mod sim;
 mod stack;
@@ -36,6 +37,8 @@ enum Command {
     Test(suite::TestArgs),
     /// ext4 over Tyche end to end on a veth lab, clean, then with loss and a failing link (root).
     E2e(e2e::E2eArgs),
+    /// Issue #13's flood test: 100,000 CONNECTs from 1,000 MACs while fio verifies (root).
+    Flood(flood::FloodArgs),
     /// Run the deterministic simulator over many seeds (or replay one).
     Sim(sim::SimArgs),
     /// The veth lab: two network namespaces (target, initiator) joined by veth pairs.
@@ -89,6 +92,10 @@ fn main() -> Result<()> {
         }
         Command::Test(a) => suite::run(a),
         Command::E2e(a) => e2e::e2e(&root(), &a),
+        Command::Flood(a) => {
+            ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            flood::flood(&root(), &a)
+        }
         Command::Sim(a) => sim::run(a),
         Command::Lab { action } => lab::run(action),
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),
