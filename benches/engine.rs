@@ -110,7 +110,7 @@ impl Pair {
                 })
                 .expect("recv");
             while let Some(ev) = self.target.poll_event() {
-                if let TargetEvent::Execute { channel, request } = ev {
+                if let TargetEvent::Execute { channel, request, .. } = ev {
                     self.target.complete(channel, &request, Status::Ok);
                 }
             }

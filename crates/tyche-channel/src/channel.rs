@@ -45,6 +45,9 @@ pub struct ReadyRequest {
     pub damq: u16,
     /// The request as received.
     pub request: Request,
+    /// Generation of the `damq` slot's contents ([`Placement::generation`]): write data placed
+    /// with another generation is not this request's.
+    pub generation: u32,
 }
 
 /// Why a channel died.
@@ -86,6 +89,10 @@ pub struct Placement<'a> {
     pub offset: u32,
     /// The bytes, borrowed from the received frame.
     pub payload: &'a [u8],
+    /// Generation of the slot's contents: it changes whenever the slot is claimed for a
+    /// request or its early data, or released (a refused request's early segments), so a
+    /// caller that keeps payloads by slot drops those of an older generation.
+    pub generation: u32,
 }
 
 /// Why a frame was not used.
@@ -269,6 +276,11 @@ struct DamqSlot {
     seen: Bitmap,
     /// The `remq` slot of the request using this slot, once known.
     remq: u16,
+    /// Bumped on every claim and release ([`Placement::generation`]).
+    generation: u32,
+    /// Target: read data of the last request is queued and not yet sent once; the slot cannot
+    /// be claimed again until it is (a correct initiator reuses it only after all of it arrived).
+    sending: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -284,6 +296,10 @@ enum RemqSlot {
     AwaitingData(Request),
     /// Target: handed to the caller, awaiting [`Channel::complete`].
     Executing(Request),
+    /// Target: completed; its COMPLETION (tag) is queued and not yet sent once. The slot is not
+    /// free before: a correct initiator reuses it only after that COMPLETION arrived, so the
+    /// send queue holds at most one completion per slot.
+    Completing(u64),
 }
 
 /// One end of a Tyche channel.
@@ -357,6 +373,8 @@ impl Channel {
                 bytes: 0,
                 seen: Bitmap::new(max_segs),
                 remq: NO_SLOT,
+                generation: 0,
+                sending: false,
             })
             .collect();
         Channel {
@@ -438,6 +456,11 @@ impl Channel {
             RemqSlot::Executing(r) => Some(r.tag),
             _ => None,
         }
+    }
+
+    /// Whether `damq` slot `damq` holds a request's data (being received, executed or sent).
+    pub fn damq_active(&self, damq: u16) -> bool {
+        self.damq.get(damq as usize).is_some_and(|d| d.active || d.sending)
     }
 
     /// Target: requests handed out and not yet completed.
@@ -525,24 +548,29 @@ impl Channel {
         let Some(RemqSlot::Executing(req)) = self.remq.get(remq as usize).copied() else {
             return None;
         };
-        self.remq[remq as usize] = RemqSlot::Free;
         self.release_damq(req.damq, req.tag);
         if self.dead.is_some() {
+            self.remq[remq as usize] = RemqSlot::Free;
             return Some(req);
         }
         if req.op.has_read_data() && status == Status::Ok {
             let count = self.segments(req.length);
+            if let Some(d) = self.damq.get_mut(req.damq as usize) {
+                d.sending = true;
+            }
             self.enqueue(Outgoing::DataMessage { damq: req.damq, tag: req.tag, length: req.length, next: 0, count });
         }
+        self.remq[remq as usize] = RemqSlot::Completing(req.tag);
         self.queue_completion(req.remq, req.damq, req.tag, status);
         Some(req)
     }
 
     fn release_damq(&mut self, damq: u16, tag: u64) {
         if let Some(d) = self.damq.get_mut(damq as usize) {
-            if d.tag == tag {
+            if d.tag == tag && d.active {
                 d.active = false;
                 d.done_tag = Some(tag);
+                d.generation = d.generation.wrapping_add(1);
             }
         }
     }
@@ -568,9 +596,17 @@ impl Channel {
         self.die(DeadReason::Closed);
     }
 
+    /// Queues a frame (or a data message) for a ring position. The queue's bound holds by
+    /// construction (see [`max_queued`]): a `remq` slot has at most one completion queued, a
+    /// `damq` slot at most one data message, and refusals stop at [`max_queued`]. Should it
+    /// ever not hold, the channel is closed with a protocol error rather than grow.
     fn enqueue(&mut self, o: Outgoing) {
+        if self.queue.len() > 2 * max_queued(&self.params) {
+            debug_assert!(false, "channel send queue over its bound");
+            self.close(DisconnectReason::ProtocolError);
+            return;
+        }
         self.queue.push_back(o);
-        assert!(self.queue.len() <= max_queued(&self.params) + 1, "channel send queue over its bound");
     }
 
     fn segments(&self, length: u32) -> u16 {
@@ -708,6 +744,10 @@ impl Channel {
         if r.op.uses_damq() {
             let count = if r.op.has_write_data() { self.segments(r.length) } else { 0 };
             let d = &mut self.damq[r.damq as usize];
+            if d.sending {
+                // Its read data is still going out: a correct initiator waits for all of it.
+                return self.refuse(r);
+            }
             let busy = d.active && (d.tag != r.tag || d.remq != NO_SLOT);
             if busy || (d.active && d.count != count) {
                 // Another request owns the slot, or the early segments disagree with this one.
@@ -729,7 +769,13 @@ impl Channel {
             return Received::Consumed;
         }
         self.remq[slot] = RemqSlot::Executing(r);
-        self.events.push_back(ChannelEvent::Request(ReadyRequest { remq: r.remq, damq: r.damq, request: r }));
+        let generation = self.damq.get(r.damq as usize).map_or(0, |d| d.generation);
+        self.events.push_back(ChannelEvent::Request(ReadyRequest {
+            remq: r.remq,
+            damq: r.damq,
+            request: r,
+            generation,
+        }));
         Received::Consumed
     }
 
@@ -748,13 +794,19 @@ impl Channel {
     fn write_data_complete(&mut self, r: Request) {
         let d = &self.damq[r.damq as usize];
         if d.bytes != r.length {
-            self.remq[r.remq as usize] = RemqSlot::Free;
+            self.remq[r.remq as usize] = RemqSlot::Completing(r.tag);
             self.release_damq(r.damq, r.tag);
             self.queue_completion(r.remq, r.damq, r.tag, Status::Invalid);
             return;
         }
         self.remq[r.remq as usize] = RemqSlot::Executing(r);
-        self.events.push_back(ChannelEvent::Request(ReadyRequest { remq: r.remq, damq: r.damq, request: r }));
+        let generation = self.damq[r.damq as usize].generation;
+        self.events.push_back(ChannelEvent::Request(ReadyRequest {
+            remq: r.remq,
+            damq: r.damq,
+            request: r,
+            generation,
+        }));
     }
 
     fn on_completion(&mut self, c: Completion) -> Received<'static> {
@@ -797,7 +849,8 @@ impl Channel {
         let len = payload.len() as u32;
         let shape_ok = h.offset == h.seg_index as u32 * seg
             && len <= seg
-            && (h.seg_index + 1 == h.seg_count || len == seg)
+            && h.seg_index < h.seg_count
+            && (h.seg_index as u32 + 1 == h.seg_count as u32 || len == seg)
             && h.offset + len <= self.params.max_io
             && h.seg_count as u32 <= self.params.max_io.div_ceil(seg);
         if !shape_ok {
@@ -808,12 +861,24 @@ impl Channel {
                 if !d.active || d.tag != h.tag {
                     return self.drop_frame(DropReason::Stale);
                 }
+                // Read data past the request's end (a full last segment of a shorter read).
+                let within = match self.remq.get(d.remq as usize) {
+                    Some(RemqSlot::InFlight { sub, .. }) => h.offset as u64 + len as u64 <= sub.length as u64,
+                    _ => false,
+                };
+                if !within {
+                    return self.drop_frame(DropReason::Inconsistent);
+                }
             }
             Role::Target => {
                 if d.done_tag == Some(h.tag) && !(d.active && d.tag == h.tag) {
                     return self.drop_frame(DropReason::Stale);
                 }
                 if !d.active {
+                    if d.sending {
+                        // Its read data is still going out.
+                        return self.drop_frame(DropReason::BadSlot);
+                    }
                     // Data may overtake its request: it claims the free slot for its tag.
                     d.reset(h.tag, h.seg_count, NO_SLOT);
                 } else if d.tag != h.tag {
@@ -832,6 +897,7 @@ impl Channel {
         d.bytes += len;
         let complete = d.received == d.count;
         let remq = d.remq;
+        let generation = d.generation;
         self.stats.payload_rx += len as u64;
         if complete && remq != NO_SLOT {
             match (self.role, self.remq[remq as usize]) {
@@ -842,7 +908,7 @@ impl Channel {
                 _ => {}
             }
         }
-        Received::Placed(Placement { damq: h.damq, tag: h.tag, offset: h.offset, payload })
+        Received::Placed(Placement { damq: h.damq, tag: h.tag, offset: h.offset, payload, generation })
     }
 
     // ------------------------------------------------------------------------------------------
@@ -1085,6 +1151,16 @@ impl Channel {
             if e.sacked || diff(s, self.tx_base) < 0 {
                 continue;
             }
+            if let TxFrame::Data(h, _) = e.frame {
+                // The slot holds another request's data now: the peer reused it, so it had all
+                // of this message (a correct peer reuses a slot only then). Resending would send
+                // the new request's bytes under the old tag.
+                let d = &self.damq[h.damq as usize];
+                if d.tag != h.tag || (self.role == Role::Initiator && !d.active) {
+                    e.sacked = true;
+                    continue;
+                }
+            }
             e.retx = e.retx.saturating_add(1);
             e.last_sent = now;
             let frame = e.frame;
@@ -1097,6 +1173,14 @@ impl Channel {
         let frame = match self.queue.front_mut()? {
             Outgoing::Frame(_) => {
                 let Some(Outgoing::Frame(f)) = self.queue.pop_front() else { unreachable!() };
+                if let TxFrame::Completion(c) = f {
+                    // Sent: the initiator may reuse the slot once it has this completion.
+                    if let Some(slot) = self.remq.get_mut(c.remq as usize) {
+                        if matches!(*slot, RemqSlot::Completing(tag) if tag == c.tag) {
+                            *slot = RemqSlot::Free;
+                        }
+                    }
+                }
                 f
             }
             Outgoing::DataMessage { damq, tag, length, next, count } => {
@@ -1114,6 +1198,11 @@ impl Channel {
                 *next += 1;
                 if *next == *count {
                     self.queue.pop_front();
+                    if let Some(d) = self.damq.get_mut(h.damq as usize) {
+                        if d.tag == h.tag {
+                            d.sending = false;
+                        }
+                    }
                 }
                 TxFrame::Data(h, len)
             }
@@ -1175,6 +1264,7 @@ impl Channel {
 
 impl DamqSlot {
     fn reset(&mut self, tag: u64, count: u16, remq: u16) {
+        self.generation = self.generation.wrapping_add(1);
         self.tag = tag;
         self.active = true;
         self.count = count;

@@ -244,10 +244,56 @@ struct Granted {
 #[derive(Debug)]
 struct SessionRecord {
     export: usize,
-    /// MAC of the NIC that created the session (for logs).
-    #[allow(dead_code)]
+    /// MAC of the NIC that created the session ([`AcceptorLimits::sessions_per_mac`]).
     initiator: MacAddr,
+    /// Nonce of the CONNECT that created it (its key in `created`).
+    nonce: u64,
     channels: HashMap<u16, Granted>,
+}
+
+/// How many sessions and channels an [`Acceptor`] grants at most. A CONNECT that would exceed
+/// one is refused with REJECT BUSY and counted in [`BusyCounts`]. The session limits apply to
+/// new sessions, the channel limits to channels on a new index (a reconnect on an index the
+/// session has is never refused for room).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AcceptorLimits {
+    /// Sessions on the target.
+    pub sessions: usize,
+    /// Sessions of one export.
+    pub sessions_per_export: usize,
+    /// Sessions created from one initiator MAC.
+    pub sessions_per_mac: usize,
+    /// Channel indices of one session.
+    pub channels_per_session: usize,
+    /// Channels on the target, every session's together.
+    pub channels: usize,
+}
+
+impl Default for AcceptorLimits {
+    fn default() -> Self {
+        AcceptorLimits {
+            sessions: 256,
+            sessions_per_export: 256,
+            sessions_per_mac: 8,
+            channels_per_session: 64,
+            channels: 1024,
+        }
+    }
+}
+
+/// CONNECTs refused with REJECT BUSY, by the limit ([`AcceptorLimits`]) that was full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BusyCounts {
+    /// [`AcceptorLimits::sessions`].
+    pub sessions: u64,
+    /// [`AcceptorLimits::sessions_per_export`].
+    pub sessions_per_export: u64,
+    /// [`AcceptorLimits::sessions_per_mac`].
+    pub sessions_per_mac: u64,
+    /// [`AcceptorLimits::channels_per_session`].
+    pub channels_per_session: u64,
+    /// [`AcceptorLimits::channels`].
+    pub channels: u64,
 }
 
 /// Answers DISCOVER and CONNECT on the target.
@@ -257,6 +303,10 @@ pub struct Acceptor {
     exports: Vec<ExportSpec>,
     limit: ChannelParams,
     timers: Timers,
+    limits: AcceptorLimits,
+    busy: BusyCounts,
+    /// Channel indices granted, every session's together.
+    channel_count: usize,
     sessions: HashMap<u64, SessionRecord>,
     /// (initiator MAC, nonce) of CONNECTs that created a session, so a retransmitted CONNECT
     /// gets the same ACCEPT instead of a second session.
@@ -270,7 +320,33 @@ impl Acceptor {
     /// An acceptor for every NIC of a target, granting at most `limit`.
     pub fn new(ethertype: u16, exports: Vec<ExportSpec>, limit: ChannelParams, timers: Timers) -> Self {
         assert!(params_supported(&limit), "unsupported limits {limit:?}");
-        Acceptor { ethertype, exports, limit, timers, sessions: HashMap::new(), created: HashMap::new() }
+        Acceptor {
+            ethertype,
+            exports,
+            limit,
+            timers,
+            limits: AcceptorLimits::default(),
+            busy: BusyCounts::default(),
+            channel_count: 0,
+            sessions: HashMap::new(),
+            created: HashMap::new(),
+        }
+    }
+
+    /// The same acceptor granting at most `limits`.
+    pub fn with_limits(mut self, limits: AcceptorLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// CONNECTs refused with BUSY so far.
+    pub fn busy(&self) -> BusyCounts {
+        self.busy
+    }
+
+    /// Sessions the acceptor knows.
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
     }
 
     /// The exports offered.
@@ -280,8 +356,10 @@ impl Acceptor {
 
     /// Forgets a session (after all its channels died).
     pub fn forget_session(&mut self, session: u64) {
-        self.sessions.remove(&session);
-        self.created.retain(|_, s| *s != session);
+        if let Some(record) = self.sessions.remove(&session) {
+            self.channel_count -= record.channels.len();
+            self.created.remove(&(record.initiator, record.nonce));
+        }
     }
 
     /// Handles a DISCOVER or CONNECT from `src` received on the NIC with MAC `local` (other
@@ -342,6 +420,35 @@ impl Acceptor {
         }
     }
 
+    /// The counter of the limit a CONNECT from `src` for `export` would exceed, if any.
+    fn full(&mut self, src: MacAddr, export: usize, env_in: &Envelope) -> Option<&mut u64> {
+        let l = self.limits;
+        let new_channel = match env_in.session {
+            0 => true,
+            sid => match self.sessions.get(&sid) {
+                Some(s) => !s.channels.contains_key(&env_in.channel),
+                None => return None, // refused as an unknown session below
+            },
+        };
+        if env_in.session == 0 {
+            if self.sessions.len() >= l.sessions {
+                return Some(&mut self.busy.sessions);
+            }
+            if self.sessions.values().filter(|s| s.export == export).count() >= l.sessions_per_export {
+                return Some(&mut self.busy.sessions_per_export);
+            }
+            if self.sessions.values().filter(|s| s.initiator == src).count() >= l.sessions_per_mac {
+                return Some(&mut self.busy.sessions_per_mac);
+            }
+        } else if new_channel && self.sessions[&env_in.session].channels.len() >= l.channels_per_session {
+            return Some(&mut self.busy.channels_per_session);
+        }
+        if new_channel && self.channel_count >= l.channels {
+            return Some(&mut self.busy.channels);
+        }
+        None
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn connect(
         &mut self,
@@ -377,13 +484,18 @@ impl Acceptor {
         let Some(params) = negotiate(&c.params, &self.limit) else {
             return reject(RejectReason::BadParameters, buf);
         };
+        if let Some(full) = self.full(src, export, env_in) {
+            *full = full.saturating_add(1);
+            return reject(RejectReason::Busy, buf);
+        }
         let sid = match env_in.session {
             0 => {
                 let mut sid = new_session_id();
                 while sid == 0 || self.sessions.contains_key(&sid) {
                     sid = new_session_id();
                 }
-                self.sessions.insert(sid, SessionRecord { export, initiator: src, channels: HashMap::new() });
+                self.sessions
+                    .insert(sid, SessionRecord { export, initiator: src, nonce: c.nonce, channels: HashMap::new() });
                 self.created.insert((src, c.nonce), sid);
                 sid
             }
@@ -404,7 +516,9 @@ impl Acceptor {
             proof: target_proof,
         };
         let record = self.sessions.get_mut(&sid).expect("inserted or checked");
-        record.channels.insert(env_in.channel, Granted { nonce: c.nonce, accept });
+        if record.channels.insert(env_in.channel, Granted { nonce: c.nonce, accept }).is_none() {
+            self.channel_count += 1;
+        }
         let env = Envelope { session: sid, ..reply_env };
         let len = Message::Accept(accept).emit(&env, buf);
         let channel = Box::new(Channel::new(Role::Target, env, params, self.timers, now));

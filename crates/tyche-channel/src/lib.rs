@@ -41,7 +41,7 @@ pub use channel::{
     Received, Role, Submission, Transmit,
 };
 pub use config::Timers;
-pub use handshake::{Accepted, Acceptor, ConnectError, Connected, Connector, ExportSpec};
+pub use handshake::{Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec};
 pub use initiator::{Inbound, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
 pub use target::{ExportGeometry, TargetEvent, TargetInbound, TargetSession};

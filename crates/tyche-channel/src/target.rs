@@ -29,6 +29,9 @@ pub enum TargetEvent {
         channel: u16,
         /// The request (its `remq` names it in [`TargetSession::complete`]).
         request: Request,
+        /// Generation of its `damq` slot's contents: write data placed
+        /// ([`TargetInbound::Write`]) with another generation is not this request's.
+        generation: u32,
     },
     /// A channel died (its slots are reclaimed; requests being executed on it may still be
     /// completed, and nothing is sent).
@@ -55,6 +58,8 @@ pub enum TargetInbound<'a> {
         offset: u32,
         /// The bytes, borrowed from the frame.
         payload: &'a [u8],
+        /// Generation of the slot's contents (see [`TargetEvent::Execute`]).
+        generation: u32,
     },
     /// Not used.
     Dropped(FrameDrop),
@@ -82,7 +87,8 @@ pub struct TargetSession {
     id: u64,
     ethertype: u16,
     geometry: ExportGeometry,
-    channels: Vec<Option<Channel>>,
+    /// By the index the initiator chose (any `u16`: a map, never a vector sized by the peer).
+    channels: BTreeMap<u16, Channel>,
     /// Replaced channels (reconnects on the same index) with requests still executing: their
     /// completions must reach them, not the new channel that reuses their slot numbers.
     retired: Vec<Channel>,
@@ -99,7 +105,7 @@ impl TargetSession {
             id,
             ethertype,
             geometry,
-            channels: Vec::new(),
+            channels: BTreeMap::new(),
             retired: Vec::new(),
             floor: 0,
             ledger: BTreeMap::new(),
@@ -122,22 +128,23 @@ impl TargetSession {
     }
     /// The channel with index `i`, if any.
     pub fn channel(&self, i: u16) -> Option<&Channel> {
-        self.channels.get(i as usize)?.as_ref()
+        self.channels.get(&i)
+    }
+    /// Channels, dead ones included.
+    pub fn channel_count(&self) -> usize {
+        self.channels.len()
     }
     /// Whether every channel is dead (the session can be reclaimed once nothing executes).
     pub fn all_dead(&self) -> bool {
-        self.channels.iter().flatten().all(|c| c.dead().is_some())
+        self.channels.values().all(|c| c.dead().is_some())
     }
 
     /// Adds a channel, replacing (and aborting) any earlier one with the same index.
     pub fn add_channel(&mut self, channel: Channel) {
         assert_eq!(channel.role(), Role::Target);
         assert_eq!(channel.envelope().session, self.id);
-        let idx = channel.envelope().channel as usize;
-        if self.channels.len() <= idx {
-            self.channels.resize_with(idx + 1, || None);
-        }
-        if let Some(mut old) = self.channels[idx].replace(channel) {
+        let idx = channel.envelope().channel;
+        if let Some(mut old) = self.channels.insert(idx, channel) {
             old.abort();
             if old.executing() > 0 {
                 self.retired.push(old);
@@ -150,7 +157,7 @@ impl TargetSession {
         let channels = &mut self.channels;
         let lookup = move |i: u16| {
             let channels = channels; // moved in: the closure is FnOnce and may return a borrow of it
-            channels.get_mut(i as usize)?.as_mut()
+            channels.get_mut(&i)
         };
         let (idx, received) = match deliver(now, bytes, self.ethertype, self.id, lookup) {
             Ok(r) => r,
@@ -159,18 +166,22 @@ impl TargetSession {
         let out = match received {
             Received::Consumed => TargetInbound::Consumed,
             Received::Dropped(r) => TargetInbound::Dropped(FrameDrop::Channel(r)),
-            Received::Placed(p) => {
-                TargetInbound::Write { channel: idx, damq: p.damq, offset: p.offset, payload: p.payload }
-            }
+            Received::Placed(p) => TargetInbound::Write {
+                channel: idx,
+                damq: p.damq,
+                offset: p.offset,
+                payload: p.payload,
+                generation: p.generation,
+            },
         };
         self.drain(idx);
         out
     }
 
     fn drain(&mut self, idx: u16) {
-        while let Some(ev) = self.channels[idx as usize].as_mut().and_then(Channel::poll_event) {
+        while let Some(ev) = self.channels.get_mut(&idx).and_then(Channel::poll_event) {
             match ev {
-                ChannelEvent::Request(ready) => self.admit(idx, ready.request),
+                ChannelEvent::Request(ready) => self.admit(idx, ready.request, ready.generation),
                 ChannelEvent::Dead(reason) => self.events.push_back(TargetEvent::ChannelDead { channel: idx, reason }),
                 ChannelEvent::Completed { .. } => unreachable!("target channels emit no completions"),
             }
@@ -180,7 +191,7 @@ impl TargetSession {
     /// Completes the request `tag` in slot `remq` of channel `idx`: on the current channel of
     /// that index, or on a replaced one that still has it.
     fn complete_in(&mut self, idx: u16, remq: u16, tag: u64, status: Status) -> Option<Request> {
-        let current = self.channels.get_mut(idx as usize).and_then(Option::as_mut);
+        let current = self.channels.get_mut(&idx);
         let ch = match current {
             Some(ch) if ch.executing_tag(remq) == Some(tag) => ch,
             _ => {
@@ -199,7 +210,7 @@ impl TargetSession {
     }
 
     /// A request is ready on channel `idx`: check it, deduplicate it, hand it to the caller.
-    fn admit(&mut self, idx: u16, r: Request) {
+    fn admit(&mut self, idx: u16, r: Request, generation: u32) {
         if r.floor > self.floor {
             self.floor = r.floor;
             // Executed tags below the floor can never arrive again except as stale copies,
@@ -245,7 +256,7 @@ impl TargetSession {
                 }
             }
         }
-        self.events.push_back(TargetEvent::Execute { channel: idx, request: r });
+        self.events.push_back(TargetEvent::Execute { channel: idx, request: r, generation });
     }
 
     /// Reports the outcome of the [`TargetEvent::Execute`] of `request` on `channel`. For a
@@ -274,14 +285,14 @@ impl TargetSession {
     /// Starts an orderly close of every channel: each sends DISCONNECT with `reason` and is dead
     /// after it (target shutdown).
     pub fn close(&mut self, reason: tyche_wire::DisconnectReason) {
-        for c in self.channels.iter_mut().flatten() {
+        for c in self.channels.values_mut() {
             c.close(reason);
         }
     }
 
     /// Writes the next frame channel `channel` wants to send into `buf`.
     pub fn poll_transmit(&mut self, now: Instant, channel: u16, buf: &mut [u8]) -> Option<Transmit> {
-        let t = self.channels.get_mut(channel as usize)?.as_mut()?.poll_transmit(now, buf);
+        let t = self.channels.get_mut(&channel)?.poll_transmit(now, buf);
         self.drain(channel);
         t
     }
@@ -293,16 +304,18 @@ impl TargetSession {
 
     /// The next time [`TargetSession::handle_timeout`] must be called.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.channels.iter().flatten().fold(None, |t, c| earliest(t, c.poll_timeout()))
+        self.channels.values().fold(None, |t, c| earliest(t, c.poll_timeout()))
     }
 
     /// Runs the timers due at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
-        for i in 0..self.channels.len() {
-            if let Some(c) = self.channels[i].as_mut() {
+        let due: Vec<u16> =
+            self.channels.iter().filter(|(_, c)| c.poll_timeout().is_some_and(|t| t <= now)).map(|(&i, _)| i).collect();
+        for i in due {
+            if let Some(c) = self.channels.get_mut(&i) {
                 c.handle_timeout(now);
-                self.drain(i as u16);
             }
+            self.drain(i);
         }
     }
 
@@ -313,6 +326,6 @@ impl TargetSession {
 
     /// Indices of the channels, dead ones included.
     pub fn channel_indices(&self) -> impl Iterator<Item = u16> + '_ {
-        self.channels.iter().enumerate().filter(|(_, c)| c.is_some()).map(|(i, _)| i as u16)
+        self.channels.keys().copied()
     }
 }

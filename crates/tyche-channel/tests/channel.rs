@@ -422,7 +422,50 @@ mod hygiene {
         assert_eq!(tgt.handle(now, &r), Received::Consumed);
         assert_eq!(tgt.busy_remq(), 1, "a request being handled occupies its remq slot");
         assert!(tgt.complete(3, Status::Ok).is_some());
+        assert_eq!(tgt.busy_remq(), 1, "the slot is held until its completion is sent");
+        let mut buf = vec![0u8; 4096];
+        while tgt.poll_transmit(now, &mut buf).is_some() {}
         assert_eq!(tgt.busy_remq(), 0);
+    }
+
+    #[test]
+    fn read_data_past_the_end_of_the_request_is_inconsistent() {
+        // A hostile target sends a full last segment for a shorter read: the initiator must not
+        // hand its caller bytes past the request's buffer.
+        let now = Instant(0);
+        let (mut ini, _) = raw_channels(params(), now);
+        let sub = tyche_channel::Submission { tag: 9, op: Op::Read, fua: false, offset: 0, length: 1000 };
+        assert!(ini.submit(sub, 0));
+        let payload = vec![7u8; 1024];
+        let h = DataHeader { seq: Seq { seq: 0, ack: 0 }, damq: 0, seg_index: 0, seg_count: 1, tag: 9, offset: 0 };
+        let d = Message::Data(tyche_wire::Data { header: h, payload: &payload });
+        assert_eq!(ini.handle(now, &d), Received::Dropped(DropReason::Inconsistent));
+        let h = DataHeader { seq: Seq { seq: 1, ack: 0 }, ..h };
+        let d = Message::Data(tyche_wire::Data { header: h, payload: &payload[..1000] });
+        assert!(matches!(ini.handle(now, &d), Received::Placed(_)));
+    }
+
+    #[test]
+    fn a_slot_is_not_reused_before_its_completion_is_sent() {
+        // A peer that never acknowledges cannot queue more than one completion per slot: a
+        // request on a slot whose completion waits for a ring position is dropped, not queued.
+        let now = Instant(0);
+        let mut p = params();
+        p.ring = 4;
+        let (_, mut tgt) = raw_channels(p, now);
+        let mut buf = vec![0u8; 4096];
+        for seq in 0..200u32 {
+            let mut r = request(seq, 0, 0, Op::Discard, 512);
+            r.damq = tyche_wire::NO_SLOT;
+            r.tag = seq as u64;
+            let _ = tgt.handle(now, &Message::Request(r));
+            while let Some(tyche_channel::ChannelEvent::Request(req)) = tgt.poll_event() {
+                tgt.complete(req.remq, Status::Ok);
+            }
+            while tgt.poll_transmit(now, &mut buf).is_some() {}
+        }
+        assert!(tgt.dead().is_none(), "the channel stays up");
+        assert!(tgt.stats().dropped[DropReason::BadSlot as usize] > 0, "reuses of a completing slot are dropped");
     }
 
     #[test]

@@ -293,7 +293,9 @@ impl TargetLoop {
                         return;
                     }
                     let Some(s) = sessions.get_mut(&frame.session()) else { return };
-                    if let TargetInbound::Write { channel, damq: slot, offset, payload } = s.handle_frame(now, bytes) {
+                    if let TargetInbound::Write { channel, damq: slot, offset, payload, .. } =
+                        s.handle_frame(now, bytes)
+                    {
                         let mem = damq.entry((s.id(), channel, slot)).or_insert_with(|| vec![0; *max_io as usize]);
                         mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
                     }
@@ -316,7 +318,7 @@ impl TargetLoop {
         for (&sid, s) in self.sessions.iter_mut() {
             while let Some(ev) = s.poll_event() {
                 work = true;
-                let TargetEvent::Execute { channel, request: r } = ev else { continue };
+                let TargetEvent::Execute { channel, request: r, .. } = ev else { continue };
                 let (start, len) = (r.offset as usize, r.length as usize);
                 let key = (sid, channel, r.damq);
                 match r.op {

@@ -426,7 +426,7 @@ impl World {
             return;
         }
         let Some(s) = self.sessions.get_mut(&frame.session()) else { return };
-        if let TargetInbound::Write { channel, damq, offset, payload } = s.handle_frame(self.now, bytes) {
+        if let TargetInbound::Write { channel, damq, offset, payload, .. } = s.handle_frame(self.now, bytes) {
             let mem = self.damq_mem.entry((s.id(), channel, damq)).or_insert_with(|| vec![0; MAX_IO as usize]);
             mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
         }
@@ -437,7 +437,7 @@ impl World {
         for (&sid, s) in self.sessions.iter_mut() {
             while let Some(ev) = s.poll_event() {
                 match ev {
-                    TargetEvent::Execute { channel, request } => {
+                    TargetEvent::Execute { channel, request, .. } => {
                         let slow = self.rng.chance(0.01);
                         let latency =
                             if slow { self.rng.range(200_000, 2_000_000) } else { self.rng.range(2_000, 50_000) };

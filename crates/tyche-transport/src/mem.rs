@@ -4,7 +4,13 @@ use std::sync::{Arc, Mutex};
 
 use tyche_wire::MacAddr;
 
-use crate::{FrameTransport, Lease, OnLentFrame};
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use crate::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk};
+
+/// Memory of one transmit chunk a [`MemPort`] lends: bytes a holder may write through raw
+/// pointers (atomic bytes, so a write from another thread is never a data race on our side).
+type ChunkMemory = Arc<Box<[AtomicU8]>>;
 
 /// One direction of an in-memory link: a bounded queue of frames with a pool of spare buffers so
 /// that steady-state traffic allocates nothing. Buffers keep their full capacity (a frame's length
@@ -39,6 +45,8 @@ impl MemLink {
             lend_limit: 0,
             lent: HashMap::new(),
             next_lease: 0,
+            tx_lend_limit: 0,
+            tx_lent: HashMap::new(),
         };
         (port(macs.0, &ab, &ba), port(macs.1, &ba, &ab))
     }
@@ -59,6 +67,10 @@ pub struct MemPort {
     /// Frames lent and not yet released, by lease id.
     lent: HashMap<u64, Arc<Vec<u8>>>,
     next_lease: u64,
+    /// Transmit chunks that may be lent for good ([`FrameTransport::lend_tx_chunks`]).
+    tx_lend_limit: usize,
+    /// Transmit chunks lent, by id.
+    tx_lent: HashMap<u64, ChunkMemory>,
 }
 
 impl MemPort {
@@ -71,6 +83,13 @@ impl MemPort {
     /// default: a receiver then copies, as over TCP).
     pub fn set_lending(&mut self, frames: usize) {
         self.lend_limit = frames;
+    }
+
+    /// Lets [`FrameTransport::lend_tx_chunks`] lend up to `chunks` transmit chunks for good
+    /// (none by default). A frame sent from a chunk is copied out of it when sent, so no chunk
+    /// is ever in flight.
+    pub fn set_tx_lending(&mut self, chunks: usize) {
+        self.tx_lend_limit = chunks;
     }
 }
 
@@ -139,6 +158,40 @@ impl FrameTransport for MemPort {
 
     fn leases_out(&self) -> usize {
         self.lent.len()
+    }
+
+    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        let chunks = std::mem::take(&mut self.tx_lent);
+        let r = self.send(budget, &mut |buf| match fill(buf)? {
+            Sent::Here(len) => Some(len),
+            Sent::Chunk { id, header, len } => {
+                let chunk = chunks.get(&id).expect("a chunk this port lent");
+                assert!(header <= len && len <= chunk.len(), "a frame within its chunk");
+                for (c, b) in chunk[..header].iter().zip(&buf[..header]) {
+                    c.store(*b, Ordering::Relaxed);
+                }
+                for (b, c) in buf[..len].iter_mut().zip(chunk.iter()) {
+                    *b = c.load(Ordering::Relaxed);
+                }
+                Some(len)
+            }
+        });
+        self.tx_lent = chunks;
+        r
+    }
+
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        let n = max.min(self.tx_lend_limit.saturating_sub(self.tx_lent.len()));
+        (0..n)
+            .map(|_| {
+                let id = self.next_lease;
+                self.next_lease += 1;
+                let mem: ChunkMemory = Arc::new((0..self.frame_capacity).map(|_| AtomicU8::new(0)).collect());
+                let addr = mem.as_ptr() as usize;
+                self.tx_lent.insert(id, Arc::clone(&mem));
+                TxChunk::new(id, addr, self.frame_capacity, mem as _)
+            })
+            .collect()
     }
 
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {

@@ -127,9 +127,11 @@ pub struct Config {
     pub exports: Vec<ExportConfig>,
 }
 
-/// Channel limits the target grants at most.
+/// What the target grants at most: per channel (ring, slots, sizes) and in all (sessions,
+/// channels, challenges, memory, queues). Every field is optional in the file; docs/tyched.md
+/// ("Limits") lists each with its default and the counter that says it was hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Ring positions per direction.
     pub ring: u16,
@@ -141,11 +143,59 @@ pub struct Limits {
     pub max_io: u32,
     /// Largest segment (payload bytes per DATA frame).
     pub segment: u16,
+    /// Live sessions on the target (more: REJECT BUSY).
+    pub sessions: usize,
+    /// Live sessions of one export.
+    pub sessions_per_export: usize,
+    /// Live sessions created from one initiator MAC.
+    pub sessions_per_mac: usize,
+    /// Channel indices of one session.
+    pub channels_per_session: usize,
+    /// Channels on the target, all sessions together.
+    pub channels: usize,
+    /// Pending key challenges remembered (the oldest is forgotten first).
+    pub challenges: usize,
+    /// Pending key challenges per initiator MAC (its oldest is forgotten first).
+    pub challenges_per_mac: usize,
+    /// `damq` slot memory held at once, all channels together (bytes, or "256M"). Only copied
+    /// payloads use it (TCP and AF_PACKET transports, exhausted AF_XDP chunk pools).
+    pub slot_memory: Size,
+    /// Control replies queued per NIC (more are dropped; initiators retry).
+    pub control_queue: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { ring: 1024, remq_slots: 64, damq_slots: 64, max_io: 1 << 20, segment: 8192 }
+        let acceptor = tyche_channel::AcceptorLimits::default();
+        Limits {
+            ring: 1024,
+            remq_slots: 64,
+            damq_slots: 64,
+            max_io: 1 << 20,
+            segment: 8192,
+            sessions: acceptor.sessions,
+            sessions_per_export: acceptor.sessions_per_export,
+            sessions_per_mac: acceptor.sessions_per_mac,
+            channels_per_session: acceptor.channels_per_session,
+            channels: acceptor.channels,
+            challenges: 4096,
+            challenges_per_mac: 8,
+            slot_memory: Size(1 << 30),
+            control_queue: 256,
+        }
+    }
+}
+
+impl Limits {
+    /// The session and channel limits, as the acceptor takes them.
+    pub fn acceptor(&self) -> tyche_channel::AcceptorLimits {
+        tyche_channel::AcceptorLimits {
+            sessions: self.sessions,
+            sessions_per_export: self.sessions_per_export,
+            sessions_per_mac: self.sessions_per_mac,
+            channels_per_session: self.channels_per_session,
+            channels: self.channels,
+        }
     }
 }
 
@@ -370,6 +420,30 @@ impl Config {
         };
         if !tyche_channel::config::params_supported(&p) {
             return Err(invalid("limits", format!("unsupported channel limits {p:?}")));
+        }
+        let counts = [
+            ("sessions", l.sessions),
+            ("sessions_per_export", l.sessions_per_export),
+            ("sessions_per_mac", l.sessions_per_mac),
+            ("channels_per_session", l.channels_per_session),
+            ("channels", l.channels),
+            ("challenges", l.challenges),
+            ("challenges_per_mac", l.challenges_per_mac),
+            ("control_queue", l.control_queue),
+        ];
+        for (name, n) in counts {
+            if !(1..=1 << 20).contains(&n) {
+                return Err(invalid(format!("limits.{name}"), format!("{n} is not between 1 and 1048576")));
+            }
+        }
+        if l.channels_per_session > 1 << 16 {
+            return Err(invalid("limits.channels_per_session", "at most 65536 (channel indices are 16 bits)"));
+        }
+        if l.slot_memory.0 < l.max_io as u64 {
+            return Err(invalid(
+                "limits.slot_memory",
+                format!("{} is less than one slot (max_io {})", l.slot_memory.0, l.max_io),
+            ));
         }
         for (i, e) in self.exports.iter().enumerate() {
             let f = |name: &str| format!("export[{i}].{name}");

@@ -222,6 +222,41 @@ pub struct Snapshot {
     /// Per NIC: where its memory and its thread are.
     #[serde(default)]
     pub placement: Vec<NicPlacement>,
+    /// What the limits (`[limits]` in the config, docs/tyched.md "Limits") refused or held back.
+    #[serde(default)]
+    pub limits: LimitStats,
+}
+
+/// Counters of the target's limits: each says how often a limit was full, and what happened
+/// instead of growth (a REJECT BUSY, a drop, a wait).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LimitStats {
+    /// CONNECTs refused with BUSY: `limits.sessions` was full.
+    pub busy_sessions: u64,
+    /// CONNECTs refused with BUSY: `limits.sessions_per_export` was full.
+    pub busy_sessions_per_export: u64,
+    /// CONNECTs refused with BUSY: `limits.sessions_per_mac` was full.
+    pub busy_sessions_per_mac: u64,
+    /// CONNECTs refused with BUSY: `limits.channels_per_session` was full.
+    pub busy_channels_per_session: u64,
+    /// CONNECTs refused with BUSY: `limits.channels` was full.
+    pub busy_channels: u64,
+    /// Pending key challenges forgotten to make room (`limits.challenges`,
+    /// `limits.challenges_per_mac`), or expired.
+    pub challenges_evicted: u64,
+    /// Control replies (ACCEPT, REJECT, CHALLENGE, DISCOVER_REPLY) dropped because their NIC's
+    /// queue held `limits.control_queue` already.
+    pub control_dropped: u64,
+    /// `damq` slot memory held now, in bytes (at most `limits.slot_memory`).
+    pub slot_memory_bytes: u64,
+    /// Times slot memory was wanted and `limits.slot_memory` was reached: a read waited for
+    /// memory, or a copied write failed with an I/O error.
+    pub slot_memory_waits: u64,
+    /// Log lines left out by the rate limit on warnings a peer can cause.
+    pub warnings_suppressed: u64,
+    /// Sessions ended because handling them hit a bug (a panic, contained to that session).
+    pub sessions_failed: u64,
 }
 
 impl Snapshot {

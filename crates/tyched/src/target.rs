@@ -35,7 +35,7 @@ use tyche_wire::{
 
 use crate::backend::{Backend, BackendError, FileBackend, Memory, RamBackend};
 use crate::config::{Config, NetworkThreads};
-use crate::stats::{ChannelSnapshot, Drops, ExportStats, NicPlacement, NicStats, Snapshot};
+use crate::stats::{ChannelSnapshot, Drops, ExportStats, LimitStats, NicPlacement, NicStats, Snapshot};
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
@@ -43,8 +43,8 @@ const RX_BUDGET: usize = 64;
 const TX_BUDGET: usize = 256;
 /// Storage jobs queued at most (the workers' queue).
 const JOB_QUEUE: usize = 4096;
-/// Outstanding CHALLENGEs remembered (oldest forgotten first).
-const CHALLENGES: usize = 4096;
+/// How long a CHALLENGE may be answered.
+const CHALLENGE_LIFETIME: Duration = Duration::from_secs(10);
 /// Longest sleep when some transport has no readiness descriptor (in-memory links).
 const POLL_CAP_NO_FD: Duration = Duration::from_millis(1);
 /// Longest sleep otherwise (the stop flag and stats requests are also signalled on the eventfd).
@@ -162,6 +162,45 @@ pub(crate) fn new_eventfd() -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// A rate limit for log lines a peer can cause (refusals, sessions and channels opening and
+/// dying, storage errors): at most [`RateLimit::PER_SECOND`] lines a second pass, the rest are
+/// counted (`limits.warnings_suppressed`). Lock-free: storage threads use it too.
+#[derive(Debug)]
+pub(crate) struct RateLimit {
+    second: AtomicU64,
+    used: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl RateLimit {
+    const PER_SECOND: u64 = 20;
+
+    const fn new() -> Self {
+        RateLimit { second: AtomicU64::new(0), used: AtomicU64::new(0), suppressed: AtomicU64::new(0) }
+    }
+
+    /// Whether a line may be logged now.
+    pub(crate) fn allow(&self) -> bool {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let now = START.get_or_init(std::time::Instant::now).elapsed().as_secs() + 1;
+        if self.second.swap(now, Ordering::Relaxed) != now {
+            self.used.store(0, Ordering::Relaxed);
+        }
+        if self.used.fetch_add(1, Ordering::Relaxed) < Self::PER_SECOND {
+            return true;
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    fn suppressed(&self) -> u64 {
+        self.suppressed.load(Ordering::Relaxed)
+    }
+}
+
+/// The log rate limit of this process's targets.
+pub(crate) static PEER_LOGS: RateLimit = RateLimit::new();
+
 /// 64 unpredictable bits from the kernel (session ids, challenge nonces).
 fn random_u64() -> u64 {
     let mut v: u64 = 0;
@@ -199,6 +238,8 @@ pub(crate) struct Region {
     pub(crate) chunks: Vec<TxChunk>,
     pub(crate) seg: u32,
     pub(crate) nic: usize,
+    /// The read whose data it holds.
+    pub(crate) tag: u64,
 }
 
 /// Write data left in the received frame it arrived in: the `len` bytes at `addr` are bytes
@@ -215,17 +256,20 @@ pub(crate) struct LentSegment {
 
 impl Job {
     /// The request's write data in order: the payloads of the kept frames, and slot memory
-    /// for the parts that were copied there.
-    pub(crate) fn write_pieces(&self) -> Vec<&[u8]> {
+    /// for the parts that were copied there. `None` if they do not add up (kept segments out of
+    /// order or past the end, or copied parts with no slot memory): the write must not run.
+    pub(crate) fn write_pieces(&self) -> Option<Vec<&[u8]>> {
         let len = self.request.length as usize;
-        let mem = || &self.buf.as_ref().expect("write slot").as_slice()[..len];
+        let mem = self.buf.as_ref().map(Memory::as_slice);
         let mut out = Vec::with_capacity(self.lent.len() + 1);
         let mut at = 0usize;
         for seg in &self.lent {
             let (o, l) = (seg.offset as usize, seg.len as usize);
-            assert!(o >= at && o + l <= len, "kept segments lie in order within the request");
+            if o < at || o + l > len {
+                return None;
+            }
             if o > at {
-                out.push(&mem()[at..o]);
+                out.push(mem?.get(at..o)?);
             }
             // SAFETY: `addr..addr + len` lies within the frame the lease names (checked with
             // `Lease::covers` when the frame was kept), and while the lease lives the transport
@@ -234,9 +278,20 @@ impl Job {
             at = o + l;
         }
         if at < len {
-            out.push(&mem()[at..]);
+            out.push(mem?.get(at..len)?);
         }
-        out
+        Some(out)
+    }
+
+    /// Whether the job's data has a place to come from or go to (checked before storage runs).
+    pub(crate) fn places_ok(&self) -> bool {
+        let len = self.request.length as usize;
+        match self.request.op {
+            Op::Read if self.region.is_some() => true,
+            Op::Read => self.buf.as_ref().is_some_and(|b| b.as_slice().len() >= len),
+            Op::Write => self.write_pieces().is_some(),
+            _ => true,
+        }
     }
 
     /// Where the read data goes when it goes straight into transmit chunks: one place per
@@ -279,9 +334,15 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
     let len = r.length as usize;
     let res = match r.op {
         Op::Read if job.region.is_some() => backend.read_vectored_at(&mut job.read_places(), r.offset),
-        Op::Read => backend.read_at(&mut job.buf.as_mut().expect("read slot").as_mut_slice()[..len], r.offset),
-        Op::Write if !job.lent.is_empty() => backend.write_vectored_at(&job.write_pieces(), r.offset, r.fua),
-        Op::Write => backend.write_at(&job.buf.as_ref().expect("write slot").as_slice()[..len], r.offset, r.fua),
+        Op::Read => match job.buf.as_mut().and_then(|b| b.as_mut_slice().get_mut(..len)) {
+            Some(place) => backend.read_at(place, r.offset),
+            None => return Status::Invalid,
+        },
+        Op::Write => match job.write_pieces() {
+            Some(pieces) if !job.lent.is_empty() => backend.write_vectored_at(&pieces, r.offset, r.fua),
+            Some(pieces) => backend.write_at(pieces.first().copied().unwrap_or_default(), r.offset, r.fua),
+            None => return Status::Invalid,
+        },
         Op::Flush => backend.flush(),
         Op::Discard => backend.discard(r.offset, r.length as u64),
         Op::WriteZeroes => backend.write_zeroes(r.offset, r.length as u64),
@@ -289,7 +350,9 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
     match res {
         Ok(()) => Status::Ok,
         Err(e) => {
-            tracing::warn!(op = ?r.op, offset = r.offset, length = r.length, "storage error: {e}");
+            if PEER_LOGS.allow() {
+                tracing::warn!(op = ?r.op, offset = r.offset, length = r.length, "storage error: {e}");
+            }
             if e.raw_os_error() == Some(libc::ENOSPC) {
                 Status::NoSpace
             } else {
@@ -297,6 +360,14 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
             }
         }
     }
+}
+
+/// [`execute`], with a panic (a bug) turned into an I/O error for that request alone.
+pub(crate) fn execute_contained(backend: &dyn Backend, job: &mut Job) -> Status {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(backend, job))).unwrap_or_else(|_| {
+        tracing::error!(op = ?job.request.op, "storage request panicked; failed with an I/O error");
+        Status::IoError
+    })
 }
 
 /// Starts targets.
@@ -431,7 +502,8 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         features: 0,
     };
     let timers = config.timers();
-    let acceptor = Acceptor::new(config.ethertype, exports.iter().map(|e| e.spec.clone()).collect(), limit, timers);
+    let acceptor = Acceptor::new(config.ethertype, exports.iter().map(|e| e.spec.clone()).collect(), limit, timers)
+        .with_limits(config.limits.acceptor());
 
     let shared = Arc::new(Shared {
         stop: AtomicBool::new(false),
@@ -463,7 +535,7 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
             loop {
                 let job = rx.lock().expect("job queue").recv();
                 let Ok(mut job) = job else { return };
-                let status = execute(&*backends[job.export], &mut job);
+                let status = execute_contained(&*backends[job.export], &mut job);
                 if tx.send(Done { job, status }).is_err() {
                     return;
                 }
@@ -568,6 +640,12 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         control: Vec::new(),
         challenges: HashMap::new(),
         challenge_order: VecDeque::new(),
+        challenges_by_mac: HashMap::new(),
+        limits: config.limits,
+        limit_stats: LimitStats::default(),
+        slot_bytes: 0,
+        short: HashMap::new(),
+        waiting_memory: VecDeque::new(),
         clock: std::time::Instant::now(),
         skew: Duration::ZERO,
         shared: Arc::clone(&shared),
@@ -819,8 +897,20 @@ type SlotKey = (u64, u16, u64, u16);
 #[derive(Debug)]
 struct LentSlot {
     tag: u64,
+    /// The slot generation the segments were placed in ([`TargetInbound::Write`]).
+    generation: u32,
     segs: BTreeMap<u32, LentSegment>,
 }
+
+/// A CHALLENGE sent and not yet answered.
+#[derive(Debug, Clone, Copy)]
+struct PendingChallenge {
+    target_nonce: u64,
+    sent: Instant,
+}
+
+/// Requests deferred until slot memory is free: (session, channel, request, slot generation).
+type Deferred = (u64, u16, Request, u32);
 
 /// The engine state every network thread works on, under one lock (see docs/architecture.md,
 /// "Network threads").
@@ -863,8 +953,22 @@ struct Network {
     inflight: u64,
     /// Control replies (ACCEPT, REJECT, CHALLENGE, DISCOVER_REPLY) waiting per NIC.
     control: Vec<VecDeque<Vec<u8>>>,
-    challenges: HashMap<(MacAddr, u64), u64>,
+    challenges: HashMap<(MacAddr, u64), PendingChallenge>,
+    /// Pending challenges in the order sent (entries already forgotten are skipped).
     challenge_order: VecDeque<(MacAddr, u64)>,
+    /// Pending challenges per initiator MAC, oldest first.
+    challenges_by_mac: HashMap<MacAddr, VecDeque<u64>>,
+    /// The limits in force.
+    limits: crate::config::Limits,
+    /// What they refused or held back.
+    limit_stats: LimitStats,
+    /// Slot memory allocated (at most `limits.slot_memory`).
+    slot_bytes: u64,
+    /// Slots whose copied write data of this generation could not be kept (no slot memory):
+    /// that write fails instead of running with holes.
+    short: HashMap<SlotKey, u32>,
+    /// Reads waiting for slot memory.
+    waiting_memory: VecDeque<Deferred>,
     clock: std::time::Instant,
     /// Added to the clock ([`Harness::advance`]; zero in a daemon).
     skew: Duration,
@@ -931,7 +1035,7 @@ impl Network {
         }
         busy |= self.completions(now);
         self.timers(now);
-        self.collect_events(now);
+        self.collect_events();
         self.submit_overflow();
         for (k, nic) in nics.iter_mut() {
             busy |= self.transmit_on(now, *k, nic);
@@ -1040,7 +1144,8 @@ impl Network {
 
     /// Handles one received frame. Write data is kept in the frame when the transport lends it
     /// (`lease`) and the export writes from frames; else it is copied into slot memory. Returns
-    /// the lease when the frame is not kept.
+    /// the lease when the frame is not kept. A panic while handling it (a bug a peer's frame
+    /// reached) ends that frame's session alone ([`Network::fail_session`]).
     fn on_frame(
         &mut self,
         now: Instant,
@@ -1056,12 +1161,32 @@ impl Network {
             st.drops.malformed += 1;
             return lease;
         };
+        let sid = frame.session();
+        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.on_tyche_frame(now, k, local, &frame, bytes, lease)
+        }));
+        handled.unwrap_or_else(|_| {
+            self.fail_session(sid, "handling a frame");
+            None
+        })
+    }
+
+    fn on_tyche_frame(
+        &mut self,
+        now: Instant,
+        k: usize,
+        local: MacAddr,
+        frame: &Frame<&[u8]>,
+        bytes: &[u8],
+        lease: Option<Lease>,
+    ) -> Option<Lease> {
+        let st = &mut self.nic_stats[k];
         if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
             let Ok(msg) = frame.parse() else {
                 st.drops.malformed += 1;
                 return lease;
             };
-            self.on_handshake(now, k, local, &frame, &msg);
+            self.on_handshake(now, k, local, frame, &msg);
             return lease;
         }
         let Some(s) = self.sessions.get_mut(&frame.session()) else {
@@ -1069,65 +1194,92 @@ impl Network {
             tracing::trace!(src = %frame.src(), session = frame.session(), "frame for an unknown session");
             return lease;
         };
-        match s.session.handle_frame(now, bytes) {
-            TargetInbound::Consumed => {}
-            TargetInbound::Write { channel, damq, offset, payload } => {
-                let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
-                let key = (s.session.id(), channel, epoch, damq);
-                let lend = self.exports[s.export].lend;
-                let tag = match frame.parse_borrowed() {
-                    Ok(Message::Data(d)) => d.header.tag,
-                    _ => unreachable!("the channel placed a DATA frame"),
-                };
-                let (slot_len, node) = (self.slot_len, self.nic_node[k]);
-                let slot = self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node)));
-                let Some(mem) = slot else {
-                    st.drops.slot_busy += 1;
-                    return lease;
-                };
-                // Segments kept for another tag (a write that never executed) or at this offset
-                // (never: the channel drops duplicates) go back first.
-                if let Some(ls) = self.lent.get_mut(&key) {
-                    let stale: Vec<LentSegment> = if ls.tag != tag {
-                        ls.tag = tag;
-                        std::mem::take(&mut ls.segs).into_values().collect()
-                    } else {
-                        ls.segs.remove(&offset).into_iter().collect()
-                    };
-                    for seg in stale {
-                        self.release[seg.nic].push(seg.lease);
-                        self.leases_held -= 1;
+        let (channel, damq, offset, payload, generation) = match s.session.handle_frame(now, bytes) {
+            TargetInbound::Consumed => return lease,
+            TargetInbound::Dropped(d) => {
+                match d {
+                    FrameDrop::Wire(_) => st.drops.malformed += 1,
+                    FrameDrop::NotOurs => st.drops.not_ours += 1,
+                    FrameDrop::Channel(r) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+                }
+                return lease;
+            }
+            TargetInbound::Write { channel, damq, offset, payload, generation } => {
+                (channel, damq, offset, payload, generation)
+            }
+        };
+        let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
+        let key = (s.session.id(), channel, epoch, damq);
+        let lend = self.exports[s.export].lend;
+        let node = self.nic_node[k];
+        let Ok(Message::Data(data)) = frame.parse_borrowed() else {
+            // The channel placed it, so it parsed as DATA there.
+            st.drops.malformed += 1;
+            return lease;
+        };
+        let tag = data.header.tag;
+        // Segments kept for another tag or slot generation (a write that never executed, early
+        // data of a refused request) or at this offset (never: the channel drops duplicates) go
+        // back first.
+        let mut stale = Vec::new();
+        if let Some(ls) = self.lent.get_mut(&key) {
+            if ls.tag != tag || ls.generation != generation {
+                ls.tag = tag;
+                ls.generation = generation;
+                stale.extend(std::mem::take(&mut ls.segs).into_values());
+            } else {
+                stale.extend(ls.segs.remove(&offset));
+            }
+        }
+        for seg in stale {
+            self.release[seg.nic].push(seg.lease);
+            self.leases_held -= 1;
+        }
+        match lease {
+            Some(lease) if lend && lease.covers(payload) => {
+                let ls = self.lent.entry(key).or_insert_with(|| LentSlot { tag, generation, segs: BTreeMap::new() });
+                let seg =
+                    LentSegment { offset, len: payload.len() as u32, addr: payload.as_ptr() as usize, nic: k, lease };
+                ls.segs.insert(offset, seg);
+                self.leases_held += 1;
+                self.nic_stats[k].frames_kept += 1;
+                None
+            }
+            lease => {
+                if !matches!(self.slots.get(&key), Some(Some(_))) {
+                    if matches!(self.slots.get(&key), Some(None)) {
+                        // Held by a storage job (cannot happen: the channel refuses data for a
+                        // slot whose request executes); never write under it.
+                        self.nic_stats[k].drops.slot_busy += 1;
+                        self.short.insert(key, generation);
+                        return lease;
+                    }
+                    match self.alloc_slot(node) {
+                        Some(mem) => {
+                            self.slots.insert(key, Some(mem));
+                        }
+                        None => {
+                            // No memory to copy into: the write of this slot generation fails
+                            // with an I/O error when it executes (its data is incomplete).
+                            self.short.insert(key, generation);
+                            return lease;
+                        }
                     }
                 }
-                match lease {
-                    Some(lease) if lend && lease.covers(payload) => {
-                        let ls = self.lent.entry(key).or_insert_with(|| LentSlot { tag, segs: BTreeMap::new() });
-                        let seg = LentSegment {
-                            offset,
-                            len: payload.len() as u32,
-                            addr: payload.as_ptr() as usize,
-                            nic: k,
-                            lease,
-                        };
-                        ls.segs.insert(offset, seg);
-                        self.leases_held += 1;
-                        st.frames_kept += 1;
-                        return None;
-                    }
-                    lease => {
-                        let o = offset as usize;
-                        mem.as_mut_slice()[o..o + payload.len()].copy_from_slice(payload);
-                        self.payload_copied += payload.len() as u64;
-                        self.payload_copied_write += payload.len() as u64;
+                let Some(Some(mem)) = self.slots.get_mut(&key) else { return lease };
+                let o = offset as usize;
+                match mem.as_mut_slice().get_mut(o..o + payload.len()) {
+                    Some(place) => place.copy_from_slice(payload),
+                    None => {
+                        self.short.insert(key, generation);
                         return lease;
                     }
                 }
+                self.payload_copied += payload.len() as u64;
+                self.payload_copied_write += payload.len() as u64;
+                lease
             }
-            TargetInbound::Dropped(FrameDrop::Wire(_)) => st.drops.malformed += 1,
-            TargetInbound::Dropped(FrameDrop::NotOurs) => st.drops.not_ours += 1,
-            TargetInbound::Dropped(FrameDrop::Channel(r)) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
         }
-        lease
     }
 
     /// Gives NIC `k`'s transport back the frames it lent that are no longer needed, and notes
@@ -1204,20 +1356,27 @@ impl Network {
                     buf.truncate(len);
                 };
                 if !e.allow.is_empty() && !e.allow.contains(&src) {
-                    tracing::warn!(%src, export = %c.export, nic = %self.nics_name(k), "refused: MAC not allowed");
+                    if PEER_LOGS.allow() {
+                        tracing::warn!(%src, export = %c.export, nic = %self.nics_name(k), "refused: MAC not allowed");
+                    }
                     self.nic_stats[k].drops.denied_mac += 1;
                     self.export_stats[i].denied += 1;
                     reject(RejectReason::NotAllowed, &mut buf);
-                    self.control[k].push_back(buf);
+                    self.queue_control(k, buf);
                     return;
                 }
                 if let Some(key) = &e.key {
+                    let pending = self
+                        .challenges
+                        .get(&(src, c.nonce))
+                        .filter(|p| now.since(p.sent) < CHALLENGE_LIFETIME)
+                        .map(|p| p.target_nonce);
                     let Some(proof) = c.proof else {
-                        let tn = match self.challenges.get(&(src, c.nonce)) {
-                            Some(&tn) => tn,
+                        let tn = match pending {
+                            Some(tn) => tn,
                             None => {
                                 let tn = random_u64();
-                                self.remember_challenge(src, c.nonce, tn);
+                                self.remember_challenge(now, src, c.nonce, tn);
                                 tn
                             }
                         };
@@ -1225,7 +1384,7 @@ impl Network {
                         let len =
                             Message::Challenge(Challenge { nonce: c.nonce, target_nonce: tn }).emit(&env, &mut buf);
                         buf.truncate(len);
-                        self.control[k].push_back(buf);
+                        self.queue_control(k, buf);
                         return;
                     };
                     let input = |tn| ProofInput {
@@ -1235,36 +1394,41 @@ impl Network {
                         initiator: src,
                         target: local,
                     };
-                    let ok = self
-                        .challenges
-                        .get(&(src, c.nonce))
-                        .is_some_and(|&tn| auth::verify(key, ProofRole::Initiator, &input(tn), &proof));
-                    if !ok {
-                        tracing::warn!(%src, export = %c.export, "refused: wrong key proof");
+                    let ok = pending.filter(|&tn| auth::verify(key, ProofRole::Initiator, &input(tn), &proof));
+                    let Some(tn) = ok else {
+                        if PEER_LOGS.allow() {
+                            tracing::warn!(%src, export = %c.export, "refused: wrong key proof");
+                        }
                         self.nic_stats[k].drops.denied_key += 1;
                         self.export_stats[i].denied += 1;
                         reject(RejectReason::AuthFailed, &mut buf);
-                        self.control[k].push_back(buf);
+                        self.queue_control(k, buf);
                         return;
-                    }
-                    let tn = self.challenges[&(src, c.nonce)];
+                    };
                     target_proof = Some(auth::proof(key, ProofRole::Target, &input(tn)));
                 }
             }
         }
         let mut ids = random_u64;
+        let busy_before = self.acceptor.busy();
         match self.acceptor.handle_keyed(now, local, src, &env_in, msg, &mut ids, &mut buf, target_proof) {
             Some(Accepted::Reply(len)) => {
+                if self.acceptor.busy() != busy_before && PEER_LOGS.allow() {
+                    tracing::warn!(%src, busy = ?self.acceptor.busy(), "refused a CONNECT: a session or channel limit is full");
+                }
                 buf.truncate(len);
-                self.control[k].push_back(buf);
+                self.queue_control(k, buf);
             }
             Some(Accepted::Channel { session, export, channel, len }) => {
                 let e = &self.exports[export];
                 let geometry = ExportGeometry { size: e.spec.size, read_only: e.read_only, discard: true };
                 let idx = channel.envelope().channel;
                 let ethertype = self.ethertype;
+                let log = PEER_LOGS.allow();
                 let st = self.sessions.entry(session).or_insert_with(|| {
-                    tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
+                    if log {
+                        tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
+                    }
                     SessionState {
                         session: TargetSession::new(session, ethertype, geometry),
                         export,
@@ -1274,7 +1438,9 @@ impl Network {
                         all_dead_since: None,
                     }
                 });
-                tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(), "channel open");
+                if log {
+                    tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(), "channel open");
+                }
                 st.session.add_channel(*channel);
                 st.all_dead_since = None;
                 if st.nic_of.insert(idx, k).is_some() {
@@ -1283,96 +1449,84 @@ impl Network {
                     let epoch = st.epochs.entry(idx).or_default();
                     let old = *epoch;
                     *epoch += 1;
-                    self.slots.retain(|key, _| !(key.0 == session && key.1 == idx && key.2 == old));
-                    self.release_lent_where(|key| key.0 == session && key.1 == idx && key.2 == old);
+                    self.drop_slots_where(|key| key.0 == session && key.1 == idx && key.2 == old);
                 }
                 buf.truncate(len);
-                self.control[k].push_back(buf);
+                self.queue_control(k, buf);
             }
             None => {}
         }
+    }
+
+    /// Queues a control reply on NIC `k`, or drops it when `limits.control_queue` are waiting
+    /// (the initiator retries its CONNECT or DISCOVER).
+    fn queue_control(&mut self, k: usize, frame: Vec<u8>) {
+        if self.control[k].len() >= self.limits.control_queue {
+            self.limit_stats.control_dropped += 1;
+            return;
+        }
+        self.control[k].push_back(frame);
     }
 
     fn nics_name(&self, k: usize) -> &str {
         &self.nic_stats[k].name
     }
 
-    fn remember_challenge(&mut self, src: MacAddr, nonce: u64, tn: u64) {
-        if self.challenge_order.len() >= CHALLENGES {
-            if let Some(old) = self.challenge_order.pop_front() {
-                self.challenges.remove(&old);
+    /// Remembers a CHALLENGE sent to `src`: at most `limits.challenges_per_mac` per MAC and
+    /// `limits.challenges` in all, the oldest forgotten first (counted).
+    fn remember_challenge(&mut self, now: Instant, src: MacAddr, nonce: u64, tn: u64) {
+        let per_mac = self.challenges_by_mac.entry(src).or_default();
+        if per_mac.len() >= self.limits.challenges_per_mac {
+            if let Some(old) = per_mac.pop_front() {
+                self.challenges.remove(&(src, old));
+                self.limit_stats.challenges_evicted += 1;
             }
         }
-        self.challenges.insert((src, nonce), tn);
+        per_mac.push_back(nonce);
+        while self.challenges.len() >= self.limits.challenges {
+            let Some((mac, old)) = self.challenge_order.pop_front() else { break };
+            if self.challenges.remove(&(mac, old)).is_some() {
+                self.limit_stats.challenges_evicted += 1;
+                if let Some(q) = self.challenges_by_mac.get_mut(&mac) {
+                    q.retain(|&n| n != old);
+                    if q.is_empty() {
+                        self.challenges_by_mac.remove(&mac);
+                    }
+                }
+            }
+        }
+        self.challenges.insert((src, nonce), PendingChallenge { target_nonce: tn, sent: now });
         self.challenge_order.push_back((src, nonce));
+        // Entries forgotten per MAC stay in the order until popped: keep it bounded too.
+        if self.challenge_order.len() > 2 * self.limits.challenges {
+            let challenges = &self.challenges;
+            self.challenge_order.retain(|key| challenges.contains_key(key));
+        }
     }
 
     // ---------------------------------------------------------------------------------------
     // Storage.
 
-    fn collect_events(&mut self, now: Instant) {
-        let _ = now;
-        let stopping = self.stopping.is_some();
-        let mut jobs = Vec::new();
+    fn collect_events(&mut self) {
+        let mut execute = std::mem::take(&mut self.waiting_memory);
+        let mut dead = Vec::new();
         for (&sid, s) in self.sessions.iter_mut() {
             while let Some(ev) = s.session.poll_event() {
                 match ev {
-                    TargetEvent::Execute { channel, request } => {
-                        let mut lent = Vec::new();
-                        let mut region = None;
-                        let buf = if request.op.uses_damq() {
-                            let key = (sid, channel, s.epochs.get(&channel).copied().unwrap_or(0), request.damq);
-                            // The slot is reused: read data of its previous request is not needed.
-                            if let Some(old) = self.regions.remove(&key) {
-                                self.tx_draining[old.nic].extend(old.chunks);
-                            }
-                            self.in_region.remove(&key);
-                            if let (Op::Read, Some(&k)) = (request.op, s.nic_of.get(&channel)) {
-                                let seg = s.session.channel(channel).map_or(0, |c| c.params().segment as u32);
-                                let need = (request.length as usize).div_ceil(seg.max(1) as usize);
-                                let free = &mut self.tx_free[k];
-                                if self.exports[s.export].lend && seg > 0 && need > 0 && free.len() >= need {
-                                    let chunks = free.split_off(free.len() - need);
-                                    region = Some(Region { chunks, seg, nic: k });
-                                    self.in_region.insert(key);
-                                }
-                            }
-                            if let Some(ls) = self.lent.remove(&key) {
-                                if request.op == Op::Write && ls.tag == request.tag {
-                                    lent = ls.segs.into_values().collect();
-                                } else {
-                                    for seg in ls.segs.into_values() {
-                                        self.release[seg.nic].push(seg.lease);
-                                        self.leases_held -= 1;
-                                    }
-                                }
-                            }
-                            let node = s.nic_of.get(&channel).map_or(self.node, |&k| self.nic_node[k]);
-                            let slot_len = self.slot_len;
-                            let slot =
-                                self.slots.entry(key).or_insert_with(|| Some(Memory::new(slot_len, node))).take();
-                            Some(slot.unwrap_or_else(|| Memory::new(slot_len, node)))
-                        } else {
-                            None
-                        };
-                        *s.executing.entry(channel).or_default() += 1;
-                        let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
-                        jobs.push(Job {
-                            session: sid,
-                            channel,
-                            epoch,
-                            export: s.export,
-                            request,
-                            buf,
-                            lent,
-                            region,
-                            abort: stopping,
-                        });
+                    TargetEvent::Execute { channel, request, generation } => {
+                        execute.push_back((sid, channel, request, generation))
                     }
-                    TargetEvent::ChannelDead { channel, reason } => {
-                        tracing::info!(session = format_args!("{sid:016x}"), channel, ?reason, "channel dead");
-                    }
+                    TargetEvent::ChannelDead { channel, reason } => dead.push((sid, channel, reason)),
                 }
+            }
+        }
+        for (sid, channel, reason) in dead {
+            self.channel_dead(sid, channel, reason);
+        }
+        let mut jobs = Vec::new();
+        while let Some(d) = execute.pop_front() {
+            if let Some(j) = self.prepare_job(d) {
+                jobs.push(j);
             }
         }
         for mut j in jobs {
@@ -1381,19 +1535,179 @@ impl Network {
             // and back costs more than doing it here (two context switches per request).
             let backend = Arc::clone(&self.exports[j.export].backend);
             if backend.kind() == "ram" {
-                let status = execute(&*backend, &mut j);
+                let status = execute_contained(&*backend, &mut j);
                 self.finish_job(Done { job: j, status });
             } else if let Some(q) = self
                 .uring
                 .as_ref()
                 .filter(|q| self.exports[j.export].uring && crate::uring::handles(q.fallocate, &*backend, j.request.op))
             {
-                q.submit(j);
+                if let Err(j) = q.submit(j) {
+                    tracing::error!("the io_uring thread is gone; request failed");
+                    self.finish_job(Done { job: j, status: Status::IoError });
+                }
             } else {
                 self.overflow.push_back(j);
             }
         }
         self.submit_overflow();
+    }
+
+    /// The storage job of a request the session hands out, with its data's places: write data
+    /// kept in frames (of this slot generation) and copied into slot memory, read data going
+    /// into lent transmit chunks or slot memory. `None` when the session is gone, when the
+    /// request was completed here (its copied write data is incomplete), or when a read waits
+    /// for slot memory (it is kept in `waiting_memory`).
+    fn prepare_job(&mut self, deferred: Deferred) -> Option<Job> {
+        let (sid, channel, request, generation) = deferred;
+        let stopping = self.stopping.is_some();
+        let s = self.sessions.get(&sid)?;
+        let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
+        let ch = s.session.channel(channel);
+        let dead = ch.is_none_or(|c| c.dead().is_some());
+        let seg = ch.map_or(0, |c| c.params().segment as u32);
+        let (export, nic) = (s.export, s.nic_of.get(&channel).copied());
+        let key = (sid, channel, epoch, request.damq);
+        let (mut lent, mut region, mut buf) = (Vec::new(), None, None);
+        if request.op.uses_damq() && !dead && !stopping {
+            // The slot is reused: read data of its previous request is not needed.
+            if let Some(old) = self.regions.remove(&key) {
+                self.tx_draining[old.nic].extend(old.chunks);
+            }
+            self.in_region.remove(&key);
+            if let Some(ls) = self.lent.remove(&key) {
+                if request.op == Op::Write && ls.tag == request.tag && ls.generation == generation {
+                    lent = ls.segs.into_values().collect();
+                } else {
+                    for seg in ls.segs.into_values() {
+                        self.release[seg.nic].push(seg.lease);
+                        self.leases_held -= 1;
+                    }
+                }
+            }
+            let short = self.short.remove(&key) == Some(generation);
+            let node = nic.map_or(self.node, |k| self.nic_node[k]);
+            match request.op {
+                Op::Read => {
+                    if let Some(k) = nic {
+                        let need = (request.length as usize).div_ceil(seg.max(1) as usize);
+                        let free = &mut self.tx_free[k];
+                        if self.exports[export].lend && seg > 0 && need > 0 && free.len() >= need {
+                            let chunks = free.split_off(free.len() - need);
+                            region = Some(Region { chunks, seg, nic: k, tag: request.tag });
+                            self.in_region.insert(key);
+                        }
+                    }
+                    if region.is_none() {
+                        buf = match self.slots.get_mut(&key).and_then(Option::take) {
+                            Some(mem) => Some(mem),
+                            None => match self.alloc_slot(node) {
+                                Some(mem) => Some(mem),
+                                None => {
+                                    // Wait for memory: nothing of the read has happened yet.
+                                    self.waiting_memory.push_back(deferred);
+                                    return None;
+                                }
+                            },
+                        };
+                        self.slots.entry(key).or_insert(None);
+                    }
+                }
+                _ => {
+                    let kept: u64 = lent.iter().map(|l| l.len as u64).sum();
+                    if kept < request.length as u64 {
+                        buf = self.slots.get_mut(&key).and_then(Option::take);
+                    }
+                    if short || (kept < request.length as u64 && buf.is_none()) {
+                        // Copied data of this write could not be kept: fail it, never write holes.
+                        for seg in lent {
+                            self.release[seg.nic].push(seg.lease);
+                            self.leases_held -= 1;
+                        }
+                        if let Some(mem) = buf {
+                            self.slots.insert(key, Some(mem));
+                        }
+                        self.export_stats[export].errors += 1;
+                        self.sessions.get_mut(&sid)?.session.complete(channel, &request, Status::IoError);
+                        return None;
+                    }
+                }
+            }
+        }
+        *self.sessions.get_mut(&sid)?.executing.entry(channel).or_default() += 1;
+        Some(Job { session: sid, channel, epoch, export, request, buf, lent, region, abort: stopping || dead })
+    }
+
+    /// `limits.slot_memory` permitting, one slot's memory (on `node`). When the budget is spent,
+    /// memory that idle slots hold is taken back first.
+    fn alloc_slot(&mut self, node: Option<u32>) -> Option<Memory> {
+        let len = self.slot_len as u64;
+        if self.slot_bytes + len > self.limits.slot_memory.0 {
+            if let Some(mem) = self.take_idle_slot() {
+                return Some(mem);
+            }
+            self.limit_stats.slot_memory_waits += 1;
+            return None;
+        }
+        self.slot_bytes += len;
+        Some(Memory::new(self.slot_len, node))
+    }
+
+    /// Slot memory that no request uses and no frame will be sent from: its channel has every
+    /// frame acknowledged and nothing to send, and the slot is not receiving write data.
+    fn take_idle_slot(&mut self) -> Option<Memory> {
+        let sessions = &self.sessions;
+        let key = *self.slots.iter().find_map(|(key, slot)| {
+            let s = sessions.get(&key.0)?;
+            let idle = s.epochs.get(&key.1).copied().unwrap_or(0) != key.2
+                || s.session.channel(key.1).is_none_or(|c| {
+                    c.dead().is_some() || (c.unacked_frames() == 0 && !c.wants_transmit() && !c.damq_active(key.3))
+                });
+            (slot.is_some() && idle).then_some(key)
+        })?;
+        self.slots.remove(&key).flatten()
+    }
+
+    /// Gives slot memory back to the budget.
+    fn free_slot(&mut self, mem: Memory) {
+        self.slot_bytes -= self.slot_len as u64;
+        drop(mem);
+    }
+
+    /// Drops the slots `gone` names (their channel or session went): slot memory (memory a job
+    /// holds goes when the job finishes), kept write data, read data in transmit chunks.
+    fn drop_slots_where(&mut self, gone: impl Fn(&SlotKey) -> bool) {
+        let keys: Vec<SlotKey> = self.slots.keys().filter(|key| gone(key)).copied().collect();
+        for key in keys {
+            if let Some(Some(mem)) = self.slots.remove(&key) {
+                self.free_slot(mem);
+            }
+        }
+        self.short.retain(|key, _| !gone(key));
+        self.release_lent_where(gone);
+    }
+
+    /// A channel died: what only its slots need goes now (not when the session ends).
+    fn channel_dead(&mut self, sid: u64, channel: u16, reason: tyche_channel::DeadReason) {
+        if PEER_LOGS.allow() {
+            tracing::info!(session = format_args!("{sid:016x}"), channel, ?reason, "channel dead");
+        }
+        let Some(s) = self.sessions.get(&sid) else { return };
+        let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
+        self.drop_slots_where(|key| key.0 == sid && key.1 == channel && key.2 == epoch);
+    }
+
+    /// Ends session `sid` at once because handling it hit a bug (a panic): every other session
+    /// goes on. Its channels send nothing more (the initiator finds them dead and reconnects).
+    fn fail_session(&mut self, sid: u64, doing: &str) {
+        self.limit_stats.sessions_failed += 1;
+        tracing::error!(session = format_args!("{sid:016x}"), "session ended: a bug was hit while {doing}");
+        if let Some(s) = self.sessions.remove(&sid) {
+            self.duplicates_from_reclaimed += s.session.duplicates_suppressed();
+            self.acceptor.forget_session(sid);
+            self.waiting_memory.retain(|d| d.0 != sid);
+            self.drop_slots_where(|key| key.0 == sid);
+        }
     }
 
     fn submit_overflow(&mut self) {
@@ -1430,9 +1744,15 @@ impl Network {
             self.release[seg.nic].push(seg.lease);
             self.leases_held -= 1;
         }
+        let r = d.request;
+        let key = (d.session, d.channel, d.epoch, r.damq);
+        // Whether the request's channel (this instance of it) still lives to send its data.
+        let live = self.sessions.get(&d.session).is_some_and(|s| {
+            s.epochs.get(&d.channel).copied().unwrap_or(0) == d.epoch
+                && s.session.channel(d.channel).is_some_and(|c| c.dead().is_none())
+        });
         if let Some(region) = d.region.take() {
-            let key = (d.session, d.channel, d.epoch, d.request.damq);
-            if self.slots.contains_key(&key) && status == Status::Ok {
+            if live && status == Status::Ok {
                 if let Some(old) = self.regions.insert(key, region) {
                     self.tx_draining[old.nic].extend(old.chunks);
                 }
@@ -1440,7 +1760,17 @@ impl Network {
                 self.tx_draining[region.nic].extend(region.chunks);
             }
         }
-        let r = d.request;
+        if let Some(buf) = d.buf.take() {
+            match self.slots.get_mut(&key) {
+                Some(slot @ None) if live => *slot = Some(buf),
+                _ => {
+                    if self.slots.get(&key).is_some_and(Option::is_none) {
+                        self.slots.remove(&key);
+                    }
+                    self.free_slot(buf);
+                }
+            }
+        }
         let es = &mut self.export_stats[d.export];
         es.requests.bump(r.op);
         if status == Status::Ok {
@@ -1456,19 +1786,24 @@ impl Network {
         if let Some(n) = s.executing.get_mut(&d.channel) {
             *n -= 1;
         }
-        if let Some(buf) = d.buf {
-            if let Some(slot) = self.slots.get_mut(&(d.session, d.channel, d.epoch, r.damq)) {
-                *slot = Some(buf);
-            }
+        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.session.complete(d.channel, &r, status)));
+        if done.is_err() {
+            self.fail_session(d.session, "completing a request");
         }
-        s.session.complete(d.channel, &r, status);
     }
 
     fn timers(&mut self, now: Instant) {
-        for s in self.sessions.values_mut() {
+        let mut failed = Vec::new();
+        for (&sid, s) in self.sessions.iter_mut() {
             if s.session.poll_timeout().is_some_and(|t| t <= now) {
-                s.session.handle_timeout(now);
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.session.handle_timeout(now)));
+                if run.is_err() {
+                    failed.push(sid);
+                }
             }
+        }
+        for sid in failed {
+            self.fail_session(sid, "running its timers");
         }
     }
 
@@ -1490,10 +1825,12 @@ impl Network {
             let s = self.sessions.remove(&sid).expect("listed");
             self.duplicates_from_reclaimed += s.session.duplicates_suppressed();
             self.acceptor.forget_session(sid);
-            self.slots.retain(|k, _| k.0 != sid);
-            self.release_lent_where(|k| k.0 == sid);
+            self.waiting_memory.retain(|d| d.0 != sid);
+            self.drop_slots_where(|k| k.0 == sid);
             self.reclaimed += 1;
-            tracing::info!(session = format_args!("{sid:016x}"), "session reclaimed");
+            if PEER_LOGS.allow() {
+                tracing::info!(session = format_args!("{sid:016x}"), "session reclaimed");
+            }
         }
     }
 
@@ -1541,9 +1878,10 @@ impl Network {
                             let Some(p) = t.payload else { break 'frame Sent::Here(t.len) };
                             let key = (sid, ch, epoch, p.damq);
                             let dst = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + p.len as usize];
-                            if let Some(region) = regions.get(&key) {
-                                let c = &region.chunks[(p.offset / region.seg) as usize];
-                                assert_eq!(p.offset % region.seg, 0, "segments start on segment boundaries");
+                            if let Some(region) = regions.get(&key).filter(|r| r.tag == p.tag) {
+                                let at = (p.offset % region.seg == 0)
+                                    .then(|| region.chunks.get((p.offset / region.seg) as usize));
+                                let Some(Some(c)) = at else { break 'frame Sent::Here(0) };
                                 if !busy.contains(&c.id()) && used.insert(c.id()) {
                                     // The payload is in the chunk already: only the headers go there.
                                     in_place += 1;
@@ -1560,7 +1898,10 @@ impl Network {
                             match slots.get(&key) {
                                 Some(Some(mem)) if !in_region.contains(&key) => {
                                     let o = p.offset as usize;
-                                    dst.copy_from_slice(&mem.as_slice()[o..o + p.len as usize]);
+                                    let Some(src) = mem.as_slice().get(o..o + p.len as usize) else {
+                                        break 'frame Sent::Here(0);
+                                    };
+                                    dst.copy_from_slice(src);
                                     copied += p.len as u64;
                                     Sent::Here(t.len)
                                 }
@@ -1716,6 +2057,21 @@ impl Network {
             exports,
             channels,
             placement,
+            limits: self.limit_snapshot(),
+        }
+    }
+
+    fn limit_snapshot(&self) -> LimitStats {
+        let busy = self.acceptor.busy();
+        LimitStats {
+            busy_sessions: busy.sessions,
+            busy_sessions_per_export: busy.sessions_per_export,
+            busy_sessions_per_mac: busy.sessions_per_mac,
+            busy_channels_per_session: busy.channels_per_session,
+            busy_channels: busy.channels,
+            slot_memory_bytes: self.slot_bytes,
+            warnings_suppressed: PEER_LOGS.suppressed(),
+            ..self.limit_stats
         }
     }
 }

@@ -89,13 +89,13 @@ pub(crate) struct UringQueue {
 
 impl UringQueue {
     /// Queues a job (never blocks; the engine bounds what it submits, not what it holds).
-    pub(crate) fn submit(&self, job: Job) {
-        if let Some(tx) = &self.tx {
-            if tx.send(job).is_err() {
-                panic!("the io_uring thread is gone");
-            }
-            wake_fd(&self.wake);
-        }
+    /// Gives the job back if the engine's thread is gone (it panicked).
+    #[allow(clippy::result_large_err)] // the job goes back whole, rarely: no box per request
+    pub(crate) fn submit(&self, job: Job) -> Result<(), Job> {
+        let Some(tx) = &self.tx else { return Err(job) };
+        tx.send(job).map_err(|mpsc::SendError(job)| job)?;
+        wake_fd(&self.wake);
+        Ok(())
     }
 }
 
@@ -254,6 +254,10 @@ impl Engine {
             self.finish(job, Status::Aborted);
             return true;
         }
+        if !job.places_ok() {
+            self.finish(job, Status::Invalid);
+            return true;
+        }
         if !handles(self.fallocate, &*self.backends[job.export], job.request.op) {
             return self.hand_to_pool(job);
         }
@@ -302,7 +306,7 @@ impl Engine {
                 // was copied), resuming after `done` bytes.
                 let mut skip = f.done;
                 f.iov.0.clear();
-                for p in f.job.write_pieces() {
+                for p in f.job.write_pieces().unwrap_or_default() {
                     if skip >= p.len() {
                         skip -= p.len();
                         continue;
@@ -411,6 +415,42 @@ impl Engine {
     }
 }
 
+impl Drop for Engine {
+    /// A panic on the engine's thread unwinds through here. The kernel may still read or write
+    /// the buffers of the jobs in flight, so they are not freed before it has finished with
+    /// them: wait for every entry in flight, then fail those jobs (and the queued ones) with an
+    /// I/O error. If the kernel does not finish within [`DRAIN_ON_PANIC`], abort the process
+    /// rather than free memory under I/O.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        tracing::error!("the io_uring thread panicked: waiting for its I/O in flight, then failing those requests");
+        let deadline = std::time::Instant::now() + DRAIN_ON_PANIC;
+        while self.slots.iter().any(Option::is_some) {
+            if std::time::Instant::now() > deadline {
+                tracing::error!("io_uring I/O still in flight; aborting rather than freeing its buffers");
+                std::process::abort();
+            }
+            let _ = self.ring.submit();
+            let cqes: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
+            for data in cqes {
+                if let Some(f) = self.slots.get_mut(data as usize).and_then(Option::take) {
+                    let _ = self.done.send(Done { job: f.job, status: Status::IoError });
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        for job in self.pending.drain(..) {
+            let _ = self.done.send(Done { job, status: Status::IoError });
+        }
+        (self.notify)();
+    }
+}
+
+/// Longest the engine's thread waits for its I/O in flight after a panic before aborting.
+const DRAIN_ON_PANIC: std::time::Duration = std::time::Duration::from_secs(30);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,7 +496,7 @@ mod tests {
                 region: None,
                 abort: false,
             };
-            self.queue.as_ref().unwrap().submit(job);
+            self.queue.as_ref().unwrap().submit(job).expect("the engine runs");
             loop {
                 if let Ok(d) = self.done.recv_timeout(Duration::from_millis(5)) {
                     return (d.status, d.job.buf);
@@ -523,7 +563,8 @@ mod tests {
                 lent: Vec::new(),
                 region: None,
                 abort: false,
-            });
+            })
+            .expect("the engine runs");
         }
         for _ in 0..n {
             let d = h.done.recv_timeout(Duration::from_secs(10)).expect("every write completes");
@@ -544,7 +585,7 @@ mod tests {
             region: None,
             abort: true,
         };
-        q.submit(j);
+        q.submit(j).expect("the engine runs");
         assert_eq!(h.done.recv_timeout(Duration::from_secs(5)).expect("aborted").status, Status::Aborted);
     }
 

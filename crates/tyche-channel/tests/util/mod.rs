@@ -474,7 +474,7 @@ impl Pair {
         }
         while let Some(ev) = self.target.poll_event() {
             match ev {
-                TargetEvent::Execute { channel, request } => {
+                TargetEvent::Execute { channel, request, .. } => {
                     self.executed.push((channel, request));
                     if self.auto_execute {
                         self.execute(channel, request);
@@ -562,7 +562,7 @@ impl Pair {
             self.last_rx.insert(p.dir, self.now);
             match p.dir {
                 Dir::ToTarget => match self.target.handle_frame(self.now, &p.bytes) {
-                    TargetInbound::Write { channel, damq, offset, payload } => {
+                    TargetInbound::Write { channel, damq, offset, payload, .. } => {
                         let mem = self.damq_mem.entry((channel, damq)).or_insert_with(|| vec![0; max_io]);
                         mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
                     }
