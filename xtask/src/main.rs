@@ -1,4 +1,4 @@
-//! `cargo xtask <command>`: the project's orchestration (test suite, simulation, lab, AF_XDP smoke
+//! `cargo xtask <command>`: the project's orchestration (test suite, simulation, fuzzing, lab, AF_XDP smoke
 //! test, benchmarks, filesystem checks). Plain `cargo build` and `cargo test` work without it.
 
 mod bench_e2e;
@@ -8,6 +8,7 @@ mod demo;
 mod disk;
 mod e2e;
 mod flood;
+mod fuzz;
 mod lab;
 mod sim;
 mod stack;
@@ -39,6 +40,8 @@ enum Command {
     E2e(e2e::E2eArgs),
     /// Issue #13's flood test: 100,000 CONNECTs from 1,000 MACs while fio verifies (root).
     Flood(flood::FloodArgs),
+    /// Coverage-guided fuzzing of the target, the initiator and the NBD server (docs/fuzzing.md).
+    Fuzz(fuzz::FuzzArgs),
     /// Run the deterministic simulator over many seeds (or replay one).
     Sim(sim::SimArgs),
     /// The veth lab: two network namespaces (target, initiator) joined by veth pairs.
@@ -96,6 +99,7 @@ fn main() -> Result<()> {
             ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
             flood::flood(&root(), &a)
         }
+        Command::Fuzz(a) => fuzz::run(&root(), &a),
         Command::Sim(a) => sim::run(a),
         Command::Lab { action } => lab::run(action),
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),

@@ -487,6 +487,9 @@ impl Engine {
         if let Some(key) = &self.cfg.key {
             connector = connector.with_key(key);
         }
+        if let Some(host) = self.cfg.host_id {
+            connector = connector.with_host(host);
+        }
         self.connectors.insert(channel, Pending { slot, connector });
         self.slots[slot].state = SlotState::Connecting { channel, attempt };
     }
