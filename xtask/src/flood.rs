@@ -1,6 +1,7 @@
 //! `cargo xtask flood`: issue #13's flood test (root).
 //!
-//! A 2-NIC veth lab: `tyched` with a file export in the target namespace, `tyche-init serve-nbd`
+//! A 2-NIC veth lab: `tyched` with a shared file export (`shared = true`, so that the flood can
+//! create sessions) in the target namespace, `tyche-init serve-nbd`
 //! (AF_XDP on every link) in the initiator namespace, and fio with verify through the NBD socket
 //! (random 4 KiB writes, each block read back and checked while the job runs). While fio runs,
 //! `tyche-flood` (a bin of the tyched crate) sends 100,000 CONNECT frames from 1,000 forged
@@ -29,7 +30,7 @@ use clap::Args;
 use serde_json::Value;
 
 use crate::lab::Lab;
-use crate::stack::{bin, interrupted, prepare, start_initiator, start_tyched, Link};
+use crate::stack::{bin, interrupted, prepare, start_initiator, start_tyched_with, Link};
 
 /// The bound on tyched's peak resident memory during the flood, in MiB (docs/tyched.md,
 /// "Limits under a flood"). Measured: about 105 MiB at rest with two AF_XDP NICs (UMEMs, rings,
@@ -307,10 +308,20 @@ pub fn flood(root: &Path, args: &FloodArgs) -> Result<()> {
 /// Runs the test; returns the outcome and the peak RSS in KiB.
 fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
     let args = f.args;
+    // A shared export (several initiators at once), so that the flood's CONNECTs create
+    // sessions up to the limits; a non-shared one attached by the honest initiator would refuse
+    // them all with REJECT IN_USE, which holds nothing.
+    let config = f.work.join("tyched.toml");
     let image = f.work.join("export.img");
-    fs::File::create(&image)?.set_len(EXPORT_MIB << 20)?;
-    let export = format!("{EXPORT}={}", image.display());
-    let mut tyched = start_tyched(f.root, f.lab, Link::Xdp, &export, &f.stats, f.work.join("tyched.log"))?;
+    fs::write(
+        &config,
+        format!(
+            "[[export]]\nname = \"{EXPORT}\"\npath = \"{}\"\nsize = \"{EXPORT_MIB}M\"\nshared = true\n",
+            image.display()
+        ),
+    )?;
+    let serve = ["--config".to_string(), config.display().to_string()];
+    let mut tyched = start_tyched_with(f.root, f.lab, Link::Xdp, &serve, &f.stats, f.work.join("tyched.log"))?;
     let extra = ["--no-path-timeout".to_string(), "30".to_string()];
     let socket = f.work.join("nbd.sock");
     let mut init = start_initiator(f.root, f.lab, Link::Xdp, EXPORT, &socket, f.work.join("init.log"), &extra)?;

@@ -114,7 +114,7 @@ fn flood(args: &Args) -> io::Result<bool> {
             _ => (0, 0),
         };
         let env = Envelope { dst: args.target, src, ethertype: args.ethertype, channel, session };
-        let connect = Connect { nonce: rng.next_u64(), params: GREEDY, proof: None, export: &args.export };
+        let connect = Connect { nonce: rng.next_u64(), params: GREEDY, proof: None, export: &args.export, host: None };
         let len = Message::Connect(connect).emit(&env, &mut buf);
         loop {
             match port.send_frame(&buf[..len]) {
