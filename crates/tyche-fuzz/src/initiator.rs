@@ -441,6 +441,7 @@ impl World {
                     2 => Message::Reject(Reject {
                         nonce: a,
                         reason: RejectReason::ALL[b as usize % RejectReason::ALL.len()],
+                        holder: (a & 1 == 1).then(|| tyche_wire::MacAddr::local(b as u32)),
                     }),
                     3 => Message::Request(Request {
                         seq,

@@ -369,6 +369,8 @@ impl World {
             io_uring: false,
             limits: limits(),
             exports: vec![ExportConfig::ram("honest", EXPORT), ExportConfig::ram("fuzz", EXPORT)],
+            // The hostile's session must be gone within the 10 s `hostile_gone` waits.
+            reclaim_after_ms: 1000,
             ..Config::default()
         };
         let nics = vec![
@@ -569,7 +571,8 @@ impl World {
 
     fn connect_raw(&mut self, index: u16, session: u64, params: ChannelParams, nonce: u64, proof: bool, export: &str) {
         let env = self.env(Ch::Any(session, index));
-        let m = Message::Connect(Connect { nonce, params, proof: proof.then_some([7; 32]), export });
+        // No host id: the peer is known by its MAC, another initiator than the honest one.
+        let m = Message::Connect(Connect { nonce, params, proof: proof.then_some([7; 32]), export, host: None });
         self.emit(env, &m);
     }
 
@@ -845,6 +848,7 @@ impl World {
                     3 => Message::Reject(tyche_wire::Reject {
                         nonce: a,
                         reason: tyche_wire::RejectReason::ALL[b as usize % tyche_wire::RejectReason::ALL.len()],
+                        holder: None,
                     }),
                     4 => Message::Discover(tyche_wire::Discover { nonce: a as u32, start: b as u16 }),
                     _ => Message::Keepalive(Keepalive { nonce: a, timestamp: b, reply: true }),
