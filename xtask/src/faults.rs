@@ -112,15 +112,15 @@ impl World<'_> {
 
     /// `tyched` serving the file export (and `extra` arguments), its log numbered `n`.
     fn tyched(&self, n: u32, extra: &[String]) -> Result<Running> {
-        let export = format!("data={}", self.image.display());
+        let mut serve = vec!["--export".to_string(), format!("data={}", self.image.display())];
+        serve.extend_from_slice(extra);
         start_tyched_with(
             self.root,
             &self.lab,
             Link::Xdp,
-            &export,
+            &serve,
             &self.stats,
             self.work.join(format!("tyched-{n}.log")),
-            extra,
         )
     }
 
@@ -378,16 +378,9 @@ fn hung_storage(w: &World<'_>) -> Result<String> {
     let config = w.work.join("tyched.toml");
     fs::write(&config, "storage_deadline_ms = 2000\nio_uring = false\n")?;
     let export = format!("data={}", image.display());
-    let result = (|| {
-        let _t = start_tyched_with(
-            w.root,
-            &w.lab,
-            Link::Xdp,
-            &export,
-            &w.stats,
-            w.work.join("tyched-1.log"),
-            &["--config".to_string(), config.display().to_string()],
-        )?;
+    let result = (move || {
+        let serve = ["--export".to_string(), export, "--config".to_string(), config.display().to_string()];
+        let _t = start_tyched_with(w.root, &w.lab, Link::Xdp, &serve, &w.stats, w.work.join("tyched-1.log"))?;
         let _i = w.initiator(1, HOST_A)?;
         let mut took = Vec::new();
         for (n, offset) in ["--offset=128m", "--offset=64m"].into_iter().enumerate() {

@@ -68,23 +68,22 @@ impl Running {
 /// Starts `tyched serve --export EXPORT` (e.g. `demo=ram:1G`) in the target namespace, with its
 /// stats socket at `stats`, and waits until it serves.
 pub fn start_tyched(root: &Path, lab: &Lab, link: Link, export: &str, stats: &Path, log: PathBuf) -> Result<Running> {
-    start_tyched_with(root, lab, link, export, stats, log, &[])
+    start_tyched_with(root, lab, link, &["--export".to_string(), export.to_string()], stats, log)
 }
 
-/// As [`start_tyched`], with `extra` arguments for `tyched serve` (e.g. `--config FILE`).
+/// As [`start_tyched`], with `serve_args` (`--export ...`, `--config FILE`) naming the exports.
 pub fn start_tyched_with(
     root: &Path,
     lab: &Lab,
     link: Link,
-    export: &str,
+    serve_args: &[String],
     stats: &Path,
     log: PathBuf,
-    extra: &[String],
 ) -> Result<Running> {
     let _ = fs::remove_file(stats);
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &lab.target_ns]).arg(bin(root, "tyched")).args(["serve", "--export", export]);
-    cmd.arg("--stats-socket").arg(stats).args(extra);
+    cmd.args(["netns", "exec", &lab.target_ns]).arg(bin(root, "tyched")).arg("serve").args(serve_args);
+    cmd.arg("--stats-socket").arg(stats);
     match link {
         Link::Tcp => {
             cmd.args(["--transport", "tcp", "--tcp-listen", &tcp_addr(lab), "--iface", &lab.pairs[0].target_if]);
