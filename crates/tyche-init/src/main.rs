@@ -172,7 +172,7 @@ impl ConnArgs {
         if let Some(path) = &self.key {
             use std::os::unix::fs::PermissionsExt;
             let mode = std::fs::metadata(path)
-                .with_context(|| format!("the key file {}", path.display()))?
+                .with_context(|| format!("reading the key file {}", path.display()))?
                 .permissions()
                 .mode();
             if mode & 0o077 != 0 {
