@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
-use tyche_wire::{Op, Status, SECTOR_SIZE};
+use tyche_wire::{DisconnectReason, Op, Status, SECTOR_SIZE};
 
 use crate::channel::{
     deliver, Channel, ChannelEvent, DeadReason, DropReason, FrameDrop, Received, Role, Submission, Transmit,
@@ -14,6 +14,11 @@ use crate::time::{earliest, Instant};
 
 /// Largest DISCARD or WRITE_ZEROES part (the wire length is a `u32`).
 const MAX_RANGE_PART: u64 = (u32::MAX / SECTOR_SIZE * SECTOR_SIZE) as u64;
+
+/// ABORTED answers to one part within one session before it fails with that status (a new
+/// session starts the count again): a target going away answers ABORTED and then disconnects,
+/// so a part rarely sees more than one per channel.
+const MAX_ABORTS: u8 = 8;
 
 /// Settings of a volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +85,13 @@ pub enum VolumeEvent {
         /// Outcome.
         result: Result<(), IoError>,
     },
+    /// The target answered ABORTED on a channel (it is shutting down or dropping the session):
+    /// the part goes back to the queue, and the channel is closed (a
+    /// [`VolumeEvent::ChannelDead`] follows once its DISCONNECT is sent).
+    ChannelAborted {
+        /// Channel index.
+        channel: u16,
+    },
     /// A channel died; `reissued` parts in flight on it went back to the queue.
     ChannelDead {
         /// Channel index.
@@ -130,6 +142,8 @@ struct Part {
     req_offset: u64,
     node: Option<u32>,
     channel: Option<u16>,
+    /// ABORTED answers in the current session.
+    aborts: u8,
 }
 
 #[derive(Debug)]
@@ -142,6 +156,15 @@ struct Outstanding {
 struct Member {
     channel: Channel,
     node: Option<u32>,
+    /// The target answered ABORTED on it (it is shutting down or dropping the session): no
+    /// part goes to it any more, and it is being closed.
+    retiring: bool,
+}
+
+impl Member {
+    fn usable(&self) -> bool {
+        self.channel.dead().is_none() && !self.retiring
+    }
 }
 
 /// A session's channels bundled into one block device.
@@ -163,6 +186,12 @@ pub struct Volume {
     events: VecDeque<VolumeEvent>,
     no_path_since: Option<Instant>,
     views: Vec<ChannelView>,
+    /// The part size of the channels of an abandoned session, until the new one has channels.
+    last_max_io: u32,
+    /// Parts the target answered ABORTED (re-queued).
+    aborted: u64,
+    /// Sessions this volume moved to after the first ([`Volume::resume`]).
+    resumes: u64,
 }
 
 impl Volume {
@@ -187,6 +216,9 @@ impl Volume {
             events: VecDeque::new(),
             no_path_since: Some(now),
             views: Vec::new(),
+            last_max_io: SECTOR_SIZE,
+            aborted: 0,
+            resumes: 0,
         }
     }
 
@@ -202,7 +234,7 @@ impl Volume {
             old.channel.abort();
             self.fail_over(idx as u16, DeadReason::Closed, now);
         }
-        self.members[idx] = Some(Member { channel, node });
+        self.members[idx] = Some(Member { channel, node, retiring: false });
         self.no_path_since = None;
         self.pump(now);
     }
@@ -210,6 +242,44 @@ impl Volume {
     /// The session id.
     pub fn session(&self) -> u64 {
         self.session
+    }
+
+    /// Moves the volume to session `session`, after the target said it no longer knows the
+    /// current one (REJECT UNKNOWN_SESSION: it restarted, or reclaimed the session once none
+    /// of its requests executed). Every channel of the old session is dropped without a word
+    /// (nothing it would still receive is used: frames of the old session are no longer the
+    /// volume's, so no request completes from a session the volume abandoned), and every part
+    /// not yet completed to the caller goes back to the queue in tag order, to be issued on the
+    /// new session's channels ([`Volume::add_channel`]) under its tag: the new session's
+    /// ledger has seen no tag. Requests keep waiting at most `no_path_timeout` from when the
+    /// last path went away, whichever session it belonged to.
+    ///
+    /// Why re-issuing is safe although the old session's at-most-once ledger is gone: see
+    /// `docs/tyche-init.md`, "Session resumption".
+    pub fn resume(&mut self, session: u64, now: Instant) {
+        assert!(session != 0 && session != self.session, "resume onto the same session");
+        self.last_max_io = self.max_io();
+        let had_path = self.live_channels() > 0;
+        for m in self.members.iter_mut().flatten() {
+            m.channel.abort();
+        }
+        self.members.clear();
+        self.session = session;
+        self.resumes += 1;
+        self.pending.clear();
+        for (&tag, part) in self.parts.iter_mut() {
+            part.channel = None;
+            part.aborts = 0;
+            self.pending.push_back(tag);
+        }
+        if had_path || self.no_path_since.is_none() {
+            self.no_path_since = Some(now);
+        }
+    }
+
+    /// Sessions the volume moved to by [`Volume::resume`].
+    pub fn resumes(&self) -> u64 {
+        self.resumes
     }
     /// The channel with index `i`, if any.
     pub fn channel(&self, i: u16) -> Option<&Channel> {
@@ -219,9 +289,10 @@ impl Volume {
     pub fn channel_indices(&self) -> impl Iterator<Item = u16> + '_ {
         self.members.iter().enumerate().filter(|(_, m)| m.is_some()).map(|(i, _)| i as u16)
     }
-    /// Number of live channels.
+    /// Number of live channels (a channel being closed because the target answered ABORTED
+    /// on it does not count).
     pub fn live_channels(&self) -> usize {
-        self.members.iter().flatten().filter(|m| m.channel.dead().is_none()).count()
+        self.members.iter().flatten().filter(|m| m.usable()).count()
     }
     /// Requests outstanding.
     pub fn outstanding(&self) -> usize {
@@ -236,8 +307,8 @@ impl Volume {
     /// has had while none is alive (parts queued during an outage then fit the reconnected ones).
     fn max_io(&self) -> u32 {
         let all = self.members.iter().flatten();
-        let live = all.clone().filter(|m| m.channel.dead().is_none()).map(|m| m.channel.params().max_io).min();
-        live.or_else(|| all.map(|m| m.channel.params().max_io).min()).unwrap_or(SECTOR_SIZE)
+        let live = all.clone().filter(|m| m.usable()).map(|m| m.channel.params().max_io).min();
+        live.or_else(|| all.map(|m| m.channel.params().max_io).min()).unwrap_or(self.last_max_io)
     }
 
     fn floor(&self) -> u64 {
@@ -283,6 +354,7 @@ impl Volume {
                 req_offset,
                 node: req.node,
                 channel: None,
+                aborts: 0,
             };
             self.parts.insert(tag, part);
             self.pending.push_back(tag);
@@ -303,7 +375,7 @@ impl Volume {
             // `max_io` (each channel's grant is the target's choice): it can go nowhere, so it
             // fails rather than wait for ever or trip `Channel::submit`'s assertion.
             let fits = |c: &Channel| !part.op.uses_damq() || part.length <= c.params().max_io;
-            let live = self.members.iter().flatten().filter(|m| m.channel.dead().is_none());
+            let live = self.members.iter().flatten().filter(|m| m.usable());
             let (mut any_live, mut any_fits) = (false, false);
             for m in live {
                 any_live = true;
@@ -317,8 +389,8 @@ impl Volume {
             self.views.clear();
             self.views.extend(self.members.iter().map(|m| match m {
                 Some(m) => ChannelView {
-                    live: m.channel.dead().is_none(),
-                    has_room: m.channel.can_submit(part.op) && fits(&m.channel),
+                    live: m.usable(),
+                    has_room: m.usable() && m.channel.can_submit(part.op) && fits(&m.channel),
                     node: m.node,
                 },
                 None => ChannelView { live: false, has_room: false, node: None },
@@ -365,6 +437,11 @@ impl Volume {
         let mut dead = None;
         while let Some(ev) = self.members[idx as usize].as_mut().and_then(|m| m.channel.poll_event()) {
             match ev {
+                // The target gave the request up without executing it (shutdown, or dropping the
+                // session): not the caller's error. The part waits for another channel, and this
+                // one is closed, since the target is going away; reconnecting finds out whether
+                // it still knows the session.
+                ChannelEvent::Completed { tag, status: Status::Aborted } => self.aborted(tag, idx),
                 ChannelEvent::Completed { tag, status } => self.part_done(
                     tag,
                     Some(idx),
@@ -378,6 +455,35 @@ impl Volume {
             self.fail_over(idx, reason, now);
         }
         self.pump(now);
+    }
+
+    fn aborted(&mut self, tag: u64, idx: u16) {
+        let Some(part) = self.parts.get_mut(&tag) else { return };
+        if part.channel != Some(idx) {
+            return; // a completion from a channel the part has since left
+        }
+        part.channel = None;
+        part.aborts += 1;
+        if part.aborts >= MAX_ABORTS {
+            // The session lives on and keeps refusing it (a target that records ABORTED for
+            // the tag): the caller gets the status rather than a retry loop.
+            return self.part_done(tag, None, Err(IoError::Target(Status::Aborted)));
+        }
+        // Back in tag order, so the floor and the order of re-issue stay those of submission.
+        let at = self.pending.partition_point(|&t| t < tag);
+        self.pending.insert(at, tag);
+        self.aborted += 1;
+        let member = self.members[idx as usize].as_mut().expect("completion from a present channel");
+        if !member.retiring {
+            member.retiring = true;
+            member.channel.close(DisconnectReason::Normal);
+            self.events.push_back(VolumeEvent::ChannelAborted { channel: idx });
+        }
+    }
+
+    /// Completions the target answered ABORTED, re-queued rather than reported.
+    pub fn aborted_parts(&self) -> u64 {
+        self.aborted
     }
 
     fn part_done(&mut self, tag: u64, from: Option<u16>, result: Result<(), IoError>) {

@@ -677,8 +677,11 @@ impl Engine {
                     };
                     completed.push((r.reply, result));
                 }
+                VolumeEvent::ChannelAborted { channel } => {
+                    info!(channel, "the target aborted a request (it is going away); closing the channel, the request waits");
+                }
                 VolumeEvent::ChannelDead { channel, reason, reissued } => {
-                    dead.push(channel);
+                    dead.push((channel, reason));
                     let link = self.slots.iter().find(|s| s.state == SlotState::Up { channel }).map(|s| s.link);
                     let name = link.map_or("?", |l| self.links[l].name.as_str());
                     warn!(
@@ -701,7 +704,7 @@ impl Engine {
                 self.cfg.no_path_timeout
             );
         }
-        for channel in dead {
+        for (channel, _reason) in dead {
             if let Some(slot) = self.slots.iter().position(|s| s.state == SlotState::Up { channel }) {
                 self.schedule_reconnect(slot, 1, now);
             }

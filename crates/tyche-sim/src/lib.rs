@@ -597,6 +597,7 @@ impl World {
                     }
                 }
                 VolumeEvent::ChannelDead { .. } => self.report.dead_channels += 1,
+                VolumeEvent::ChannelAborted { .. } => {}
             }
         }
         if self.fail_at_issue == Some(self.issued) {
