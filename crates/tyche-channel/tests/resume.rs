@@ -50,13 +50,16 @@ fn restart_resumes_on_a_new_session_and_reissues_what_was_outstanding() {
 fn nothing_completes_from_the_abandoned_session() {
     let mut pair = Pair::new();
     // The old session's completions are held in the network.
-    pair.fault = Box::new(|p| {
-        if p.dir == Dir::ToInitiator && p.kind() == Kind::Completion {
-            Fate::Hold
-        } else {
-            Fate::Deliver
-        }
-    });
+    pair.fault =
+        Box::new(
+            |p| {
+                if p.dir == Dir::ToInitiator && p.kind() == Kind::Completion {
+                    Fate::Hold
+                } else {
+                    Fate::Deliver
+                }
+            },
+        );
     pair.write(1, 0, &pattern(1, 1024));
     pair.run_for(Duration::from_millis(1));
     assert!(!pair.held.is_empty(), "the completion was held");

@@ -678,7 +678,10 @@ impl Engine {
                     completed.push((r.reply, result));
                 }
                 VolumeEvent::ChannelAborted { channel } => {
-                    info!(channel, "the target aborted a request (it is going away); closing the channel, the request waits");
+                    info!(
+                        channel,
+                        "the target aborted a request (it is going away); closing the channel, the request waits"
+                    );
                 }
                 VolumeEvent::ChannelDead { channel, reason, reissued } => {
                     dead.push((channel, reason));
