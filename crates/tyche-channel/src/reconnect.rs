@@ -86,6 +86,9 @@ pub enum Opened {
     /// A connector the policy no longer waits for (a session since abandoned, a slot since
     /// restarted): do not use the channel.
     Stale,
+    /// The fenced session ([`Reconnector::fenced`]) still exists on the target: close the
+    /// channel at once (DISCONNECT) and do not use it; the policy asks again later.
+    Probe,
 }
 
 /// What a failed connector means.
@@ -124,6 +127,8 @@ pub struct Reconnector {
     next_channel: u16,
     /// Sessions lost (UNKNOWN_SESSION answers that started a new session).
     sessions_lost: u64,
+    /// A session of an earlier run that must be gone before a new one is created.
+    fence: Option<u64>,
 }
 
 impl Reconnector {
@@ -146,7 +151,26 @@ impl Reconnector {
             create_at: now,
             next_channel: 0,
             sessions_lost: 0,
+            fence: None,
         }
+    }
+
+    /// The same policy for an initiator that replaces an earlier run of itself (a restarted
+    /// engine) whose session `previous` may still have requests in the network or executing
+    /// on the target: before it creates a session, it asks to join `previous` until the target
+    /// answers UNKNOWN_SESSION. A target forgets a session only once none of its requests
+    /// executes (and a restarted target has none), so from then on no write of the earlier
+    /// run can land after one of this run. A join that is accepted is [`Opened::Probe`].
+    pub fn fenced(mut self, previous: u64) -> Self {
+        if previous != 0 {
+            self.fence = Some(previous);
+        }
+        self
+    }
+
+    /// Whether the policy still waits for the target to forget a fenced session.
+    pub fn fencing(&self) -> bool {
+        self.fence.is_some()
     }
 
     /// The session open now (0: none).
@@ -197,9 +221,10 @@ impl Reconnector {
             let slot = (0..self.slots.len()).find(|&s| self.links[s] == link).unwrap_or(0);
             let channel = self.alloc_channel();
             let failures = self.create_failures;
-            self.slots[slot] = SlotState::Connecting { channel, session: 0, failures };
+            let session = self.fence.unwrap_or(0);
+            self.slots[slot] = SlotState::Connecting { channel, session, failures };
             self.creator = Some(slot);
-            return Some(ConnectPlan { slot, channel, session: 0, failures });
+            return Some(ConnectPlan { slot, channel, session, failures });
         }
         let slot =
             (0..self.slots.len()).find(|&s| matches!(self.slots[s], SlotState::Waiting { at, .. } if at <= now))?;
@@ -230,7 +255,15 @@ impl Reconnector {
     /// Channel `channel` of `slot` was accepted in session `session`.
     pub fn connected(&mut self, slot: usize, channel: u16, session: u64, now: Instant) -> Opened {
         let Some((asked, _)) = self.connecting(slot, channel) else { return Opened::Stale };
-        if asked != 0 {
+        if self.creator == Some(slot) && self.fence.is_some_and(|f| f == asked) {
+            // The earlier run's session is still there: ask again after a while.
+            self.creator = None;
+            self.create_failures += 1;
+            self.create_at = now + self.policy.backoff(self.create_failures);
+            self.slots[slot] = SlotState::Waiting { failures: 0, at: now };
+            return Opened::Probe;
+        }
+        if self.creator != Some(slot) {
             if asked != self.session || session != asked {
                 self.slots[slot] = SlotState::Waiting { failures: 0, at: now };
                 return Opened::Stale;
@@ -255,7 +288,20 @@ impl Reconnector {
     /// The connector of channel `channel` on `slot` failed with `error`.
     pub fn failed(&mut self, slot: usize, channel: u16, error: ConnectError, now: Instant) -> Failed {
         let Some((asked, failures)) = self.connecting(slot, channel) else { return Failed::Stale };
-        if asked == 0 {
+        if self.creator == Some(slot)
+            && self.fence == Some(asked)
+            && error == ConnectError::Rejected(RejectReason::UnknownSession)
+        {
+            // The earlier run's session is gone: create ours, here and now.
+            self.fence = None;
+            self.creator = None;
+            self.create_failures = 0;
+            self.create_link = self.links[slot];
+            self.create_at = now;
+            self.slots[slot] = SlotState::Waiting { failures: 0, at: now };
+            return Failed::Retry;
+        }
+        if self.creator == Some(slot) {
             // Creating a session failed: the next link at once, and after every link has been
             // tried, after a backoff.
             self.creator = None;
@@ -385,6 +431,25 @@ mod tests {
         let j = r.poll_connect(T0).expect("slot 0 joins the new session");
         assert_eq!((j.slot, j.session), (0, 9));
         assert_eq!(r.sessions_lost(), 1);
+    }
+
+    #[test]
+    fn a_fenced_session_must_be_gone_before_a_new_one_is_created() {
+        let mut r = Reconnector::new(vec![0, 1], ReconnectPolicy::default(), T0).fenced(5);
+        assert!(r.fencing());
+        let p = r.poll_connect(T0).expect("probe");
+        assert_eq!(p.session, 5);
+        assert_eq!(r.connected(p.slot, p.channel, 5, T0), Opened::Probe);
+        assert_eq!(r.poll_connect(T0), None, "asks again after a backoff");
+        let t = r.poll_timeout().expect("again");
+        let q = r.poll_connect(t).expect("second probe");
+        assert_eq!(q.session, 5);
+        let unknown = ConnectError::Rejected(RejectReason::UnknownSession);
+        assert_eq!(r.failed(q.slot, q.channel, unknown, t), Failed::Retry);
+        assert!(!r.fencing());
+        let c = r.poll_connect(t).expect("create now");
+        assert_eq!(c.session, 0);
+        assert_eq!(r.connected(c.slot, c.channel, 8, t), Opened::First);
     }
 
     #[test]
