@@ -1,4 +1,4 @@
-//! `cargo xtask <command>`: the project's orchestration (test suite, simulation, lab, AF_XDP smoke
+//! `cargo xtask <command>`: the project's orchestration (test suite, simulation, fuzzing, lab, AF_XDP smoke
 //! test, benchmarks, filesystem checks). Plain `cargo build` and `cargo test` work without it.
 
 mod bench_e2e;
@@ -7,6 +7,7 @@ mod charts;
 mod demo;
 mod disk;
 mod e2e;
+mod fuzz;
 mod lab;
 mod sim;
 mod stack;
@@ -36,6 +37,8 @@ enum Command {
     Test(suite::TestArgs),
     /// ext4 over Tyche end to end on a veth lab, clean, then with loss and a failing link (root).
     E2e(e2e::E2eArgs),
+    /// Coverage-guided fuzzing of the target, the initiator and the NBD server (docs/fuzzing.md).
+    Fuzz(fuzz::FuzzArgs),
     /// Run the deterministic simulator over many seeds (or replay one).
     Sim(sim::SimArgs),
     /// The veth lab: two network namespaces (target, initiator) joined by veth pairs.
@@ -89,6 +92,7 @@ fn main() -> Result<()> {
         }
         Command::Test(a) => suite::run(a),
         Command::E2e(a) => e2e::e2e(&root(), &a),
+        Command::Fuzz(a) => fuzz::run(&root(), &a),
         Command::Sim(a) => sim::run(a),
         Command::Lab { action } => lab::run(action),
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),

@@ -64,6 +64,8 @@ pub fn run(args: TestArgs) -> Result<()> {
     } else {
         eprintln!("xtask test: SKIPPING tyche-init root tests (nbdfuse, ext4, AF_XDP over veth) and vm-test");
     }
+    eprintln!("xtask test: fuzz (every regression input, then a few seconds per target)");
+    crate::fuzz::run(&crate::root(), &crate::fuzz::FuzzArgs::short())?;
     eprintln!("xtask test: simulator contract (loss 5%)");
     sim::run(SimArgs::contract(args.sim_seeds, 0.05))?;
     eprintln!("xtask test: simulator contract (loss 30%)");

@@ -42,6 +42,8 @@ pub enum ConnectError {
     ChallengeUnsupported,
     /// The target's proof of the key in ACCEPT was missing or wrong (see [`Connector::with_key`]).
     BadProof,
+    /// Another initiator, with this MAC, has the export attached (REJECT IN_USE).
+    InUse(MacAddr),
 }
 
 /// Opens one channel (initiator side): sends CONNECT until ACCEPT or REJECT arrives.
@@ -58,6 +60,8 @@ pub struct Connector {
     key: Option<Vec<u8>>,
     /// The target nonce of the CHALLENGE answered, once one arrived.
     challenge: Option<u64>,
+    /// This initiator's host id, sent in CONNECT.
+    host: Option<[u8; 16]>,
 }
 
 impl Connector {
@@ -85,7 +89,16 @@ impl Connector {
             outcome: None,
             key: None,
             challenge: None,
+            host: None,
         }
+    }
+
+    /// Sends this initiator's stable host id in CONNECT: the target tells initiators apart by
+    /// it (one attachment of an export per host unless the export is shared; a new attachment
+    /// from the same host fences the old one).
+    pub fn with_host(mut self, host: [u8; 16]) -> Self {
+        self.host = Some(host);
+        self
     }
 
     /// Gives the connector the export's pre-shared key: a CHALLENGE is answered with a CONNECT
@@ -118,7 +131,7 @@ impl Connector {
             }
             _ => None,
         };
-        let c = Connect { nonce: self.nonce, params: self.want, proof, export: &self.export };
+        let c = Connect { nonce: self.nonce, params: self.want, proof, export: &self.export, host: self.host };
         Some(Message::Connect(c).emit(&self.env, buf))
     }
 
@@ -175,7 +188,10 @@ impl Connector {
                     Some(Err(ConnectError::BadGrant))
                 }
             }
-            Message::Reject(r) if r.nonce == self.nonce => Some(Err(ConnectError::Rejected(r.reason))),
+            Message::Reject(r) if r.nonce == self.nonce => Some(Err(match (r.reason, r.holder) {
+                (RejectReason::InUse, Some(holder)) => ConnectError::InUse(holder),
+                (reason, _) => ConnectError::Rejected(reason),
+            })),
             Message::Challenge(c) if c.nonce == self.nonce && self.key.is_some() => {
                 // Answer at once with the proof; the answer gets a fresh attempt of its own.
                 if self.challenge.is_none() {
@@ -349,6 +365,12 @@ impl Acceptor {
         self.sessions.len()
     }
 
+    /// Whether a CONNECT from `src` with `nonce` already created a session (a retransmission,
+    /// answered with the same ACCEPT).
+    pub fn created_by(&self, src: MacAddr, nonce: u64) -> Option<u64> {
+        self.created.get(&(src, nonce)).copied()
+    }
+
     /// The exports offered.
     pub fn exports(&self) -> &[ExportSpec] {
         &self.exports
@@ -462,7 +484,7 @@ impl Acceptor {
         target_proof: Option<[u8; 32]>,
     ) -> Accepted {
         let reject = |reason, buf: &mut [u8]| {
-            Accepted::Reply(Message::Reject(Reject { nonce: c.nonce, reason }).emit(&reply_env, buf))
+            Accepted::Reply(Message::Reject(Reject { nonce: c.nonce, reason, holder: None }).emit(&reply_env, buf))
         };
         let Some(export) = self.exports.iter().position(|e| e.name == c.export) else {
             return reject(RejectReason::UnknownExport, buf);

@@ -423,8 +423,14 @@ impl Volume {
             Received::Consumed => Inbound::Consumed,
             Received::Dropped(r) => Inbound::Dropped(FrameDrop::Channel(r)),
             Received::Placed(p) => match self.parts.get(&p.tag) {
-                Some(part) if part.channel == Some(idx) => {
-                    Inbound::Read { id: part.id, offset: part.req_offset + p.offset as u64, payload: p.payload }
+                // Read data goes into a read, inside it: a target's DATA for a write (whose
+                // buffer is the caller's data) or past the part's length is dropped.
+                Some(part) if part.channel == Some(idx) && part.op == Op::Read => {
+                    if p.offset as u64 + p.payload.len() as u64 <= part.length as u64 {
+                        Inbound::Read { id: part.id, offset: part.req_offset + p.offset as u64, payload: p.payload }
+                    } else {
+                        Inbound::Dropped(FrameDrop::Channel(DropReason::Inconsistent))
+                    }
                 }
                 _ => Inbound::Dropped(FrameDrop::Channel(DropReason::Stale)),
             },

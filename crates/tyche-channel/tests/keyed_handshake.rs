@@ -55,7 +55,7 @@ fn run(mut c: Connector, target_key: &[u8], tamper_accept: bool) -> Result<u64, 
                 let input =
                     ProofInput { nonce: m.nonce, target_nonce, export: m.export, initiator: init(), target: target() };
                 if !auth::verify(target_key, ProofRole::Initiator, &input, &p) {
-                    let r = tyche_wire::Reject { nonce: m.nonce, reason: RejectReason::AuthFailed };
+                    let r = tyche_wire::Reject { nonce: m.nonce, reason: RejectReason::AuthFailed, holder: None };
                     let n = Message::Reject(r).emit(&reply_env, &mut out);
                     out[..n].to_vec()
                 } else {
@@ -111,7 +111,7 @@ fn a_forged_target_proof_is_caught() {
 fn plain_handle_still_refuses_a_keyed_export() {
     let mut a = acceptor();
     let env = Envelope { dst: target(), src: init(), ethertype: DEFAULT_ETHERTYPE, channel: 0, session: 0 };
-    let m = Message::Connect(tyche_wire::Connect { nonce: 1, params: params(), proof: None, export: "k" });
+    let m = Message::Connect(tyche_wire::Connect { nonce: 1, params: params(), proof: None, export: "k", host: None });
     let mut out = [0u8; 512];
     let Some(Accepted::Reply(n)) = a.handle(Instant(1), target(), init(), &env, &m, &mut || 5, &mut out) else {
         panic!("expected a reply")

@@ -157,6 +157,29 @@ pub struct InitiatorConfig {
     pub ethertype: u16,
     /// The export's pre-shared key, for exports that need one (CHALLENGE and proofs).
     pub key: Option<Vec<u8>>,
+    /// This host's stable id, sent in CONNECT: the target lets one host at a time attach an
+    /// export that is not shared, and fences the old session when the same host attaches again
+    /// (after a crash). Default: `/etc/machine-id`, where readable; else the target knows this
+    /// initiator by its MAC.
+    pub host_id: Option<[u8; 16]>,
+}
+
+/// Parses a host id: 32 hexadecimal digits (the form of `/etc/machine-id`).
+pub fn parse_host_id(s: &str) -> Result<[u8; 16], String> {
+    let s = s.trim();
+    if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!("a host id is 32 hexadecimal digits, not {s:?}"));
+    }
+    let mut id = [0u8; 16];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+    }
+    Ok(id)
+}
+
+/// This machine's id (`/etc/machine-id`), if it has a readable one.
+pub fn machine_id() -> Option<[u8; 16]> {
+    parse_host_id(&std::fs::read_to_string("/etc/machine-id").ok()?).ok()
 }
 
 impl InitiatorConfig {
@@ -182,6 +205,7 @@ impl InitiatorConfig {
             engine_threads: EngineThreads::default(),
             ethertype: DEFAULT_ETHERTYPE,
             key: None,
+            host_id: machine_id(),
         }
     }
 

@@ -477,6 +477,9 @@ impl Engine {
         if let Some(key) = &self.cfg.key {
             connector = connector.with_key(key);
         }
+        if let Some(host) = self.cfg.host_id {
+            connector = connector.with_host(host);
+        }
         let name = &self.links[link].name;
         if plan.session == 0 && self.volume.is_some() {
             info!(link = %name, "opening a new session on export {}", self.cfg.export);

@@ -41,7 +41,7 @@ pub mod state;
 pub mod ublk;
 
 pub use client::{Client, ExportInfo, Stats};
-pub use config::{EngineThreads, InitiatorConfig, Link, SchedulerKind, SendMode};
+pub use config::{machine_id, parse_host_id, EngineThreads, InitiatorConfig, Link, SchedulerKind, SendMode};
 pub use discover::{discover, DiscoveredExport, DiscoveredTarget};
 pub use engine::connect_blocking;
 pub use error::{ConnectError, Error};

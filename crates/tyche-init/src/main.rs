@@ -112,6 +112,11 @@ struct ConnArgs {
     /// Pre-shared key file.
     #[arg(long)]
     key: Option<PathBuf>,
+    /// This host's id, 32 hexadecimal digits (default: /etc/machine-id). The target lets one
+    /// host at a time attach an export that is not shared, and a new attachment from the same
+    /// host fences the old one.
+    #[arg(long, value_parser = tyche_init::parse_host_id)]
+    host_id: Option<[u8; 16]>,
     /// Channels per NIC.
     #[arg(long, default_value_t = 1)]
     channels_per_nic: usize,
@@ -162,6 +167,9 @@ impl ConnArgs {
         c.scheduler = self.scheduler;
         c.send_mode = self.send_mode;
         c.engine_threads = self.engine_threads;
+        if let Some(id) = self.host_id {
+            c.host_id = Some(id);
+        }
         if let Some(path) = &self.key {
             let mut key = std::fs::read(path).with_context(|| format!("reading the key file {}", path.display()))?;
             // The key is the file's bytes, without a final line break.

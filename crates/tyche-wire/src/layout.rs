@@ -204,6 +204,9 @@ pub mod connect {
     pub const RESERVED0: Field = 73..80;
     /// Export name, UTF-8, `NAME_LEN` bytes.
     pub const NAME: usize = 80;
+    /// With flag `HOST_ID`: bytes of the initiator's host id right after the name (the message
+    /// then ends at `NAME + NAME_LEN + HOST_ID_LEN`).
+    pub const HOST_ID_LEN: usize = 16;
 }
 
 /// CHALLENGE: target asks the initiator to prove it holds the export's key.
@@ -255,8 +258,8 @@ pub mod reject {
     pub const NONCE: Field = 16..24;
     /// Reason, `u16` (see `RejectReason`).
     pub const REASON: Field = 24..26;
-    /// Reserved, zero.
-    pub const RESERVED0: Field = 26..32;
+    /// With reason `IN_USE`: MAC of the initiator holding the export, else zero.
+    pub const HOLDER: Field = 26..32;
     /// End of the message.
     pub const END: usize = 32;
 }

@@ -180,6 +180,8 @@ wire_enum! {
         Busy = 6,
         /// The session to join does not exist (anymore).
         UnknownSession = 7,
+        /// Another initiator has the export attached (and it is not shared); REJECT names it.
+        InUse = 8,
     }
 }
 
@@ -203,6 +205,8 @@ pub mod flags {
     pub const REPLY: u16 = 0x0001;
     /// CONNECT/ACCEPT: the proof field holds a key proof.
     pub const PROOF: u16 = 0x0001;
+    /// CONNECT: the initiator's host id follows the export name.
+    pub const HOST_ID: u16 = 0x0002;
     /// REQUEST flags byte: force unit access (the write is durable before it completes).
     pub const FUA: u8 = 0x01;
     /// Export flag: the export is read-only.
@@ -570,6 +574,9 @@ pub struct Connect<'a> {
     pub proof: Option<[u8; 32]>,
     /// Export to attach.
     pub export: &'a str,
+    /// The initiator's stable host id (flag `HOST_ID`), by which the target tells one initiator
+    /// from another across its NICs and restarts (exclusive attach, fencing).
+    pub host: Option<[u8; 16]>,
 }
 
 /// CHALLENGE.
@@ -605,6 +612,8 @@ pub struct Reject {
     pub nonce: u64,
     /// Why.
     pub reason: RejectReason,
+    /// With [`RejectReason::InUse`]: the MAC of the initiator that holds the export.
+    pub holder: Option<MacAddr>,
 }
 
 /// REQUEST.
@@ -807,7 +816,9 @@ impl<'a> Message<'a> {
     pub fn message_len(&self) -> usize {
         match self {
             Message::DiscoverReply(r) => layout::discover_reply::ENTRIES + r.exports.wire_len(),
-            Message::Connect(c) => layout::connect::NAME + c.export.len(),
+            Message::Connect(c) => {
+                layout::connect::NAME + c.export.len() + c.host.map_or(0, |_| layout::connect::HOST_ID_LEN)
+            }
             Message::Data(d) => layout::data::PAYLOAD + d.payload.len(),
             other => other.kind().fixed_len(),
         }
@@ -821,7 +832,9 @@ impl<'a> Message<'a> {
     fn flags(&self) -> u16 {
         match self {
             Message::Keepalive(k) if k.reply => flags::REPLY,
-            Message::Connect(c) if c.proof.is_some() => flags::PROOF,
+            Message::Connect(c) => {
+                (if c.proof.is_some() { flags::PROOF } else { 0 }) | (if c.host.is_some() { flags::HOST_ID } else { 0 })
+            }
             Message::Accept(a) if a.proof.is_some() => flags::PROOF,
             _ => 0,
         }
@@ -857,14 +870,17 @@ impl<'a> Message<'a> {
             Kind::Connect => {
                 use layout::connect as f;
                 let name_len = m[f::NAME_LEN] as usize;
-                if m.len() != f::NAME + name_len {
+                let has_host = flags & flags::HOST_ID != 0;
+                let end = f::NAME + name_len;
+                if m.len() != end + if has_host { f::HOST_ID_LEN } else { 0 } {
                     return Err(WireError::BadLength);
                 }
                 Message::Connect(Connect {
                     nonce: get_u64(m, f::NONCE),
                     params: ChannelParams::parse(m, f::RING)?,
                     proof: parse_proof(m, f::PROOF, flags & flags::PROOF != 0),
-                    export: parse_name(&m[f::NAME..])?,
+                    export: parse_name(&m[f::NAME..end])?,
+                    host: has_host.then(|| m[end..end + f::HOST_ID_LEN].try_into().expect("16 bytes")),
                 })
             }
             Kind::Challenge => Message::Challenge(Challenge {
@@ -882,10 +898,14 @@ impl<'a> Message<'a> {
                     proof: parse_proof(m, f::PROOF, flags & flags::PROOF != 0),
                 })
             }
-            Kind::Reject => Message::Reject(Reject {
-                nonce: get_u64(m, layout::reject::NONCE),
-                reason: RejectReason::from_wire(get_u16(m, layout::reject::REASON))?,
-            }),
+            Kind::Reject => {
+                let holder = MacAddr(m[layout::reject::HOLDER].try_into().expect("6 bytes"));
+                Message::Reject(Reject {
+                    nonce: get_u64(m, layout::reject::NONCE),
+                    reason: RejectReason::from_wire(get_u16(m, layout::reject::REASON))?,
+                    holder: (holder != MacAddr::ZERO).then_some(holder),
+                })
+            }
             Kind::Request => {
                 use layout::request as f;
                 let req_flags = m[f::REQ_FLAGS];
@@ -1001,7 +1021,11 @@ impl<'a> Message<'a> {
                 c.params.emit(m, f::RING);
                 emit_proof(m, f::PROOF, c.proof);
                 m[f::NAME_LEN] = c.export.len() as u8;
-                m[f::NAME..].copy_from_slice(c.export.as_bytes());
+                let end = f::NAME + c.export.len();
+                m[f::NAME..end].copy_from_slice(c.export.as_bytes());
+                if let Some(host) = c.host {
+                    m[end..end + f::HOST_ID_LEN].copy_from_slice(&host);
+                }
             }
             Message::Challenge(c) => {
                 put_u64(m, layout::challenge::NONCE, c.nonce);
@@ -1019,6 +1043,7 @@ impl<'a> Message<'a> {
             Message::Reject(r) => {
                 put_u64(m, layout::reject::NONCE, r.nonce);
                 put_u16(m, layout::reject::REASON, r.reason as u16);
+                m[layout::reject::HOLDER].copy_from_slice(&r.holder.unwrap_or(MacAddr::ZERO).octets());
             }
             Message::Request(r) => {
                 use layout::request as f;

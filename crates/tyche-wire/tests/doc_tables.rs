@@ -160,7 +160,7 @@ fn expected_fields() -> Vec<((String, String), Row)> {
         f("ACCEPT", "PROOF", accept::PROOF),
         f("REJECT", "NONCE", reject::NONCE),
         f("REJECT", "REASON", reject::REASON),
-        f("REJECT", "RESERVED0", reject::RESERVED0),
+        f("REJECT", "HOLDER", reject::HOLDER),
         b("REQUEST", "OP", request::OP),
         b("REQUEST", "REQ_FLAGS", request::REQ_FLAGS),
         f("REQUEST", "REMQ", request::REMQ),

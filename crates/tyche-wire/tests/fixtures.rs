@@ -105,6 +105,46 @@ const CONNECT: [u8; 98] = [
     b'v', b'o', b'l', b'1', // 94: name
 ];
 
+/// CONNECT with a host id: as `CONNECT`, flag HOST_ID, 16 bytes of host id after the name.
+const CONNECT_HOST: [u8; 114] = [
+    0x02, 0x54, 0x00, 0x00, 0x00, 0x02, // 0: dst target
+    0x02, 0x54, 0x00, 0x00, 0x00, 0x01, // 6: src initiator
+    0x88, 0xb5, // 12
+    0x01, 0x03, 0x00, 0x02, // 14: version, kind CONNECT, flags HOST_ID
+    0x00, 0x64, 0x00, 0x00, // 18: length 100, channel 0
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 22: session 0
+    0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, // 30: nonce
+    0x01, 0x00, 0x00, 0x40, // 38: ring 256, remq 64
+    0x00, 0x20, 0x04, 0x00, // 42: damq 32, segment 1024
+    0x00, 0x02, 0x00, 0x00, // 46: max_io 128 KiB
+    0x00, 0x00, 0x00, 0x03, // 50: features 3
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 54: proof (absent: zero)
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 62
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 70
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 78
+    0x04, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 86: name length 4, reserved
+    b'v', b'o', b'l', b'1', // 94: name
+    0xa0, 0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7, // 98: host id
+    0xa8, 0xa9, 0xaa, 0xab, 0xac, 0xad, 0xae, 0xaf, // 106
+];
+
+const HOST_ID: [u8; 16] =
+    [0xa0, 0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7, 0xa8, 0xa9, 0xaa, 0xab, 0xac, 0xad, 0xae, 0xaf];
+
+/// REJECT IN_USE naming the holder 02:54:00:00:00:09.
+const REJECT_IN_USE: [u8; 60] = [
+    0x02, 0x54, 0x00, 0x00, 0x00, 0x01, // 0: dst initiator
+    0x02, 0x54, 0x00, 0x00, 0x00, 0x02, // 6: src target
+    0x88, 0xb5, // 12
+    0x01, 0x06, 0x00, 0x00, // 14: version, kind REJECT, flags
+    0x00, 0x20, 0x00, 0x00, // 18: length 32, channel 0
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 22: session 0
+    0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, // 30: nonce
+    0x00, 0x08, 0x02, 0x54, 0x00, 0x00, 0x00, 0x09, // 38: reason IN_USE, holder
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 46: padding
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 53: padding
+];
+
 const CONNECT_PARAMS: ChannelParams =
     ChannelParams { ring: 256, remq_slots: 64, damq_slots: 32, segment: 1024, max_io: 128 * 1024, features: 3 };
 
@@ -467,6 +507,19 @@ fn fixtures() -> Vec<(&'static str, &'static [u8], Envelope, Message<'static>)> 
                 params: CONNECT_PARAMS,
                 proof: None,
                 export: "vol1",
+                host: None,
+            }),
+        ),
+        (
+            "CONNECT+HOST_ID",
+            &CONNECT_HOST[..],
+            env(INI, TGT, 0, 0),
+            Message::Connect(Connect {
+                nonce: 0x1122_3344_5566_7788,
+                params: CONNECT_PARAMS,
+                proof: None,
+                export: "vol1",
+                host: Some(HOST_ID),
             }),
         ),
         (
@@ -478,6 +531,7 @@ fn fixtures() -> Vec<(&'static str, &'static [u8], Envelope, Message<'static>)> 
                 params: CONNECT_PARAMS,
                 proof: Some(PROOF_A),
                 export: "dísk",
+                host: None,
             }),
         ),
         (
@@ -516,7 +570,17 @@ fn fixtures() -> Vec<(&'static str, &'static [u8], Envelope, Message<'static>)> 
             "REJECT",
             &REJECT[..],
             env(TGT, INI, 0, 0),
-            Message::Reject(Reject { nonce: 0x1122_3344_5566_7788, reason: RejectReason::AuthRequired }),
+            Message::Reject(Reject { nonce: 0x1122_3344_5566_7788, reason: RejectReason::AuthRequired, holder: None }),
+        ),
+        (
+            "REJECT IN_USE",
+            &REJECT_IN_USE[..],
+            env(TGT, INI, 0, 0),
+            Message::Reject(Reject {
+                nonce: 0x1122_3344_5566_7788,
+                reason: RejectReason::InUse,
+                holder: Some(MacAddr([0x02, 0x54, 0, 0, 0, 0x09])),
+            }),
         ),
         (
             "REQUEST READ",
@@ -969,7 +1033,7 @@ fn unknown_codes_are_malformed() {
         let b = patch(&COMPLETION, abs(layout::completion::STATUS.start), &s.to_be_bytes());
         assert_err(&b, WireError::Malformed, &format!("status {s}"));
     }
-    for r in [0u16, 8, 0xffff] {
+    for r in [0u16, 9, 0xffff] {
         let b = patch(&REJECT, abs(layout::reject::REASON.start), &r.to_be_bytes());
         assert_err(&b, WireError::Malformed, &format!("reject reason {r}"));
     }

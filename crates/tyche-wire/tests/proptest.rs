@@ -113,7 +113,7 @@ type ExportOwned = (String, u64, u32, u16);
 enum Owned {
     Plain(Message<'static>),
     DiscoverReply { nonce: u32, total: u16, start: u16, exports: Vec<ExportOwned> },
-    Connect { nonce: u64, params: ChannelParams, proof: Option<[u8; 32]>, export: String },
+    Connect { nonce: u64, params: ChannelParams, proof: Option<[u8; 32]>, export: String, host: Option<[u8; 16]> },
     Data(DataHeader, Vec<u8>),
 }
 
@@ -127,7 +127,10 @@ fn owned() -> impl Strategy<Value = Owned> {
                 Message::Accept(Accept { nonce, params, export_size, block_size, export_flags, proof })
             }
         ),
-        (any::<u64>(), pick(RejectReason::ALL)).prop_map(|(nonce, reason)| Message::Reject(Reject { nonce, reason })),
+        (any::<u64>(), pick(RejectReason::ALL), any::<Option<[u8; 6]>>()).prop_map(|(nonce, reason, holder)| {
+            let holder = holder.map(MacAddr).filter(|m| *m != MacAddr::ZERO);
+            Message::Reject(Reject { nonce, reason, holder })
+        }),
         request().prop_map(Message::Request),
         (seq(), pick(Status::ALL), any::<u16>(), any::<u16>(), any::<u64>()).prop_map(
             |(seq, status, remq, damq, tag)| Message::Completion(Completion { seq, status, remq, damq, tag })
@@ -152,12 +155,13 @@ fn owned() -> impl Strategy<Value = Owned> {
                 start,
                 exports
             }),
-        1 => (any::<u64>(), params(), any::<Option<[u8; 32]>>(), name()).prop_map(
-            |(nonce, params, proof, export)| Owned::Connect {
+        1 => (any::<u64>(), params(), any::<Option<[u8; 32]>>(), name(), any::<Option<[u8; 16]>>()).prop_map(
+            |(nonce, params, proof, export, host)| Owned::Connect {
                 nonce,
                 params,
                 proof,
-                export
+                export,
+                host
             }
         ),
         1 => data().prop_map(|(h, p)| Owned::Data(h, p)),
@@ -185,8 +189,8 @@ fn with_message<R>(o: &Owned, f: impl FnOnce(&Message<'_>) -> R) -> R {
                 exports: ExportList::Slice(&infos),
             }))
         }
-        Owned::Connect { nonce, params, proof, export } => {
-            f(&Message::Connect(Connect { nonce: *nonce, params: *params, proof: *proof, export }))
+        Owned::Connect { nonce, params, proof, export, host } => {
+            f(&Message::Connect(Connect { nonce: *nonce, params: *params, proof: *proof, export, host: *host }))
         }
         Owned::Data(header, payload) => f(&Message::Data(Data { header: *header, payload })),
     }

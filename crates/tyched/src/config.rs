@@ -122,6 +122,15 @@ pub struct Config {
     /// A channel that hears nothing for this long is dead and its slots reclaimed (ms).
     #[serde(default = "default_dead_after_ms")]
     pub dead_after_ms: u64,
+    /// A session whose channels are all dead is kept this long (ms) before it is reclaimed, so
+    /// an initiator back within it resumes the same session with its at-most-once ledger. A
+    /// session that never carried a frame after its handshake goes after `dead_after_ms`.
+    #[serde(default = "default_reclaim_after_ms")]
+    pub reclaim_after_ms: u64,
+    /// A storage request that has not finished after this long (ms) is answered with an I/O
+    /// error (counted in `storage_timeouts`) so a hung backend never wedges a channel; 0: none.
+    #[serde(default = "default_storage_deadline_ms")]
+    pub storage_deadline_ms: u64,
     /// The exports.
     #[serde(default, rename = "export")]
     pub exports: Vec<ExportConfig>,
@@ -224,6 +233,10 @@ pub struct ExportConfig {
     /// Use O_DIRECT on a block device when requests are aligned (default true).
     #[serde(default = "default_true")]
     pub direct: bool,
+    /// Let several initiators attach at once (cluster filesystems). Default false: one
+    /// initiator (host) at a time; another gets REJECT IN_USE naming the holder.
+    #[serde(default)]
+    pub shared: bool,
 }
 
 /// A byte size, written as a number or a string with a K/M/G/T suffix.
@@ -280,6 +293,13 @@ fn default_stats_socket() -> PathBuf {
 fn default_dead_after_ms() -> u64 {
     3000
 }
+fn default_reclaim_after_ms() -> u64 {
+    // At least the initiator's default no-path timeout (30 s).
+    35_000
+}
+fn default_storage_deadline_ms() -> u64 {
+    30_000
+}
 fn default_true() -> bool {
     true
 }
@@ -300,6 +320,8 @@ impl Default for Config {
             prometheus_allow_remote: false,
             limits: Limits::default(),
             dead_after_ms: default_dead_after_ms(),
+            reclaim_after_ms: default_reclaim_after_ms(),
+            storage_deadline_ms: default_storage_deadline_ms(),
             exports: Vec::new(),
         }
     }
@@ -316,6 +338,7 @@ impl ExportConfig {
             allow: Vec::new(),
             key: None,
             direct: true,
+            shared: false,
         }
     }
 
@@ -403,6 +426,12 @@ impl Config {
             return Err(invalid("dead_after_ms", "100 to 3600000"));
         }
         self.timers().validate().map_err(|e| invalid("dead_after_ms", e))?;
+        if self.reclaim_after_ms > 86_400_000 {
+            return Err(invalid("reclaim_after_ms", "at most 86400000 (a day)"));
+        }
+        if self.storage_deadline_ms != 0 && !(100..=3_600_000).contains(&self.storage_deadline_ms) {
+            return Err(invalid("storage_deadline_ms", "0 (none) or 100 to 3600000"));
+        }
         self.prometheus_addr()?;
         for (i, name) in self.ifaces.iter().enumerate() {
             if name.is_empty() || name.len() > 15 {

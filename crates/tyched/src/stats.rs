@@ -211,6 +211,12 @@ pub struct Snapshot {
     pub leases_held: u64,
     /// Storage requests queued or running (queue occupancy).
     pub storage_inflight: u64,
+    /// Storage requests answered with an I/O error at their deadline (`storage_deadline_ms`).
+    #[serde(default)]
+    pub storage_timeouts: u64,
+    /// Sessions fenced because the same initiator (host) attached the export again.
+    #[serde(default)]
+    pub sessions_fenced: u64,
     /// Copies of executed modifying requests not executed again.
     pub duplicates_suppressed: u64,
     /// Per NIC.

@@ -51,7 +51,8 @@ const POLL_CAP_NO_FD: Duration = Duration::from_millis(1);
 const POLL_CAP: Duration = Duration::from_millis(100);
 /// How long shutdown waits for storage and for the last completions to be acknowledged.
 const DRAIN_LIMIT: Duration = Duration::from_secs(5);
-/// A session whose channels are all dead is dropped after this grace period.
+/// A session whose channels are all dead is dropped after this grace period when it never
+/// carried a frame after its handshake (`reclaim_after_ms` otherwise).
 const RECLAIM_GRACE: Duration = Duration::from_millis(500);
 
 /// Errors starting a target.
@@ -123,6 +124,8 @@ struct Export {
     allow: Vec<MacAddr>,
     key: Option<Vec<u8>>,
     read_only: bool,
+    /// Several initiators may attach at once.
+    shared: bool,
 }
 
 #[derive(Debug)]
@@ -228,6 +231,10 @@ pub(crate) struct Job {
     /// Read data goes straight into these transmit chunks (one per segment), not `buf`.
     pub(crate) region: Option<Region>,
     pub(crate) abort: bool,
+    /// Names the job while storage has it (0 in tests that build jobs by hand).
+    pub(crate) id: u64,
+    /// Set when the job's session is fenced: a job not started by then is not run.
+    pub(crate) fence: Option<Arc<AtomicBool>>,
 }
 
 /// Transmit chunks a NIC's transport lent for good, holding one request's read data: segment
@@ -283,6 +290,12 @@ impl Job {
         Some(out)
     }
 
+    /// Whether the job is not to run: the target stops, its channel died, or its session was
+    /// fenced by a new attachment of the same initiator.
+    pub(crate) fn aborted(&self) -> bool {
+        self.abort || self.fence.as_ref().is_some_and(|f| f.load(Ordering::Acquire))
+    }
+
     /// Whether the job's data has a place to come from or go to (checked before storage runs).
     pub(crate) fn places_ok(&self) -> bool {
         let len = self.request.length as usize;
@@ -327,7 +340,7 @@ pub(crate) struct Done {
 }
 
 pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
-    if job.abort {
+    if job.aborted() {
         return Status::Aborted;
     }
     let r = job.request;
@@ -483,6 +496,7 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
             allow: e.allowed_macs(),
             key: e.key.as_ref().map(|k| k.as_bytes().to_vec()),
             read_only: e.read_only,
+            shared: e.shared,
         });
     }
     // The segment must fit every NIC's MTU and buffers.
@@ -646,6 +660,14 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         slot_bytes: 0,
         short: HashMap::new(),
         waiting_memory: VecDeque::new(),
+        reclaim_after: Duration::from_millis(config.reclaim_after_ms),
+        running: HashMap::new(),
+        deadlines: std::collections::BTreeSet::new(),
+        storage_deadline: Duration::from_millis(config.storage_deadline_ms),
+        timed_out: HashSet::new(),
+        storage_timeouts: 0,
+        next_job: 0,
+        fenced: 0,
         clock: std::time::Instant::now(),
         skew: Duration::ZERO,
         shared: Arc::clone(&shared),
@@ -886,6 +908,24 @@ struct SessionState {
     /// memory of a replaced channel's requests still executing is never mixed with the new one's.
     epochs: BTreeMap<u16, u64>,
     all_dead_since: Option<Instant>,
+    /// Whether any channel of it carried a frame after its handshake (reclaim grace).
+    established: bool,
+    /// Who attached: the host id the initiator sent, else one made from its MAC.
+    identity: [u8; 16],
+    /// The MAC that created it (named to another initiator refused IN_USE).
+    mac: MacAddr,
+    /// Set when a new attachment of the same initiator fenced this session.
+    fenced: Arc<AtomicBool>,
+    /// Fenced sessions whose storage requests must all end before this one's first runs.
+    waits_for: Vec<u64>,
+}
+
+/// The identity of an initiator that sent no host id: its MAC, marked as such.
+fn mac_identity(mac: MacAddr) -> [u8; 16] {
+    let mut id = [0u8; 16];
+    id[..4].copy_from_slice(b"mac:");
+    id[4..10].copy_from_slice(&mac.octets());
+    id
 }
 
 /// Slot memory of one `damq` slot: `None` while a worker holds it.
@@ -969,6 +1009,20 @@ struct Network {
     short: HashMap<SlotKey, u32>,
     /// Reads waiting for slot memory.
     waiting_memory: VecDeque<Deferred>,
+    /// How long a session whose channels are all dead is kept (`reclaim_after_ms`).
+    reclaim_after: Duration,
+    /// Storage requests handed out and not finished: job id → (session, channel, request,
+    /// export).
+    running: HashMap<u64, (u64, u16, Request, usize, Instant)>,
+    /// Running jobs by start time (`storage_deadline_ms`): (start, job id).
+    deadlines: std::collections::BTreeSet<(Instant, u64)>,
+    storage_deadline: Duration,
+    /// Jobs answered with an I/O error at their deadline; their late end is not answered again.
+    timed_out: HashSet<u64>,
+    storage_timeouts: u64,
+    next_job: u64,
+    /// Sessions fenced by a new attachment of the same initiator.
+    fenced: u64,
     clock: std::time::Instant,
     /// Added to the clock ([`Harness::advance`]; zero in a daemon).
     skew: Duration,
@@ -1034,6 +1088,7 @@ impl Network {
             busy |= self.receive_on(now, *k, nic);
         }
         busy |= self.completions(now);
+        self.storage_deadlines(now);
         self.timers(now);
         self.collect_events();
         self.submit_overflow();
@@ -1089,6 +1144,9 @@ impl Network {
         }
         if self.stopping.is_some() {
             timeout = timeout.min(Duration::from_millis(5));
+        }
+        if let Some(&(started, _)) = self.deadlines.first() {
+            timeout = timeout.min((started + self.storage_deadline).since(now));
         }
         if !busy {
             self.sleeping[g] = true;
@@ -1195,7 +1253,10 @@ impl Network {
             return lease;
         };
         let (channel, damq, offset, payload, generation) = match s.session.handle_frame(now, bytes) {
-            TargetInbound::Consumed => return lease,
+            TargetInbound::Consumed => {
+                s.established = true;
+                return lease;
+            }
             TargetInbound::Dropped(d) => {
                 match d {
                     FrameDrop::Wire(_) => st.drops.malformed += 1,
@@ -1205,6 +1266,7 @@ impl Network {
                 return lease;
             }
             TargetInbound::Write { channel, damq, offset, payload, generation } => {
+                s.established = true;
                 (channel, damq, offset, payload, generation)
             }
         };
@@ -1344,6 +1406,10 @@ impl Network {
         // Largest reply: a DISCOVER_REPLY of 8 exports with 64-byte names (672 bytes).
         let mut buf = vec![0u8; 2048];
         let mut target_proof = None;
+        // The initiator's identity (for a CONNECT of a known export), and the sessions of it
+        // that a new session fences.
+        let mut new_session = None;
+        let mut fence: Vec<u64> = Vec::new();
         if let Message::Connect(c) = msg {
             if self.stopping.is_some() {
                 self.nic_stats[k].drops.shutting_down += 1;
@@ -1352,7 +1418,7 @@ impl Network {
             if let Some(i) = self.exports.iter().position(|e| e.spec.name == c.export) {
                 let e = &self.exports[i];
                 let reject = |reason, buf: &mut Vec<u8>| {
-                    let len = Message::Reject(Reject { nonce: c.nonce, reason }).emit(&reply_env, buf);
+                    let len = Message::Reject(Reject { nonce: c.nonce, reason, holder: None }).emit(&reply_env, buf);
                     buf.truncate(len);
                 };
                 if !e.allow.is_empty() && !e.allow.contains(&src) {
@@ -1407,6 +1473,38 @@ impl Network {
                     };
                     target_proof = Some(auth::proof(key, ProofRole::Target, &input(tn)));
                 }
+                // One initiator at a time (unless shared); the same initiator again fences its
+                // old sessions. Only for a CONNECT that creates a session (not a retransmitted
+                // one), and only once it passed the MAC and key checks.
+                let identity = c.host.unwrap_or_else(|| mac_identity(src));
+                new_session = Some(identity);
+                if env_in.session == 0 && self.acceptor.created_by(src, c.nonce).is_none() {
+                    let holder = self
+                        .sessions
+                        .values()
+                        .find(|s| s.export == i && s.identity != identity && !s.fenced.load(Ordering::Relaxed));
+                    if let (false, Some(holder)) = (self.exports[i].shared, holder) {
+                        if PEER_LOGS.allow() {
+                            tracing::warn!(%src, export = %c.export, holder = %holder.mac, "refused: the export is attached by another initiator");
+                        }
+                        self.export_stats[i].denied += 1;
+                        let len = Message::Reject(Reject {
+                            nonce: c.nonce,
+                            reason: RejectReason::InUse,
+                            holder: Some(holder.mac),
+                        })
+                        .emit(&reply_env, &mut buf);
+                        buf.truncate(len);
+                        self.queue_control(k, buf);
+                        return;
+                    }
+                    fence = self
+                        .sessions
+                        .iter()
+                        .filter(|(_, s)| s.export == i && s.identity == identity && !s.fenced.load(Ordering::Relaxed))
+                        .map(|(&sid, _)| sid)
+                        .collect();
+                }
             }
         }
         let mut ids = random_u64;
@@ -1422,9 +1520,17 @@ impl Network {
             Some(Accepted::Channel { session, export, channel, len }) => {
                 let e = &self.exports[export];
                 let geometry = ExportGeometry { size: e.spec.size, read_only: e.read_only, discard: true };
+                let fence = std::mem::take(&mut fence);
                 let idx = channel.envelope().channel;
                 let ethertype = self.ethertype;
                 let log = PEER_LOGS.allow();
+                let created = !self.sessions.contains_key(&session);
+                if created {
+                    for &old in &fence {
+                        self.fence(old, session);
+                    }
+                }
+                let e = &self.exports[export];
                 let st = self.sessions.entry(session).or_insert_with(|| {
                     if log {
                         tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
@@ -1436,6 +1542,11 @@ impl Network {
                         executing: BTreeMap::new(),
                         epochs: BTreeMap::new(),
                         all_dead_since: None,
+                        established: false,
+                        identity: new_session.unwrap_or_else(|| mac_identity(src)),
+                        mac: src,
+                        fenced: Arc::new(AtomicBool::new(false)),
+                        waits_for: fence,
                     }
                 });
                 if log {
@@ -1455,6 +1566,30 @@ impl Network {
                 self.queue_control(k, buf);
             }
             None => {}
+        }
+    }
+
+    /// Fences session `old` for the new session `by` of the same initiator: its channels close,
+    /// its storage requests not started are not run (ABORTED), its reads waiting for memory are
+    /// answered ABORTED, and `by` runs nothing until every request of `old` already in storage
+    /// has ended, so no write of the old session lands after one of the new.
+    fn fence(&mut self, old: u64, by: u64) {
+        let Some(s) = self.sessions.get_mut(&old) else { return };
+        s.fenced.store(true, Ordering::Release);
+        s.session.close(tyche_wire::DisconnectReason::Normal);
+        self.fenced += 1;
+        tracing::warn!(
+            session = format_args!("{old:016x}"),
+            by = format_args!("{by:016x}"),
+            "session fenced: the same initiator attached again"
+        );
+        for j in self.overflow.iter_mut().filter(|j| j.session == old) {
+            j.abort = true;
+        }
+        let waiting: Vec<Deferred> = self.waiting_memory.iter().filter(|d| d.0 == old).copied().collect();
+        self.waiting_memory.retain(|d| d.0 != old);
+        for (_, channel, request, _) in waiting {
+            s.session.complete(channel, &request, Status::Aborted);
         }
     }
 
@@ -1562,6 +1697,18 @@ impl Network {
         let (sid, channel, request, generation) = deferred;
         let stopping = self.stopping.is_some();
         let s = self.sessions.get(&sid)?;
+        if !s.waits_for.is_empty() {
+            // Nothing of this session runs before every request of the sessions it fenced ended.
+            let busy = |old: &u64| self.sessions.get(old).is_some_and(|o| o.executing.values().any(|&n| n > 0));
+            if s.waits_for.iter().any(busy) {
+                self.waiting_memory.push_back(deferred);
+                return None;
+            }
+            let s = self.sessions.get_mut(&sid)?;
+            s.waits_for.clear();
+        }
+        let s = self.sessions.get(&sid)?;
+        let fence = Some(Arc::clone(&s.fenced));
         let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
         let ch = s.session.channel(channel);
         let dead = ch.is_none_or(|c| c.dead().is_some());
@@ -1635,7 +1782,26 @@ impl Network {
             }
         }
         *self.sessions.get_mut(&sid)?.executing.entry(channel).or_default() += 1;
-        Some(Job { session: sid, channel, epoch, export, request, buf, lent, region, abort: stopping || dead })
+        self.next_job += 1;
+        let id = self.next_job;
+        let now = self.now();
+        self.running.insert(id, (sid, channel, request, export, now));
+        if !self.storage_deadline.is_zero() {
+            self.deadlines.insert((now, id));
+        }
+        Some(Job {
+            session: sid,
+            channel,
+            epoch,
+            export,
+            request,
+            buf,
+            lent,
+            region,
+            abort: stopping || dead,
+            id,
+            fence,
+        })
     }
 
     /// `limits.slot_memory` permitting, one slot's memory (on `node`). When the budget is spent,
@@ -1740,9 +1906,28 @@ impl Network {
     fn finish_job(&mut self, done: Done) {
         let (mut d, status) = (done.job, done.status);
         self.inflight -= 1;
+        if let Some((.., started)) = self.running.remove(&d.id) {
+            self.deadlines.remove(&(started, d.id));
+        }
         for seg in d.lent.drain(..) {
             self.release[seg.nic].push(seg.lease);
             self.leases_held -= 1;
+        }
+        if self.timed_out.remove(&d.id) {
+            // Answered at its deadline already: what it held goes back, nothing is sent.
+            if let Some(region) = d.region.take() {
+                self.tx_draining[region.nic].extend(region.chunks);
+            }
+            if let Some(buf) = d.buf.take() {
+                self.free_slot(buf);
+            }
+            if let Some(n) = self.sessions.get_mut(&d.session).and_then(|s| s.executing.get_mut(&d.channel)) {
+                *n -= 1;
+            }
+            if PEER_LOGS.allow() {
+                tracing::warn!(op = ?d.request.op, offset = d.request.offset, ?status, "a storage request ended after its deadline");
+            }
+            return;
         }
         let r = d.request;
         let key = (d.session, d.channel, d.epoch, r.damq);
@@ -1792,6 +1977,35 @@ impl Network {
         }
     }
 
+    /// Answers with an I/O error every storage request running longer than
+    /// `storage_deadline_ms`: a hung backend never wedges a channel. The request's memory stays
+    /// with the storage job until it really ends (the kernel may still use it), and its session
+    /// is not reclaimed before that.
+    fn storage_deadlines(&mut self, now: Instant) {
+        while let Some(&(started, id)) = self.deadlines.first() {
+            if now.since(started) < self.storage_deadline {
+                return;
+            }
+            self.deadlines.pop_first();
+            let Some(&(sid, channel, request, export, _)) = self.running.get(&id) else { continue };
+            self.timed_out.insert(id);
+            self.storage_timeouts += 1;
+            self.export_stats[export].errors += 1;
+            if PEER_LOGS.allow() {
+                tracing::error!(op = ?request.op, offset = request.offset, length = request.length,
+                    deadline = ?self.storage_deadline, "storage request past its deadline: answered with an I/O error");
+            }
+            if let Some(s) = self.sessions.get_mut(&sid) {
+                let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    s.session.complete(channel, &request, Status::IoError)
+                }));
+                if done.is_err() {
+                    self.fail_session(sid, "answering a request past its deadline");
+                }
+            }
+        }
+    }
+
     fn timers(&mut self, now: Instant) {
         let mut failed = Vec::new();
         for (&sid, s) in self.sessions.iter_mut() {
@@ -1817,7 +2031,23 @@ impl Network {
             }
             let since = *s.all_dead_since.get_or_insert(now);
             let busy = s.executing.values().any(|&n| n > 0);
-            if !busy && now.since(since) >= RECLAIM_GRACE {
+            // A session that carried traffic is kept `reclaim_after_ms` so an initiator back in
+            // time resumes it (its ledger too); one that never did (a CONNECT and nothing else,
+            // as in a flood) goes at once.
+            // An initiator that said goodbye on every channel (DISCONNECT NORMAL: a detach) does
+            // not come back for this session.
+            let detached = s.session.channel_indices().all(|c| {
+                matches!(
+                    s.session.channel(c).and_then(|c| c.dead()),
+                    Some(tyche_channel::DeadReason::PeerClosed(tyche_wire::DisconnectReason::Normal))
+                )
+            });
+            let grace = if s.established && !detached && !s.fenced.load(Ordering::Relaxed) {
+                self.reclaim_after.max(RECLAIM_GRACE)
+            } else {
+                RECLAIM_GRACE
+            };
+            if !busy && now.since(since) >= grace {
                 gone.push(sid);
             }
         }
@@ -2049,6 +2279,8 @@ impl Network {
             sessions: self.sessions.len() as u64,
             sessions_reclaimed: self.reclaimed,
             payload_copied_bytes: self.payload_copied,
+            storage_timeouts: self.storage_timeouts,
+            sessions_fenced: self.fenced,
             payload_copied_write_bytes: self.payload_copied_write,
             leases_held: self.leases_held,
             storage_inflight: self.inflight,

@@ -250,7 +250,7 @@ impl Engine {
 
     /// Takes a slot and submits the job's first entry; true if it finished at once.
     fn start(&mut self, job: Job) -> bool {
-        if job.abort {
+        if job.aborted() {
             self.finish(job, Status::Aborted);
             return true;
         }
@@ -495,6 +495,8 @@ mod tests {
                 lent: Vec::new(),
                 region: None,
                 abort: false,
+                id: 0,
+                fence: None,
             };
             self.queue.as_ref().unwrap().submit(job).expect("the engine runs");
             loop {
@@ -563,6 +565,8 @@ mod tests {
                 lent: Vec::new(),
                 region: None,
                 abort: false,
+                id: 0,
+                fence: None,
             })
             .expect("the engine runs");
         }
@@ -584,6 +588,8 @@ mod tests {
             lent: Vec::new(),
             region: None,
             abort: true,
+            id: 0,
+            fence: None,
         };
         q.submit(j).expect("the engine runs");
         assert_eq!(h.done.recv_timeout(Duration::from_secs(5)).expect("aborted").status, Status::Aborted);

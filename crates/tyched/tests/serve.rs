@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{pattern, Initiator};
 use tyche_channel::{ConnectError, IoError};
 use tyche_wire::{Op, RejectReason, Status};
@@ -259,7 +261,7 @@ fn restart_with_the_same_file_serves_the_same_data() {
 
 #[test]
 fn a_vanished_initiator_is_reclaimed() {
-    let cfg = Config { dead_after_ms: 250, ..config(vec![ExportConfig::ram("r", 1 << 20)]) };
+    let cfg = Config { dead_after_ms: 250, reclaim_after_ms: 500, ..config(vec![ExportConfig::ram("r", 1 << 20)]) };
     let (target, ports) = common::start(cfg, 2);
     let mut ini = Initiator::new(ports);
     ini.attach("r", None).expect("attach");
@@ -489,7 +491,7 @@ fn lending_limit_falls_back_to_counted_copies() {
 /// Frames kept for writes that never execute go back when the session is reclaimed.
 #[test]
 fn kept_frames_of_a_vanished_initiator_go_back() {
-    let cfg = Config { dead_after_ms: 250, ..config(vec![ExportConfig::ram("r", 4 << 20)]) };
+    let cfg = Config { dead_after_ms: 250, reclaim_after_ms: 500, ..config(vec![ExportConfig::ram("r", 4 << 20)]) };
     let (target, ports) = common::start_lending(cfg, 2, 1 << 16, Default::default());
     let mut ini = Initiator::new(ports);
     ini.attach("r", None).expect("attach");
@@ -511,4 +513,73 @@ fn kept_frames_of_a_vanished_initiator_go_back() {
     }
     let s = common::wait_leases_back(&target);
     assert!(s.nics.iter().map(|n| n.frames_kept).sum::<u64>() > 0);
+}
+
+#[test]
+fn a_session_silent_for_less_than_reclaim_after_is_resumed_with_its_id() {
+    // Channels die after 500 ms of silence; the session that carried traffic is kept 10 s, so
+    // the initiator, back after 1.5 s, rejoins the same session (and its at-most-once ledger).
+    let ram = ExportConfig { shared: true, ..ExportConfig::ram("ram", 8 << 20) };
+    let cfg = Config { dead_after_ms: 500, reclaim_after_ms: 10_000, ..config(vec![ram]) };
+    let (target, ports) = common::start(cfg, 1);
+    let mut ini = Initiator::new(ports);
+    let c = ini.attach("ram", None).expect("attach");
+    ini.write(0, &pattern(0, 65536, 3));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(target.stats().channels.iter().all(|ch| ch.dead), "the silent channel is dead");
+    assert_eq!(target.stats().sessions, 1, "the session is kept");
+    let (_, r) = ini.handshake(0, c.session, "ram", None);
+    assert_eq!(r.expect("rejoins").session, c.session);
+    // A session that never carried a frame after its handshake goes after dead_after + 500 ms
+    // (another host's, so it does not fence the first).
+    ini.host = Some([7; 16]);
+    let (_, fresh) = ini.handshake(0, 0, "ram", None);
+    let fresh = fresh.expect("a second session").session;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while target.stats().channels.iter().any(|ch| ch.session == fresh) {
+        assert!(std::time::Instant::now() < deadline, "the idle session was not reclaimed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(target.stats().channels.iter().any(|ch| ch.session == c.session), "the resumed session stays");
+}
+
+#[test]
+fn an_export_is_attached_by_one_initiator_and_a_reattach_fences_the_old_session() {
+    let cfg = config(vec![ExportConfig::ram("solo", 8 << 20)]);
+    let (target, ports) = common::start(cfg, 2);
+    let mut ports = ports.into_iter();
+    let mut a = Initiator::new(vec![ports.next().expect("port 0")]);
+    a.host = Some([0xaa; 16]);
+    let first = a.attach("solo", None).expect("the first initiator attaches");
+    a.write(0, &pattern(0, 65536, 1));
+    // Another host: refused, naming the holder's MAC.
+    let mut b = Initiator::new(vec![ports.next().expect("port 1")]);
+    b.target_macs = vec![common::target_mac(1)];
+    b.host = Some([0xbb; 16]);
+    let (_, r) = b.handshake(0, 0, "solo", None);
+    assert_eq!(r.err(), Some(ConnectError::InUse(common::init_mac(0))), "a second host is refused");
+    // The same host again (its process restarted): the old session is fenced, the new one serves.
+    let mut a2 = Initiator::new(a.ports.drain(..).collect());
+    a2.host = Some([0xaa; 16]);
+    let second = a2.attach("solo", None).expect("the same host attaches again");
+    assert_ne!(second.session, first.session);
+    assert_eq!(a2.read(0, 65536), pattern(0, 65536, 1));
+    a2.write(65536, &pattern(65536, 4096, 2));
+    let s = target.stats();
+    assert_eq!(s.sessions_fenced, 1);
+    assert!(
+        s.channels.iter().filter(|c| c.session == first.session).all(|c| c.dead),
+        "the old session's channels are closed"
+    );
+    // A shared export takes both hosts.
+    let shared = ExportConfig { shared: true, ..ExportConfig::ram("both", 1 << 20) };
+    let (_target2, ports) = common::start(config(vec![shared]), 2);
+    let mut ports = ports.into_iter();
+    let mut a = Initiator::new(vec![ports.next().expect("port 0")]);
+    a.host = Some([0xaa; 16]);
+    a.attach("both", None).expect("first host");
+    let mut b = Initiator::new(vec![ports.next().expect("port 1")]);
+    b.target_macs = vec![common::target_mac(1)];
+    b.host = Some([0xbb; 16]);
+    assert!(b.handshake(0, 0, "both", None).1.is_ok(), "a shared export takes a second host");
 }

@@ -241,6 +241,11 @@ impl DirectConn {
         !self.eof && self.error.is_none() && self.inflight < self.max_inflight && self.held < HELD_BYTES
     }
 
+    /// Requests in flight and data bytes held.
+    pub(crate) fn load(&self) -> (usize, u64) {
+        (self.inflight, self.held)
+    }
+
     /// Whether replies wait to be written.
     pub(crate) fn wants_write(&self) -> bool {
         self.error.is_none() && !self.out.is_empty()

@@ -181,12 +181,16 @@ async fn run_connection(n: u64, idx: u64, node: Option<u32>, stream: UnixStream,
 
 fn transmission_flags(client: &Client) -> u16 {
     let i = client.info();
+    flags_for(i.read_only, i.discard)
+}
+
+fn flags_for(read_only: bool, discard: bool) -> u16 {
     let mut f = tflag::HAS_FLAGS | tflag::SEND_FLUSH | tflag::SEND_FUA | tflag::CAN_MULTI_CONN;
-    if i.read_only {
+    if read_only {
         f |= tflag::READ_ONLY;
     } else {
         f |= tflag::SEND_WRITE_ZEROES;
-        if i.discard {
+        if discard {
             f |= tflag::SEND_TRIM;
         }
     }
@@ -206,7 +210,7 @@ async fn connection(
     node: Option<u32>,
 ) -> io::Result<()> {
     let (mut rd, mut wr) = stream.into_split();
-    if !handshake(&mut rd, &mut wr, &client, opts).await? {
+    if !handshake(&mut rd, &mut wr, client.size(), transmission_flags(&client), opts).await? {
         return Ok(());
     }
     if !opts.engine_io {
@@ -231,21 +235,19 @@ async fn connection(
     finished.await.unwrap_or_else(|_| Err(io::Error::other("the engine stopped")))
 }
 
-/// Option haggling. Returns whether to enter transmission.
-async fn handshake(
-    rd: &mut OwnedReadHalf,
-    wr: &mut OwnedWriteHalf,
-    client: &Client,
-    opts: &NbdOptions,
-) -> io::Result<bool> {
+/// Option haggling for an export of `size` bytes with transmission flags `flags`. Returns
+/// whether to enter transmission.
+async fn handshake<R, W>(rd: &mut R, wr: &mut W, size: u64, flags: u16, opts: &NbdOptions) -> io::Result<bool>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
     wr.write_all(&codec::greeting()).await?;
     let cflags = rd.read_u32().await?;
     if cflags & !(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES) != 0 {
         return Err(invalid("unknown client flags"));
     }
     let no_zeroes = cflags & codec::FLAG_C_NO_ZEROES != 0;
-    let size = client.size();
-    let flags = transmission_flags(client);
     loop {
         let mut h = [0u8; 16];
         rd.read_exact(&mut h).await?;
@@ -517,4 +519,132 @@ async fn execute(client: &Client, req: codec::Request, data: Vec<u8>, size: u64)
         cmd::CACHE => Ok(Vec::new()),
         _ => Err(errno::EINVAL),
     }
+}
+
+/// Entry points for the fuzz harnesses (`crates/tyche-fuzz`): the handshake over bytes in
+/// memory, and an engine-mode connection ([`direct::DirectConn`]) whose volume the caller plays.
+/// Not a stable API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use std::future::Future;
+    use std::io;
+    use std::os::unix::net::UnixStream;
+    use std::task::{Context, Poll, Waker};
+
+    use tyche_wire::Op;
+
+    use super::direct::{DirectConn, NbdIo};
+    use super::NbdOptions;
+    use crate::error::Error;
+
+    /// Runs the server's handshake for export `name` of `size` bytes on the client bytes
+    /// `input`. Returns how it ended (whether transmission was entered), what the server wrote
+    /// and how many client bytes it read.
+    pub fn handshake(
+        input: &[u8],
+        name: &str,
+        size: u64,
+        read_only: bool,
+        discard: bool,
+    ) -> (io::Result<bool>, Vec<u8>, usize) {
+        let opts = NbdOptions::new(name);
+        let mut rd: &[u8] = input;
+        let mut wr: Vec<u8> = Vec::new();
+        let flags = super::flags_for(read_only, discard);
+        let result = {
+            let mut fut = std::pin::pin!(super::handshake(&mut rd, &mut wr, size, flags, &opts));
+            // Bytes in memory are always ready: one poll runs it to the end.
+            match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+                Poll::Ready(r) => r,
+                Poll::Pending => Err(io::Error::other("the handshake waited on memory")),
+            }
+        };
+        let read = input.len() - rd.len();
+        (result, wr, read)
+    }
+
+    /// A request the connection hands to the volume.
+    #[derive(Debug)]
+    pub struct Io(NbdIo);
+
+    impl Io {
+        /// The operation.
+        pub fn op(&self) -> Op {
+            self.0.op
+        }
+        /// Force unit access.
+        pub fn fua(&self) -> bool {
+            self.0.fua
+        }
+        /// Byte offset in the export.
+        pub fn offset(&self) -> u64 {
+            self.0.offset
+        }
+        /// Bytes.
+        pub fn length(&self) -> u64 {
+            self.0.length
+        }
+        /// Write data, or the buffer for read data.
+        pub fn data(&self) -> &[u8] {
+            self.0.data.as_slice()
+        }
+        /// The buffer for read data.
+        pub fn data_mut(&mut self) -> &mut [u8] {
+            self.0.data.as_mut_slice()
+        }
+    }
+
+    /// An NBD connection in transmission, as an engine thread serves it.
+    #[derive(Debug)]
+    pub struct Conn(Option<DirectConn>);
+
+    impl Conn {
+        /// Serves `stream` (made non-blocking) for an export of `size` bytes.
+        pub fn new(stream: UnixStream, size: u64, discard: bool, max_inflight: usize) -> io::Result<Conn> {
+            let (done, _) = tokio::sync::oneshot::channel();
+            let stats = crate::report::NbdStats::default();
+            let idx = stats.add(crate::report::NbdConnReport::default());
+            Ok(Conn(Some(DirectConn::new(stream, idx, size, discard, None, stats, max_inflight, done)?)))
+        }
+        fn conn(&mut self) -> &mut DirectConn {
+            self.0.as_mut().expect("open")
+        }
+        /// Reads and parses what the socket has; the requests for the volume.
+        pub fn poll_requests(&mut self) -> Vec<Io> {
+            self.conn().poll_requests().into_iter().map(Io).collect()
+        }
+        /// The volume completed `io` (a read's data is in its buffer).
+        pub fn complete(&mut self, io: Io, result: Result<(), Error>) {
+            let Io(io) = io;
+            let outcome = result.map(|()| (io.op, io.data));
+            self.conn().complete(io.reply, outcome);
+        }
+        /// Writes queued replies; whether anything was written.
+        pub fn write_replies(&mut self) -> bool {
+            self.conn().write_replies()
+        }
+        /// Whether more requests may be read now.
+        pub fn wants_read(&self) -> bool {
+            self.0.as_ref().is_some_and(DirectConn::wants_read)
+        }
+        /// Whether the connection is over.
+        pub fn finished(&self) -> bool {
+            self.0.as_ref().is_none_or(DirectConn::finished)
+        }
+        /// Requests in flight and data bytes held.
+        pub fn load(&self) -> (usize, u64) {
+            self.0.as_ref().map_or((0, 0), DirectConn::load)
+        }
+        /// Ends the connection.
+        pub fn close(&mut self) {
+            if let Some(c) = self.0.take() {
+                c.close(false);
+            }
+        }
+    }
+
+    /// Most data bytes one connection holds (its read buffers and write payloads).
+    pub const HELD_BYTES: u64 = super::direct::HELD_BYTES;
+    /// Largest request accepted.
+    pub const MAX_REQUEST: u32 = super::MAX_REQUEST;
 }

@@ -94,6 +94,8 @@ pub struct Initiator {
     pub target_macs: Vec<MacAddr>,
     /// When set, every frame sent is followed by a corrupted copy.
     pub mutate: Option<tyche_transport::SplitMix64>,
+    /// The host id sent in CONNECT (none: the target identifies this initiator by its MAC).
+    pub host: Option<[u8; 16]>,
 }
 
 pub fn want() -> ChannelParams {
@@ -120,6 +122,7 @@ impl Initiator {
             pretend_size: None,
             target_macs: (0..8).map(target_mac).collect(),
             mutate: None,
+            host: None,
         }
     }
 
@@ -146,6 +149,9 @@ impl Initiator {
         let mut c = Connector::new(env, export, want(), nonce, Duration::from_millis(100), 20, self.now());
         if let Some(key) = key {
             c = c.with_key(key);
+        }
+        if let Some(host) = self.host {
+            c = c.with_host(host);
         }
         let deadline = std::time::Instant::now() + LIMIT;
         loop {

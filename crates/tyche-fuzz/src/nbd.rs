@@ -1,0 +1,433 @@
+//! The NBD server fed by a hostile client.
+//!
+//! Two parts per input:
+//!
+//! - the fixed-newstyle handshake ([`fuzzing::handshake`]) on client bytes in memory: flags,
+//!   options of every kind with well-formed, short, overlong and huge data, bad magic, raw bytes;
+//! - the engine-mode transmission ([`fuzzing::Conn`], what an engine thread serves) over a real
+//!   socket pair: requests of every command with chosen flags, offsets and lengths (in range,
+//!   past the end, unaligned, overflowing, over the maximum), write payloads cut short, raw
+//!   bytes, the client's bytes delivered in arbitrary chunks, completions in arbitrary order
+//!   and with errors. The volume's part is played by a RAM disk here.
+//!
+//! Invariants: no panic; every request handed to the volume is sector-aligned, inside the
+//! export, at most the maximum request, with a buffer of its length, TRIM only where the export
+//! discards; the connection never holds more than its bound of requests and data; every reply
+//! is well-formed and a request is answered at most once; once the client closes and every
+//! request completes, the connection is finished.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+
+use arbitrary::{Arbitrary, Unstructured};
+use tyche_init::nbd::codec::{self, cmd, opt};
+use tyche_init::nbd::fuzzing::{self, Conn, Io};
+use tyche_init::Error;
+use tyche_wire::{Op, Status};
+
+const NAME: &str = "fuzz";
+const MAX_ITEMS: usize = 256;
+/// Most request bytes (headers and payloads) the client sends per input.
+const MAX_CLIENT_BYTES: usize = 8 << 20;
+
+/// A fuzz input for the NBD server.
+#[derive(Debug, Arbitrary)]
+pub struct Input {
+    /// Export size in sectors.
+    sectors: u16,
+    read_only: bool,
+    discard: bool,
+    max_inflight: u8,
+    client_flags: u32,
+    options: Vec<Opt>,
+    items: Vec<Item>,
+}
+
+/// One option message of the handshake.
+#[derive(Debug, Arbitrary)]
+pub enum Opt {
+    /// A well-formed option header with this option and data.
+    Option { option: u8, data: OptData },
+    /// An option header whose length is not the data's.
+    Lying { option: u32, length: u32, data: Vec<u8> },
+    /// Bytes.
+    Raw(Vec<u8>),
+}
+
+#[derive(Debug, Arbitrary)]
+pub enum OptData {
+    None,
+    /// An export name (ours, empty or another).
+    Name(u8),
+    /// An NBD_OPT_INFO/GO request for a name with info items.
+    Info {
+        name: u8,
+        items: Vec<u16>,
+        count: Option<u16>,
+        name_len: Option<u32>,
+    },
+    Bytes(Vec<u8>),
+}
+
+/// One step of the transmission phase.
+#[derive(Debug, Arbitrary)]
+pub enum Item {
+    /// A request.
+    Request { command: u8, flags: u16, offset: Offset, length: Length, payload: Payload, bad_magic: bool },
+    /// Bytes.
+    Raw(Vec<u8>),
+    /// The server reads and replies; the volume completes some of what it holds.
+    Serve { complete: u8, fail: Option<u8>, newest_first: bool },
+    /// The client delivers only this many of its pending bytes before the server runs.
+    Trickle(u16),
+}
+
+#[derive(Debug, Clone, Copy, Arbitrary)]
+pub enum Offset {
+    /// In sectors, wrapping at the export's end.
+    Sector(u16),
+    /// Any byte offset.
+    Raw(u64),
+    /// Near the end.
+    End(i16),
+}
+
+#[derive(Debug, Clone, Copy, Arbitrary)]
+pub enum Length {
+    Sectors(u8),
+    Raw(u32),
+    /// Just over the maximum request.
+    OverMax(u8),
+}
+
+#[derive(Debug, Clone, Copy, Arbitrary)]
+pub enum Payload {
+    /// As long as the request says.
+    Full,
+    /// Cut short (the rest of the stream is then read as payload).
+    Short(u16),
+}
+
+/// Runs one input.
+pub fn run(data: &[u8]) {
+    let Ok(input) = Input::arbitrary_take_rest(Unstructured::new(data)) else { return };
+    crate::count_input();
+    let size = input.sectors as u64 * 512;
+    handshake(&input, size);
+    transmission(&input, size);
+}
+
+fn put_u32(v: &mut Vec<u8>, x: u32) {
+    v.extend_from_slice(&x.to_be_bytes());
+}
+
+fn name(k: u8) -> &'static str {
+    ["", NAME, "other", "fuzz\0"][k as usize % 4]
+}
+
+fn handshake(input: &Input, size: u64) {
+    let mut b = Vec::new();
+    put_u32(&mut b, input.client_flags & if input.client_flags & 0x100 != 0 { u32::MAX } else { 3 });
+    for o in input.options.iter().take(MAX_ITEMS) {
+        crate::count_frames(1);
+        match o {
+            Opt::Option { option, data } => {
+                let option = [
+                    opt::EXPORT_NAME,
+                    opt::ABORT,
+                    opt::LIST,
+                    opt::STARTTLS,
+                    opt::INFO,
+                    opt::GO,
+                    opt::STRUCTURED_REPLY,
+                    0,
+                    99,
+                ][*option as usize % 9];
+                let d = match data {
+                    OptData::None => Vec::new(),
+                    OptData::Name(k) => name(*k).as_bytes().to_vec(),
+                    OptData::Info { name: k, items, count, name_len } => {
+                        let n = name(*k);
+                        let mut d = Vec::new();
+                        put_u32(&mut d, name_len.unwrap_or(n.len() as u32));
+                        d.extend_from_slice(n.as_bytes());
+                        d.extend_from_slice(&count.unwrap_or(items.len() as u16).to_be_bytes());
+                        for i in items {
+                            d.extend_from_slice(&(i % 5).to_be_bytes());
+                        }
+                        d
+                    }
+                    OptData::Bytes(v) => v.clone(),
+                };
+                b.extend_from_slice(&codec::IHAVEOPT.to_be_bytes());
+                put_u32(&mut b, option);
+                put_u32(&mut b, d.len() as u32);
+                b.extend_from_slice(&d);
+            }
+            Opt::Lying { option, length, data } => {
+                b.extend_from_slice(&codec::IHAVEOPT.to_be_bytes());
+                put_u32(&mut b, *option);
+                put_u32(&mut b, *length);
+                b.extend_from_slice(data);
+            }
+            Opt::Raw(v) => b.extend_from_slice(v),
+        }
+    }
+    let (result, out, read) = fuzzing::handshake(&b, NAME, size, input.read_only, input.discard);
+    assert!(read <= b.len(), "the handshake read {read} of {} bytes", b.len());
+    assert!(out.starts_with(&codec::greeting()), "the handshake did not start with the greeting");
+    if let Ok(true) = result {
+        // Transmission starts: the last thing written is the export's details or an ACK.
+        assert!(out.len() > 18, "transmission entered without a reply");
+    }
+}
+
+/// The client of the transmission phase.
+struct Client {
+    sock: UnixStream,
+    /// Bytes not yet delivered.
+    pending: VecDeque<u8>,
+    /// Replies not yet parsed.
+    got: Vec<u8>,
+    /// Requests sent by cookie: whether a successful reply carries data, and how much.
+    asked: HashMap<u64, u64>,
+    /// Cookies answered.
+    answered: HashMap<u64, u32>,
+    /// Replies are no longer parseable (a reply to a cookie the client did not track).
+    lost: bool,
+}
+
+impl Client {
+    /// Delivers up to `max` pending bytes (as many as the socket takes).
+    fn deliver(&mut self, max: usize) {
+        let mut left = max;
+        while left > 0 && !self.pending.is_empty() {
+            let (a, _) = self.pending.as_slices();
+            let n = a.len().min(left);
+            match self.sock.write(&a[..n]) {
+                Ok(0) => break,
+                Ok(w) => {
+                    self.pending.drain(..w);
+                    left -= w;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                // The server shut the connection down.
+                Err(_) => {
+                    self.pending.clear();
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Reads and checks the replies the server wrote.
+    fn receive(&mut self) {
+        let mut buf = [0u8; 65536];
+        loop {
+            match self.sock.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => self.got.extend_from_slice(&buf[..n]),
+                Err(_) => break,
+            }
+        }
+        let mut at = 0;
+        while !self.lost && self.got.len() - at >= 16 {
+            let h = &self.got[at..at + 16];
+            let magic = u32::from_be_bytes(h[..4].try_into().expect("4"));
+            assert_eq!(magic, codec::SIMPLE_REPLY_MAGIC, "a reply without the reply magic");
+            let error = u32::from_be_bytes(h[4..8].try_into().expect("4"));
+            let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8"));
+            let Some(&data) = self.asked.get(&cookie) else {
+                // A cookie of raw bytes: its data length is unknown.
+                self.lost = true;
+                break;
+            };
+            let body = if error == 0 { data } else { 0 };
+            if ((self.got.len() - at - 16) as u64) < body {
+                break;
+            }
+            let n = self.answered.entry(cookie).or_default();
+            *n += 1;
+            assert_eq!(*n, 1, "request {cookie:#x} answered twice");
+            at += 16 + body as usize;
+        }
+        self.got.drain(..at);
+    }
+}
+
+fn transmission(input: &Input, size: u64) {
+    let Ok((server, client)) = UnixStream::pair() else { return };
+    let Ok(mut conn) = Conn::new(server, size, input.discard, input.max_inflight as usize % 64 + 1) else { return };
+    client.set_nonblocking(true).expect("non-blocking");
+    let mut c = Client {
+        sock: client,
+        pending: VecDeque::new(),
+        got: Vec::new(),
+        asked: HashMap::new(),
+        answered: HashMap::new(),
+        lost: false,
+    };
+    let mut disk = vec![0u8; size as usize];
+    let mut held: VecDeque<Io> = VecDeque::new();
+    let max_inflight = input.max_inflight as usize % 64 + 1;
+    let mut next_cookie = 1u64 << 63;
+    let mut queued = 0usize;
+    for item in input.items.iter().take(MAX_ITEMS) {
+        match *item {
+            Item::Request { command, flags, offset, length, payload, bad_magic } => {
+                crate::count_frames(1);
+                let command =
+                    [cmd::READ, cmd::WRITE, cmd::DISC, cmd::FLUSH, cmd::TRIM, cmd::CACHE, cmd::WRITE_ZEROES, 7, 0xffff]
+                        [command as usize % 9];
+                let offset = match offset {
+                    Offset::Sector(s) => (s as u64 % (size / 512 + 1)) * 512,
+                    Offset::Raw(v) => v,
+                    Offset::End(d) => size.wrapping_add_signed(d as i64),
+                };
+                let length = match length {
+                    Length::Sectors(s) => s as u32 * 512,
+                    Length::Raw(v) => v,
+                    Length::OverMax(d) => fuzzing::MAX_REQUEST + d as u32,
+                };
+                let cookie = next_cookie;
+                next_cookie += 1;
+                let mut h = Vec::with_capacity(28);
+                put_u32(&mut h, if bad_magic { 0xdead_beef } else { codec::REQUEST_MAGIC });
+                h.extend_from_slice(&flags.to_be_bytes());
+                h.extend_from_slice(&command.to_be_bytes());
+                h.extend_from_slice(&cookie.to_be_bytes());
+                h.extend_from_slice(&offset.to_be_bytes());
+                put_u32(&mut h, length);
+                let body = match (command, payload) {
+                    (cmd::WRITE, Payload::Full) => length as usize,
+                    (cmd::WRITE, Payload::Short(n)) => (n as usize).min(length as usize),
+                    _ => 0,
+                };
+                if queued + 28 + body > MAX_CLIENT_BYTES {
+                    continue;
+                }
+                queued += 28 + body;
+                c.pending.extend(h);
+                c.pending.extend(std::iter::repeat_n(cookie as u8 | 1, body));
+                c.asked.insert(cookie, if command == cmd::READ { length as u64 } else { 0 });
+            }
+            Item::Raw(ref v) => {
+                crate::count_frames(1);
+                queued += v.len();
+                c.pending.extend(v.iter().copied());
+            }
+            Item::Trickle(n) => {
+                c.deliver(n as usize);
+                serve(&mut conn, &mut held, &mut disk, input, max_inflight);
+                c.receive();
+            }
+            Item::Serve { complete, fail, newest_first } => {
+                c.deliver(usize::MAX);
+                serve(&mut conn, &mut held, &mut disk, input, max_inflight);
+                for _ in 0..complete as usize % 8 {
+                    let io = if newest_first { held.pop_back() } else { held.pop_front() };
+                    let Some(io) = io else { break };
+                    finish(&mut conn, io, &mut disk, fail);
+                }
+                conn.write_replies();
+                c.receive();
+            }
+        }
+    }
+    // The client sends the rest and closes its end; the volume completes everything.
+    for _ in 0..100_000 {
+        c.deliver(usize::MAX);
+        let before = held.len();
+        serve(&mut conn, &mut held, &mut disk, input, max_inflight);
+        while let Some(io) = held.pop_front() {
+            finish(&mut conn, io, &mut disk, None);
+        }
+        conn.write_replies();
+        c.receive();
+        if c.pending.is_empty() && before == 0 && held.is_empty() {
+            break;
+        }
+    }
+    let _ = c.sock.shutdown(std::net::Shutdown::Write);
+    for _ in 0..1000 {
+        serve(&mut conn, &mut held, &mut disk, input, max_inflight);
+        while let Some(io) = held.pop_front() {
+            finish(&mut conn, io, &mut disk, None);
+        }
+        conn.write_replies();
+        c.receive();
+        if conn.finished() {
+            break;
+        }
+    }
+    assert!(conn.finished(), "the client closed, nothing is in flight, yet the connection is not finished");
+    conn.close();
+}
+
+/// The server reads requests; each one for the volume is checked and held.
+fn serve(conn: &mut Conn, held: &mut VecDeque<Io>, disk: &mut [u8], input: &Input, max_inflight: usize) {
+    for _ in 0..64 {
+        let ios = conn.poll_requests();
+        if ios.is_empty() {
+            break;
+        }
+        for io in ios {
+            check(&io, disk.len() as u64, input);
+            held.push_back(io);
+        }
+        let (inflight, bytes) = conn.load();
+        assert_eq!(inflight, held.len(), "the connection counts {inflight} in flight, the volume holds {}", held.len());
+        assert!(inflight <= max_inflight, "{inflight} requests in flight, the bound is {max_inflight}");
+        assert!(
+            bytes <= fuzzing::HELD_BYTES + fuzzing::MAX_REQUEST as u64,
+            "the connection holds {bytes} bytes of data"
+        );
+    }
+}
+
+/// What the volume requires of a request.
+fn check(io: &Io, size: u64, input: &Input) {
+    let (off, len) = (io.offset(), io.length());
+    match io.op() {
+        Op::Flush => assert_eq!((off, len), (0, 0), "a flush with a range"),
+        op => {
+            assert!(len > 0, "an empty {op:?}");
+            // Reads and trims the server rounds to sectors; writes it passes as they are, for
+            // the volume to refuse when unaligned.
+            if matches!(op, Op::Read | Op::Discard) {
+                assert!(off % 512 == 0 && len % 512 == 0, "{op:?} at {off}+{len} not in whole sectors");
+            }
+            assert!(off.checked_add(len).is_some_and(|e| e <= size), "{op:?} at {off}+{len} past the end ({size})");
+            if matches!(op, Op::Read | Op::Write) {
+                assert!(len <= fuzzing::MAX_REQUEST as u64, "{op:?} of {len} bytes");
+            }
+        }
+    }
+    match io.op() {
+        Op::Read | Op::Write => assert_eq!(io.data().len() as u64, len, "{:?} buffer of the wrong length", io.op()),
+        _ => {}
+    }
+    if io.op() == Op::Discard {
+        assert!(input.discard, "a discard on an export that does not discard");
+    }
+}
+
+fn finish(conn: &mut Conn, mut io: Io, disk: &mut [u8], fail: Option<u8>) {
+    let (off, len) = (io.offset() as usize, io.length() as usize);
+    let result = match fail {
+        // What the volume answers to a request not in whole sectors.
+        _ if off % 512 != 0 || len % 512 != 0 => Err(Error::Unaligned),
+        Some(k) => Err([Error::Target(Status::IoError), Error::NoPath, Error::ReadOnly, Error::Closed][k as usize % 4]),
+        None => {
+            match io.op() {
+                Op::Read => io.data_mut().copy_from_slice(&disk[off..off + len]),
+                Op::Write => disk[off..off + len].copy_from_slice(io.data()),
+                Op::Discard | Op::WriteZeroes => disk[off..off + len].fill(0),
+                Op::Flush => {}
+            }
+            Ok(())
+        }
+    };
+    conn.complete(io, result);
+}
