@@ -163,8 +163,9 @@ pub fn run(args: SimArgs) -> Result<()> {
     );
     if args.restarts {
         eprintln!(
-            "sim: {} target restarts, {} partitions, {} engine restarts, {} sessions resumed, {} errors surfaced",
-            t.target_restarts, t.partitions, t.engine_restarts, t.resumes, t.surfaced
+            "sim: {} target restarts, {} partitions, {} engine restarts, {} sessions resumed, {} errors surfaced, \
+             {} FLUSHes failed for writes a crash may have lost",
+            t.target_restarts, t.partitions, t.engine_restarts, t.resumes, t.surfaced, t.durability_errors
         );
     }
     println!("sim: {} seeds, {} requests, {} mismatches, {} stuck", t.seeds, t.requests, t.mismatches, t.stuck);

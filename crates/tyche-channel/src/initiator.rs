@@ -85,9 +85,10 @@ pub enum VolumeEvent {
         /// Outcome.
         result: Result<(), IoError>,
     },
-    /// The target answered ABORTED on a channel (it is shutting down or dropping the session):
-    /// the part goes back to the queue, and the channel is closed (a
-    /// [`VolumeEvent::ChannelDead`] follows once its DISCONNECT is sent).
+    /// The target answered ABORTED on a channel (it is stopping, or dropped the session): the
+    /// part goes back to the queue and the channel gets no more parts. It waits for the
+    /// target's DISCONNECT, and is closed after a grace (5 s) without one; a
+    /// [`VolumeEvent::ChannelDead`] follows either way.
     ChannelAborted {
         /// Channel index.
         channel: u16,
@@ -150,22 +151,34 @@ struct Part {
 struct Outstanding {
     parts_left: u32,
     error: Option<IoError>,
+    op: Op,
+    fua: bool,
+    /// For a FLUSH: the modifications completed before it was submitted ([`Volume::done_writes`]).
+    covers: u64,
+    /// A FLUSH outstanding when the session was lost with writes no FLUSH had covered: it
+    /// fails whatever the new session answers.
+    doubtful: bool,
 }
 
 #[derive(Debug)]
 struct Member {
     channel: Channel,
     node: Option<u32>,
-    /// The target answered ABORTED on it (it is shutting down or dropping the session): no
-    /// part goes to it any more, and it is being closed.
-    retiring: bool,
+    /// When the target answered ABORTED on it (it is stopping, or dropped the session): no
+    /// part goes to it any more. It stays open for the target's DISCONNECT SHUTDOWN (which says
+    /// the target flushed before it stopped), and is closed after [`RETIRE_GRACE`] without one.
+    retiring: Option<Instant>,
 }
 
 impl Member {
     fn usable(&self) -> bool {
-        self.channel.dead().is_none() && !self.retiring
+        self.channel.dead().is_none() && self.retiring.is_none()
     }
 }
+
+/// How long a channel the target answered ABORTED on waits for the target's DISCONNECT before
+/// this end closes it (a target that stops drains its storage first).
+const RETIRE_GRACE: Duration = Duration::from_secs(5);
 
 /// A session's channels bundled into one block device.
 ///
@@ -192,6 +205,18 @@ pub struct Volume {
     aborted: u64,
     /// Sessions this volume moved to after the first ([`Volume::resume`]).
     resumes: u64,
+    /// Modifications (without FUA) completed successfully so far.
+    done_writes: u64,
+    /// Of which a completed FLUSH covered the first `flushed`.
+    flushed: u64,
+    /// A channel of the current session heard DISCONNECT SHUTDOWN: the target flushed
+    /// everything before it stopped.
+    shutdown_seen: bool,
+    /// The next FLUSH to complete fails: a session was lost with unflushed writes, and no FLUSH
+    /// has reported it yet.
+    owed_flush_error: bool,
+    /// FLUSHes failed because a lost session may have lost unflushed writes.
+    durability_errors: u64,
 }
 
 impl Volume {
@@ -219,6 +244,11 @@ impl Volume {
             last_max_io: SECTOR_SIZE,
             aborted: 0,
             resumes: 0,
+            done_writes: 0,
+            flushed: 0,
+            shutdown_seen: false,
+            owed_flush_error: false,
+            durability_errors: 0,
         }
     }
 
@@ -234,7 +264,7 @@ impl Volume {
             old.channel.abort();
             self.fail_over(idx as u16, DeadReason::Closed, now);
         }
-        self.members[idx] = Some(Member { channel, node, retiring: false });
+        self.members[idx] = Some(Member { channel, node, retiring: None });
         self.no_path_since = None;
         self.pump(now);
     }
@@ -266,6 +296,17 @@ impl Volume {
         self.members.clear();
         self.session = session;
         self.resumes += 1;
+        // Writes the old session completed and no FLUSH covered may be gone, unless the target
+        // said it was shutting down (it flushes before it stops): the FLUSHes outstanding, and
+        // the first to complete whenever it was submitted, report it (as Linux reports a lost
+        // write-back at the next fsync).
+        if !std::mem::take(&mut self.shutdown_seen) && self.done_writes > self.flushed {
+            self.flushed = self.done_writes;
+            for r in self.requests.values_mut().filter(|r| r.op == Op::Flush) {
+                r.doubtful = true;
+            }
+            self.owed_flush_error = true;
+        }
         self.pending.clear();
         for (&tag, part) in self.parts.iter_mut() {
             part.channel = None;
@@ -339,7 +380,16 @@ impl Volume {
         if self.requests.len() >= self.config.max_requests || self.next_tag + nparts > self.floor() + TAG_WINDOW {
             return Err(SubmitError::Busy);
         }
-        self.requests.insert(req.id, Outstanding { parts_left: nparts as u32, error: None });
+        let doubtful = false;
+        let out = Outstanding {
+            parts_left: nparts as u32,
+            error: None,
+            op: req.op,
+            fua: req.fua,
+            covers: self.done_writes,
+            doubtful,
+        };
+        self.requests.insert(req.id, out);
         for i in 0..nparts {
             let req_offset = i * chunk;
             let length = if req.op == Op::Flush { 0 } else { chunk.min(req.length - req_offset) as u32 };
@@ -410,6 +460,7 @@ impl Volume {
 
     /// Hands the volume a received frame.
     pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> Inbound<'a> {
+        self.note_shutdown(bytes);
         let members = &mut self.members;
         let lookup = move |i: u16| {
             let members = members; // moved in: the closure is FnOnce and may return a borrow of it
@@ -439,6 +490,21 @@ impl Volume {
         out
     }
 
+    /// A DISCONNECT SHUTDOWN of this session, on any channel (one this end already closed
+    /// included: it may have closed it on an ABORTED answer of the same stopping target),
+    /// says the target flushed what it had before it stopped.
+    fn note_shutdown(&mut self, bytes: &[u8]) {
+        let Ok(frame) = tyche_wire::Frame::new_checked(bytes, self.ethertype) else { return };
+        if frame.kind() != tyche_wire::Kind::Disconnect || frame.session() != self.session {
+            return;
+        }
+        if let Ok(tyche_wire::Message::Disconnect(d)) = frame.parse() {
+            if d.reason == DisconnectReason::Shutdown {
+                self.shutdown_seen = true;
+            }
+        }
+    }
+
     fn drain(&mut self, idx: u16, now: Instant) {
         let mut dead = None;
         while let Some(ev) = self.members[idx as usize].as_mut().and_then(|m| m.channel.poll_event()) {
@@ -447,7 +513,7 @@ impl Volume {
                 // session): not the caller's error. The part waits for another channel, and this
                 // one is closed, since the target is going away; reconnecting finds out whether
                 // it still knows the session.
-                ChannelEvent::Completed { tag, status: Status::Aborted } => self.aborted(tag, idx),
+                ChannelEvent::Completed { tag, status: Status::Aborted } => self.aborted(tag, idx, now),
                 ChannelEvent::Completed { tag, status } => self.part_done(
                     tag,
                     Some(idx),
@@ -463,7 +529,7 @@ impl Volume {
         self.pump(now);
     }
 
-    fn aborted(&mut self, tag: u64, idx: u16) {
+    fn aborted(&mut self, tag: u64, idx: u16, now: Instant) {
         let Some(part) = self.parts.get_mut(&tag) else { return };
         if part.channel != Some(idx) {
             return; // a completion from a channel the part has since left
@@ -480,9 +546,8 @@ impl Volume {
         self.pending.insert(at, tag);
         self.aborted += 1;
         let member = self.members[idx as usize].as_mut().expect("completion from a present channel");
-        if !member.retiring {
-            member.retiring = true;
-            member.channel.close(DisconnectReason::Normal);
+        if member.retiring.is_none() {
+            member.retiring = Some(now);
             self.events.push_back(VolumeEvent::ChannelAborted { channel: idx });
         }
     }
@@ -505,11 +570,44 @@ impl Volume {
         req.parts_left -= 1;
         if req.parts_left == 0 {
             let req = self.requests.remove(&part.id).expect("present");
-            self.events.push_back(VolumeEvent::Completed { id: part.id, result: req.error.map_or(Ok(()), Err) });
+            let mut result = req.error.map_or(Ok(()), Err);
+            match req.op {
+                Op::Flush if req.doubtful || std::mem::take(&mut self.owed_flush_error) => {
+                    self.durability_errors += 1;
+                    result = Err(IoError::Target(Status::IoError));
+                }
+                Op::Flush if result.is_ok() => self.flushed = self.flushed.max(req.covers),
+                op if op.modifies() && result.is_ok() && !req.fua => self.done_writes += 1,
+                _ => {}
+            }
+            self.events.push_back(VolumeEvent::Completed { id: part.id, result });
         }
     }
 
+    /// Whether modifications completed that no completed FLUSH covered (a caller that replaces
+    /// this volume, e.g. a restarted engine, hands that on with
+    /// [`Volume::assume_writes_lost`]).
+    pub fn unflushed_writes(&self) -> bool {
+        self.done_writes > self.flushed
+    }
+
+    /// Makes the next FLUSH to complete fail with an I/O error: writes an earlier volume of
+    /// this device completed may have been lost (its engine restarted while some were not
+    /// flushed, and this volume cannot tell whether the target kept them).
+    pub fn assume_writes_lost(&mut self) {
+        self.owed_flush_error = true;
+    }
+
+    /// FLUSHes failed with an I/O error because the target forgot the session without saying
+    /// it was shutting down, while writes no FLUSH had covered were done: they may be lost.
+    pub fn durability_errors(&self) -> u64 {
+        self.durability_errors
+    }
+
     fn fail_over(&mut self, idx: u16, reason: DeadReason, now: Instant) {
+        if reason == DeadReason::PeerClosed(DisconnectReason::Shutdown) {
+            self.shutdown_seen = true;
+        }
         let Some(member) = self.members[idx as usize].as_mut() else { return };
         let subs = if member.channel.dead().is_some() { member.channel.take_in_flight() } else { Vec::new() };
         let mut tags: Vec<u64> =
@@ -563,6 +661,9 @@ impl Volume {
         let mut t = None;
         for m in self.members.iter().flatten() {
             t = earliest(t, m.channel.poll_timeout());
+            if let Some(since) = m.retiring.filter(|_| m.channel.dead().is_none()) {
+                t = earliest(t, Some(since + RETIRE_GRACE));
+            }
         }
         if let Some(since) = self.no_path_since.filter(|_| !self.pending.is_empty()) {
             t = earliest(t, Some(since + self.config.no_path_timeout));
@@ -574,6 +675,9 @@ impl Volume {
     pub fn handle_timeout(&mut self, now: Instant) {
         for i in 0..self.members.len() {
             if let Some(m) = self.members[i].as_mut() {
+                if m.retiring.is_some_and(|since| now.since(since) >= RETIRE_GRACE) {
+                    m.channel.close(DisconnectReason::Normal);
+                }
                 m.channel.handle_timeout(now);
                 self.drain(i as u16, now);
             }

@@ -6,7 +6,7 @@ mod util;
 use std::time::Duration;
 
 use tyche_channel::{FrameDrop, IoError};
-use tyche_wire::{Kind, Status};
+use tyche_wire::{DisconnectReason, Kind, Status};
 use util::{pattern, Dir, Fate, Pair, PairConfig, SESSION};
 
 const NEW: u64 = 0x0e55_2022;
@@ -92,8 +92,11 @@ fn aborted_completion_is_retried_not_reported() {
     pair.run_for(Duration::from_millis(2));
     assert_eq!(pair.result(7), None, "ABORTED was reported to the caller");
     assert_eq!(pair.volume_aborted.len(), 1);
-    assert!(pair.ich(ch).dead().is_some(), "the channel that answered ABORTED is closed");
-    assert!(pair.sent.iter().any(|p| p.dir == Dir::ToTarget && p.kind() == Kind::Disconnect && p.channel() == ch));
+    assert_eq!(pair.volume.live_channels(), 0, "the channel that answered ABORTED gets no more parts");
+    // The target stops: DISCONNECT SHUTDOWN, heard on the retiring channel.
+    pair.target.close(DisconnectReason::Shutdown);
+    pair.run_for(Duration::from_millis(1));
+    assert!(pair.ich(ch).dead().is_some(), "the channel heard the target's DISCONNECT");
     assert_eq!(pair.volume.aborted_parts(), 1);
     assert_eq!(pair.volume.queued_parts(), 1, "the part waits for a channel");
     // The target comes back without the session: the part is issued on the new one.
@@ -108,7 +111,7 @@ fn aborted_completion_is_retried_not_reported() {
 
 #[test]
 fn a_session_that_keeps_aborting_a_part_fails_it() {
-    let mut pair = Pair::with(PairConfig { no_path_timeout: Duration::from_secs(1), ..PairConfig::default() });
+    let mut pair = Pair::with(PairConfig { no_path_timeout: Duration::from_secs(600), ..PairConfig::default() });
     pair.auto_execute = false;
     pair.write(9, 0, &pattern(9, 512));
     pair.run_for(Duration::from_millis(1));
@@ -122,10 +125,48 @@ fn a_session_that_keeps_aborting_a_part_fails_it() {
         if pair.result(9).is_some() {
             break;
         }
+        // A target that aborts without stopping: the retiring channel is closed after the
+        // grace, and a reconnect replaces it.
+        pair.run_for(Duration::from_secs(6));
+        assert!(pair.ich(k - 1).dead().is_some(), "a retiring channel is closed after the grace");
+        assert!(pair.sent.iter().any(|p| p.kind() == Kind::Disconnect && p.channel() == k - 1));
         pair.open_channel(k, params);
     }
     assert_eq!(pair.volume.aborted_parts(), 7);
     assert_eq!(pair.result(9), Some(Err(IoError::Target(Status::Aborted))));
+}
+
+#[test]
+fn a_flush_across_a_lost_session_fails_unless_the_target_said_it_stopped() {
+    for graceful in [false, true] {
+        let mut pair = Pair::with(PairConfig { no_path_timeout: Duration::from_secs(1), ..PairConfig::default() });
+        pair.write(1, 0, &pattern(1, 4096));
+        pair.drive();
+        pair.expect_ok(1);
+        // A FLUSH is outstanding when the target goes away.
+        pair.auto_execute = false;
+        pair.flush(2);
+        pair.run_for(Duration::from_millis(1));
+        if graceful {
+            pair.target.close(DisconnectReason::Shutdown);
+            pair.run_for(Duration::from_millis(1));
+        }
+        pair.restart_target(NEW);
+        pair.auto_execute = true;
+        pair.volume.resume(NEW, pair.now);
+        pair.open_session_channel(0, NEW);
+        pair.flush(3);
+        pair.drive();
+        if graceful {
+            pair.expect_ok(2);
+            pair.expect_ok(3);
+            assert_eq!(pair.volume.durability_errors(), 0);
+        } else {
+            // Write 1 was never flushed and the target may have lost it with its cache.
+            assert_eq!(pair.result(2), Some(Err(IoError::Target(Status::IoError))));
+            assert_eq!(pair.volume.durability_errors(), 1 + u64::from(pair.result(3) != Some(Ok(()))));
+        }
+    }
 }
 
 #[test]

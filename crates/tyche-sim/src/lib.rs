@@ -119,6 +119,10 @@ pub struct SeedReport {
     pub resumes: u64,
     /// Sessions the target reclaimed (every channel dead, nothing executing).
     pub reclaimed: u64,
+    /// FLUSHes the initiator failed (I/O error) because the target forgot a session without
+    /// a SHUTDOWN while writes no FLUSH covered were done: they may have been lost, and a
+    /// FLUSH that succeeded would say they are durable. Counted in `failed`, not `surfaced`.
+    pub durability_errors: u64,
     /// Virtual time the run took.
     pub virtual_nanos: u64,
 }
@@ -251,6 +255,8 @@ struct World {
     model: Model,
     /// The application's requests wait for a new engine's volume.
     recovering: bool,
+    /// The engine that restarted had writes no FLUSH covered (persisted for the next one).
+    unflushed_handed_on: bool,
     // Target.
     target: TargetState,
     acceptor: Acceptor,
@@ -346,6 +352,7 @@ impl World {
             depth,
             model: Model::new(cfg.export_bytes),
             recovering: false,
+            unflushed_handed_on: false,
             target: TargetState::Up,
             acceptor: new_acceptor(&cfg),
             sessions: BTreeMap::new(),
@@ -437,6 +444,7 @@ impl World {
         self.report.virtual_nanos = self.now.as_nanos();
         if let Some(v) = &self.volume {
             self.report.resumes += v.resumes();
+            self.report.durability_errors += v.durability_errors();
             for i in v.channel_indices() {
                 self.report.retransmits += v.channel(i).map_or(0, |c| c.stats().retransmits);
             }
@@ -533,6 +541,9 @@ impl World {
                         if std::mem::take(&mut self.recovering) {
                             // The new engine takes the application's requests over.
                             let vol = self.volume.as_mut().expect("created");
+                            if std::mem::take(&mut self.unflushed_handed_on) {
+                                vol.assume_writes_lost();
+                            }
                             for (&id, r) in &self.app {
                                 let io = IoRequest {
                                     id,
@@ -867,6 +878,8 @@ impl World {
                 self.net.delay_in_flight(Dir::ToTarget, late);
                 let previous = self.volume.take().map_or(0, |v| {
                     self.report.resumes += v.resumes();
+                    self.report.durability_errors += v.durability_errors();
+                    self.unflushed_handed_on = v.unflushed_writes();
                     v.session()
                 });
                 self.connectors.clear();
@@ -947,7 +960,8 @@ impl World {
             (Op::Write, Ok(())) if r.fua => self.model.written_durable(r.offset, r.length, r.version),
             (Op::Write, Ok(())) => self.model.written(r.offset, r.length, r.version),
             (Op::Discard | Op::WriteZeroes, Ok(())) => self.model.written(r.offset, r.length, 0),
-            (Op::Flush, Ok(())) => self.model.flush_done(r.cover.expect("a FLUSH has its cover")),
+            (Op::Flush, Ok(())) => self.flush_done(id, r.cover.expect("a FLUSH has its cover")),
+            (Op::Flush, Err(_)) => self.model.flush_failed(),
             (op, Err(_)) if op.modifies() => self.model.unknown(r.offset, r.length),
             _ => {}
         }
@@ -960,6 +974,13 @@ impl World {
                     self.report.surfaced += 1;
                 }
             }
+        }
+    }
+
+    fn flush_done(&mut self, id: u64, cover: FlushCover) {
+        if !self.model.flush_done(cover) {
+            eprintln!("seed {}: FLUSH {id} succeeded although a crash lost unflushed writes", self.report.seed);
+            self.report.mismatches += 1;
         }
     }
 
@@ -1040,6 +1061,8 @@ pub struct Totals {
     pub engine_restarts: u64,
     /// Sessions the initiator moved to.
     pub resumes: u64,
+    /// FLUSHes failed because a crash may have lost unflushed writes.
+    pub durability_errors: u64,
 }
 
 impl Totals {
@@ -1060,6 +1083,7 @@ impl Totals {
         self.partitions += r.partitions;
         self.engine_restarts += r.engine_restarts;
         self.resumes += r.resumes;
+        self.durability_errors += r.durability_errors;
     }
 }
 

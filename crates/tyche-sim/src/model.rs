@@ -27,6 +27,9 @@ pub struct Model {
     is_dirty: Vec<bool>,
     /// Crashes of the target so far: a FLUSH started before one covers nothing after it.
     epoch: u64,
+    /// A crash lost (or may have lost) acknowledged writes no FLUSH covered: the next FLUSH
+    /// must fail, not succeed as if they were durable.
+    owed: bool,
 }
 
 /// What a FLUSH covers: the acknowledged content, when it was submitted, of every sector not
@@ -72,6 +75,7 @@ impl Model {
             dirty: Vec::new(),
             is_dirty: vec![false; n],
             epoch: 0,
+            owed: false,
         }
     }
 
@@ -121,10 +125,16 @@ impl Model {
         FlushCover { epoch: self.epoch, sectors }
     }
 
-    /// A FLUSH completed successfully.
-    pub fn flush_done(&mut self, cover: FlushCover) {
+    /// A FLUSH completed successfully. Returns `false` if it must not have: a crash lost
+    /// acknowledged writes since, and no FLUSH has failed to say so.
+    pub fn flush_done(&mut self, cover: FlushCover) -> bool {
         if cover.epoch != self.epoch {
-            return; // submitted before a crash: what it covered may be gone
+            // Submitted before a crash: had it run after the crash it would have had to fail,
+            // so it ran before it, and covered only what the crash may have taken anyway.
+            return true;
+        }
+        if self.owed {
+            return false;
         }
         for (s, e) in cover.sectors {
             self.durable[s as usize] = e;
@@ -135,6 +145,12 @@ impl Model {
             is_dirty[s as usize] = keep;
             keep
         });
+        true
+    }
+
+    /// A FLUSH failed: whatever a crash lost has been reported.
+    pub fn flush_failed(&mut self) {
+        self.owed = false;
     }
 
     /// The target crashed: every sector modified since a FLUSH last covered it may hold
@@ -142,6 +158,11 @@ impl Model {
     /// flushed: a modification in between may have reached the medium).
     pub fn crash(&mut self) {
         self.epoch += 1;
+        let (sectors, durable) = (&self.sectors, &self.durable);
+        self.owed |= self.dirty.iter().any(|&s| {
+            let s = s as usize;
+            matches!(sectors[s], Expect::Version(_)) && sectors[s] != durable[s]
+        });
         for s in std::mem::take(&mut self.dirty) {
             let s = s as usize;
             self.is_dirty[s] = false;
@@ -196,7 +217,7 @@ mod tests {
         let cover = m.flush_started();
         fill(&mut disk[1024..1536], 4, 2);
         m.written(1024, 512, 4); // after the FLUSH was submitted: not covered
-        m.flush_done(cover);
+        assert!(m.flush_done(cover));
         fill(&mut disk[1536..2048], 5, 3);
         m.written_durable(1536, 512, 5);
         m.crash();
@@ -216,8 +237,12 @@ mod tests {
         m.written(0, 512, 3);
         let cover = m.flush_started();
         m.crash();
-        m.flush_done(cover);
+        assert!(m.flush_done(cover), "ran before the crash");
         m.crash();
         assert_eq!(m.mismatches(0, &[0xCD; 512]), 0, "write 3 was never made durable");
+        // Write 3 may be lost: the next FLUSH must fail.
+        assert!(!m.flush_done(m.flush_started()), "a FLUSH succeeded after a crash lost a write");
+        m.flush_failed();
+        assert!(m.flush_done(m.flush_started()));
     }
 }

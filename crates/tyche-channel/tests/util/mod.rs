@@ -348,6 +348,13 @@ impl Pair {
         self.collect();
     }
 
+    /// Submits a FLUSH as request `id`.
+    pub fn flush(&mut self, id: u64) {
+        let req = IoRequest { id, op: Op::Flush, fua: false, offset: 0, length: 0, node: None };
+        self.volume.submit(self.now, req).unwrap_or_else(|e| panic!("flush {id} refused: {e:?}"));
+        self.collect();
+    }
+
     /// The outcome of request `id`, if it completed.
     pub fn result(&self, id: u64) -> Option<Result<(), IoError>> {
         let mut it = self.completed.iter().filter(|c| c.0 == id);
