@@ -7,6 +7,8 @@ mod charts;
 mod demo;
 mod disk;
 mod e2e;
+mod faults;
+mod flood;
 mod fuzz;
 mod lab;
 mod sim;
@@ -37,6 +39,11 @@ enum Command {
     Test(suite::TestArgs),
     /// ext4 over Tyche end to end on a veth lab, clean, then with loss and a failing link (root).
     E2e(e2e::E2eArgs),
+    /// Fault scenarios on a veth lab: target restarts, SIGKILL, a long outage, a second
+    /// initiator and fencing, hung storage (root).
+    Faults(faults::FaultsArgs),
+    /// Issue #13's flood test: 100,000 CONNECTs from 1,000 MACs while fio verifies (root).
+    Flood(flood::FloodArgs),
     /// Coverage-guided fuzzing of the target, the initiator and the NBD server (docs/fuzzing.md).
     Fuzz(fuzz::FuzzArgs),
     /// Run the deterministic simulator over many seeds (or replay one).
@@ -92,7 +99,15 @@ fn main() -> Result<()> {
         }
         Command::Test(a) => suite::run(a),
         Command::E2e(a) => e2e::e2e(&root(), &a),
+        Command::Flood(a) => {
+            ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            flood::flood(&root(), &a)
+        }
         Command::Fuzz(a) => fuzz::run(&root(), &a),
+        Command::Faults(a) => {
+            ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            faults::faults(&root(), &a)
+        }
         Command::Sim(a) => sim::run(a),
         Command::Lab { action } => lab::run(action),
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),

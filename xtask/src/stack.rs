@@ -68,8 +68,21 @@ impl Running {
 /// Starts `tyched serve --export EXPORT` (e.g. `demo=ram:1G`) in the target namespace, with its
 /// stats socket at `stats`, and waits until it serves.
 pub fn start_tyched(root: &Path, lab: &Lab, link: Link, export: &str, stats: &Path, log: PathBuf) -> Result<Running> {
+    start_tyched_with(root, lab, link, &["--export".to_string(), export.to_string()], stats, log)
+}
+
+/// As [`start_tyched`], with `serve_args` (`--export ...`, `--config FILE`) naming the exports.
+pub fn start_tyched_with(
+    root: &Path,
+    lab: &Lab,
+    link: Link,
+    serve_args: &[String],
+    stats: &Path,
+    log: PathBuf,
+) -> Result<Running> {
+    let _ = fs::remove_file(stats);
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &lab.target_ns]).arg(bin(root, "tyched")).args(["serve", "--export", export]);
+    cmd.args(["netns", "exec", &lab.target_ns]).arg(bin(root, "tyched")).arg("serve").args(serve_args);
     cmd.arg("--stats-socket").arg(stats);
     match link {
         Link::Tcp => {

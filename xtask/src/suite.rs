@@ -59,10 +59,16 @@ pub fn run(args: TestArgs) -> Result<()> {
         step("tyche-init root tests", cargo().args(["test", "-p", "tyche-init", "--test", "nbd", "--", "--ignored"]))?;
         eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
         crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
+        eprintln!("xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage)");
+        crate::faults::faults(&crate::root(), &crate::faults::FaultsArgs::standard())?;
+        eprintln!("xtask test: flood (100,000 CONNECTs from 1,000 MACs while fio verifies)");
+        crate::flood::flood(&crate::root(), &crate::flood::FloodArgs::standard())?;
         eprintln!("xtask test: vm-test (/dev/ublkbN with ext4, and NUMA placement, in a VM with two NUMA nodes)");
         crate::vm::vm_test(&crate::root(), &crate::vm::VmTestArgs::standard())?;
     } else {
-        eprintln!("xtask test: SKIPPING tyche-init root tests (nbdfuse, ext4, AF_XDP over veth) and vm-test");
+        eprintln!(
+            "xtask test: SKIPPING tyche-init root tests (nbdfuse, ext4, AF_XDP over veth), e2e, flood and vm-test"
+        );
     }
     eprintln!("xtask test: fuzz (every regression input, then a few seconds per target)");
     crate::fuzz::run(&crate::root(), &crate::fuzz::FuzzArgs::short())?;

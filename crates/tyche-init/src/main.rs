@@ -171,6 +171,18 @@ impl ConnArgs {
             c.host_id = Some(id);
         }
         if let Some(path) = &self.key {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(path)
+                .with_context(|| format!("the key file {}", path.display()))?
+                .permissions()
+                .mode();
+            if mode & 0o077 != 0 {
+                bail!(
+                    "--key {}: the key file can be read by its group or others (mode {:o}); make it readable by its owner alone (chmod 600)",
+                    path.display(),
+                    mode & 0o777
+                );
+            }
             let mut key = std::fs::read(path).with_context(|| format!("reading the key file {}", path.display()))?;
             // The key is the file's bytes, without a final line break.
             while key.last().is_some_and(|&b| b == b'\n' || b == b'\r') {

@@ -22,9 +22,11 @@ tcp_listen = "127.0.0.1:7788"
 [[export]]
 name = "ram"
 size = "64M"
-key = "sixteen bytes or more of key"
+key_file = "$W/key"
 EOT
+# Key files are refused when their group or others may read them.
 printf 'sixteen bytes or more of key\n' >$W/key
+chmod 600 $W/key
 timeout 300 ip netns exec $NS $TYCHED serve --config $W/tyched.toml >$W/target.out 2>$W/target.log & TPID=$!
 sleep 1
 SOCK=$W/nbd.sock

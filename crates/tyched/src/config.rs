@@ -227,9 +227,13 @@ pub struct ExportConfig {
     /// Initiator MAC addresses allowed to attach; empty: any.
     #[serde(default)]
     pub allow: Vec<String>,
-    /// Pre-shared key (at least 16 bytes): initiators must prove it in the handshake.
+    /// Pre-shared key (at least 16 bytes) written in the file: deprecated, use `key_file`.
     #[serde(default)]
-    pub key: Option<String>,
+    pub key: Option<Secret>,
+    /// File holding the pre-shared key (at least 16 bytes; one final line break is not part of
+    /// it). Refused when its group or others may read it.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
     /// Use O_DIRECT on a block device when requests are aligned (default true).
     #[serde(default = "default_true")]
     pub direct: bool,
@@ -327,7 +331,77 @@ impl Default for Config {
     }
 }
 
+/// A secret from the configuration: never shown by `Debug`, wiped from memory when dropped.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(from = "String")]
+pub struct Secret(zeroize::Zeroizing<String>);
+
+impl Secret {
+    /// The secret's bytes.
+    pub fn expose(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+impl From<String> for Secret {
+    fn from(s: String) -> Secret {
+        Secret(zeroize::Zeroizing::new(s))
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(s: &str) -> Secret {
+        Secret::from(s.to_owned())
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(redacted)")
+    }
+}
+
+/// Reads a key file: refused when group or others may read it; the key is its bytes without
+/// one final line break, at least 16 of them.
+pub fn read_key_file(path: &std::path::Path) -> Result<zeroize::Zeroizing<Vec<u8>>, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "{} can be read by its group or others (mode {:o}); make it readable by its owner alone (chmod 600)",
+            path.display(),
+            meta.permissions().mode() & 0o777
+        ));
+    }
+    let mut key = zeroize::Zeroizing::new(std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?);
+    if key.last() == Some(&b'\n') {
+        key.pop();
+        if key.last() == Some(&b'\r') {
+            key.pop();
+        }
+    }
+    if key.len() < 16 {
+        return Err(format!("{}: a pre-shared key has at least 16 bytes", path.display()));
+    }
+    Ok(key)
+}
+
 impl ExportConfig {
+    /// The export's pre-shared key, if it has one: from `key_file`, or the deprecated inline
+    /// `key`.
+    pub fn key_bytes(&self) -> Result<Option<zeroize::Zeroizing<Vec<u8>>>, String> {
+        match (&self.key_file, &self.key) {
+            (Some(path), _) => read_key_file(path).map(Some),
+            (None, Some(k)) => Ok(Some(zeroize::Zeroizing::new(k.expose().to_vec()))),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// Whether the export needs a key.
+    pub fn keyed(&self) -> bool {
+        self.key.is_some() || self.key_file.is_some()
+    }
+
     /// A RAM export of `size` bytes.
     pub fn ram(name: &str, size: u64) -> Self {
         ExportConfig {
@@ -337,6 +411,7 @@ impl ExportConfig {
             read_only: false,
             allow: Vec::new(),
             key: None,
+            key_file: None,
             direct: true,
             shared: false,
         }
@@ -495,10 +570,16 @@ impl Config {
                     return Err(invalid(format!("export[{i}].allow[{j}]"), format!("not a MAC address: {m:?}")));
                 }
             }
+            if e.key.is_some() && e.key_file.is_some() {
+                return Err(invalid(f("key_file"), "give key or key_file, not both"));
+            }
             if let Some(k) = &e.key {
-                if k.len() < 16 {
+                if k.expose().len() < 16 {
                     return Err(invalid(f("key"), "a pre-shared key has at least 16 bytes"));
                 }
+            }
+            if e.key_file.is_some() {
+                e.key_bytes().map_err(|m| invalid(f("key_file"), m))?;
             }
         }
         Ok(())
@@ -508,6 +589,27 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_files_must_be_private_and_keys_never_show() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k");
+        std::fs::write(&path, "a key of at least sixteen bytes\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let text = format!("[[export]]\nname = \"a\"\nsize = \"1M\"\nkey_file = {:?}", path.display().to_string());
+        let err = Config::from_toml(&text).expect_err("a key file others can read").to_string();
+        assert!(err.starts_with("export[0].key_file:") && err.contains("chmod 600"), "{err}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let c = Config::from_toml(&text).expect("a private key file");
+        assert_eq!(&c.exports[0].key_bytes().unwrap().unwrap()[..], b"a key of at least sixteen bytes");
+        let inline =
+            Config::from_toml("[[export]]\nname = \"a\"\nsize = \"1M\"\nkey = \"another key, sixteen+\"").unwrap();
+        let shown = format!("{inline:?}");
+        assert!(!shown.contains("another key") && shown.contains("redacted"), "{shown}");
+        let both = format!("{text}\nkey = \"another key, sixteen+\"");
+        assert!(Config::from_toml(&both).expect_err("both").to_string().contains("not both"));
+    }
 
     #[test]
     fn sizes_parse_with_suffixes() {

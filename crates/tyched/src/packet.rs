@@ -108,6 +108,20 @@ impl PacketTransport {
         let cap = mtu + tyche_wire::ETH_HEADER_LEN;
         Ok(PacketTransport { fd, mac, mtu, rx: vec![0; cap], tx: vec![0; cap] })
     }
+
+    /// Sends one whole frame as it is, source MAC included (the kernel sends what it is given),
+    /// without waiting. Unlike [`FrameTransport::send`], which counts a frame the kernel could
+    /// not take as lost, this says why: `WouldBlock` when the socket's buffer is full, `ENOBUFS`
+    /// when the device dropped it (a veth whose peer's ring is full), so that a caller (the flood
+    /// test's sender, `tyche-flood`) can retry it.
+    pub fn send_frame(&self, frame: &[u8]) -> io::Result<()> {
+        // SAFETY: reads `frame.len()` bytes from the live slice.
+        let sent = unsafe { libc::send(self.fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), libc::MSG_DONTWAIT) };
+        if sent < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
 }
 
 impl FrameTransport for PacketTransport {

@@ -122,7 +122,7 @@ struct Export {
     /// Whether write data may stay in the received frames ([`Backend::writes_from_frames`]).
     lend: bool,
     allow: Vec<MacAddr>,
-    key: Option<Vec<u8>>,
+    key: Option<zeroize::Zeroizing<Vec<u8>>>,
     read_only: bool,
     /// Several initiators may attach at once.
     shared: bool,
@@ -483,18 +483,24 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         if e.read_only {
             f |= flags::EXPORT_READ_ONLY;
         }
-        if e.key.is_some() {
+        if e.keyed() {
             f |= flags::EXPORT_NEEDS_KEY;
         }
         tracing::info!(export = %e.name, backend = backend.kind(), size = backend.size(), read_only = e.read_only,
-                keyed = e.key.is_some(), "export ready");
+                keyed = e.keyed(), "export ready");
+        if e.key.is_some() {
+            tracing::warn!(export = %e.name, "an inline key in the configuration is deprecated: put it in a file only its owner can read and name it in key_file");
+        }
         exports.push(Export {
             spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
             lend: backend.writes_from_frames(),
             backend,
             uring: false,
             allow: e.allowed_macs(),
-            key: e.key.as_ref().map(|k| k.as_bytes().to_vec()),
+            key: e.key_bytes().map_err(|m| crate::config::ConfigError::Invalid {
+                field: format!("export[{index}].key_file"),
+                message: m,
+            })?,
             read_only: e.read_only,
             shared: e.shared,
         });
