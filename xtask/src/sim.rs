@@ -34,6 +34,11 @@ pub struct SimArgs {
     /// Fail one path mid-run.
     #[arg(long)]
     fail_path: bool,
+    /// Restart the target (crash or graceful stop), partition every path for longer than the
+    /// target's reclaim time, restart the initiator's engine; any error other than a storage
+    /// error then fails the seed.
+    #[arg(long)]
+    restarts: bool,
     /// Requests per seed.
     #[arg(long, default_value_t = 200)]
     requests: usize,
@@ -54,9 +59,15 @@ impl SimArgs {
             dup: 0.01,
             paths: 2,
             fail_path: true,
+            restarts: false,
             requests: 200,
             jobs: None,
         }
+    }
+
+    /// The contract run of issue 18 (operators restart things), shortened to `seeds` seeds.
+    pub fn restarts_contract(seeds: u64) -> Self {
+        SimArgs { restarts: true, ..SimArgs::contract(seeds, 0.05) }
     }
 
     fn replay_flags(&self) -> String {
@@ -66,6 +77,9 @@ impl SimArgs {
         );
         if self.fail_path {
             s.push_str(" --fail-path");
+        }
+        if self.restarts {
+            s.push_str(" --restarts");
         }
         s
     }
@@ -86,6 +100,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         reorder: args.reorder,
         dup: args.dup,
         fail_path: args.fail_path,
+        restarts: args.restarts,
         requests: args.requests,
         ..SimConfig::default()
     };
@@ -121,9 +136,10 @@ pub fn run(args: SimArgs) -> Result<()> {
                 };
                 if !report.ok() {
                     println!(
-                        "sim: seed {seed} FAILED ({} mismatches, {} stuck); replay: cargo xtask sim --seed {seed} {}",
+                        "sim: seed {seed} FAILED ({} mismatches, {} stuck, {} errors surfaced); replay: cargo xtask sim --seed {seed} {}",
                         report.mismatches,
                         report.stuck,
+                        report.surfaced,
                         args.replay_flags()
                     );
                 }
@@ -145,6 +161,13 @@ pub fn run(args: SimArgs) -> Result<()> {
         t.dead_channels,
         t.duplicates_suppressed
     );
+    if args.restarts {
+        eprintln!(
+            "sim: {} target restarts, {} partitions, {} engine restarts, {} sessions resumed, {} errors surfaced, \
+             {} FLUSHes failed for writes a crash may have lost",
+            t.target_restarts, t.partitions, t.engine_restarts, t.resumes, t.surfaced, t.durability_errors
+        );
+    }
     println!("sim: {} seeds, {} requests, {} mismatches, {} stuck", t.seeds, t.requests, t.mismatches, t.stuck);
     if t.failed_seeds > 0 {
         bail!("{} of {} seeds failed", t.failed_seeds, t.seeds);

@@ -76,5 +76,7 @@ pub fn run(args: TestArgs) -> Result<()> {
     sim::run(SimArgs::contract(args.sim_seeds, 0.05))?;
     eprintln!("xtask test: simulator contract (loss 30%)");
     sim::run(SimArgs::contract(args.sim_seeds, 0.3))?;
+    eprintln!("xtask test: simulator contract (loss 5%, target restarts, partitions, engine restarts)");
+    sim::run(SimArgs::restarts_contract(args.sim_seeds))?;
     Ok(())
 }

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
-use tyche_wire::{Op, Status, SECTOR_SIZE};
+use tyche_wire::{DisconnectReason, Op, Status, SECTOR_SIZE};
 
 use crate::channel::{
     deliver, Channel, ChannelEvent, DeadReason, DropReason, FrameDrop, Received, Role, Submission, Transmit,
@@ -14,6 +14,11 @@ use crate::time::{earliest, Instant};
 
 /// Largest DISCARD or WRITE_ZEROES part (the wire length is a `u32`).
 const MAX_RANGE_PART: u64 = (u32::MAX / SECTOR_SIZE * SECTOR_SIZE) as u64;
+
+/// ABORTED answers to one part within one session before it fails with that status (a new
+/// session starts the count again): a target going away answers ABORTED and then disconnects,
+/// so a part rarely sees more than one per channel.
+const MAX_ABORTS: u8 = 8;
 
 /// Settings of a volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +85,14 @@ pub enum VolumeEvent {
         /// Outcome.
         result: Result<(), IoError>,
     },
+    /// The target answered ABORTED on a channel (it is stopping, or dropped the session): the
+    /// part goes back to the queue and the channel gets no more parts. It waits for the
+    /// target's DISCONNECT, and is closed after a grace (5 s) without one; a
+    /// [`VolumeEvent::ChannelDead`] follows either way.
+    ChannelAborted {
+        /// Channel index.
+        channel: u16,
+    },
     /// A channel died; `reissued` parts in flight on it went back to the queue.
     ChannelDead {
         /// Channel index.
@@ -130,19 +143,42 @@ struct Part {
     req_offset: u64,
     node: Option<u32>,
     channel: Option<u16>,
+    /// ABORTED answers in the current session.
+    aborts: u8,
 }
 
 #[derive(Debug)]
 struct Outstanding {
     parts_left: u32,
     error: Option<IoError>,
+    op: Op,
+    fua: bool,
+    /// For a FLUSH: the modifications completed before it was submitted ([`Volume::done_writes`]).
+    covers: u64,
+    /// A FLUSH outstanding when the session was lost with writes no FLUSH had covered: it
+    /// fails whatever the new session answers.
+    doubtful: bool,
 }
 
 #[derive(Debug)]
 struct Member {
     channel: Channel,
     node: Option<u32>,
+    /// When the target answered ABORTED on it (it is stopping, or dropped the session): no
+    /// part goes to it any more. It stays open for the target's DISCONNECT SHUTDOWN (which says
+    /// the target flushed before it stopped), and is closed after [`RETIRE_GRACE`] without one.
+    retiring: Option<Instant>,
 }
+
+impl Member {
+    fn usable(&self) -> bool {
+        self.channel.dead().is_none() && self.retiring.is_none()
+    }
+}
+
+/// How long a channel the target answered ABORTED on waits for the target's DISCONNECT before
+/// this end closes it (a target that stops drains its storage first).
+const RETIRE_GRACE: Duration = Duration::from_secs(5);
 
 /// A session's channels bundled into one block device.
 ///
@@ -163,6 +199,24 @@ pub struct Volume {
     events: VecDeque<VolumeEvent>,
     no_path_since: Option<Instant>,
     views: Vec<ChannelView>,
+    /// The part size of the channels of an abandoned session, until the new one has channels.
+    last_max_io: u32,
+    /// Parts the target answered ABORTED (re-queued).
+    aborted: u64,
+    /// Sessions this volume moved to after the first ([`Volume::resume`]).
+    resumes: u64,
+    /// Modifications (without FUA) completed successfully so far.
+    done_writes: u64,
+    /// Of which a completed FLUSH covered the first `flushed`.
+    flushed: u64,
+    /// A channel of the current session heard DISCONNECT SHUTDOWN: the target flushed
+    /// everything before it stopped.
+    shutdown_seen: bool,
+    /// The next FLUSH to complete fails: a session was lost with unflushed writes, and no FLUSH
+    /// has reported it yet.
+    owed_flush_error: bool,
+    /// FLUSHes failed because a lost session may have lost unflushed writes.
+    durability_errors: u64,
 }
 
 impl Volume {
@@ -187,6 +241,14 @@ impl Volume {
             events: VecDeque::new(),
             no_path_since: Some(now),
             views: Vec::new(),
+            last_max_io: SECTOR_SIZE,
+            aborted: 0,
+            resumes: 0,
+            done_writes: 0,
+            flushed: 0,
+            shutdown_seen: false,
+            owed_flush_error: false,
+            durability_errors: 0,
         }
     }
 
@@ -202,7 +264,7 @@ impl Volume {
             old.channel.abort();
             self.fail_over(idx as u16, DeadReason::Closed, now);
         }
-        self.members[idx] = Some(Member { channel, node });
+        self.members[idx] = Some(Member { channel, node, retiring: None });
         self.no_path_since = None;
         self.pump(now);
     }
@@ -210,6 +272,55 @@ impl Volume {
     /// The session id.
     pub fn session(&self) -> u64 {
         self.session
+    }
+
+    /// Moves the volume to session `session`, after the target said it no longer knows the
+    /// current one (REJECT UNKNOWN_SESSION: it restarted, or reclaimed the session once none
+    /// of its requests executed). Every channel of the old session is dropped without a word
+    /// (nothing it would still receive is used: frames of the old session are no longer the
+    /// volume's, so no request completes from a session the volume abandoned), and every part
+    /// not yet completed to the caller goes back to the queue in tag order, to be issued on the
+    /// new session's channels ([`Volume::add_channel`]) under its tag: the new session's
+    /// ledger has seen no tag. Requests keep waiting at most `no_path_timeout` from when the
+    /// last path went away, whichever session it belonged to.
+    ///
+    /// Why re-issuing is safe although the old session's at-most-once ledger is gone: see
+    /// `docs/tyche-init.md`, "Session resumption".
+    pub fn resume(&mut self, session: u64, now: Instant) {
+        assert!(session != 0 && session != self.session, "resume onto the same session");
+        self.last_max_io = self.max_io();
+        let had_path = self.live_channels() > 0;
+        for m in self.members.iter_mut().flatten() {
+            m.channel.abort();
+        }
+        self.members.clear();
+        self.session = session;
+        self.resumes += 1;
+        // Writes the old session completed and no FLUSH covered may be gone, unless the target
+        // said it was shutting down (it flushes before it stops): the FLUSHes outstanding, and
+        // the first to complete whenever it was submitted, report it (as Linux reports a lost
+        // write-back at the next fsync).
+        if !std::mem::take(&mut self.shutdown_seen) && self.done_writes > self.flushed {
+            self.flushed = self.done_writes;
+            for r in self.requests.values_mut().filter(|r| r.op == Op::Flush) {
+                r.doubtful = true;
+            }
+            self.owed_flush_error = true;
+        }
+        self.pending.clear();
+        for (&tag, part) in self.parts.iter_mut() {
+            part.channel = None;
+            part.aborts = 0;
+            self.pending.push_back(tag);
+        }
+        if had_path || self.no_path_since.is_none() {
+            self.no_path_since = Some(now);
+        }
+    }
+
+    /// Sessions the volume moved to by [`Volume::resume`].
+    pub fn resumes(&self) -> u64 {
+        self.resumes
     }
     /// The channel with index `i`, if any.
     pub fn channel(&self, i: u16) -> Option<&Channel> {
@@ -219,9 +330,10 @@ impl Volume {
     pub fn channel_indices(&self) -> impl Iterator<Item = u16> + '_ {
         self.members.iter().enumerate().filter(|(_, m)| m.is_some()).map(|(i, _)| i as u16)
     }
-    /// Number of live channels.
+    /// Number of live channels (a channel being closed because the target answered ABORTED
+    /// on it does not count).
     pub fn live_channels(&self) -> usize {
-        self.members.iter().flatten().filter(|m| m.channel.dead().is_none()).count()
+        self.members.iter().flatten().filter(|m| m.usable()).count()
     }
     /// Requests outstanding.
     pub fn outstanding(&self) -> usize {
@@ -236,8 +348,8 @@ impl Volume {
     /// has had while none is alive (parts queued during an outage then fit the reconnected ones).
     fn max_io(&self) -> u32 {
         let all = self.members.iter().flatten();
-        let live = all.clone().filter(|m| m.channel.dead().is_none()).map(|m| m.channel.params().max_io).min();
-        live.or_else(|| all.map(|m| m.channel.params().max_io).min()).unwrap_or(SECTOR_SIZE)
+        let live = all.clone().filter(|m| m.usable()).map(|m| m.channel.params().max_io).min();
+        live.or_else(|| all.map(|m| m.channel.params().max_io).min()).unwrap_or(self.last_max_io)
     }
 
     fn floor(&self) -> u64 {
@@ -268,7 +380,16 @@ impl Volume {
         if self.requests.len() >= self.config.max_requests || self.next_tag + nparts > self.floor() + TAG_WINDOW {
             return Err(SubmitError::Busy);
         }
-        self.requests.insert(req.id, Outstanding { parts_left: nparts as u32, error: None });
+        let doubtful = false;
+        let out = Outstanding {
+            parts_left: nparts as u32,
+            error: None,
+            op: req.op,
+            fua: req.fua,
+            covers: self.done_writes,
+            doubtful,
+        };
+        self.requests.insert(req.id, out);
         for i in 0..nparts {
             let req_offset = i * chunk;
             let length = if req.op == Op::Flush { 0 } else { chunk.min(req.length - req_offset) as u32 };
@@ -283,6 +404,7 @@ impl Volume {
                 req_offset,
                 node: req.node,
                 channel: None,
+                aborts: 0,
             };
             self.parts.insert(tag, part);
             self.pending.push_back(tag);
@@ -303,7 +425,7 @@ impl Volume {
             // `max_io` (each channel's grant is the target's choice): it can go nowhere, so it
             // fails rather than wait for ever or trip `Channel::submit`'s assertion.
             let fits = |c: &Channel| !part.op.uses_damq() || part.length <= c.params().max_io;
-            let live = self.members.iter().flatten().filter(|m| m.channel.dead().is_none());
+            let live = self.members.iter().flatten().filter(|m| m.usable());
             let (mut any_live, mut any_fits) = (false, false);
             for m in live {
                 any_live = true;
@@ -317,8 +439,8 @@ impl Volume {
             self.views.clear();
             self.views.extend(self.members.iter().map(|m| match m {
                 Some(m) => ChannelView {
-                    live: m.channel.dead().is_none(),
-                    has_room: m.channel.can_submit(part.op) && fits(&m.channel),
+                    live: m.usable(),
+                    has_room: m.usable() && m.channel.can_submit(part.op) && fits(&m.channel),
                     node: m.node,
                 },
                 None => ChannelView { live: false, has_room: false, node: None },
@@ -338,6 +460,7 @@ impl Volume {
 
     /// Hands the volume a received frame.
     pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> Inbound<'a> {
+        self.note_shutdown(bytes);
         let members = &mut self.members;
         let lookup = move |i: u16| {
             let members = members; // moved in: the closure is FnOnce and may return a borrow of it
@@ -367,10 +490,30 @@ impl Volume {
         out
     }
 
+    /// A DISCONNECT SHUTDOWN of this session, on any channel (one this end already closed
+    /// included: it may have closed it on an ABORTED answer of the same stopping target),
+    /// says the target flushed what it had before it stopped.
+    fn note_shutdown(&mut self, bytes: &[u8]) {
+        let Ok(frame) = tyche_wire::Frame::new_checked(bytes, self.ethertype) else { return };
+        if frame.kind() != tyche_wire::Kind::Disconnect || frame.session() != self.session {
+            return;
+        }
+        if let Ok(tyche_wire::Message::Disconnect(d)) = frame.parse() {
+            if d.reason == DisconnectReason::Shutdown {
+                self.shutdown_seen = true;
+            }
+        }
+    }
+
     fn drain(&mut self, idx: u16, now: Instant) {
         let mut dead = None;
         while let Some(ev) = self.members[idx as usize].as_mut().and_then(|m| m.channel.poll_event()) {
             match ev {
+                // The target gave the request up without executing it (shutdown, or dropping the
+                // session): not the caller's error. The part waits for another channel, and this
+                // one is closed, since the target is going away; reconnecting finds out whether
+                // it still knows the session.
+                ChannelEvent::Completed { tag, status: Status::Aborted } => self.aborted(tag, idx, now),
                 ChannelEvent::Completed { tag, status } => self.part_done(
                     tag,
                     Some(idx),
@@ -386,6 +529,34 @@ impl Volume {
         self.pump(now);
     }
 
+    fn aborted(&mut self, tag: u64, idx: u16, now: Instant) {
+        let Some(part) = self.parts.get_mut(&tag) else { return };
+        if part.channel != Some(idx) {
+            return; // a completion from a channel the part has since left
+        }
+        part.channel = None;
+        part.aborts += 1;
+        if part.aborts >= MAX_ABORTS {
+            // The session lives on and keeps refusing it (a target that records ABORTED for
+            // the tag): the caller gets the status rather than a retry loop.
+            return self.part_done(tag, None, Err(IoError::Target(Status::Aborted)));
+        }
+        // Back in tag order, so the floor and the order of re-issue stay those of submission.
+        let at = self.pending.partition_point(|&t| t < tag);
+        self.pending.insert(at, tag);
+        self.aborted += 1;
+        let member = self.members[idx as usize].as_mut().expect("completion from a present channel");
+        if member.retiring.is_none() {
+            member.retiring = Some(now);
+            self.events.push_back(VolumeEvent::ChannelAborted { channel: idx });
+        }
+    }
+
+    /// Completions the target answered ABORTED, re-queued rather than reported.
+    pub fn aborted_parts(&self) -> u64 {
+        self.aborted
+    }
+
     fn part_done(&mut self, tag: u64, from: Option<u16>, result: Result<(), IoError>) {
         let Some(part) = self.parts.get(&tag) else { return };
         if from.is_some() && part.channel != from {
@@ -399,11 +570,44 @@ impl Volume {
         req.parts_left -= 1;
         if req.parts_left == 0 {
             let req = self.requests.remove(&part.id).expect("present");
-            self.events.push_back(VolumeEvent::Completed { id: part.id, result: req.error.map_or(Ok(()), Err) });
+            let mut result = req.error.map_or(Ok(()), Err);
+            match req.op {
+                Op::Flush if req.doubtful || std::mem::take(&mut self.owed_flush_error) => {
+                    self.durability_errors += 1;
+                    result = Err(IoError::Target(Status::IoError));
+                }
+                Op::Flush if result.is_ok() => self.flushed = self.flushed.max(req.covers),
+                op if op.modifies() && result.is_ok() && !req.fua => self.done_writes += 1,
+                _ => {}
+            }
+            self.events.push_back(VolumeEvent::Completed { id: part.id, result });
         }
     }
 
+    /// Whether modifications completed that no completed FLUSH covered (a caller that replaces
+    /// this volume, e.g. a restarted engine, hands that on with
+    /// [`Volume::assume_writes_lost`]).
+    pub fn unflushed_writes(&self) -> bool {
+        self.done_writes > self.flushed
+    }
+
+    /// Makes the next FLUSH to complete fail with an I/O error: writes an earlier volume of
+    /// this device completed may have been lost (its engine restarted while some were not
+    /// flushed, and this volume cannot tell whether the target kept them).
+    pub fn assume_writes_lost(&mut self) {
+        self.owed_flush_error = true;
+    }
+
+    /// FLUSHes failed with an I/O error because the target forgot the session without saying
+    /// it was shutting down, while writes no FLUSH had covered were done: they may be lost.
+    pub fn durability_errors(&self) -> u64 {
+        self.durability_errors
+    }
+
     fn fail_over(&mut self, idx: u16, reason: DeadReason, now: Instant) {
+        if reason == DeadReason::PeerClosed(DisconnectReason::Shutdown) {
+            self.shutdown_seen = true;
+        }
         let Some(member) = self.members[idx as usize].as_mut() else { return };
         let subs = if member.channel.dead().is_some() { member.channel.take_in_flight() } else { Vec::new() };
         let mut tags: Vec<u64> =
@@ -457,6 +661,9 @@ impl Volume {
         let mut t = None;
         for m in self.members.iter().flatten() {
             t = earliest(t, m.channel.poll_timeout());
+            if let Some(since) = m.retiring.filter(|_| m.channel.dead().is_none()) {
+                t = earliest(t, Some(since + RETIRE_GRACE));
+            }
         }
         if let Some(since) = self.no_path_since.filter(|_| !self.pending.is_empty()) {
             t = earliest(t, Some(since + self.config.no_path_timeout));
@@ -468,6 +675,9 @@ impl Volume {
     pub fn handle_timeout(&mut self, now: Instant) {
         for i in 0..self.members.len() {
             if let Some(m) = self.members[i].as_mut() {
+                if m.retiring.is_some_and(|since| now.since(since) >= RETIRE_GRACE) {
+                    m.channel.close(DisconnectReason::Normal);
+                }
                 m.channel.handle_timeout(now);
                 self.drain(i as u16, now);
             }

@@ -31,6 +31,7 @@ mod channel;
 pub mod config;
 mod handshake;
 mod initiator;
+mod reconnect;
 mod scheduler;
 mod seq;
 mod target;
@@ -43,6 +44,7 @@ pub use channel::{
 pub use config::Timers;
 pub use handshake::{Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec};
 pub use initiator::{Inbound, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent};
+pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
 pub use target::{ExportGeometry, TargetEvent, TargetInbound, TargetSession};
 pub use time::Instant;

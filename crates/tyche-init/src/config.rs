@@ -127,10 +127,16 @@ pub struct InitiatorConfig {
     pub connect_retry: Duration,
     /// CONNECTs sent per connection attempt before it times out.
     pub connect_attempts: u32,
-    /// Reconnection attempts for a channel that died, before the channel is given up.
+    /// Failed reconnection attempts on a channel that are logged as warnings; later ones are
+    /// logged at debug level. Reconnection itself never gives up while the process runs (a
+    /// link that comes back after any time is used again); this no longer limits it.
     pub reconnect_attempts: u32,
-    /// Pause before each reconnection attempt.
+    /// Wait before reconnecting a dead channel (none after the target's DISCONNECT SHUTDOWN),
+    /// and after a failed attempt; it doubles with each failure in a row, up to
+    /// `reconnect_max_delay`.
     pub reconnect_delay: Duration,
+    /// Longest wait between reconnection attempts.
+    pub reconnect_max_delay: Duration,
     /// Channel timers.
     pub timers: Timers,
     /// Largest request part asked for (the target may grant less).
@@ -177,7 +183,8 @@ pub fn machine_id() -> Option<[u8; 16]> {
 }
 
 impl InitiatorConfig {
-    /// Defaults for `export`: one channel per link, 30 s no-path timeout, 10 reconnect attempts.
+    /// Defaults for `export`: one channel per link, 30 s no-path timeout, reconnection backoff
+    /// from 50 ms doubling to 2 s.
     pub fn new(export: &str) -> Self {
         InitiatorConfig {
             export: export.to_owned(),
@@ -186,7 +193,8 @@ impl InitiatorConfig {
             connect_retry: Duration::from_millis(200),
             connect_attempts: 10,
             reconnect_attempts: 10,
-            reconnect_delay: Duration::from_millis(500),
+            reconnect_delay: Duration::from_millis(50),
+            reconnect_max_delay: Duration::from_secs(2),
             timers: Timers::default(),
             max_io: 1 << 20,
             ring: 1024,
@@ -210,6 +218,9 @@ impl InitiatorConfig {
         }
         if self.connect_attempts == 0 || self.connect_retry.is_zero() {
             return Err("connect attempts and retry interval must be positive".into());
+        }
+        if self.reconnect_delay.is_zero() {
+            return Err("the reconnection delay must be positive".into());
         }
         if self.key.as_ref().is_some_and(|k| k.len() < 16) {
             return Err("a pre-shared key has at least 16 bytes".into());

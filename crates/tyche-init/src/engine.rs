@@ -19,11 +19,14 @@ use nix::sys::time::TimeSpec;
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 use tyche_channel::{
-    ConnectError as ChannelConnectError, Connected, Connector, Inbound, Instant, IoError, IoRequest, Scheduler,
-    SubmitError, Volume, VolumeConfig, VolumeEvent,
+    ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, Failed, Inbound, Instant,
+    IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler, SubmitError, Volume, VolumeConfig,
+    VolumeEvent,
 };
 use tyche_transport::{FrameTransport, MemoryArea, SplitMix64};
-use tyche_wire::{flags, ChannelParams, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD};
+use tyche_wire::{
+    flags, ChannelParams, DisconnectReason, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD,
+};
 
 use crate::client::{Client, ExportInfo, Stats};
 use crate::config::{EngineThreads, InitiatorConfig, Link};
@@ -162,29 +165,13 @@ struct InFlight {
     reply: Completion,
 }
 
-/// One logical channel of a link: reopened under a new channel index when it dies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SlotState {
-    /// A connector is running for this channel index.
-    Connecting { channel: u16, attempt: u32 },
-    /// The channel is open in the volume.
-    Up { channel: u16 },
-    /// Waiting to start reconnection attempt `attempt` at `at`.
-    Waiting { attempt: u32, at: Instant },
-    /// Every attempt failed.
-    GivenUp,
-}
-
-#[derive(Debug)]
-struct Slot {
-    link: usize,
-    state: SlotState,
-}
-
 #[derive(Debug)]
 struct Pending {
+    /// The slot (link × channels per link) it opens a channel for.
     slot: usize,
     connector: Connector,
+    /// Failed attempts on the slot before this one.
+    failures: u32,
 }
 
 /// A link's transport, owned by the engine thread that serves the link.
@@ -215,11 +202,13 @@ pub(crate) struct Engine {
     cfg: InitiatorConfig,
     clock: std::time::Instant,
     links: Vec<LinkMeta>,
-    slots: Vec<Slot>,
+    /// Which channel each slot (link × channels per link) should have, in which session, and
+    /// when to try again (never giving up).
+    reconnector: Reconnector,
+    slot_count: usize,
     connectors: HashMap<u16, Pending>,
     volume: Option<Volume>,
     connected: Option<Connected>,
-    next_channel: u16,
     next_id: u64,
     inflight: HashMap<u64, InFlight>,
     backlog: VecDeque<IoCmd>,
@@ -249,7 +238,10 @@ pub(crate) struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("links", &self.links).field("slots", &self.slots).finish_non_exhaustive()
+        f.debug_struct("Engine")
+            .field("links", &self.links)
+            .field("reconnector", &self.reconnector)
+            .finish_non_exhaustive()
     }
 }
 
@@ -327,8 +319,6 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         io.push((k, l.transport));
     }
     let mut engine = Engine::new(cfg, metas, bells.clone());
-    let now = engine.now();
-    engine.start_initial(0, now);
     // The session opens on this thread, over every link. Bounded: every connector gives up
     // after `connect_attempts * connect_retry`.
     loop {
@@ -418,19 +408,22 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
 impl Engine {
     fn new(cfg: InitiatorConfig, links: Vec<LinkMeta>, bells: Vec<Arc<Bell>>) -> Self {
         let per = cfg.channels_per_link;
-        let slots = (0..links.len() * per)
-            .map(|i| Slot { link: i / per, state: SlotState::Waiting { attempt: 0, at: Instant::ZERO } })
-            .collect();
+        let links_len = links.len();
+        let slot_links: Vec<usize> = (0..links.len() * per).map(|i| i / per).collect();
+        let policy =
+            ReconnectPolicy { min: cfg.reconnect_delay, max: cfg.reconnect_max_delay.max(cfg.reconnect_delay) };
+        // The first attempt (on the first link) is due at once.
+        let reconnector = Reconnector::new(slot_links, policy, Instant::ZERO);
         let threads = vec![None; bells.len()];
         Engine {
             cfg,
             clock: std::time::Instant::now(),
             links,
-            slots,
+            slot_count: links_len * per,
+            reconnector,
             connectors: HashMap::new(),
             volume: None,
             connected: None,
-            next_channel: 0,
             next_id: 1,
             inflight: HashMap::new(),
             backlog: VecDeque::new(),
@@ -467,18 +460,15 @@ impl Engine {
         }
     }
 
-    /// Starts a connector for `slot` with a fresh channel index.
-    fn start_connector(&mut self, slot: usize, attempt: u32, now: Instant) {
-        let link = self.slots[slot].link;
-        let channel = self.next_channel;
-        self.next_channel = self.next_channel.wrapping_add(1);
-        let session = self.connected.map_or(0, |c| c.session);
+    /// Starts the connector `plan` asks for.
+    fn start_connector(&mut self, plan: ConnectPlan, now: Instant) {
+        let link = self.reconnector.link(plan.slot);
         let env = Envelope {
             dst: self.links[link].target,
             src: self.links[link].local_mac,
             ethertype: self.cfg.ethertype,
-            channel,
-            session,
+            channel: plan.channel,
+            session: plan.session,
         };
         let want = self.want(link);
         let nonce = self.rng.next_u64();
@@ -490,15 +480,17 @@ impl Engine {
         if let Some(host) = self.cfg.host_id {
             connector = connector.with_host(host);
         }
-        self.connectors.insert(channel, Pending { slot, connector });
-        self.slots[slot].state = SlotState::Connecting { channel, attempt };
-    }
-
-    /// The first channel of the session, on the first slot of `link`.
-    fn start_initial(&mut self, link: usize, now: Instant) {
-        let slot = link * self.cfg.channels_per_link;
-        debug!(link = %self.links[link].name, "opening session");
-        self.start_connector(slot, 0, now);
+        let name = &self.links[link].name;
+        if plan.session == 0 && self.volume.is_some() {
+            info!(link = %name, "opening a new session on export {}", self.cfg.export);
+        } else if plan.session == 0 {
+            debug!(link = %name, "opening session");
+        } else if plan.failures > 0 && plan.failures <= self.cfg.reconnect_attempts {
+            info!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
+        } else if plan.failures > 0 {
+            debug!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
+        }
+        self.connectors.insert(plan.channel, Pending { slot: plan.slot, connector, failures: plan.failures });
     }
 
     /// One pass of the loop over the links in `io`. Returns whether anything happened.
@@ -558,41 +550,63 @@ impl Engine {
     fn connector_done(&mut self, ch: u16, outcome: Result<Connected, ChannelConnectError>, now: Instant) {
         let Some(p) = self.connectors.remove(&ch) else { return };
         let slot = p.slot;
-        let link = self.slots[slot].link;
-        let SlotState::Connecting { attempt, .. } = self.slots[slot].state else { return };
+        let link = self.reconnector.link(slot);
         let name = self.links[link].name.clone();
         let target = self.links[link].target.to_string();
         match outcome {
             Ok(c) => {
                 let channel = p.connector.channel(&c, self.cfg.timers, now);
-                if self.volume.is_none() {
-                    let cfg = VolumeConfig {
-                        export_size: c.export_size,
-                        read_only: c.export_flags & flags::EXPORT_READ_ONLY != 0,
-                        no_path_timeout: self.cfg.no_path_timeout,
-                        max_requests: self.cfg.max_requests,
-                    };
-                    let nodes: Vec<u32> = self.links.iter().filter_map(|l| l.node).collect();
-                    let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::new(self.cfg.scheduler, &nodes));
-                    self.volume = Some(Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now));
-                    self.connected = Some(c);
-                    // The other channels join the session.
-                    for s in 0..self.slots.len() {
-                        if s != slot {
-                            self.start_connector(s, 0, now);
+                match self.reconnector.connected(slot, ch, c.session, now) {
+                    Opened::First => {
+                        let cfg = VolumeConfig {
+                            export_size: c.export_size,
+                            read_only: c.export_flags & flags::EXPORT_READ_ONLY != 0,
+                            no_path_timeout: self.cfg.no_path_timeout,
+                            max_requests: self.cfg.max_requests,
+                        };
+                        let nodes: Vec<u32> = self.links.iter().filter_map(|l| l.node).collect();
+                        let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::new(self.cfg.scheduler, &nodes));
+                        self.volume = Some(Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now));
+                        self.connected = Some(c);
+                        debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");
+                    }
+                    Opened::Resumed => {
+                        let old = self.connected.expect("a session was open");
+                        if c.export_size != old.export_size || c.export_flags != old.export_flags {
+                            warn!(
+                                link = %name,
+                                "export {} changed across the target's restart (size {} -> {}, flags {:#x} -> {:#x}); \
+                                 the device keeps its size",
+                                self.cfg.export, old.export_size, c.export_size, old.export_flags, c.export_flags
+                            );
                         }
+                        let vol = self.volume.as_mut().expect("a session was open");
+                        let waiting = vol.outstanding();
+                        vol.resume(c.session, now);
+                        self.connected = Some(Connected { session: c.session, ..old });
+                        self.stats.reconnects += 1;
+                        info!(
+                            link = %name, session = format_args!("{:#x}", c.session), reissued = waiting,
+                            "new session open; requests not completed are issued again"
+                        );
+                    }
+                    Opened::Joined => {
+                        if p.failures > 0 || self.channel_link.values().any(|&l| l == link) {
+                            self.stats.reconnects += 1;
+                            info!(link = %name, channel = ch, "channel reconnected after {} attempt(s)", p.failures + 1);
+                        } else {
+                            debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");
+                        }
+                    }
+                    Opened::Stale | Opened::Probe => {
+                        // Opened for a session since abandoned: not used (the target reclaims it).
+                        debug!(link = %name, channel = ch, "dropping a channel of an abandoned session");
+                        return;
                     }
                 }
                 let vol = self.volume.as_mut().expect("created");
                 vol.add_channel(channel, self.links[link].node, now);
                 self.channel_link.insert(ch, link);
-                if attempt > 0 {
-                    self.stats.reconnects += 1;
-                    info!(link = %name, channel = ch, "channel reconnected after {attempt} attempt(s)");
-                } else {
-                    debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");
-                }
-                self.slots[slot].state = SlotState::Up { channel: ch };
             }
             Err(e) => {
                 if self.volume.is_none() {
@@ -614,9 +628,9 @@ impl Engine {
                         ChannelConnectError::Timeout => {
                             warn!(link = %name, "no answer from target {target}");
                             self.initial_timeouts += 1;
-                            self.slots[slot].state = SlotState::GivenUp;
-                            if link + 1 < self.links.len() {
-                                self.start_initial(link + 1, now);
+                            // The policy tries the next link at once.
+                            self.reconnector.failed(slot, ch, e, now);
+                            if self.initial_timeouts < self.links.len() {
                                 None
                             } else {
                                 Some(ConnectError::Timeout {
@@ -631,22 +645,21 @@ impl Engine {
                     };
                     return;
                 }
-                warn!(link = %name, channel = ch, "channel could not be opened: {e:?}");
-                self.schedule_reconnect(slot, attempt + 1, now);
+                match self.reconnector.failed(slot, ch, e, now) {
+                    Failed::SessionLost => warn!(
+                        link = %name,
+                        "target {target} no longer knows session {:#x} (it restarted, or reclaimed the session): \
+                         opening a new session on export {}",
+                        self.connected.map_or(0, |c| c.session), self.cfg.export
+                    ),
+                    Failed::Retry if p.failures < self.cfg.reconnect_attempts => {
+                        warn!(link = %name, channel = ch, "channel could not be opened: {e:?}; trying again")
+                    }
+                    Failed::Retry => debug!(link = %name, channel = ch, "channel could not be opened: {e:?}"),
+                    Failed::Stale => {}
+                }
             }
         }
-    }
-
-    fn schedule_reconnect(&mut self, slot: usize, attempt: u32, now: Instant) {
-        let name = &self.links[self.slots[slot].link].name;
-        if attempt > self.cfg.reconnect_attempts || self.closing.is_some() {
-            if self.cfg.reconnect_attempts > 0 {
-                error!(link = %name, "giving up on a channel after {} reconnect attempts", self.cfg.reconnect_attempts);
-            }
-            self.slots[slot].state = SlotState::GivenUp;
-            return;
-        }
-        self.slots[slot].state = SlotState::Waiting { attempt, at: now + self.cfg.reconnect_delay };
     }
 
     /// Completions and channel deaths.
@@ -680,10 +693,15 @@ impl Engine {
                     };
                     completed.push((r.reply, result));
                 }
+                VolumeEvent::ChannelAborted { channel } => {
+                    info!(
+                        channel,
+                        "the target aborted a request (it is going away); closing the channel, the request waits"
+                    );
+                }
                 VolumeEvent::ChannelDead { channel, reason, reissued } => {
-                    dead.push(channel);
-                    let link = self.slots.iter().find(|s| s.state == SlotState::Up { channel }).map(|s| s.link);
-                    let name = link.map_or("?", |l| self.links[l].name.as_str());
+                    dead.push((channel, reason));
+                    let name = self.channel_link.get(&channel).map_or("?", |&l| self.links[l].name.as_str());
                     warn!(
                         link = %name, channel, ?reason, reissued,
                         live = vol.live_channels(),
@@ -704,10 +722,11 @@ impl Engine {
                 self.cfg.no_path_timeout
             );
         }
-        for channel in dead {
-            if let Some(slot) = self.slots.iter().position(|s| s.state == SlotState::Up { channel }) {
-                self.schedule_reconnect(slot, 1, now);
+        for (channel, reason) in dead {
+            if reason == DeadReason::PeerClosed(DisconnectReason::Shutdown) {
+                info!(channel, "the target is shutting down: reconnecting at once");
             }
+            self.reconnector.channel_dead(channel, reason, now);
         }
         for (c, result) in completed {
             self.complete(c, result, now);
@@ -739,21 +758,17 @@ impl Engine {
 
     fn transmit(&mut self, now: Instant, io: &mut Io) -> bool {
         let mut sent = 0;
-        let Engine { links, connectors, volume, inflight, slots, .. } = self;
+        let Engine { links, connectors, volume, inflight, reconnector, slot_count, .. } = self;
         for (k, t) in io.iter_mut() {
             let (k, link) = (*k, &links[*k]);
-            for p in connectors.values_mut().filter(|p| slots[p.slot].link == k) {
+            for p in connectors.values_mut().filter(|p| reconnector.link(p.slot) == k) {
                 let r = t.send(1, &mut |buf| p.connector.poll_transmit(now, buf));
                 sent += r.unwrap_or(0);
             }
             if let Some(vol) = volume.as_mut() {
-                let channels: Vec<u16> = slots
-                    .iter()
-                    .filter(|s| s.link == k)
-                    .filter_map(|s| match s.state {
-                        SlotState::Up { channel } => Some(channel),
-                        _ => None,
-                    })
+                let channels: Vec<u16> = (0..*slot_count)
+                    .filter(|&s| reconnector.link(s) == k)
+                    .filter_map(|s| reconnector.channel(s))
                     .collect();
                 for ch in channels {
                     if !vol.wants_transmit(ch) {
@@ -818,22 +833,12 @@ impl Engine {
             self.connector_done(ch, outcome, now);
             work = true;
         }
-        // Reconnection attempts that are due.
-        if self.volume.is_some() && self.closing.is_none() {
-            for s in 0..self.slots.len() {
-                if let SlotState::Waiting { attempt, at } = self.slots[s].state {
-                    if at <= now {
-                        if attempt > 0 {
-                            info!(
-                                link = %self.links[self.slots[s].link].name,
-                                "reconnect attempt {attempt} of {} on {}",
-                                self.cfg.reconnect_attempts, self.links[self.slots[s].link].name
-                            );
-                        }
-                        self.start_connector(s, attempt, now);
-                        work = true;
-                    }
-                }
+        // Connection attempts that are due (the first ones, reconnections, a new session).
+        let opening = self.volume.is_none() && self.fatal.is_none();
+        if (self.volume.is_some() || opening) && self.closing.is_none() {
+            while let Some(plan) = self.reconnector.poll_connect(now) {
+                self.start_connector(plan, now);
+                work = true;
             }
         }
         work
@@ -944,7 +949,7 @@ impl Engine {
         let mut s = self.stats;
         if let Some(v) = &self.volume {
             s.live_channels = v.live_channels();
-            s.channels = self.slots.len();
+            s.channels = self.slot_count;
             s.outstanding = self.inflight.len();
             s.queued = self.backlog.len();
             s.retransmits = v.channel_indices().filter_map(|i| v.channel(i)).map(|c| c.stats().retransmits).sum();
@@ -1009,13 +1014,13 @@ impl Engine {
     /// Whether engine thread `g` has frames to send on its links (a request scheduled on one of
     /// its channels, a retransmission, a connector).
     fn group_wants_transmit(&self, g: usize) -> bool {
-        if self.connectors.values().any(|p| self.links[self.slots[p.slot].link].group == g) {
+        let r = &self.reconnector;
+        if self.connectors.values().any(|p| self.links[r.link(p.slot)].group == g) {
             return true;
         }
         let Some(vol) = &self.volume else { return false };
-        self.slots.iter().any(|s| match s.state {
-            SlotState::Up { channel } => self.links[s.link].group == g && vol.wants_transmit(channel),
-            _ => false,
+        (0..self.slot_count).any(|s| {
+            self.links[r.link(s)].group == g && r.channel(s).is_some_and(|channel| vol.wants_transmit(channel))
         })
     }
 
@@ -1196,6 +1201,9 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
             (false, _) => IDLE_SLEEP,
         };
         if let Some(t) = e.volume.as_ref().and_then(Volume::poll_timeout) {
+            wait = wait.min(t.since(now));
+        }
+        if let Some(t) = e.reconnector.poll_timeout().filter(|_| e.closing.is_none()) {
             wait = wait.min(t.since(now));
         }
         let sockets = e.nbd_poll_set(g);

@@ -10,7 +10,10 @@
 //! # Promises
 //! - **Never hangs.** A request completes with data, with the target's error, or, when no
 //!   channel is alive for [`InitiatorConfig::no_path_timeout`] (NVMe's `ctrl_loss_tmo`), with
-//!   [`Error::NoPath`]. Dead channels are reconnected a bounded number of times.
+//!   [`Error::NoPath`]. Dead channels are reconnected with capped exponential backoff for as
+//!   long as the process runs; when the target no longer knows the session (it restarted, or
+//!   reclaimed it) a new session is opened on the same export and every request not yet
+//!   completed is issued again (docs/tyche-init.md, "Session resumption").
 //! - **Never corrupts.** A dead channel's requests are re-issued on the survivors under the same
 //!   tags, and the target executes every modifying request at most once per tag.
 //! - **Who owns the memory.** Request buffers live on the engine side from submission to
@@ -48,7 +51,7 @@ pub use report::{ChannelReport, LinkReport, NbdConnReport, NbdStats, Report};
 ///
 /// Returns once the first channel is open and every other initial channel has either opened or
 /// failed (failed ones are retried in the background, see
-/// [`InitiatorConfig::reconnect_attempts`]).
+/// [`InitiatorConfig::reconnect_delay`]).
 pub async fn connect(config: InitiatorConfig, links: Vec<Link>) -> Result<Client, ConnectError> {
     tokio::task::spawn_blocking(move || connect_blocking(config, links)).await.unwrap_or(Err(ConnectError::EngineGone))
 }

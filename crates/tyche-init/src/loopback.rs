@@ -7,7 +7,7 @@
 //! privileges and no network.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -99,10 +99,21 @@ pub struct TargetCounters {
     pub fua_writes: AtomicU64,
 }
 
+/// How [`RamTarget::restart`] restarts the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restart {
+    /// The process dies: every session is forgotten at once, nothing is said to initiators.
+    Crash,
+    /// SIGTERM: DISCONNECT SHUTDOWN on every channel, then every session is forgotten.
+    Graceful,
+}
+
 /// An in-process target serving one RAM export on its own thread; stops when dropped.
 #[derive(Debug)]
 pub struct RamTarget {
     stop: Arc<AtomicBool>,
+    /// A restart asked for: 0 none, 1 crash, 2 graceful.
+    restart: Arc<AtomicU8>,
     thread: Option<JoinHandle<()>>,
     counters: Arc<TargetCounters>,
     storage: Arc<Mutex<Vec<u8>>>,
@@ -126,13 +137,26 @@ impl RamTarget {
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(TargetCounters::default());
         let storage = Arc::new(Mutex::new(vec![0u8; export.size as usize]));
+        let restart = Arc::new(AtomicU8::new(0));
         let mut t = TargetLoop::new(export, ports, timers, Arc::clone(&storage), Arc::clone(&counters));
-        let s = Arc::clone(&stop);
+        let (s, r) = (Arc::clone(&stop), Arc::clone(&restart));
         let thread = std::thread::Builder::new()
             .name("tyche-ram-target".into())
-            .spawn(move || t.run(&s))
+            .spawn(move || t.run(&s, &r))
             .expect("cannot start the target thread");
-        RamTarget { stop, thread: Some(thread), counters, storage }
+        RamTarget { stop, restart, thread: Some(thread), counters, storage }
+    }
+
+    /// Restarts the target as a new process would start on the same storage (the RAM stays,
+    /// as a file export's contents would): every session and ledger is forgotten, so initiators
+    /// get UNKNOWN_SESSION when they reconnect. Returns at once; the target thread restarts at
+    /// its next turn.
+    pub fn restart(&self, how: Restart) {
+        let code = match how {
+            Restart::Crash => 1,
+            Restart::Graceful => 2,
+        };
+        self.restart.store(code, Ordering::Release);
     }
 
     /// The target's counters.
@@ -180,6 +204,10 @@ struct TargetLoop {
     ports: Vec<Box<dyn FrameTransport + Send>>,
     macs: Vec<MacAddr>,
     acceptor: Acceptor,
+    /// What a restarted acceptor is built from.
+    spec: ExportSpec,
+    limit: ChannelParams,
+    timers: Timers,
     sessions: HashMap<u64, TargetSession>,
     /// (session, channel) → port.
     route: HashMap<(u64, u16), usize>,
@@ -218,13 +246,16 @@ impl TargetLoop {
             f |= flags::EXPORT_READ_ONLY;
         }
         let spec = ExportSpec { name: export.name.clone(), size: export.size, block_size: SECTOR_SIZE, flags: f };
-        let acceptor = Acceptor::new(DEFAULT_ETHERTYPE, vec![spec], limit, timers);
+        let acceptor = Acceptor::new(DEFAULT_ETHERTYPE, vec![spec.clone()], limit, timers);
         let macs = ports.iter().map(|p| p.local_mac()).collect();
         TargetLoop {
             export,
             ports,
             macs,
             acceptor,
+            spec,
+            limit,
+            timers,
             sessions: HashMap::new(),
             route: HashMap::new(),
             damq: HashMap::new(),
@@ -240,10 +271,25 @@ impl TargetLoop {
         Instant(self.clock.elapsed().as_nanos() as u64 + 1)
     }
 
-    fn run(&mut self, stop: &AtomicBool) {
+    fn run(&mut self, stop: &AtomicBool, restart: &AtomicU8) {
         let mut idle = 0u32;
         while !stop.load(Ordering::Relaxed) {
             let now = self.now();
+            match restart.swap(0, Ordering::AcqRel) {
+                0 => {}
+                how => {
+                    if how == 2 {
+                        for s in self.sessions.values_mut() {
+                            s.close(tyche_wire::DisconnectReason::Shutdown);
+                        }
+                        self.transmit(now);
+                    }
+                    self.sessions.clear();
+                    self.route.clear();
+                    self.damq.clear();
+                    self.acceptor = Acceptor::new(DEFAULT_ETHERTYPE, vec![self.spec.clone()], self.limit, self.timers);
+                }
+            }
             let mut work = self.receive(now);
             work |= self.execute();
             for s in self.sessions.values_mut() {

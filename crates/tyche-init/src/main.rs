@@ -123,7 +123,8 @@ struct ConnArgs {
     /// Seconds requests wait while every channel is down before failing (ctrl_loss_tmo).
     #[arg(long, default_value_t = 30.0)]
     no_path_timeout: f64,
-    /// Reconnect attempts per dead channel.
+    /// Failed reconnect attempts per channel logged as warnings (later ones at debug level).
+    /// Reconnection never gives up while the process runs.
     #[arg(long, default_value_t = 10)]
     reconnect_attempts: u32,
     /// Channel scheduler: affinity or round-robin.

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use tokio::task::JoinSet;
-use tyche_init::loopback::{initiator_timers, mem_links, set_link_down, RamExport};
+use tyche_init::loopback::{initiator_timers, mem_links, set_link_down, RamExport, Restart};
 use tyche_init::{connect, Client, ConnectError, Error, InitiatorConfig, SchedulerKind, SendMode};
 use tyche_transport::{FrameTransport, MemLink};
 use tyche_wire::MacAddr;
@@ -183,6 +183,42 @@ async fn dead_link_reconnects_when_it_comes_back() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     concurrent(&client, 32, 64 << 10).await;
+}
+
+/// The target restarts (a crash, then a graceful stop) while writes are in flight: the
+/// initiator opens a new session by itself and re-issues what had not completed; the
+/// application sees no error, and everything it wrote reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_restarts_are_invisible_to_the_application() {
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let client = bounded("connect", connect(config(), links)).await.expect("connect");
+    let first = client.report().await.expect("report").session;
+    let len = 64 << 10;
+    for (round, how) in [Restart::Crash, Restart::Graceful].into_iter().enumerate() {
+        let base = round as u64 * 256;
+        let mut set = JoinSet::new();
+        for i in 0..64u64 {
+            let c = client.clone();
+            set.spawn(async move { c.write_owned((base + i) * len as u64, pattern(base + i, len), false).await });
+            if i == 16 {
+                target.restart(how);
+            }
+        }
+        while let Some(r) = bounded("writes across a target restart", set.join_next()).await {
+            r.expect("task").unwrap_or_else(|e| panic!("{how:?}: a write failed across the restart: {e}"));
+        }
+        for i in 0..64u64 {
+            let at = (base + i) * len as u64;
+            let back = bounded("read", client.read(at, len)).await.expect("read after the restart");
+            assert!(back == pattern(base + i, len), "{how:?}: write {i} lost across the restart");
+        }
+    }
+    let r = client.report().await.expect("report");
+    assert_ne!(r.session, first, "the initiator still uses the session the target forgot");
+    assert!(r.live_channels >= 1, "{}", r.human());
+    let s = client.stats().await.expect("stats");
+    assert_eq!(s.failed, 0, "{s:?}");
+    client.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,9 +5,17 @@
 //! seeded loss, reordering, duplication, delay and jitter, and optionally a path that fails mid-run
 //! (either going dark, or holding its frames and delivering them after the initiator has given
 //! the path up, so late duplicates reach a target that still listens). Channels are opened with
-//! the real handshake over the lossy paths. A randomized workload (reads, writes, flushes,
+//! the real handshake over the lossy paths and reopened by the initiator's reconnection policy
+//! ([`Reconnector`]). With [`SimConfig::restarts`] the run also suffers what operators do: the
+//! target restarts (a crash that loses sessions, ledgers and I/O in flight and keeps only
+//! flushed data for sure, or a graceful stop that aborts what it has not started and sends
+//! DISCONNECT SHUTDOWN), every path is cut for longer than the target's reclaim time, and the
+//! initiator's engine restarts (the application's requests handed to the new one, what the old
+//! one sent arriving late). A randomized workload (reads, writes, flushes,
 //! discards, write-zeroes; 512 B to 1 MiB; queue depth up to 64) runs against a reference model
-//! that checks every completed read, and after the run every sector of the export.
+//! that checks every completed read, and after the run every sector of the export: no read
+//! returns data older than a completed write, no acknowledged write is lost after a FLUSH
+//! covered it, no write of an abandoned session lands after a newer completed one.
 //!
 //! Time is virtual and jumps from event to event, so a run of seconds of simulated time takes
 //! milliseconds. Nothing reads a clock or an unseeded random source: the same seed replays the
@@ -22,16 +30,17 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::time::Duration;
 
 use tyche_channel::{
-    Accepted, Acceptor, ConnectError, Connector, ExportGeometry, ExportSpec, Inbound, Instant, IoError, IoRequest,
-    LeastBytes, TargetEvent, TargetInbound, TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
+    Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, ExportGeometry, ExportSpec, Failed, Inbound,
+    Instant, IoError, IoRequest, LeastBytes, Opened, ReconnectPolicy, Reconnector, TargetEvent, TargetInbound,
+    TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
-    segment_size_for, ChannelParams, Envelope, Frame, Kind, MacAddr, Op, Request, Status, DATA_FRAME_OVERHEAD,
-    DEFAULT_ETHERTYPE, SECTOR_SIZE,
+    segment_size_for, ChannelParams, DisconnectReason, Envelope, Frame, Kind, MacAddr, Op, Request, Status,
+    DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE, SECTOR_SIZE,
 };
 
-use model::Model;
+use model::{FlushCover, Model};
 use net::{Delivery, Dir, Failure, NetConfig, Network};
 
 /// What to simulate. Everything else derives from the seed.
@@ -47,6 +56,12 @@ pub struct SimConfig {
     pub dup: f64,
     /// Whether one path fails mid-run (needs at least two paths).
     pub fail_path: bool,
+    /// Whether the run suffers what operators do: target restarts (a crash, or a graceful
+    /// stop that aborts what it has not started), partitions of every path for longer than
+    /// the target's reclaim time, and restarts of the initiator's engine. Any error other
+    /// than a storage error then fails the seed: the target is always back within the
+    /// no-path timeout.
+    pub restarts: bool,
     /// Requests per seed.
     pub requests: usize,
     /// Export size in bytes.
@@ -61,6 +76,7 @@ impl Default for SimConfig {
             reorder: 0.0,
             dup: 0.0,
             fail_path: false,
+            restarts: false,
             requests: 200,
             export_bytes: 16 << 20,
         }
@@ -80,6 +96,9 @@ pub struct SeedReport {
     pub mismatches: u64,
     /// Requests that never completed.
     pub stuck: u64,
+    /// With [`SimConfig::restarts`]: requests that failed with something other than a storage
+    /// error (no path, ABORTED), although the target was always back in time.
+    pub surfaced: u64,
     /// Frames handed to the network.
     pub frames: u64,
     /// Frames lost by the network.
@@ -90,14 +109,28 @@ pub struct SeedReport {
     pub duplicates_suppressed: u64,
     /// Channels that died.
     pub dead_channels: u64,
+    /// Target restarts (crashes and graceful stops).
+    pub target_restarts: u64,
+    /// Partitions of every path.
+    pub partitions: u64,
+    /// Restarts of the initiator's engine.
+    pub engine_restarts: u64,
+    /// Sessions the initiator moved to after the target forgot one.
+    pub resumes: u64,
+    /// Sessions the target reclaimed (every channel dead, nothing executing).
+    pub reclaimed: u64,
+    /// FLUSHes the initiator failed (I/O error) because the target forgot a session without
+    /// a SHUTDOWN while writes no FLUSH covered were done: they may have been lost, and a
+    /// FLUSH that succeeded would say they are durable. Counted in `failed`, not `surfaced`.
+    pub durability_errors: u64,
     /// Virtual time the run took.
     pub virtual_nanos: u64,
 }
 
 impl SeedReport {
-    /// Whether the seed passed: nothing mismatched, nothing stuck.
+    /// Whether the seed passed: nothing mismatched, nothing stuck, no error surfaced.
     pub fn ok(&self) -> bool {
-        self.mismatches == 0 && self.stuck == 0
+        self.mismatches == 0 && self.stuck == 0 && self.surfaced == 0
     }
 }
 
@@ -105,6 +138,9 @@ const MAX_IO: u32 = 512 << 10;
 const STORAGE_ERROR: f64 = 0.001;
 /// Virtual time after which a run that has not finished counts its requests as stuck.
 const RUN_LIMIT: Duration = Duration::from_secs(120);
+/// The volume's no-path timeout with [`SimConfig::restarts`]: longer than any outage the run
+/// makes (a target down for up to 1.5 s, a partition of up to 2.5 s).
+const RESTART_NO_PATH: Duration = Duration::from_secs(10);
 
 fn initiator_timers() -> Timers {
     Timers {
@@ -125,13 +161,23 @@ fn target_timers() -> Timers {
     Timers { dead_after: Duration::from_millis(600), ..initiator_timers() }
 }
 
+/// The initiator's reconnection backoff, scaled like the timers.
+fn reconnect_policy() -> ReconnectPolicy {
+    ReconnectPolicy { min: Duration::from_millis(5), max: Duration::from_millis(200) }
+}
+
 #[derive(Debug)]
 struct AppRequest {
     op: Op,
+    fua: bool,
     offset: u64,
     length: u64,
     buf: Vec<u8>,
     version: u64,
+    /// For a FLUSH: what it covers.
+    cover: Option<FlushCover>,
+    /// Target crashes before it was submitted ([`Model::epoch`]).
+    epoch: u64,
 }
 
 #[derive(Debug)]
@@ -160,6 +206,34 @@ impl Ord for StorageOp {
     }
 }
 
+/// What an operator (or the world) does to the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// The target process dies: sessions, ledgers and I/O in flight are gone; unflushed data
+    /// may or may not have reached storage.
+    TargetCrash,
+    /// SIGTERM: the target aborts what it has not started, finishes what it has, flushes,
+    /// sends DISCONNECT SHUTDOWN, exits and is started again.
+    TargetStop,
+    /// Every path is cut for longer than the target's reclaim time.
+    Partition,
+    /// The initiator's engine restarts; the application's requests are handed to the new
+    /// one (as the kernel does for a ublk device with user recovery).
+    EngineRestart,
+}
+
+/// The target process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TargetState {
+    Up,
+    /// Stopping: aborts new requests, waits for storage.
+    Draining,
+    /// Not running until `until`.
+    Down {
+        until: Instant,
+    },
+}
+
 struct World {
     cfg: SimConfig,
     rng: SplitMix64,
@@ -168,7 +242,10 @@ struct World {
     init_macs: Vec<MacAddr>,
     target_macs: Vec<MacAddr>,
     // Initiator.
-    connectors: Vec<Option<Connector>>,
+    reconnector: Reconnector,
+    connectors: BTreeMap<u16, (usize, Connector)>,
+    /// The path of every initiator channel index.
+    chan_path: HashMap<u16, usize>,
     volume: Option<Volume>,
     export_size: u64,
     app: BTreeMap<u64, AppRequest>,
@@ -176,15 +253,28 @@ struct World {
     issued: usize,
     depth: usize,
     model: Model,
+    /// The application's requests wait for a new engine's volume.
+    recovering: bool,
+    /// The engine that restarted had writes no FLUSH covered (persisted for the next one).
+    unflushed_handed_on: bool,
     // Target.
+    target: TargetState,
     acceptor: Acceptor,
     sessions: BTreeMap<u64, TargetSession>,
+    /// The path of every target channel.
+    target_path: HashMap<(u64, u16), usize>,
+    /// What reads see.
     storage: Vec<u8>,
+    /// What survives a crash.
+    durable: Vec<u8>,
+    dirty: Vec<u32>,
+    is_dirty: Vec<bool>,
     damq_mem: HashMap<(u64, u16, u16), Vec<u8>>,
     io: BinaryHeap<std::cmp::Reverse<StorageOp>>,
     io_order: u64,
     // Failure plan.
     fail_at_issue: Option<usize>,
+    faults: Vec<(usize, Fault)>,
     report: SeedReport,
     buf: Vec<u8>,
 }
@@ -194,6 +284,18 @@ pub fn run_seed(cfg: &SimConfig, seed: u64) -> SeedReport {
     let mut w = World::new(*cfg, seed);
     w.run();
     w.report
+}
+
+fn new_acceptor(cfg: &SimConfig) -> Acceptor {
+    let limit =
+        ChannelParams { ring: 1024, remq_slots: 64, damq_slots: 64, segment: 8192, max_io: MAX_IO, features: 0 };
+    let export = ExportSpec {
+        name: "sim".into(),
+        size: cfg.export_bytes,
+        block_size: SECTOR_SIZE,
+        flags: tyche_wire::flags::EXPORT_DISCARD,
+    };
+    Acceptor::new(DEFAULT_ETHERTYPE, vec![export], limit, target_timers())
 }
 
 impl World {
@@ -211,28 +313,37 @@ impl World {
         let net = Network::new(net_cfg, cfg.paths, rng.next_u64());
         let init_macs: Vec<_> = (0..cfg.paths).map(|k| MacAddr::local(0x100 + k as u32)).collect();
         let target_macs: Vec<_> = (0..cfg.paths).map(|k| MacAddr::local(0x200 + k as u32)).collect();
-        let limit =
-            ChannelParams { ring: 1024, remq_slots: 64, damq_slots: 64, segment: 8192, max_io: MAX_IO, features: 0 };
-        let export = ExportSpec {
-            name: "sim".into(),
-            size: cfg.export_bytes,
-            block_size: SECTOR_SIZE,
-            flags: tyche_wire::flags::EXPORT_DISCARD,
-        };
-        let acceptor = Acceptor::new(DEFAULT_ETHERTYPE, vec![export], limit, target_timers());
         let depth = rng.range(1, 64) as usize;
         let fail_at_issue = (cfg.fail_path && cfg.paths >= 2).then(|| {
             let lo = cfg.requests / 10;
             rng.range(lo as u64, (cfg.requests * 6 / 10).max(lo) as u64) as usize
         });
-        let mut w = World {
+        let mut faults = Vec::new();
+        if cfg.restarts {
+            for _ in 0..rng.range(1, 3) {
+                let at = rng.range(cfg.requests as u64 / 10, cfg.requests as u64 * 9 / 10) as usize;
+                let kind = match rng.range(0, 3) {
+                    0 => Fault::TargetCrash,
+                    1 => Fault::TargetStop,
+                    2 => Fault::Partition,
+                    _ => Fault::EngineRestart,
+                };
+                faults.push((at, kind));
+            }
+            faults.sort_by_key(|f| f.0);
+        }
+        let now = Instant(1_000_000);
+        let sectors = (cfg.export_bytes / SECTOR_SIZE as u64) as usize;
+        World {
             cfg,
             rng,
-            now: Instant(1_000_000),
+            now,
             net,
             init_macs,
             target_macs,
-            connectors: (0..cfg.paths).map(|_| None).collect(),
+            reconnector: Reconnector::new((0..cfg.paths).collect(), reconnect_policy(), now),
+            connectors: BTreeMap::new(),
+            chan_path: HashMap::new(),
             volume: None,
             export_size: 0,
             app: BTreeMap::new(),
@@ -240,22 +351,29 @@ impl World {
             issued: 0,
             depth,
             model: Model::new(cfg.export_bytes),
-            acceptor,
+            recovering: false,
+            unflushed_handed_on: false,
+            target: TargetState::Up,
+            acceptor: new_acceptor(&cfg),
             sessions: BTreeMap::new(),
+            target_path: HashMap::new(),
             storage: vec![0; cfg.export_bytes as usize],
+            durable: vec![0; cfg.export_bytes as usize],
+            dirty: Vec::new(),
+            is_dirty: vec![false; sectors],
             damq_mem: HashMap::new(),
             io: BinaryHeap::new(),
             io_order: 0,
             fail_at_issue,
+            faults,
             report: SeedReport { seed, ..SeedReport::default() },
             buf: vec![0; 9216],
-        };
-        w.connect(0, 0);
-        w
+        }
     }
 
-    /// Starts the handshake of channel `k` (session 0: a new session).
-    fn connect(&mut self, k: usize, session: u64) {
+    /// Starts the connector the reconnection policy asks for.
+    fn connect(&mut self, plan: ConnectPlan) {
+        let k = self.reconnector.link(plan.slot);
         // The segment size follows each path's MTU: paths differ, so channels differ.
         let mtu = if self.rng.chance(0.5) { 1500 } else { 3000 };
         let segment = segment_size_for(mtu, 3840).expect("MTU fits a segment") as u16;
@@ -271,11 +389,13 @@ impl World {
             dst: self.target_macs[k],
             src: self.init_macs[k],
             ethertype: DEFAULT_ETHERTYPE,
-            channel: k as u16,
-            session,
+            channel: plan.channel,
+            session: plan.session,
         };
         let nonce = self.rng.next_u64();
-        self.connectors[k] = Some(Connector::new(env, "sim", want, nonce, Duration::from_millis(5), 100, self.now));
+        let c = Connector::new(env, "sim", want, nonce, Duration::from_millis(5), 100, self.now);
+        self.chan_path.insert(plan.channel, k);
+        self.connectors.insert(plan.channel, (plan.slot, c));
     }
 
     fn run(&mut self) {
@@ -286,6 +406,7 @@ impl World {
             self.timers();
             self.app_step();
             self.transmit();
+            self.target_lifecycle();
             let finished = self.issued == self.cfg.requests && self.app.is_empty();
             if finished && self.net.is_idle() && self.io.is_empty() {
                 break;
@@ -322,6 +443,8 @@ impl World {
         self.report.lost = ns.lost;
         self.report.virtual_nanos = self.now.as_nanos();
         if let Some(v) = &self.volume {
+            self.report.resumes += v.resumes();
+            self.report.durability_errors += v.durability_errors();
             for i in v.channel_indices() {
                 self.report.retransmits += v.channel(i).map_or(0, |c| c.stats().retransmits);
             }
@@ -346,8 +469,12 @@ impl World {
         for s in self.sessions.values() {
             consider(s.poll_timeout());
         }
-        for c in self.connectors.iter().flatten() {
+        for (_, c) in self.connectors.values() {
             consider(c.poll_timeout());
+        }
+        consider(self.reconnector.poll_timeout());
+        if let TargetState::Down { until } = self.target {
+            consider(Some(until));
         }
         t
     }
@@ -356,43 +483,20 @@ impl World {
         while let Some(Delivery { path, dir, frame }) = self.net.pop_due(self.now) {
             match dir {
                 Dir::ToTarget => self.target_rx(path, &frame),
-                Dir::ToInitiator => self.initiator_rx(path, &frame),
+                Dir::ToInitiator => self.initiator_rx(&frame),
             }
             self.net.recycle(frame);
         }
     }
 
-    fn initiator_rx(&mut self, k: usize, bytes: &[u8]) {
-        if let Some(c) = self.connectors[k].as_mut() {
-            let Ok(frame) = Frame::new_checked(bytes, DEFAULT_ETHERTYPE) else { return };
+    fn initiator_rx(&mut self, bytes: &[u8]) {
+        let Ok(frame) = Frame::new_checked(bytes, DEFAULT_ETHERTYPE) else { return };
+        if matches!(frame.kind(), Kind::Accept | Kind::Reject | Kind::Challenge) {
+            let ch = frame.channel();
+            let Some((_, c)) = self.connectors.get_mut(&ch) else { return };
             let Ok(msg) = frame.parse() else { return };
-            match c.handle(frame.src(), frame.session(), &msg) {
-                Some(Ok(connected)) => {
-                    let ch = c.channel(&connected, initiator_timers(), self.now);
-                    self.connectors[k] = None;
-                    if self.volume.is_none() {
-                        self.export_size = connected.export_size;
-                        let cfg = VolumeConfig {
-                            export_size: connected.export_size,
-                            read_only: false,
-                            no_path_timeout: Duration::from_millis(50),
-                            max_requests: 64,
-                        };
-                        self.volume = Some(Volume::new(
-                            cfg,
-                            connected.session,
-                            DEFAULT_ETHERTYPE,
-                            Box::<LeastBytes>::default(),
-                            self.now,
-                        ));
-                        for j in 1..self.cfg.paths {
-                            self.connect(j, connected.session);
-                        }
-                    }
-                    self.volume.as_mut().expect("created").add_channel(ch, None, self.now);
-                }
-                Some(Err(e)) => panic!("seed {}: channel {k} could not connect: {e:?}", self.report.seed),
-                None => {}
+            if let Some(outcome) = c.handle(frame.src(), frame.session(), &msg) {
+                self.connector_done(ch, outcome);
             }
             return;
         }
@@ -403,9 +507,99 @@ impl World {
         }
     }
 
+    fn connector_done(&mut self, ch: u16, outcome: Result<Connected, ConnectError>) {
+        let Some((slot, connector)) = self.connectors.remove(&ch) else { return };
+        let now = self.now;
+        let seed = self.report.seed;
+        match outcome {
+            Ok(connected) => {
+                let channel = connector.channel(&connected, initiator_timers(), now);
+                match self.reconnector.connected(slot, ch, connected.session, now) {
+                    Opened::First => {
+                        if self.volume.is_none() {
+                            self.export_size = connected.export_size;
+                            let cfg = VolumeConfig {
+                                export_size: connected.export_size,
+                                read_only: false,
+                                no_path_timeout: if self.cfg.restarts {
+                                    RESTART_NO_PATH
+                                } else {
+                                    Duration::from_millis(50)
+                                },
+                                max_requests: 64,
+                            };
+                            let v = Volume::new(
+                                cfg,
+                                connected.session,
+                                DEFAULT_ETHERTYPE,
+                                Box::<LeastBytes>::default(),
+                                now,
+                            );
+                            self.volume = Some(v);
+                        }
+                        self.volume.as_mut().expect("created").add_channel(channel, None, now);
+                        if std::mem::take(&mut self.recovering) {
+                            // The new engine takes the application's requests over.
+                            let vol = self.volume.as_mut().expect("created");
+                            if std::mem::take(&mut self.unflushed_handed_on) {
+                                vol.assume_writes_lost();
+                            }
+                            for (&id, r) in &self.app {
+                                let io = IoRequest {
+                                    id,
+                                    op: r.op,
+                                    fua: r.fua,
+                                    offset: r.offset,
+                                    length: r.length,
+                                    node: None,
+                                };
+                                vol.submit(now, io).unwrap_or_else(|e| panic!("seed {seed}: resubmit {id}: {e:?}"));
+                            }
+                        }
+                    }
+                    Opened::Resumed => {
+                        assert_eq!(connected.export_size, self.export_size, "seed {seed}: the export changed size");
+                        let vol = self.volume.as_mut().expect("a volume resumes");
+                        vol.resume(connected.session, now);
+                        vol.add_channel(channel, None, now);
+                    }
+                    Opened::Joined => self.volume.as_mut().expect("joined a volume").add_channel(channel, None, now),
+                    Opened::Stale | Opened::Probe => self.disconnect(channel),
+                }
+            }
+            Err(ConnectError::Rejected(
+                r @ (tyche_wire::RejectReason::UnknownExport | tyche_wire::RejectReason::AuthRequired),
+            )) => {
+                panic!("seed {seed}: channel {ch} refused: {r:?}")
+            }
+            Err(e) => {
+                // On SessionLost the connectors of the old session still running are stale:
+                // the policy ignores their outcome.
+                let _: Failed = self.reconnector.failed(slot, ch, e, now);
+            }
+        }
+    }
+
+    /// Sends DISCONNECT on a channel opened by a connector whose outcome is not used.
+    fn disconnect(&mut self, mut channel: tyche_channel::Channel) {
+        channel.close(DisconnectReason::Normal);
+        let mut buf = std::mem::take(&mut self.buf);
+        if let Some(t) = channel.poll_transmit(self.now, &mut buf) {
+            let k = self.chan_path[&channel.envelope().channel];
+            self.send(k, Dir::ToTarget, &buf[..t.len]);
+        }
+        self.buf = buf;
+    }
+
     fn target_rx(&mut self, k: usize, bytes: &[u8]) {
+        if self.target != TargetState::Up && !matches!(self.target, TargetState::Draining) {
+            return; // not running
+        }
         let Ok(frame) = Frame::new_checked(bytes, DEFAULT_ETHERTYPE) else { return };
         if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
+            if self.target != TargetState::Up {
+                return; // stopping: no new channels
+            }
             let Ok(msg) = frame.parse() else { return };
             let env = Envelope::of(&frame);
             let rng = &mut self.rng;
@@ -415,6 +609,7 @@ impl World {
                 Some(Accepted::Reply(len)) => self.send(k, Dir::ToInitiator, &out[..len]),
                 Some(Accepted::Channel { session, channel, len, .. }) => {
                     let geometry = ExportGeometry { size: self.cfg.export_bytes, read_only: false, discard: true };
+                    self.target_path.insert((session, channel.envelope().channel), k);
                     self.sessions
                         .entry(session)
                         .or_insert_with(|| TargetSession::new(session, DEFAULT_ETHERTYPE, geometry))
@@ -434,9 +629,14 @@ impl World {
     }
 
     fn collect_target_events(&mut self) {
+        let draining = self.target == TargetState::Draining;
         for (&sid, s) in self.sessions.iter_mut() {
             while let Some(ev) = s.poll_event() {
                 match ev {
+                    TargetEvent::Execute { channel, request, .. } if draining => {
+                        // Stopping: what has not started is given up, not executed.
+                        assert!(s.complete(channel, &request, Status::Aborted), "aborting a request handed out");
+                    }
                     TargetEvent::Execute { channel, request, .. } => {
                         let slow = self.rng.chance(0.01);
                         let latency =
@@ -457,6 +657,26 @@ impl World {
         }
     }
 
+    fn mark_dirty(&mut self, start: usize, len: usize) {
+        let sector = SECTOR_SIZE as usize;
+        for s in start / sector..(start + len) / sector {
+            if !self.is_dirty[s] {
+                self.is_dirty[s] = true;
+                self.dirty.push(s as u32);
+            }
+        }
+    }
+
+    /// Storage writes back every dirty sector (FLUSH, or a graceful stop).
+    fn flush_storage(&mut self) {
+        let sector = SECTOR_SIZE as usize;
+        for s in std::mem::take(&mut self.dirty) {
+            let at = s as usize * sector;
+            self.durable[at..at + sector].copy_from_slice(&self.storage[at..at + sector]);
+            self.is_dirty[s as usize] = false;
+        }
+    }
+
     fn storage_done(&mut self) {
         while self.io.peek().is_some_and(|o| o.0.at <= self.now) {
             let std::cmp::Reverse(op) = self.io.pop().expect("peeked");
@@ -470,13 +690,20 @@ impl World {
                     Op::Write => {
                         let mem = self.damq_mem.get(&key).expect("write data placed");
                         self.storage[start..start + len].copy_from_slice(&mem[..len]);
+                        if r.fua {
+                            self.durable[start..start + len].copy_from_slice(&mem[..len]);
+                        }
+                        self.mark_dirty(start, len);
                     }
                     Op::Read => {
                         let mem = self.damq_mem.entry(key).or_insert_with(|| vec![0; MAX_IO as usize]);
                         mem[..len].copy_from_slice(&self.storage[start..start + len]);
                     }
-                    Op::Discard | Op::WriteZeroes => self.storage[start..start + len].fill(0),
-                    Op::Flush => {}
+                    Op::Discard | Op::WriteZeroes => {
+                        self.storage[start..start + len].fill(0);
+                        self.mark_dirty(start, len);
+                    }
+                    Op::Flush => self.flush_storage(),
                 }
                 Status::Ok
             };
@@ -485,6 +712,50 @@ impl World {
             }
             self.collect_target_events();
         }
+    }
+
+    /// The target's own life: a stop that has drained exits, a stopped target starts again,
+    /// sessions with every channel dead and nothing executing are reclaimed.
+    fn target_lifecycle(&mut self) {
+        match self.target {
+            TargetState::Draining if self.io.is_empty() => {
+                self.flush_storage();
+                for s in self.sessions.values_mut() {
+                    s.close(DisconnectReason::Shutdown);
+                }
+                self.transmit(); // the DISCONNECTs
+                self.stop_target();
+            }
+            TargetState::Down { until } if self.now >= until => {
+                self.target = TargetState::Up;
+                self.acceptor = new_acceptor(&self.cfg);
+            }
+            _ => {}
+        }
+        let reclaim: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(&sid, s)| s.all_dead() && !self.io.iter().any(|o| o.0.session == sid))
+            .map(|(&sid, _)| sid)
+            .collect();
+        for sid in reclaim {
+            self.sessions.remove(&sid);
+            self.acceptor.forget_session(sid);
+            self.damq_mem.retain(|k, _| k.0 != sid);
+            self.target_path.retain(|k, _| k.0 != sid);
+            self.report.reclaimed += 1;
+        }
+    }
+
+    /// The target process is gone (until it starts again).
+    fn stop_target(&mut self) {
+        self.sessions.clear();
+        self.damq_mem.clear();
+        self.target_path.clear();
+        self.io.clear();
+        let down = Duration::from_millis(self.rng.range(50, 1500));
+        self.target = TargetState::Down { until: self.now + down };
+        self.report.target_restarts += 1;
     }
 
     fn timers(&mut self) {
@@ -500,19 +771,19 @@ impl World {
             }
         }
         self.collect_target_events();
-        for (k, slot) in self.connectors.iter_mut().enumerate() {
-            let Some(c) = slot else { continue };
+        let mut failed = Vec::new();
+        for (&ch, (_, c)) in self.connectors.iter_mut() {
             c.handle_timeout(now);
             if let Some(Err(e)) = c.outcome() {
                 assert_eq!(e, ConnectError::Timeout, "seed {}", self.report.seed);
-                // A path that failed before its channel opened: the volume runs on the others.
-                assert!(
-                    k > 0 && self.net.is_failed(k),
-                    "seed {}: channel {k} could not connect on a working path",
-                    self.report.seed
-                );
-                *slot = None;
+                failed.push((ch, e));
             }
+        }
+        for (ch, e) in failed {
+            self.connector_done(ch, Err(e));
+        }
+        while let Some(plan) = self.reconnector.poll_connect(now) {
+            self.connect(plan);
         }
     }
 
@@ -525,16 +796,18 @@ impl World {
     fn transmit(&mut self) {
         let now = self.now;
         let mut buf = std::mem::take(&mut self.buf);
-        for k in 0..self.cfg.paths {
-            if let Some(c) = self.connectors[k].as_mut() {
-                if let Some(len) = c.poll_transmit(now, &mut buf) {
-                    self.send(k, Dir::ToTarget, &buf[..len]);
-                }
+        let pending: Vec<u16> = self.connectors.keys().copied().collect();
+        for ch in pending {
+            let (_, c) = self.connectors.get_mut(&ch).expect("listed");
+            if let Some(len) = c.poll_transmit(now, &mut buf) {
+                let k = self.chan_path[&ch];
+                self.send(k, Dir::ToTarget, &buf[..len]);
             }
         }
         if let Some(vol) = self.volume.as_mut() {
             let indices: Vec<u16> = vol.channel_indices().collect();
             for ch in indices {
+                let k = self.chan_path[&ch];
                 while let Some(out) = vol.poll_transmit(now, ch, &mut buf) {
                     if let Some((id, offset, len)) = out.payload {
                         let r = &self.app[&id];
@@ -543,7 +816,7 @@ impl World {
                     }
                     let mut b = self.net.buffer(out.len);
                     b.copy_from_slice(&buf[..out.len]);
-                    self.net.send(now, ch as usize, Dir::ToTarget, b);
+                    self.net.send(now, k, Dir::ToTarget, b);
                 }
             }
         }
@@ -552,6 +825,7 @@ impl World {
             let s = self.sessions.get_mut(&sid).expect("listed");
             let indices: Vec<u16> = s.channel_indices().collect();
             for ch in indices {
+                let k = self.target_path[&(sid, ch)];
                 let s = self.sessions.get_mut(&sid).expect("listed");
                 while let Some(t) = s.poll_transmit(now, ch, &mut buf) {
                     if let Some(p) = t.payload {
@@ -561,7 +835,7 @@ impl World {
                     }
                     let mut b = self.net.buffer(t.len);
                     b.copy_from_slice(&buf[..t.len]);
-                    self.net.send(now, ch as usize, Dir::ToInitiator, b);
+                    self.net.send(now, k, Dir::ToInitiator, b);
                 }
             }
         }
@@ -569,34 +843,63 @@ impl World {
         self.collect_target_events();
     }
 
-    fn app_step(&mut self) {
-        let Some(vol) = self.volume.as_mut() else { return };
-        while let Some(ev) = vol.poll_event() {
-            match ev {
-                VolumeEvent::Completed { id, result } => {
-                    let r = self.app.remove(&id).expect("completion of an outstanding request");
-                    match (r.op, result) {
-                        (Op::Read, Ok(())) => {
-                            let bad = self.model.mismatches(r.offset, &r.buf);
-                            if bad > 0 {
-                                eprintln!(
-                                    "seed {}: read {id} at {}+{}: {bad} sectors differ",
-                                    self.report.seed, r.offset, r.length
-                                );
-                                self.report.mismatches += 1;
-                            }
-                        }
-                        (Op::Write, Ok(())) => self.model.written(r.offset, r.length, r.version),
-                        (Op::Discard | Op::WriteZeroes, Ok(())) => self.model.written(r.offset, r.length, 0),
-                        (op, Err(_)) if op.modifies() => self.model.unknown(r.offset, r.length),
-                        _ => {}
+    fn inject(&mut self, fault: Fault) {
+        let now = self.now;
+        match fault {
+            Fault::TargetCrash if self.target == TargetState::Up => {
+                // Unflushed data may or may not have reached the medium, sector by sector.
+                let sector = SECTOR_SIZE as usize;
+                for s in std::mem::take(&mut self.dirty) {
+                    let at = s as usize * sector;
+                    if self.rng.chance(0.5) {
+                        self.durable[at..at + sector].copy_from_slice(&self.storage[at..at + sector]);
+                    } else {
+                        self.storage[at..at + sector].copy_from_slice(&self.durable[at..at + sector]);
                     }
-                    match result {
-                        Ok(()) => self.report.completed += 1,
-                        Err(IoError::Target(_) | IoError::NoPath) => self.report.failed += 1,
-                    }
+                    self.is_dirty[s as usize] = false;
                 }
-                VolumeEvent::ChannelDead { .. } => self.report.dead_channels += 1,
+                self.model.crash();
+                self.stop_target();
+            }
+            Fault::TargetStop if self.target == TargetState::Up => self.target = TargetState::Draining,
+            Fault::TargetCrash | Fault::TargetStop => {}
+            Fault::Partition => {
+                self.report.partitions += 1;
+                self.net.partition(now + Duration::from_millis(self.rng.range(800, 2500)));
+            }
+            Fault::EngineRestart => {
+                // The engine's state is gone; what it had in the network may still arrive. The
+                // new engine must not create a session before the target has forgotten the old
+                // one (the session id is kept where the engine's restart can find it).
+                self.report.engine_restarts += 1;
+                // What the old engine last sent sits in a queue on the way and arrives late,
+                // when the new engine may already be writing.
+                let late = Duration::from_millis(self.rng.range(1, 400));
+                self.net.delay_in_flight(Dir::ToTarget, late);
+                let previous = self.volume.take().map_or(0, |v| {
+                    self.report.resumes += v.resumes();
+                    self.report.durability_errors += v.durability_errors();
+                    self.unflushed_handed_on = v.unflushed_writes();
+                    v.session()
+                });
+                self.connectors.clear();
+                self.recovering = true;
+                self.reconnector =
+                    Reconnector::new((0..self.cfg.paths).collect(), reconnect_policy(), now).fenced(previous);
+            }
+        }
+    }
+
+    fn app_step(&mut self) {
+        let now = self.now;
+        while let Some(ev) = self.volume.as_mut().and_then(Volume::poll_event) {
+            match ev {
+                VolumeEvent::Completed { id, result } => self.app_done(id, result),
+                VolumeEvent::ChannelDead { channel, reason, .. } => {
+                    self.report.dead_channels += 1;
+                    self.reconnector.channel_dead(channel, reason, now);
+                }
+                VolumeEvent::ChannelAborted { .. } => {}
             }
         }
         if self.fail_at_issue == Some(self.issued) {
@@ -610,11 +913,21 @@ impl World {
             };
             self.net.fail(path, how);
         }
+        while self.volume.is_some() && self.faults.first().is_some_and(|f| f.0 <= self.issued) {
+            let (_, fault) = self.faults.remove(0);
+            self.inject(fault);
+        }
+        if self.volume.is_none() {
+            return;
+        }
         while self.issued < self.cfg.requests && self.app.len() < self.depth {
-            let Some(req) = self.generate() else { break };
+            let Some(mut req) = self.generate() else { break };
             let vol = self.volume.as_mut().expect("checked");
             match vol.submit(self.now, req.0) {
                 Ok(()) => {
+                    if req.0.op == Op::Flush {
+                        req.1.cover = Some(self.model.flush_started());
+                    }
                     self.app.insert(req.0.id, req.1);
                     self.issued += 1;
                     self.next_id += 1;
@@ -622,6 +935,52 @@ impl World {
                 Err(tyche_channel::SubmitError::Busy) => break,
                 Err(e) => panic!("seed {}: generated an invalid request {:?}: {e:?}", self.report.seed, req.0),
             }
+        }
+    }
+
+    fn app_done(&mut self, id: u64, result: Result<(), IoError>) {
+        let r = self.app.remove(&id).expect("completion of an outstanding request");
+        // Acknowledged across a crash of the target: it may have executed before the crash and
+        // been lost with what was not flushed (its completion still reached the initiator).
+        let crossed = r.epoch != self.model.epoch();
+        match (r.op, result) {
+            (op, Ok(())) if crossed && op.modifies() && !(op == Op::Write && r.fua) => {
+                self.model.unknown(r.offset, r.length)
+            }
+            (Op::Read, Ok(())) => {
+                let bad = self.model.mismatches(r.offset, &r.buf);
+                if bad > 0 {
+                    eprintln!(
+                        "seed {}: read {id} at {}+{}: {bad} sectors differ",
+                        self.report.seed, r.offset, r.length
+                    );
+                    self.report.mismatches += 1;
+                }
+            }
+            (Op::Write, Ok(())) if r.fua => self.model.written_durable(r.offset, r.length, r.version),
+            (Op::Write, Ok(())) => self.model.written(r.offset, r.length, r.version),
+            (Op::Discard | Op::WriteZeroes, Ok(())) => self.model.written(r.offset, r.length, 0),
+            (Op::Flush, Ok(())) => self.flush_done(id, r.cover.expect("a FLUSH has its cover")),
+            (Op::Flush, Err(_)) => self.model.flush_failed(),
+            (op, Err(_)) if op.modifies() => self.model.unknown(r.offset, r.length),
+            _ => {}
+        }
+        match result {
+            Ok(()) => self.report.completed += 1,
+            Err(e) => {
+                self.report.failed += 1;
+                if self.cfg.restarts && e != IoError::Target(Status::IoError) {
+                    eprintln!("seed {}: request {id} ({:?}) failed: {e:?}", self.report.seed, r.op);
+                    self.report.surfaced += 1;
+                }
+            }
+        }
+    }
+
+    fn flush_done(&mut self, id: u64, cover: FlushCover) {
+        if !self.model.flush_done(cover) {
+            eprintln!("seed {}: FLUSH {id} succeeded although a crash lost unflushed writes", self.report.seed);
+            self.report.mismatches += 1;
         }
     }
 
@@ -662,7 +1021,8 @@ impl World {
             }
             let fua = op == Op::Write && self.rng.chance(0.1);
             let io = IoRequest { id, op, fua, offset, length, node: None };
-            return Some((io, AppRequest { op, offset, length, buf, version: id }));
+            let epoch = self.model.epoch();
+            return Some((io, AppRequest { op, fua, offset, length, buf, version: id, cover: None, epoch }));
         }
         None
     }
@@ -691,6 +1051,18 @@ pub struct Totals {
     pub dead_channels: u64,
     /// Seeds that failed.
     pub failed_seeds: u64,
+    /// Errors surfaced although the target was back in time ([`SeedReport::surfaced`]).
+    pub surfaced: u64,
+    /// Target restarts.
+    pub target_restarts: u64,
+    /// Partitions.
+    pub partitions: u64,
+    /// Engine restarts.
+    pub engine_restarts: u64,
+    /// Sessions the initiator moved to.
+    pub resumes: u64,
+    /// FLUSHes failed because a crash may have lost unflushed writes.
+    pub durability_errors: u64,
 }
 
 impl Totals {
@@ -706,6 +1078,12 @@ impl Totals {
         self.duplicates_suppressed += r.duplicates_suppressed;
         self.dead_channels += r.dead_channels;
         self.failed_seeds += u64::from(!r.ok());
+        self.surfaced += r.surfaced;
+        self.target_restarts += r.target_restarts;
+        self.partitions += r.partitions;
+        self.engine_restarts += r.engine_restarts;
+        self.resumes += r.resumes;
+        self.durability_errors += r.durability_errors;
     }
 }
 
@@ -725,6 +1103,31 @@ mod tests {
         let cfg =
             SimConfig { loss: 0.05, reorder: 0.1, dup: 0.01, fail_path: true, requests: 80, ..SimConfig::default() };
         assert_eq!(run_seed(&cfg, 7), run_seed(&cfg, 7));
+    }
+
+    #[test]
+    fn restarts_partitions_and_engine_restarts_stay_correct_and_surface_nothing() {
+        let cfg = SimConfig {
+            loss: 0.05,
+            reorder: 0.1,
+            dup: 0.01,
+            fail_path: true,
+            restarts: true,
+            requests: 120,
+            ..SimConfig::default()
+        };
+        let mut seen = SeedReport::default();
+        for seed in 0..12 {
+            let r = run_seed(&cfg, seed);
+            assert!(r.ok(), "seed {seed}: {r:?}");
+            assert_eq!(r.completed + r.failed, 120, "seed {seed}: {r:?}");
+            seen.target_restarts += r.target_restarts;
+            seen.partitions += r.partitions;
+            seen.engine_restarts += r.engine_restarts;
+            seen.resumes += r.resumes;
+        }
+        assert!(seen.target_restarts > 0 && seen.partitions > 0 && seen.engine_restarts > 0, "{seen:?}");
+        assert!(seen.resumes > 0, "no session was resumed: {seen:?}");
     }
 
     #[test]

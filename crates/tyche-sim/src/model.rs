@@ -13,10 +13,31 @@ enum Expect {
     Unknown,
 }
 
-/// Expected content of every sector, updated as modifications are acknowledged.
+/// Expected content of every sector, updated as modifications are acknowledged, and what of
+/// it must survive a crash of the target.
 #[derive(Debug)]
 pub struct Model {
     sectors: Vec<Expect>,
+    /// What a crash of the target must leave: acknowledged before a FLUSH that completed (or
+    /// written with FUA). A sector whose content differs from it may hold anything after a
+    /// crash (storage may or may not have kept unflushed data).
+    durable: Vec<Expect>,
+    /// Sectors whose expected content may differ from `durable` (each listed once).
+    dirty: Vec<u32>,
+    is_dirty: Vec<bool>,
+    /// Crashes of the target so far: a FLUSH started before one covers nothing after it.
+    epoch: u64,
+    /// A crash lost (or may have lost) acknowledged writes no FLUSH covered: the next FLUSH
+    /// must fail, not succeed as if they were durable.
+    owed: bool,
+}
+
+/// What a FLUSH covers: the acknowledged content, when it was submitted, of every sector not
+/// yet durable ([`Model::flush_started`]).
+#[derive(Debug, Clone)]
+pub struct FlushCover {
+    epoch: u64,
+    sectors: Vec<(u32, Expect)>,
 }
 
 /// The 8-byte words of sector `sector` as written by write `version` (0: zeroes).
@@ -47,7 +68,24 @@ fn matches(buf: &[u8], version: u64, sector: u64) -> bool {
 impl Model {
     /// A model of an export of `bytes` bytes, all zeroes.
     pub fn new(bytes: u64) -> Self {
-        Model { sectors: vec![Expect::Version(0); (bytes / SECTOR_SIZE as u64) as usize] }
+        let n = (bytes / SECTOR_SIZE as u64) as usize;
+        Model {
+            sectors: vec![Expect::Version(0); n],
+            durable: vec![Expect::Version(0); n],
+            dirty: Vec::new(),
+            is_dirty: vec![false; n],
+            epoch: 0,
+            owed: false,
+        }
+    }
+
+    fn mark_dirty(&mut self, range: std::ops::Range<usize>) {
+        for s in range {
+            if !self.is_dirty[s] {
+                self.is_dirty[s] = true;
+                self.dirty.push(s as u32);
+            }
+        }
     }
 
     fn range(offset: u64, length: u64) -> std::ops::Range<usize> {
@@ -56,13 +94,81 @@ impl Model {
 
     /// An acknowledged write of `version` (0 for zeroes: DISCARD, WRITE_ZEROES).
     pub fn written(&mut self, offset: u64, length: u64, version: u64) {
-        self.sectors[Self::range(offset, length)].fill(Expect::Version(version));
+        let r = Self::range(offset, length);
+        self.sectors[r.clone()].fill(Expect::Version(version));
+        self.mark_dirty(r);
+    }
+
+    /// An acknowledged write with FUA: durable at once.
+    pub fn written_durable(&mut self, offset: u64, length: u64, version: u64) {
+        let r = Self::range(offset, length);
+        self.sectors[r.clone()].fill(Expect::Version(version));
+        self.durable[r].fill(Expect::Version(version));
     }
 
     /// A modification that failed or was never acknowledged: its sectors are unknown until the
     /// next acknowledged write.
     pub fn unknown(&mut self, offset: u64, length: u64) {
-        self.sectors[Self::range(offset, length)].fill(Expect::Unknown);
+        let r = Self::range(offset, length);
+        self.sectors[r.clone()].fill(Expect::Unknown);
+        self.mark_dirty(r);
+    }
+
+    /// Crashes of the target so far.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// A FLUSH is submitted: it will make durable what is acknowledged now.
+    pub fn flush_started(&self) -> FlushCover {
+        let sectors = self.dirty.iter().map(|&s| (s, self.sectors[s as usize])).collect();
+        FlushCover { epoch: self.epoch, sectors }
+    }
+
+    /// A FLUSH completed successfully. Returns `false` if it must not have: a crash lost
+    /// acknowledged writes since, and no FLUSH has failed to say so.
+    pub fn flush_done(&mut self, cover: FlushCover) -> bool {
+        if cover.epoch != self.epoch {
+            // Submitted before a crash: had it run after the crash it would have had to fail,
+            // so it ran before it, and covered only what the crash may have taken anyway.
+            return true;
+        }
+        if self.owed {
+            return false;
+        }
+        for (s, e) in cover.sectors {
+            self.durable[s as usize] = e;
+        }
+        let (sectors, durable, is_dirty) = (&self.sectors, &self.durable, &mut self.is_dirty);
+        self.dirty.retain(|&s| {
+            let keep = sectors[s as usize] != durable[s as usize];
+            is_dirty[s as usize] = keep;
+            keep
+        });
+        true
+    }
+
+    /// A FLUSH failed: whatever a crash lost has been reported.
+    pub fn flush_failed(&mut self) {
+        self.owed = false;
+    }
+
+    /// The target crashed: every sector modified since a FLUSH last covered it may hold
+    /// anything until it is written again (even one whose content now equals what was
+    /// flushed: a modification in between may have reached the medium).
+    pub fn crash(&mut self) {
+        self.epoch += 1;
+        let (sectors, durable) = (&self.sectors, &self.durable);
+        self.owed |= self.dirty.iter().any(|&s| {
+            let s = s as usize;
+            matches!(sectors[s], Expect::Version(_)) && sectors[s] != durable[s]
+        });
+        for s in std::mem::take(&mut self.dirty) {
+            let s = s as usize;
+            self.is_dirty[s] = false;
+            self.sectors[s] = Expect::Unknown;
+            self.durable[s] = Expect::Unknown;
+        }
     }
 
     /// Number of sectors in `buf` (read at `offset`) that differ from the model.
@@ -100,5 +206,43 @@ mod tests {
         assert_eq!(m.mismatches(0, &disk), 1);
         m.unknown(2048, 512);
         assert_eq!(m.mismatches(0, &disk), 0);
+    }
+
+    #[test]
+    fn a_crash_keeps_only_what_a_flush_covered() {
+        let mut m = Model::new(8 * 512);
+        let mut disk = vec![0u8; 8 * 512];
+        fill(&mut disk[..1024], 3, 0);
+        m.written(0, 1024, 3);
+        let cover = m.flush_started();
+        fill(&mut disk[1024..1536], 4, 2);
+        m.written(1024, 512, 4); // after the FLUSH was submitted: not covered
+        assert!(m.flush_done(cover));
+        fill(&mut disk[1536..2048], 5, 3);
+        m.written_durable(1536, 512, 5);
+        m.crash();
+        // Sector 2 (write 4) may hold anything now; the others must be as written.
+        disk[1024..1536].fill(0xAB);
+        assert_eq!(m.mismatches(0, &disk), 0);
+        disk[0] ^= 1;
+        assert_eq!(m.mismatches(0, &disk), 1, "a flushed sector changed by the crash");
+        disk[0] ^= 1;
+        disk[1536] ^= 1;
+        assert_eq!(m.mismatches(0, &disk), 1, "a FUA sector changed by the crash");
+    }
+
+    #[test]
+    fn a_flush_from_before_a_crash_covers_nothing() {
+        let mut m = Model::new(4 * 512);
+        m.written(0, 512, 3);
+        let cover = m.flush_started();
+        m.crash();
+        assert!(m.flush_done(cover), "ran before the crash");
+        m.crash();
+        assert_eq!(m.mismatches(0, &[0xCD; 512]), 0, "write 3 was never made durable");
+        // Write 3 may be lost: the next FLUSH must fail.
+        assert!(!m.flush_done(m.flush_started()), "a FLUSH succeeded after a crash lost a write");
+        m.flush_failed();
+        assert!(m.flush_done(m.flush_started()));
     }
 }

@@ -109,6 +109,8 @@ pub struct Network {
     order: u64,
     free_at: Vec<[Instant; 2]>,
     failed: Vec<Option<Failure>>,
+    /// Every path loses every frame, both ways, until then.
+    partitioned_until: Instant,
     pool: Vec<Vec<u8>>,
     stats: NetStats,
 }
@@ -123,6 +125,7 @@ impl Network {
             order: 0,
             free_at: vec![[Instant::ZERO; 2]; paths],
             failed: vec![None; paths],
+            partitioned_until: Instant::ZERO,
             pool: Vec::new(),
             stats: NetStats::default(),
         }
@@ -136,6 +139,21 @@ impl Network {
     /// Fails a path from now on.
     pub fn fail(&mut self, path: usize, how: Failure) {
         self.failed[path] = Some(how);
+    }
+
+    /// Cuts every path, both ways, until `until` (a partition between initiator and target).
+    pub fn partition(&mut self, until: Instant) {
+        self.partitioned_until = self.partitioned_until.max(until);
+    }
+
+    /// Delays every frame in flight towards `dir` by `extra` (frames an endpoint sent just
+    /// before it went away, sitting in a queue on the way).
+    pub fn delay_in_flight(&mut self, dir: Dir, extra: Duration) {
+        let mut frames = std::mem::take(&mut self.heap).into_vec();
+        for f in frames.iter_mut().filter(|f| f.dir == dir) {
+            f.at = f.at + extra;
+        }
+        self.heap = frames.into();
     }
 
     /// Whether a path has failed.
@@ -169,6 +187,9 @@ impl Network {
         let tx = Duration::from_nanos(frame.len() as u64 * 1000 / self.cfg.bytes_per_us.max(1));
         let start = now.max(self.free_at[path][d]);
         self.free_at[path][d] = start + tx;
+        if now < self.partitioned_until {
+            return self.lose(frame);
+        }
         match self.failed[path] {
             Some(Failure::Down) => return self.lose(frame),
             Some(Failure::HoldThenRelease { release }) => {

@@ -217,6 +217,8 @@ pub struct Pair {
     pub completed: Vec<(u64, Result<(), IoError>, Instant)>,
     /// Channel deaths seen by the volume: (channel, reissued, time).
     pub volume_dead: Vec<(u16, tyche_channel::DeadReason, usize, Instant)>,
+    /// Channels the volume closed because the target answered ABORTED on them.
+    pub volume_aborted: Vec<(u16, Instant)>,
     /// Channel deaths seen by the target.
     pub target_dead: Vec<(u16, tyche_channel::DeadReason, Instant)>,
     /// Frames dropped by the initiator's channels.
@@ -273,6 +275,7 @@ impl Pair {
             executed: Vec::new(),
             completed: Vec::new(),
             volume_dead: Vec::new(),
+            volume_aborted: Vec::new(),
             target_dead: Vec::new(),
             initiator_drops: Vec::new(),
             target_drops: Vec::new(),
@@ -290,6 +293,28 @@ impl Pair {
         self.volume.add_channel(Channel::new(Role::Initiator, env, params, self.cfg.timers, now), None, now);
         self.target.add_channel(Channel::new(Role::Target, env.reply(), params, self.cfg.target_timers, now));
         // Fresh sequence spaces.
+        self.acked.remove(&(Dir::ToTarget, k));
+        self.acked.remove(&(Dir::ToInitiator, k));
+        self.collect();
+    }
+
+    /// Replaces the target by a fresh process that knows session `session` only (a restart:
+    /// every session and ledger is lost, the export's contents stay). Frames still on the wire
+    /// reach the new target.
+    pub fn restart_target(&mut self, session: u64) {
+        let geometry = ExportGeometry { size: self.cfg.export_size, read_only: self.cfg.read_only, discard: true };
+        self.target = TargetSession::new(session, DEFAULT_ETHERTYPE, geometry);
+        self.damq_mem.clear();
+        self.to_execute.clear();
+        self.acked.clear();
+    }
+
+    /// Opens channel `k` of session `session` on both ends (after [`Volume::resume`]).
+    pub fn open_session_channel(&mut self, k: u16, session: u64) {
+        let env = Envelope { session, ..initiator_env(k) };
+        let (now, params) = (self.now, self.cfg.params);
+        self.volume.add_channel(Channel::new(Role::Initiator, env, params, self.cfg.timers, now), None, now);
+        self.target.add_channel(Channel::new(Role::Target, env.reply(), params, self.cfg.target_timers, now));
         self.acked.remove(&(Dir::ToTarget, k));
         self.acked.remove(&(Dir::ToInitiator, k));
         self.collect();
@@ -320,6 +345,13 @@ impl Pair {
         self.bufs.insert(id, vec![0xEE; len as usize]);
         let req = IoRequest { id, op: Op::Read, fua: false, offset, length: len, node: None };
         self.volume.submit(self.now, req).unwrap_or_else(|e| panic!("read {id} refused: {e:?}"));
+        self.collect();
+    }
+
+    /// Submits a FLUSH as request `id`.
+    pub fn flush(&mut self, id: u64) {
+        let req = IoRequest { id, op: Op::Flush, fua: false, offset: 0, length: 0, node: None };
+        self.volume.submit(self.now, req).unwrap_or_else(|e| panic!("flush {id} refused: {e:?}"));
         self.collect();
     }
 
@@ -470,6 +502,7 @@ impl Pair {
                 VolumeEvent::ChannelDead { channel, reason, reissued } => {
                     self.volume_dead.push((channel, reason, reissued, self.now))
                 }
+                VolumeEvent::ChannelAborted { channel } => self.volume_aborted.push((channel, self.now)),
             }
         }
         while let Some(ev) = self.target.poll_event() {
