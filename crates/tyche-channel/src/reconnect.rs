@@ -125,6 +125,10 @@ pub struct Reconnector {
     /// When the next attempt to create a session may start.
     create_at: Instant,
     next_channel: u16,
+    /// Per slot, the index of its last attempt that opened nothing the volume uses: the next
+    /// attempt on the slot takes it again (a target that granted it replaces that channel),
+    /// so a link that stays down for days does not use up the index space.
+    spare: Vec<Option<u16>>,
     /// Sessions lost (UNKNOWN_SESSION answers that started a new session).
     sessions_lost: u64,
     /// A session of an earlier run that must be gone before a new one is created.
@@ -137,7 +141,8 @@ impl Reconnector {
     pub fn new(links: Vec<usize>, policy: ReconnectPolicy, now: Instant) -> Self {
         assert!(!links.is_empty(), "a volume wants at least one channel");
         let link_count = links.iter().max().map_or(0, |m| m + 1);
-        let slots = vec![SlotState::Waiting { failures: 0, at: now }; links.len()];
+        let slots_len = links.len();
+        let slots = vec![SlotState::Waiting { failures: 0, at: now }; slots_len];
         Reconnector {
             policy,
             links,
@@ -150,6 +155,7 @@ impl Reconnector {
             create_link: 0,
             create_at: now,
             next_channel: 0,
+            spare: vec![None; slots_len],
             sessions_lost: 0,
             fence: None,
         }
@@ -205,7 +211,10 @@ impl Reconnector {
         self.session == 0
     }
 
-    fn alloc_channel(&mut self) -> u16 {
+    fn alloc_channel(&mut self, slot: usize) -> u16 {
+        if let Some(c) = self.spare[slot].take() {
+            return c;
+        }
         let c = self.next_channel;
         self.next_channel = self.next_channel.wrapping_add(1);
         c
@@ -219,7 +228,7 @@ impl Reconnector {
             }
             let link = self.create_link;
             let slot = (0..self.slots.len()).find(|&s| self.links[s] == link).unwrap_or(0);
-            let channel = self.alloc_channel();
+            let channel = self.alloc_channel(slot);
             let failures = self.create_failures;
             let session = self.fence.unwrap_or(0);
             self.slots[slot] = SlotState::Connecting { channel, session, failures };
@@ -229,7 +238,7 @@ impl Reconnector {
         let slot =
             (0..self.slots.len()).find(|&s| matches!(self.slots[s], SlotState::Waiting { at, .. } if at <= now))?;
         let SlotState::Waiting { failures, .. } = self.slots[slot] else { unreachable!("found waiting") };
-        let channel = self.alloc_channel();
+        let channel = self.alloc_channel(slot);
         self.slots[slot] = SlotState::Connecting { channel, session: self.session, failures };
         Some(ConnectPlan { slot, channel, session: self.session, failures })
     }
@@ -257,6 +266,7 @@ impl Reconnector {
         let Some((asked, _)) = self.connecting(slot, channel) else { return Opened::Stale };
         if self.creator == Some(slot) && self.fence.is_some_and(|f| f == asked) {
             // The earlier run's session is still there: ask again after a while.
+            self.spare[slot] = Some(channel);
             self.creator = None;
             self.create_failures += 1;
             self.create_at = now + self.policy.backoff(self.create_failures);
@@ -288,6 +298,7 @@ impl Reconnector {
     /// The connector of channel `channel` on `slot` failed with `error`.
     pub fn failed(&mut self, slot: usize, channel: u16, error: ConnectError, now: Instant) -> Failed {
         let Some((asked, failures)) = self.connecting(slot, channel) else { return Failed::Stale };
+        self.spare[slot] = Some(channel);
         if self.creator == Some(slot)
             && self.fence == Some(asked)
             && error == ConnectError::Rejected(RejectReason::UnknownSession)
@@ -459,10 +470,12 @@ mod tests {
         r.connected(a.slot, a.channel, 5, T0);
         r.channel_dead(a.channel, DeadReason::Timeout, T0);
         let mut now = T0;
+        let mut index = None;
         for i in 0..100u32 {
             now = r.poll_timeout().expect("always another attempt");
             let p = r.poll_connect(now).expect("due");
             assert_eq!(p.failures, i);
+            assert_eq!(*index.get_or_insert(p.channel), p.channel, "failed attempts reuse their index");
             assert_eq!(r.failed(p.slot, p.channel, ConnectError::Timeout, now), Failed::Retry);
         }
         assert_eq!(r.poll_timeout(), Some(now + ms(2000)));
