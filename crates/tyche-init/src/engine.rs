@@ -696,7 +696,7 @@ impl Engine {
                 VolumeEvent::ChannelAborted { channel } => {
                     info!(
                         channel,
-                        "the target aborted a request (it is going away); closing the channel, the request waits"
+                        "the target aborted a request (it is stopping): the request waits for another channel"
                     );
                 }
                 VolumeEvent::ChannelDead { channel, reason, reissued } => {
