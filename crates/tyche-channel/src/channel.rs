@@ -12,6 +12,9 @@ use crate::config::{max_queued, Timers};
 use crate::seq::{diff, Bitmap};
 use crate::time::{earliest, Instant};
 
+/// Copies of DISCONNECT a closing channel sends (it is not sequenced, so not retransmitted).
+pub const DISCONNECT_COPIES: u8 = 3;
+
 /// Which end of the channel this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -316,6 +319,9 @@ pub struct Channel {
     timers: Timers,
     dead: Option<DeadReason>,
     closing: Option<DisconnectReason>,
+    /// Copies of the closing DISCONNECT still to send (it is not retransmitted: a few copies
+    /// make its loss unlikely, and the peer reads a lost SHUTDOWN as a crash).
+    disconnects_left: u8,
 
     // Transmit ring: positions [tx_base, tx_next) are sent and not yet acknowledged.
     tx_base: u32,
@@ -384,6 +390,7 @@ impl Channel {
             timers,
             dead: None,
             closing: None,
+            disconnects_left: 0,
             tx_base: 0,
             tx_next: 0,
             tx: vec![None; ring].into_boxed_slice(),
@@ -583,10 +590,12 @@ impl Channel {
     // ------------------------------------------------------------------------------------------
     // Both sides.
 
-    /// Starts an orderly close: a DISCONNECT is sent and the channel is dead after it.
+    /// Starts an orderly close: a DISCONNECT is sent ([`DISCONNECT_COPIES`] times) and the
+    /// channel is dead after it.
     pub fn close(&mut self, reason: DisconnectReason) {
-        if self.dead.is_none() {
+        if self.dead.is_none() && self.closing.is_none() {
             self.closing = Some(reason);
+            self.disconnects_left = DISCONNECT_COPIES;
         }
     }
 
@@ -1094,7 +1103,10 @@ impl Channel {
         if let Some(reason) = self.closing {
             let len = Message::Disconnect(Disconnect { reason }).emit(&self.env, buf);
             self.stats.frames_tx += 1;
-            self.die(DeadReason::Closed);
+            self.disconnects_left = self.disconnects_left.saturating_sub(1);
+            if self.disconnects_left == 0 {
+                self.die(DeadReason::Closed);
+            }
             return Some(Transmit { len, payload: None });
         }
         if let Some(echo) = self.echo.take() {

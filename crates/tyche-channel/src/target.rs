@@ -268,7 +268,14 @@ impl TargetSession {
     pub fn complete(&mut self, channel: u16, request: &Request, status: Status) -> bool {
         let Some(req) = self.complete_in(channel, request.remq, request.tag, status) else { return false };
         if req.op.modifies() {
-            let waiters = match self.ledger.insert(req.tag, Ledger::Done(status)) {
+            // ABORTED means not executed: the tag is not recorded, so a copy re-issued in this
+            // session runs.
+            let record = if status == Status::Aborted { None } else { Some(Ledger::Done(status)) };
+            let before = match record {
+                Some(done) => self.ledger.insert(req.tag, done),
+                None => self.ledger.remove(&req.tag),
+            };
+            let waiters = match before {
                 Some(Ledger::InProgress(w)) => w,
                 _ => Vec::new(),
             };
