@@ -124,6 +124,18 @@ pub fn guest() -> Result<String> {
         bail!("tyche-init attach --recover exited with {status} after detach:\n{tail}");
     }
     ensure!(!Path::new(&dev).exists(), "{dev} still exists after detach");
+
+    // A device nobody recovers: `detach` deletes it (asked for by number, as a supervisor does).
+    let log3 = work.join("attach-orphan.log");
+    let mut orphan = spawn_attach(root, &lab, &["--dev-id", "5"], &log3)?;
+    let dev3 = wait_started(&mut orphan, &log3, "ublk device started")?;
+    ensure!(dev3 == "/dev/ublkb5", "--dev-id 5 made {dev3}");
+    orphan.kill()?;
+    ensure!(Path::new(&dev3).exists(), "{dev3} went away with its server");
+    let said = run(Command::new(stack::bin(root, "tyche-init")).args(["detach", &dev3]))?;
+    ensure!(said.contains("deleted"), "detach of the orphaned {dev3} said {said:?}");
+    stack::wait_for("the orphaned device to go", Duration::from_secs(10), || Ok(!Path::new(&dev3).exists()))?;
+    println!("ublk: orphaned {dev3} (server killed) deleted by detach");
     Ok(format!("features: {features}; recovery: kill -9 mid-write, {mode}, resumed in {:.1} s", resumed.as_secs_f64()))
 }
 

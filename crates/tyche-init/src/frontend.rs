@@ -118,3 +118,18 @@ pub fn ublk_id(what: &str) -> Option<u32> {
     let name = what.strip_prefix("/dev/").unwrap_or(what);
     name.strip_prefix("ublkb").unwrap_or(name).parse().ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ublk_id;
+
+    #[test]
+    fn ublk_ids_from_paths_names_and_numbers() {
+        assert_eq!(ublk_id("/dev/ublkb3"), Some(3));
+        assert_eq!(ublk_id("ublkb12"), Some(12));
+        assert_eq!(ublk_id("0"), Some(0));
+        assert_eq!(ublk_id("/dev/ublkc3"), None, "the char device is not the block device");
+        assert_eq!(ublk_id("/dev/sda"), None);
+        assert_eq!(ublk_id(""), None);
+    }
+}
