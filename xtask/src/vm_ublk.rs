@@ -6,7 +6,8 @@
 //! a second tree (each file synced), `tyche-init attach` is killed with SIGKILL mid-write, the
 //! device must stay, `tyche-init attach --recover` takes it over, the writer must finish without
 //! an error; unmount, `e2fsck -fn` clean, remount, both trees verified, unmount, detach (the
-//! recovering process must exit 0 and the device go).
+//! recovering process must exit 0 and the device go). Last, a device nobody recovers
+//! (`--dev-id 5`, its server killed) must be deleted by `detach`.
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -15,6 +15,11 @@
 //! copied once more through a per-tag I/O buffer. Zero copy (`UBLK_F_SUPPORT_ZERO_COPY`, 6.15) is
 //! not used: it needs the data to move through io_uring fixed buffers, which the network side
 //! does not do yet.
+//!
+//! Recovery: devices are created with `UBLK_F_USER_RECOVERY` and `UBLK_F_USER_RECOVERY_REISSUE`
+//! where the driver has them, so a killed server leaves the device (and its mounted filesystem)
+//! quiesced, with unanswered requests put back in the queue; [`UblkDevice::recover`] in a new
+//! process takes it over (START_USER_RECOVERY, then END_USER_RECOVERY once the queues are ready).
 
 use std::future::Future;
 use std::os::fd::AsRawFd;
