@@ -186,6 +186,12 @@ impl Daemon {
         }
     }
 
+    /// SIGKILL (`kill -9`), and reaps it.
+    pub fn kill(&mut self) -> Result<std::process::ExitStatus> {
+        self.child.kill().with_context(|| format!("killing {}", self.name))?;
+        Ok(self.child.wait()?)
+    }
+
     /// SIGTERM, then SIGKILL after a grace period.
     pub fn stop(&mut self) {
         if self.child.try_wait().ok().flatten().is_some() {

@@ -136,7 +136,12 @@ fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<()> {
     let part = |t: GuestTest| summaries.iter().find(|(x, _)| *x == t).map(|(_, s)| s.as_str());
     let mut line = Vec::new();
     if let Some(s) = part(GuestTest::Ublk) {
-        line.push(format!("ublk ext4 ok ({s})"));
+        // `features: ...; recovery: ...`
+        let (ext4, recovery) = s.split_once("; recovery: ").map_or((s, None), |(a, b)| (a, Some(b)));
+        line.push(format!("ublk ext4 ok ({ext4})"));
+        if let Some(r) = recovery {
+            line.push(format!("recovery ok ({r})"));
+        }
     }
     if let Some(s) = part(GuestTest::Numa) {
         line.push(format!("numa ok ({s})"));

@@ -2,16 +2,23 @@
 //!
 //! A 2-NIC veth lab in two namespaces, `tyched` with a RAM export on AF_XDP, `tyche-init attach`
 //! creating `/dev/ublkbN`; then mkfs.ext4, mount, a tree of files with known contents, unmount,
-//! `e2fsck -fn` clean, remount and verify, unmount, detach (the attach process must exit 0).
+//! `e2fsck -fn` clean, remount and verify. Then recovery: mounted again, a writer thread writes
+//! a second tree (each file synced), `tyche-init attach` is killed with SIGKILL mid-write, the
+//! device must stay, `tyche-init attach --recover` takes it over, the writer must finish without
+//! an error; unmount, `e2fsck -fn` clean, remount, both trees verified, unmount, detach (the
+//! recovering process must exit 0 and the device go). Last, a device nobody recovers
+//! (`--dev-id 5`, its server killed) must be deleted by `detach`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 
-use crate::disk::{BlockFs, Tree};
+use crate::disk::{run, BlockFs, Tree};
 use crate::lab::Lab;
 use crate::stack::{self, Daemon, Link};
 
@@ -21,33 +28,19 @@ pub fn guest() -> Result<String> {
     let root = Path::new("/");
     let work = PathBuf::from("/tmp/ublk-test");
     fs::create_dir_all(&work)?;
+    // As systemd sets it up on a real host: `ip netns exec` gives tyche-init a mount namespace of
+    // its own, and with shared mounts the copy of a filesystem mounted before it started (the
+    // recovery below) is a slave, which our unmount reaches. With the initramfs's private mounts
+    // the copy would keep ext4 mounted, and its writes would meet the device being detached.
+    run(Command::new("mount").args(["--make-rshared", "/"]))?;
     let lab = Lab::create("vmt", "vmi", 2, 1500)?;
     let stats = work.join("tyched.sock");
     let mut target = stack::start_tyched(root, &lab, Link::Xdp, "vm=ram:256M", &stats, work.join("tyched.log"))?;
 
     let log = work.join("attach.log");
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &lab.initiator_ns]).arg(stack::bin(root, "tyche-init")).arg("attach");
-    for p in &lab.pairs {
-        cmd.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
-    }
-    cmd.args(["--export", "vm", "--queues", "2", "--depth", "32"]).env("TYCHE_LOG", "info");
-    let mut attach = Daemon::spawn("tyche-init attach", &mut cmd, &log)?;
-    let mut dev = String::new();
-    stack::wait_for("/dev/ublkbN", Duration::from_secs(60), || {
-        attach.check_alive(&log)?;
-        let text = fs::read_to_string(&log).unwrap_or_default();
-        if let Some(d) = text.lines().find(|l| l.starts_with("/dev/ublkb")) {
-            dev = d.trim().to_string();
-        }
-        Ok(!dev.is_empty() && text.contains("ublk device started") && Path::new(&dev).exists())
-    })?;
-    let text = fs::read_to_string(&log)?;
-    let features = text
-        .lines()
-        .find_map(|l| l.split("features=").nth(1))
-        .map(|f| f.split_whitespace().next().unwrap_or("").trim_matches('"').to_string())
-        .context("tyche-init did not log the ublk features it uses")?;
+    let mut attach = spawn_attach(root, &lab, &[], &log)?;
+    let dev = wait_started(&mut attach, &log, "ublk device started")?;
+    let features = logged_features(&log)?;
     println!("ublk: {dev} started (features {features})");
 
     let mut disk = BlockFs::new(&dev, &work);
@@ -66,12 +59,117 @@ pub fn guest() -> Result<String> {
     println!("ublk: ext4 written, fsck clean, {} MiB verified", tree.bytes() >> 20);
     target.check_alive()?;
 
-    crate::disk::run(Command::new(stack::bin(root, "tyche-init")).args(["detach", &dev]))?;
-    let status = attach.wait(Duration::from_secs(30)).context("tyche-init attach did not exit after detach")?;
+    // Recovery: kill -9 of the serving process with ext4 mounted and a writer running.
+    let again = Tree::new(0x5eed_0f9e, 160, 32 << 20);
+    let mnt = disk.mount()?;
+    let written = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let (mnt, written) = (mnt.join("again"), Arc::clone(&written));
+        std::thread::spawn(move || {
+            let tree = Tree::new(0x5eed_0f9e, 160, 32 << 20);
+            let r = tree.write(&mnt, &mut |n| written.store(n, Ordering::Relaxed));
+            let _ = tx.send(r);
+        });
+    }
+    let kill_at = again.bytes() / 4;
+    stack::wait_for("the writer a quarter through", Duration::from_secs(120), || {
+        Ok(written.load(Ordering::Relaxed) >= kill_at)
+    })?;
+    let status = attach.kill()?;
+    let at = written.load(Ordering::Relaxed);
+    let killed = Instant::now();
+    println!("ublk: tyche-init attach killed ({status}) with {} of {} MiB written", at >> 20, again.bytes() >> 20);
+    ensure!(Path::new(&dev).exists(), "{dev} went away with its server");
+    if let Ok(r) = rx.try_recv() {
+        bail!("the writer ended before recovery: {r:?}");
+    }
+
+    let log2 = work.join("attach-recover.log");
+    let mut recovered = spawn_attach(root, &lab, &["--recover", &dev], &log2)?;
+    let dev2 = wait_started(&mut recovered, &log2, "ublk device recovered")?;
+    ensure!(dev2 == dev, "--recover {dev} printed {dev2}");
+    let rec_features = logged_features(&log2)?;
+    let resumed = killed.elapsed();
+    println!("ublk: {dev} recovered {:.1} s after the kill (features {rec_features})", resumed.as_secs_f64());
+    let mode = if rec_features.split(',').any(|f| f == "user_recovery_reissue") {
+        "user_recovery_reissue"
+    } else if rec_features.split(',').any(|f| f == "user_recovery") {
+        "user_recovery"
+    } else {
+        bail!("the recovered device runs without user recovery ({rec_features})");
+    };
+    match rx.recv_timeout(Duration::from_secs(300)) {
+        Ok(r) => r.context("the writer failed across the recovery")?,
+        Err(e) => bail!("the writer did not finish after the recovery: {e}"),
+    }
+    run(&mut Command::new("sync"))?;
+    disk.umount()?;
+    disk.drop_caches()?;
+    disk.fsck()?;
+    let mnt = disk.mount()?;
+    tree.verify(&mnt, &mut |_| {})?;
+    again.verify(&mnt.join("again"), &mut |_| {})?;
+    disk.umount()?;
+    println!(
+        "ublk: writer finished across kill -9 and recovery, fsck clean, {} MiB verified",
+        (tree.bytes() + again.bytes()) >> 20
+    );
+    target.check_alive()?;
+
+    run(Command::new(stack::bin(root, "tyche-init")).args(["detach", &dev]))?;
+    let status =
+        recovered.wait(Duration::from_secs(30)).context("tyche-init attach --recover did not exit after detach")?;
     if !status.success() {
-        let tail = fs::read_to_string(&log).unwrap_or_default();
-        bail!("tyche-init attach exited with {status} after detach:\n{tail}");
+        let tail = fs::read_to_string(&log2).unwrap_or_default();
+        bail!("tyche-init attach --recover exited with {status} after detach:\n{tail}");
     }
     ensure!(!Path::new(&dev).exists(), "{dev} still exists after detach");
-    Ok(format!("features: {features}"))
+
+    // A device nobody recovers: `detach` deletes it (asked for by number, as a supervisor does).
+    let log3 = work.join("attach-orphan.log");
+    let mut orphan = spawn_attach(root, &lab, &["--dev-id", "5"], &log3)?;
+    let dev3 = wait_started(&mut orphan, &log3, "ublk device started")?;
+    ensure!(dev3 == "/dev/ublkb5", "--dev-id 5 made {dev3}");
+    orphan.kill()?;
+    ensure!(Path::new(&dev3).exists(), "{dev3} went away with its server");
+    let said = run(Command::new(stack::bin(root, "tyche-init")).args(["detach", &dev3]))?;
+    ensure!(said.contains("deleted"), "detach of the orphaned {dev3} said {said:?}");
+    stack::wait_for("the orphaned device to go", Duration::from_secs(10), || Ok(!Path::new(&dev3).exists()))?;
+    println!("ublk: orphaned {dev3} (server killed) deleted by detach");
+    Ok(format!("features: {features}; recovery: kill -9 mid-write, {mode}, resumed in {:.1} s", resumed.as_secs_f64()))
+}
+
+/// Starts `tyche-init attach` over the lab's links with `extra` arguments.
+fn spawn_attach(root: &Path, lab: &Lab, extra: &[&str], log: &Path) -> Result<Daemon> {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &lab.initiator_ns]).arg(stack::bin(root, "tyche-init")).arg("attach");
+    for p in &lab.pairs {
+        cmd.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
+    }
+    cmd.args(["--export", "vm", "--queues", "2", "--depth", "32"]).args(extra).env("TYCHE_LOG", "info");
+    Daemon::spawn("tyche-init attach", &mut cmd, log)
+}
+
+/// Waits until `attach` printed its device and logged `what`; returns the device.
+fn wait_started(attach: &mut Daemon, log: &Path, what: &str) -> Result<String> {
+    let mut dev = String::new();
+    stack::wait_for("/dev/ublkbN", Duration::from_secs(60), || {
+        attach.check_alive(log)?;
+        let text = fs::read_to_string(log).unwrap_or_default();
+        if let Some(d) = text.lines().find(|l| l.starts_with("/dev/ublkb")) {
+            dev = d.trim().to_string();
+        }
+        Ok(!dev.is_empty() && text.contains(what) && Path::new(&dev).exists())
+    })?;
+    Ok(dev)
+}
+
+/// The ublk features `attach` logged it runs with.
+fn logged_features(log: &Path) -> Result<String> {
+    let text = fs::read_to_string(log)?;
+    text.lines()
+        .find_map(|l| l.split("features=").nth(1))
+        .map(|f| f.split_whitespace().next().unwrap_or("").trim_matches('"').to_string())
+        .context("tyche-init did not log the ublk features it uses")
 }

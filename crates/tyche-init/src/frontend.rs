@@ -49,6 +49,12 @@ pub struct UblkOptions {
     pub queues: u16,
     /// Requests in flight per queue.
     pub depth: u16,
+    /// Create the device with `UBLK_F_USER_RECOVERY` (and `UBLK_F_USER_RECOVERY_REISSUE`) where
+    /// the driver offers them: when the serving process dies the device stays, its I/O waits,
+    /// and [`UblkFrontend::recover`] in a new process resumes it.
+    pub recovery: bool,
+    /// The device number to ask for (`/dev/ublkbN`); `None`: the kernel picks one.
+    pub dev_id: Option<u32>,
 }
 
 /// The ublk front end.
@@ -76,5 +82,54 @@ impl UblkFrontend {
             let _ = (client, opts);
             Err(FrontendError::NotBuilt)
         }
+    }
+
+    /// Takes over `/dev/ublkb{id}` (created with recovery by a process that died) for `client`.
+    pub fn recover(client: Client, id: u32) -> Result<Box<dyn BlockFrontend + Send>, FrontendError> {
+        Self::probe()?;
+        #[cfg(feature = "ublk")]
+        {
+            Ok(Box::new(crate::ublk::UblkDevice::recover(client, id)?))
+        }
+        #[cfg(not(feature = "ublk"))]
+        {
+            let _ = (client, id);
+            Err(FrontendError::NotBuilt)
+        }
+    }
+
+    /// Deletes `/dev/ublkb{id}`, a device whose server is gone; I/O still waiting on it fails.
+    pub fn delete(id: u32) -> Result<(), FrontendError> {
+        Self::probe()?;
+        #[cfg(feature = "ublk")]
+        {
+            crate::ublk::delete(id)
+        }
+        #[cfg(not(feature = "ublk"))]
+        {
+            let _ = id;
+            Err(FrontendError::NotBuilt)
+        }
+    }
+}
+
+/// The device number of `/dev/ublkbN`, `ublkbN` or `N`.
+pub fn ublk_id(what: &str) -> Option<u32> {
+    let name = what.strip_prefix("/dev/").unwrap_or(what);
+    name.strip_prefix("ublkb").unwrap_or(name).parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ublk_id;
+
+    #[test]
+    fn ublk_ids_from_paths_names_and_numbers() {
+        assert_eq!(ublk_id("/dev/ublkb3"), Some(3));
+        assert_eq!(ublk_id("ublkb12"), Some(12));
+        assert_eq!(ublk_id("0"), Some(0));
+        assert_eq!(ublk_id("/dev/ublkc3"), None, "the char device is not the block device");
+        assert_eq!(ublk_id("/dev/sda"), None);
+        assert_eq!(ublk_id(""), None);
     }
 }

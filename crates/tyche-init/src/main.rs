@@ -40,6 +40,19 @@ enum Command {
         /// Requests in flight per ublk queue.
         #[arg(long, default_value_t = 64)]
         depth: u16,
+        /// Take over an existing device whose `tyche-init attach` died (`/dev/ublkbN` or `N`):
+        /// the device, and a filesystem mounted on it, stay; its I/O resumes on this process.
+        /// Queues and depth are the device's.
+        #[arg(long, value_name = "DEVICE", conflicts_with_all = ["dev_id", "no_recovery"])]
+        recover: Option<String>,
+        /// Ask for this device number (`/dev/ublkbN`) instead of the first free one: a
+        /// supervisor then knows which device to `--recover` after a crash.
+        #[arg(long, value_name = "N")]
+        dev_id: Option<u32>,
+        /// Create the device without user recovery: it goes away with this process (and so do
+        /// the filesystems on it) instead of waiting for `attach --recover`.
+        #[arg(long)]
+        no_recovery: bool,
     },
     /// Serve an export over NBD on a Unix socket until detached.
     ServeNbd {
@@ -381,15 +394,37 @@ async fn serve_nbd(
     result
 }
 
-async fn attach(conn: ConnArgs, queues: u16, depth: u16) -> Result<()> {
+/// How `attach` gets its device.
+enum Device {
+    /// A new one.
+    Create(UblkOptions),
+    /// `--recover N`: the device a dead attach left.
+    Recover(u32),
+}
+
+async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     // Fail before connecting when the kernel cannot give us a device.
     UblkFrontend::probe()?;
+    if let Device::Recover(id) = device {
+        if !std::path::Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
+            bail!("--recover: there is no ublk device {id} (/dev/ublkc{id})");
+        }
+        if let Some(a) = state::list(&state::dir())?.into_iter().find(|a| a.path == format!("/dev/ublkb{id}")) {
+            bail!("--recover: /dev/ublkb{id} is still served by pid {} (detach it, or kill it first)", a.pid);
+        }
+    }
+    // A new session from this host fences the dead process's session on the target, so none of
+    // its writes lands after ours.
     let (client, _target) = open(&conn).await?;
     // libublk keeps its control ring per thread: the device is created and served on one thread.
     let (tx, rx) = tokio::sync::oneshot::channel();
     let ublk_client = client.clone();
     let server = std::thread::Builder::new().name("tyche-ublk".into()).spawn(move || {
-        match UblkFrontend::create(ublk_client, UblkOptions { queues, depth }) {
+        let dev = match device {
+            Device::Create(opts) => UblkFrontend::create(ublk_client, opts),
+            Device::Recover(id) => UblkFrontend::recover(ublk_client, id),
+        };
+        match dev {
             Ok(dev) => {
                 let _ = tx.send(Ok((dev.path(), dev.stopper())));
                 dev.serve()
@@ -518,6 +553,15 @@ fn detach(what: &str) -> Result<()> {
     let all = state::list(&dir)?;
     let found: Vec<_> = all.iter().filter(|a| a.path == what || a.pid.to_string() == what).collect();
     if found.is_empty() {
+        // A device left by a killed `attach` (created with recovery): nobody serves it, so
+        // delete it; I/O waiting on it fails.
+        if let Some(id) = what.starts_with("/dev/ublkb").then(|| tyche_init::frontend::ublk_id(what)).flatten() {
+            if std::path::Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
+                UblkFrontend::delete(id)?;
+                println!("deleted {what} (no process served it)");
+                return Ok(());
+            }
+        }
         bail!("no attachment {what:?} (see `tyche-init list`)");
     }
     for a in found {
@@ -552,7 +596,16 @@ fn run() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
         Command::Discover { ifaces, wait } => discover(&ifaces, wait),
-        Command::Attach { conn, queues, depth } => rt.block_on(attach(conn, queues, depth)),
+        Command::Attach { conn, queues, depth, recover, dev_id, no_recovery } => {
+            let device = match recover {
+                Some(d) => Device::Recover(
+                    tyche_init::frontend::ublk_id(&d)
+                        .with_context(|| format!("--recover {d:?}: give /dev/ublkbN or N"))?,
+                ),
+                None => Device::Create(UblkOptions { queues, depth, recovery: !no_recovery, dev_id }),
+            };
+            rt.block_on(attach(conn, device))
+        }
         Command::ServeNbd { socket, conn, max_inflight, nbd_nodes, nbd_io } => {
             rt.block_on(serve_nbd(socket, conn, max_inflight, nbd_nodes, nbd_io == "engine"))
         }

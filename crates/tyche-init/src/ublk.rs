@@ -15,6 +15,11 @@
 //! copied once more through a per-tag I/O buffer. Zero copy (`UBLK_F_SUPPORT_ZERO_COPY`, 6.15) is
 //! not used: it needs the data to move through io_uring fixed buffers, which the network side
 //! does not do yet.
+//!
+//! Recovery: devices are created with `UBLK_F_USER_RECOVERY` and `UBLK_F_USER_RECOVERY_REISSUE`
+//! where the driver has them, so a killed server leaves the device (and its mounted filesystem)
+//! quiesced, with unanswered requests put back in the queue; [`UblkDevice::recover`] in a new
+//! process takes it over (START_USER_RECOVERY, then END_USER_RECOVERY once the queues are ready).
 
 use std::future::Future;
 use std::os::fd::AsRawFd;
@@ -28,7 +33,7 @@ use libublk::helpers::IoBuf;
 use libublk::io::{UblkDev, UblkIOCtx, UblkQueue};
 use libublk::{sys, BufDesc, UblkError, UblkFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::client::Client;
 use crate::frontend::{BlockFrontend, FrontendError, UblkOptions};
@@ -238,6 +243,8 @@ pub struct UblkDevice {
     client: Client,
     opts: UblkOptions,
     ctrl: UblkCtrl,
+    /// Taken over from a dead server (START_USER_RECOVERY sent; `serve` ends the recovery).
+    recovered: bool,
 }
 
 impl std::fmt::Debug for UblkDevice {
@@ -252,10 +259,19 @@ impl UblkDevice {
         let offered = UblkCtrl::get_features().unwrap_or(0);
         info!("ublk driver offers {offered:#x} ({})", feature_names(offered).join(","));
         // USER_COPY saves a copy each way; libublk adds CMD_IOCTL_ENCODE where the driver has it.
-        let ctrl_flags = offered & u64::from(sys::UBLK_F_USER_COPY);
+        let mut wanted = u64::from(sys::UBLK_F_USER_COPY);
+        if opts.recovery {
+            // The device outlives this process: a new `attach --recover` takes it over, and the
+            // requests the dead one had not answered are issued again to the new one.
+            wanted |= u64::from(sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE);
+        }
+        let ctrl_flags = offered & wanted;
+        if opts.recovery && ctrl_flags & u64::from(sys::UBLK_F_USER_RECOVERY) == 0 {
+            warn!("the ublk driver offers no user recovery: the device goes with this process");
+        }
         let ctrl = UblkCtrlBuilder::default()
             .name("tyche")
-            .id(-1)
+            .id(opts.dev_id.map_or(-1, |id| id as i32))
             .nr_queues(opts.queues)
             .depth(opts.depth)
             .io_buf_bytes(IO_BUF_BYTES)
@@ -263,7 +279,72 @@ impl UblkDevice {
             .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
             .build()
             .map_err(|e| FrontendError::Other(format!("creating the ublk device: {e}")))?;
-        Ok(UblkDevice { client, opts, ctrl })
+        Ok(UblkDevice { client, opts, ctrl, recovered: false })
+    }
+
+    /// Takes over `/dev/ublkb{id}`, whose server died, for `client`: checks that the device was
+    /// created with `UBLK_F_USER_RECOVERY` and has the export's size, then sends
+    /// START_USER_RECOVERY (waiting, up to 30 s, until the kernel has quiesced the device and the
+    /// dead server's files are closed). [`BlockFrontend::serve`] ends the recovery
+    /// (END_USER_RECOVERY) once every queue is ready; I/O then resumes on the same device.
+    pub fn recover(client: Client, id: u32) -> Result<Self, FrontendError> {
+        let other = |m: String| FrontendError::Other(m);
+        let old = UblkCtrl::new_simple(id as i32).map_err(|e| other(format!("ublk device {id}: {e}")))?;
+        let info = old.dev_info();
+        drop(old);
+        if info.flags & u64::from(sys::UBLK_F_USER_RECOVERY) == 0 {
+            return Err(other(format!(
+                "/dev/ublkb{id} was created without user recovery ({}); it cannot be taken over",
+                feature_names(info.flags).join(",")
+            )));
+        }
+        let sectors: u64 = std::fs::read_to_string(format!("/sys/block/ublkb{id}/size"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| other(format!("/dev/ublkb{id}: cannot read its size from /sys/block/ublkb{id}/size")))?;
+        if sectors << 9 != client.size() {
+            return Err(other(format!(
+                "/dev/ublkb{id} has {} bytes, export {:?} {}: not the device of this export",
+                sectors << 9,
+                client.info().export,
+                client.size()
+            )));
+        }
+        let state = match u32::from(info.state) {
+            sys::UBLK_S_DEV_LIVE => "live",
+            sys::UBLK_S_DEV_QUIESCED => "quiesced",
+            _ => "dead",
+        };
+        info!(
+            device = format_args!("/dev/ublkb{id}"),
+            state,
+            queues = info.nr_hw_queues,
+            depth = info.queue_depth,
+            "recovering the ublk device"
+        );
+        let ctrl = UblkCtrlBuilder::default()
+            .name("tyche")
+            .id(id as i32)
+            .nr_queues(info.nr_hw_queues)
+            .depth(info.queue_depth)
+            .io_buf_bytes(IO_BUF_BYTES)
+            .dev_flags(UblkFlags::UBLK_DEV_F_RECOVER_DEV)
+            .build()
+            .map_err(|e| other(format!("opening ublk device {id} for recovery: {e}")))?;
+        // libublk retries EBUSY (the old server's files still open, or the kernel still
+        // quiescing) for 30 s and then returns it.
+        match ctrl.start_user_recover() {
+            Ok(r) if r >= 0 => {}
+            Ok(r) => {
+                return Err(other(format!(
+                    "START_USER_RECOVERY of /dev/ublkb{id}: {} (is its server still running?)",
+                    std::io::Error::from_raw_os_error(-r)
+                )))
+            }
+            Err(e) => return Err(other(format!("START_USER_RECOVERY of /dev/ublkb{id}: {e}"))),
+        }
+        let opts = UblkOptions { queues: info.nr_hw_queues, depth: info.queue_depth, recovery: true, dev_id: Some(id) };
+        Ok(UblkDevice { client, opts, ctrl, recovered: true })
     }
 
     /// The kernel's device id.
@@ -323,16 +404,35 @@ impl BlockFrontend for UblkDevice {
             queue_thread(qid, dev, &client.on_node(node));
         };
         let queues = self.opts.queues;
+        let recovered = self.recovered;
         let on_start = move |c: &UblkCtrl| {
             let features = feature_names(c.dev_info().flags).join(",");
             let features = if features.is_empty() { "none".to_string() } else { features };
-            info!(device = format_args!("/dev/ublkb{}", c.dev_info().dev_id), queues, features, "ublk device started");
+            let device = format!("/dev/ublkb{}", c.dev_info().dev_id);
+            if recovered {
+                info!(device, queues, features, "ublk device recovered");
+            } else {
+                info!(device, queues, features, "ublk device started");
+            }
         };
-        self.ctrl
+        let served = self
+            .ctrl
             .run_target(tgt_init, q_fn, on_start)
             .map(drop)
-            .map_err(|e| FrontendError::Other(format!("ublk device stopped: {e}")))
+            .map_err(|e| FrontendError::Other(format!("ublk device stopped: {e}")));
+        if self.recovered {
+            // libublk deletes only the devices it added; this one was taken over.
+            let _ = self.ctrl.del_dev();
+        }
+        served
     }
+}
+
+/// Deletes a device by id whose server is gone (from `detach`, for a device left by a killed
+/// `attach`). Requests the kernel still holds for it fail.
+pub fn delete(id: u32) -> Result<(), FrontendError> {
+    let ctrl = UblkCtrl::new_simple(id as i32).map_err(|e| FrontendError::Other(format!("ublk device {id}: {e}")))?;
+    ctrl.del_dev().map(drop).map_err(|e| FrontendError::Other(format!("deleting ublk device {id}: {e}")))
 }
 
 /// Stops a running device by id (from `detach`).

@@ -26,6 +26,18 @@ fn attach_without_ublk_points_to_nbd() {
 }
 
 #[test]
+fn recover_options_say_what_is_wrong() {
+    let conn = ["attach", "--loopback-mib", "16", "--export", "x"];
+    let with = |extra: &[&'static str]| conn.iter().chain(extra).copied().collect::<Vec<_>>();
+    fails_with(&with(&["--recover", "sda"]), "give /dev/ublkbN or N");
+    fails_with(&with(&["--recover", "0", "--dev-id", "1"]), "cannot be used with");
+    fails_with(&with(&["--recover", "/dev/ublkb0", "--no-recovery"]), "cannot be used with");
+    if !Path::new("/dev/ublk-control").exists() {
+        fails_with(&with(&["--recover", "/dev/ublkb0"]), "/dev/ublk-control not found");
+    }
+}
+
+#[test]
 fn bad_connection_options_say_what_is_wrong() {
     fails_with(&["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x"], "give --iface IF");
     let three_targets =
