@@ -8,7 +8,10 @@
 //! 4. `fencing`: a second initiator (another host) is refused, naming the holder; the first
 //!    initiator killed and started again fences its old session and reads its data back.
 //! 5. `hung-storage`: reads that hang in the backend are answered with an error within the
-//!    storage deadline, and the channel keeps serving writes.
+//!    storage deadline, and the channels stay up.
+//! 6. `ublk-recovery` (in the VM of `cargo xtask vm-test`, since this kernel has no ublk): ext4
+//!    mounted on `/dev/ublkb0` with a writer running, `kill -9` of `tyche-init`,
+//!    `tyche-init attach --recover`, the writer finishes, fsck clean, checksums match.
 //!
 //! fio must finish with no error and its verify clean wherever the target is back within the
 //! initiator's no-path timeout. The last line is `faults: N passed, M failed`.
@@ -60,12 +63,13 @@ type Scenario = fn(&World<'_>) -> Result<String>;
 
 pub fn faults(root: &Path, args: &FaultsArgs) -> Result<()> {
     prepare(root, "faults", args.no_install)?;
-    let scenarios: [(&str, Scenario); 5] = [
+    let scenarios: [(&str, Scenario); 6] = [
         ("sigterm-restart", sigterm_restart),
         ("sigkill-restart", sigkill_restart),
         ("links-down", links_down),
         ("fencing", fencing),
         ("hung-storage", hung_storage),
+        ("ublk-recovery", ublk_recovery),
     ];
     let (mut passed, mut failed) = (0, 0);
     for (name, scenario) in scenarios {
@@ -403,4 +407,11 @@ fn hung_storage(w: &World<'_>) -> Result<String> {
     nbdfuse.stop();
     nbdkit.stop();
     result
+}
+
+/// Scenario 6: `tyche-init` killed under a mounted filesystem and recovered, in the VM (the
+/// guest's ublk test has the recovery phase; vm-test prints what it saw).
+fn ublk_recovery(w: &World<'_>) -> Result<String> {
+    crate::vm::vm_test(w.root, &crate::vm::VmTestArgs::only(&[crate::vm::GuestTest::Ublk]))?;
+    Ok("ext4 on /dev/ublkb0 in the VM: kill -9 of tyche-init mid-write, attach --recover, writer finished, fsck clean, checksums match".into())
 }

@@ -65,6 +65,11 @@ impl VmTestArgs {
     pub fn standard() -> VmTestArgs {
         VmTestArgs { no_install: false, only: Vec::new(), timeout: 900, tcg: false }
     }
+
+    /// The standard run of these guest tests only.
+    pub fn only(tests: &[GuestTest]) -> VmTestArgs {
+        VmTestArgs { only: tests.to_vec(), ..VmTestArgs::standard() }
+    }
 }
 
 /// Guest memory per NUMA node, MiB.
