@@ -847,6 +847,17 @@ impl Channel {
             self.release_damq(damq, sub.tag);
             self.free_damq.push(damq);
         }
+        // A target completes a request only once it has it and all its data, so nothing of it is
+        // queued still; one that completes early (hostile) must not leave its request or data
+        // queued behind the freed slots, or the queue would grow with every reuse.
+        if !self.queue.is_empty() {
+            let tag = sub.tag;
+            self.queue.retain(|o| match o {
+                Outgoing::Frame(TxFrame::Request(r)) => r.tag != tag,
+                Outgoing::DataMessage { tag: t, .. } => *t != tag,
+                _ => true,
+            });
+        }
         self.events.push_back(ChannelEvent::Completed { tag: sub.tag, status });
     }
 

@@ -13,8 +13,10 @@ pub const MAX_IO: u32 = 16 << 20;
 pub const TAG_WINDOW: u64 = 1 << 16;
 /// Frames a channel queues for a ring position from its slots: one data message per `damq`
 /// slot plus one request or completion per `remq` slot (a target's slot is busy until its
-/// completion has been sent once). A target also queues refusals (completions of requests that
-/// got no slot) while its queue is shorter than this, so its queue never exceeds twice this.
+/// completion has been sent once; an initiator drops what it still had queued of a request the
+/// target completed, so an early completion frees nothing twice). A target also queues
+/// refusals (completions of requests that got no slot) while its queue is shorter than this, so
+/// its queue never exceeds twice this.
 pub(crate) const fn max_queued(params: &ChannelParams) -> usize {
     params.remq_slots as usize + params.damq_slots as usize
 }

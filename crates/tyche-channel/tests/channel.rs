@@ -446,6 +446,39 @@ mod hygiene {
     }
 
     #[test]
+    fn completions_before_the_data_is_sent_do_not_grow_the_initiators_queue() {
+        // A hostile target completes each write before it could have its request or data (no
+        // credit: ring 4, nothing acknowledged), guessing the slot and the next tag: the freed
+        // slots are reused at once, and what each early completion left queued must go, or the
+        // send queue grows with every reuse.
+        let now = Instant(0);
+        let mut p = params();
+        p.ring = 4;
+        let (mut ini, _) = raw_channels(p, now);
+        let mut buf = vec![0u8; 4096];
+        let sub = |tag| tyche_channel::Submission { tag, op: Op::Write, fua: false, offset: 0, length: 8192 };
+        assert!(ini.submit(sub(1), 0));
+        let mut first = None;
+        while let Some(t) = ini.poll_transmit(now, &mut buf) {
+            let Ok(f) = tyche_wire::Frame::new_checked(&buf[..t.len], tyche_wire::DEFAULT_ETHERTYPE) else { continue };
+            if let Ok(Message::Request(r)) = f.parse() {
+                first = Some((r.remq, r.damq));
+            }
+        }
+        let (remq, damq) = first.expect("the first request went out");
+        for (seq, tag) in (1..=2000u64).enumerate() {
+            if tag > 1 {
+                assert!(ini.submit(sub(tag), 0), "the slot is free again for write {tag}");
+            }
+            while ini.poll_transmit(now, &mut buf).is_some() {}
+            let c = Completion { seq: Seq { seq: seq as u32, ack: 0 }, status: Status::Ok, remq, damq, tag };
+            assert_eq!(ini.handle(now, &Message::Completion(c)), Received::Consumed, "completion of {tag}");
+            while ini.poll_event().is_some() {}
+        }
+        assert!(ini.dead().is_none(), "the channel never overflowed its queue");
+    }
+
+    #[test]
     fn a_slot_is_not_reused_before_its_completion_is_sent() {
         // A peer that never acknowledges cannot queue more than one completion per slot: a
         // request on a slot whose completion waits for a ring position is dropped, not queued.
