@@ -41,6 +41,8 @@ const EXPORT: u64 = 1 << 20;
 const PATTERN: usize = 16 << 10;
 /// Offset of the honest pattern.
 const PATTERN_AT: u64 = 64 << 10;
+/// The honest initiator's host id.
+const HONEST_HOST: [u8; 16] = [0x11; 16];
 /// Most actions one input runs.
 const MAX_ACTIONS: usize = 384;
 /// Longest single clock jump.
@@ -423,6 +425,10 @@ impl World {
     ) -> Option<(Connector, Connected)> {
         let mut c =
             Connector::new(env, export, want, 0x5eed ^ env.channel as u64, Duration::from_millis(5), 3, self.now());
+        if !hostile {
+            // As tyche-init does: its session takes channels only from its host.
+            c = c.with_host(HONEST_HOST);
+        }
         let mut buf = vec![0u8; FRAME];
         for _ in 0..64 {
             let now = self.now();

@@ -1484,6 +1484,27 @@ impl Network {
                 // one), and only once it passed the MAC and key checks.
                 let identity = c.host.unwrap_or_else(|| mac_identity(src));
                 new_session = Some(identity);
+                // Joining a session: a session created with a host id takes channels only from
+                // that host, and a live channel is replaced only from its own MAC (a reconnect);
+                // another peer that read the session id off the wire cannot take it over.
+                if let Some(s) = self.sessions.get(&env_in.session) {
+                    let wrong_host = !s.identity.starts_with(b"mac:") && c.host != Some(s.identity);
+                    let live_elsewhere = s
+                        .session
+                        .channel(env_in.channel)
+                        .is_some_and(|ch| ch.dead().is_none() && ch.envelope().dst != src);
+                    if wrong_host || live_elsewhere {
+                        if PEER_LOGS.allow() {
+                            tracing::warn!(%src, export = %c.export, session = format_args!("{:016x}", env_in.session),
+                                channel = env_in.channel, "refused: a join from another host, or a takeover of a live channel");
+                        }
+                        self.nic_stats[k].drops.denied_mac += 1;
+                        self.export_stats[i].denied += 1;
+                        reject(RejectReason::NotAllowed, &mut buf);
+                        self.queue_control(k, buf);
+                        return;
+                    }
+                }
                 if env_in.session == 0 && self.acceptor.created_by(src, c.nonce).is_none() {
                     let holder = self
                         .sessions
