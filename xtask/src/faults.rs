@@ -150,6 +150,8 @@ impl World<'_> {
             .args(["netns", "exec", &self.lab.initiator_ns, "fio", "--name", name, "--ioengine=nbd"])
             .arg(format!("--uri={}", self.uri()))
             .args(args)
+            // fio leaves its verify state files in its working directory.
+            .current_dir(&self.work)
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)
