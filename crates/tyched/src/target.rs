@@ -1605,11 +1605,13 @@ impl Network {
         s.fenced.store(true, Ordering::Release);
         s.session.close(tyche_wire::DisconnectReason::Normal);
         self.fenced += 1;
-        tracing::warn!(
-            session = format_args!("{old:016x}"),
-            by = format_args!("{by:016x}"),
-            "session fenced: the same initiator attached again"
-        );
+        if PEER_LOGS.allow() {
+            tracing::warn!(
+                session = format_args!("{old:016x}"),
+                by = format_args!("{by:016x}"),
+                "session fenced: the same initiator attached again"
+            );
+        }
         for j in self.overflow.iter_mut().filter(|j| j.session == old) {
             j.abort = true;
         }
@@ -1894,7 +1896,9 @@ impl Network {
     /// goes on. Its channels send nothing more (the initiator finds them dead and reconnects).
     fn fail_session(&mut self, sid: u64, doing: &str) {
         self.limit_stats.sessions_failed += 1;
-        tracing::error!(session = format_args!("{sid:016x}"), "session ended: a bug was hit while {doing}");
+        if PEER_LOGS.allow() {
+            tracing::error!(session = format_args!("{sid:016x}"), "session ended: a bug was hit while {doing}");
+        }
         if let Some(s) = self.sessions.remove(&sid) {
             self.duplicates_from_reclaimed += s.session.duplicates_suppressed();
             self.acceptor.forget_session(sid);
