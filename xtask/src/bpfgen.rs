@@ -28,8 +28,13 @@ pub fn render() -> String {
             tyche_wire::ETH_HEADER_LEN.to_string(),
             "Ethernet II header length; the Tyche header starts here",
         ),
+        (
+            "TYCHE_FLAG_SEALED",
+            format!("0x{:04x}", tyche_wire::flags::SEALED),
+            "common FLAGS: a 24-byte authentication trailer follows the message",
+        ),
     ];
-    let fields: [(&str, usize, &str); 12] = [
+    let fields: [(&str, usize, &str); 15] = [
         ("TYCHE_COMMON_VERSION", layout::common::VERSION, "u8"),
         ("TYCHE_COMMON_KIND", layout::common::KIND, "u8"),
         ("TYCHE_COMMON_FLAGS", layout::common::FLAGS.start, "be16"),
@@ -42,6 +47,9 @@ pub fn render() -> String {
         ("TYCHE_SEQ_END", layout::seq::END, "length"),
         ("TYCHE_DATA_TAG", layout::data::TAG.start, "be64"),
         ("TYCHE_DATA_PAYLOAD", layout::data::PAYLOAD, "offset"),
+        ("TYCHE_TRAILER_COUNTER", layout::trailer::COUNTER.start, "be64, from LENGTH"),
+        ("TYCHE_TRAILER_TAG", layout::trailer::TAG.start, "16 bytes, from LENGTH"),
+        ("TYCHE_TRAILER_END", layout::trailer::END, "length"),
     ];
     for (name, off, what) in fields {
         defs.push((name, off.to_string(), what));

@@ -117,11 +117,17 @@ pub enum DropReason {
     Dead,
     /// A message that does not belong on an established channel (CONNECT, DISCOVER, ...).
     Unexpected,
+    /// On a keyed channel: no authentication trailer, or a tag that does not verify (a forged
+    /// or altered frame).
+    Unauthenticated,
+    /// On a keyed channel: an authentic frame whose counter was already accepted, or is older
+    /// than the replay window (a replayed frame).
+    Replayed,
 }
 
 impl DropReason {
     /// Every reason, for counters.
-    pub const ALL: [DropReason; 8] = [
+    pub const ALL: [DropReason; 10] = [
         DropReason::Duplicate,
         DropReason::OutOfWindow,
         DropReason::WrongRole,
@@ -130,6 +136,8 @@ impl DropReason {
         DropReason::Inconsistent,
         DropReason::Dead,
         DropReason::Unexpected,
+        DropReason::Unauthenticated,
+        DropReason::Replayed,
     ];
     /// A short stable name for counters and logs.
     pub fn as_str(self) -> &'static str {
@@ -142,6 +150,8 @@ impl DropReason {
             DropReason::Inconsistent => "inconsistent",
             DropReason::Dead => "dead",
             DropReason::Unexpected => "unexpected",
+            DropReason::Unauthenticated => "unauthenticated",
+            DropReason::Replayed => "replayed",
         }
     }
 }
@@ -160,21 +170,31 @@ pub enum FrameDrop {
 /// Checks that a received frame belongs to `session` and comes from the peer of the channel it
 /// names (looked up with `channel`), parses it and hands it to that channel. Returns the channel
 /// index and what the channel did.
+///
+/// On a keyed channel the frame is authenticated (and decrypted into `scratch` if the channel
+/// encrypts) before anything of it is parsed: a frame that fails is counted and dropped with
+/// the channel unchanged. The authentic bytes are returned too.
 pub(crate) fn deliver<'a, 'c>(
     now: Instant,
     bytes: &'a [u8],
+    scratch: &'a mut Vec<u8>,
     ethertype: u16,
     session: u64,
     channel: impl FnOnce(u16) -> Option<&'c mut Channel>,
-) -> Result<(u16, Received<'a>), FrameDrop> {
+) -> Result<(u16, Received<'a>, &'a [u8]), FrameDrop> {
     let frame = tyche_wire::Frame::new_checked(bytes, ethertype).map_err(FrameDrop::Wire)?;
     if frame.session() != session {
         return Err(FrameDrop::NotOurs);
     }
     let idx = frame.channel();
     let ch = channel(idx).filter(|ch| ch.envelope().dst == frame.src()).ok_or(FrameDrop::NotOurs)?;
+    let bytes = match ch.open(bytes, scratch) {
+        Ok(b) => b,
+        Err(r) => return Ok((idx, ch.drop_frame(r), bytes)),
+    };
+    let frame = tyche_wire::Frame::new_checked(bytes, ethertype).map_err(FrameDrop::Wire)?;
     let msg = frame.parse_borrowed().map_err(FrameDrop::Wire)?;
-    Ok((idx, ch.handle(now, &msg)))
+    Ok((idx, ch.handle(now, &msg), bytes))
 }
 
 /// Outcome of [`Channel::handle`].
@@ -236,7 +256,7 @@ pub struct ChannelStats {
     /// KEEPALIVE probes sent.
     pub keepalives_tx: u64,
     /// Frames dropped, by [`DropReason`] (indexed as in [`DropReason::ALL`]).
-    pub dropped: [u64; 8],
+    pub dropped: [u64; 10],
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -359,6 +379,8 @@ pub struct Channel {
 
     events: VecDeque<ChannelEvent>,
     stats: ChannelStats,
+    /// Keys and counters of a keyed export's channel: every frame is sealed and checked.
+    sealer: Option<Box<crate::auth::Sealer>>,
 }
 
 impl Channel {
@@ -420,6 +442,38 @@ impl Channel {
             free_damq: (0..params.damq_slots).rev().collect(),
             events: VecDeque::new(),
             stats: ChannelStats::default(),
+            sealer: None,
+        }
+    }
+
+    /// The same channel, sealing every frame it sends and accepting only sealed, authentic and
+    /// new frames ([`crate::auth`]): the channel of a keyed export.
+    pub fn with_sealer(mut self, sealer: crate::auth::Sealer) -> Self {
+        self.sealer = Some(Box::new(sealer));
+        self
+    }
+
+    /// Whether the channel seals its frames (a keyed export's).
+    pub fn sealed(&self) -> bool {
+        self.sealer.is_some()
+    }
+
+    /// Completes a frame [`Channel::poll_transmit`] wrote into `buf` (its payload filled in):
+    /// on a keyed channel seals it and returns the sealed length (`buf` needs
+    /// [`crate::auth::SEAL_OVERHEAD`] bytes beyond the message); else returns `len`.
+    pub fn seal(&mut self, buf: &mut [u8], len: usize) -> usize {
+        match &mut self.sealer {
+            Some(s) if len > 0 => s.seal(buf),
+            _ => len,
+        }
+    }
+
+    /// Checks a received frame of this channel: on a keyed channel its authentic plaintext (in
+    /// `scratch` when the channel encrypts), else `bytes`.
+    pub fn open<'a>(&mut self, bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<&'a [u8], DropReason> {
+        match &mut self.sealer {
+            Some(s) => s.open(bytes, scratch),
+            None => Ok(bytes),
         }
     }
 

@@ -57,11 +57,13 @@ pub struct Connector {
     attempts_left: u32,
     next_send: Instant,
     outcome: Option<Result<Connected, ConnectError>>,
-    key: Option<Vec<u8>>,
+    key: Option<crate::auth::Psk>,
     /// The target nonce of the CHALLENGE answered, once one arrived.
     challenge: Option<u64>,
     /// This initiator's host id, sent in CONNECT.
     host: Option<[u8; 16]>,
+    /// The target's proof in the ACCEPT, once verified: the salt of the channel's keys.
+    target_proof: Option<[u8; 32]>,
 }
 
 impl Connector {
@@ -90,6 +92,7 @@ impl Connector {
             key: None,
             challenge: None,
             host: None,
+            target_proof: None,
         }
     }
 
@@ -104,7 +107,7 @@ impl Connector {
     /// Gives the connector the export's pre-shared key: a CHALLENGE is answered with a CONNECT
     /// carrying the proof ([`crate::auth`]), and ACCEPT must carry the target's proof.
     pub fn with_key(mut self, key: &[u8]) -> Self {
-        self.key = Some(key.to_vec());
+        self.key = Some(crate::auth::Psk::new(key));
         self
     }
 
@@ -112,9 +115,13 @@ impl Connector {
         crate::auth::ProofInput {
             nonce: self.nonce,
             target_nonce,
+            session: self.env.session,
+            channel: self.env.channel,
             export: &self.export,
             initiator: self.env.src,
             target: self.env.dst,
+            host: self.host,
+            asked: self.want,
         }
     }
 
@@ -126,9 +133,7 @@ impl Connector {
         self.attempts_left -= 1;
         self.next_send = now + self.retry;
         let proof = match (&self.key, self.challenge) {
-            (Some(key), Some(tn)) => {
-                Some(crate::auth::proof(key, crate::auth::ProofRole::Initiator, &self.proof_input(tn)))
-            }
+            (Some(key), Some(tn)) => Some(crate::auth::initiator_proof(key, &self.proof_input(tn))),
             _ => None,
         };
         let c = Connect { nonce: self.nonce, params: self.want, proof, export: &self.export, host: self.host };
@@ -163,18 +168,27 @@ impl Connector {
                     && p.features & !self.want.features == 0;
                 let same_session = self.env.session == 0 || self.env.session == session;
                 if let Some(key) = &self.key {
-                    let ok = match (self.challenge, a.proof) {
-                        (Some(tn), Some(p)) => {
-                            crate::auth::verify(key, crate::auth::ProofRole::Target, &self.proof_input(tn), &p)
-                        }
-                        // An export without a key: the target sent no CHALLENGE and no proof.
-                        (None, None) => a.export_flags & flags::EXPORT_NEEDS_KEY == 0,
-                        _ => false,
+                    // An initiator given a key attaches only where the target proves it: an
+                    // ACCEPT without the target's proof (an export without a key, or a rogue
+                    // target) is refused, so the key never goes unused.
+                    let grant = crate::auth::Grant {
+                        session,
+                        params: p,
+                        export_size: a.export_size,
+                        block_size: a.block_size,
+                        export_flags: a.export_flags,
                     };
-                    if !ok {
+                    let ok = match (self.challenge, a.proof) {
+                        (Some(tn), Some(proof)) => {
+                            crate::auth::verify_target(key, &self.proof_input(tn), &grant, &proof).then_some(proof)
+                        }
+                        _ => None,
+                    };
+                    let Some(proof) = ok else {
                         self.outcome = Some(Err(ConnectError::BadProof));
                         return self.outcome;
-                    }
+                    };
+                    self.target_proof = Some(proof);
                 }
                 if within && params_supported(&p) && session != 0 && same_session {
                     Some(Ok(Connected {
@@ -212,10 +226,18 @@ impl Connector {
         self.outcome
     }
 
-    /// Builds the initiator's channel from an ACCEPT.
+    /// Builds the initiator's channel from an ACCEPT: for a keyed export, with its keys
+    /// ([`crate::auth::Sealer`]).
     pub fn channel(&self, c: &Connected, timers: Timers, now: Instant) -> Channel {
         let env = Envelope { session: c.session, ..self.env };
-        Channel::new(Role::Initiator, env, c.params, timers, now)
+        let ch = Channel::new(Role::Initiator, env, c.params, timers, now);
+        match (&self.key, &self.target_proof) {
+            (Some(key), Some(proof)) => {
+                let encrypt = c.export_flags & flags::EXPORT_ENCRYPTED != 0;
+                ch.with_sealer(crate::auth::Sealer::derive(key, proof, Role::Initiator, encrypt))
+            }
+            _ => ch,
+        }
     }
 }
 
@@ -255,6 +277,19 @@ pub enum Accepted {
 struct Granted {
     nonce: u64,
     accept: Accept,
+    /// The initiator's proof in the CONNECT it answers (a retry must carry the same one).
+    proof: Option<[u8; 32]>,
+}
+
+/// A CONNECT to a keyed export whose initiator proof the caller (the target daemon) checked
+/// against the CHALLENGE it sent: the acceptor proves the key back over the grant and gives the
+/// channel its keys.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyedConnect<'k> {
+    /// The export's pre-shared key.
+    pub key: &'k crate::auth::Psk,
+    /// The nonce of the CHALLENGE the proof answered.
+    pub target_nonce: u64,
 }
 
 #[derive(Debug)]
@@ -401,10 +436,25 @@ impl Acceptor {
         self.handle_keyed(now, local, src, env_in, msg, new_session_id, buf, None)
     }
 
+    /// Whether `c` from `src` repeats a CONNECT that was granted a channel which still exists:
+    /// the same nonce, session, channel and proof. It gets the same ACCEPT again and nothing
+    /// else changes; for a keyed export that is how a retry whose ACCEPT was lost is answered
+    /// after its (single-use) CHALLENGE was spent.
+    pub fn is_retry(&self, src: MacAddr, env_in: &Envelope, c: &Connect<'_>) -> bool {
+        self.granted(src, env_in, c).is_some()
+    }
+
+    fn granted(&self, src: MacAddr, env_in: &Envelope, c: &Connect<'_>) -> Option<(u64, &Granted)> {
+        let sid = if env_in.session == 0 { self.created.get(&(src, c.nonce)).copied()? } else { env_in.session };
+        let g = self.sessions.get(&sid)?.channels.get(&env_in.channel)?;
+        (g.nonce == c.nonce && g.proof == c.proof).then_some((sid, g))
+    }
+
     /// As [`Acceptor::handle`], for a caller (the target daemon) that has checked the CONNECT's
-    /// proof of the export's key itself: `target_proof` is `Some(the target's proof)` when the
-    /// initiator's proof was right, and is then sent in ACCEPT. An export with flag
-    /// `EXPORT_NEEDS_KEY` is refused with `AuthRequired` when `target_proof` is `None`.
+    /// proof of the export's key itself against its CHALLENGE: with `keyed`, the ACCEPT carries
+    /// the target's proof over the grant and the channel seals its frames with keys derived
+    /// from it. An export with flag `EXPORT_NEEDS_KEY` is refused with `AuthRequired` without
+    /// `keyed` (unless the CONNECT is a retry, [`Acceptor::is_retry`]).
     #[allow(clippy::too_many_arguments)]
     pub fn handle_keyed(
         &mut self,
@@ -415,7 +465,7 @@ impl Acceptor {
         msg: &Message<'_>,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
-        target_proof: Option<[u8; 32]>,
+        keyed: Option<KeyedConnect<'_>>,
     ) -> Option<Accepted> {
         let reply_env =
             Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
@@ -435,9 +485,7 @@ impl Acceptor {
                 };
                 Some(Accepted::Reply(Message::DiscoverReply(r).emit(&reply_env, buf)))
             }
-            Message::Connect(c) => {
-                Some(self.connect(now, src, env_in, c, reply_env, new_session_id, buf, target_proof))
-            }
+            Message::Connect(c) => Some(self.connect(now, src, env_in, c, reply_env, new_session_id, buf, keyed)),
             _ => None,
         }
     }
@@ -481,7 +529,7 @@ impl Acceptor {
         reply_env: Envelope,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
-        target_proof: Option<[u8; 32]>,
+        keyed: Option<KeyedConnect<'_>>,
     ) -> Accepted {
         let reject = |reason, buf: &mut [u8]| {
             Accepted::Reply(Message::Reject(Reject { nonce: c.nonce, reason, holder: None }).emit(&reply_env, buf))
@@ -489,19 +537,15 @@ impl Acceptor {
         let Some(export) = self.exports.iter().position(|e| e.name == c.export) else {
             return reject(RejectReason::UnknownExport, buf);
         };
-        if self.exports[export].flags & flags::EXPORT_NEEDS_KEY != 0 && target_proof.is_none() {
-            return reject(RejectReason::AuthRequired, buf);
+        // A retransmitted CONNECT: answer with the same ACCEPT, creating nothing (a new channel
+        // would reuse the keys' nonces).
+        if let Some((sid, g)) = self.granted(src, env_in, c) {
+            let env = Envelope { session: sid, ..reply_env };
+            return Accepted::Reply(Message::Accept(g.accept).emit(&env, buf));
         }
-        // A retransmitted CONNECT: answer with the same ACCEPT.
-        let existing =
-            if env_in.session == 0 { self.created.get(&(src, c.nonce)).copied() } else { Some(env_in.session) };
-        if let Some(sid) = existing {
-            if let Some(g) =
-                self.sessions.get(&sid).and_then(|s| s.channels.get(&env_in.channel)).filter(|g| g.nonce == c.nonce)
-            {
-                let env = Envelope { session: sid, ..reply_env };
-                return Accepted::Reply(Message::Accept(g.accept).emit(&env, buf));
-            }
+        let needs_key = self.exports[export].flags & flags::EXPORT_NEEDS_KEY != 0;
+        if needs_key && keyed.is_none() {
+            return reject(RejectReason::AuthRequired, buf);
         }
         let Some(params) = negotiate(&c.params, &self.limit) else {
             return reject(RejectReason::BadParameters, buf);
@@ -529,21 +573,47 @@ impl Acceptor {
             },
         };
         let e = &self.exports[export];
+        let grant = crate::auth::Grant {
+            session: sid,
+            params,
+            export_size: e.size,
+            block_size: e.block_size,
+            export_flags: e.flags,
+        };
+        let sealing = keyed.filter(|_| needs_key).map(|k| {
+            let input = crate::auth::ProofInput {
+                nonce: c.nonce,
+                target_nonce: k.target_nonce,
+                session: env_in.session,
+                channel: env_in.channel,
+                export: c.export,
+                initiator: src,
+                target: reply_env.src,
+                host: c.host,
+                asked: c.params,
+            };
+            (k.key, crate::auth::target_proof(k.key, &input, &grant))
+        });
         let accept = Accept {
             nonce: c.nonce,
             params,
             export_size: e.size,
             block_size: e.block_size,
             export_flags: e.flags,
-            proof: target_proof,
+            proof: sealing.map(|(_, p)| p),
         };
         let record = self.sessions.get_mut(&sid).expect("inserted or checked");
-        if record.channels.insert(env_in.channel, Granted { nonce: c.nonce, accept }).is_none() {
+        let granted = Granted { nonce: c.nonce, accept, proof: c.proof };
+        if record.channels.insert(env_in.channel, granted).is_none() {
             self.channel_count += 1;
         }
         let env = Envelope { session: sid, ..reply_env };
         let len = Message::Accept(accept).emit(&env, buf);
-        let channel = Box::new(Channel::new(Role::Target, env, params, self.timers, now));
-        Accepted::Channel { session: sid, export, channel, len }
+        let mut channel = Channel::new(Role::Target, env, params, self.timers, now);
+        if let Some((key, proof)) = sealing {
+            let encrypt = e.flags & flags::EXPORT_ENCRYPTED != 0;
+            channel = channel.with_sealer(crate::auth::Sealer::derive(key, &proof, Role::Target, encrypt));
+        }
+        Accepted::Channel { session: sid, export, channel: Box::new(channel), len }
     }
 }

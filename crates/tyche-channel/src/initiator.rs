@@ -462,15 +462,29 @@ impl Volume {
     }
 
     /// Hands the volume a received frame.
-    pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> Inbound<'a> {
-        self.note_shutdown(bytes);
+    ///
+    /// `scratch` holds the plaintext of a frame of an encrypting channel (a buffer the caller
+    /// keeps, so that it is allocated once).
+    pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Inbound<'a> {
+        // A keyed volume believes only authentic frames (below); an unkeyed one takes a
+        // DISCONNECT even for a channel it already dropped.
+        let sealed = self.members.iter().flatten().any(|m| m.channel.sealed());
+        if !sealed {
+            self.note_shutdown(bytes);
+        }
         let members = &mut self.members;
         let lookup = move |i: u16| {
             let members = members; // moved in: the closure is FnOnce and may return a borrow of it
             members.get_mut(i as usize)?.as_mut().map(|m| &mut m.channel)
         };
-        let (idx, received) = match deliver(now, bytes, self.ethertype, self.session, lookup) {
-            Ok(r) => r,
+        let (idx, received) = match deliver(now, bytes, scratch, self.ethertype, self.session, lookup) {
+            Ok((idx, received, authentic)) => {
+                if sealed && !matches!(received, Received::Dropped(DropReason::Unauthenticated | DropReason::Replayed))
+                {
+                    self.note_shutdown(authentic);
+                }
+                (idx, received)
+            }
             Err(d) => return Inbound::Dropped(d),
         };
         let out = match received {
@@ -632,7 +646,18 @@ impl Volume {
         }
     }
 
-    /// Writes the next frame channel `channel` wants to send into `buf`.
+    /// Seals the frame of `len` bytes that [`Volume::poll_transmit`] wrote for `channel`, its
+    /// payload in place ([`Channel::seal`]): the length to send.
+    pub fn seal(&mut self, channel: u16, buf: &mut [u8], len: usize) -> usize {
+        match self.members.get_mut(channel as usize).and_then(Option::as_mut) {
+            Some(m) => m.channel.seal(buf, len),
+            None => len,
+        }
+    }
+
+    /// Writes the next frame channel `channel` wants to send into `buf`. Once its payload (if
+    /// any) is in place, the caller passes it to [`Volume::seal`] and sends the length that
+    /// returns.
     pub fn poll_transmit(&mut self, now: Instant, channel: u16, buf: &mut [u8]) -> Option<OutFrame> {
         let member = self.members.get_mut(channel as usize)?.as_mut()?;
         let Transmit { len, payload } = member.channel.poll_transmit(now, buf)?;

@@ -56,10 +56,13 @@ pub enum TargetInbound<'a> {
         damq: u16,
         /// Byte offset within the request's data.
         offset: u32,
-        /// The bytes, borrowed from the frame.
+        /// The bytes, borrowed from the frame (or, on an encrypting channel, from the caller's
+        /// scratch buffer).
         payload: &'a [u8],
         /// Generation of the slot's contents (see [`TargetEvent::Execute`]).
         generation: u32,
+        /// Tag of the request the data belongs to.
+        tag: u64,
     },
     /// Not used.
     Dropped(FrameDrop),
@@ -153,14 +156,17 @@ impl TargetSession {
     }
 
     /// Hands the session a received frame.
-    pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8]) -> TargetInbound<'a> {
+    ///
+    /// `scratch` holds the plaintext of a frame of an encrypting channel (a buffer the caller
+    /// keeps, so that it is allocated once).
+    pub fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> TargetInbound<'a> {
         let channels = &mut self.channels;
         let lookup = move |i: u16| {
             let channels = channels; // moved in: the closure is FnOnce and may return a borrow of it
             channels.get_mut(&i)
         };
-        let (idx, received) = match deliver(now, bytes, self.ethertype, self.id, lookup) {
-            Ok(r) => r,
+        let (idx, received) = match deliver(now, bytes, scratch, self.ethertype, self.id, lookup) {
+            Ok((idx, received, _)) => (idx, received),
             Err(d) => return TargetInbound::Dropped(d),
         };
         let out = match received {
@@ -172,6 +178,7 @@ impl TargetSession {
                 offset: p.offset,
                 payload: p.payload,
                 generation: p.generation,
+                tag: p.tag,
             },
         };
         self.drain(idx);
@@ -297,11 +304,27 @@ impl TargetSession {
         }
     }
 
-    /// Writes the next frame channel `channel` wants to send into `buf`.
+    /// Writes the next frame channel `channel` wants to send into `buf`. Once its payload (if
+    /// any) is in place, the caller passes it to [`TargetSession::seal`] and sends the length
+    /// that returns.
     pub fn poll_transmit(&mut self, now: Instant, channel: u16, buf: &mut [u8]) -> Option<Transmit> {
         let t = self.channels.get_mut(&channel)?.poll_transmit(now, buf);
         self.drain(channel);
         t
+    }
+
+    /// Seals the frame of `len` bytes that [`TargetSession::poll_transmit`] wrote for `channel`
+    /// ([`Channel::seal`]): the length to send.
+    pub fn seal(&mut self, channel: u16, buf: &mut [u8], len: usize) -> usize {
+        match self.channels.get_mut(&channel) {
+            Some(c) => c.seal(buf, len),
+            None => len,
+        }
+    }
+
+    /// Whether the session's channels seal their frames (a keyed export).
+    pub fn sealed(&self) -> bool {
+        self.channels.values().any(Channel::sealed)
     }
 
     /// Whether channel `channel` has a frame to send now.

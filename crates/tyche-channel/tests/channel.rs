@@ -87,7 +87,8 @@ fn frame_far_ahead_is_out_of_window() {
     let Message::Request(mut r) = p[0].msg() else { unreachable!() };
     r.seq.seq += pair.cfg.params.ring as u32 + 3;
     let bytes = util::frame_of(&util::initiator_env(0), &Message::Request(r));
-    let got = pair.target.handle_frame(pair.now, &bytes);
+    let mut scratch = Vec::new();
+    let got = pair.target.handle_frame(pair.now, &bytes, &mut scratch);
     assert_eq!(
         got,
         tyche_channel::TargetInbound::Dropped(tyche_channel::FrameDrop::Channel(DropReason::OutOfWindow)),
@@ -97,7 +98,8 @@ fn frame_far_ahead_is_out_of_window() {
     let Message::Request(mut r) = p[0].msg() else { unreachable!() };
     r.seq.seq = 0;
     let bytes = util::frame_of(&util::initiator_env(0), &Message::Request(r));
-    let got = pair.target.handle_frame(pair.now, &bytes);
+    let mut scratch = Vec::new();
+    let got = pair.target.handle_frame(pair.now, &bytes, &mut scratch);
     assert_eq!(got, tyche_channel::TargetInbound::Dropped(tyche_channel::FrameDrop::Channel(DropReason::Duplicate)));
     pair.collect();
     assert_eq!(pair.executions(r.tag), 1);

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use tyche_channel::auth::{self, ProofInput, ProofRole};
-use tyche_channel::{Accepted, Acceptor, ConnectError, Connector, ExportSpec, Instant, Timers};
+use tyche_channel::auth::{self, ProofInput, Psk};
+use tyche_channel::{Accepted, Acceptor, ConnectError, Connector, ExportSpec, Instant, KeyedConnect, Timers};
 use tyche_wire::{
     flags, Challenge, ChannelParams, Envelope, Frame, MacAddr, Message, RejectReason, DEFAULT_ETHERTYPE, SECTOR_SIZE,
 };
@@ -52,20 +52,33 @@ fn run(mut c: Connector, target_key: &[u8], tamper_accept: bool) -> Result<u64, 
                 out[..n].to_vec()
             }
             Some(p) => {
-                let input =
-                    ProofInput { nonce: m.nonce, target_nonce, export: m.export, initiator: init(), target: target() };
-                if !auth::verify(target_key, ProofRole::Initiator, &input, &p) {
+                let input = ProofInput {
+                    nonce: m.nonce,
+                    target_nonce,
+                    session: env.session,
+                    channel: env.channel,
+                    export: m.export,
+                    initiator: init(),
+                    target: target(),
+                    host: m.host,
+                    asked: m.params,
+                };
+                if !auth::verify_initiator(target_key, &input, &p) {
                     let r = tyche_wire::Reject { nonce: m.nonce, reason: RejectReason::AuthFailed, holder: None };
                     let n = Message::Reject(r).emit(&reply_env, &mut out);
                     out[..n].to_vec()
                 } else {
-                    let mut proof = auth::proof(target_key, ProofRole::Target, &input);
-                    if tamper_accept {
-                        proof[0] ^= 1;
-                    }
                     let msg = Message::Connect(m);
-                    match a.handle_keyed(now, target(), init(), &env, &msg, &mut || 42, &mut out, Some(proof)) {
-                        Some(Accepted::Channel { len, .. }) => out[..len].to_vec(),
+                    let key = Psk::new(target_key);
+                    let keyed = Some(KeyedConnect { key: &key, target_nonce });
+                    match a.handle_keyed(now, target(), init(), &env, &msg, &mut || 42, &mut out, keyed) {
+                        Some(Accepted::Channel { len, .. }) => {
+                            if tamper_accept {
+                                // The PROOF field of the ACCEPT.
+                                out[14 + tyche_wire::layout::accept::PROOF.start] ^= 1;
+                            }
+                            out[..len].to_vec()
+                        }
                         other => panic!("expected a channel, got {other:?}"),
                     }
                 }

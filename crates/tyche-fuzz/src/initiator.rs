@@ -251,7 +251,8 @@ impl World {
             self.sent.pop_front();
         }
         self.sent.push_back(frame.to_vec());
-        if let Inbound::Read { id, offset, payload } = self.vol.handle_frame(self.now, frame) {
+        let mut scratch = Vec::new();
+        if let Inbound::Read { id, offset, payload } = self.vol.handle_frame(self.now, frame, &mut scratch) {
             let Some(&(op, len)) = self.outstanding.get(&id) else {
                 panic!("read data placed for request {id}, which is not outstanding");
             };

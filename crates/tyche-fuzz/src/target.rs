@@ -479,9 +479,10 @@ impl World {
         let now = self.now();
         let Honest { port, vol, bufs, done, buf, .. } = &mut self.honest;
         let vol = vol.as_mut().expect("attached");
+        let mut scratch = Vec::new();
         let mut moved = port
             .recv(256, &mut |bytes| {
-                if let Inbound::Read { id, offset, payload } = vol.handle_frame(now, bytes) {
+                if let Inbound::Read { id, offset, payload } = vol.handle_frame(now, bytes, &mut scratch) {
                     let b = bufs.get_mut(&id).expect("read data for an outstanding request");
                     b[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
                 }
@@ -503,7 +504,7 @@ impl World {
                 buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len as usize]
                     .copy_from_slice(&bufs[&id][off as usize..off as usize + len as usize]);
             }
-            let len = out.len;
+            let len = vol.seal(0, buf, out.len);
             send(port, &buf[..len]);
             frames += 1;
         }

@@ -3,7 +3,6 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use tyche_transport::SplitMix64;
 use tyche_wire::{Discover, Envelope, Frame, MacAddr, Message};
 
 use crate::config::Link;
@@ -38,10 +37,7 @@ pub struct DiscoveredTarget {
 /// complete export list (asking for further pages as needed) and returns after `wait`.
 pub fn discover(links: &mut [Link], ethertype: u16, wait: Duration) -> Vec<DiscoveredTarget> {
     let retry = Duration::from_millis(200);
-    let mut rng = SplitMix64::new(
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos() as u64,
-    );
-    let nonce = rng.next_u64() as u32;
+    let nonce = tyche_channel::auth::random_u64() as u32;
     // (link, target) → (total, exports by index)
     let mut seen: BTreeMap<(usize, MacAddr), (u16, BTreeMap<u16, DiscoveredExport>)> = BTreeMap::new();
     let start = Instant::now();

@@ -23,7 +23,7 @@ use tyche_channel::{
     IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler, SubmitError, Volume, VolumeConfig,
     VolumeEvent,
 };
-use tyche_transport::{FrameTransport, MemoryArea, SplitMix64};
+use tyche_transport::{FrameTransport, MemoryArea};
 use tyche_wire::{
     flags, ChannelParams, DisconnectReason, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD,
 };
@@ -212,7 +212,8 @@ pub(crate) struct Engine {
     next_id: u64,
     inflight: HashMap<u64, InFlight>,
     backlog: VecDeque<IoCmd>,
-    rng: SplitMix64,
+    /// The plaintext of the last frame of an encrypting channel.
+    rx_scratch: Vec<u8>,
     last_timeout_run: Instant,
     stats: Stats,
     closing: Option<(Instant, Vec<oneshot::Sender<()>>)>,
@@ -256,15 +257,6 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Engine> {
         self.engine.lock().unwrap_or_else(|p| p.into_inner())
     }
-}
-
-fn seed() -> SplitMix64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    let mut s = SplitMix64::new(t.as_nanos() as u64 ^ ((std::process::id() as u64) << 32));
-    // Mix in an address from this process's address space (ASLR) for a bit more entropy.
-    let here = &s as *const _ as u64;
-    s = SplitMix64::new(s.next_u64() ^ here);
-    s
 }
 
 /// Which engine thread serves each link: one per distinct node (in order of first appearance)
@@ -427,7 +419,7 @@ impl Engine {
             next_id: 1,
             inflight: HashMap::new(),
             backlog: VecDeque::new(),
-            rng: seed(),
+            rx_scratch: Vec::new(),
             last_timeout_run: Instant::ZERO,
             stats: Stats::default(),
             closing: None,
@@ -471,7 +463,7 @@ impl Engine {
             session: plan.session,
         };
         let want = self.want(link);
-        let nonce = self.rng.next_u64();
+        let nonce = tyche_channel::auth::random_u64();
         let mut connector =
             Connector::new(env, &self.cfg.export, want, nonce, self.cfg.connect_retry, self.cfg.connect_attempts, now);
         if let Some(key) = &self.cfg.key {
@@ -509,7 +501,7 @@ impl Engine {
         let mut n = 0;
         let ethertype = self.cfg.ethertype;
         for (k, transport) in io.iter_mut() {
-            let Engine { links, connectors, volume, inflight, stats, .. } = self;
+            let Engine { links, connectors, volume, inflight, stats, rx_scratch, .. } = self;
             let link = &links[*k];
             let res = transport.recv(RX_BUDGET, &mut |bytes| {
                 if let Ok(frame) = Frame::new_checked(bytes, ethertype) {
@@ -524,7 +516,7 @@ impl Engine {
                     }
                 }
                 let Some(v) = volume.as_mut() else { return };
-                if let Inbound::Read { id, offset, payload } = v.handle_frame(now, bytes) {
+                if let Inbound::Read { id, offset, payload } = v.handle_frame(now, bytes, rx_scratch) {
                     let at = offset as usize;
                     // The volume only places data inside the request; a range outside it would be
                     // an engine bug, and is dropped rather than trusted.
@@ -784,7 +776,7 @@ impl Engine {
                                         .copy_from_slice(&r.buf.as_slice()[at..at + len]);
                                 }
                             }
-                            Some(out.len)
+                            Some(vol.seal(ch, buf, out.len))
                         });
                         match r {
                             Ok(n) => {

@@ -314,6 +314,7 @@ impl TargetLoop {
             let TargetLoop { ports, macs, acceptor, sessions, route, damq, rng, export, max_io, .. } = self;
             let port = &mut ports[k];
             let mut replies: Vec<Vec<u8>> = Vec::new();
+            let mut scratch = Vec::new();
             n += port
                 .recv(64, &mut |bytes| {
                     let Ok(frame) = Frame::new_checked(bytes, DEFAULT_ETHERTYPE) else { return };
@@ -340,7 +341,7 @@ impl TargetLoop {
                     }
                     let Some(s) = sessions.get_mut(&frame.session()) else { return };
                     if let TargetInbound::Write { channel, damq: slot, offset, payload, .. } =
-                        s.handle_frame(now, bytes)
+                        s.handle_frame(now, bytes, &mut scratch)
                     {
                         let mem = damq.entry((s.id(), channel, slot)).or_insert_with(|| vec![0; *max_io as usize]);
                         mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
@@ -413,7 +414,7 @@ impl TargetLoop {
                                         .copy_from_slice(&mem[at..at + len]);
                                 }
                             }
-                            Some(t.len)
+                            Some(s.seal(ch, buf, t.len))
                         })
                         .unwrap_or(0);
                     sent += n;

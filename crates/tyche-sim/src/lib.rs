@@ -277,6 +277,8 @@ struct World {
     faults: Vec<(usize, Fault)>,
     report: SeedReport,
     buf: Vec<u8>,
+    /// The plaintext of the last frame of an encrypting channel.
+    scratch: Vec<u8>,
 }
 
 /// Runs one seed.
@@ -368,6 +370,7 @@ impl World {
             faults,
             report: SeedReport { seed, ..SeedReport::default() },
             buf: vec![0; 9216],
+            scratch: Vec::new(),
         }
     }
 
@@ -501,7 +504,7 @@ impl World {
             return;
         }
         let Some(vol) = self.volume.as_mut() else { return };
-        if let Inbound::Read { id, offset, payload } = vol.handle_frame(self.now, bytes) {
+        if let Inbound::Read { id, offset, payload } = vol.handle_frame(self.now, bytes, &mut self.scratch) {
             let r = self.app.get_mut(&id).expect("read data for an outstanding request");
             r.buf[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
         }
@@ -586,7 +589,8 @@ impl World {
         let mut buf = std::mem::take(&mut self.buf);
         if let Some(t) = channel.poll_transmit(self.now, &mut buf) {
             let k = self.chan_path[&channel.envelope().channel];
-            self.send(k, Dir::ToTarget, &buf[..t.len]);
+            let len = channel.seal(&mut buf, t.len);
+            self.send(k, Dir::ToTarget, &buf[..len]);
         }
         self.buf = buf;
     }
@@ -621,7 +625,9 @@ impl World {
             return;
         }
         let Some(s) = self.sessions.get_mut(&frame.session()) else { return };
-        if let TargetInbound::Write { channel, damq, offset, payload, .. } = s.handle_frame(self.now, bytes) {
+        if let TargetInbound::Write { channel, damq, offset, payload, .. } =
+            s.handle_frame(self.now, bytes, &mut self.scratch)
+        {
             let mem = self.damq_mem.entry((s.id(), channel, damq)).or_insert_with(|| vec![0; MAX_IO as usize]);
             mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
         }
@@ -814,8 +820,9 @@ impl World {
                         buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len as usize]
                             .copy_from_slice(&r.buf[offset as usize..offset as usize + len as usize]);
                     }
-                    let mut b = self.net.buffer(out.len);
-                    b.copy_from_slice(&buf[..out.len]);
+                    let len = vol.seal(ch, &mut buf, out.len);
+                    let mut b = self.net.buffer(len);
+                    b.copy_from_slice(&buf[..len]);
                     self.net.send(now, k, Dir::ToTarget, b);
                 }
             }
@@ -833,8 +840,9 @@ impl World {
                         buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + p.len as usize]
                             .copy_from_slice(&mem[p.offset as usize..(p.offset + p.len) as usize]);
                     }
-                    let mut b = self.net.buffer(t.len);
-                    b.copy_from_slice(&buf[..t.len]);
+                    let len = s.seal(ch, &mut buf, t.len);
+                    let mut b = self.net.buffer(len);
+                    b.copy_from_slice(&buf[..len]);
                     self.net.send(now, k, Dir::ToInitiator, b);
                 }
             }

@@ -263,3 +263,19 @@ pub mod reject {
     /// End of the message.
     pub const END: usize = 32;
 }
+
+/// The authentication trailer of a sealed frame (common header flag `SEALED`): it follows the
+/// message, at `LENGTH` from the start of the Tyche header, outside `LENGTH`.
+pub mod trailer {
+    use super::Field;
+    /// The sender's frame counter for this channel and direction, `u64`: the AEAD nonce.
+    pub const COUNTER: Field = 0..8;
+    /// The AEAD tag (AES-256-GCM), 16 bytes.
+    pub const TAG: Field = 8..24;
+    /// Length of the trailer.
+    pub const END: usize = 24;
+}
+
+/// Where encryption starts in a sealed frame of an encrypting channel: everything after the
+/// common header is ciphertext (offset from the start of the Tyche header).
+pub const SEALED_PLAINTEXT_START: usize = common::END;

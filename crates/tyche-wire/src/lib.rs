@@ -54,9 +54,12 @@ pub const DATA_FRAME_OVERHEAD: usize = ETH_HEADER_LEN + layout::data::PAYLOAD;
 ///
 /// Returns `None` when not even a 512-byte segment fits, which the caller must report as a
 /// configuration error rather than let frames be dropped silently.
+///
+/// Room for the authentication trailer of a sealed frame ([`layout::trailer`]) is always left,
+/// so that a keyed export's segments fit the same links.
 pub fn segment_size_for(mtu: usize, frame_capacity: usize) -> Option<u32> {
-    let by_mtu = mtu.checked_sub(layout::data::PAYLOAD)?;
-    let by_buffer = frame_capacity.checked_sub(DATA_FRAME_OVERHEAD)?;
+    let by_mtu = mtu.checked_sub(layout::data::PAYLOAD + layout::trailer::END)?;
+    let by_buffer = frame_capacity.checked_sub(DATA_FRAME_OVERHEAD + layout::trailer::END)?;
     let fit = by_mtu.min(by_buffer).min(u16::MAX as usize);
     if fit < SECTOR_SIZE as usize {
         return None;

@@ -215,6 +215,12 @@ pub mod flags {
     pub const EXPORT_NEEDS_KEY: u16 = 0x0002;
     /// Export flag: DISCARD is supported (and zeroes the range).
     pub const EXPORT_DISCARD: u16 = 0x0004;
+    /// Export flag: the export's channels encrypt what follows the common header (it also
+    /// needs the key).
+    pub const EXPORT_ENCRYPTED: u16 = 0x0008;
+    /// Common header flag of every kind (high byte): an authentication trailer follows the
+    /// message (`layout::trailer`). Every frame of a channel of a keyed export carries it.
+    pub const SEALED: u16 = 0x8000;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -284,6 +290,10 @@ impl<T: AsRef<[u8]>> Frame<T> {
     /// Common-header flags.
     pub fn flags(&self) -> u16 {
         get_u16(self.message(), layout::common::FLAGS)
+    }
+    /// The `LENGTH` field: bytes of Tyche message (a sealed frame's trailer follows them).
+    pub fn length(&self) -> u16 {
+        get_u16(self.message(), layout::common::LENGTH)
     }
     /// Channel index.
     pub fn channel(&self) -> u16 {

@@ -321,11 +321,12 @@ proptest! {
     /// is the largest such.
     #[test]
     fn segment_size_fits_both_limits(mtu in 0usize..70_000, cap in 0usize..70_000) {
-        let by_mtu = mtu.saturating_sub(layout::data::PAYLOAD);
-        let by_cap = cap.saturating_sub(DATA_FRAME_OVERHEAD);
+        let t = layout::trailer::END;
+        let by_mtu = mtu.saturating_sub(layout::data::PAYLOAD + t);
+        let by_cap = cap.saturating_sub(DATA_FRAME_OVERHEAD + t);
         let fits = |s: usize| s <= by_mtu && s <= by_cap
-            && ETH_HEADER_LEN + layout::data::PAYLOAD + s <= ETH_HEADER_LEN + mtu
-            && DATA_FRAME_OVERHEAD + s <= cap
+            && ETH_HEADER_LEN + layout::data::PAYLOAD + s + t <= ETH_HEADER_LEN + mtu
+            && DATA_FRAME_OVERHEAD + s + t <= cap
             && layout::data::PAYLOAD + s <= u16::MAX as usize;
         match segment_size_for(mtu, cap) {
             Some(s) => {

@@ -52,7 +52,7 @@ pub fn plan_frames(ifname: &str, mtu: usize, allow_multi_buffer: bool) -> Result
         return Err(too_big("MTUs above 9216 are not supported"));
     }
     let segment_size = tyche_wire::segment_size_for(mtu, needed)
-        .ok_or_else(|| too_big("the MTU cannot carry a 512-byte Tyche segment; raise it to 560 or more"))?;
+        .ok_or_else(|| too_big("the MTU cannot carry a 512-byte Tyche segment; raise it to 584 or more"))?;
     Ok(FramePlan { frame_capacity: needed, multi_buffer, segment_size })
 }
 

@@ -241,6 +241,11 @@ pub struct ExportConfig {
     /// initiator (host) at a time; another gets REJECT IN_USE naming the holder.
     #[serde(default)]
     pub shared: bool,
+    /// Encrypt every frame of the export's channels after the common header (AES-256-GCM, the
+    /// key's channel keys). Needs `key_file` (or `key`). Frames of a keyed export are always
+    /// authenticated; this also hides data, offsets and lengths from the wire.
+    #[serde(default)]
+    pub encrypt: bool,
 }
 
 /// A byte size, written as a number or a string with a K/M/G/T suffix.
@@ -414,6 +419,7 @@ impl ExportConfig {
             key_file: None,
             direct: true,
             shared: false,
+            encrypt: false,
         }
     }
 
@@ -580,6 +586,9 @@ impl Config {
             }
             if e.key_file.is_some() {
                 e.key_bytes().map_err(|m| invalid(f("key_file"), m))?;
+            }
+            if e.encrypt && !e.keyed() {
+                return Err(invalid(f("encrypt"), "encryption needs a key: give key_file"));
             }
         }
         Ok(())

@@ -248,9 +248,12 @@ pub struct LimitStats {
     pub busy_channels_per_session: u64,
     /// CONNECTs refused with BUSY: `limits.channels` was full.
     pub busy_channels: u64,
-    /// Pending key challenges forgotten to make room (`limits.challenges`,
-    /// `limits.challenges_per_mac`), or expired.
+    /// Pending key challenges of one MAC forgotten to make room for that MAC's newer one
+    /// (`limits.challenges_per_mac`).
     pub challenges_evicted: u64,
+    /// CHALLENGEs not sent because `limits.challenges` live ones were pending (a flood): the
+    /// pending ones are kept.
+    pub challenges_refused: u64,
     /// Control replies (ACCEPT, REJECT, CHALLENGE, DISCOVER_REPLY) dropped because their NIC's
     /// queue held `limits.control_queue` already.
     pub control_dropped: u64,

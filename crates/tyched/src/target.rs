@@ -22,10 +22,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use tyche_channel::auth::{self, ProofInput, ProofRole};
+use tyche_channel::auth::{self, ProofInput, Psk};
 use tyche_channel::{
-    Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, TargetEvent, TargetInbound,
-    TargetSession,
+    Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, KeyedConnect, TargetEvent,
+    TargetInbound, TargetSession,
 };
 use tyche_transport::{FrameTransport, Lease, Sent, TxChunk};
 use tyche_wire::{
@@ -44,7 +44,7 @@ const TX_BUDGET: usize = 256;
 /// Storage jobs queued at most (the workers' queue).
 const JOB_QUEUE: usize = 4096;
 /// How long a CHALLENGE may be answered.
-const CHALLENGE_LIFETIME: Duration = Duration::from_secs(10);
+const CHALLENGE_LIFETIME: Duration = Duration::from_secs(5);
 /// Longest sleep when some transport has no readiness descriptor (in-memory links).
 const POLL_CAP_NO_FD: Duration = Duration::from_millis(1);
 /// Longest sleep otherwise (the stop flag and stats requests are also signalled on the eventfd).
@@ -122,7 +122,7 @@ struct Export {
     /// Whether write data may stay in the received frames ([`Backend::writes_from_frames`]).
     lend: bool,
     allow: Vec<MacAddr>,
-    key: Option<zeroize::Zeroizing<Vec<u8>>>,
+    key: Option<Psk>,
     read_only: bool,
     /// Several initiators may attach at once.
     shared: bool,
@@ -203,18 +203,6 @@ impl RateLimit {
 
 /// The log rate limit of this process's targets.
 pub(crate) static PEER_LOGS: RateLimit = RateLimit::new();
-
-/// 64 unpredictable bits from the kernel (session ids, challenge nonces).
-fn random_u64() -> u64 {
-    let mut v: u64 = 0;
-    loop {
-        // SAFETY: getrandom writes at most 8 bytes into the live u64.
-        let n = unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
-        if n == 8 {
-            return v;
-        }
-    }
-}
 
 /// A storage request for a worker.
 #[derive(Debug)]
@@ -486,8 +474,11 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         if e.keyed() {
             f |= flags::EXPORT_NEEDS_KEY;
         }
+        if e.encrypt {
+            f |= flags::EXPORT_ENCRYPTED;
+        }
         tracing::info!(export = %e.name, backend = backend.kind(), size = backend.size(), read_only = e.read_only,
-                keyed = e.keyed(), "export ready");
+                keyed = e.keyed(), encrypted = e.encrypt, "export ready");
         if e.key.is_some() {
             tracing::warn!(export = %e.name, "an inline key in the configuration is deprecated: put it in a file only its owner can read and name it in key_file");
         }
@@ -497,10 +488,13 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
             backend,
             uring: false,
             allow: e.allowed_macs(),
-            key: e.key_bytes().map_err(|m| crate::config::ConfigError::Invalid {
-                field: format!("export[{index}].key_file"),
-                message: m,
-            })?,
+            key: e
+                .key_bytes()
+                .map_err(|m| crate::config::ConfigError::Invalid {
+                    field: format!("export[{index}].key_file"),
+                    message: m,
+                })?
+                .map(|k| Psk::new(&k)),
             read_only: e.read_only,
             shared: e.shared,
         });
@@ -659,6 +653,7 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         inflight: 0,
         control: Vec::new(),
         challenges: HashMap::new(),
+        rx_scratch: Vec::new(),
         challenge_order: VecDeque::new(),
         challenges_by_mac: HashMap::new(),
         limits: config.limits,
@@ -1004,6 +999,8 @@ struct Network {
     challenge_order: VecDeque<(MacAddr, u64)>,
     /// Pending challenges per initiator MAC, oldest first.
     challenges_by_mac: HashMap<MacAddr, VecDeque<u64>>,
+    /// The plaintext of the last frame of an encrypting channel.
+    rx_scratch: Vec<u8>,
     /// The limits in force.
     limits: crate::config::Limits,
     /// What they refused or held back.
@@ -1227,7 +1224,11 @@ impl Network {
         };
         let sid = frame.session();
         let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.on_tyche_frame(now, k, local, &frame, bytes, lease)
+            // The plaintext of an encrypting channel's frame goes here (kept, not reallocated).
+            let mut scratch = std::mem::take(&mut self.rx_scratch);
+            let kept = self.on_tyche_frame(now, k, local, &frame, bytes, lease, &mut scratch);
+            self.rx_scratch = scratch;
+            kept
         }));
         handled.unwrap_or_else(|_| {
             self.fail_session(sid, "handling a frame");
@@ -1235,6 +1236,7 @@ impl Network {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn on_tyche_frame(
         &mut self,
         now: Instant,
@@ -1243,6 +1245,7 @@ impl Network {
         frame: &Frame<&[u8]>,
         bytes: &[u8],
         lease: Option<Lease>,
+        scratch: &mut Vec<u8>,
     ) -> Option<Lease> {
         let st = &mut self.nic_stats[k];
         if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
@@ -1258,7 +1261,7 @@ impl Network {
             tracing::trace!(src = %frame.src(), session = frame.session(), "frame for an unknown session");
             return lease;
         };
-        let (channel, damq, offset, payload, generation) = match s.session.handle_frame(now, bytes) {
+        let (channel, damq, offset, payload, generation, tag) = match s.session.handle_frame(now, bytes, scratch) {
             TargetInbound::Consumed => {
                 s.established = true;
                 return lease;
@@ -1271,21 +1274,15 @@ impl Network {
                 }
                 return lease;
             }
-            TargetInbound::Write { channel, damq, offset, payload, generation } => {
+            TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
                 s.established = true;
-                (channel, damq, offset, payload, generation)
+                (channel, damq, offset, payload, generation, tag)
             }
         };
         let epoch = s.epochs.get(&channel).copied().unwrap_or(0);
         let key = (s.session.id(), channel, epoch, damq);
         let lend = self.exports[s.export].lend;
         let node = self.nic_node[k];
-        let Ok(Message::Data(data)) = frame.parse_borrowed() else {
-            // The channel placed it, so it parsed as DATA there.
-            st.drops.malformed += 1;
-            return lease;
-        };
-        let tag = data.header.tag;
         // Segments kept for another tag or slot generation (a write that never executed, early
         // data of a refused request) or at this offset (never: the channel drops duplicates) go
         // back first.
@@ -1411,7 +1408,8 @@ impl Network {
             Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
         // Largest reply: a DISCOVER_REPLY of 8 exports with 64-byte names (672 bytes).
         let mut buf = vec![0u8; 2048];
-        let mut target_proof = None;
+        // A keyed export's CONNECT whose proof checked out: the key and the challenge's nonce.
+        let mut keyed: Option<(Psk, u64)> = None;
         // The initiator's identity (for a CONNECT of a known export), and the sessions of it
         // that a new session fences.
         let mut new_session = None;
@@ -1437,18 +1435,20 @@ impl Network {
                     self.queue_control(k, buf);
                     return;
                 }
-                if let Some(key) = &e.key {
-                    let pending = self
-                        .challenges
-                        .get(&(src, c.nonce))
-                        .filter(|p| now.since(p.sent) < CHALLENGE_LIFETIME)
-                        .map(|p| p.target_nonce);
+                if let Some(key) = e.key.clone() {
                     let Some(proof) = c.proof else {
+                        let pending = self
+                            .challenges
+                            .get(&(src, c.nonce))
+                            .filter(|p| now.since(p.sent) < CHALLENGE_LIFETIME)
+                            .map(|p| p.target_nonce);
                         let tn = match pending {
                             Some(tn) => tn,
                             None => {
-                                let tn = random_u64();
-                                self.remember_challenge(now, src, c.nonce, tn);
+                                let tn = auth::random_u64();
+                                if !self.remember_challenge(now, src, c.nonce, tn) {
+                                    return; // the table is full of live challenges: no answer
+                                }
                                 tn
                             }
                         };
@@ -1459,25 +1459,51 @@ impl Network {
                         self.queue_control(k, buf);
                         return;
                     };
+                    // A retry of a CONNECT that was granted (its ACCEPT lost): the same ACCEPT,
+                    // nothing else. Its challenge is spent.
+                    if self.acceptor.is_retry(src, &env_in, c) {
+                        let mut ids = auth::random_u64;
+                        if let Some(Accepted::Reply(len)) =
+                            self.acceptor.handle_keyed(now, local, src, &env_in, msg, &mut ids, &mut buf, None)
+                        {
+                            buf.truncate(len);
+                            self.queue_control(k, buf);
+                        }
+                        return;
+                    }
+                    // A challenge is answered once, within its lifetime: a replayed proof finds
+                    // none. The proof covers the session and channel the CONNECT names, its
+                    // parameters and host id, so it is good for nothing else either.
+                    let pending = self
+                        .forget_challenge(src, c.nonce)
+                        .filter(|p| now.since(p.sent) < CHALLENGE_LIFETIME)
+                        .map(|p| p.target_nonce);
                     let input = |tn| ProofInput {
                         nonce: c.nonce,
                         target_nonce: tn,
+                        session: env_in.session,
+                        channel: env_in.channel,
                         export: c.export,
                         initiator: src,
                         target: local,
+                        host: c.host,
+                        asked: c.params,
                     };
-                    let ok = pending.filter(|&tn| auth::verify(key, ProofRole::Initiator, &input(tn), &proof));
+                    let ok = pending.filter(|&tn| auth::verify_initiator(&key, &input(tn), &proof));
                     let Some(tn) = ok else {
                         if PEER_LOGS.allow() {
-                            tracing::warn!(%src, export = %c.export, "refused: wrong key proof");
+                            tracing::warn!(%src, export = %c.export, "refused: wrong or replayed key proof");
                         }
                         self.nic_stats[k].drops.denied_key += 1;
                         self.export_stats[i].denied += 1;
-                        reject(RejectReason::AuthFailed, &mut buf);
+                        let len =
+                            Message::Reject(Reject { nonce: c.nonce, reason: RejectReason::AuthFailed, holder: None })
+                                .emit(&reply_env, &mut buf);
+                        buf.truncate(len);
                         self.queue_control(k, buf);
                         return;
                     };
-                    target_proof = Some(auth::proof(key, ProofRole::Target, &input(tn)));
+                    keyed = Some((key, tn));
                 }
                 // One initiator at a time (unless shared); the same initiator again fences its
                 // old sessions. Only for a CONNECT that creates a session (not a retransmitted
@@ -1534,9 +1560,10 @@ impl Network {
                 }
             }
         }
-        let mut ids = random_u64;
+        let mut ids = auth::random_u64;
         let busy_before = self.acceptor.busy();
-        match self.acceptor.handle_keyed(now, local, src, &env_in, msg, &mut ids, &mut buf, target_proof) {
+        let keyed = keyed.as_ref().map(|(key, tn)| KeyedConnect { key, target_nonce: *tn });
+        match self.acceptor.handle_keyed(now, local, src, &env_in, msg, &mut ids, &mut buf, keyed) {
             Some(Accepted::Reply(len)) => {
                 if self.acceptor.busy() != busy_before && PEER_LOGS.allow() {
                     tracing::warn!(%src, busy = ?self.acceptor.busy(), "refused a CONNECT: a session or channel limit is full");
@@ -1636,9 +1663,12 @@ impl Network {
         &self.nic_stats[k].name
     }
 
-    /// Remembers a CHALLENGE sent to `src`: at most `limits.challenges_per_mac` per MAC and
-    /// `limits.challenges` in all, the oldest forgotten first (counted).
-    fn remember_challenge(&mut self, now: Instant, src: MacAddr, nonce: u64, tn: u64) {
+    /// Remembers a CHALLENGE sent to `src`. At most `limits.challenges_per_mac` per MAC: that
+    /// MAC's oldest is forgotten (`limits.challenges_evicted`). At most `limits.challenges` in
+    /// all: expired ones are forgotten first, and when every one is still live no challenge is
+    /// issued (`limits.challenges_refused`), so that a flood from many MACs cannot push out the
+    /// pending challenges of honest initiators. Returns whether it was remembered.
+    fn remember_challenge(&mut self, now: Instant, src: MacAddr, nonce: u64, tn: u64) -> bool {
         let per_mac = self.challenges_by_mac.entry(src).or_default();
         if per_mac.len() >= self.limits.challenges_per_mac {
             if let Some(old) = per_mac.pop_front() {
@@ -1646,26 +1676,46 @@ impl Network {
                 self.limit_stats.challenges_evicted += 1;
             }
         }
-        per_mac.push_back(nonce);
-        while self.challenges.len() >= self.limits.challenges {
-            let Some((mac, old)) = self.challenge_order.pop_front() else { break };
-            if self.challenges.remove(&(mac, old)).is_some() {
-                self.limit_stats.challenges_evicted += 1;
-                if let Some(q) = self.challenges_by_mac.get_mut(&mac) {
-                    q.retain(|&n| n != old);
-                    if q.is_empty() {
-                        self.challenges_by_mac.remove(&mac);
-                    }
+        // Challenges expire in the order they were sent.
+        while let Some(&(mac, old)) = self.challenge_order.front() {
+            match self.challenges.get(&(mac, old)) {
+                Some(p) if now.since(p.sent) < CHALLENGE_LIFETIME => break,
+                Some(_) => {
+                    self.forget_challenge(mac, old);
                 }
+                None => {}
             }
+            self.challenge_order.pop_front();
         }
+        if self.challenges.len() >= self.limits.challenges {
+            self.limit_stats.challenges_refused += 1;
+            if self.challenges_by_mac.get(&src).is_some_and(VecDeque::is_empty) {
+                self.challenges_by_mac.remove(&src);
+            }
+            return false;
+        }
+        self.challenges_by_mac.entry(src).or_default().push_back(nonce);
         self.challenges.insert((src, nonce), PendingChallenge { target_nonce: tn, sent: now });
         self.challenge_order.push_back((src, nonce));
-        // Entries forgotten per MAC stay in the order until popped: keep it bounded too.
+        // Entries answered or forgotten per MAC stay in the order until popped: keep it bounded.
         if self.challenge_order.len() > 2 * self.limits.challenges {
             let challenges = &self.challenges;
             self.challenge_order.retain(|key| challenges.contains_key(key));
         }
+        true
+    }
+
+    /// Forgets the CHALLENGE sent to `src` for CONNECT nonce `nonce` (answered, or expired),
+    /// returning it if it was pending.
+    fn forget_challenge(&mut self, src: MacAddr, nonce: u64) -> Option<PendingChallenge> {
+        let p = self.challenges.remove(&(src, nonce))?;
+        if let Some(q) = self.challenges_by_mac.get_mut(&src) {
+            q.retain(|&n| n != nonce);
+            if q.is_empty() {
+                self.challenges_by_mac.remove(&src);
+            }
+        }
+        Some(p)
     }
 
     // ---------------------------------------------------------------------------------------
@@ -1768,7 +1818,10 @@ impl Network {
                     if let Some(k) = nic {
                         let need = (request.length as usize).div_ceil(seg.max(1) as usize);
                         let free = &mut self.tx_free[k];
-                        if self.exports[export].lend && seg > 0 && need > 0 && free.len() >= need {
+                        // Read data of a keyed export is sealed frame by frame: it is sent from
+                        // slot memory, never from chunks that hold it once.
+                        let sealed = self.exports[export].key.is_some();
+                        if self.exports[export].lend && !sealed && seg > 0 && need > 0 && free.len() >= need {
                             let chunks = free.split_off(free.len() - need);
                             region = Some(Region { chunks, seg, nic: k, tag: request.tag });
                             self.in_region.insert(key);
@@ -2170,6 +2223,10 @@ impl Network {
                                 // completion is sent; never send stale bytes.
                                 _ => Sent::Here(0),
                             }
+                        };
+                        let sent = match sent {
+                            Sent::Here(len) if len > 0 => Sent::Here(s.session.seal(ch, buf, len)),
+                            other => other,
                         };
                         if sent != Sent::Here(0) {
                             frames += 1;

@@ -10,6 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
+use tyche_channel::auth::Sealer;
 use tyche_channel::{Channel, DropReason, FrameDrop, Role};
 use tyche_channel::{
     ExportGeometry, Inbound, Instant, IoError, IoRequest, RoundRobin, TargetEvent, TargetInbound, TargetSession,
@@ -116,6 +117,8 @@ pub struct PairConfig {
     pub no_path_timeout: Duration,
     /// Volume's `max_requests`.
     pub max_requests: usize,
+    /// Channels of a keyed export: `Some(encrypt)` seals every frame ([`Sealer`]).
+    pub seal: Option<bool>,
 }
 
 /// Timers scaled to a 10 µs link.
@@ -153,6 +156,7 @@ impl Default for PairConfig {
             read_only: false,
             no_path_timeout: Duration::from_millis(50),
             max_requests: 64,
+            seal: None,
         }
     }
 }
@@ -232,7 +236,37 @@ pub struct Pair {
     /// Last time a frame reached the initiator, and the target.
     pub last_rx: HashMap<Dir, Instant>,
     buf: Vec<u8>,
+    scratch: Vec<u8>,
+    /// Channels opened so far (each keyed one gets keys of its own).
+    opened: u8,
 }
+
+/// Both ends of a channel: sealed with keys of their own (as a new handshake gives) when the
+/// pair is keyed.
+fn channel_pair(
+    cfg: &PairConfig,
+    env: Envelope,
+    params: ChannelParams,
+    now: Instant,
+    opened: &mut u8,
+) -> (Channel, Channel) {
+    let i = Channel::new(Role::Initiator, env, params, cfg.timers, now);
+    let t = Channel::new(Role::Target, env.reply(), params, cfg.target_timers, now);
+    *opened = opened.wrapping_add(1);
+    match cfg.seal {
+        None => (i, t),
+        Some(encrypt) => {
+            let proof = [*opened; 32];
+            (
+                i.with_sealer(Sealer::derive(KEY, &proof, Role::Initiator, encrypt)),
+                t.with_sealer(Sealer::derive(KEY, &proof, Role::Target, encrypt)),
+            )
+        }
+    }
+}
+
+/// The pre-shared key of a keyed pair.
+pub const KEY: &[u8] = b"a key of at least sixteen bytes";
 
 impl Pair {
     /// A pair with the default settings.
@@ -252,12 +286,15 @@ impl Pair {
         let mut volume = Volume::new(vcfg, SESSION, DEFAULT_ETHERTYPE, Box::<RoundRobin>::default(), now);
         let geometry = ExportGeometry { size: cfg.export_size, read_only: cfg.read_only, discard: true };
         let mut target = TargetSession::new(SESSION, DEFAULT_ETHERTYPE, geometry);
+        let mut opened = 0;
         for k in 0..cfg.paths {
             let env = initiator_env(k);
-            volume.add_channel(Channel::new(Role::Initiator, env, cfg.params, cfg.timers, now), None, now);
-            target.add_channel(Channel::new(Role::Target, env.reply(), cfg.params, cfg.target_timers, now));
+            let (i, t) = channel_pair(&cfg, env, cfg.params, now, &mut opened);
+            volume.add_channel(i, None, now);
+            target.add_channel(t);
         }
         Pair {
+            opened,
             cfg,
             now,
             volume,
@@ -283,6 +320,7 @@ impl Pair {
             max_unacked: 0,
             last_rx: HashMap::new(),
             buf: vec![0; 16384],
+            scratch: Vec::new(),
         }
     }
 
@@ -290,8 +328,9 @@ impl Pair {
     pub fn open_channel(&mut self, k: u16, params: ChannelParams) {
         let env = initiator_env(k);
         let now = self.now;
-        self.volume.add_channel(Channel::new(Role::Initiator, env, params, self.cfg.timers, now), None, now);
-        self.target.add_channel(Channel::new(Role::Target, env.reply(), params, self.cfg.target_timers, now));
+        let (i, t) = channel_pair(&self.cfg, env, params, now, &mut self.opened);
+        self.volume.add_channel(i, None, now);
+        self.target.add_channel(t);
         // Fresh sequence spaces.
         self.acked.remove(&(Dir::ToTarget, k));
         self.acked.remove(&(Dir::ToInitiator, k));
@@ -313,8 +352,9 @@ impl Pair {
     pub fn open_session_channel(&mut self, k: u16, session: u64) {
         let env = Envelope { session, ..initiator_env(k) };
         let (now, params) = (self.now, self.cfg.params);
-        self.volume.add_channel(Channel::new(Role::Initiator, env, params, self.cfg.timers, now), None, now);
-        self.target.add_channel(Channel::new(Role::Target, env.reply(), params, self.cfg.target_timers, now));
+        let (i, t) = channel_pair(&self.cfg, env, params, now, &mut self.opened);
+        self.volume.add_channel(i, None, now);
+        self.target.add_channel(t);
         self.acked.remove(&(Dir::ToTarget, k));
         self.acked.remove(&(Dir::ToInitiator, k));
         self.collect();
@@ -520,11 +560,17 @@ impl Pair {
         }
     }
 
+    /// Puts a frame on the wire as an attacker would: not recorded as sent, no fault applied.
+    pub fn inject(&mut self, dir: Dir, bytes: Vec<u8>) {
+        self.wire.push_back(Packet { at: self.now + self.cfg.latency, dir, bytes });
+    }
+
     fn send(&mut self, dir: Dir, bytes: Vec<u8>) {
         let p = Packet { at: self.now + self.cfg.latency, dir, bytes };
         // Credit flow control: a sequenced frame never names a position beyond the receiver's
-        // window as far as the sender knows it.
-        if let Some(seq) = p.seq() {
+        // window as far as the sender knows it (not checked through encryption).
+        let encrypted = self.cfg.seal == Some(true);
+        if let Some(seq) = p.seq().filter(|_| !encrypted) {
             let cum = self.acked.get(&(dir, p.channel())).copied().unwrap_or(0);
             assert!(
                 seq.wrapping_sub(cum) < self.cfg.params.ring as u32,
@@ -562,7 +608,8 @@ impl Pair {
                     buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len as usize]
                         .copy_from_slice(&b[offset as usize..offset as usize + len as usize]);
                 }
-                self.send(Dir::ToTarget, buf[..out.len].to_vec());
+                let len = self.volume.seal(ch, &mut buf, out.len);
+                self.send(Dir::ToTarget, buf[..len].to_vec());
             }
             self.collect();
         }
@@ -576,7 +623,8 @@ impl Pair {
                     buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + p.len as usize]
                         .copy_from_slice(&mem[p.offset as usize..(p.offset + p.len) as usize]);
                 }
-                self.send(Dir::ToInitiator, buf[..t.len].to_vec());
+                let len = self.target.seal(ch, &mut buf, t.len);
+                self.send(Dir::ToInitiator, buf[..len].to_vec());
             }
             self.collect();
         }
@@ -594,7 +642,7 @@ impl Pair {
             self.note_ack(&p);
             self.last_rx.insert(p.dir, self.now);
             match p.dir {
-                Dir::ToTarget => match self.target.handle_frame(self.now, &p.bytes) {
+                Dir::ToTarget => match self.target.handle_frame(self.now, &p.bytes, &mut self.scratch) {
                     TargetInbound::Write { channel, damq, offset, payload, .. } => {
                         let mem = self.damq_mem.entry((channel, damq)).or_insert_with(|| vec![0; max_io]);
                         mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
@@ -602,7 +650,7 @@ impl Pair {
                     TargetInbound::Dropped(d) => self.target_drops.push(d),
                     TargetInbound::Consumed => {}
                 },
-                Dir::ToInitiator => match self.volume.handle_frame(self.now, &p.bytes) {
+                Dir::ToInitiator => match self.volume.handle_frame(self.now, &p.bytes, &mut self.scratch) {
                     Inbound::Read { id, offset, payload } => {
                         let b = self.bufs.get_mut(&id).expect("read data for a known request");
                         b[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
@@ -617,16 +665,21 @@ impl Pair {
     }
 
     fn note_ack(&mut self, p: &Packet) {
+        if self.cfg.seal == Some(true) {
+            return; // encrypted: not readable here
+        }
         // A frame going one way acknowledges the data that went the other way.
         let acked_dir = match p.dir {
             Dir::ToTarget => Dir::ToInitiator,
             Dir::ToInitiator => Dir::ToTarget,
         };
-        let cum = match p.msg() {
-            Message::Request(r) => r.seq.ack,
-            Message::Completion(c) => c.seq.ack,
-            Message::Data(d) => d.header.seq.ack,
-            Message::Ack(a) => a.cumulative,
+        // Injected frames may not parse.
+        let Ok(f) = Frame::new_checked(&p.bytes[..], DEFAULT_ETHERTYPE) else { return };
+        let cum = match f.parse_borrowed() {
+            Ok(Message::Request(r)) => r.seq.ack,
+            Ok(Message::Completion(c)) => c.seq.ack,
+            Ok(Message::Data(d)) => d.header.seq.ack,
+            Ok(Message::Ack(a)) => a.cumulative,
             _ => return,
         };
         let e = self.acked.entry((acked_dir, p.channel())).or_insert(0);

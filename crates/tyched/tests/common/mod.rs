@@ -96,6 +96,8 @@ pub struct Initiator {
     pub mutate: Option<tyche_transport::SplitMix64>,
     /// The host id sent in CONNECT (none: the target identifies this initiator by its MAC).
     pub host: Option<[u8; 16]>,
+    /// Every frame sent, with its path, as an eavesdropper on the links records them.
+    pub captured: Vec<(usize, Vec<u8>)>,
 }
 
 pub fn want() -> ChannelParams {
@@ -123,6 +125,7 @@ impl Initiator {
             target_macs: (0..8).map(target_mac).collect(),
             mutate: None,
             host: None,
+            captured: Vec::new(),
         }
     }
 
@@ -160,6 +163,7 @@ impl Initiator {
             let mut buf = std::mem::take(&mut self.buf);
             if let Some(len) = c.poll_transmit(now, &mut buf) {
                 send(&mut self.ports[k], &buf[..len]);
+                self.captured.push((k, buf[..len].to_vec()));
             }
             self.buf = buf;
             let mut out = None;
@@ -233,9 +237,10 @@ impl Initiator {
         let vol = self.volume.as_mut().expect("attached");
         for port in &mut self.ports {
             let bufs = &mut self.bufs;
+            let mut scratch = Vec::new();
             let n = port
                 .recv(256, &mut |bytes| {
-                    if let Inbound::Read { id, offset, payload } = vol.handle_frame(now, bytes) {
+                    if let Inbound::Read { id, offset, payload } = vol.handle_frame(now, bytes, &mut scratch) {
                         let b = bufs.get_mut(&id).expect("read for an outstanding request");
                         b[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
                     }
@@ -258,6 +263,7 @@ impl Initiator {
             let bufs = &self.bufs;
             let mut copies = Vec::new();
             let mutate = &mut self.mutate;
+            let captured = &mut self.captured;
             let n = port
                 .send(256, &mut |buf| {
                     let out = vol.poll_transmit(now, ch, buf)?;
@@ -265,10 +271,12 @@ impl Initiator {
                         buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len as usize]
                             .copy_from_slice(&bufs[&id][off as usize..off as usize + len as usize]);
                     }
+                    let len = vol.seal(ch, buf, out.len);
+                    captured.push((ch as usize, buf[..len].to_vec()));
                     if let Some(rng) = mutate.as_mut() {
                         // A corrupted copy after the original: a few random bytes past the
                         // Ethernet header changed.
-                        let mut c = buf[..out.len].to_vec();
+                        let mut c = buf[..len].to_vec();
                         for _ in 0..rng.range(1, 4) {
                             let i = rng.range(14, c.len() as u64 - 1) as usize;
                             c[i] = rng.next_u64() as u8;
@@ -278,7 +286,7 @@ impl Initiator {
                         }
                         copies.push(c);
                     }
-                    Some(out.len)
+                    Some(len)
                 })
                 .expect("send");
             port.flush().expect("flush");
