@@ -1057,7 +1057,7 @@ fn permanent(e: &std::io::Error) -> bool {
 }
 
 fn drop_name(r: DropReason) -> String {
-    format!("{r:?}")
+    r.as_str().to_owned()
 }
 
 impl Network {

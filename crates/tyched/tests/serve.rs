@@ -460,7 +460,7 @@ fn write_data_stays_in_lent_frames_with_loss_and_duplicates() {
         assert_eq!(s.payload_copied_write_bytes, 0, "{export}: no write payload copied: {s:?}");
         let kept: u64 = s.nics.iter().map(|n| n.frames_kept).sum();
         assert!(kept >= bytes / 8192, "{export}: every segment kept ({kept})");
-        assert!(s.drops(|d| d.channel.get("Duplicate").copied().unwrap_or(0)) > 0, "duplicates arrived: {:?}", s.nics);
+        assert!(s.drops(|d| d.channel.get("duplicate").copied().unwrap_or(0)) > 0, "duplicates arrived: {:?}", s.nics);
         let s = target.shutdown();
         assert_eq!(s.leases_held, 0, "{export}: nothing kept after shutdown");
         if export == "file" {
