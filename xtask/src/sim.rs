@@ -42,6 +42,12 @@ pub struct SimArgs {
     /// Requests per seed.
     #[arg(long, default_value_t = 200)]
     requests: usize,
+    /// A keyed export: every channel proves the key and seals every frame.
+    #[arg(long)]
+    keyed: bool,
+    /// A keyed export that also encrypts (implies --keyed).
+    #[arg(long)]
+    encrypt: bool,
     /// Worker threads (default: every core).
     #[arg(long)]
     jobs: Option<usize>,
@@ -61,6 +67,8 @@ impl SimArgs {
             fail_path: true,
             restarts: false,
             requests: 200,
+            keyed: false,
+            encrypt: false,
             jobs: None,
         }
     }
@@ -68,6 +76,13 @@ impl SimArgs {
     /// The contract run of issue 18 (operators restart things), shortened to `seeds` seeds.
     pub fn restarts_contract(seeds: u64) -> Self {
         SimArgs { restarts: true, ..SimArgs::contract(seeds, 0.05) }
+    }
+
+    /// Issue 14's: the restarts contract on an encrypted keyed export (every channel through
+    /// the CHALLENGE round, every frame sealed, through loss, reordering, duplication, a failed
+    /// path and restarts).
+    pub fn keyed_contract(seeds: u64) -> Self {
+        SimArgs { keyed: true, encrypt: true, ..SimArgs::restarts_contract(seeds) }
     }
 
     fn replay_flags(&self) -> String {
@@ -80,6 +95,11 @@ impl SimArgs {
         }
         if self.restarts {
             s.push_str(" --restarts");
+        }
+        if self.encrypt {
+            s.push_str(" --encrypt");
+        } else if self.keyed {
+            s.push_str(" --keyed");
         }
         s
     }
@@ -101,6 +121,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         dup: args.dup,
         fail_path: args.fail_path,
         restarts: args.restarts,
+        keyed: (args.keyed || args.encrypt).then_some(args.encrypt),
         requests: args.requests,
         ..SimConfig::default()
     };

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use tyche_channel::{
     Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, ExportGeometry, ExportSpec, Failed, Inbound,
-    Instant, IoError, IoRequest, LeastBytes, Opened, ReconnectPolicy, Reconnector, TargetEvent, TargetInbound,
+    Instant, IoError, IoRequest, KeyedConnect, LeastBytes, Opened, ReconnectPolicy, Reconnector, TargetEvent, TargetInbound,
     TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
@@ -66,7 +66,13 @@ pub struct SimConfig {
     pub requests: usize,
     /// Export size in bytes.
     pub export_bytes: u64,
+    /// A keyed export: every channel goes through the CHALLENGE round and seals its frames;
+    /// `Some(true)` also encrypts them.
+    pub keyed: Option<bool>,
 }
+
+/// The pre-shared key of a keyed run.
+const SIM_KEY: &[u8] = b"the simulator's pre-shared key";
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -79,6 +85,7 @@ impl Default for SimConfig {
             restarts: false,
             requests: 200,
             export_bytes: 16 << 20,
+            keyed: None,
         }
     }
 }
@@ -279,6 +286,8 @@ struct World {
     buf: Vec<u8>,
     /// The plaintext of the last frame of an encrypting channel.
     scratch: Vec<u8>,
+    /// CHALLENGEs sent and not yet answered (a keyed run), by (initiator MAC, CONNECT nonce).
+    challenges: HashMap<(MacAddr, u64), u64>,
 }
 
 /// Runs one seed.
@@ -291,12 +300,13 @@ pub fn run_seed(cfg: &SimConfig, seed: u64) -> SeedReport {
 fn new_acceptor(cfg: &SimConfig) -> Acceptor {
     let limit =
         ChannelParams { ring: 1024, remq_slots: 64, damq_slots: 64, segment: 8192, max_io: MAX_IO, features: 0 };
-    let export = ExportSpec {
-        name: "sim".into(),
-        size: cfg.export_bytes,
-        block_size: SECTOR_SIZE,
-        flags: tyche_wire::flags::EXPORT_DISCARD,
-    };
+    let mut flags = tyche_wire::flags::EXPORT_DISCARD;
+    match cfg.keyed {
+        Some(true) => flags |= tyche_wire::flags::EXPORT_NEEDS_KEY | tyche_wire::flags::EXPORT_ENCRYPTED,
+        Some(false) => flags |= tyche_wire::flags::EXPORT_NEEDS_KEY,
+        None => {}
+    }
+    let export = ExportSpec { name: "sim".into(), size: cfg.export_bytes, block_size: SECTOR_SIZE, flags };
     Acceptor::new(DEFAULT_ETHERTYPE, vec![export], limit, target_timers())
 }
 
@@ -371,6 +381,7 @@ impl World {
             report: SeedReport { seed, ..SeedReport::default() },
             buf: vec![0; 9216],
             scratch: Vec::new(),
+            challenges: HashMap::new(),
         }
     }
 
@@ -396,7 +407,10 @@ impl World {
             session: plan.session,
         };
         let nonce = self.rng.next_u64();
-        let c = Connector::new(env, "sim", want, nonce, Duration::from_millis(5), 100, self.now);
+        let mut c = Connector::new(env, "sim", want, nonce, Duration::from_millis(5), 100, self.now);
+        if self.cfg.keyed.is_some() {
+            c = c.with_key(SIM_KEY);
+        }
         self.chan_path.insert(plan.channel, k);
         self.connectors.insert(plan.channel, (plan.slot, c));
     }
@@ -606,10 +620,65 @@ impl World {
             }
             let Ok(msg) = frame.parse() else { return };
             let env = Envelope::of(&frame);
+            let mut out = vec![0u8; 256];
+            // A keyed export: the CHALLENGE round as the target daemon runs it (single-use
+            // challenges; a retry of a granted CONNECT gets its ACCEPT again).
+            let mut keyed = None;
+            if let (Some(_), tyche_wire::Message::Connect(c)) = (self.cfg.keyed, &msg) {
+                let src = frame.src();
+                let local = self.target_macs[k];
+                let reply_env = Envelope { dst: src, src: local, ..env };
+                match c.proof {
+                    None => {
+                        let rng = &mut self.rng;
+                        let tn = *self.challenges.entry((src, c.nonce)).or_insert_with(|| rng.next_u64());
+                        let ch = tyche_wire::Challenge { nonce: c.nonce, target_nonce: tn };
+                        let len = tyche_wire::Message::Challenge(ch).emit(&reply_env, &mut out);
+                        return self.send(k, Dir::ToInitiator, &out[..len]);
+                    }
+                    Some(_) if self.acceptor.is_retry(src, &env, c) => {}
+                    Some(proof) => {
+                        let input = |tn| tyche_channel::auth::ProofInput {
+                            nonce: c.nonce,
+                            target_nonce: tn,
+                            session: env.session,
+                            channel: env.channel,
+                            export: c.export,
+                            initiator: src,
+                            target: local,
+                            host: c.host,
+                            asked: c.params,
+                        };
+                        let tn = self.challenges.remove(&(src, c.nonce));
+                        match tn.filter(|&tn| tyche_channel::auth::verify_initiator(SIM_KEY, &input(tn), &proof)) {
+                            Some(tn) => keyed = Some(tn),
+                            None => {
+                                let r = tyche_wire::Reject {
+                                    nonce: c.nonce,
+                                    reason: tyche_wire::RejectReason::AuthFailed,
+                                    holder: None,
+                                };
+                                let len = tyche_wire::Message::Reject(r).emit(&reply_env, &mut out);
+                                return self.send(k, Dir::ToInitiator, &out[..len]);
+                            }
+                        }
+                    }
+                }
+            }
+            let psk = tyche_channel::auth::Psk::new(SIM_KEY);
+            let keyed = keyed.map(|target_nonce| KeyedConnect { key: &psk, target_nonce });
             let rng = &mut self.rng;
             let mut ids = || rng.next_u64();
-            let mut out = vec![0u8; 256];
-            match self.acceptor.handle(self.now, self.target_macs[k], frame.src(), &env, &msg, &mut ids, &mut out) {
+            match self.acceptor.handle_keyed(
+                self.now,
+                self.target_macs[k],
+                frame.src(),
+                &env,
+                &msg,
+                &mut ids,
+                &mut out,
+                keyed,
+            ) {
                 Some(Accepted::Reply(len)) => self.send(k, Dir::ToInitiator, &out[..len]),
                 Some(Accepted::Channel { session, channel, len, .. }) => {
                     let geometry = ExportGeometry { size: self.cfg.export_bytes, read_only: false, discard: true };
@@ -735,6 +804,7 @@ impl World {
             TargetState::Down { until } if self.now >= until => {
                 self.target = TargetState::Up;
                 self.acceptor = new_acceptor(&self.cfg);
+                self.challenges.clear();
             }
             _ => {}
         }
