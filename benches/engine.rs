@@ -187,33 +187,42 @@ fn engine_pair(c: &mut Criterion) {
 }
 
 /// The candidates for sealing a frame, on a 64-byte control frame and a 2 KiB segment:
-/// AES-256-GCM and ChaCha20-Poly1305 (ring) authenticating the frame as additional data or
-/// encrypting it, and HMAC-SHA256 (the hmac and sha2 crates, SHA-NI where the CPU has it).
+/// AES-256-GCM and ChaCha20-Poly1305, from ring and from aws-lc-rs, authenticating the frame as
+/// additional data or encrypting it, and HMAC-SHA256 (the hmac and sha2 crates, SHA-NI where
+/// the CPU has it).
 fn seal(c: &mut Criterion) {
-    use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, CHACHA20_POLY1305};
     let mut g = c.benchmark_group("seal");
     for size in [64usize, 2048 + 62] {
         let mut frame = vec![0x5au8; size];
         g.throughput(Throughput::Bytes(size as u64));
-        for (name, alg) in [("aes256gcm", &AES_256_GCM), ("chacha20poly1305", &CHACHA20_POLY1305)] {
-            let key = LessSafeKey::new(UnboundKey::new(alg, &[9; 32]).expect("key"));
-            let mut n = 0u64;
-            let mut nonce = move || {
-                n += 1;
-                let mut b = [0u8; 12];
-                b[4..].copy_from_slice(&n.to_be_bytes());
-                Nonce::assume_unique_for_key(b)
-            };
-            g.bench_function(format!("{name}_auth_{size}"), |b| {
-                b.iter(|| key.seal_in_place_separate_tag(nonce(), Aad::from(black_box(&frame[..])), &mut []).unwrap())
-            });
-            g.bench_function(format!("{name}_encrypt_{size}"), |b| {
-                b.iter(|| {
-                    let (h, rest) = frame.split_at_mut(30);
-                    key.seal_in_place_separate_tag(nonce(), Aad::from(&*h), black_box(rest)).unwrap()
-                })
-            });
+        macro_rules! aead {
+            ($lib:literal, $m:ident) => {{
+                use $m::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, CHACHA20_POLY1305};
+                for (name, alg) in [("aes256gcm", &AES_256_GCM), ("chacha20poly1305", &CHACHA20_POLY1305)] {
+                    let key = LessSafeKey::new(UnboundKey::new(alg, &[9; 32]).expect("key"));
+                    let mut n = 0u64;
+                    let mut nonce = move || {
+                        n += 1;
+                        let mut b = [0u8; 12];
+                        b[4..].copy_from_slice(&n.to_be_bytes());
+                        Nonce::assume_unique_for_key(b)
+                    };
+                    g.bench_function(format!("{}_{name}_auth_{size}", $lib), |b| {
+                        b.iter(|| {
+                            key.seal_in_place_separate_tag(nonce(), Aad::from(black_box(&frame[..])), &mut []).unwrap()
+                        })
+                    });
+                    g.bench_function(format!("{}_{name}_encrypt_{size}", $lib), |b| {
+                        b.iter(|| {
+                            let (h, rest) = frame.split_at_mut(30);
+                            key.seal_in_place_separate_tag(nonce(), Aad::from(&*h), black_box(rest)).unwrap()
+                        })
+                    });
+                }
+            }};
         }
+        aead!("ring", ring);
+        aead!("awslc", aws_lc_rs);
         g.bench_function(format!("hmac_sha256_{size}"), |b| {
             use hmac::Mac;
             b.iter(|| {

@@ -49,8 +49,8 @@
 //! window of [`REPLAY_WINDOW`] counters, before anything else looks at it.
 
 use hmac::{Hmac, Mac};
-use ring::aead::{self, Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
-use ring::hkdf;
+use aws_lc_rs::aead::{self, Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use aws_lc_rs::hkdf;
 use sha2::Sha256;
 use tyche_wire::{flags, layout, ChannelParams, MacAddr, ETH_HEADER_LEN, ETH_MIN_FRAME_LEN};
 
@@ -64,6 +64,13 @@ impl Psk {
     /// A copy of `key`.
     pub fn new(key: &[u8]) -> Psk {
         Psk(zeroize::Zeroizing::new(key.to_vec()))
+    }
+}
+
+impl From<Vec<u8>> for Psk {
+    /// Takes the key's bytes (no copy is left behind).
+    fn from(key: Vec<u8>) -> Psk {
+        Psk(zeroize::Zeroizing::new(key))
     }
 }
 
@@ -197,8 +204,7 @@ pub fn verify_target(key: &[u8], input: &ProofInput<'_>, grant: &Grant, candidat
 /// around safely.
 pub fn random_u64() -> u64 {
     let mut b = [0u8; 8];
-    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b)
-        .expect("the operating system's random source failed");
+    aws_lc_rs::rand::fill(&mut b).expect("the operating system's random source failed");
     u64::from_ne_bytes(b)
 }
 
@@ -365,7 +371,7 @@ impl Sealer {
         }
         let t = &bytes[end..end + layout::trailer::END];
         let counter = u64::from_be_bytes(t[layout::trailer::COUNTER].try_into().expect("8 bytes"));
-        let tag = Tag::from(<[u8; 16]>::try_from(&t[layout::trailer::TAG]).expect("16 bytes"));
+        let tag = &t[layout::trailer::TAG];
         if !self.window.fresh(counter) {
             return Err(DropReason::Replayed);
         }
@@ -375,12 +381,12 @@ impl Sealer {
             scratch.extend_from_slice(&bytes[..end]);
             let (aad, ct) = scratch.split_at_mut(c + layout::SEALED_PLAINTEXT_START);
             self.rx
-                .open_in_place_separate_tag(nonce, Aad::from(&*aad), tag, ct, 0..)
+                .open_in_place_separate_tag(nonce, Aad::from(&*aad), tag, ct)
                 .map_err(|_| DropReason::Unauthenticated)?;
             &scratch[..]
         } else {
             self.rx
-                .open_in_place_separate_tag(nonce, Aad::from(&bytes[..end]), tag, &mut [], 0..)
+                .open_in_place_separate_tag(nonce, Aad::from(&bytes[..end]), tag, &mut [])
                 .map_err(|_| DropReason::Unauthenticated)?;
             &bytes[..end]
         };

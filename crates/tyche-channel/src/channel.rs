@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tyche_wire::{
     Ack, ChannelParams, Completion, DataHeader, Disconnect, DisconnectReason, Envelope, Keepalive, Message, Nack, Op,
-    Request, Seq, Status, DATA_FRAME_OVERHEAD, NO_SLOT,
+    layout, Request, Seq, Status, DATA_FRAME_OVERHEAD, NO_SLOT,
 };
 
 use crate::config::{max_queued, Timers};
@@ -123,11 +123,14 @@ pub enum DropReason {
     /// On a keyed channel: an authentic frame whose counter was already accepted, or is older
     /// than the replay window (a replayed frame).
     Replayed,
+    /// On a channel with feature DIGEST: a DATA frame whose payload does not match its CRC32C
+    /// (corrupted on the way; it is sent again).
+    BadDigest,
 }
 
 impl DropReason {
     /// Every reason, for counters.
-    pub const ALL: [DropReason; 10] = [
+    pub const ALL: [DropReason; 11] = [
         DropReason::Duplicate,
         DropReason::OutOfWindow,
         DropReason::WrongRole,
@@ -138,6 +141,7 @@ impl DropReason {
         DropReason::Unexpected,
         DropReason::Unauthenticated,
         DropReason::Replayed,
+        DropReason::BadDigest,
     ];
     /// A short stable name for counters and logs.
     pub fn as_str(self) -> &'static str {
@@ -152,6 +156,7 @@ impl DropReason {
             DropReason::Unexpected => "unexpected",
             DropReason::Unauthenticated => "unauthenticated",
             DropReason::Replayed => "replayed",
+            DropReason::BadDigest => "bad_digest",
         }
     }
 }
@@ -195,6 +200,18 @@ pub(crate) fn deliver<'a, 'c>(
     let frame = tyche_wire::Frame::new_checked(bytes, ethertype).map_err(FrameDrop::Wire)?;
     let msg = frame.parse_borrowed().map_err(FrameDrop::Wire)?;
     Ok((idx, ch.handle(now, &msg), bytes))
+}
+
+/// For a DATA frame: where its `DIGEST` field is, and its payload (up to `LENGTH`).
+fn data_payload(frame: &[u8]) -> Option<(usize, &[u8])> {
+    let c = tyche_wire::ETH_HEADER_LEN;
+    if frame.len() < tyche_wire::DATA_FRAME_OVERHEAD || frame[c + layout::common::KIND] != tyche_wire::Kind::Data as u8 {
+        return None;
+    }
+    let l = layout::common::LENGTH;
+    let end = c + u16::from_be_bytes([frame[c + l.start], frame[c + l.start + 1]]) as usize;
+    let payload = frame.get(tyche_wire::DATA_FRAME_OVERHEAD..end)?;
+    Some((c + layout::data::DIGEST.start, payload))
 }
 
 /// Outcome of [`Channel::handle`].
@@ -256,7 +273,7 @@ pub struct ChannelStats {
     /// KEEPALIVE probes sent.
     pub keepalives_tx: u64,
     /// Frames dropped, by [`DropReason`] (indexed as in [`DropReason::ALL`]).
-    pub dropped: [u64; 10],
+    pub dropped: [u64; 11],
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -461,20 +478,43 @@ impl Channel {
     /// Completes a frame [`Channel::poll_transmit`] wrote into `buf` (its payload filled in):
     /// on a keyed channel seals it and returns the sealed length (`buf` needs
     /// [`crate::auth::SEAL_OVERHEAD`] bytes beyond the message); else returns `len`.
+    ///
+    /// On a channel with feature DIGEST, a DATA frame gets the CRC32C of its payload first.
     pub fn seal(&mut self, buf: &mut [u8], len: usize) -> usize {
+        if len == 0 {
+            return len;
+        }
+        if self.params.features & tyche_wire::flags::FEATURE_DIGEST != 0 {
+            if let Some((at, payload)) = data_payload(buf) {
+                let crc = crc32c::crc32c(payload);
+                buf[at..at + 4].copy_from_slice(&crc.to_be_bytes());
+            }
+        }
         match &mut self.sealer {
-            Some(s) if len > 0 => s.seal(buf),
-            _ => len,
+            Some(s) => s.seal(buf),
+            None => len,
         }
     }
 
     /// Checks a received frame of this channel: on a keyed channel its authentic plaintext (in
     /// `scratch` when the channel encrypts), else `bytes`.
+    ///
+    /// On a channel with feature DIGEST, a DATA frame whose payload does not match its CRC32C
+    /// is refused (`BadDigest`), so corrupted data is never placed: the sender sends it again.
     pub fn open<'a>(&mut self, bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<&'a [u8], DropReason> {
-        match &mut self.sealer {
-            Some(s) => s.open(bytes, scratch),
-            None => Ok(bytes),
+        let bytes = match &mut self.sealer {
+            Some(s) => s.open(bytes, scratch)?,
+            None => bytes,
+        };
+        if self.params.features & tyche_wire::flags::FEATURE_DIGEST != 0 {
+            if let Some((at, payload)) = data_payload(bytes) {
+                let want = u32::from_be_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+                if crc32c::crc32c(payload) != want {
+                    return Err(DropReason::BadDigest);
+                }
+            }
         }
+        Ok(bytes)
     }
 
     /// This end's role.

@@ -156,12 +156,15 @@ pub struct InitiatorConfig {
     /// EtherType.
     pub ethertype: u16,
     /// The export's pre-shared key, for exports that need one (CHALLENGE and proofs).
-    pub key: Option<Vec<u8>>,
+    pub key: Option<tyche_channel::auth::Psk>,
     /// This host's stable id, sent in CONNECT: the target lets one host at a time attach an
     /// export that is not shared, and fences the old session when the same host attaches again
     /// (after a crash). Default: `/etc/machine-id`, where readable; else the target knows this
     /// initiator by its MAC.
     pub host_id: Option<[u8; 16]>,
+    /// Ask for feature DIGEST: a CRC32C of every DATA payload, checked by the receiver (a
+    /// corrupted one is sent again). Of no use on a keyed export, whose frames are sealed.
+    pub digest: bool,
 }
 
 /// Parses a host id: 32 hexadecimal digits (the form of `/etc/machine-id`).
@@ -206,6 +209,7 @@ impl InitiatorConfig {
             ethertype: DEFAULT_ETHERTYPE,
             key: None,
             host_id: machine_id(),
+            digest: false,
         }
     }
 

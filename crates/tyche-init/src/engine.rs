@@ -448,7 +448,7 @@ impl Engine {
             damq_slots: self.cfg.slots,
             segment: segment.min(u16::MAX as u32 / 2 + 1) as u16,
             max_io: self.cfg.max_io,
-            features: 0,
+            features: if self.cfg.digest { tyche_wire::flags::FEATURE_DIGEST } else { 0 },
         }
     }
 

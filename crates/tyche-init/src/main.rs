@@ -130,6 +130,10 @@ struct ConnArgs {
     /// host fences the old one.
     #[arg(long, value_parser = tyche_init::parse_host_id)]
     host_id: Option<[u8; 16]>,
+    /// Ask for a CRC32C digest of every data payload (feature DIGEST): corruption the Ethernet
+    /// checksum misses is caught and the frame sent again. Keyed exports need none.
+    #[arg(long)]
+    digest: bool,
     /// Channels per NIC.
     #[arg(long, default_value_t = 1)]
     channels_per_nic: usize,
@@ -180,6 +184,7 @@ impl ConnArgs {
         c.scheduler = self.scheduler;
         c.send_mode = self.send_mode;
         c.engine_threads = self.engine_threads;
+        c.digest = self.digest;
         if let Some(id) = self.host_id {
             c.host_id = Some(id);
         }
@@ -196,15 +201,18 @@ impl ConnArgs {
                     mode & 0o777
                 );
             }
-            let mut key = std::fs::read(path).with_context(|| format!("reading the key file {}", path.display()))?;
+            let bytes = std::fs::read(path).with_context(|| format!("reading the key file {}", path.display()))?;
+            // Held as a Psk from here: wiped when dropped, never printed.
+            let key = tyche_channel::auth::Psk::from(bytes);
             // The key is the file's bytes, without a final line break.
-            while key.last().is_some_and(|&b| b == b'\n' || b == b'\r') {
-                key.pop();
+            let mut len = key.len();
+            while len > 0 && matches!(key[len - 1], b'\n' | b'\r') {
+                len -= 1;
             }
-            if key.len() < 16 {
+            if len < 16 {
                 bail!("--key {}: a pre-shared key has at least 16 bytes", path.display());
             }
-            c.key = Some(key);
+            c.key = Some(tyche_channel::auth::Psk::new(&key[..len]));
         }
         Ok(c)
     }

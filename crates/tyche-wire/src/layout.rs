@@ -102,8 +102,8 @@ pub mod data {
     pub const TAG: Field = 32..40;
     /// Byte offset of this payload within the message, `u32` (`seg_index * segment_size`).
     pub const OFFSET: Field = 40..44;
-    /// Reserved, `u32`, zero.
-    pub const RESERVED1: Field = 44..48;
+    /// With feature `DIGEST`: CRC32C (Castagnoli) of the payload, `u32`; else zero (ignored).
+    pub const DIGEST: Field = 44..48;
     /// Start of the payload; the payload runs to the end of the Tyche message.
     pub const PAYLOAD: usize = 48;
 }

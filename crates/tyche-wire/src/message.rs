@@ -218,6 +218,9 @@ pub mod flags {
     /// Export flag: the export's channels encrypt what follows the common header (it also
     /// needs the key).
     pub const EXPORT_ENCRYPTED: u16 = 0x0008;
+    /// Feature bit (CONNECT/ACCEPT `FEATURES`): every DATA frame carries a CRC32C of its
+    /// payload in `DIGEST`; a frame whose payload does not match is dropped and sent again.
+    pub const FEATURE_DIGEST: u32 = 0x0000_0001;
     /// Common header flag of every kind (high byte): an authentication trailer follows the
     /// message (`layout::trailer`). Every frame of a channel of a keyed export carries it.
     pub const SEALED: u16 = 0x8000;
@@ -711,7 +714,7 @@ impl DataHeader {
         put_u16(m, layout::data::RESERVED0, 0);
         put_u64(m, layout::data::TAG, self.tag);
         put_u32(m, layout::data::OFFSET, self.offset);
-        put_u32(m, layout::data::RESERVED1, 0);
+        put_u32(m, layout::data::DIGEST, 0); // filled in when the payload is (a DIGEST channel)
         pad(buf, ETH_HEADER_LEN + msg_len)
     }
 }

@@ -182,7 +182,7 @@ fn expected_fields() -> Vec<((String, String), Row)> {
         f("DATA", "RESERVED0", data::RESERVED0),
         f("DATA", "TAG", data::TAG),
         f("DATA", "OFFSET", data::OFFSET),
-        f("DATA", "RESERVED1", data::RESERVED1),
+        f("DATA", "DIGEST", data::DIGEST),
         var("DATA", "PAYLOAD", data::PAYLOAD),
         f("ACK", "SEQ", ack::SEQ),
         f("ACK", "RESERVED0", ack::RESERVED0),

@@ -513,7 +513,8 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         damq_slots: l.damq_slots,
         segment,
         max_io: l.max_io,
-        features: 0,
+        // Granted to initiators that ask: a CRC32C of every DATA payload.
+        features: flags::FEATURE_DIGEST,
     };
     let timers = config.timers();
     let acceptor = Acceptor::new(config.ethertype, exports.iter().map(|e| e.spec.clone()).collect(), limit, timers)

@@ -91,6 +91,8 @@ pub enum Fate {
     Hold,
     /// Arrives this much later than usual (reordering).
     Delay(Duration),
+    /// Arrives with the byte at this offset flipped (corruption the Ethernet FCS missed).
+    Corrupt(usize),
 }
 
 /// Decides each frame's fate.
@@ -591,6 +593,13 @@ impl Pair {
             }
             Fate::Hold => self.held.push(p),
             Fate::Delay(d) => self.wire.push_back(Packet { at: p.at + d, ..p }),
+            Fate::Corrupt(at) => {
+                let mut p = p;
+                if let Some(b) = p.bytes.get_mut(at) {
+                    *b ^= 0x40;
+                }
+                self.wire.push_back(p);
+            }
         }
     }
 
