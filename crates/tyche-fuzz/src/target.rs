@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use arbitrary::{Arbitrary, Unstructured};
 use tyche_channel::{
-    Connected, Connector, Inbound, Instant, IoError, IoRequest, LeastBytes, Timers, Volume, VolumeConfig, VolumeEvent,
+    Channel, Connected, Connector, Inbound, Instant, IoError, IoRequest, LeastBytes, Timers, Volume, VolumeConfig,
+    VolumeEvent,
 };
 use tyche_transport::{FrameTransport, MemLink, MemPort};
 use tyche_wire::{
@@ -80,9 +81,24 @@ fn honest_want() -> ChannelParams {
     ChannelParams { ring: 64, remq_slots: 8, damq_slots: 8, segment: 4096, max_io: 64 << 10, features: 0 }
 }
 
+/// Whether the exports have a key (the honest and the hostile initiators both hold it: the
+/// hostile breaks the protocol inside sealed frames, and its frames into the honest session
+/// are unsealed or sealed with its own keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Arbitrary)]
+pub enum Keyed {
+    No,
+    Auth,
+    Encrypt,
+}
+
+/// The pre-shared key of keyed inputs.
+const KEY: &str = "the fuzzer's pre-shared key";
+
 /// A fuzz input for the target.
 #[derive(Debug, Arbitrary)]
 pub struct Input {
+    /// Keyed exports, maybe encrypted.
+    keyed: Keyed,
     /// Parameters the hostile asks for in its first CONNECT.
     want: Want,
     /// Open a second hostile channel (index 1) in the same session.
@@ -278,7 +294,7 @@ pub fn run(data: &[u8]) {
     let u = Unstructured::new(data);
     let Ok(input) = Input::arbitrary_take_rest(u) else { return };
     crate::count_input();
-    let mut w = World::new();
+    let mut w = World::new(input.keyed);
     w.honest_attach();
     w.honest_write();
     w.hostile_attach(input.want, 0);
@@ -345,6 +361,10 @@ struct HostileChannel {
 
 struct Hostile {
     port: MemPort,
+    /// Its channels' ends on a keyed export, which seal what it sends on its own channels and
+    /// open what the target sends it (nothing else of them is used).
+    sealers: HashMap<u16, Channel>,
+    scratch: Vec<u8>,
     session: u64,
     channels: Vec<HostileChannel>,
     tags: u64,
@@ -359,10 +379,11 @@ struct World {
     honest: Honest,
     hostile: Hostile,
     honest_session: u64,
+    keyed: Keyed,
 }
 
 impl World {
-    fn new() -> World {
+    fn new(keyed: Keyed) -> World {
         let (a0, b0) = MemLink::pair((init_mac(0), target_mac(0)), MTU, FRAME, 4096);
         let (a1, mut b1) = MemLink::pair((init_mac(1), target_mac(1)), MTU, FRAME, 4096);
         b1.set_lending(LEND);
@@ -370,7 +391,14 @@ impl World {
             workers: 1,
             io_uring: false,
             limits: limits(),
-            exports: vec![ExportConfig::ram("honest", EXPORT), ExportConfig::ram("fuzz", EXPORT)],
+            exports: ["honest", "fuzz"]
+                .iter()
+                .map(|name| ExportConfig {
+                    key: (keyed != Keyed::No).then(|| KEY.into()),
+                    encrypt: keyed == Keyed::Encrypt,
+                    ..ExportConfig::ram(name, EXPORT)
+                })
+                .collect(),
             // The hostile's session must be gone within the 10 s `hostile_gone` waits.
             reclaim_after_ms: 1000,
             ..Config::default()
@@ -399,9 +427,12 @@ impl World {
                 tags: 1,
                 last_tag: 0,
                 sent: VecDeque::new(),
+                sealers: HashMap::new(),
+                scratch: Vec::new(),
                 buf: vec![0; 65536 + 64],
             },
             honest_session: 0,
+            keyed,
         }
     }
 
@@ -428,6 +459,9 @@ impl World {
         if !hostile {
             // As tyche-init does: its session takes channels only from its host.
             c = c.with_host(HONEST_HOST);
+        }
+        if self.keyed != Keyed::No {
+            c = c.with_key(KEY.as_bytes());
         }
         let mut buf = vec![0u8; FRAME];
         for _ in 0..64 {
@@ -569,7 +603,11 @@ impl World {
             channel: index,
             session: self.hostile.session,
         };
-        if let Some((_, conn)) = self.handshake(true, env, "fuzz", params) {
+        if let Some((c, conn)) = self.handshake(true, env, "fuzz", params) {
+            if self.keyed != Keyed::No {
+                let ch = c.channel(&conn, Timers::default(), self.now());
+                self.hostile.sealers.insert(index, ch);
+            }
             self.hostile.session = conn.session;
             self.hostile.channels.retain(|c| c.index != index);
             self.hostile.channels.push(HostileChannel { index, params: conn.params, next_seq: 0, rx_next: 0 });
@@ -585,13 +623,21 @@ impl World {
 
     /// Receives what the target sent the hostile; notes the sequence numbers.
     fn drain_hostile(&mut self) {
-        let Hostile { port, channels, session, .. } = &mut self.hostile;
+        let Hostile { port, channels, session, sealers, scratch, .. } = &mut self.hostile;
         let session = *session;
         port.recv(4096, &mut |bytes| {
             let Ok(f) = Frame::new_checked(bytes, DEFAULT_ETHERTYPE) else { return };
             if f.session() != session {
                 return;
             }
+            let bytes = match sealers.get_mut(&f.channel()) {
+                Some(s) => match s.open(bytes, scratch) {
+                    Ok(b) => b,
+                    Err(_) => return,
+                },
+                None => bytes,
+            };
+            let Ok(f) = Frame::new_checked(bytes, DEFAULT_ETHERTYPE) else { return };
             let (Some(seq), Some(c)) = (f.seq(), channels.iter_mut().find(|c| c.index == f.channel())) else {
                 return;
             };
@@ -664,7 +710,13 @@ impl World {
 
     fn emit(&mut self, env: Envelope, m: &Message<'_>) {
         let mut buf = std::mem::take(&mut self.hostile.buf);
-        let len = m.emit(&env, &mut buf);
+        let mut len = m.emit(&env, &mut buf);
+        // On its own channels of a keyed export, sealed with its keys (CONNECTs never are).
+        if env.session == self.hostile.session && !matches!(m, Message::Connect(_) | Message::Discover(_)) {
+            if let Some(ch) = self.hostile.sealers.get_mut(&env.channel) {
+                len = ch.seal(&mut buf, len);
+            }
+        }
         self.hostile_send(&buf[..len]);
         self.hostile.buf = buf;
     }
