@@ -609,13 +609,21 @@ impl Engine {
                         }
                         ChannelConnectError::Rejected(
                             reason @ (RejectReason::AuthRequired | RejectReason::AuthFailed),
-                        ) => Some(ConnectError::Auth { export: self.cfg.export.clone(), reason }),
+                        ) => Some(ConnectError::Auth { target, export: self.cfg.export.clone(), link: name, reason }),
                         ChannelConnectError::ChallengeUnsupported => Some(ConnectError::Auth {
+                            target,
                             export: self.cfg.export.clone(),
+                            link: name,
                             reason: RejectReason::AuthRequired,
                         }),
+                        ChannelConnectError::InUse(holder) => Some(ConnectError::InUse {
+                            target,
+                            export: self.cfg.export.clone(),
+                            link: name,
+                            holder: holder.to_string(),
+                        }),
                         ChannelConnectError::Rejected(reason) => {
-                            Some(ConnectError::Refused { target, link: name, reason })
+                            Some(ConnectError::Refused { target, export: self.cfg.export.clone(), link: name, reason })
                         }
                         ChannelConnectError::Timeout => {
                             warn!(link = %name, "no answer from target {target}");
@@ -633,7 +641,16 @@ impl Engine {
                             }
                         }
                         // BadGrant, and whatever else a newer handshake may report.
-                        other => Some(ConnectError::Handshake { link: name, detail: format!("{other:?}") }),
+                        other => Some(ConnectError::Handshake {
+                            target,
+                            export: self.cfg.export.clone(),
+                            link: name,
+                            detail: match other {
+                                ChannelConnectError::BadProof => "the target did not prove the pre-shared key in its ACCEPT (a target without this export's key, or not the real target)".to_string(),
+                                ChannelConnectError::BadGrant => "the target granted channel parameters this initiator cannot use".to_string(),
+                                other => format!("{other:?}"),
+                            },
+                        }),
                     };
                     return;
                 }

@@ -68,18 +68,36 @@ pub enum ConnectError {
         export: String,
     },
     /// The export needs a key and none was given, or the key was wrong.
-    #[error("export {export:?}: {reason:?} (give the export's pre-shared key with --key FILE, or check it)")]
+    #[error("target {target} refused export {export:?} on {link}: {} (give the export's pre-shared key with --key FILE, or check it)", describe(*reason))]
     Auth {
+        /// Target MAC.
+        target: String,
         /// Export asked for.
         export: String,
+        /// Link name.
+        link: String,
         /// Target's reason.
         reason: RejectReason,
     },
+    /// Another initiator has the export attached.
+    #[error("target {target} refused export {export:?} on {link}: it is attached by the initiator with MAC {holder} (detach it there, or make the export shared)")]
+    InUse {
+        /// Target MAC.
+        target: String,
+        /// Export asked for.
+        export: String,
+        /// Link name.
+        link: String,
+        /// MAC of the initiator holding it.
+        holder: String,
+    },
     /// The target refused for another reason.
-    #[error("target {target} refused the connection on {link}: {reason:?}")]
+    #[error("target {target} refused export {export:?} on {link}: {}", describe(*reason))]
     Refused {
         /// Target MAC.
         target: String,
+        /// Export asked for.
+        export: String,
         /// Link name.
         link: String,
         /// Target's reason.
@@ -96,8 +114,12 @@ pub enum ConnectError {
         links: String,
     },
     /// The handshake failed otherwise (unusable parameters granted, a bad key proof).
-    #[error("handshake with the target failed on {link}: {detail}")]
+    #[error("handshake with target {target} for export {export:?} failed on {link}: {detail}")]
     Handshake {
+        /// Target MAC.
+        target: String,
+        /// Export asked for.
+        export: String,
         /// Link name.
         link: String,
         /// What went wrong.
@@ -117,4 +139,64 @@ pub enum ConnectError {
     /// The engine thread stopped before the session opened.
     #[error("initiator engine stopped")]
     EngineGone,
+}
+
+/// What a target's reason for refusing a CONNECT means, in words (and its protocol name).
+pub fn describe(reason: RejectReason) -> String {
+    let what = match reason {
+        RejectReason::UnknownExport => "it has no export of that name",
+        RejectReason::NotAllowed => "this initiator's MAC (or host) is not allowed to attach it",
+        RejectReason::AuthFailed => "the proof of the pre-shared key was wrong",
+        RejectReason::AuthRequired => "the export needs a pre-shared key",
+        RejectReason::BadParameters => "it cannot grant usable channel parameters",
+        RejectReason::Busy => "it has no room for another session or channel (a limit is full)",
+        RejectReason::UnknownSession => "the session no longer exists there",
+        RejectReason::InUse => "another initiator has the export attached",
+    };
+    let name = match reason {
+        RejectReason::UnknownExport => "UNKNOWN_EXPORT",
+        RejectReason::NotAllowed => "NOT_ALLOWED",
+        RejectReason::AuthFailed => "AUTH_FAILED",
+        RejectReason::AuthRequired => "AUTH_REQUIRED",
+        RejectReason::BadParameters => "BAD_PARAMETERS",
+        RejectReason::Busy => "BUSY",
+        RejectReason::UnknownSession => "UNKNOWN_SESSION",
+        RejectReason::InUse => "IN_USE",
+    };
+    format!("{what} ({name})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every refusal names the target, the export, the link and the reason in words.
+    #[test]
+    fn refusals_name_target_export_link_and_reason() {
+        let (t, e, l) = ("02:54:00:00:02:00".to_string(), "keyed".to_string(), "veth0".to_string());
+        let all = [
+            ConnectError::Auth {
+                target: t.clone(),
+                export: e.clone(),
+                link: l.clone(),
+                reason: RejectReason::AuthFailed,
+            },
+            ConnectError::InUse {
+                target: t.clone(),
+                export: e.clone(),
+                link: l.clone(),
+                holder: "02:54:00:00:01:07".into(),
+            },
+            ConnectError::Refused { target: t.clone(), export: e.clone(), link: l.clone(), reason: RejectReason::Busy },
+            ConnectError::Handshake { target: t.clone(), export: e.clone(), link: l.clone(), detail: "why".into() },
+        ];
+        for err in all {
+            let m = err.to_string();
+            assert!(m.contains(&t) && m.contains("\"keyed\"") && m.contains(&l), "{m}");
+            assert!(!m.contains("  ") && !m.contains(" : ") && !m.contains("of :"), "an empty field in {m:?}");
+        }
+        for r in RejectReason::ALL {
+            assert!(describe(*r).len() > 12, "{r:?}");
+        }
+    }
 }

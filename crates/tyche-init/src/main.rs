@@ -217,16 +217,6 @@ impl ConnArgs {
         Ok(c)
     }
 
-    fn target_name(&self) -> String {
-        if self.loopback_mib.is_some() {
-            "loopback".into()
-        } else if !self.tcp.is_empty() {
-            self.tcp.join(",")
-        } else {
-            self.targets.join(",")
-        }
-    }
-
     /// The links to the target, and the in-process target when `--loopback-mib` asks for one.
     fn links(&self) -> Result<(Vec<Link>, Option<RamTarget>)> {
         if let Some(mib) = self.loopback_mib {
@@ -318,13 +308,19 @@ impl ConnArgs {
     }
 }
 
-async fn open(conn: &ConnArgs) -> Result<(Client, Option<RamTarget>)> {
+/// Attaches: the client, the in-process target of `--loopback-mib`, and the target's name (its
+/// MAC, or MACs, as given or found by discovery).
+async fn open(conn: &ConnArgs) -> Result<(Client, Option<RamTarget>, String)> {
     let cfg = conn.config()?;
     let (links, target) = conn.links()?;
+    // Named after discovery, so a target found that way is named too.
+    let mut macs: Vec<String> = links.iter().map(|l| l.target.to_string()).collect();
+    macs.dedup();
+    let name = if conn.loopback_mib.is_some() { "the loopback target".to_string() } else { macs.join(",") };
     let client = tyche_init::connect(cfg, links)
         .await
-        .with_context(|| format!("attaching export {:?} of {}", conn.export, conn.target_name()))?;
-    Ok((client, target))
+        .with_context(|| format!("attaching export {:?} of target {name}", conn.export))?;
+    Ok((client, target, name))
 }
 
 /// Waits for SIGINT or SIGTERM.
@@ -371,7 +367,7 @@ async fn serve_nbd(
     nbd_nodes: Vec<u32>,
     engine_io: bool,
 ) -> Result<()> {
-    let (client, _target) = open(&conn).await?;
+    let (client, _target, target_name) = open(&conn).await?;
     let i = client.info();
     println!("{}", socket.display());
     info!(export = %i.export, size = i.size, session = format_args!("{:#x}", i.session), "attached");
@@ -384,7 +380,7 @@ async fn serve_nbd(
         kind: "nbd".into(),
         path: socket.display().to_string(),
         export: conn.export.clone(),
-        target: conn.target_name(),
+        target: target_name.clone(),
         stats,
     };
     if let Err(e) = state::record(&dir, &rec) {
@@ -423,7 +419,7 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     }
     // A new session from this host fences the dead process's session on the target, so none of
     // its writes lands after ours.
-    let (client, _target) = open(&conn).await?;
+    let (client, _target, target_name) = open(&conn).await?;
     // libublk keeps its control ring per thread: the device is created and served on one thread.
     let (tx, rx) = tokio::sync::oneshot::channel();
     let ublk_client = client.clone();
@@ -460,7 +456,7 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
         kind: "ublk".into(),
         path,
         export: conn.export.clone(),
-        target: conn.target_name(),
+        target: target_name.clone(),
         stats,
     };
     if let Err(e) = state::record(&dir, &rec) {
