@@ -8,6 +8,13 @@
 //!
 //! Tests and the smoke create uniquely named labs through [`Lab::create`], whose guard deletes
 //! the namespaces on drop, panics included.
+//!
+//! [`Lab::create_bridged`] makes the attack test's shape (`cargo xtask attack`): one link whose
+//! two ends are ports of a Linux bridge in a switch namespace, with a third namespace (the
+//! attacker's) on a third port. The bridge learns nothing (`ageing_time 0`, `learning off` on
+//! every port), so it floods every frame to every other port: the attacker sees the whole
+//! session, and a frame it sends with the initiator's or the target's source MAC does not
+//! divert that end's traffic to it.
 
 use std::process::{Command, Stdio};
 
@@ -80,7 +87,19 @@ pub struct Lab {
     pub target_ns: String,
     pub initiator_ns: String,
     pub pairs: Vec<Pair>,
+    /// The bridge and the attacker of a [`Lab::create_bridged`] lab.
+    pub bridged: Option<Bridged>,
     keep: bool,
+}
+
+/// What a bridged lab adds: the switch namespace holding the bridge, and the attacker's port.
+#[derive(Debug, Clone)]
+pub struct Bridged {
+    pub switch_ns: String,
+    pub bridge: String,
+    pub attacker_ns: String,
+    pub attacker_if: String,
+    pub attacker_mac: MacAddr,
 }
 
 /// Runs `ip` with `args`, failing with its stderr.
@@ -132,6 +151,7 @@ impl Lab {
             target_ns: target_ns.to_string(),
             initiator_ns: initiator_ns.to_string(),
             pairs: Vec::new(),
+            bridged: None,
             keep: false,
         };
         for ns in [target_ns, initiator_ns] {
@@ -192,6 +212,80 @@ impl Lab {
         Ok(lab)
     }
 
+    /// The attack test's lab (fresh namespaces; any of the same names are deleted first): the
+    /// target's `tyt0` and the initiator's `tyi0` (pair 0's names, MACs and addresses) and the
+    /// attacker's `tyx0` (`10.99.0.3`, promiscuous) are veths whose peers `tybt0`, `tybi0`,
+    /// `tybx0` are ports of bridge `tybr0` in `switch_ns`. The bridge floods every frame to every
+    /// other port (no learning, `ageing_time 0`, no multicast snooping). AF_XDP on `tyt0` and
+    /// `tyi0` attaches natively: their peers need no XDP program, since AF_XDP's copy-mode
+    /// transmit goes through veth's ordinary transmit path and the bridge.
+    pub fn create_bridged(
+        target_ns: &str,
+        initiator_ns: &str,
+        switch_ns: &str,
+        attacker_ns: &str,
+        mtu: u32,
+    ) -> Result<Lab> {
+        let bridged = Bridged {
+            switch_ns: switch_ns.to_string(),
+            bridge: "tybr0".to_string(),
+            attacker_ns: attacker_ns.to_string(),
+            attacker_if: "tyx0".to_string(),
+            attacker_mac: MacAddr::local(0x74f0),
+        };
+        // The guard first, so that a failure half way deletes what was made.
+        let mut lab = Lab {
+            target_ns: target_ns.to_string(),
+            initiator_ns: initiator_ns.to_string(),
+            pairs: Vec::new(),
+            bridged: Some(bridged.clone()),
+            keep: false,
+        };
+        for ns in [target_ns, initiator_ns, switch_ns, attacker_ns] {
+            delete_ns(ns)?;
+            ip(&["netns", "add", ns])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        let br = bridged.bridge.as_str();
+        ip(&["-n", switch_ns, "link", "add", br, "type", "bridge", "ageing_time", "0", "stp_state", "0"])?;
+        ip(&["-n", switch_ns, "link", "set", br, "type", "bridge", "mcast_snooping", "0"])?;
+        let mtu_s = mtu.to_string();
+        let p = Pair::new(0);
+        let ends = [
+            (target_ns, p.target_if.as_str(), "tybt0", p.target_mac, p.target_ip.clone()),
+            (initiator_ns, p.initiator_if.as_str(), "tybi0", p.initiator_mac, p.initiator_ip.clone()),
+            (attacker_ns, bridged.attacker_if.as_str(), "tybx0", bridged.attacker_mac, "10.99.0.3".to_string()),
+        ];
+        for (ns, ifname, port, mac, addr) in &ends {
+            ip(&["link", "add", ifname, "netns", ns, "type", "veth", "peer", "name", port, "netns", switch_ns])
+                .with_context(|| format!("creating veth {ifname} in {ns}"))?;
+            ip(&["-n", switch_ns, "link", "set", "dev", port, "mtu", &mtu_s, "master", br])?;
+            ip(&[
+                "-n",
+                switch_ns,
+                "link",
+                "set",
+                "dev",
+                port,
+                "type",
+                "bridge_slave",
+                "learning",
+                "off",
+                "flood",
+                "on",
+            ])?;
+            ip(&["-n", switch_ns, "link", "set", "dev", port, "up"])?;
+            let mac = mac.to_string();
+            ip(&["-n", ns, "link", "set", "dev", ifname, "address", &mac, "mtu", &mtu_s])?;
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", ifname])?;
+            ip(&["-n", ns, "link", "set", "dev", ifname, "up"])?;
+        }
+        ip(&["-n", attacker_ns, "link", "set", "dev", &bridged.attacker_if, "promisc", "on"])?;
+        ip(&["-n", switch_ns, "link", "set", "dev", br, "mtu", &mtu_s, "up"])?;
+        lab.pairs.push(p);
+        Ok(lab)
+    }
+
     /// Leaves the namespaces in place when this value is dropped.
     pub fn keep(mut self) {
         self.keep = true;
@@ -203,7 +297,8 @@ impl Drop for Lab {
         if self.keep {
             return;
         }
-        for ns in [&self.target_ns, &self.initiator_ns] {
+        let extra = self.bridged.iter().flat_map(|b| [&b.switch_ns, &b.attacker_ns]);
+        for ns in [&self.target_ns, &self.initiator_ns].into_iter().chain(extra) {
             if let Err(e) = delete_ns(ns) {
                 eprintln!("lab: could not delete namespace {ns}: {e:#}");
             }

@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the project's orchestration (test suite, simulation, fuzzing, lab, AF_XDP smoke
 //! test, benchmarks, filesystem checks). Plain `cargo build` and `cargo test` work without it.
 
+mod attack;
 mod bench_e2e;
 mod bpfgen;
 mod charts;
@@ -44,6 +45,8 @@ enum Command {
     Faults(faults::FaultsArgs),
     /// Issue #13's flood test: 100,000 CONNECTs from 1,000 MACs while fio verifies (root).
     Flood(flood::FloodArgs),
+    /// Issue #14's attack test: a third host on the segment attacks a keyed session (root).
+    Attack(attack::AttackArgs),
     /// Coverage-guided fuzzing of the target, the initiator and the NBD server (docs/fuzzing.md).
     Fuzz(fuzz::FuzzArgs),
     /// Run the deterministic simulator over many seeds (or replay one).
@@ -102,6 +105,10 @@ fn main() -> Result<()> {
         Command::Flood(a) => {
             ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
             flood::flood(&root(), &a)
+        }
+        Command::Attack(a) => {
+            ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            attack::attack(&root(), &a)
         }
         Command::Fuzz(a) => fuzz::run(&root(), &a),
         Command::Faults(a) => {
