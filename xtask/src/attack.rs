@@ -542,6 +542,20 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
     if !alive_now {
         failures.push("tyched stats shows no live channel of the honest initiator".to_string());
     }
+    // What the target refused, as it counted it (channel drops by reason, every NIC).
+    if let Ok(v) = t.stats() {
+        let count = |reason: &str| -> u64 {
+            v["nics"].as_array().map_or(0, |ns| ns.iter().filter_map(|n| n["drops"]["channel"][reason].as_u64()).sum())
+        };
+        let denied: u64 =
+            v["nics"].as_array().map_or(0, |ns| ns.iter().filter_map(|n| n["drops"]["denied_key"].as_u64()).sum());
+        eprintln!(
+            "attack: tyched counted {} unauthenticated and {} replayed channel frames, {} CONNECTs with a wrong or replayed proof",
+            count("unauthenticated"),
+            count("replayed"),
+            denied
+        );
+    }
     let check: Vec<String> = ["--rw=write", "--bs=64k", "--iodepth=4", "--size=4m", "--offset=36m", "--do_verify=1"]
         .iter()
         .map(|s| s.to_string())
