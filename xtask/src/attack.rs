@@ -30,7 +30,7 @@
 use std::fs;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
@@ -39,7 +39,7 @@ use clap::Args;
 use serde_json::Value;
 
 use crate::lab::Lab;
-use crate::stack::{bin, interrupted, prepare, start_initiator, start_tyched_with, Link, Running};
+use crate::stack::{bin, interrupted, prepare, start_initiator, start_tyched_with, Guard, Link, Running};
 
 /// The export the honest initiator attaches and the attacker attacks.
 const EXPORT: &str = "attack";
@@ -81,35 +81,6 @@ impl AttackArgs {
     #[allow(dead_code)]
     pub fn standard() -> AttackArgs {
         AttackArgs { tries: 300, fio_iops: 300, fio_secs: 12, mtu: 3000, decoy: false, no_install: true }
-    }
-}
-
-/// A child killed (and reaped) when dropped.
-struct Guard(Child);
-
-impl Guard {
-    fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.0.try_wait()? {
-                return Ok(status);
-            }
-            if Instant::now() >= deadline {
-                let _ = self.0.kill();
-                let _ = self.0.wait();
-                bail!("still running after {timeout:?}; killed");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if self.0.try_wait().ok().flatten().is_none() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
     }
 }
 

@@ -19,18 +19,18 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use clap::Args;
 use serde_json::Value;
 
 use crate::lab::Lab;
-use crate::stack::{bin, interrupted, prepare, start_initiator, start_tyched_with, Link};
+use crate::stack::{bin, interrupted, prepare, start_initiator, start_tyched_with, Guard, Link};
 
 /// The bound on tyched's peak resident memory during the flood, in MiB (docs/tyched.md,
 /// "Limits under a flood"). Measured: about 105 MiB at rest with two AF_XDP NICs (UMEMs, rings,
@@ -169,36 +169,6 @@ impl Sampler {
 impl Drop for Sampler {
     fn drop(&mut self) {
         self.finish();
-    }
-}
-
-/// A child killed (and reaped) when dropped.
-struct Guard(Child);
-
-impl Guard {
-    /// Waits for the child, up to `timeout`; kills it past that.
-    fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.0.try_wait()? {
-                return Ok(status);
-            }
-            if Instant::now() >= deadline {
-                let _ = self.0.kill();
-                let _ = self.0.wait();
-                bail!("still running after {timeout:?}; killed");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if self.0.try_wait().ok().flatten().is_none() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
     }
 }
 

@@ -254,3 +254,33 @@ pub fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> Result
     }
     Ok(())
 }
+
+/// A child killed (and reaped) when dropped.
+pub struct Guard(pub Child);
+
+impl Guard {
+    /// Waits for the child, up to `timeout`; kills it past that.
+    pub fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.0.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+                bail!("still running after {timeout:?}; killed");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
