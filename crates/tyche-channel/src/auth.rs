@@ -455,6 +455,22 @@ mod tests {
         }
     }
 
+    /// The proofs of one transcript, computed independently (Python's `hmac` and `hashlib`) from
+    /// the layout in the module docs and docs/protocol.md §4.2.
+    #[test]
+    fn proof_fixtures() {
+        let hex = |b: [u8; 32]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let key = b"a key of at least sixteen bytes";
+        assert_eq!(
+            hex(initiator_proof(key, &input())),
+            "07ef95b93b0c17f1736259418dcd1263103746942b36de16804e044845b258b9"
+        );
+        assert_eq!(
+            hex(target_proof(key, &input(), &grant())),
+            "73a5073479d04e1f9dc4c91aad4a3770e2316045d848e6052a40ae8c9d16290e"
+        );
+    }
+
     #[test]
     fn replay_window_accepts_each_counter_once() {
         let mut w = ReplayWindow::new();
