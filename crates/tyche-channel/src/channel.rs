@@ -476,6 +476,17 @@ impl Channel {
         self.sealer.is_some()
     }
 
+    /// How the channel protects its frames, for counters and logs: `encrypted`,
+    /// `authenticated` (sealed), `digest` (feature DIGEST) or `none`.
+    pub fn protection(&self) -> &'static str {
+        match &self.sealer {
+            Some(s) if s.encrypts() => "encrypted",
+            Some(_) => "authenticated",
+            None if self.params.features & tyche_wire::flags::FEATURE_DIGEST != 0 => "digest",
+            None => "none",
+        }
+    }
+
     /// Completes a frame [`Channel::poll_transmit`] wrote into `buf` (its payload filled in):
     /// on a keyed channel seals it and returns the sealed length (`buf` needs
     /// [`crate::auth::SEAL_OVERHEAD`] bytes beyond the message); else returns `len`.

@@ -154,6 +154,10 @@ pub struct ChannelSnapshot {
     pub retransmits: u64,
     /// Drops by reason.
     pub drops: BTreeMap<String, u64>,
+    /// How its frames are protected: `none`, `digest` (CRC32C of data), `authenticated` or
+    /// `encrypted` (a keyed export's sealed frames).
+    #[serde(default)]
+    pub protection: String,
     /// Requests being executed by storage (queue occupancy).
     pub executing: u64,
     /// NUMA node the channel was placed on: its NIC's node (`None`: unknown).
@@ -330,8 +334,8 @@ impl Snapshot {
         for c in &self.channels {
             let _ = writeln!(
                 s,
-                "  session {:016x} ch {} {} on {} from {}{}  tx {} frames {} B  rx {} frames {} B  retransmits {}  executing {}  drops {:?}",
-                c.session, c.channel, c.export, c.nic, c.peer, if c.dead { " (dead)" } else { "" }, c.frames_tx,
+                "  session {:016x} ch {} {} on {} from {}{}  {}  tx {} frames {} B  rx {} frames {} B  retransmits {}  executing {}  drops {:?}",
+                c.session, c.channel, c.export, c.nic, c.peer, if c.dead { " (dead)" } else { "" }, c.protection, c.frames_tx,
                 c.payload_tx, c.frames_rx, c.payload_rx, c.retransmits, c.executing, c.drops
             );
         }

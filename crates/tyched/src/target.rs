@@ -2358,6 +2358,7 @@ impl Network {
                     node: self.nic_node[k],
                     slots: self.slot_pages(sid, ch, s.epochs.get(&ch).copied().unwrap_or(0), self.nic_node[k]),
                     thread: self.thread_of(k),
+                    protection: c.protection().to_owned(),
                 });
             }
         }

@@ -212,6 +212,8 @@ fn forged_altered_and_replayed_frames_change_nothing() {
             m[40] ^= 0x10;
             attack.push(m);
         }
+        let want = if encrypt { "encrypted" } else { "authenticated" };
+        assert!(t.stats().channels.iter().all(|c| c.protection == want), "{:?}", t.stats().channels);
         let before = t.stats();
         let executed_before: u64 = before
             .exports
