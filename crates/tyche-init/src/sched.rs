@@ -51,38 +51,11 @@ impl Scheduler for NumaScheduler {
 /// The CPUs of NUMA node `node`, from sysfs (`None` when unknown).
 pub fn node_cpus(node: u32) -> Option<Vec<u32>> {
     let list = std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist")).ok()?;
-    parse_cpu_list(list.trim())
-}
-
-/// Parses a kernel CPU list (`0-3,8,10-11`).
-pub fn parse_cpu_list(s: &str) -> Option<Vec<u32>> {
-    let mut cpus = Vec::new();
-    for part in s.split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (u32, u32) = (a.parse().ok()?, b.parse().ok()?);
-                if b < a || b - a > 4096 {
-                    return None;
-                }
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(part.parse().ok()?),
-        }
-    }
-    (!cpus.is_empty()).then_some(cpus)
+    tyche_numa::parse_cpu_list(list.trim()).ok().filter(|cpus| !cpus.is_empty())
 }
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn cpu_lists_parse() {
-        assert_eq!(super::parse_cpu_list("0-3,8,10-11"), Some(vec![0, 1, 2, 3, 8, 10, 11]));
-        assert_eq!(super::parse_cpu_list("5"), Some(vec![5]));
-        assert_eq!(super::parse_cpu_list(""), None);
-        assert_eq!(super::parse_cpu_list("3-1"), None);
-        assert_eq!(super::parse_cpu_list("x"), None);
-    }
-
     use super::*;
 
     fn view(live: bool, node: u32) -> ChannelView {

@@ -151,7 +151,7 @@ fn stats_show_per_channel_bytes_and_nbd_buffers_on_their_node() {
         assert!(tx >= 8 << 20 && rx >= 8 << 20, "payload per channel: {:?}", r.channels);
         assert!(r.channels.iter().all(|c| c.thread.name == "tyche-engine"), "{:?}", r.channels);
         let node0 = std::fs::read_to_string("/sys/devices/system/node/node0/cpulist").unwrap();
-        let node0 = tyche_numa::report::parse_cpu_list(node0.trim()).unwrap();
+        let node0 = tyche_numa::parse_cpu_list(node0.trim()).unwrap();
         let busy: Vec<_> = r.nbd.iter().filter(|c| c.bytes_written > 0).collect();
         assert_eq!(busy.len(), 1, "{:?}", r.nbd);
         let c = busy[0];

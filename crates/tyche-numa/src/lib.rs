@@ -27,6 +27,7 @@
 //!   system calls in [`alloc`] and [`placement`], each justified in place.
 
 pub mod alloc;
+pub mod cpulist;
 mod error;
 pub mod model;
 pub mod placement;
@@ -35,6 +36,7 @@ pub mod scheduler;
 pub mod topology;
 
 pub use alloc::{HugePages, NodeRegion};
+pub use cpulist::{format_cpu_list, parse_cpu_list};
 pub use error::NumaError;
 pub use model::{BandwidthModel, ModelConfig};
 pub use placement::{current_thread_cpus, pin_current_thread, ChannelSpec, PlacementRequest, Plan};

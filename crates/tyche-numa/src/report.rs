@@ -175,28 +175,10 @@ pub fn node_cpus_from_sysfs() -> Vec<(u32, Vec<u32>)> {
             continue;
         };
         let list = std::fs::read_to_string(e.path().join("cpulist")).unwrap_or_default();
-        out.push((n, parse_cpu_list(list.trim()).unwrap_or_default()));
+        out.push((n, crate::parse_cpu_list(list.trim()).unwrap_or_default()));
     }
     out.sort_unstable_by_key(|(n, _)| *n);
     out
-}
-
-/// Parses a kernel CPU list (`0-3,8,10-11`); `None` when malformed.
-pub fn parse_cpu_list(s: &str) -> Option<Vec<u32>> {
-    let mut cpus = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (u32, u32) = (a.parse().ok()?, b.parse().ok()?);
-                if b < a || b - a > 65536 {
-                    return None;
-                }
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(part.parse().ok()?),
-        }
-    }
-    Some(cpus)
 }
 
 #[cfg(test)]
@@ -263,8 +245,5 @@ mod tests {
         if std::path::Path::new("/sys/devices/system/node/node0").exists() {
             assert_eq!(t.nodes.len(), 1, "one cpu is on one node: {t:?}");
         }
-        assert_eq!(parse_cpu_list("0-2,5"), Some(vec![0, 1, 2, 5]));
-        assert_eq!(parse_cpu_list(""), Some(vec![]));
-        assert_eq!(parse_cpu_list("2-1"), None);
     }
 }

@@ -92,7 +92,11 @@ pub fn with_memory_on<R>(node: Option<u32>, f: impl FnOnce() -> R) -> io::Result
 /// the NIC and its UMEM.
 pub fn pin_current_thread_to_node(node: u32) -> io::Result<()> {
     let list = std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist"))?;
-    let cpus = parse_cpulist(list.trim())?;
+    let cpus: Vec<usize> = tyche_numa::parse_cpu_list(list.trim())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?
+        .into_iter()
+        .map(|c| c as usize)
+        .collect();
     // SAFETY: `cpu_set_t` is plain old data; all-zero is an empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for cpu in cpus {
@@ -107,33 +111,9 @@ pub fn pin_current_thread_to_node(node: u32) -> io::Result<()> {
     Ok(())
 }
 
-/// Parses a kernel CPU list such as `0-3,8,10-11`.
-pub fn parse_cpulist(s: &str) -> io::Result<Vec<usize>> {
-    let bad = || io::Error::new(io::ErrorKind::InvalidData, format!("bad cpu list {s:?}"));
-    let mut out = Vec::new();
-    for part in s.split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let a: usize = a.parse().map_err(|_| bad())?;
-                let b: usize = b.parse().map_err(|_| bad())?;
-                out.extend(a..=b);
-            }
-            None => out.push(part.parse().map_err(|_| bad())?),
-        }
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpulists_parse() {
-        assert_eq!(parse_cpulist("0-3,8,10-11").unwrap(), [0, 1, 2, 3, 8, 10, 11]);
-        assert_eq!(parse_cpulist("").unwrap(), Vec::<usize>::new());
-        assert!(parse_cpulist("a-b").is_err());
-    }
 
     #[test]
     fn virtual_interfaces_have_no_node() {
