@@ -1793,6 +1793,10 @@ impl Network {
         let ch = s.session.channel(channel);
         let dead = ch.is_none_or(|c| c.dead().is_some());
         let seg = ch.map_or(0, |c| c.params().segment as u32);
+        // Frames of a keyed export are sealed, and those of a DIGEST channel carry the payload's
+        // CRC32C, as each goes out: their read data is sent from slot memory, never from
+        // transmit chunks that hold it once (the frame's checks need the payload in hand).
+        let protected = ch.is_some_and(|c| c.sealed() || c.params().features & flags::FEATURE_DIGEST != 0);
         let (export, nic) = (s.export, s.nic_of.get(&channel).copied());
         let key = (sid, channel, epoch, request.damq);
         let (mut lent, mut region, mut buf) = (Vec::new(), None, None);
@@ -1819,10 +1823,7 @@ impl Network {
                     if let Some(k) = nic {
                         let need = (request.length as usize).div_ceil(seg.max(1) as usize);
                         let free = &mut self.tx_free[k];
-                        // Read data of a keyed export is sealed frame by frame: it is sent from
-                        // slot memory, never from chunks that hold it once.
-                        let sealed = self.exports[export].key.is_some();
-                        if self.exports[export].lend && !sealed && seg > 0 && need > 0 && free.len() >= need {
+                        if self.exports[export].lend && !protected && seg > 0 && need > 0 && free.len() >= need {
                             let chunks = free.split_off(free.len() - need);
                             region = Some(Region { chunks, seg, nic: k, tag: request.tag });
                             self.in_region.insert(key);

@@ -252,3 +252,37 @@ fn forged_altered_and_replayed_frames_change_nothing() {
         t.shutdown();
     }
 }
+
+/// Feature DIGEST end to end through tyched, over links whose target ends lend received frames
+/// and transmit chunks (AF_XDP's zero-copy paths): reads and writes of every size come back
+/// intact. Once read data went out of transmit chunks filled before the frame's CRC32C was
+/// computed over the (empty) payload in the send buffer: every read DATA frame failed its
+/// digest, the channel died and reconnected until the session's channel limit was reached
+/// (found by `cargo xtask bench e2e`'s digest row).
+#[test]
+fn digest_sessions_move_data_over_lent_frames() {
+    for keyed in [false, true] {
+        let mut cfg = config(false);
+        if !keyed {
+            cfg.exports[0].key = None;
+        }
+        let (t, ports) = start_lending_tx(cfg, 1, 256);
+        let mut ini = Initiator::new(ports);
+        ini.features = flags::FEATURE_DIGEST;
+        let key = keyed.then_some(KEY.as_bytes());
+        ini.attach("secret", key).expect("attaches");
+        let want = if keyed { "authenticated" } else { "digest" };
+        assert!(t.stats().channels.iter().all(|c| c.protection == want), "{:?}", t.stats().channels);
+        for (i, len) in [4096usize, 8192, 65536, 1 << 20].into_iter().enumerate() {
+            let at = (i as u64) << 21;
+            let data = pattern(at, len, 7);
+            ini.write(at, &data);
+            assert_eq!(ini.read(at, len), data, "{len} bytes at {at}, keyed={keyed}");
+        }
+        let s = t.stats();
+        let bad: u64 = s.nics.iter().map(|n| n.drops.channel.get("bad_digest").copied().unwrap_or(0)).sum();
+        assert_eq!(bad, 0, "the target refused digests");
+        assert_eq!(s.channels.len(), 1, "channels died and were replaced: {:?}", s.channels);
+        t.shutdown();
+    }
+}

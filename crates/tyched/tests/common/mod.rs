@@ -57,6 +57,22 @@ pub fn start_lending(
     (handle, ports)
 }
 
+/// As [`start`], with the target's ends lending received frames and transmit chunks (up to
+/// `lend` of each): the zero-copy paths AF_XDP takes.
+pub fn start_lending_tx(config: Config, paths: usize, lend: usize) -> (TargetHandle, Vec<Port>) {
+    let mut ports = Vec::new();
+    let mut nics = Vec::new();
+    for k in 0..paths {
+        let (a, mut b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
+        b.set_lending(lend);
+        b.set_tx_lending(lend);
+        ports.push(Box::new(a) as Port);
+        nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
+    }
+    let handle = Target::start(config, nics).expect("target starts");
+    (handle, ports)
+}
+
 /// Waits until the target holds no kept frame and every transport has all its frames back.
 pub fn wait_leases_back(target: &TargetHandle) -> tyched::Snapshot {
     let deadline = std::time::Instant::now() + LIMIT;
@@ -98,6 +114,8 @@ pub struct Initiator {
     pub host: Option<[u8; 16]>,
     /// Every frame sent, with its path, as an eavesdropper on the links records them.
     pub captured: Vec<(usize, Vec<u8>)>,
+    /// Feature bits asked for in CONNECT.
+    pub features: u32,
 }
 
 pub fn want() -> ChannelParams {
@@ -126,6 +144,7 @@ impl Initiator {
             mutate: None,
             host: None,
             captured: Vec::new(),
+            features: 0,
         }
     }
 
@@ -149,7 +168,8 @@ impl Initiator {
             session,
         };
         let nonce = 0x1234_5678_0000 + k as u64 + (self.clock.elapsed().as_nanos() as u64) * 7;
-        let mut c = Connector::new(env, export, want(), nonce, Duration::from_millis(100), 20, self.now());
+        let asked = ChannelParams { features: self.features, ..want() };
+        let mut c = Connector::new(env, export, asked, nonce, Duration::from_millis(100), 20, self.now());
         if let Some(key) = key {
             c = c.with_key(key);
         }
