@@ -52,6 +52,12 @@ pub struct Stats {
     pub reconnects: u64,
     /// Retransmitted frames on the open channels.
     pub retransmits: u64,
+    /// Frames the open channels refused as forged or altered (a keyed export's bad tags).
+    pub unauthenticated: u64,
+    /// Frames the open channels refused as replays (a keyed export's replay window).
+    pub replayed: u64,
+    /// DATA frames the open channels refused for a wrong CRC32C (feature DIGEST).
+    pub bad_digest: u64,
 }
 
 #[derive(Debug)]

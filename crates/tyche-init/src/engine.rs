@@ -962,6 +962,12 @@ impl Engine {
             s.outstanding = self.inflight.len();
             s.queued = self.backlog.len();
             s.retransmits = v.channel_indices().filter_map(|i| v.channel(i)).map(|c| c.stats().retransmits).sum();
+            let dropped = |r: tyche_channel::DropReason| -> u64 {
+                v.channel_indices().filter_map(|i| v.channel(i)).map(|c| c.stats().dropped[r as usize]).sum()
+            };
+            s.unauthenticated = dropped(tyche_channel::DropReason::Unauthenticated);
+            s.replayed = dropped(tyche_channel::DropReason::Replayed);
+            s.bad_digest = dropped(tyche_channel::DropReason::BadDigest);
         }
         s
     }
@@ -982,6 +988,11 @@ impl Engine {
             bytes_read: s.bytes_read,
             bytes_written: s.bytes_written,
             reconnects: s.reconnects,
+            refused: crate::report::Refused {
+                unauthenticated: s.unauthenticated,
+                replayed: s.replayed,
+                bad_digest: s.bad_digest,
+            },
             ..Report::default()
         };
         if let Some(v) = &self.volume {

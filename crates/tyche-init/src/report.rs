@@ -67,6 +67,17 @@ pub struct NbdConnReport {
     pub buffers: PageCounts,
 }
 
+/// Frames the open channels refused, by reason.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused {
+    /// Bad or missing tags on a keyed export (forged or altered frames).
+    pub unauthenticated: u64,
+    /// Replays on a keyed export.
+    pub replayed: u64,
+    /// DATA frames with a wrong CRC32C (feature DIGEST).
+    pub bad_digest: u64,
+}
+
 /// Everything `tyche-init stats` shows.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Report {
@@ -88,6 +99,9 @@ pub struct Report {
     pub bytes_written: u64,
     /// Channels reopened after dying.
     pub reconnects: u64,
+    /// Frames refused as forged or altered, replayed, or with a bad digest (open channels).
+    #[serde(default)]
+    pub refused: Refused,
     /// Per channel.
     pub channels: Vec<ChannelReport>,
     /// Per link.
@@ -105,9 +119,10 @@ impl Report {
         let pc = |c: &PageCounts| format!("{}/{}/{}", c.on_expected, c.elsewhere, c.not_present);
         let _ = writeln!(
             s,
-            "export {}  session {:#x}  scheduler {}  live channels {}  completed {} failed {}  read {} B  written {} B  reconnects {}",
+            "export {}  session {:#x}  scheduler {}  live channels {}  completed {} failed {}  read {} B  written {} B  reconnects {}  refused: unauthenticated {} replayed {} bad digest {}",
             self.export, self.session, self.scheduler, self.live_channels, self.completed, self.failed,
-            self.bytes_read, self.bytes_written, self.reconnects
+            self.bytes_read, self.bytes_written, self.reconnects, self.refused.unauthenticated, self.refused.replayed,
+            self.refused.bad_digest
         );
         let _ = writeln!(s, "\nChannels:");
         for c in &self.channels {
