@@ -48,9 +48,9 @@
 //! drops a frame without a valid tag, or whose counter it already accepted or is older than its
 //! window of [`REPLAY_WINDOW`] counters, before anything else looks at it.
 
-use hmac::{Hmac, Mac};
 use aws_lc_rs::aead::{self, Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
 use aws_lc_rs::hkdf;
+use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tyche_wire::{flags, layout, ChannelParams, MacAddr, ETH_HEADER_LEN, ETH_MIN_FRAME_LEN};
 

@@ -4,8 +4,8 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use tyche_wire::{
-    Ack, ChannelParams, Completion, DataHeader, Disconnect, DisconnectReason, Envelope, Keepalive, Message, Nack, Op,
-    layout, Request, Seq, Status, DATA_FRAME_OVERHEAD, NO_SLOT,
+    layout, Ack, ChannelParams, Completion, DataHeader, Disconnect, DisconnectReason, Envelope, Keepalive, Message,
+    Nack, Op, Request, Seq, Status, DATA_FRAME_OVERHEAD, NO_SLOT,
 };
 
 use crate::config::{max_queued, Timers};
@@ -205,7 +205,8 @@ pub(crate) fn deliver<'a, 'c>(
 /// For a DATA frame: where its `DIGEST` field is, and its payload (up to `LENGTH`).
 fn data_payload(frame: &[u8]) -> Option<(usize, &[u8])> {
     let c = tyche_wire::ETH_HEADER_LEN;
-    if frame.len() < tyche_wire::DATA_FRAME_OVERHEAD || frame[c + layout::common::KIND] != tyche_wire::Kind::Data as u8 {
+    if frame.len() < tyche_wire::DATA_FRAME_OVERHEAD || frame[c + layout::common::KIND] != tyche_wire::Kind::Data as u8
+    {
         return None;
     }
     let l = layout::common::LENGTH;

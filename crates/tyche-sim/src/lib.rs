@@ -31,8 +31,8 @@ use std::time::Duration;
 
 use tyche_channel::{
     Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, ExportGeometry, ExportSpec, Failed, Inbound,
-    Instant, IoError, IoRequest, KeyedConnect, LeastBytes, Opened, ReconnectPolicy, Reconnector, TargetEvent, TargetInbound,
-    TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
+    Instant, IoError, IoRequest, KeyedConnect, LeastBytes, Opened, ReconnectPolicy, Reconnector, TargetEvent,
+    TargetInbound, TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
