@@ -153,6 +153,8 @@ pub struct InitiatorConfig {
     pub send_mode: SendMode,
     /// Engine threads: one per NUMA node of the links (default) or one for all.
     pub engine_threads: EngineThreads,
+    /// How engine threads wait between turns that found nothing (adaptive polling by default).
+    pub poll: tyche_transport::poll::PollConfig,
     /// EtherType.
     pub ethertype: u16,
     /// The export's pre-shared key, for exports that need one (CHALLENGE and proofs).
@@ -206,6 +208,7 @@ impl InitiatorConfig {
             scheduler: SchedulerKind::default(),
             send_mode: SendMode::default(),
             engine_threads: EngineThreads::default(),
+            poll: tyche_transport::poll::PollConfig::default(),
             ethertype: DEFAULT_ETHERTYPE,
             key: None,
             host_id: machine_id(),

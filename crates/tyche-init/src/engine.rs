@@ -23,6 +23,7 @@ use tyche_channel::{
     IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler, SubmitError, Volume, VolumeConfig,
     VolumeEvent,
 };
+use tyche_transport::poll::{Next, PollStats, Poller};
 use tyche_transport::{FrameTransport, MemoryArea};
 use tyche_wire::{
     flags, ChannelParams, DisconnectReason, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD,
@@ -44,8 +45,6 @@ const BUSY_SLEEP: Duration = Duration::from_micros(100);
 const BUSY_SLEEP_FD: Duration = Duration::from_millis(1);
 /// Longest the engine sleeps while idle.
 const IDLE_SLEEP: Duration = Duration::from_millis(2);
-/// Idle iterations spent yielding before sleeping.
-const SPIN_ROUNDS: u32 = 8;
 /// Longest a closing engine waits for requests in flight.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
@@ -225,6 +224,8 @@ pub(crate) struct Engine {
     bells: Vec<Arc<Bell>>,
     /// Each engine thread as it sees itself once placed (for reports).
     threads: Vec<Option<tyche_numa::report::ThreadPlacement>>,
+    /// Each engine thread's polling counters, as of its last turn.
+    poll_stats: Vec<PollStats>,
     /// The session is over: every engine thread sends what is left on its links and exits.
     finished: bool,
     /// Engine threads that have exited.
@@ -407,6 +408,7 @@ impl Engine {
         // The first attempt (on the first link) is due at once.
         let reconnector = Reconnector::new(slot_links, policy, Instant::ZERO);
         let threads = vec![None; bells.len()];
+        let poll_stats = vec![PollStats::default(); bells.len()];
         Engine {
             cfg,
             clock: std::time::Instant::now(),
@@ -427,6 +429,7 @@ impl Engine {
             initial_timeouts: 0,
             bells,
             threads,
+            poll_stats,
             finished: false,
             exited: 0,
             closers: Vec::new(),
@@ -993,6 +996,9 @@ impl Engine {
                 replayed: s.replayed,
                 bad_digest: s.bad_digest,
             },
+            poll_mode: self.cfg.poll.mode,
+            poll_budget_us: self.cfg.poll.budget.as_micros() as u64,
+            poll: self.poll_stats.clone(),
             ..Report::default()
         };
         if let Some(v) = &self.volume {
@@ -1162,7 +1168,7 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
     shared.lock().threads[g] = Some(tyche_numa::report::this_thread());
     // Links without a readiness descriptor (in-memory ones) are polled: sleep briefly.
     let all_fds = io.iter().all(|(_, t)| t.readiness_fd().is_some());
-    let mut idle = 0u32;
+    let mut poller = Poller::new(shared.lock().cfg.poll);
     let mut disconnected = false;
     let mut next: Option<Cmd> = None;
     loop {
@@ -1208,10 +1214,13 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
             }
         }
         e.wake_others(g);
-        idle = if work { 0 } else { idle.saturating_add(1) };
-        if idle < SPIN_ROUNDS {
+        e.poll_stats[g] = poller.stats();
+        if poller.turn(std::time::Instant::now(), work) == Next::Poll {
             drop(e);
-            std::thread::yield_now();
+            if !work {
+                // Polling with nothing to do: let a thread that shares the core run.
+                std::thread::yield_now();
+            }
             continue;
         }
         let busy = !e.inflight.is_empty() || !e.connectors.is_empty();
@@ -1238,7 +1247,6 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
         match rx.try_recv() {
             Ok(cmd) => {
                 bell.sleeping.store(false, Ordering::Release);
-                idle = 0;
                 next = Some(cmd);
                 continue;
             }

@@ -153,6 +153,13 @@ struct ConnArgs {
     /// Engine threads: per-node (one per NUMA node of the NICs, pinned there) or one.
     #[arg(long, default_value = "per-node")]
     engine_threads: EngineThreads,
+    /// How engine threads wait when idle: adaptive (poll a while after work, then sleep),
+    /// sleep or spin.
+    #[arg(long, default_value = "adaptive", value_name = "adaptive|sleep|spin")]
+    poll: tyche_transport::poll::PollMode,
+    /// Adaptive polling: the longest an engine thread polls after work before it sleeps (µs).
+    #[arg(long, default_value_t = tyche_transport::poll::DEFAULT_BUDGET.as_micros() as u64, value_name = "US")]
+    poll_budget_us: u64,
     /// Unix socket for `tyche-init stats` (default: PID.stats.sock in the state directory).
     #[arg(long)]
     stats_socket: Option<PathBuf>,
@@ -184,6 +191,7 @@ impl ConnArgs {
         c.scheduler = self.scheduler;
         c.send_mode = self.send_mode;
         c.engine_threads = self.engine_threads;
+        c.poll = tyche_transport::poll::PollConfig::new(self.poll, self.poll_budget_us).context("--poll-budget-us")?;
         c.digest = self.digest;
         if let Some(id) = self.host_id {
             c.host_id = Some(id);

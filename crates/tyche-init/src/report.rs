@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tyche_numa::{PageCounts, ThreadPlacement};
+use tyche_transport::poll::{PollMode, PollStats};
 
 /// One channel of the session.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +109,15 @@ pub struct Report {
     pub links: Vec<LinkReport>,
     /// Per NBD connection (empty for other front ends).
     pub nbd: Vec<NbdConnReport>,
+    /// How the engine threads wait for work (`--poll`).
+    #[serde(default)]
+    pub poll_mode: PollMode,
+    /// The configured poll budget (`--poll-budget-us`), in microseconds.
+    #[serde(default)]
+    pub poll_budget_us: u64,
+    /// Polling counters per engine thread.
+    #[serde(default)]
+    pub poll: Vec<PollStats>,
 }
 
 impl Report {
@@ -147,6 +157,20 @@ impl Report {
                 l.thread.nodes
             );
         }
+        let mut all = PollStats::default();
+        self.poll.iter().for_each(|t| all.add(t));
+        let _ = writeln!(
+            s,
+            "\npoll {} (budget {} µs, now {} µs)  polled {:.3}s  found work {}  ran out {}  sleeps {}  woken for work {}",
+            self.poll_mode,
+            self.poll_budget_us,
+            all.budget_ns / 1000,
+            all.poll_ns as f64 / 1e9,
+            all.poll_hits,
+            all.poll_misses,
+            all.sleeps,
+            all.wakeups
+        );
         if !self.nbd.is_empty() {
             let _ = writeln!(s, "\nNBD connections (buffer pages on the connection's node / elsewhere / not present):");
             for c in &self.nbd {

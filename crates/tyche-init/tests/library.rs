@@ -327,3 +327,30 @@ async fn one_engine_thread_per_node_shares_the_session() {
     bounded("close", client.close()).await;
     assert_eq!(n1.read(0, 512).await, Err(Error::Closed));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_poll_mode_serves_requests_and_counts_its_waits() {
+    use tyche_transport::poll::{PollConfig, PollMode};
+    for mode in [PollMode::Adaptive, PollMode::Sleep, PollMode::Spin] {
+        let (links, _sw, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
+        let mut cfg = config();
+        cfg.poll = PollConfig::new(mode, 50).expect("budget in range");
+        let client = bounded("connect", connect(cfg, links)).await.expect("connect");
+        for i in 0..64u64 {
+            let data = pattern(i, 4096);
+            bounded("write", client.write(i * 4096, &data)).await.expect("write");
+            assert!(bounded("read", client.read(i * 4096, 4096)).await.expect("read") == data, "{mode}: read back");
+        }
+        let r = client.report().await.expect("report");
+        assert_eq!((r.poll_mode, r.poll_budget_us, r.poll.len()), (mode, 50, 1), "{}", r.human());
+        let p = r.poll[0];
+        match mode {
+            // Every turn that found nothing after work polled a while before sleeping.
+            PollMode::Adaptive => assert!(p.poll_ns > 0 && p.budget_ns <= 50_000, "{mode}: {p:?}"),
+            PollMode::Sleep => assert!(p.poll_ns == 0 && p.sleeps > 0 && p.poll_hits == 0, "{mode}: {p:?}"),
+            PollMode::Spin => assert!(p.sleeps == 0 && p.poll_ns > 0, "{mode}: {p:?}"),
+        }
+        assert!(r.human().contains(&format!("poll {mode} (budget 50 µs")), "{}", r.human());
+        bounded("close", client.close()).await;
+    }
+}

@@ -4,6 +4,8 @@
 //! sockets (`tyche-xdp`), the TCP baseline, and the in-memory [`MemPort`] used by examples,
 //! benches and tests all implement it, so the engine runs unchanged on each. [`FaultInjector`]
 //! wraps any transport and drops, duplicates or delays frames from a seeded generator.
+//! [`poll::Poller`] decides, after each turn of a thread that serves transports, whether it
+//! polls again or sleeps (adaptive polling).
 //!
 //! # Contract
 //! - Frames are whole Ethernet frames (header included, FCS excluded). A transport delivers a
@@ -27,6 +29,7 @@
 
 mod fault;
 mod mem;
+pub mod poll;
 pub mod stats_socket;
 
 use std::any::Any;

@@ -6,6 +6,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use serde::Deserialize;
+use tyche_transport::poll::{PollConfig, PollMode};
 use tyche_wire::{MacAddr, DEFAULT_ETHERTYPE, SECTOR_SIZE};
 
 /// A configuration error: the field and what is wrong with it.
@@ -106,6 +107,14 @@ pub struct Config {
     /// the worker threads).
     #[serde(default = "default_true")]
     pub io_uring: bool,
+    /// How network threads wait between turns that found nothing: `adaptive` (poll for up to
+    /// `poll_budget_us` after work, then sleep), `sleep` (at once) or `spin` (never sleep).
+    #[serde(default)]
+    pub poll: PollMode,
+    /// Adaptive polling: the longest a network thread polls after work before it sleeps
+    /// (microseconds, at most 10000).
+    #[serde(default = "default_poll_budget_us")]
+    pub poll_budget_us: u64,
     /// Unix socket serving `tyched stats` (JSON).
     #[serde(default = "default_stats_socket")]
     pub stats_socket: PathBuf,
@@ -312,6 +321,9 @@ fn default_storage_deadline_ms() -> u64 {
 fn default_true() -> bool {
     true
 }
+fn default_poll_budget_us() -> u64 {
+    tyche_transport::poll::DEFAULT_BUDGET.as_micros() as u64
+}
 
 impl Default for Config {
     fn default() -> Self {
@@ -324,6 +336,8 @@ impl Default for Config {
             workers: 0,
             network_threads: NetworkThreads::default(),
             io_uring: true,
+            poll: PollMode::default(),
+            poll_budget_us: default_poll_budget_us(),
             stats_socket: default_stats_socket(),
             prometheus_listen: None,
             prometheus_allow_remote: false,
@@ -476,6 +490,11 @@ impl Config {
         }
     }
 
+    /// How the network threads poll (`poll`, `poll_budget_us`), checked.
+    pub fn poll_config(&self) -> Result<PollConfig, ConfigError> {
+        PollConfig::new(self.poll, self.poll_budget_us).map_err(|e| invalid("poll_budget_us", e.to_string()))
+    }
+
     /// The Prometheus endpoint's address, checked (`prometheus_listen`).
     pub fn prometheus_addr(&self) -> Result<Option<crate::prometheus::MetricsAddr>, ConfigError> {
         let Some(s) = &self.prometheus_listen else { return Ok(None) };
@@ -514,6 +533,7 @@ impl Config {
             return Err(invalid("storage_deadline_ms", "0 (none) or 100 to 3600000"));
         }
         self.prometheus_addr()?;
+        self.poll_config()?;
         for (i, name) in self.ifaces.iter().enumerate() {
             if name.is_empty() || name.len() > 15 {
                 return Err(invalid(format!("ifaces[{i}]"), "interface names are 1 to 15 bytes"));
@@ -666,6 +686,21 @@ mod tests {
         assert!(e.to_string().contains("prometheus_listen"), "{e}");
         let e = with("stats_socket = \"/tmp/s.sock\"\nprometheus_listen = \"/tmp/s.sock\"").expect_err("clash");
         assert!(e.to_string().starts_with("prometheus_listen:"), "{e}");
+    }
+
+    #[test]
+    fn poll_mode_and_budget_are_checked() {
+        let base = "[[export]]\nname = \"a\"\nsize = \"1M\"\n";
+        let with = |extra: &str| Config::from_toml(&format!("{extra}\n{base}"));
+        let c = with("").expect("defaults");
+        assert_eq!(c.poll_config().unwrap(), PollConfig::default());
+        let c = with("poll = \"spin\"\npoll_budget_us = 20").expect("spin");
+        assert_eq!(c.poll_config().unwrap(), PollConfig::new(PollMode::Spin, 20).unwrap());
+        with("poll = \"sleep\"").expect("sleep");
+        let e = with("poll = \"busy\"").expect_err("unknown mode");
+        assert!(e.to_string().contains("poll"), "{e}");
+        let e = with("poll_budget_us = 20000").expect_err("budget too large");
+        assert!(e.to_string().starts_with("poll_budget_us: poll budget 20000"), "{e}");
     }
 
     #[test]

@@ -71,6 +71,13 @@ struct ServeArgs {
     /// File and block exports use the worker threads, not io_uring.
     #[arg(long)]
     no_io_uring: bool,
+    /// How network threads wait when idle: adaptive (poll a while after work, then sleep),
+    /// sleep or spin.
+    #[arg(long, value_name = "adaptive|sleep|spin")]
+    poll: Option<tyche_transport::poll::PollMode>,
+    /// Adaptive polling: the longest a network thread polls after work before it sleeps (µs).
+    #[arg(long, value_name = "US")]
+    poll_budget_us: Option<u64>,
     /// Unix socket for `tyched stats`.
     #[arg(long)]
     stats_socket: Option<PathBuf>,
@@ -146,6 +153,12 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     }
     if args.no_io_uring {
         config.io_uring = false;
+    }
+    if let Some(m) = args.poll {
+        config.poll = m;
+    }
+    if let Some(b) = args.poll_budget_us {
+        config.poll_budget_us = b;
     }
     if let Some(s) = &args.stats_socket {
         config.stats_socket = s.clone();

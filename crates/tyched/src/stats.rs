@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use tyche_numa::{PageCounts, ThreadPlacement};
+use tyche_transport::poll::{PollMode, PollStats};
 
 /// Drops of received frames, by reason.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -235,6 +236,22 @@ pub struct Snapshot {
     /// What the limits (`[limits]` in the config, docs/tyched.md "Limits") refused or held back.
     #[serde(default)]
     pub limits: LimitStats,
+    /// How the network threads waited for work (`poll`, `poll_budget_us`; docs/tyched.md,
+    /// "Polling").
+    #[serde(default)]
+    pub poll: PollReport,
+}
+
+/// The polling of the network threads.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PollReport {
+    /// `adaptive`, `sleep` or `spin`.
+    pub mode: PollMode,
+    /// The configured budget (the most the adaptive one reaches), in microseconds.
+    pub budget_us: u64,
+    /// Per network thread (`tyched-net0`, `tyched-net1`, ... or the one `tyched-net`).
+    pub threads: Vec<PollStats>,
 }
 
 /// Counters of the target's limits: each says how often a limit was full, and what happened
@@ -292,6 +309,21 @@ impl Snapshot {
             self.storage_inflight,
             self.payload_copied_bytes,
             self.duplicates_suppressed
+        );
+        let p = &self.poll;
+        let mut all = PollStats::default();
+        p.threads.iter().for_each(|t| all.add(t));
+        let _ = writeln!(
+            s,
+            "poll {} (budget {} µs, now {} µs)  polled {:.3}s  found work {}  ran out {}  sleeps {}  woken for work {}",
+            p.mode,
+            p.budget_us,
+            all.budget_ns / 1000,
+            all.poll_ns as f64 / 1e9,
+            all.poll_hits,
+            all.poll_misses,
+            all.sleeps,
+            all.wakeups
         );
         let _ = writeln!(s, "\nNICs:");
         for n in &self.nics {
@@ -421,6 +453,15 @@ impl Snapshot {
                 })
                 .collect::<Vec<_>>()
         };
+        let th = |f: &dyn Fn(&PollStats) -> u64| {
+            self.poll.threads.iter().enumerate().map(|(k, t)| (format!("{{thread=\"{k}\"}}"), f(t))).collect::<Vec<_>>()
+        };
+        metric("poll_nanoseconds_total", "Time network threads spent polling.", "counter", th(&|t| t.poll_ns));
+        metric("poll_hits_total", "Polls that found work (wake-ups saved).", "counter", th(&|t| t.poll_hits));
+        metric("poll_misses_total", "Polls that ran out of budget and slept.", "counter", th(&|t| t.poll_misses));
+        metric("poll_sleeps_total", "Sleeps of network threads.", "counter", th(&|t| t.sleeps));
+        metric("poll_wakeups_total", "Sleeps that ended in work.", "counter", th(&|t| t.wakeups));
+        metric("poll_budget_nanoseconds", "The adaptive poll budget now.", "gauge", th(&|t| t.budget_ns));
         metric("channel_retransmits_total", "Retransmissions.", "counter", ch(&|c| c.retransmits));
         metric("channel_executing", "Requests executing.", "gauge", ch(&|c| c.executing));
         s

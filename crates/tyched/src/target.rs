@@ -27,6 +27,7 @@ use tyche_channel::{
     Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, KeyedConnect, TargetEvent,
     TargetInbound, TargetSession,
 };
+use tyche_transport::poll::{Next, PollConfig, PollStats, Poller};
 use tyche_transport::{FrameTransport, Lease, Sent, TxChunk};
 use tyche_wire::{
     flags, Challenge, ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Reject, RejectReason, Request,
@@ -35,7 +36,7 @@ use tyche_wire::{
 
 use crate::backend::{Backend, BackendError, FileBackend, Memory, RamBackend};
 use crate::config::{Config, NetworkThreads};
-use crate::stats::{ChannelSnapshot, Drops, ExportStats, LimitStats, NicPlacement, NicStats, Snapshot};
+use crate::stats::{ChannelSnapshot, Drops, ExportStats, LimitStats, NicPlacement, NicStats, PollReport, Snapshot};
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
@@ -682,6 +683,8 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         group_of,
         group_wakes: group_wakes.clone(),
         sleeping: vec![false; groups.len()],
+        poll: config.poll_config()?,
+        poll_stats: vec![PollStats::default(); groups.len()],
         closing: false,
         exited: 0,
     };
@@ -716,7 +719,8 @@ struct Turn {
 }
 
 /// The loop of the network thread serving the NICs `nics` (group `g`): a turn of the engine
-/// under its lock, then, outside it, the transports' flush (the AF_XDP kick) and the sleep.
+/// under its lock, then, outside it, the transports' flush (the AF_XDP kick) and, when the
+/// poller says so ([`Poller`]: after a while without work), the sleep.
 fn serve_group(
     g: usize,
     mut nics: Vec<(usize, Nic)>,
@@ -724,8 +728,13 @@ fn serve_group(
     wakes: &[Arc<OwnedFd>],
     shared: &Shared,
 ) {
+    let mut poller = Poller::new(lock_engine(engine).poll);
     loop {
-        let turn = lock_engine(engine).turn(g, &mut nics);
+        let turn = {
+            let mut net = lock_engine(engine);
+            net.poll_stats[g] = poller.stats();
+            net.turn(g, &mut nics)
+        };
         for (_, nic) in nics.iter_mut() {
             if let Err(e) = nic.transport.flush() {
                 tracing::warn!(nic = %nic.name, "flush failed: {e}");
@@ -737,8 +746,11 @@ fn serve_group(
         if turn.exit {
             return;
         }
-        if !turn.busy {
-            sleep(&nics, &turn.live, turn.timeout, &wakes[g], shared);
+        match poller.turn(std::time::Instant::now(), turn.busy) {
+            // Polling with nothing to do: let a thread that shares the core run.
+            Next::Poll if !turn.busy => std::thread::yield_now(),
+            Next::Poll => {}
+            Next::Sleep => sleep(&nics, &turn.live, turn.timeout, &wakes[g], shared),
         }
     }
 }
@@ -1045,6 +1057,10 @@ struct Network {
     group_wakes: Vec<Arc<OwnedFd>>,
     /// Network threads that ended their last turn with nothing to do (and sleep or will).
     sleeping: Vec<bool>,
+    /// How the network threads wait for work.
+    poll: PollConfig,
+    /// Each network thread's polling counters, as of its last turn.
+    poll_stats: Vec<PollStats>,
     /// Shutdown: every channel was told DISCONNECT; each thread sends its NICs' and exits.
     closing: bool,
     /// Network threads that have exited; the last one flushes and publishes the final counters.
@@ -2381,6 +2397,11 @@ impl Network {
             channels,
             placement,
             limits: self.limit_snapshot(),
+            poll: PollReport {
+                mode: self.poll.mode,
+                budget_us: self.poll.budget.as_micros() as u64,
+                threads: self.poll_stats.clone(),
+            },
         }
     }
 

@@ -88,6 +88,34 @@ fn many_sizes_over_two_nics_with(network_threads: NetworkThreads, threads: usize
     }
 }
 
+/// Each poll mode serves I/O, and `stats` counts how the network threads waited.
+#[test]
+fn every_poll_mode_serves_requests_and_counts_its_waits() {
+    use tyche_transport::poll::PollMode;
+    for mode in [PollMode::Adaptive, PollMode::Sleep, PollMode::Spin] {
+        let cfg = Config { poll: mode, poll_budget_us: 40, ..config(vec![ExportConfig::ram("ram", 1 << 20)]) };
+        let (target, ports) = common::start(cfg, 2);
+        let mut ini = Initiator::new(ports);
+        ini.attach("ram", None).expect("attach");
+        for i in 0..32u64 {
+            let data = pattern(i * 4096, 4096, i as u8);
+            ini.write(i * 4096, &data);
+            assert_eq!(ini.read(i * 4096, 4096), data, "{mode}: read back");
+        }
+        let s = target.stats();
+        assert_eq!((s.poll.mode, s.poll.budget_us, s.poll.threads.len()), (mode, 40, 2), "{:?}", s.poll);
+        let busy = s.poll.threads.iter().find(|t| t.poll_hits + t.wakeups > 0).expect("a thread found work");
+        match mode {
+            PollMode::Adaptive => assert!(busy.poll_ns > 0 && busy.budget_ns <= 40_000, "{mode}: {busy:?}"),
+            PollMode::Sleep => assert!(busy.poll_ns == 0 && busy.sleeps > 0 && busy.poll_hits == 0, "{mode}: {busy:?}"),
+            PollMode::Spin => assert!(busy.sleeps == 0 && busy.poll_ns > 0, "{mode}: {busy:?}"),
+        }
+        let prom = s.prometheus();
+        assert!(prom.contains("tyched_poll_sleeps_total{thread=\"1\"}"), "{prom}");
+        assert!(s.human().contains(&format!("poll {mode} (budget 40 µs")), "{}", s.human());
+    }
+}
+
 #[test]
 fn flush_fua_discard_write_zeroes() {
     flush_fua_discard_write_zeroes_with(true, "io_uring");
