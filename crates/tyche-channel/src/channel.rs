@@ -597,9 +597,9 @@ impl Channel {
     pub fn submit(&mut self, sub: Submission, floor: u64) -> bool {
         assert_eq!(self.role, Role::Initiator, "submit on a target channel");
         assert!(
-            !sub.op.uses_damq() || (sub.length > 0 && sub.length <= self.params.max_io),
+            !sub.op.uses_damq() || (sub.length > 0 && sub.op.data_len(sub.length) <= self.params.max_io),
             "request of {} bytes on a channel with max_io {}",
-            sub.length,
+            sub.op.data_len(sub.length),
             self.params.max_io
         );
         if !self.can_submit(sub.op) {
@@ -608,7 +608,7 @@ impl Channel {
         let remq = self.free_remq.pop().expect("checked");
         let damq = if sub.op.uses_damq() {
             let d = self.free_damq.pop().expect("checked");
-            let count = self.segments(sub.length);
+            let count = self.segments(sub.op.data_len(sub.length));
             self.damq[d as usize].reset(sub.tag, count, remq);
             d
         } else {
@@ -667,11 +667,13 @@ impl Channel {
             return Some(req);
         }
         if req.op.has_read_data() && status == Status::Ok {
-            let count = self.segments(req.length);
+            // A READ's data, or a BLOCK_STATUS's list.
+            let length = req.op.data_len(req.length);
+            let count = self.segments(length);
             if let Some(d) = self.damq.get_mut(req.damq as usize) {
                 d.sending = true;
             }
-            self.enqueue(Outgoing::DataMessage { damq: req.damq, tag: req.tag, length: req.length, next: 0, count });
+            self.enqueue(Outgoing::DataMessage { damq: req.damq, tag: req.tag, length, next: 0, count });
         }
         self.remq[remq as usize] = RemqSlot::Completing(req.tag);
         self.queue_completion(req.remq, req.damq, req.tag, status);
@@ -852,7 +854,8 @@ impl Channel {
         if !matches!(self.remq.get(slot), Some(RemqSlot::Free)) {
             return self.drop_frame(DropReason::BadSlot);
         }
-        let fits = !r.op.uses_damq() || (r.length <= self.params.max_io && (r.damq as usize) < self.damq.len());
+        let fits = !r.op.uses_damq()
+            || (r.op.data_len(r.length) <= self.params.max_io && (r.damq as usize) < self.damq.len());
         if !fits {
             return self.refuse(r);
         }
@@ -989,7 +992,9 @@ impl Channel {
                 }
                 // Read data past the request's end (a full last segment of a shorter read).
                 let within = match self.remq.get(d.remq as usize) {
-                    Some(RemqSlot::InFlight { sub, .. }) => h.offset as u64 + len as u64 <= sub.length as u64,
+                    Some(RemqSlot::InFlight { sub, .. }) => {
+                        h.offset as u64 + len as u64 <= sub.op.data_len(sub.length) as u64
+                    }
                     _ => false,
                 };
                 if !within {

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
+use tyche_wire::flags::FEATURE_BLOCK_STATUS;
 use tyche_wire::{DisconnectReason, Op, Status, SECTOR_SIZE};
 
 use crate::channel::{
@@ -378,7 +379,11 @@ impl Volume {
         if self.requests.contains_key(&req.id) {
             return Err(SubmitError::DuplicateId);
         }
-        let chunk = if req.op.uses_damq() { self.max_io() as u64 } else { MAX_RANGE_PART };
+        // A BLOCK_STATUS is one part whatever its range (its answer may cover less).
+        let chunk = if matches!(req.op, Op::Read | Op::Write) { self.max_io() as u64 } else { MAX_RANGE_PART };
+        if req.op == Op::BlockStatus && req.length > MAX_RANGE_PART {
+            return Err(SubmitError::Unaligned);
+        }
         let nparts = if req.op == Op::Flush { 1 } else { req.length.div_ceil(chunk) };
         if self.requests.len() >= self.config.max_requests || self.next_tag + nparts > self.floor() + TAG_WINDOW {
             return Err(SubmitError::Busy);
@@ -427,7 +432,11 @@ impl Volume {
             // A part sized for a channel that has died may be larger than every survivor's
             // `max_io` (each channel's grant is the target's choice): it can go nowhere, so it
             // fails rather than wait for ever or trip `Channel::submit`'s assertion.
-            let fits = |c: &Channel| !part.op.uses_damq() || part.length <= c.params().max_io;
+            // BLOCK_STATUS goes only to channels granted the feature.
+            let fits = |c: &Channel| {
+                (!part.op.uses_damq() || part.op.data_len(part.length) <= c.params().max_io)
+                    && (part.op != Op::BlockStatus || c.params().features & FEATURE_BLOCK_STATUS != 0)
+            };
             let live = self.members.iter().flatten().filter(|m| m.usable());
             let (mut any_live, mut any_fits) = (false, false);
             for m in live {
@@ -436,7 +445,9 @@ impl Volume {
             }
             if any_live && !any_fits {
                 self.pending.pop_front();
-                self.part_done(tag, None, Err(IoError::NoPath));
+                // A target without BLOCK_STATUS: the caller treats the range as data.
+                let err = if part.op == Op::BlockStatus { IoError::Target(Status::Unsupported) } else { IoError::NoPath };
+                self.part_done(tag, None, Err(err));
                 continue;
             }
             self.views.clear();
@@ -450,7 +461,7 @@ impl Volume {
             }));
             // Schedulers balance the bytes that cross the link: a DISCARD or WRITE_ZEROES of a
             // whole export moves none, and must not make its channel look loaded.
-            let moved = if part.op.uses_damq() { part.length as u64 } else { 0 };
+            let moved = if part.op.uses_damq() { part.op.data_len(part.length) as u64 } else { 0 };
             let Some(i) = self.scheduler.pick(moved, part.node, &self.views) else { break };
             assert!(self.views[i].live && self.views[i].has_room, "scheduler picked an unusable channel");
             let member = self.members[i].as_mut().expect("picked a present channel");
@@ -493,8 +504,8 @@ impl Volume {
             Received::Placed(p) => match self.parts.get(&p.tag) {
                 // Read data goes into a read, inside it: a target's DATA for a write (whose
                 // buffer is the caller's data) or past the part's length is dropped.
-                Some(part) if part.channel == Some(idx) && part.op == Op::Read => {
-                    if p.offset as u64 + p.payload.len() as u64 <= part.length as u64 {
+                Some(part) if part.channel == Some(idx) && part.op.has_read_data() => {
+                    if p.offset as u64 + p.payload.len() as u64 <= part.op.data_len(part.length) as u64 {
                         Inbound::Read { id: part.id, offset: part.req_offset + p.offset as u64, payload: p.payload }
                     } else {
                         Inbound::Dropped(FrameDrop::Channel(DropReason::Inconsistent))

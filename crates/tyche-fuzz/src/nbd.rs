@@ -13,8 +13,10 @@
 //! Invariants: no panic; every request handed to the volume is sector-aligned, inside the
 //! export, at most the maximum request, with a buffer of its length, TRIM only where the export
 //! discards; the connection never holds more than its bound of requests and data; every reply
-//! is well-formed and a request is answered at most once; once the client closes and every
-//! request completes, the connection is finished.
+//! is well-formed (simple, or with structured replies negotiated a single structured chunk for
+//! READ and BLOCK_STATUS, block status extents inside the range asked, one with REQ_ONE) and a
+//! request is answered at most once, also when the volume's block status list is malformed;
+//! once the client closes and every request completes, the connection is finished.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -39,6 +41,8 @@ pub struct Input {
     read_only: bool,
     discard: bool,
     max_inflight: u8,
+    /// Transmission as after NBD_OPT_STRUCTURED_REPLY and `base:allocation`.
+    structured: bool,
     client_flags: u32,
     options: Vec<Opt>,
     items: Vec<Item>,
@@ -68,6 +72,8 @@ pub enum OptData {
         name_len: Option<u32>,
     },
     Bytes(Vec<u8>),
+    /// An NBD_OPT_LIST/SET_META_CONTEXT request for a name with queries.
+    Meta { name: u8, queries: Vec<u8>, count: Option<u32> },
 }
 
 /// One step of the transmission phase.
@@ -141,9 +147,11 @@ fn handshake(input: &Input, size: u64) {
                     opt::INFO,
                     opt::GO,
                     opt::STRUCTURED_REPLY,
+                    opt::LIST_META_CONTEXT,
+                    opt::SET_META_CONTEXT,
                     0,
                     99,
-                ][*option as usize % 9];
+                ][*option as usize % 11];
                 let d = match data {
                     OptData::None => Vec::new(),
                     OptData::Name(k) => name(*k).as_bytes().to_vec(),
@@ -159,6 +167,19 @@ fn handshake(input: &Input, size: u64) {
                         d
                     }
                     OptData::Bytes(v) => v.clone(),
+                    OptData::Meta { name: k, queries, count } => {
+                        let n = name(*k);
+                        let mut d = Vec::new();
+                        put_u32(&mut d, n.len() as u32);
+                        d.extend_from_slice(n.as_bytes());
+                        put_u32(&mut d, count.unwrap_or(queries.len() as u32));
+                        for q in queries {
+                            let q = ["base:allocation", "base:", "qemu:dirty-bitmap:x", ""][*q as usize % 4];
+                            put_u32(&mut d, q.len() as u32);
+                            d.extend_from_slice(q.as_bytes());
+                        }
+                        d
+                    }
                 };
                 b.extend_from_slice(&codec::IHAVEOPT.to_be_bytes());
                 put_u32(&mut b, option);
@@ -190,8 +211,10 @@ struct Client {
     pending: VecDeque<u8>,
     /// Replies not yet parsed.
     got: Vec<u8>,
-    /// Requests sent by cookie: whether a successful reply carries data, and how much.
-    asked: HashMap<u64, u64>,
+    /// Requests sent by cookie: command, flags, and length.
+    asked: HashMap<u64, (u16, u16, u32)>,
+    /// Structured replies were negotiated.
+    structured: bool,
     /// Cookies answered.
     answered: HashMap<u64, u32>,
     /// Replies are no longer parseable (a reply to a cookie the client did not track).
@@ -233,38 +256,102 @@ impl Client {
         }
         let mut at = 0;
         while !self.lost && self.got.len() - at >= 16 {
-            let h = &self.got[at..at + 16];
+            let h = &self.got[at..];
             let magic = u32::from_be_bytes(h[..4].try_into().expect("4"));
-            assert_eq!(magic, codec::SIMPLE_REPLY_MAGIC, "a reply without the reply magic");
-            let error = u32::from_be_bytes(h[4..8].try_into().expect("4"));
-            let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8"));
-            let Some(&data) = self.asked.get(&cookie) else {
-                // A cookie of raw bytes: its data length is unknown.
-                self.lost = true;
-                break;
+            let (cookie, len) = if magic == codec::STRUCTURED_REPLY_MAGIC {
+                assert!(self.structured, "a structured reply without structured replies negotiated");
+                if h.len() < 20 {
+                    break;
+                }
+                let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8"));
+                let payload = u32::from_be_bytes(h[16..20].try_into().expect("4")) as usize;
+                if h.len() < 20 + payload {
+                    break;
+                }
+                let Some(&asked) = self.asked.get(&cookie) else {
+                    self.lost = true;
+                    break;
+                };
+                check_chunk(&h[..20 + payload], asked);
+                (cookie, 20 + payload)
+            } else {
+                assert_eq!(magic, codec::SIMPLE_REPLY_MAGIC, "a reply without the reply magic");
+                let error = u32::from_be_bytes(h[4..8].try_into().expect("4"));
+                let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8"));
+                let Some(&(command, _, length)) = self.asked.get(&cookie) else {
+                    // A cookie of raw bytes: its data length is unknown.
+                    self.lost = true;
+                    break;
+                };
+                assert!(
+                    !(self.structured && matches!(command, cmd::READ | cmd::BLOCK_STATUS)),
+                    "a simple reply to {command} with structured replies negotiated"
+                );
+                let body = if error == 0 && command == cmd::READ { length as usize } else { 0 };
+                if h.len() < 16 + body {
+                    break;
+                }
+                (cookie, 16 + body)
             };
-            let body = if error == 0 { data } else { 0 };
-            if ((self.got.len() - at - 16) as u64) < body {
-                break;
-            }
             let n = self.answered.entry(cookie).or_default();
             *n += 1;
             assert_eq!(*n, 1, "request {cookie:#x} answered twice");
-            at += 16 + body as usize;
+            at += len;
         }
         self.got.drain(..at);
     }
 }
 
+/// Checks one structured reply (header and payload) to a request of `(command, flags, length)`.
+fn check_chunk(c: &[u8], (command, flags, length): (u16, u16, u32)) {
+    let cflags = u16::from_be_bytes([c[4], c[5]]);
+    let kind = u16::from_be_bytes([c[6], c[7]]);
+    let p = &c[20..];
+    assert_eq!(cflags, codec::chunk::FLAG_DONE, "one chunk per reply, flagged DONE");
+    assert!(matches!(command, cmd::READ | cmd::BLOCK_STATUS), "a structured reply to command {command}");
+    match kind {
+        codec::chunk::ERROR => {
+            assert_eq!(p.len(), 6, "an error chunk without a message");
+            assert_ne!(u32::from_be_bytes(p[..4].try_into().expect("4")), 0, "an error chunk of error 0");
+        }
+        codec::chunk::NONE => assert!(p.is_empty() && command == cmd::READ && length == 0, "a NONE chunk"),
+        codec::chunk::OFFSET_DATA => {
+            assert_eq!(command, cmd::READ, "read data for command {command}");
+            assert_eq!(p.len(), 8 + length as usize, "an OFFSET_DATA chunk of the wrong length");
+        }
+        codec::chunk::BLOCK_STATUS => {
+            assert_eq!(command, cmd::BLOCK_STATUS, "block status for command {command}");
+            assert!(p.len() >= 12 && (p.len() - 4) % 8 == 0, "block status payload of {} bytes", p.len());
+            assert_eq!(u32::from_be_bytes(p[..4].try_into().expect("4")), codec::BASE_ALLOCATION_ID);
+            let n = (p.len() - 4) / 8;
+            if flags & codec::cflag::REQ_ONE != 0 {
+                assert_eq!(n, 1, "REQ_ONE answered with {n} extents");
+            }
+            let mut total = 0u64;
+            for e in p[4..].chunks_exact(8) {
+                let len = u32::from_be_bytes(e[..4].try_into().expect("4"));
+                let state = u32::from_be_bytes(e[4..].try_into().expect("4"));
+                assert!(len > 0, "an empty extent");
+                assert_eq!(state & !3, 0, "unknown state bits {state:#x}");
+                total += len as u64;
+            }
+            assert!(total <= length as u64, "extents cover {total} bytes of {length} asked");
+        }
+        k => panic!("chunk type {k}"),
+    }
+}
+
 fn transmission(input: &Input, size: u64) {
     let Ok((server, client)) = UnixStream::pair() else { return };
-    let Ok(mut conn) = Conn::new(server, size, input.discard, input.max_inflight as usize % 64 + 1) else { return };
+    let max = input.max_inflight as usize % 64 + 1;
+    let Ok(mut conn) = Conn::new(server, size, input.discard, max, input.structured) else { return };
     client.set_nonblocking(true).expect("non-blocking");
     let mut c = Client {
         sock: client,
         pending: VecDeque::new(),
         got: Vec::new(),
         asked: HashMap::new(),
+        structured: input.structured,
         answered: HashMap::new(),
         lost: false,
     };
@@ -277,9 +364,18 @@ fn transmission(input: &Input, size: u64) {
         match *item {
             Item::Request { command, flags, offset, length, payload, bad_magic } => {
                 crate::count_frames(1);
-                let command =
-                    [cmd::READ, cmd::WRITE, cmd::DISC, cmd::FLUSH, cmd::TRIM, cmd::CACHE, cmd::WRITE_ZEROES, 7, 0xffff]
-                        [command as usize % 9];
+                let command = [
+                    cmd::READ,
+                    cmd::WRITE,
+                    cmd::DISC,
+                    cmd::FLUSH,
+                    cmd::TRIM,
+                    cmd::CACHE,
+                    cmd::WRITE_ZEROES,
+                    cmd::BLOCK_STATUS,
+                    8,
+                    0xffff,
+                ][command as usize % 10];
                 let offset = match offset {
                     Offset::Sector(s) => (s as u64 % (size / 512 + 1)) * 512,
                     Offset::Raw(v) => v,
@@ -310,7 +406,7 @@ fn transmission(input: &Input, size: u64) {
                 queued += 28 + body;
                 c.pending.extend(h);
                 c.pending.extend(std::iter::repeat_n(cookie as u8 | 1, body));
-                c.asked.insert(cookie, if command == cmd::READ { length as u64 } else { 0 });
+                c.asked.insert(cookie, (command, flags, length));
             }
             Item::Raw(ref v) => {
                 crate::count_frames(1);
@@ -395,7 +491,7 @@ fn check(io: &Io, size: u64, input: &Input) {
             assert!(len > 0, "an empty {op:?}");
             // Reads and trims the server rounds to sectors; writes it passes as they are, for
             // the volume to refuse when unaligned.
-            if matches!(op, Op::Read | Op::Discard) {
+            if matches!(op, Op::Read | Op::Discard | Op::BlockStatus) {
                 assert!(off % 512 == 0 && len % 512 == 0, "{op:?} at {off}+{len} not in whole sectors");
             }
             assert!(off.checked_add(len).is_some_and(|e| e <= size), "{op:?} at {off}+{len} past the end ({size})");
@@ -406,6 +502,7 @@ fn check(io: &Io, size: u64, input: &Input) {
     }
     match io.op() {
         Op::Read | Op::Write => assert_eq!(io.data().len() as u64, len, "{:?} buffer of the wrong length", io.op()),
+        Op::BlockStatus => assert_eq!(io.data().len(), 512, "a block status list buffer of the wrong length"),
         _ => {}
     }
     if io.op() == Op::Discard {
@@ -418,13 +515,35 @@ fn finish(conn: &mut Conn, mut io: Io, disk: &mut [u8], fail: Option<u8>) {
     let result = match fail {
         // What the volume answers to a request not in whole sectors.
         _ if off % 512 != 0 || len % 512 != 0 => Err(Error::Unaligned),
-        Some(k) => Err([Error::Target(Status::IoError), Error::NoPath, Error::ReadOnly, Error::Closed][k as usize % 4]),
+        // A hostile target's block status list: garbage, which the server must refuse.
+        Some(k) if io.op() == Op::BlockStatus && k % 6 >= 4 => {
+            for (i, b) in io.data_mut().iter_mut().enumerate() {
+                *b = (i as u8).wrapping_mul(k) ^ k;
+            }
+            Ok(())
+        }
+        Some(k) => Err([
+            Error::Target(Status::IoError),
+            Error::NoPath,
+            Error::ReadOnly,
+            Error::Closed,
+            Error::Target(Status::Unsupported),
+            Error::BadReply,
+        ][k as usize % 6]),
         None => {
             match io.op() {
                 Op::Read => io.data_mut().copy_from_slice(&disk[off..off + len]),
                 Op::Write => disk[off..off + len].copy_from_slice(io.data()),
                 Op::Discard | Op::WriteZeroes => disk[off..off + len].fill(0),
                 Op::Flush => {}
+                Op::BlockStatus => {
+                    // Pages of zeroes are holes.
+                    let extents = disk[off..off + len].chunks(4096).map(|c| tyche_wire::Extent {
+                        length: c.len() as u64,
+                        flags: if c.iter().all(|&b| b == 0) { 3 } else { 0 },
+                    });
+                    tyche_wire::emit_block_status(extents, io.data_mut());
+                }
             }
             Ok(())
         }

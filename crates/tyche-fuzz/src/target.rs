@@ -818,9 +818,11 @@ impl World {
                 let seq = self.seq(&env, SeqSel::Next, AckSel::Honest);
                 let tag = self.tag(TagSel::Next);
                 let length = ((sectors as u32 % 257) * 512).clamp(512, p.max_io.max(512));
+                // One in three asks for block status instead (the list comes back like read data).
+                let op = if sectors % 3 == 0 { Op::BlockStatus } else { Op::Read };
                 let r = Request {
                     seq,
-                    op: Op::Read,
+                    op,
                     fua: false,
                     remq: remq as u16 % p.remq_slots.max(1),
                     damq: damq as u16 % p.damq_slots.max(1),

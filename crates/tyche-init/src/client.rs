@@ -213,6 +213,17 @@ impl Client {
         self.io(Op::Discard, false, offset, length, Vec::new()).await.map(drop)
     }
 
+    /// Which parts of `offset..offset + length` (multiples of 512) are allocated: extents from
+    /// `offset` on, covering at most `length` bytes (a target may cover less; ask again from
+    /// where they end). The target's list is checked ([`tyche_wire::BlockStatusList::parse`]): a
+    /// malformed one is [`Error::BadReply`]. A target that cannot tell (or lacks the feature)
+    /// answers `Error::Target(Status::Unsupported)`.
+    pub async fn block_status(&self, offset: u64, length: u64) -> Result<Vec<tyche_wire::Extent>, Error> {
+        let buf = vec![0u8; tyche_wire::layout::block_status::LEN];
+        let list = self.io(Op::BlockStatus, false, offset, length, buf).await?;
+        parse_block_status(&list, length)
+    }
+
     /// Writes zeroes over a range without sending data.
     pub async fn write_zeroes(&self, offset: u64, length: u64, fua: bool) -> Result<(), Error> {
         self.io(Op::WriteZeroes, fua, offset, length, Vec::new()).await.map(drop)
@@ -265,5 +276,17 @@ impl Client {
         engine.send(cmd).map_err(|_| Error::Closed)?;
         bell.ring();
         Ok(())
+    }
+}
+
+/// Checks a block status list the target sent for a BLOCK_STATUS of `length` bytes.
+pub(crate) fn parse_block_status(list: &[u8], length: u64) -> Result<Vec<tyche_wire::Extent>, Error> {
+    let requested = u32::try_from(length).map_err(|_| Error::BadReply)?;
+    match tyche_wire::BlockStatusList::parse(list, requested) {
+        Ok(l) => Ok(l.iter().collect()),
+        Err(e) => {
+            tracing::warn!("the target sent a malformed block status list: {e}");
+            Err(Error::BadReply)
+        }
     }
 }

@@ -451,7 +451,8 @@ impl Engine {
             damq_slots: self.cfg.slots,
             segment: segment.min(u16::MAX as u32 / 2 + 1) as u16,
             max_io: self.cfg.max_io,
-            features: if self.cfg.digest { tyche_wire::flags::FEATURE_DIGEST } else { 0 },
+            features: tyche_wire::flags::FEATURE_BLOCK_STATUS
+                | if self.cfg.digest { tyche_wire::flags::FEATURE_DIGEST } else { 0 },
         }
     }
 
@@ -750,7 +751,8 @@ impl Engine {
     fn complete(&mut self, c: Completion, result: Outcome, now: Instant) {
         match c {
             Completion::Client(reply) => {
-                let _ = reply.send(result.map(|(op, buf)| if op == Op::Read { buf.into_vec() } else { Vec::new() }));
+                let _ = reply
+                    .send(result.map(|(op, buf)| if op.has_read_data() { buf.into_vec() } else { Vec::new() }));
             }
             Completion::Nbd(reply) if reply.then_flush && result.is_ok() => {
                 // TRIM with FUA: the discard is done, now the flush, then the reply.

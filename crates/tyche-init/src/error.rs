@@ -25,6 +25,9 @@ pub enum Error {
     /// The engine thread has stopped (the client was closed).
     #[error("initiator engine stopped")]
     Closed,
+    /// The target answered with data that breaks the protocol (a malformed block status list).
+    #[error("malformed answer from the target")]
+    BadReply,
 }
 
 impl From<SubmitError> for Error {
@@ -48,7 +51,9 @@ impl Error {
             Error::Target(Status::Unsupported) | Error::Unsupported => libc::EOPNOTSUPP,
             Error::Target(Status::NoSpace) => libc::ENOSPC,
             Error::Closed => libc::ESHUTDOWN,
-            Error::Target(Status::Ok | Status::IoError | Status::Aborted) | Error::NoPath => libc::EIO,
+            Error::Target(Status::Ok | Status::IoError | Status::Aborted) | Error::NoPath | Error::BadReply => {
+                libc::EIO
+            }
         }
     }
 }

@@ -239,7 +239,7 @@ impl TargetLoop {
             damq_slots: 128,
             segment: segment as u16,
             max_io,
-            features: 0,
+            features: flags::FEATURE_BLOCK_STATUS,
         };
         let mut f = flags::EXPORT_DISCARD;
         if export.read_only {
@@ -384,6 +384,20 @@ impl TargetLoop {
                     Op::Discard | Op::WriteZeroes => storage[start..start + len].fill(0),
                     Op::Flush => {
                         self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Op::BlockStatus => {
+                        // Pages of zeroes are holes; at most 4 MiB looked at.
+                        let mem = self.damq.entry(key).or_insert_with(|| vec![0; self.max_io as usize]);
+                        let scan = &storage[start..start + len.min(4 << 20)];
+                        let extents = scan.chunks(4096).map(|c| tyche_wire::Extent {
+                            length: c.len() as u64,
+                            flags: if c.iter().all(|&b| b == 0) {
+                                flags::EXTENT_HOLE | flags::EXTENT_ZERO
+                            } else {
+                                0
+                            },
+                        });
+                        tyche_wire::emit_block_status(extents, &mut mem[..]);
                     }
                 }
                 self.counters.executed.fetch_add(1, Ordering::Relaxed);

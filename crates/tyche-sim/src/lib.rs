@@ -779,6 +779,11 @@ impl World {
                         self.mark_dirty(start, len);
                     }
                     Op::Flush => self.flush_storage(),
+                    Op::BlockStatus => {
+                        // The simulated storage has no holes: all data.
+                        let mem = self.damq_mem.entry(key).or_insert_with(|| vec![0; MAX_IO as usize]);
+                        tyche_wire::emit_block_status([tyche_wire::Extent { length: len as u64, flags: 0 }], mem);
+                    }
                 }
                 Status::Ok
             };

@@ -108,6 +108,31 @@ pub mod data {
     pub const PAYLOAD: usize = 48;
 }
 
+/// The block status list: the read data of a BLOCK_STATUS request, in its `damq` slot. Offsets
+/// here are from the start of the list (the data message's first payload byte), not from the
+/// Tyche header.
+pub mod block_status {
+    use super::Field;
+    /// Number of extents that follow, `u32`, 1 to [`MAX_EXTENTS`].
+    pub const COUNT: Field = 0..4;
+    /// Reserved, zero.
+    pub const RESERVED0: Field = 4..16;
+    /// First extent; extents follow one another, [`EXTENT_LEN`] bytes each.
+    pub const EXTENTS: usize = 16;
+    /// Within an extent: bytes it covers, `u64`, a positive multiple of 512.
+    pub const EXTENT_LENGTH: Field = 0..8;
+    /// Within an extent: flags, `u32` (bit 0 HOLE, bit 1 ZERO).
+    pub const EXTENT_FLAGS: Field = 8..12;
+    /// Within an extent: reserved, `u32`, zero.
+    pub const EXTENT_RESERVED: Field = 12..16;
+    /// Length of an extent.
+    pub const EXTENT_LEN: usize = 16;
+    /// Length of the list (zeroes after the last extent): one sector, so it fits one segment.
+    pub const LEN: usize = 512;
+    /// Most extents in a list.
+    pub const MAX_EXTENTS: usize = (LEN - EXTENTS) / EXTENT_LEN;
+}
+
 /// ACK and NACK: unsequenced acknowledgements.
 pub mod ack {
     use super::Field;

@@ -118,6 +118,10 @@ wire_enum! {
         Discard = 4,
         /// Write zeroes over the range without sending data.
         WriteZeroes = 5,
+        /// Report which parts of the range are allocated: the target sends a block status list
+        /// ([`BlockStatusList`], [`layout::block_status::LEN`] bytes) into the request's `damq`
+        /// slot. Only on channels granted feature `BLOCK_STATUS`.
+        BlockStatus = 6,
     }
 }
 
@@ -128,11 +132,21 @@ impl Op {
     }
     /// Whether the target sends data back for this op.
     pub fn has_read_data(self) -> bool {
-        self == Op::Read
+        matches!(self, Op::Read | Op::BlockStatus)
     }
     /// Whether the request names a `damq` slot.
     pub fn uses_damq(self) -> bool {
-        matches!(self, Op::Read | Op::Write)
+        matches!(self, Op::Read | Op::Write | Op::BlockStatus)
+    }
+    /// Bytes of data a request of this op and `length` moves through its `damq` slot: the
+    /// length for READ and WRITE, a block status list for BLOCK_STATUS (whose `length` is the
+    /// range asked about), none for the others.
+    pub fn data_len(self, length: u32) -> u32 {
+        match self {
+            Op::Read | Op::Write => length,
+            Op::BlockStatus => layout::block_status::LEN as u32,
+            Op::Flush | Op::Discard | Op::WriteZeroes => 0,
+        }
     }
     /// Whether executing the op twice may differ from executing it once (the target runs these
     /// at most once per tag).
@@ -221,6 +235,13 @@ pub mod flags {
     /// Feature bit (CONNECT/ACCEPT `FEATURES`): every DATA frame carries a CRC32C of its
     /// payload in `DIGEST`; a frame whose payload does not match is dropped and sent again.
     pub const FEATURE_DIGEST: u32 = 0x0000_0001;
+    /// Feature bit (CONNECT/ACCEPT `FEATURES`): the target understands op BLOCK_STATUS. An
+    /// initiator sends BLOCK_STATUS only on channels granted it.
+    pub const FEATURE_BLOCK_STATUS: u32 = 0x0000_0002;
+    /// Block status extent flag: the range is not allocated (a hole).
+    pub const EXTENT_HOLE: u32 = 0x0000_0001;
+    /// Block status extent flag: the range reads as zeroes.
+    pub const EXTENT_ZERO: u32 = 0x0000_0002;
     /// Common header flag of every kind (high byte): an authentication trailer follows the
     /// message (`layout::trailer`). Every frame of a channel of a keyed export carries it.
     pub const SEALED: u16 = 0x8000;
@@ -656,7 +677,7 @@ impl Request {
     fn validate(&self) -> Result<()> {
         let aligned = self.offset % SECTOR_SIZE as u64 == 0 && self.length % SECTOR_SIZE == 0;
         let shape = match self.op {
-            Op::Read | Op::Write => self.length > 0 && self.damq != NO_SLOT,
+            Op::Read | Op::Write | Op::BlockStatus => self.length > 0 && self.damq != NO_SLOT,
             Op::Discard | Op::WriteZeroes => self.length > 0 && self.damq == NO_SLOT,
             Op::Flush => self.length == 0 && self.offset == 0 && self.damq == NO_SLOT,
         };
@@ -1095,4 +1116,137 @@ impl<'a> Message<'a> {
         }
         pad(buf, ETH_HEADER_LEN + msg_len)
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block status lists (the read data of a BLOCK_STATUS request).
+
+/// One extent of a block status list: `length` bytes from where the previous one ended (the
+/// first starts at the request's offset) with the same state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Extent {
+    /// Bytes, a positive multiple of 512.
+    pub length: u64,
+    /// [`flags::EXTENT_HOLE`] and [`flags::EXTENT_ZERO`].
+    pub flags: u32,
+}
+
+/// A validated block status list borrowed from a `damq` slot (see [`layout::block_status`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockStatusList<'a> {
+    entries: &'a [u8],
+}
+
+impl<'a> BlockStatusList<'a> {
+    /// Checks the list a target sent for a BLOCK_STATUS request of `requested` bytes: exactly
+    /// [`layout::block_status::LEN`] bytes, a count from 1 to
+    /// [`layout::block_status::MAX_EXTENTS`], reserved fields zero, every extent a positive
+    /// multiple of 512 bytes with only known flags, together no longer than `requested`, and
+    /// zeroes after the last extent. Anything else is [`WireError::Malformed`] (or
+    /// [`WireError::Truncated`] for a short buffer).
+    pub fn parse(b: &'a [u8], requested: u32) -> Result<Self> {
+        use layout::block_status as l;
+        if b.len() < l::LEN {
+            return Err(WireError::Truncated);
+        }
+        if b.len() > l::LEN {
+            return Err(WireError::BadLength);
+        }
+        let count = get_u32(b, l::COUNT) as usize;
+        if count == 0 || count > l::MAX_EXTENTS || b[l::RESERVED0].iter().any(|&x| x != 0) {
+            return Err(WireError::Malformed);
+        }
+        let end = l::EXTENTS + count * l::EXTENT_LEN;
+        if b[end..].iter().any(|&x| x != 0) {
+            return Err(WireError::Malformed);
+        }
+        let entries = &b[l::EXTENTS..end];
+        let known = flags::EXTENT_HOLE | flags::EXTENT_ZERO;
+        let mut total = 0u64;
+        for e in entries.chunks_exact(l::EXTENT_LEN) {
+            let length = get_u64(e, l::EXTENT_LENGTH);
+            let fl = get_u32(e, l::EXTENT_FLAGS);
+            if length == 0
+                || length % SECTOR_SIZE as u64 != 0
+                || fl & !known != 0
+                || get_u32(e, l::EXTENT_RESERVED) != 0
+            {
+                return Err(WireError::Malformed);
+            }
+            total = total.checked_add(length).ok_or(WireError::Malformed)?;
+        }
+        if total > requested as u64 {
+            return Err(WireError::Malformed);
+        }
+        Ok(BlockStatusList { entries })
+    }
+
+    /// Number of extents (at least one).
+    pub fn len(&self) -> usize {
+        self.entries.len() / layout::block_status::EXTENT_LEN
+    }
+
+    /// Never true: a valid list has an extent.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Bytes the list covers from the request's offset (at most the requested length).
+    pub fn covered(&self) -> u64 {
+        self.iter().map(|e| e.length).sum()
+    }
+
+    /// The extents, in order.
+    pub fn iter(&self) -> impl Iterator<Item = Extent> + 'a {
+        use layout::block_status as l;
+        self.entries.chunks_exact(l::EXTENT_LEN).map(|e| Extent {
+            length: get_u64(e, l::EXTENT_LENGTH),
+            flags: get_u32(e, l::EXTENT_FLAGS),
+        })
+    }
+}
+
+/// Writes a block status list of `extents` into `buf` (at least [`layout::block_status::LEN`]
+/// bytes; the list's bytes are zeroed first). Adjacent extents with the same flags are merged;
+/// extents past [`layout::block_status::MAX_EXTENTS`] are left out (the list then covers less
+/// than the extents did, as the protocol allows). Returns the bytes the list covers. Panics if
+/// `buf` is too short or an extent is empty or unaligned (the caller's bug, not input).
+pub fn emit_block_status(extents: impl IntoIterator<Item = Extent>, buf: &mut [u8]) -> u64 {
+    use layout::block_status as l;
+    let buf = &mut buf[..l::LEN];
+    buf.fill(0);
+    let mut count = 0usize;
+    let mut covered = 0u64;
+    let mut last: Option<Extent> = None;
+    let mut put = |e: Extent, count: &mut usize, covered: &mut u64| -> bool {
+        if *count == l::MAX_EXTENTS {
+            return false;
+        }
+        let at = l::EXTENTS + *count * l::EXTENT_LEN;
+        let m = &mut buf[at..at + l::EXTENT_LEN];
+        put_u64(m, l::EXTENT_LENGTH, e.length);
+        put_u32(m, l::EXTENT_FLAGS, e.flags);
+        *count += 1;
+        *covered += e.length;
+        true
+    };
+    for e in extents {
+        assert!(e.length > 0 && e.length % SECTOR_SIZE as u64 == 0, "extent of {} bytes", e.length);
+        match &mut last {
+            Some(prev) if prev.flags == e.flags => prev.length += e.length,
+            Some(prev) => {
+                if !put(*prev, &mut count, &mut covered) {
+                    last = None;
+                    break;
+                }
+                *prev = e;
+            }
+            None => last = Some(e),
+        }
+    }
+    if let Some(prev) = last {
+        put(prev, &mut count, &mut covered);
+    }
+    put_u32(buf, l::COUNT, count as u32);
+    covered
 }

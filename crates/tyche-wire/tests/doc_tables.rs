@@ -272,6 +272,58 @@ fn code_tables_match_enums() {
     check("DisconnectReason", DisconnectReason::ALL, |r| r as usize);
 }
 
+/// Rows `| Off | Size | `NAME` | ... |` (four cells, fixed numbers) of the table labelled `label`.
+fn doc_payload_fields(label: &str) -> BTreeMap<String, (usize, usize)> {
+    let mut out = BTreeMap::new();
+    let mut current = String::new();
+    for line in DOC.lines() {
+        if let Some(l) = label_of(line) {
+            current = l;
+            continue;
+        }
+        if current != label || !line.starts_with('|') {
+            continue;
+        }
+        let c = cells(line);
+        if c.len() != 4 {
+            continue;
+        }
+        let (Some(off), Some(size)) = (number(c[0]), number(c[1])) else { continue };
+        if let Some(name) = c[2].strip_prefix('`').and_then(|n| n.strip_suffix('`')) {
+            out.insert(name.to_string(), (off, size));
+        }
+    }
+    out
+}
+
+#[test]
+fn block_status_tables_match_layout() {
+    use layout::block_status as l;
+    let list = doc_payload_fields("BLOCK_STATUS list");
+    let want: BTreeMap<String, (usize, usize)> =
+        [("COUNT".to_string(), (l::COUNT.start, l::COUNT.len())), ("RESERVED0".into(), (l::RESERVED0.start, l::RESERVED0.len()))]
+            .into_iter()
+            .collect();
+    assert_eq!(list, want, "BLOCK_STATUS list table");
+    assert!(DOC.contains(&format!("| {} | 16 × `COUNT` | `EXTENTS` |", l::EXTENTS)), "EXTENTS row");
+    assert!(DOC.contains(&format!("number of extents, 1 to {} |", l::MAX_EXTENTS)), "MAX_EXTENTS");
+    assert!(DOC.contains(&format!("exactly {} bytes in the request's `damq` slot", l::LEN)), "LEN");
+    let extent = doc_payload_fields("Extent");
+    let want: BTreeMap<String, (usize, usize)> = [
+        ("EXTENT_LENGTH", l::EXTENT_LENGTH),
+        ("EXTENT_FLAGS", l::EXTENT_FLAGS),
+        ("EXTENT_RESERVED", l::EXTENT_RESERVED),
+    ]
+    .into_iter()
+    .map(|(n, f)| (n.to_string(), (f.start, f.len())))
+    .collect();
+    assert_eq!(extent, want, "Extent table");
+    assert_eq!(l::EXTENT_RESERVED.end, l::EXTENT_LEN);
+    assert!(DOC.contains(&format!("bit `{:#x}` HOLE", flags::EXTENT_HOLE)));
+    assert!(DOC.contains(&format!("bit `{:#x}` ZERO", flags::EXTENT_ZERO)));
+    assert!(DOC.contains(&format!("| `{:#010x}` | BLOCK_STATUS |", flags::FEATURE_BLOCK_STATUS)));
+}
+
 #[test]
 fn segment_examples_match_segment_size_for() {
     let mut seen = 0;

@@ -362,6 +362,99 @@ const REQ_WRITE_ZEROES: [u8; 78] = [
     0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, // 70: length 512, reserved
 ];
 
+/// REQUEST BLOCK_STATUS: which parts of 64 MiB at 1 MiB are allocated; the list goes to damq 4.
+const REQ_BLOCK_STATUS: [u8; 78] = [
+    0x02, 0x54, 0x00, 0x00, 0x00, 0x02, // 0: dst target
+    0x02, 0x54, 0x00, 0x00, 0x00, 0x01, // 6
+    0x88, 0xb5, // 12
+    0x01, 0x10, 0x00, 0x00, // 14: version, kind REQUEST, flags
+    0x00, 0x40, 0x00, 0x03, // 18: length 64, channel 3
+    0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // 22: session
+    0x00, 0x00, 0x00, 0x15, // 30: seq 21
+    0x00, 0x00, 0x00, 0x07, // 34: ack 7
+    0x06, 0x00, 0x00, 0x0b, // 38: op BLOCK_STATUS, req flags 0, remq 11
+    0x00, 0x04, 0x00, 0x00, // 42: damq 4, reserved
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x06, // 46: tag 262
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x06, // 54: floor 262
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x00, // 62: offset 1 MiB
+    0x04, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 70: length 64 MiB, reserved
+];
+
+/// The block status list a target sends for REQ_BLOCK_STATUS (its first 64 of 512 bytes; the
+/// rest are zeroes): 3 extents, 1 MiB of data, 62 MiB of hole, 512 bytes of zeroes.
+const BLOCK_STATUS_LIST_HEAD: [u8; 64] = [
+    0x00, 0x00, 0x00, 0x03, // 0: count 3
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 4: reserved
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x00, // 16: length 1 MiB
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // 24: flags 0 (data), reserved
+    0x00, 0x00, 0x00, 0x00, 0x03, 0xe0, 0x00, 0x00, // 32: length 62 MiB
+    0x00, 0x00, 0x00, 0x03, 0x00, 0x00, 0x00, 0x00, // 40: flags HOLE|ZERO, reserved
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x02, 0x00, // 48: length 512
+    0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, // 56: flags ZERO, reserved
+];
+
+fn block_status_list() -> [u8; 512] {
+    let mut b = [0u8; 512];
+    b[..64].copy_from_slice(&BLOCK_STATUS_LIST_HEAD);
+    b
+}
+
+const LIST_EXTENTS: [Extent; 3] = [
+    Extent { length: 1 << 20, flags: 0 },
+    Extent { length: 62 << 20, flags: flags::EXTENT_HOLE | flags::EXTENT_ZERO },
+    Extent { length: 512, flags: flags::EXTENT_ZERO },
+];
+
+#[test]
+fn block_status_list_fixture_parses_and_emits() {
+    let b = block_status_list();
+    let list = BlockStatusList::parse(&b, 64 << 20).expect("valid list");
+    assert_eq!(list.len(), 3);
+    assert_eq!(list.iter().collect::<Vec<_>>(), LIST_EXTENTS);
+    assert_eq!(list.covered(), (63 << 20) + 512);
+    let mut out = [0xee; 600];
+    // Split extents of equal flags are merged on the way out.
+    let split = [Extent { length: 512 << 10, flags: 0 }, Extent { length: 512 << 10, flags: 0 }];
+    let covered = emit_block_status(split.into_iter().chain(LIST_EXTENTS[1..].iter().copied()), &mut out);
+    assert_eq!(covered, (63 << 20) + 512);
+    assert_eq!(&out[..512], &b[..]);
+    assert!(out[512..].iter().all(|&x| x == 0xee), "wrote past the list");
+}
+
+#[test]
+fn block_status_list_rejects_malformed_lists() {
+    let good = block_status_list();
+    let bad = |f: &dyn Fn(&mut [u8; 512]), requested: u32, what: &str| {
+        let mut b = good;
+        f(&mut b);
+        assert!(BlockStatusList::parse(&b, requested).is_err(), "{what} accepted");
+    };
+    assert_eq!(BlockStatusList::parse(&good[..511], 64 << 20), Err(WireError::Truncated));
+    assert!(BlockStatusList::parse(&[0u8; 513], 64 << 20).is_err(), "longer than a list");
+    bad(&|_| {}, 63 << 20, "a list longer than the range asked");
+    bad(&|b| b[3] = 0, 64 << 20, "no extents");
+    bad(&|b| b[3] = 32, 64 << 20, "more extents than fit");
+    bad(&|b| b[0] = 0x80, 64 << 20, "a huge count");
+    bad(&|b| b[4] = 1, 64 << 20, "reserved header bytes");
+    bad(&|b| b[23] = 1, 64 << 20, "an unaligned extent");
+    bad(&|b| b[16..24].fill(0), 64 << 20, "an empty extent");
+    bad(&|b| b[16..24].fill(0xff), u32::MAX, "extents that overflow");
+    bad(&|b| b[27] = 4, 64 << 20, "an unknown flag");
+    bad(&|b| b[31] = 1, 64 << 20, "reserved extent bytes");
+    bad(&|b| b[100] = 1, 64 << 20, "bytes after the last extent");
+}
+
+#[test]
+fn block_status_list_keeps_at_most_max_extents() {
+    let alternating = (0..100).map(|i| Extent { length: 4096, flags: (i % 2) as u32 });
+    let mut out = [0u8; 512];
+    let covered = emit_block_status(alternating, &mut out);
+    let list = BlockStatusList::parse(&out, 100 * 4096).expect("valid");
+    assert_eq!(list.len(), layout::block_status::MAX_EXTENTS);
+    assert_eq!(covered, 4096 * layout::block_status::MAX_EXTENTS as u64);
+    assert_eq!(list.covered(), covered);
+}
+
 /// COMPLETION of the READ, status OUT_OF_RANGE. 54 bytes, padded to 60.
 const COMPLETION: [u8; 60] = [
     0x02, 0x54, 0x00, 0x00, 0x00, 0x01, // 0: dst initiator
@@ -646,6 +739,18 @@ fn fixtures() -> Vec<(&'static str, &'static [u8], Envelope, Message<'static>)> 
                 offset: 2048,
                 length: 512,
                 ..req(20, 7, Op::WriteZeroes, false, 10, NO_SLOT)
+            }),
+        ),
+        (
+            "REQUEST BLOCK_STATUS",
+            &REQ_BLOCK_STATUS[..],
+            to_tgt,
+            Message::Request(Request {
+                tag: 262,
+                floor: 262,
+                offset: 1 << 20,
+                length: 64 << 20,
+                ..req(21, 7, Op::BlockStatus, false, 11, 4)
             }),
         ),
         (
@@ -944,7 +1049,7 @@ fn reserved_bits_and_fields_are_ignored() {
 
 #[test]
 fn request_with_unknown_op_is_malformed() {
-    for op in [0u8, 6, 0x7f, 0xff] {
+    for op in [0u8, 7, 0x7f, 0xff] {
         let b = patch(&REQ_WRITE, abs(layout::request::OP), &[op]);
         assert_err(&b, WireError::Malformed, &format!("op {op}"));
     }

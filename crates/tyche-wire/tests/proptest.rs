@@ -77,7 +77,7 @@ fn request() -> impl Strategy<Value = Request> {
     )
         .prop_map(move |(seq, op, fua, remq, damq, tag, floor_seed, off, len)| {
             let (damq, offset, length) = match op {
-                Op::Read | Op::Write => (damq, off * SECTOR_SIZE as u64, len * SECTOR_SIZE),
+                Op::Read | Op::Write | Op::BlockStatus => (damq, off * SECTOR_SIZE as u64, len * SECTOR_SIZE),
                 Op::Discard | Op::WriteZeroes => (NO_SLOT, off * SECTOR_SIZE as u64, len * SECTOR_SIZE),
                 Op::Flush => (NO_SLOT, 0, 0),
             };
@@ -303,6 +303,36 @@ proptest! {
             prop_assert!(bytes[end..].iter().all(|&b| b == 0), "padding is zero");
             Ok(())
         })?;
+    }
+
+    /// (b) Block status lists survive emit → parse (extents merged where flags repeat, cut at
+    /// the list's capacity), and arbitrary lists never panic the parser.
+    #[test]
+    fn block_status_lists_round_trip(
+        extents in proptest::collection::vec((1u64..=1 << 16, 0u32..4), 1..80),
+        junk in proptest::collection::vec(any::<u8>(), 0..600),
+        requested in any::<u32>(),
+    ) {
+        let extents: Vec<Extent> =
+            extents.into_iter().map(|(s, f)| Extent { length: s * SECTOR_SIZE as u64, flags: f }).collect();
+        let mut buf = [0xa5u8; layout::block_status::LEN];
+        let covered = emit_block_status(extents.iter().copied(), &mut buf);
+        let list = BlockStatusList::parse(&buf, u32::MAX).expect("an emitted list parses");
+        prop_assert_eq!(list.covered(), covered);
+        prop_assert!(list.len() <= layout::block_status::MAX_EXTENTS);
+        // The same states, merged, as far as the list goes.
+        let mut at = 0u64;
+        for e in list.iter() {
+            let mut off = 0u64;
+            for x in &extents {
+                if off + x.length > at && off < at + e.length {
+                    prop_assert_eq!(x.flags, e.flags);
+                }
+                off += x.length;
+            }
+            at += e.length;
+        }
+        let _ = BlockStatusList::parse(&junk, requested);
     }
 
     /// (b) A DATA header emitted in place matches `Message::emit`.

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
 use tyche_numa::{HugePages, NodeRegion};
+use tyche_wire::{flags, Extent};
 
 /// Errors opening a backend.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +80,38 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn writes_from_frames(&self) -> bool {
         false
     }
+    /// Which parts of `offset..offset + len` are allocated (op BLOCK_STATUS): at most `max`
+    /// extents from `offset` on, covering at most `len` bytes (less is fine: the initiator asks
+    /// again), each a positive multiple of 512 bytes. `Ok(None)`: this storage cannot tell
+    /// (the request completes with UNSUPPORTED and the initiator treats the range as data).
+    fn block_status(&self, offset: u64, len: u64, max: usize) -> io::Result<Option<Vec<Extent>>> {
+        let _ = (offset, len, max);
+        Ok(None)
+    }
+}
+
+/// Most bytes of a RAM export one BLOCK_STATUS looks at (it runs on the network thread; the
+/// initiator asks again for the rest).
+pub const RAM_STATUS_SCAN: u64 = 4 << 20;
+/// Granule of a RAM export's block status: a page of zeroes is reported as a hole.
+const RAM_STATUS_PAGE: usize = 4096;
+
+/// Flags of an extent that reads as zeroes and is not allocated.
+const HOLE: u32 = flags::EXTENT_HOLE | flags::EXTENT_ZERO;
+
+/// Appends `length` bytes of `flags` to `out`, merging with the last extent when it has the same
+/// flags. Returns `false`, adding nothing, when that needs an extent past `max`.
+fn push_extent(out: &mut Vec<Extent>, length: u64, flags: u32, max: usize) -> bool {
+    if length == 0 {
+        return true;
+    }
+    let full = out.len() >= max;
+    match out.last_mut() {
+        Some(last) if last.flags == flags => last.length += length,
+        _ if full => return false,
+        _ => out.push(Extent { length, flags }),
+    }
+    true
 }
 
 /// Memory that is node-bound when a node is known and the kernel allows it, else the heap.
@@ -248,6 +281,26 @@ impl Backend for RamBackend {
         let r = self.range(offset, len)?;
         self.mem.write().expect("RAM export lock").as_mut_slice()[r].fill(0);
         Ok(())
+    }
+    /// Pages of zeroes (never written, discarded, or zeroed) are holes; at most
+    /// [`RAM_STATUS_SCAN`] bytes are looked at.
+    fn block_status(&self, offset: u64, len: u64, max: usize) -> io::Result<Option<Vec<Extent>>> {
+        let r = self.range(offset, len.min(RAM_STATUS_SCAN))?;
+        let mem = self.mem.read().expect("RAM export lock");
+        let bytes = &mem.as_slice()[r];
+        let mut out = Vec::new();
+        // Page by page of the export, the first and last possibly partial (offsets are sectors).
+        let mut at = 0usize;
+        while at < bytes.len() {
+            let page_end = ((offset as usize + at) / RAM_STATUS_PAGE + 1) * RAM_STATUS_PAGE - offset as usize;
+            let chunk = &bytes[at..page_end.min(bytes.len())];
+            let zero = chunk.chunks(64).all(|c| c.iter().fold(0u8, |a, &b| a | b) == 0);
+            if !push_extent(&mut out, chunk.len() as u64, if zero { HOLE } else { 0 }, max) {
+                break;
+            }
+            at += chunk.len();
+        }
+        Ok(Some(out))
     }
 }
 
@@ -574,6 +627,52 @@ impl Backend for FileBackend {
             Err(e) if unsupported(&e) => self.write_zeroes(offset, len),
             r => r,
         }
+    }
+    /// A regular file's holes (`SEEK_DATA`/`SEEK_HOLE`); a block device is all data.
+    fn block_status(&self, offset: u64, len: u64, max: usize) -> io::Result<Option<Vec<Extent>>> {
+        let end = match offset.checked_add(len) {
+            Some(end) if end <= self.size => end,
+            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, "range past the end of the export")),
+        };
+        if self.block {
+            return Ok(Some(vec![Extent { length: len, flags: 0 }]));
+        }
+        let sector = tyche_wire::SECTOR_SIZE as u64;
+        let fd = self.file.as_raw_fd();
+        let seek = |pos: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
+            // SAFETY: lseek only takes integers; the descriptor is owned by `self.file`. It moves
+            // the file position, which nothing here uses (every transfer is positioned).
+            let r = unsafe { libc::lseek(fd, pos as libc::off_t, whence) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                // ENXIO: no data (or hole) at or after `pos` (past the end of the file).
+                return if e.raw_os_error() == Some(libc::ENXIO) { Ok(None) } else { Err(e) };
+            }
+            Ok(Some(r as u64))
+        };
+        let mut out = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let data = match seek(pos, libc::SEEK_DATA) {
+                Ok(d) => d,
+                // A file system without SEEK_DATA: it cannot tell.
+                Err(e) if unsupported(&e) && out.is_empty() => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            // Where data starts, rounded down to a sector (the partial sector is data).
+            let data = data.map_or(end, |d| (d / sector * sector).max(pos)).min(end);
+            if !push_extent(&mut out, data - pos, HOLE, max) || data == end {
+                break;
+            }
+            // Where the data ends, rounded up to a sector; the end of the file counts as a hole.
+            let hole = seek(data, libc::SEEK_HOLE)?.map_or(end, |h| h.next_multiple_of(sector));
+            let hole = hole.clamp(data + sector, end);
+            if !push_extent(&mut out, hole - data, 0, max) {
+                break;
+            }
+            pos = hole;
+        }
+        Ok(Some(out))
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
         let r = if self.block {

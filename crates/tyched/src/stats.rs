@@ -79,6 +79,9 @@ pub struct OpCounts {
     pub discard: u64,
     /// WRITE_ZEROES.
     pub write_zeroes: u64,
+    /// BLOCK_STATUS.
+    #[serde(default)]
+    pub block_status: u64,
 }
 
 impl OpCounts {
@@ -90,6 +93,7 @@ impl OpCounts {
             Op::Flush => &mut self.flush,
             Op::Discard => &mut self.discard,
             Op::WriteZeroes => &mut self.write_zeroes,
+            Op::BlockStatus => &mut self.block_status,
         } += 1;
     }
 }

@@ -30,7 +30,7 @@ use tyche_channel::{
 use tyche_transport::poll::{Next, PollConfig, PollStats, Poller};
 use tyche_transport::{FrameTransport, Lease, Sent, TxChunk};
 use tyche_wire::{
-    flags, Challenge, ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Reject, RejectReason, Request,
+    flags, Challenge, ChannelParams, Envelope, Frame, Kind, layout, MacAddr, Message, Op, Reject, RejectReason, Request,
     Status, DATA_FRAME_OVERHEAD, SECTOR_SIZE,
 };
 
@@ -291,6 +291,7 @@ impl Job {
         match self.request.op {
             Op::Read if self.region.is_some() => true,
             Op::Read => self.buf.as_ref().is_some_and(|b| b.as_slice().len() >= len),
+            Op::BlockStatus => self.buf.as_ref().is_some_and(|b| b.as_slice().len() >= layout::block_status::LEN),
             Op::Write => self.write_pieces().is_some(),
             _ => true,
         }
@@ -348,6 +349,19 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
         Op::Flush => backend.flush(),
         Op::Discard => backend.discard(r.offset, r.length as u64),
         Op::WriteZeroes => backend.write_zeroes(r.offset, r.length as u64),
+        Op::BlockStatus => {
+            let Some(place) = job.buf.as_mut().and_then(|b| b.as_mut_slice().get_mut(..layout::block_status::LEN)) else {
+                return Status::Invalid;
+            };
+            match backend.block_status(r.offset, r.length as u64, layout::block_status::MAX_EXTENTS) {
+                Ok(Some(extents)) if !extents.is_empty() => {
+                    tyche_wire::emit_block_status(extents, place);
+                    Ok(())
+                }
+                Ok(_) => return Status::Unsupported,
+                Err(e) => Err(e),
+            }
+        }
     };
     match res {
         Ok(()) => Status::Ok,
@@ -515,7 +529,7 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         segment,
         max_io: l.max_io,
         // Granted to initiators that ask: a CRC32C of every DATA payload.
-        features: flags::FEATURE_DIGEST,
+        features: flags::FEATURE_DIGEST | flags::FEATURE_BLOCK_STATUS,
     };
     let timers = config.timers();
     let acceptor = Acceptor::new(config.ethertype, exports.iter().map(|e| e.spec.clone()).collect(), limit, timers)
@@ -1835,8 +1849,9 @@ impl Network {
             let short = self.short.remove(&key) == Some(generation);
             let node = nic.map_or(self.node, |k| self.nic_node[k]);
             match request.op {
-                Op::Read => {
-                    if let Some(k) = nic {
+                // A BLOCK_STATUS list is made in slot memory (never in transmit chunks).
+                Op::Read | Op::BlockStatus => {
+                    if let (Some(k), Op::Read) = (nic, request.op) {
                         let need = (request.length as usize).div_ceil(seg.max(1) as usize);
                         let free = &mut self.tx_free[k];
                         if self.exports[export].lend && !protected && seg > 0 && need > 0 && free.len() >= need {

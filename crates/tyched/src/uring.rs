@@ -74,6 +74,8 @@ pub fn handles(ring_has_fallocate: bool, backend: &dyn Backend, op: Op) -> bool 
         (None, _) => false,
         (Some(_), Op::Read | Op::Write | Op::Flush) => true,
         (Some(f), Op::Discard | Op::WriteZeroes) => ring_has_fallocate && !f.is_block(),
+        // lseek(SEEK_DATA/SEEK_HOLE) has no io_uring op: the pool.
+        (Some(_), Op::BlockStatus) => false,
     }
 }
 
@@ -334,6 +336,9 @@ impl Engine {
                     .build()
             }
             Op::Flush => opcode::Fsync::new(types::Fd(file.fd())).flags(types::FsyncFlags::DATASYNC).build(),
+            // Never sent here (`handles`); should it be, a no-op whose completion hands the job
+            // to the pool.
+            Op::BlockStatus => opcode::Nop::new().build(),
             Op::Discard | Op::WriteZeroes => {
                 let mode = if r.op == Op::Discard {
                     libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
@@ -377,6 +382,7 @@ impl Engine {
                         Next::Again
                     }
                 }
+                Op::BlockStatus => Next::ToPool,
                 _ => Next::Finish(Status::Ok),
             }
         };

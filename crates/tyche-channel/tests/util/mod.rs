@@ -531,6 +531,15 @@ impl Pair {
             }
             Op::Discard | Op::WriteZeroes => self.storage[start..start + len].fill(0),
             Op::Flush => {}
+            Op::BlockStatus => {
+                // Sectors of zeroes are holes.
+                let mem = self.damq_mem.entry((ch, r.damq)).or_insert_with(|| vec![0; max_io]);
+                let extents = self.storage[start..start + len].chunks(512).map(|c| tyche_wire::Extent {
+                    length: c.len() as u64,
+                    flags: if c.iter().all(|&b| b == 0) { 3 } else { 0 },
+                });
+                tyche_wire::emit_block_status(extents, mem);
+            }
         }
         assert!(self.target.complete(ch, &r, Status::Ok), "target completed a request it did not hand out");
         self.collect();

@@ -1,4 +1,5 @@
-//! The NBD wire format (fixed newstyle handshake, simple replies), as far as the server needs it.
+//! The NBD wire format (fixed newstyle handshake, simple and structured replies, metadata
+//! contexts), as far as the server needs it.
 //! Numbers from the NBD protocol document (`doc/proto.md` in NetworkBlockDevice/nbd). All
 //! integers are big-endian.
 
@@ -12,6 +13,12 @@ pub const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 /// Magic of a simple reply.
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+/// Magic of a structured reply chunk.
+pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+/// The one metadata context served.
+pub const BASE_ALLOCATION: &str = "base:allocation";
+/// Id the server gives `base:allocation`.
+pub const BASE_ALLOCATION_ID: u32 = 1;
 
 /// Handshake flag: fixed newstyle.
 pub const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
@@ -36,8 +43,12 @@ pub mod opt {
     pub const INFO: u32 = 6;
     /// Export information, then transmission.
     pub const GO: u32 = 7;
-    /// Structured replies (not supported: simple replies only).
+    /// Structured replies.
     pub const STRUCTURED_REPLY: u32 = 8;
+    /// List metadata contexts.
+    pub const LIST_META_CONTEXT: u32 = 9;
+    /// Select metadata contexts for transmission.
+    pub const SET_META_CONTEXT: u32 = 10;
 }
 
 /// Option reply types.
@@ -48,6 +59,8 @@ pub mod rep {
     pub const SERVER: u32 = 2;
     /// One NBD_INFO item.
     pub const INFO: u32 = 3;
+    /// One metadata context (id and name).
+    pub const META_CONTEXT: u32 = 4;
     /// Option not supported.
     pub const ERR_UNSUP: u32 = (1 << 31) + 1;
     /// Option malformed.
@@ -86,6 +99,8 @@ pub mod tflag {
     pub const SEND_WRITE_ZEROES: u16 = 1 << 6;
     /// Several connections see one consistent export (a FLUSH on one covers all).
     pub const CAN_MULTI_CONN: u16 = 1 << 8;
+    /// CACHE supported.
+    pub const SEND_CACHE: u16 = 1 << 10;
 }
 
 /// Commands.
@@ -104,6 +119,8 @@ pub mod cmd {
     pub const CACHE: u16 = 5;
     /// Write zeroes.
     pub const WRITE_ZEROES: u16 = 6;
+    /// Block status of a metadata context.
+    pub const BLOCK_STATUS: u16 = 7;
 }
 
 /// Command flags.
@@ -112,6 +129,32 @@ pub mod cflag {
     pub const FUA: u16 = 1 << 0;
     /// WRITE_ZEROES must not punch a hole.
     pub const NO_HOLE: u16 = 1 << 1;
+    /// READ must not be fragmented (this server never does).
+    pub const DF: u16 = 1 << 2;
+    /// BLOCK_STATUS: one extent only.
+    pub const REQ_ONE: u16 = 1 << 3;
+}
+
+/// Structured reply chunk types and flags.
+pub mod chunk {
+    /// Flag: the last chunk of the reply.
+    pub const FLAG_DONE: u16 = 1 << 0;
+    /// No payload (a reply without data).
+    pub const NONE: u16 = 0;
+    /// Read data at an offset.
+    pub const OFFSET_DATA: u16 = 1;
+    /// Block status extents of one metadata context.
+    pub const BLOCK_STATUS: u16 = 5;
+    /// An error (errno, message).
+    pub const ERROR: u16 = (1 << 15) + 1;
+}
+
+/// Block status flags of `base:allocation`.
+pub mod state {
+    /// Not allocated.
+    pub const HOLE: u32 = 1 << 0;
+    /// Reads as zeroes.
+    pub const ZERO: u32 = 1 << 1;
 }
 
 /// Errno values NBD carries.
@@ -261,6 +304,35 @@ pub struct Request {
 /// Length of a request header.
 pub const REQUEST_LEN: usize = 28;
 
+/// The queries of NBD_OPT_LIST_META_CONTEXT / NBD_OPT_SET_META_CONTEXT: export name and the
+/// query strings. `None` if the lengths do not add up or a string is not UTF-8.
+pub fn parse_meta_request(d: &[u8]) -> Option<(String, Vec<String>)> {
+    let n = u32::from_be_bytes(d.get(..4)?.try_into().ok()?) as usize;
+    let name = std::str::from_utf8(d.get(4..4usize.checked_add(n)?)?).ok()?.to_owned();
+    let mut rest = &d[4 + n..];
+    let count = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    rest = &rest[4..];
+    // Each query takes at least its 4-byte length: a count larger than that is a lie.
+    if count > rest.len() / 4 {
+        return None;
+    }
+    let mut queries = Vec::with_capacity(count);
+    for _ in 0..count {
+        let len = u32::from_be_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        let q = std::str::from_utf8(rest.get(4..4usize.checked_add(len)?)?).ok()?;
+        queries.push(q.to_owned());
+        rest = &rest[4 + len..];
+    }
+    rest.is_empty().then_some((name, queries))
+}
+
+/// NBD_REP_META_CONTEXT payload: context id and name.
+pub fn rep_meta_context(id: u32, name: &str) -> Vec<u8> {
+    let mut b = id.to_be_bytes().to_vec();
+    b.extend_from_slice(name.as_bytes());
+    b
+}
+
 /// Parses a request header; `None` if the magic is wrong.
 pub fn parse_request(b: &[u8; REQUEST_LEN]) -> Option<Request> {
     let magic = u32::from_be_bytes(b[..4].try_into().expect("4 bytes"));
@@ -280,6 +352,69 @@ pub fn simple_reply(error: u32, cookie: u64) -> [u8; 16] {
     b[4..8].copy_from_slice(&error.to_be_bytes());
     b[8..].copy_from_slice(&cookie.to_be_bytes());
     b
+}
+
+/// A reply's header: a simple reply, or a structured chunk header with the fixed part of its
+/// payload (a read's offset, an error's number, a block status's context id). Inline, no
+/// allocation per reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Head {
+    b: [u8; 32],
+    n: u8,
+}
+
+impl Head {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.b[..self.n as usize]
+    }
+
+    fn put(&mut self, bytes: &[u8]) {
+        let at = self.n as usize;
+        self.b[at..at + bytes.len()].copy_from_slice(bytes);
+        self.n += bytes.len() as u8;
+    }
+
+    /// A simple reply (read data, if any, follows).
+    pub fn simple(error: u32, cookie: u64) -> Head {
+        let mut h = Head { b: [0; 32], n: 0 };
+        h.put(&simple_reply(error, cookie));
+        h
+    }
+
+    /// A structured chunk header with `DONE`, of type `kind`, whose payload is `fixed` and then
+    /// `more` bytes that follow the head.
+    fn chunk(kind: u16, cookie: u64, fixed: &[u8], more: usize) -> Head {
+        let mut h = Head { b: [0; 32], n: 0 };
+        h.put(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        h.put(&chunk::FLAG_DONE.to_be_bytes());
+        h.put(&kind.to_be_bytes());
+        h.put(&cookie.to_be_bytes());
+        h.put(&((fixed.len() + more) as u32).to_be_bytes());
+        h.put(fixed);
+        h
+    }
+
+    /// NBD_REPLY_TYPE_OFFSET_DATA of `len` bytes at `offset` (the data follows), or
+    /// NBD_REPLY_TYPE_NONE for a read of nothing.
+    pub fn read_data(cookie: u64, offset: u64, len: usize) -> Head {
+        if len == 0 {
+            return Head::chunk(chunk::NONE, cookie, &[], 0);
+        }
+        Head::chunk(chunk::OFFSET_DATA, cookie, &offset.to_be_bytes(), len)
+    }
+
+    /// NBD_REPLY_TYPE_ERROR with `error` and no message.
+    pub fn error(cookie: u64, error: u32) -> Head {
+        let mut fixed = [0u8; 6];
+        fixed[..4].copy_from_slice(&error.to_be_bytes());
+        Head::chunk(chunk::ERROR, cookie, &fixed, 0)
+    }
+
+    /// NBD_REPLY_TYPE_BLOCK_STATUS of context `id` with `descriptors` bytes of extents following.
+    pub fn block_status(cookie: u64, id: u32, descriptors: usize) -> Head {
+        Head::chunk(chunk::BLOCK_STATUS, cookie, &id.to_be_bytes(), descriptors)
+    }
 }
 
 #[cfg(test)]
@@ -363,6 +498,43 @@ mod tests {
         bad[3] = 0;
         assert_eq!(parse_request(&bad), None);
         assert_eq!(simple_reply(errno::EIO, 9), [0x67, 0x44, 0x66, 0x98, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 9]);
+    }
+
+    #[test]
+    fn structured_chunks_bytes() {
+        let magic = [0x66, 0x8e, 0x33, 0xef];
+        let r = Head::read_data(7, 4096, 512);
+        let mut want = magic.to_vec();
+        want.extend([0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 2, 8, 0, 0, 0, 0, 0, 0, 0x10, 0]);
+        assert_eq!(r.as_slice(), want);
+        let mut want = magic.to_vec();
+        want.extend([0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0]);
+        assert_eq!(Head::read_data(7, 0, 0).as_slice(), want, "NONE for an empty read");
+        let mut want = magic.to_vec();
+        want.extend([0, 1, 0x80, 1, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, 6, 0, 0, 0, 5, 0, 0]);
+        assert_eq!(Head::error(9, errno::EIO).as_slice(), want);
+        let mut want = magic.to_vec();
+        want.extend([0, 1, 0, 5, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 20, 0, 0, 0, 1]);
+        assert_eq!(Head::block_status(3, BASE_ALLOCATION_ID, 16).as_slice(), want);
+        assert_eq!(Head::simple(0, 2).as_slice(), simple_reply(0, 2));
+    }
+
+    #[test]
+    fn meta_requests_parse() {
+        let mut d = vec![0, 0, 0, 3, b'r', b'a', b'm', 0, 0, 0, 2];
+        d.extend([0, 0, 0, 5]);
+        d.extend(b"base:");
+        d.extend([0, 0, 0, 15]);
+        d.extend(b"base:allocation");
+        assert_eq!(parse_meta_request(&d), Some(("ram".into(), vec!["base:".into(), "base:allocation".into()])));
+        assert_eq!(parse_meta_request(&[0, 0, 0, 0, 0, 0, 0, 0]), Some((String::new(), vec![])));
+        assert_eq!(parse_meta_request(&d[..d.len() - 1]), None, "query shorter than its length");
+        let mut extra = d.clone();
+        extra.push(0);
+        assert_eq!(parse_meta_request(&extra), None, "bytes after the last query");
+        assert_eq!(parse_meta_request(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]), None, "a count that cannot fit");
+        assert_eq!(parse_meta_request(&[0xff, 0xff, 0xff, 0xff]), None, "a name that cannot fit");
+        assert_eq!(rep_meta_context(1, "ab"), [0, 0, 0, 1, b'a', b'b']);
     }
 
     #[test]

@@ -19,8 +19,9 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 use tyche_wire::Op;
 
-use super::codec::{self, cflag, cmd, errno};
-use super::{MAX_REQUEST, REPLY_BATCH, REQUEST_BUFFER, SECTOR};
+use super::codec::{self, cflag, cmd, errno, Head};
+use super::{block_status_reply, reply_head, status_query, validate, Negotiated, REPLY_BATCH, REQUEST_BUFFER, SECTOR};
+use super::MAX_REQUEST;
 use crate::engine::{Buf, Outcome};
 use crate::error::Error;
 use crate::report::NbdStats;
@@ -52,7 +53,12 @@ pub(crate) struct NbdIo {
 pub(crate) struct NbdReply {
     /// The connection (its stats key).
     pub conn: u64,
-    pub cookie: u64,
+    /// The NBD request (its command, offset and flags shape the reply).
+    pub req: codec::Request,
+    /// A BLOCK_STATUS: where the range asked of the volume starts (the covering sector).
+    pub status_start: u64,
+    /// A BLOCK_STATUS: bytes asked of the volume.
+    pub status_len: u64,
     /// For a read of sectors covering an unaligned range: the part to return.
     pub trim: Option<(usize, usize)>,
     /// A TRIM with FUA: flush after the discard succeeds.
@@ -65,10 +71,10 @@ pub(crate) struct NbdReply {
     pub written: u64,
 }
 
-/// One reply: header and, for a successful read, its data.
+/// One reply: header and, for a successful read or block status, its data.
 #[derive(Debug)]
 struct Reply {
-    header: [u8; 16],
+    header: Head,
     data: Buf,
 }
 
@@ -158,6 +164,7 @@ pub(crate) struct DirectConn {
     stream: Arc<UnixStream>,
     size: u64,
     discard: bool,
+    neg: Negotiated,
     node: Option<u32>,
     stats: NbdStats,
     max_inflight: usize,
@@ -188,6 +195,7 @@ impl DirectConn {
         id: u64,
         size: u64,
         discard: bool,
+        neg: Negotiated,
         node: Option<u32>,
         stats: NbdStats,
         max_inflight: usize,
@@ -200,6 +208,7 @@ impl DirectConn {
             stream: Arc::new(stream),
             size,
             discard,
+            neg,
             node,
             stats,
             max_inflight: max_inflight.max(1),
@@ -361,29 +370,45 @@ impl DirectConn {
     fn request(&mut self, req: codec::Request, data: Buf) -> Option<NbdIo> {
         let (off, len) = (req.offset, req.length as u64);
         let fua = req.flags & cflag::FUA != 0;
-        let in_range = off.checked_add(len).is_some_and(|end| end <= self.size);
         let seq = self.seq;
         self.seq += 1;
         let sample = self.node.is_some() && (seq < 64 || seq % BUFFER_SAMPLE == 0);
-        let mut reply =
-            NbdReply { conn: self.id, cookie: req.cookie, trim: None, then_flush: false, sample, held: 0, written: 0 };
+        let mut reply = NbdReply {
+            conn: self.id,
+            req,
+            status_start: 0,
+            status_len: 0,
+            trim: None,
+            then_flush: false,
+            sample,
+            held: 0,
+            written: 0,
+        };
         let io = |op, offset, length, data: Buf, reply| NbdIo { op, fua, offset, length, data, reply };
         let none = || Buf::Heap(Vec::new());
+        if let Err(e) = validate(&req, self.size, self.neg) {
+            self.answer(&req, e);
+            return None;
+        }
         let io = match req.command {
             cmd::FLUSH => io(Op::Flush, 0, 0, none(), reply),
-            _ if !in_range => {
-                self.answer(req.cookie, if req.command == cmd::WRITE { errno::ENOSPC } else { errno::EINVAL });
+            _ if len == 0 => {
+                self.answer(&req, 0);
                 return None;
             }
-            _ if len == 0 => {
-                self.answer(req.cookie, 0);
-                return None;
+            cmd::BLOCK_STATUS => {
+                let Some((start, length)) = status_query(off, len, self.size) else {
+                    let (header, data) = block_status_reply(&req, off, Err(Error::Target(tyche_wire::Status::Unsupported)));
+                    self.out.push_back(Reply { header, data: Buf::Heap(data) });
+                    return None;
+                };
+                reply.status_start = start;
+                reply.status_len = length;
+                reply.held = tyche_wire::layout::block_status::LEN as u64;
+                let list = self.pool.take(tyche_wire::layout::block_status::LEN, None);
+                NbdIo { op: Op::BlockStatus, fua: false, offset: start, length, data: list, reply }
             }
             cmd::READ => {
-                if len > MAX_REQUEST as u64 {
-                    self.answer(req.cookie, errno::EINVAL);
-                    return None;
-                }
                 // Unaligned reads read the covering sectors.
                 let start = off / SECTOR * SECTOR;
                 let end = (off + len).next_multiple_of(SECTOR);
@@ -405,14 +430,14 @@ impl DirectConn {
             }
             cmd::TRIM => {
                 if !self.discard {
-                    self.answer(req.cookie, errno::from_errno(Error::Unsupported.errno()));
+                    self.answer(&req, errno::from_errno(Error::Unsupported.errno()));
                     return None;
                 }
                 // Advisory: trim the whole sectors inside the range.
                 let start = off.next_multiple_of(SECTOR);
                 let end = (off + len) / SECTOR * SECTOR;
                 if end <= start {
-                    self.answer(req.cookie, 0);
+                    self.answer(&req, 0);
                     return None;
                 }
                 reply.then_flush = fua;
@@ -420,11 +445,11 @@ impl DirectConn {
             }
             cmd::WRITE_ZEROES => io(Op::WriteZeroes, off, len, none(), reply),
             cmd::CACHE => {
-                self.answer(req.cookie, 0);
+                self.answer(&req, 0);
                 return None;
             }
             _ => {
-                self.answer(req.cookie, errno::EINVAL);
+                self.answer(&req, errno::EINVAL);
                 return None;
             }
         };
@@ -434,14 +459,30 @@ impl DirectConn {
     }
 
     /// Queues a reply without data for a request that never reached the volume.
-    fn answer(&mut self, cookie: u64, error: u32) {
-        self.out.push_back(Reply { header: codec::simple_reply(error, cookie), data: Buf::Heap(Vec::new()) });
+    fn answer(&mut self, req: &codec::Request, error: u32) {
+        self.out.push_back(Reply { header: reply_head(self.neg, req, error, 0), data: Buf::Heap(Vec::new()) });
     }
 
     /// Queues the reply of a request the volume completed (a read's data with it).
     pub(crate) fn complete(&mut self, reply: NbdReply, result: Outcome) {
         self.inflight = self.inflight.saturating_sub(1);
         self.held = self.held.saturating_sub(reply.held);
+        if reply.req.command == cmd::BLOCK_STATUS {
+            let answer = match result {
+                Ok((_, list)) => {
+                    // The list answers the range asked of the volume.
+                    let parsed = crate::client::parse_block_status(list.as_slice(), reply.status_len);
+                    self.pool.give(list);
+                    parsed
+                }
+                Err(e) => Err(e),
+            };
+            let (header, data) = block_status_reply(&reply.req, reply.status_start, answer);
+            if self.error.is_none() {
+                self.out.push_back(Reply { header, data: Buf::Heap(data) });
+            }
+            return;
+        }
         let (error, data) = match result {
             Ok((Op::Read, data)) => match reply.trim {
                 Some((at, len)) => {
@@ -471,7 +512,8 @@ impl DirectConn {
             }
         }
         if self.error.is_none() {
-            self.out.push_back(Reply { header: codec::simple_reply(error, reply.cookie), data });
+            let header = reply_head(self.neg, &reply.req, error, data.len());
+            self.out.push_back(Reply { header, data });
         }
     }
 
@@ -496,7 +538,7 @@ impl DirectConn {
             let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * REPLY_BATCH.min(self.out.len()));
             let mut skip = self.out_off;
             for r in self.out.iter().take(REPLY_BATCH) {
-                for part in [&r.header[..], r.data.as_slice()] {
+                for part in [r.header.as_slice(), r.data.as_slice()] {
                     if skip >= part.len() {
                         skip -= part.len();
                     } else {
@@ -521,7 +563,7 @@ impl DirectConn {
             wrote = true;
             while n > 0 {
                 let first = self.out.front().expect("written bytes belong to a reply");
-                let left = first.header.len() + first.data.len() - self.out_off;
+                let left = first.header.as_slice().len() + first.data.len() - self.out_off;
                 if n >= left {
                     n -= left;
                     let done = self.out.pop_front().expect("front");

@@ -1,9 +1,12 @@
 //! An NBD server on a Unix socket, backed by a [`Client`].
 //!
 //! Fixed newstyle handshake (NBD_OPT_GO, NBD_OPT_INFO, NBD_OPT_EXPORT_NAME, NBD_OPT_LIST,
-//! NBD_OPT_ABORT; everything else is answered NBD_REP_ERR_UNSUP), simple replies, and the
-//! commands READ, WRITE (with FUA), FLUSH, TRIM, WRITE_ZEROES (with FUA and NO_HOLE), CACHE and
-//! DISC. Every connection serves the same session, so the export is advertised with
+//! NBD_OPT_ABORT, NBD_OPT_STRUCTURED_REPLY, NBD_OPT_LIST_META_CONTEXT and
+//! NBD_OPT_SET_META_CONTEXT with the one context `base:allocation`; everything else is answered
+//! NBD_REP_ERR_UNSUP), simple or structured replies, and the commands READ, WRITE (with FUA),
+//! FLUSH, TRIM, WRITE_ZEROES (with FUA and NO_HOLE), CACHE, BLOCK_STATUS (with REQ_ONE) and
+//! DISC. Both transmission paths (tasks here, engine thread in [`direct`]) check requests with
+//! [`validate`] and answer block status with [`block_status_reply`]. Every connection serves the same session, so the export is advertised with
 //! CAN_MULTI_CONN. Each connection handles many requests at once and replies as they complete
 //! (out of order, as NBD allows), at most [`NbdOptions::max_inflight`] per connection.
 //!
@@ -26,7 +29,8 @@ use tracing::{debug, info, warn};
 
 use crate::client::Client;
 use crate::error::Error;
-use codec::{cflag, cmd, errno, info as info_item, opt, rep, tflag};
+use codec::{cflag, cmd, errno, info as info_item, opt, rep, tflag, Head};
+use tyche_wire::{flags as wflags, Extent, Status};
 
 /// Largest request the server accepts (advertised as the maximum block size).
 pub const MAX_REQUEST: u32 = 32 << 20;
@@ -185,7 +189,7 @@ fn transmission_flags(client: &Client) -> u16 {
 }
 
 fn flags_for(read_only: bool, discard: bool) -> u16 {
-    let mut f = tflag::HAS_FLAGS | tflag::SEND_FLUSH | tflag::SEND_FUA | tflag::CAN_MULTI_CONN;
+    let mut f = tflag::HAS_FLAGS | tflag::SEND_FLUSH | tflag::SEND_FUA | tflag::CAN_MULTI_CONN | tflag::SEND_CACHE;
     if read_only {
         f |= tflag::READ_ONLY;
     } else {
@@ -210,11 +214,11 @@ async fn connection(
     node: Option<u32>,
 ) -> io::Result<()> {
     let (mut rd, mut wr) = stream.into_split();
-    if !handshake(&mut rd, &mut wr, client.size(), transmission_flags(&client), opts).await? {
+    let Some(neg) = handshake(&mut rd, &mut wr, client.size(), transmission_flags(&client), opts).await? else {
         return Ok(());
-    }
+    };
     if !opts.engine_io {
-        return transmission(rd, wr, client, opts, idx, node).await;
+        return transmission(rd, wr, client, opts, idx, node, neg).await;
     }
     // The handshake reads no further than its last option, so requests the client already
     // sent are still in the socket for the engine thread to read.
@@ -226,6 +230,7 @@ async fn connection(
         idx,
         info.size,
         info.discard,
+        neg,
         node,
         opts.stats.clone(),
         opts.max_inflight,
@@ -235,9 +240,35 @@ async fn connection(
     finished.await.unwrap_or_else(|_| Err(io::Error::other("the engine stopped")))
 }
 
-/// Option haggling for an export of `size` bytes with transmission flags `flags`. Returns
-/// whether to enter transmission.
-async fn handshake<R, W>(rd: &mut R, wr: &mut W, size: u64, flags: u16, opts: &NbdOptions) -> io::Result<bool>
+/// What a connection's handshake settled for transmission.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Negotiated {
+    /// NBD_OPT_STRUCTURED_REPLY was accepted: reads and block status get structured replies.
+    pub structured: bool,
+    /// `base:allocation` was selected (NBD_OPT_SET_META_CONTEXT): BLOCK_STATUS is allowed.
+    pub allocation: bool,
+}
+
+/// The block sizes advertised (NBD_INFO_BLOCK_SIZE) for an export of `size` bytes: minimum 512
+/// (the Tyche sector), preferred 4096 (or less on a tiny export), maximum the largest request
+/// accepted ([`MAX_REQUEST`], or the export's size in whole sectors if smaller), a multiple of
+/// the minimum.
+fn block_sizes(size: u64) -> (u32, u32, u32) {
+    let whole = u32::try_from(size / MIN_BLOCK as u64 * MIN_BLOCK as u64).unwrap_or(u32::MAX);
+    let max = MAX_REQUEST.min(whole).max(MIN_BLOCK);
+    let preferred = PREFERRED_BLOCK.min(1 << (u32::BITS - 1 - max.leading_zeros()));
+    (MIN_BLOCK, preferred, max)
+}
+
+/// Option haggling for an export of `size` bytes with transmission flags `flags`. Returns what
+/// was negotiated, or `None` when the client gave up (no transmission).
+async fn handshake<R, W>(
+    rd: &mut R,
+    wr: &mut W,
+    size: u64,
+    flags: u16,
+    opts: &NbdOptions,
+) -> io::Result<Option<Negotiated>>
 where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
@@ -248,6 +279,7 @@ where
         return Err(invalid("unknown client flags"));
     }
     let no_zeroes = cflags & codec::FLAG_C_NO_ZEROES != 0;
+    let mut neg = Negotiated::default();
     loop {
         let mut h = [0u8; 16];
         rd.read_exact(&mut h).await?;
@@ -276,11 +308,49 @@ where
                     return Err(invalid("unknown export requested with NBD_OPT_EXPORT_NAME"));
                 }
                 wr.write_all(&codec::export_name_reply(size, flags, no_zeroes)).await?;
-                return Ok(true);
+                return Ok(Some(neg));
             }
             opt::ABORT => {
                 wr.write_all(&codec::option_reply(h.option, rep::ACK, &[])).await?;
-                return Ok(false);
+                return Ok(None);
+            }
+            opt::STRUCTURED_REPLY => {
+                let reply = if data.is_empty() {
+                    neg.structured = true;
+                    rep::ACK
+                } else {
+                    rep::ERR_INVALID
+                };
+                wr.write_all(&codec::option_reply(h.option, reply, &[])).await?;
+            }
+            opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => {
+                let set = h.option == opt::SET_META_CONTEXT;
+                let Some((name, queries)) = codec::parse_meta_request(&data) else {
+                    wr.write_all(&codec::option_reply(h.option, rep::ERR_INVALID, &[])).await?;
+                    continue;
+                };
+                if set && !neg.structured {
+                    // Block status replies are structured: no context without them.
+                    wr.write_all(&codec::option_reply(h.option, rep::ERR_INVALID, &[])).await?;
+                    continue;
+                }
+                if !matches(&name) {
+                    wr.write_all(&codec::option_reply(h.option, rep::ERR_UNKNOWN, &[])).await?;
+                    continue;
+                }
+                // LIST: no query, "base:" or the name itself; SET: the name itself.
+                let wanted = (!set && queries.is_empty())
+                    || queries.iter().any(|q| q == codec::BASE_ALLOCATION || (!set && q == "base:"));
+                let mut r = Vec::new();
+                if wanted {
+                    let ctx = codec::rep_meta_context(codec::BASE_ALLOCATION_ID, codec::BASE_ALLOCATION);
+                    r.extend(codec::option_reply(h.option, rep::META_CONTEXT, &ctx));
+                }
+                if set {
+                    neg.allocation = wanted;
+                }
+                r.extend(codec::option_reply(h.option, rep::ACK, &[]));
+                wr.write_all(&r).await?;
             }
             opt::LIST => {
                 let reply = if data.is_empty() {
@@ -302,12 +372,8 @@ where
                     continue;
                 }
                 let mut r = codec::option_reply(h.option, rep::INFO, &codec::info_export(size, flags));
-                let max = MAX_REQUEST.min(u32::try_from(size).unwrap_or(u32::MAX)).max(MIN_BLOCK);
-                r.extend(codec::option_reply(
-                    h.option,
-                    rep::INFO,
-                    &codec::info_block_size(MIN_BLOCK, PREFERRED_BLOCK, max),
-                ));
+                let (min, preferred, max) = block_sizes(size);
+                r.extend(codec::option_reply(h.option, rep::INFO, &codec::info_block_size(min, preferred, max)));
                 if items.contains(&info_item::NAME) {
                     r.extend(codec::option_reply(h.option, rep::INFO, &codec::info_text(info_item::NAME, &opts.name)));
                 }
@@ -318,7 +384,7 @@ where
                 r.extend(codec::option_reply(h.option, rep::ACK, &[]));
                 wr.write_all(&r).await?;
                 if h.option == opt::GO {
-                    return Ok(true);
+                    return Ok(Some(neg));
                 }
             }
             _ => wr.write_all(&codec::option_reply(h.option, rep::ERR_UNSUP, &[])).await?,
@@ -326,9 +392,9 @@ where
     }
 }
 
-/// One reply: header and, for a successful read, its data.
+/// One reply: header and, for a successful read or block status, its data.
 struct Reply {
-    header: [u8; 16],
+    header: Head,
     data: Vec<u8>,
 }
 
@@ -337,7 +403,7 @@ struct Reply {
 async fn write_replies(wr: &mut OwnedWriteHalf, batch: &[Reply]) -> io::Result<()> {
     let mut parts: Vec<&[u8]> = Vec::with_capacity(batch.len() * 2);
     for r in batch {
-        parts.push(&r.header);
+        parts.push(r.header.as_slice());
         if !r.data.is_empty() {
             parts.push(&r.data);
         }
@@ -371,6 +437,113 @@ fn nbd_error(e: Error) -> u32 {
     errno::from_errno(e.errno())
 }
 
+/// The checks of a whole request (a write's payload read) shared by both transmission paths:
+/// `Err` is the NBD error to answer without going to the volume. FLUSH ignores its range; a
+/// range past the end is EINVAL (ENOSPC for a write); a read longer than [`MAX_REQUEST`], a
+/// BLOCK_STATUS without `base:allocation` negotiated or of length zero, and unknown commands are
+/// EINVAL.
+pub(crate) fn validate(req: &codec::Request, size: u64, neg: Negotiated) -> Result<(), u32> {
+    let (off, len) = (req.offset, req.length as u64);
+    let in_range = off.checked_add(len).is_some_and(|end| end <= size);
+    match req.command {
+        cmd::FLUSH => Ok(()),
+        cmd::READ | cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES | cmd::CACHE | cmd::BLOCK_STATUS => {
+            if !in_range {
+                return Err(if req.command == cmd::WRITE { errno::ENOSPC } else { errno::EINVAL });
+            }
+            let bad = match req.command {
+                cmd::READ => len > MAX_REQUEST as u64,
+                cmd::BLOCK_STATUS => !neg.allocation || len == 0,
+                _ => false,
+            };
+            if bad {
+                Err(errno::EINVAL)
+            } else {
+                Ok(())
+            }
+        }
+        _ => Err(errno::EINVAL),
+    }
+}
+
+/// The reply header of a request without block status: simple, or (structured replies
+/// negotiated) for a READ an OFFSET_DATA chunk of `data_len` bytes or an ERROR chunk.
+pub(crate) fn reply_head(neg: Negotiated, req: &codec::Request, error: u32, data_len: usize) -> Head {
+    match req.command {
+        cmd::READ | cmd::BLOCK_STATUS if neg.structured && error != 0 => Head::error(req.cookie, error),
+        cmd::READ if neg.structured => Head::read_data(req.cookie, req.offset, data_len),
+        _ => Head::simple(error, req.cookie),
+    }
+}
+
+/// The Tyche BLOCK_STATUS range for an NBD one at `off` of `len` bytes: the sectors covering it
+/// within the export, at most the largest range a request carries. `None` when no whole sector
+/// is left to ask about (the tail of an export whose size is not whole sectors): the answer is
+/// "data".
+pub(crate) fn status_query(off: u64, len: u64, size: u64) -> Option<(u64, u64)> {
+    let start = off / SECTOR * SECTOR;
+    let end = (off + len).next_multiple_of(SECTOR).min(size / SECTOR * SECTOR);
+    let most = (u32::MAX / MIN_BLOCK * MIN_BLOCK) as u64;
+    (end > start).then(|| (start, (end - start).min(most)))
+}
+
+/// The reply to an NBD BLOCK_STATUS `req` (already validated) from the target's answer for the
+/// query starting at `start`: the extents from `req.offset` on, cut at its end (or after the
+/// first, with REQ_ONE), as one BLOCK_STATUS chunk of `base:allocation`. A target that cannot tell
+/// (UNSUPPORTED, or no feature) or no query at all: the whole range is data. Other errors: an
+/// ERROR chunk.
+pub(crate) fn block_status_reply(req: &codec::Request, start: u64, answer: Result<Vec<Extent>, Error>) -> (Head, Vec<u8>) {
+    let (off, end) = (req.offset, req.offset + req.length as u64);
+    let req_one = req.flags & cflag::REQ_ONE != 0;
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    // Lengths fit u32: the range is an NBD request's.
+    fn push(out: &mut Vec<(u32, u32)>, len: u64, state: u32) {
+        match out.last_mut() {
+            Some((l, s)) if *s == state && (*l as u64 + len) <= u32::MAX as u64 => *l += len as u32,
+            _ => out.push((len as u32, state)),
+        }
+    }
+    match answer {
+        Ok(extents) => {
+            let mut at = start;
+            for e in extents {
+                let (s, t) = (at.max(off), (at + e.length).min(end));
+                at += e.length;
+                if t > s {
+                    let mut state = 0;
+                    if e.flags & wflags::EXTENT_HOLE != 0 {
+                        state |= codec::state::HOLE;
+                    }
+                    if e.flags & wflags::EXTENT_ZERO != 0 {
+                        state |= codec::state::ZERO;
+                    }
+                    push(&mut out, t - s, state);
+                }
+                if at >= end {
+                    break;
+                }
+            }
+        }
+        Err(Error::Target(Status::Unsupported)) => {}
+        Err(e) => return (Head::error(req.cookie, nbd_error(e)), Vec::new()),
+    }
+    if out.is_empty() {
+        // Nothing said about the range (cannot happen with a valid list: its first extent
+        // covers a whole sector from the sector holding `off`): data, as a server without
+        // allocation information answers.
+        push(&mut out, end - off, 0);
+    }
+    if req_one {
+        out.truncate(1);
+    }
+    let mut data = Vec::with_capacity(out.len() * 8);
+    for (len, state) in out {
+        data.extend_from_slice(&len.to_be_bytes());
+        data.extend_from_slice(&state.to_be_bytes());
+    }
+    (Head::block_status(req.cookie, codec::BASE_ALLOCATION_ID, data.len()), data)
+}
+
 /// Reads requests, runs each in its own task, writes replies as they complete.
 async fn transmission(
     rd: OwnedReadHalf,
@@ -379,6 +552,7 @@ async fn transmission(
     opts: &NbdOptions,
     idx: u64,
     node: Option<u32>,
+    neg: Negotiated,
 ) -> io::Result<()> {
     let (tx, mut rx) = mpsc::channel::<Reply>(opts.max_inflight);
     let writer = tokio::spawn(async move {
@@ -442,10 +616,27 @@ async fn transmission(
         tokio::spawn(async move {
             let written = data.len() as u64;
             let mut pages = sample.then(|| tyche_numa::report::count_slice(&data, node).ok()).flatten();
-            let (error, data) = match execute(&client, req, data, size).await {
+            if req.command == cmd::BLOCK_STATUS {
+                let reply = match validate(&req, size, neg) {
+                    Err(e) => Reply { header: reply_head(neg, &req, e, 0), data: Vec::new() },
+                    Ok(()) => {
+                        let answer = match status_query(req.offset, req.length as u64, size) {
+                            Some((start, len)) => (start, client.block_status(start, len).await),
+                            None => (req.offset, Err(Error::Target(Status::Unsupported))),
+                        };
+                        let (header, data) = block_status_reply(&req, answer.0, answer.1);
+                        Reply { header, data }
+                    }
+                };
+                let _ = tx.send(reply).await;
+                drop((permit, bytes_permit));
+                return;
+            }
+            let (error, data) = match execute(&client, req, data, size, neg).await {
                 Ok(d) => (0, d),
                 Err(e) => (e, Vec::new()),
             };
+            let header = reply_head(neg, &req, error, data.len());
             if sample && !data.is_empty() {
                 pages = tyche_numa::report::count_slice(&data, node).ok();
             }
@@ -462,7 +653,7 @@ async fn transmission(
                     r.buffers.add(&p);
                 }
             });
-            let _ = tx.send(Reply { header: codec::simple_reply(error, req.cookie), data }).await;
+            let _ = tx.send(Reply { header, data }).await;
             drop((permit, bytes_permit));
         });
     };
@@ -478,18 +669,20 @@ async fn transmission(
 const SECTOR: u64 = MIN_BLOCK as u64;
 
 /// Runs one command; returns read data or an NBD error number.
-async fn execute(client: &Client, req: codec::Request, data: Vec<u8>, size: u64) -> Result<Vec<u8>, u32> {
+async fn execute(
+    client: &Client,
+    req: codec::Request,
+    data: Vec<u8>,
+    size: u64,
+    neg: Negotiated,
+) -> Result<Vec<u8>, u32> {
     let (off, len) = (req.offset, req.length as u64);
     let fua = req.flags & cflag::FUA != 0;
-    let in_range = off.checked_add(len).is_some_and(|end| end <= size);
+    validate(&req, size, neg)?;
     match req.command {
         cmd::FLUSH => client.flush().await.map(|()| Vec::new()).map_err(nbd_error),
-        _ if !in_range => Err(if req.command == cmd::WRITE { errno::ENOSPC } else { errno::EINVAL }),
         _ if len == 0 => Ok(Vec::new()),
         cmd::READ => {
-            if len > MAX_REQUEST as u64 {
-                return Err(errno::EINVAL);
-            }
             // Unaligned reads read the covering sectors.
             let start = off / SECTOR * SECTOR;
             let end = (off + len).next_multiple_of(SECTOR);
@@ -555,7 +748,7 @@ pub mod fuzzing {
             let mut fut = std::pin::pin!(super::handshake(&mut rd, &mut wr, size, flags, &opts));
             // Bytes in memory are always ready: one poll runs it to the end.
             match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-                Poll::Ready(r) => r,
+                Poll::Ready(r) => r.map(|n| n.is_some()),
                 Poll::Pending => Err(io::Error::other("the handshake waited on memory")),
             }
         };
@@ -599,12 +792,20 @@ pub mod fuzzing {
     pub struct Conn(Option<DirectConn>);
 
     impl Conn {
-        /// Serves `stream` (made non-blocking) for an export of `size` bytes.
-        pub fn new(stream: UnixStream, size: u64, discard: bool, max_inflight: usize) -> io::Result<Conn> {
+        /// Serves `stream` (made non-blocking) for an export of `size` bytes; with `structured`,
+        /// as after NBD_OPT_STRUCTURED_REPLY and NBD_OPT_SET_META_CONTEXT `base:allocation`.
+        pub fn new(
+            stream: UnixStream,
+            size: u64,
+            discard: bool,
+            max_inflight: usize,
+            structured: bool,
+        ) -> io::Result<Conn> {
             let (done, _) = tokio::sync::oneshot::channel();
             let stats = crate::report::NbdStats::default();
             let idx = stats.add(crate::report::NbdConnReport::default());
-            Ok(Conn(Some(DirectConn::new(stream, idx, size, discard, None, stats, max_inflight, done)?)))
+            let neg = super::Negotiated { structured, allocation: structured };
+            Ok(Conn(Some(DirectConn::new(stream, idx, size, discard, neg, None, stats, max_inflight, done)?)))
         }
         fn conn(&mut self) -> &mut DirectConn {
             self.0.as_mut().expect("open")

@@ -1,0 +1,143 @@
+#!/bin/bash
+# Block status with the real NBD clients: a sparse 64 MiB file export (data at four places, the
+# rest holes) served by `tyched` over the TCP transport, inside a network namespace made here,
+# and `tyche-init serve-nbd --tcp`. nbdinfo --map and qemu-img map see the holes, qemu-img
+# convert and nbdcopy copy it sparse (du and contents compared), nbdsh (python3-libnbd) checks
+# structured replies, base:allocation, REQ_ONE and the block sizes; nbdinfo --map again through
+# the task-per-request path (--nbd-io tasks). Root only.
+# Run: TYCHED=path BIN=path bash block-status.sh
+set -u
+BIN=${BIN:?path of the tyche-init binary}; TYCHED=${TYCHED:?path of the tyched binary}
+for t in nbdinfo nbdcopy nbdsh qemu-img; do
+  command -v $t >/dev/null || { echo "SKIP: no $t (apt-get install libnbd-bin python3-libnbd qemu-utils)"; exit 0; }
+done
+W=$(mktemp -d /var/tmp/tybs.XXXX); NS=tybs$$; TPID=""; IPID=""
+cleanup() {
+  [ -n "$IPID" ] && kill $IPID 2>/dev/null; [ -n "$TPID" ] && kill $TPID 2>/dev/null
+  wait 2>/dev/null; ip netns del $NS 2>/dev/null; rm -rf $W
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; tail -5 $W/init.log $W/target.log; exit 1; }
+ip netns add $NS && ip -n $NS link set lo up || exit 1
+export TYCHE_INIT_STATE_DIR=$W/state
+
+# 64 MiB, holes but for 1 MiB at 0, 64 KiB at 10 MiB, 4 KiB at 40 MiB and 1 MiB at 62 MiB.
+IMG=$W/sparse.img
+truncate -s 64M $IMG
+dd if=/dev/urandom of=$IMG bs=1M count=1 conv=notrunc status=none
+dd if=/dev/urandom of=$IMG bs=64K count=1 seek=160 conv=notrunc status=none
+dd if=/dev/urandom of=$IMG bs=4K count=1 seek=10240 conv=notrunc status=none
+dd if=/dev/urandom of=$IMG bs=1M count=1 seek=62 conv=notrunc status=none
+sync $IMG
+DATA=$(( (1 << 20) + (64 << 10) + 4096 + (1 << 20) ))
+[ $(du -k $IMG | cut -f1) -lt 4096 ] || { echo "SKIP: $W does not keep files sparse"; exit 0; }
+
+cat >$W/tyched.toml <<EOT
+ifaces = ["lo"]
+transport = "tcp"
+tcp_listen = "127.0.0.1:7789"
+
+[[export]]
+name = "sparse"
+path = "$IMG"
+EOT
+timeout 300 ip netns exec $NS $TYCHED serve --config $W/tyched.toml >$W/target.out 2>$W/target.log & TPID=$!
+sleep 1
+SOCK=$W/nbd.sock
+start_init() {
+  timeout 300 ip netns exec $NS $BIN serve-nbd --socket $SOCK --tcp 127.0.0.1:7789 --export sparse "$@" \
+    >$W/init.out 2>$W/init.log & IPID=$!
+  for i in $(seq 100); do [ -S $SOCK ] && break; sleep 0.1; done
+  [ -S $SOCK ] || fail "initiator did not start"
+}
+start_init
+URI="nbd+unix:///sparse?socket=$SOCK"
+
+# nbdinfo --map: "offset length type description" lines; type 0 is data, 3 hole,zero.
+timeout 60 nbdinfo --map "$URI" >$W/map.txt || fail "nbdinfo --map"
+data=$(awk '$3 == 0 { s += $2 } END { print s + 0 }' $W/map.txt)
+holes=$(awk '$3 == 3 { s += $2 } END { print s + 0 }' $W/map.txt)
+[ "$data" = "$DATA" ] && [ $((data + holes)) = $((64 << 20)) ] || { cat $W/map.txt; fail "nbdinfo map: $data data, $holes holes"; }
+grep -q "hole,zero" $W/map.txt || fail "no hole,zero in the map"
+echo "BLOCK STATUS NBDINFO MAP OK ($data bytes of data, $holes of holes)"
+
+# qemu-img map: the same data ranges.
+timeout 60 qemu-img map --output=json "$URI" >$W/qmap.json || fail "qemu-img map"
+qdata=$(/usr/bin/python3 -c 'import json,sys; print(sum(e["length"] for e in json.load(open(sys.argv[1])) if e["data"]))' $W/qmap.json)
+[ "$qdata" = "$DATA" ] || { cat $W/qmap.json; fail "qemu-img map: $qdata bytes of data"; }
+echo "BLOCK STATUS QEMU-IMG MAP OK"
+
+# Sparse copies: the holes stay holes, the contents are the same.
+timeout 120 qemu-img convert -f raw -O raw "$URI" $W/convert.img || fail "qemu-img convert"
+cmp $W/convert.img $IMG || fail "qemu-img convert: contents differ"
+[ $(du -k $W/convert.img | cut -f1) -lt 4096 ] || fail "qemu-img convert: not sparse ($(du -k $W/convert.img))"
+echo "SPARSE QEMU-IMG CONVERT OK ($(du -k $IMG | cut -f1) KiB -> $(du -k $W/convert.img | cut -f1) KiB)"
+truncate -s 64M $W/nbdcopy.img
+timeout 120 nbdcopy "$URI" $W/nbdcopy.img || fail "nbdcopy"
+cmp $W/nbdcopy.img $IMG || fail "nbdcopy: contents differ"
+[ $(du -k $W/nbdcopy.img | cut -f1) -lt 4096 ] || fail "nbdcopy: not sparse ($(du -k $W/nbdcopy.img))"
+echo "SPARSE NBDCOPY OK ($(du -k $W/nbdcopy.img | cut -f1) KiB)"
+
+# libnbd's own view: structured replies, base:allocation, REQ_ONE, block sizes, reads.
+cat >$W/check.py <<'EOT'
+import os, sys
+import nbd
+uri, img = sys.argv[1], sys.argv[2]
+h = nbd.NBD()
+h.add_meta_context("base:allocation")
+h.connect_uri(uri)
+assert h.get_structured_replies_negotiated(), "structured replies not negotiated"
+assert h.can_meta_context("base:allocation"), "base:allocation not negotiated"
+assert h.get_block_size(nbd.SIZE_MINIMUM) == 512, h.get_block_size(nbd.SIZE_MINIMUM)
+assert h.get_block_size(nbd.SIZE_PREFERRED) == 4096, h.get_block_size(nbd.SIZE_PREFERRED)
+assert h.get_block_size(nbd.SIZE_MAXIMUM) == 32 << 20, h.get_block_size(nbd.SIZE_MAXIMUM)
+assert h.can_cache()
+size = h.get_size()
+def status(length, offset, flags=0):
+    got = []
+    def cb(ctx, off, entries, err):
+        assert ctx == "base:allocation", ctx
+        got.append((off, list(entries)))
+    h.block_status(length, offset, cb, flags=flags)
+    assert len(got) == 1, got
+    assert got[0][0] == offset, got
+    e = got[0][1]
+    return [(e[i], e[i + 1]) for i in range(0, len(e), 2)]
+ext = status(size, 0)
+assert ext[0] == (1 << 20, 0), ext
+assert ext[1][1] == 3, ext
+assert sum(l for l, _ in ext) <= size
+one = status(size, 0, nbd.CMD_FLAG_REQ_ONE)
+assert one == [(1 << 20, 0)], one
+mid = status(8192, 10 << 20)
+assert mid[0][1] == 0 and sum(l for l, _ in mid) <= 8192, mid
+hole = status(4096, 20 << 20)
+assert hole == [(4096, 3)], hole
+# Walk the whole export as clients do: ask again from where the answer ended.
+off, data = 0, 0
+while off < size:
+    ext = status(min(size - off, 1 << 30), off)
+    for l, f in ext:
+        if f == 0:
+            data += l
+        off += l
+assert data == int(sys.argv[3]), data
+with open(img, "rb") as f:
+    want = f.read()
+for o, n in [(0, 4096), (10 << 20, 65536), (20 << 20, 8192), (62 << 20, 1 << 20), (1000 * 512, 512)]:
+    assert h.pread(n, o) == want[o:o + n], (o, n)
+h.shutdown()
+print("NBDSH CHECKS OK")
+EOT
+timeout 60 nbdsh -c "exec(open('$W/check.py').read())" "$URI" "$IMG" "$DATA" 2>&1 | tail -5 >$W/nbdsh.out
+grep -q "NBDSH CHECKS OK" $W/nbdsh.out || { cat $W/nbdsh.out; fail "nbdsh checks"; }
+echo "BLOCK STATUS NBDSH OK"
+
+# The task-per-request path answers the same.
+kill $IPID; wait $IPID 2>/dev/null; IPID=""; rm -f $SOCK
+start_init --nbd-io tasks
+timeout 60 nbdinfo --map "$URI" >$W/map-tasks.txt || fail "nbdinfo --map (tasks)"
+cmp $W/map.txt $W/map-tasks.txt || { diff $W/map.txt $W/map-tasks.txt; fail "the tasks path maps differently"; }
+timeout 120 qemu-img convert -f raw -O raw "$URI" $W/convert2.img || fail "qemu-img convert (tasks)"
+cmp $W/convert2.img $IMG || fail "qemu-img convert (tasks): contents differ"
+echo "BLOCK STATUS TASKS PATH OK"
