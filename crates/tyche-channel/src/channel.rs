@@ -854,8 +854,8 @@ impl Channel {
         if !matches!(self.remq.get(slot), Some(RemqSlot::Free)) {
             return self.drop_frame(DropReason::BadSlot);
         }
-        let fits = !r.op.uses_damq()
-            || (r.op.data_len(r.length) <= self.params.max_io && (r.damq as usize) < self.damq.len());
+        let fits =
+            !r.op.uses_damq() || (r.op.data_len(r.length) <= self.params.max_io && (r.damq as usize) < self.damq.len());
         if !fits {
             return self.refuse(r);
         }

@@ -446,7 +446,8 @@ impl Volume {
             if any_live && !any_fits {
                 self.pending.pop_front();
                 // A target without BLOCK_STATUS: the caller treats the range as data.
-                let err = if part.op == Op::BlockStatus { IoError::Target(Status::Unsupported) } else { IoError::NoPath };
+                let err =
+                    if part.op == Op::BlockStatus { IoError::Target(Status::Unsupported) } else { IoError::NoPath };
                 self.part_done(tag, None, Err(err));
                 continue;
             }

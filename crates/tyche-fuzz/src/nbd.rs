@@ -73,7 +73,11 @@ pub enum OptData {
     },
     Bytes(Vec<u8>),
     /// An NBD_OPT_LIST/SET_META_CONTEXT request for a name with queries.
-    Meta { name: u8, queries: Vec<u8>, count: Option<u32> },
+    Meta {
+        name: u8,
+        queries: Vec<u8>,
+        count: Option<u32>,
+    },
 }
 
 /// One step of the transmission phase.

@@ -751,8 +751,8 @@ impl Engine {
     fn complete(&mut self, c: Completion, result: Outcome, now: Instant) {
         match c {
             Completion::Client(reply) => {
-                let _ = reply
-                    .send(result.map(|(op, buf)| if op.has_read_data() { buf.into_vec() } else { Vec::new() }));
+                let _ =
+                    reply.send(result.map(|(op, buf)| if op.has_read_data() { buf.into_vec() } else { Vec::new() }));
             }
             Completion::Nbd(reply) if reply.then_flush && result.is_ok() => {
                 // TRIM with FUA: the discard is done, now the flush, then the reply.

@@ -386,17 +386,19 @@ impl TargetLoop {
                         self.counters.flushes.fetch_add(1, Ordering::Relaxed);
                     }
                     Op::BlockStatus => {
-                        // Pages of zeroes are holes; at most 4 MiB looked at.
+                        // Pages of the export holding only zeroes are holes; at most 4 MiB
+                        // looked at.
                         let mem = self.damq.entry(key).or_insert_with(|| vec![0; self.max_io as usize]);
-                        let scan = &storage[start..start + len.min(4 << 20)];
-                        let extents = scan.chunks(4096).map(|c| tyche_wire::Extent {
-                            length: c.len() as u64,
-                            flags: if c.iter().all(|&b| b == 0) {
-                                flags::EXTENT_HOLE | flags::EXTENT_ZERO
-                            } else {
-                                0
-                            },
-                        });
+                        let end = start + len.min(4 << 20);
+                        let mut extents = Vec::new();
+                        let mut at = start;
+                        while at < end {
+                            let next = ((at / 4096 + 1) * 4096).min(end);
+                            let zero = storage[at..next].iter().all(|&b| b == 0);
+                            let flags = if zero { flags::EXTENT_HOLE | flags::EXTENT_ZERO } else { 0 };
+                            extents.push(tyche_wire::Extent { length: (next - at) as u64, flags });
+                            at = next;
+                        }
                         tyche_wire::emit_block_status(extents, &mut mem[..]);
                     }
                 }

@@ -17,7 +17,7 @@ cleanup() {
   wait 2>/dev/null; ip netns del $NS 2>/dev/null; rm -rf $W
 }
 trap cleanup EXIT
-fail() { echo "FAIL: $*"; tail -5 $W/init.log $W/target.log; exit 1; }
+fail() { echo "FAIL: $*"; tail -n 5 $W/init.log $W/target.log; exit 1; }
 ip netns add $NS && ip -n $NS link set lo up || exit 1
 export TYCHE_INIT_STATE_DIR=$W/state
 
@@ -41,11 +41,14 @@ tcp_listen = "127.0.0.1:7789"
 name = "sparse"
 path = "$IMG"
 EOT
-timeout 300 ip netns exec $NS $TYCHED serve --config $W/tyched.toml >$W/target.out 2>$W/target.log & TPID=$!
-sleep 1
+start_target() {
+  timeout 600 ip netns exec $NS $TYCHED serve --config $W/tyched.toml >$W/target.out 2>>$W/target.log & TPID=$!
+  sleep 1
+}
+start_target
 SOCK=$W/nbd.sock
 start_init() {
-  timeout 300 ip netns exec $NS $BIN serve-nbd --socket $SOCK --tcp 127.0.0.1:7789 --export sparse "$@" \
+  timeout 600 ip netns exec $NS $BIN serve-nbd --socket $SOCK --tcp 127.0.0.1:7789 --export sparse "$@" \
     >$W/init.out 2>$W/init.log & IPID=$!
   for i in $(seq 100); do [ -S $SOCK ] && break; sleep 0.1; done
   [ -S $SOCK ] || fail "initiator did not start"
@@ -82,7 +85,7 @@ echo "SPARSE NBDCOPY OK ($(du -k $W/nbdcopy.img | cut -f1) KiB)"
 cat >$W/check.py <<'EOT'
 import os, sys
 import nbd
-uri, img = sys.argv[1], sys.argv[2]
+uri, img, want_data = os.environ["URI"], os.environ["IMG"], int(os.environ["DATA"])
 h = nbd.NBD()
 h.add_meta_context("base:allocation")
 h.connect_uri(uri)
@@ -121,7 +124,7 @@ while off < size:
         if f == 0:
             data += l
         off += l
-assert data == int(sys.argv[3]), data
+assert data == want_data, data
 with open(img, "rb") as f:
     want = f.read()
 for o, n in [(0, 4096), (10 << 20, 65536), (20 << 20, 8192), (62 << 20, 1 << 20), (1000 * 512, 512)]:
@@ -129,12 +132,14 @@ for o, n in [(0, 4096), (10 << 20, 65536), (20 << 20, 8192), (62 << 20, 1 << 20)
 h.shutdown()
 print("NBDSH CHECKS OK")
 EOT
-timeout 60 nbdsh -c "exec(open('$W/check.py').read())" "$URI" "$IMG" "$DATA" 2>&1 | tail -5 >$W/nbdsh.out
+URI=$URI IMG=$IMG DATA=$DATA PATH=/usr/bin:$PATH timeout 60 nbdsh -c "exec(open('$W/check.py').read())" 2>&1 | tail -n 5 >$W/nbdsh.out
 grep -q "NBDSH CHECKS OK" $W/nbdsh.out || { cat $W/nbdsh.out; fail "nbdsh checks"; }
 echo "BLOCK STATUS NBDSH OK"
 
-# The task-per-request path answers the same.
-kill $IPID; wait $IPID 2>/dev/null; IPID=""; rm -f $SOCK
+# The task-per-request path answers the same (a new target: its TCP listener served the first
+# initiator's connection).
+kill $IPID $TPID; wait $IPID $TPID 2>/dev/null; IPID=""; TPID=""; rm -f $SOCK
+start_target
 start_init --nbd-io tasks
 timeout 60 nbdinfo --map "$URI" >$W/map-tasks.txt || fail "nbdinfo --map (tasks)"
 cmp $W/map.txt $W/map-tasks.txt || { diff $W/map.txt $W/map-tasks.txt; fail "the tasks path maps differently"; }

@@ -158,7 +158,7 @@ async fn raw_exchange(engine_io: bool) {
     c.write_u32(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES).await.unwrap();
     // An unsupported option first.
     let mut o = codec::IHAVEOPT.to_be_bytes().to_vec();
-    o.extend(codec::opt::STRUCTURED_REPLY.to_be_bytes());
+    o.extend(99u32.to_be_bytes());
     o.extend(0u32.to_be_bytes());
     c.write_all(&o).await.unwrap();
     let mut r = [0u8; 20];
@@ -272,6 +272,226 @@ async fn raw_exchange(engine_io: bool) {
     assert!(rest.is_empty());
 }
 
+/// Option haggling on a raw socket: `(option, data)` sent, the replies' (type, data) returned up
+/// to and including the final one (ACK or an error).
+async fn option(c: &mut UnixStream, option: u32, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
+    let mut o = codec::IHAVEOPT.to_be_bytes().to_vec();
+    o.extend(option.to_be_bytes());
+    o.extend((data.len() as u32).to_be_bytes());
+    o.extend(data);
+    c.write_all(&o).await.unwrap();
+    let mut out = Vec::new();
+    loop {
+        let mut h = [0u8; 20];
+        c.read_exact(&mut h).await.unwrap();
+        assert_eq!(u32::from_be_bytes(h[8..12].try_into().unwrap()), option, "reply to another option");
+        let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let mut body = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
+        c.read_exact(&mut body).await.unwrap();
+        out.push((kind, body));
+        if kind == codec::rep::ACK || kind & (1 << 31) != 0 {
+            return out;
+        }
+    }
+}
+
+fn meta_request(name: &str, queries: &[&str]) -> Vec<u8> {
+    let mut d = (name.len() as u32).to_be_bytes().to_vec();
+    d.extend(name.as_bytes());
+    d.extend((queries.len() as u32).to_be_bytes());
+    for q in queries {
+        d.extend((q.len() as u32).to_be_bytes());
+        d.extend(q.as_bytes());
+    }
+    d
+}
+
+fn request(cmd: u16, flags: u16, cookie: u64, off: u64, len: u32) -> Vec<u8> {
+    let mut b = codec::REQUEST_MAGIC.to_be_bytes().to_vec();
+    b.extend(flags.to_be_bytes());
+    b.extend(cmd.to_be_bytes());
+    b.extend(cookie.to_be_bytes());
+    b.extend(off.to_be_bytes());
+    b.extend(len.to_be_bytes());
+    b
+}
+
+/// One structured chunk: (flags, type, cookie, payload).
+async fn chunk(c: &mut UnixStream) -> (u16, u16, u64, Vec<u8>) {
+    let mut h = [0u8; 20];
+    c.read_exact(&mut h).await.unwrap();
+    assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), codec::STRUCTURED_REPLY_MAGIC, "{h:?}");
+    let mut p = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
+    c.read_exact(&mut p).await.unwrap();
+    (
+        u16::from_be_bytes([h[4], h[5]]),
+        u16::from_be_bytes([h[6], h[7]]),
+        u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        p,
+    )
+}
+
+/// Block status descriptors (length, flags) of a BLOCK_STATUS chunk of `base:allocation`.
+fn extents(p: &[u8]) -> Vec<(u32, u32)> {
+    assert_eq!(u32::from_be_bytes(p[..4].try_into().unwrap()), codec::BASE_ALLOCATION_ID);
+    p[4..]
+        .chunks_exact(8)
+        .map(|e| (u32::from_be_bytes(e[..4].try_into().unwrap()), u32::from_be_bytes(e[4..].try_into().unwrap())))
+        .collect()
+}
+
+/// Structured replies, `base:allocation` and BLOCK_STATUS on a raw socket, engine path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_structured_replies_and_block_status() {
+    raw_structured(true).await;
+}
+
+/// The same with a task per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_structured_replies_and_block_status_with_tasks() {
+    raw_structured(false).await;
+}
+
+async fn raw_structured(engine_io: bool) {
+    use codec::{chunk as ch, cmd, rep};
+    let s = server_with(4 * MIB, engine_io).await;
+    let mut c = UnixStream::connect(&s.socket).await.unwrap();
+    let mut greet = [0u8; 18];
+    c.read_exact(&mut greet).await.unwrap();
+    c.write_u32(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES).await.unwrap();
+    let ctx = codec::rep_meta_context(codec::BASE_ALLOCATION_ID, codec::BASE_ALLOCATION);
+    // SET before structured replies: refused. LIST works and names the one context.
+    let r = option(&mut c, codec::opt::SET_META_CONTEXT, &meta_request("ram", &["base:allocation"])).await;
+    assert_eq!(r, [(rep::ERR_INVALID, vec![])]);
+    for queries in [&[][..], &["base:"][..], &["base:allocation", "other:x"][..]] {
+        let r = option(&mut c, codec::opt::LIST_META_CONTEXT, &meta_request("", queries)).await;
+        assert_eq!(r, [(rep::META_CONTEXT, ctx.clone()), (rep::ACK, vec![])], "LIST {queries:?}");
+    }
+    let r = option(&mut c, codec::opt::LIST_META_CONTEXT, &meta_request("", &["other:x"])).await;
+    assert_eq!(r, [(rep::ACK, vec![])]);
+    let r = option(&mut c, codec::opt::LIST_META_CONTEXT, &meta_request("nope", &[])).await;
+    assert_eq!(r, [(rep::ERR_UNKNOWN, vec![])]);
+    let r = option(&mut c, codec::opt::LIST_META_CONTEXT, &[0, 0, 0, 9, b'x']).await;
+    assert_eq!(r, [(rep::ERR_INVALID, vec![])], "a malformed query list");
+    assert_eq!(option(&mut c, codec::opt::STRUCTURED_REPLY, &[1]).await, [(rep::ERR_INVALID, vec![])]);
+    assert_eq!(option(&mut c, codec::opt::STRUCTURED_REPLY, &[]).await, [(rep::ACK, vec![])]);
+    let r = option(&mut c, codec::opt::SET_META_CONTEXT, &meta_request("ram", &["base:allocation"])).await;
+    assert_eq!(r, [(rep::META_CONTEXT, ctx.clone()), (rep::ACK, vec![])]);
+    let mut go = 0u32.to_be_bytes().to_vec();
+    go.extend(0u16.to_be_bytes());
+    let r = option(&mut c, codec::opt::GO, &go).await;
+    let block = r.iter().find(|(k, d)| *k == rep::INFO && d[..2] == codec::info::BLOCK_SIZE.to_be_bytes()).unwrap();
+    assert_eq!(block.1, codec::info_block_size(512, 4096, 4 << 20), "block sizes: the export is 4 MiB");
+    let flags = u16::from_be_bytes(r[0].1[10..12].try_into().unwrap());
+    assert_ne!(flags & codec::tflag::SEND_CACHE, 0);
+
+    // Data at 64 KiB (8 KiB) and at 1 MiB + 512 (one sector); the rest never written.
+    let mut w = request(cmd::WRITE, 0, 1, 65536, 8192);
+    w.extend([0x5a; 8192]);
+    w.extend(request(cmd::WRITE, 0, 2, MIB + 512, 512));
+    w.extend([0xa5; 512]);
+    c.write_all(&w).await.unwrap();
+    for _ in 0..2 {
+        let mut h = [0u8; 16];
+        c.read_exact(&mut h).await.unwrap();
+        assert_eq!(&h[..8], &codec::simple_reply(0, 0)[..8], "writes get simple replies");
+    }
+    // A read: one OFFSET_DATA chunk, DONE.
+    c.write_all(&request(cmd::READ, 0, 3, 65536 + 100, 20)).await.unwrap();
+    let (f, t, cookie, p) = chunk(&mut c).await;
+    assert_eq!((f, t, cookie), (ch::FLAG_DONE, ch::OFFSET_DATA, 3));
+    assert_eq!(p[..8], (65536u64 + 100).to_be_bytes());
+    assert_eq!(p[8..], [0x5a; 20]);
+    // A read out of range: an ERROR chunk; an empty read: NONE.
+    c.write_all(&request(cmd::READ, 0, 4, 4 * MIB, 512)).await.unwrap();
+    let (f, t, cookie, p) = chunk(&mut c).await;
+    assert_eq!((f, t, cookie), (ch::FLAG_DONE, ch::ERROR, 4));
+    assert_eq!(p, [0, 0, 0, codec::errno::EINVAL as u8, 0, 0]);
+    c.write_all(&request(cmd::READ, 0, 5, 0, 0)).await.unwrap();
+    assert_eq!(chunk(&mut c).await, (ch::FLAG_DONE, ch::NONE, 5, vec![]));
+    // Block status of the first 2 MiB: 64 KiB hole, 8 KiB data, hole, the page holding the
+    // sector at 1 MiB + 512 data (the loopback target reports 4 KiB pages), hole.
+    c.write_all(&request(cmd::BLOCK_STATUS, 0, 6, 0, 2 << 20)).await.unwrap();
+    let (f, t, cookie, p) = chunk(&mut c).await;
+    assert_eq!((f, t, cookie), (ch::FLAG_DONE, ch::BLOCK_STATUS, 6));
+    let hz = codec::state::HOLE | codec::state::ZERO;
+    assert_eq!(
+        extents(&p),
+        [(65536, hz), (8192, 0), ((MIB - 65536 - 8192) as u32, hz), (4096, 0), ((MIB - 4096) as u32, hz)]
+    );
+    // REQ_ONE: one extent. Unaligned: cut to the range asked.
+    c.write_all(&request(cmd::BLOCK_STATUS, codec::cflag::REQ_ONE, 7, 0, 2 << 20)).await.unwrap();
+    let (_, _, _, p) = chunk(&mut c).await;
+    assert_eq!(extents(&p), [(65536, hz)]);
+    c.write_all(&request(cmd::BLOCK_STATUS, 0, 8, 65536 - 100, 300)).await.unwrap();
+    let (_, t, _, p) = chunk(&mut c).await;
+    assert_eq!(t, ch::BLOCK_STATUS);
+    assert_eq!(extents(&p), [(100, hz), (200, 0)]);
+    // Past the end, and of length zero: ERROR chunks.
+    c.write_all(&request(cmd::BLOCK_STATUS, 0, 9, 4 * MIB - 512, 1024)).await.unwrap();
+    let (_, t, cookie, p) = chunk(&mut c).await;
+    assert_eq!((t, cookie, p[3] as u32), (ch::ERROR, 9, codec::errno::EINVAL));
+    c.write_all(&request(cmd::BLOCK_STATUS, 0, 10, 0, 0)).await.unwrap();
+    let (_, t, _, _) = chunk(&mut c).await;
+    assert_eq!(t, ch::ERROR);
+    // CACHE and FLUSH: simple replies.
+    c.write_all(&request(cmd::CACHE, 0, 11, 0, 4096)).await.unwrap();
+    let mut h = [0u8; 16];
+    c.read_exact(&mut h).await.unwrap();
+    assert_eq!(h, codec::simple_reply(0, 11));
+    c.write_all(&request(cmd::DISC, 0, 12, 0, 0)).await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.expect("server closes").unwrap();
+    assert!(rest.is_empty());
+}
+
+/// BLOCK_STATUS without `base:allocation` negotiated is EINVAL (a simple reply: no structured
+/// replies either).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_status_without_a_context_is_invalid() {
+    for engine_io in [true, false] {
+        let s = server_with(4 * MIB, engine_io).await;
+        let mut c = UnixStream::connect(&s.socket).await.unwrap();
+        let mut greet = [0u8; 18];
+        c.read_exact(&mut greet).await.unwrap();
+        c.write_u32(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES).await.unwrap();
+        let mut go = 0u32.to_be_bytes().to_vec();
+        go.extend(0u16.to_be_bytes());
+        option(&mut c, codec::opt::GO, &go).await;
+        c.write_all(&request(codec::cmd::BLOCK_STATUS, 0, 1, 0, 4096)).await.unwrap();
+        let mut h = [0u8; 16];
+        c.read_exact(&mut h).await.unwrap();
+        assert_eq!(h, codec::simple_reply(codec::errno::EINVAL, 1), "engine_io {engine_io}");
+    }
+}
+
+/// `nbdinfo --map` over the in-process target: holes where nothing was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdinfo_map_shows_holes() {
+    if !have("nbdinfo") || !have("nbdcopy") {
+        return;
+    }
+    for engine_io in [true, false] {
+        let s = server_with(16 * MIB, engine_io).await;
+        let u = uri(&s.socket);
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::write(&data, vec![0x77u8; MIB as usize]).unwrap();
+        // 1 MiB of data at the start (nbdcopy writes a 1 MiB source from offset 0).
+        let u2 = u.clone();
+        tokio::task::spawn_blocking(move || run(Command::new("nbdcopy").arg(&data).arg(&u2))).await.unwrap();
+        let map = tokio::task::spawn_blocking(move || run(Command::new("nbdinfo").arg("--map").arg(&u))).await.unwrap();
+        let rows: Vec<(u64, u64, u32)> = map
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f[0].parse().unwrap(), f[1].parse().unwrap(), f[2].parse().unwrap())
+            })
+            .collect();
+        assert_eq!(rows, [(0, MIB, 0), (MIB, 15 * MIB, 3)], "engine_io {engine_io}:\n{map}");
+    }
+}
+
 /// ext4 on a loop device over `nbdfuse` over `tyche-init serve-nbd --loopback-mib` (root only).
 #[test]
 #[ignore = "needs root, FUSE, loop devices and nbdfuse"]
@@ -361,6 +581,17 @@ fn interop_with_tyched() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
     for (script, needles) in [
         ("tcp-tyched.sh", &["TCP NBDCOPY ROUND TRIP OK"][..]),
+        (
+            "block-status.sh",
+            &[
+                "BLOCK STATUS NBDINFO MAP OK",
+                "BLOCK STATUS QEMU-IMG MAP OK",
+                "SPARSE QEMU-IMG CONVERT OK",
+                "SPARSE NBDCOPY OK",
+                "BLOCK STATUS NBDSH OK",
+                "BLOCK STATUS TASKS PATH OK",
+            ][..],
+        ),
         ("xdp-veth-nbd.sh", &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..]),
     ] {
         let out = Command::new("bash")

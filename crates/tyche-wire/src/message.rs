@@ -1199,10 +1199,9 @@ impl<'a> BlockStatusList<'a> {
     /// The extents, in order.
     pub fn iter(&self) -> impl Iterator<Item = Extent> + 'a {
         use layout::block_status as l;
-        self.entries.chunks_exact(l::EXTENT_LEN).map(|e| Extent {
-            length: get_u64(e, l::EXTENT_LENGTH),
-            flags: get_u32(e, l::EXTENT_FLAGS),
-        })
+        self.entries
+            .chunks_exact(l::EXTENT_LEN)
+            .map(|e| Extent { length: get_u64(e, l::EXTENT_LENGTH), flags: get_u32(e, l::EXTENT_FLAGS) })
     }
 }
 

@@ -300,10 +300,12 @@ fn doc_payload_fields(label: &str) -> BTreeMap<String, (usize, usize)> {
 fn block_status_tables_match_layout() {
     use layout::block_status as l;
     let list = doc_payload_fields("BLOCK_STATUS list");
-    let want: BTreeMap<String, (usize, usize)> =
-        [("COUNT".to_string(), (l::COUNT.start, l::COUNT.len())), ("RESERVED0".into(), (l::RESERVED0.start, l::RESERVED0.len()))]
-            .into_iter()
-            .collect();
+    let want: BTreeMap<String, (usize, usize)> = [
+        ("COUNT".to_string(), (l::COUNT.start, l::COUNT.len())),
+        ("RESERVED0".into(), (l::RESERVED0.start, l::RESERVED0.len())),
+    ]
+    .into_iter()
+    .collect();
     assert_eq!(list, want, "BLOCK_STATUS list table");
     assert!(DOC.contains(&format!("| {} | 16 × `COUNT` | `EXTENTS` |", l::EXTENTS)), "EXTENTS row");
     assert!(DOC.contains(&format!("number of extents, 1 to {} |", l::MAX_EXTENTS)), "MAX_EXTENTS");

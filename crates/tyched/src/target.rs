@@ -30,8 +30,8 @@ use tyche_channel::{
 use tyche_transport::poll::{Next, PollConfig, PollStats, Poller};
 use tyche_transport::{FrameTransport, Lease, Sent, TxChunk};
 use tyche_wire::{
-    flags, Challenge, ChannelParams, Envelope, Frame, Kind, layout, MacAddr, Message, Op, Reject, RejectReason, Request,
-    Status, DATA_FRAME_OVERHEAD, SECTOR_SIZE,
+    flags, layout, Challenge, ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Reject, RejectReason,
+    Request, Status, DATA_FRAME_OVERHEAD, SECTOR_SIZE,
 };
 
 use crate::backend::{Backend, BackendError, FileBackend, Memory, RamBackend};
@@ -350,7 +350,8 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
         Op::Discard => backend.discard(r.offset, r.length as u64),
         Op::WriteZeroes => backend.write_zeroes(r.offset, r.length as u64),
         Op::BlockStatus => {
-            let Some(place) = job.buf.as_mut().and_then(|b| b.as_mut_slice().get_mut(..layout::block_status::LEN)) else {
+            let Some(place) = job.buf.as_mut().and_then(|b| b.as_mut_slice().get_mut(..layout::block_status::LEN))
+            else {
                 return Status::Invalid;
             };
             match backend.block_status(r.offset, r.length as u64, layout::block_status::MAX_EXTENTS) {

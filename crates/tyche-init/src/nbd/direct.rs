@@ -20,8 +20,8 @@ use tokio::sync::oneshot;
 use tyche_wire::Op;
 
 use super::codec::{self, cflag, cmd, errno, Head};
-use super::{block_status_reply, reply_head, status_query, validate, Negotiated, REPLY_BATCH, REQUEST_BUFFER, SECTOR};
 use super::MAX_REQUEST;
+use super::{block_status_reply, reply_head, status_query, validate, Negotiated, REPLY_BATCH, REQUEST_BUFFER, SECTOR};
 use crate::engine::{Buf, Outcome};
 use crate::error::Error;
 use crate::report::NbdStats;
@@ -398,7 +398,8 @@ impl DirectConn {
             }
             cmd::BLOCK_STATUS => {
                 let Some((start, length)) = status_query(off, len, self.size) else {
-                    let (header, data) = block_status_reply(&req, off, Err(Error::Target(tyche_wire::Status::Unsupported)));
+                    let (header, data) =
+                        block_status_reply(&req, off, Err(Error::Target(tyche_wire::Status::Unsupported)));
                     self.out.push_back(Reply { header, data: Buf::Heap(data) });
                     return None;
                 };

@@ -492,7 +492,11 @@ pub(crate) fn status_query(off: u64, len: u64, size: u64) -> Option<(u64, u64)> 
 /// first, with REQ_ONE), as one BLOCK_STATUS chunk of `base:allocation`. A target that cannot tell
 /// (UNSUPPORTED, or no feature) or no query at all: the whole range is data. Other errors: an
 /// ERROR chunk.
-pub(crate) fn block_status_reply(req: &codec::Request, start: u64, answer: Result<Vec<Extent>, Error>) -> (Head, Vec<u8>) {
+pub(crate) fn block_status_reply(
+    req: &codec::Request,
+    start: u64,
+    answer: Result<Vec<Extent>, Error>,
+) -> (Head, Vec<u8>) {
     let (off, end) = (req.offset, req.offset + req.length as u64);
     let req_one = req.flags & cflag::REQ_ONE != 0;
     let mut out: Vec<(u32, u32)> = Vec::new();
