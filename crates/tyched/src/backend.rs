@@ -789,6 +789,71 @@ mod tests {
         assert_eq!(back[0], 1, "data survives a reopen");
     }
 
+    const HZ: u32 = flags::EXTENT_HOLE | flags::EXTENT_ZERO;
+
+    fn ext(length: u64, flags: u32) -> Extent {
+        Extent { length, flags }
+    }
+
+    #[test]
+    fn ram_block_status_reports_pages_of_zeroes_as_holes() {
+        let b = RamBackend::new(8 << 20, None).expect("RAM");
+        b.write_at(&[1; 4096], 8192, false).unwrap();
+        b.write_at(&[2; 512], (1 << 20) + 512, false).unwrap();
+        let got = b.block_status(0, 2 << 20, 31).unwrap().expect("RAM can tell");
+        assert_eq!(
+            got,
+            [ext(8192, HZ), ext(4096, 0), ext((1 << 20) - 12288, HZ), ext(4096, 0), ext((1 << 20) - 4096, HZ)]
+        );
+        // From an unaligned sector: the page boundaries are the export's.
+        let got = b.block_status(7680, 1024, 31).unwrap().unwrap();
+        assert_eq!(got, [ext(512, HZ), ext(512, 0)]);
+        // At most `max` extents, and at most RAM_STATUS_SCAN bytes looked at.
+        assert_eq!(b.block_status(0, 2 << 20, 2).unwrap().unwrap(), [ext(8192, HZ), ext(4096, 0)]);
+        let whole = b.block_status(0, 8 << 20, 31).unwrap().unwrap();
+        assert_eq!(whole.iter().map(|e| e.length).sum::<u64>(), RAM_STATUS_SCAN);
+        // Discarded pages are holes again.
+        b.discard(8192, 4096).unwrap();
+        assert_eq!(b.block_status(0, 65536, 31).unwrap().unwrap(), [ext(65536, HZ)]);
+        assert!(b.block_status(8 << 20, 512, 31).is_err(), "past the end");
+    }
+
+    #[test]
+    fn file_block_status_follows_seek_data_and_seek_hole() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sparse.img");
+        let b = FileBackend::open(&path, Some(16 << 20), false, false).expect("open");
+        b.write_at(&[1; 65536], 1 << 20, false).unwrap();
+        b.write_at(&[2; 4096], (15 << 20) + 4096, false).unwrap();
+        b.flush().unwrap();
+        let got = b.block_status(0, 16 << 20, 31).unwrap().expect("SEEK_DATA");
+        let total: u64 = got.iter().map(|e| e.length).sum();
+        assert_eq!(total, 16 << 20);
+        if got.len() == 1 {
+            eprintln!("SKIP: this file system reports no holes ({got:?})");
+            return;
+        }
+        // Allocation may be coarser than the writes (file system blocks), never finer.
+        let data: Vec<(u64, u64)> = {
+            let mut at = 0;
+            got.iter()
+                .filter_map(|e| {
+                    at += e.length;
+                    (e.flags == 0).then_some((at - e.length, at))
+                })
+                .collect()
+        };
+        assert!(data.iter().any(|&(s, e)| s <= 1 << 20 && e >= (1 << 20) + 65536), "{got:?}");
+        assert!(data.iter().any(|&(s, e)| s <= (15 << 20) + 4096 && e >= (15 << 20) + 8192), "{got:?}");
+        assert_eq!(got[0].flags, HZ, "the file starts with a hole: {got:?}");
+        // A range inside a hole, and one inside data.
+        assert_eq!(b.block_status(4 << 20, 1 << 20, 31).unwrap().unwrap(), [ext(1 << 20, HZ)]);
+        assert_eq!(b.block_status(1 << 20, 65536, 31).unwrap().unwrap(), [ext(65536, 0)]);
+        // Bounded: one extent.
+        assert_eq!(b.block_status(0, 16 << 20, 1).unwrap().unwrap().len(), 1);
+        assert!(b.block_status(16 << 20, 512, 31).is_err(), "past the end");
+    }
+
     /// A loop device over a temporary file (root only; skipped where losetup is unavailable).
     #[test]
     fn block_device_backend_on_a_loop_device() {
@@ -806,6 +871,7 @@ mod tests {
         let mut back = Memory::new(8192, Some(0));
         b.read_at(&mut back.as_mut_slice()[..8192], 1 << 20).expect("aligned read");
         assert!(back.as_slice()[..8192].iter().all(|&x| x == 0xab), "aligned round trip (O_DIRECT: {aligned})");
+        assert_eq!(b.block_status(0, 8 << 20, 31).unwrap(), Some(vec![Extent { length: 8 << 20, flags: 0 }]));
         let too_big = FileBackend::open(Path::new(&dev), Some(16 << 20), false, true);
         assert!(matches!(too_big, Err(BackendError::Size(_))), "a size beyond the device is refused");
     }

@@ -718,6 +718,97 @@ async fn execute(
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(command: u16, flags: u16, offset: u64, length: u32) -> codec::Request {
+        codec::Request { flags, command, cookie: 7, offset, length }
+    }
+
+    fn descriptors(h: &Head, d: &[u8]) -> Vec<(u32, u32)> {
+        assert_eq!(&h.as_slice()[6..8], &codec::chunk::BLOCK_STATUS.to_be_bytes(), "a BLOCK_STATUS chunk");
+        d.chunks_exact(8)
+            .map(|c| (u32::from_be_bytes(c[..4].try_into().unwrap()), u32::from_be_bytes(c[4..].try_into().unwrap())))
+            .collect()
+    }
+
+    #[test]
+    fn validate_checks_ranges_contexts_and_commands() {
+        let both = Negotiated { structured: true, allocation: true };
+        let size = 1 << 20;
+        assert_eq!(validate(&req(cmd::READ, 0, 0, 512), size, both), Ok(()));
+        assert_eq!(validate(&req(cmd::READ, 0, size, 512), size, both), Err(errno::EINVAL));
+        assert_eq!(validate(&req(cmd::WRITE, 0, size, 512), size, both), Err(errno::ENOSPC));
+        assert_eq!(validate(&req(cmd::READ, 0, u64::MAX, 512), size, both), Err(errno::EINVAL), "overflow");
+        assert_eq!(validate(&req(cmd::FLUSH, 0, u64::MAX, 9), size, both), Ok(()), "FLUSH ignores its range");
+        assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 4096), size, both), Ok(()));
+        assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 0), size, both), Err(errno::EINVAL));
+        let none = Negotiated { structured: true, allocation: false };
+        assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 4096), size, none), Err(errno::EINVAL));
+        assert_eq!(validate(&req(99, 0, 0, 512), size, both), Err(errno::EINVAL));
+    }
+
+    #[test]
+    fn status_query_covers_whole_sectors_inside_the_export() {
+        assert_eq!(status_query(0, 4096, 1 << 20), Some((0, 4096)));
+        assert_eq!(status_query(700, 100, 1 << 20), Some((512, 512)));
+        assert_eq!(status_query(1000, 100, 1 << 20), Some((512, 1024)));
+        // An export of 1000 bytes: one whole sector; its tail has none.
+        assert_eq!(status_query(0, 1000, 1000), Some((0, 512)));
+        assert_eq!(status_query(600, 400, 1000), None);
+        let most = (u32::MAX / 512 * 512) as u64;
+        assert_eq!(status_query(100, u32::MAX as u64, 1 << 40), Some((0, most)));
+    }
+
+    #[test]
+    fn block_status_reply_cuts_merges_and_falls_back_to_data() {
+        let hz = codec::state::HOLE | codec::state::ZERO;
+        let e = |length, flags| Extent { length, flags };
+        let tyche_hz = wflags::EXTENT_HOLE | wflags::EXTENT_ZERO;
+        // Asked 100..2100 (sectors 0..2560): cut at both ends.
+        let r = req(cmd::BLOCK_STATUS, 0, 100, 2000);
+        let (h, d) = block_status_reply(&r, 0, Ok(vec![e(1024, tyche_hz), e(1536, 0)]));
+        assert_eq!(descriptors(&h, &d), [(924, hz), (1076, 0)]);
+        assert_eq!(u32::from_be_bytes(h.as_slice()[16..20].try_into().unwrap()) as usize, 4 + d.len());
+        // REQ_ONE: the first only.
+        let r1 = req(cmd::BLOCK_STATUS, codec::cflag::REQ_ONE, 100, 2000);
+        let (h, d) = block_status_reply(&r1, 0, Ok(vec![e(1024, tyche_hz), e(1536, 0)]));
+        assert_eq!(descriptors(&h, &d), [(924, hz)]);
+        // A shorter answer covers less; ZERO alone stays ZERO.
+        let (h, d) = block_status_reply(&r, 0, Ok(vec![e(512, wflags::EXTENT_ZERO)]));
+        assert_eq!(descriptors(&h, &d), [(412, codec::state::ZERO)]);
+        // The target cannot tell: data.
+        let (h, d) = block_status_reply(&r, 0, Err(Error::Target(Status::Unsupported)));
+        assert_eq!(descriptors(&h, &d), [(2000, 0)]);
+        // Other errors: an ERROR chunk, EIO for a malformed list.
+        let (h, d) = block_status_reply(&r, 0, Err(Error::BadReply));
+        assert_eq!(h, Head::error(7, errno::EIO));
+        assert!(d.is_empty());
+        let (h, _) = block_status_reply(&r, 0, Err(Error::NoPath));
+        assert_eq!(h, Head::error(7, errno::EIO));
+    }
+
+    #[test]
+    fn block_sizes_are_multiples_of_the_minimum() {
+        assert_eq!(block_sizes(1 << 30), (512, 4096, MAX_REQUEST));
+        assert_eq!(block_sizes(4 << 20), (512, 4096, 4 << 20));
+        assert_eq!(block_sizes(2048 + 100), (512, 2048, 2048));
+        assert_eq!(block_sizes(100), (512, 512, 512));
+    }
+
+    #[test]
+    fn malformed_lists_from_the_target_are_bad_replies() {
+        let mut list = vec![0u8; 512];
+        assert_eq!(crate::client::parse_block_status(&list, 4096), Err(Error::BadReply), "no extents");
+        tyche_wire::emit_block_status([Extent { length: 8192, flags: 0 }], &mut list);
+        assert_eq!(crate::client::parse_block_status(&list, 4096), Err(Error::BadReply), "more than asked");
+        assert_eq!(crate::client::parse_block_status(&list, 8192), Ok(vec![Extent { length: 8192, flags: 0 }]));
+        assert_eq!(crate::client::parse_block_status(&list[..100], 8192), Err(Error::BadReply), "short");
+        assert_eq!(crate::client::parse_block_status(&list, 1 << 40), Err(Error::BadReply), "a range no list answers");
+    }
+}
+
 /// Entry points for the fuzz harnesses (`crates/tyche-fuzz`): the handshake over bytes in
 /// memory, and an engine-mode connection ([`direct::DirectConn`]) whose volume the caller plays.
 /// Not a stable API.
