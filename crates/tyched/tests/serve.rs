@@ -611,3 +611,61 @@ fn an_export_is_attached_by_one_initiator_and_a_reattach_fences_the_old_session(
     b.host = Some([0xbb; 16]);
     assert!(b.handshake(0, 0, "both", None).1.is_ok(), "a shared export takes a second host");
 }
+
+/// BLOCK_STATUS on RAM and file exports (through io_uring's engine and the thread pool): the
+/// list comes back into the request's buffer, holes where nothing was written; a volume not
+/// granted the feature never sends it and answers UNSUPPORTED.
+#[test]
+fn block_status_reports_holes_of_ram_and_file_exports() {
+    use tyche_wire::{flags, BlockStatusList, Extent};
+    let hz = flags::EXTENT_HOLE | flags::EXTENT_ZERO;
+    for io_uring in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("sparse.img");
+        let cfg = Config {
+            io_uring,
+            ..config(vec![ExportConfig::ram("r", 8 << 20), ExportConfig::file("f", &file, Some(8 << 20))])
+        };
+        for export in ["r", "f"] {
+            let (target, ports) = common::start(cfg.clone(), 1);
+            let mut ini = Initiator::new(ports);
+            ini.features = flags::FEATURE_BLOCK_STATUS;
+            ini.attach(export, None).expect("attach");
+            ini.write(1 << 20, &pattern(0, 65536, 3));
+            let list = ini
+                .io(Op::BlockStatus, 0, vec![0; tyche_wire::layout::block_status::LEN], false)
+                .expect("block status");
+            // io() sends the buffer's length as the range: ask for 512 bytes of range first.
+            let l = BlockStatusList::parse(&list, 512).expect("a valid list");
+            assert_eq!(l.iter().collect::<Vec<_>>(), [Extent { length: 512, flags: hz }], "{export}");
+            let id = ini.submit(Op::BlockStatus, 0, vec![0; 512], 4 << 20, false);
+            let (r, list) = ini.wait(id);
+            r.expect("block status of 4 MiB");
+            let l = BlockStatusList::parse(&list, 4 << 20).expect("a valid list");
+            let got: Vec<_> = l.iter().collect();
+            assert!(got.len() >= 2 && got[0].flags == hz, "{export}: {got:?}");
+            let mut at = 0;
+            let mut data = Vec::new();
+            for e in &got {
+                if e.flags == 0 {
+                    data.push((at, at + e.length));
+                }
+                at += e.length;
+            }
+            assert!(
+                data.iter().any(|&(s, e)| s <= 1 << 20 && e >= (1 << 20) + 65536),
+                "{export} (io_uring {io_uring}): the written range is data: {got:?}"
+            );
+            let s = target.shutdown();
+            let e = s.exports.iter().find(|e| e.name == export).expect("export stats");
+            assert_eq!((e.requests.block_status, e.errors), (2, 0), "{export}");
+        }
+    }
+    // Without the feature: UNSUPPORTED from the volume, nothing sent.
+    let (target, ports) = common::start(config(vec![ExportConfig::ram("r", 1 << 20)]), 1);
+    let mut ini = Initiator::new(ports);
+    ini.attach("r", None).expect("attach");
+    let id = ini.submit(Op::BlockStatus, 0, vec![0; 512], 4096, false);
+    assert_eq!(ini.wait(id).0, Err(IoError::Target(Status::Unsupported)));
+    assert_eq!(target.shutdown().exports[0].requests.block_status, 0);
+}
