@@ -52,6 +52,10 @@ pub struct BenchE2eArgs {
     /// (their default), sleep or spin; for A/B runs of polling.
     #[arg(long, value_parser = ["adaptive", "sleep", "spin"])]
     poll: Option<String>,
+    /// Run only these jobs (comma-separated names from the table, e.g. randread4k-qd1), with
+    /// `--only`'s rules: printed, not written to docs/.
+    #[arg(long, value_delimiter = ',')]
+    jobs: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -124,9 +128,21 @@ struct Bench<'a> {
     runtime: u64,
     nbd_io: &'a str,
     poll: Option<&'a str>,
+    jobs: &'a [String],
+    /// Idle CPU of both daemons after the jobs, per Tyche system: (system, NICs, target %,
+    /// initiator %).
+    idle: std::cell::RefCell<Vec<(String, u32, f64, f64)>>,
 }
 
+/// How long the daemons are watched, idle, after the jobs.
+const IDLE_WATCH: Duration = Duration::from_secs(5);
+
 impl Bench<'_> {
+    /// The jobs this run does (`--jobs`, or all).
+    fn jobs(&self) -> impl Iterator<Item = Job> + '_ {
+        JOBS.into_iter().filter(|j| self.jobs.is_empty() || self.jobs.iter().any(|n| n == j.name))
+    }
+
     /// Runs one fio job in namespace `ns` against `uri`; `target` and `initiator` are the pids
     /// whose CPU time is charged to each side.
     #[allow(clippy::too_many_arguments)]
@@ -216,7 +232,7 @@ impl Bench<'_> {
                 .is_ok_and(|o| o.status.success()))
         })?;
         let pid = d.pid();
-        for job in JOBS {
+        for job in self.jobs() {
             rows.push(self.fio("nbdkit-tcp", 1, &lab.initiator_ns, &uri, job, &[pid], &[])?);
         }
         Ok(())
@@ -270,7 +286,7 @@ impl Bench<'_> {
         let ilog = self.work.join(format!("{system}-{nics}-init.log"));
         let init = start_initiator(self.root, lab, link, "bench", &sock, ilog, &extra)?;
         let uri = format!("nbd+unix:///bench?socket={}", sock.display());
-        for job in JOBS {
+        for job in self.jobs() {
             rows.push(self.fio(
                 system,
                 nics,
@@ -281,6 +297,14 @@ impl Bench<'_> {
                 &[init.daemon.pid()],
             )?);
         }
+        // Idle: attached, no I/O. After a second (polling budgets run out within a millisecond),
+        // the CPU both daemons use in IDLE_WATCH (issue #16: under 2% each).
+        std::thread::sleep(Duration::from_secs(1));
+        let (t0, i0) = (cpu_seconds(tyched.daemon.pid()), cpu_seconds(init.daemon.pid()));
+        std::thread::sleep(IDLE_WATCH);
+        let pct = |a: f64, b: f64| (b - a) / IDLE_WATCH.as_secs_f64() * 100.0;
+        let (t, i) = (pct(t0, cpu_seconds(tyched.daemon.pid())), pct(i0, cpu_seconds(init.daemon.pid())));
+        self.idle.borrow_mut().push((system.to_string(), nics, t, i));
         Ok(())
     }
 }
@@ -296,10 +320,22 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
     let work = PathBuf::from(format!("/run/tyche-bench-{}", std::process::id()));
     let _ = fs::remove_dir_all(&work);
     fs::create_dir_all(&work)?;
-    let bench = Bench { root, work: work.clone(), runtime, nbd_io: &args.nbd_io, poll: args.poll.as_deref() };
+    let bench = Bench {
+        root,
+        work: work.clone(),
+        runtime,
+        nbd_io: &args.nbd_io,
+        poll: args.poll.as_deref(),
+        jobs: &args.jobs,
+        idle: Default::default(),
+    };
     let known = ["nbdkit-tcp", "tyche-tcp", "tyche-xdp", "tyche-xdp-auth", "tyche-xdp-encrypt", "tyche-xdp-digest"];
     if let Some(bad) = args.only.iter().find(|s| !known.contains(&s.as_str())) {
         bail!("bench e2e: --only {bad}: not a system (one of {})", known.join(", "));
+    }
+    if let Some(bad) = args.jobs.iter().find(|n| !JOBS.iter().any(|j| j.name == n.as_str())) {
+        let names: Vec<&str> = JOBS.iter().map(|j| j.name).collect();
+        bail!("bench e2e: --jobs {bad}: not a job (one of {})", names.join(", "));
     }
     let want = |system: &str| args.only.is_empty() || args.only.iter().any(|s| s == system);
     let mut rows = Vec::new();
@@ -375,11 +411,16 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
             writeln!(latency, "- {system} ({nics} NIC) / nbdkit, {qd1}: p50={p50:.2}x, p99={p99:.2}x")?;
         }
     }
+    let mut idle = String::new();
+    for (system, nics, t, i) in bench.idle.borrow().iter() {
+        writeln!(idle, "- {system} ({nics} NIC): tyched {t:.2}%, tyche-init {i:.2}%")?;
+    }
     let ratios = format!(
-        "{ratios}\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}"
+        "{ratios}\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nIdle CPU of one core, attached and without I/O, {} s watched one second after the last job (target: under 2% each):\n\n{idle}\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}",
+        IDLE_WATCH.as_secs()
     );
     println!("{table}\n{ratios}");
-    if !args.only.is_empty() {
+    if !args.only.is_empty() || !args.jobs.is_empty() {
         if rows.is_empty() {
             bail!("no results");
         }
