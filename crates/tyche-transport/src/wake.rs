@@ -37,10 +37,7 @@ impl WakeFd {
     /// Resets it, returning how many wakes it held (0 when none, without blocking on a
     /// non-blocking one). On a [`WakeFd::blocking`] one this waits for a wake.
     pub fn drain(&self) -> u64 {
-        match self.0.read() {
-            Ok(n) => n,
-            Err(_) => 0,
-        }
+        self.0.read().unwrap_or_default()
     }
 }
 
