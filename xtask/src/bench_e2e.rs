@@ -23,7 +23,7 @@ use clap::Args;
 use crate::charts::{self, Point};
 use crate::disk::run;
 use crate::lab::Lab;
-use crate::stack::{prepare, start_initiator, start_tyched, start_tyched_with, wait_for, Daemon, Link};
+use crate::stack::{prepare, start_initiator, start_tyched_with, wait_for, Daemon, Link};
 
 #[derive(Args, Debug)]
 pub struct BenchE2eArgs {
@@ -48,6 +48,14 @@ pub struct BenchE2eArgs {
     /// table is printed but docs/benchmarks-e2e.md and the charts are left as they are.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// How both daemons' threads wait for work (`--poll` of tyched and tyche-init): adaptive
+    /// (their default), sleep or spin; for A/B runs of polling.
+    #[arg(long, value_parser = ["adaptive", "sleep", "spin"])]
+    poll: Option<String>,
+    /// Run only these jobs (comma-separated names from the table, e.g. randread4k-qd1), with
+    /// `--only`'s rules: printed, not written to docs/.
+    #[arg(long, value_delimiter = ',')]
+    jobs: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -119,9 +127,22 @@ struct Bench<'a> {
     work: PathBuf,
     runtime: u64,
     nbd_io: &'a str,
+    poll: Option<&'a str>,
+    jobs: &'a [String],
+    /// Idle CPU of both daemons after the jobs, per Tyche system: (system, NICs, target %,
+    /// initiator %).
+    idle: std::cell::RefCell<Vec<(String, u32, f64, f64)>>,
 }
 
+/// How long the daemons are watched, idle, after the jobs.
+const IDLE_WATCH: Duration = Duration::from_secs(5);
+
 impl Bench<'_> {
+    /// The jobs this run does (`--jobs`, or all).
+    fn jobs(&self) -> impl Iterator<Item = Job> + '_ {
+        JOBS.into_iter().filter(|j| self.jobs.is_empty() || self.jobs.iter().any(|n| n == j.name))
+    }
+
     /// Runs one fio job in namespace `ns` against `uri`; `target` and `initiator` are the pids
     /// whose CPU time is charged to each side.
     #[allow(clippy::too_many_arguments)]
@@ -211,7 +232,7 @@ impl Bench<'_> {
                 .is_ok_and(|o| o.status.success()))
         })?;
         let pid = d.pid();
-        for job in JOBS {
+        for job in self.jobs() {
             rows.push(self.fio("nbdkit-tcp", 1, &lab.initiator_ns, &uri, job, &[pid], &[])?);
         }
         Ok(())
@@ -239,8 +260,11 @@ impl Bench<'_> {
         if protect == Protect::Digest {
             extra.push("--digest".to_string());
         }
+        let poll: Vec<String> = self.poll.iter().flat_map(|p| ["--poll".to_string(), p.to_string()]).collect();
+        extra.extend(poll.iter().cloned());
         let tyched = if matches!(protect, Protect::Plain | Protect::Digest) {
-            start_tyched(self.root, lab, link, "bench=ram:1G", &tsock, tlog)?
+            let args = [&["--export".to_string(), "bench=ram:1G".to_string()], &poll[..]].concat();
+            start_tyched_with(self.root, lab, link, &args, &tsock, tlog)?
         } else {
             let key = self.work.join("bench.key");
             fs::write(&key, "a bench pre-shared key of some length\n")?;
@@ -255,14 +279,14 @@ impl Bench<'_> {
                 ),
             )?;
             extra.extend(["--key".to_string(), key.display().to_string()]);
-            let args = ["--config".to_string(), conf.display().to_string()];
+            let args = [&["--config".to_string(), conf.display().to_string()], &poll[..]].concat();
             start_tyched_with(self.root, lab, link, &args, &tsock, tlog)?
         };
         let sock = self.work.join(format!("{system}-{nics}.nbd"));
         let ilog = self.work.join(format!("{system}-{nics}-init.log"));
         let init = start_initiator(self.root, lab, link, "bench", &sock, ilog, &extra)?;
         let uri = format!("nbd+unix:///bench?socket={}", sock.display());
-        for job in JOBS {
+        for job in self.jobs() {
             rows.push(self.fio(
                 system,
                 nics,
@@ -273,6 +297,14 @@ impl Bench<'_> {
                 &[init.daemon.pid()],
             )?);
         }
+        // Idle: attached, no I/O. After a second (polling budgets run out within a millisecond),
+        // the CPU both daemons use in IDLE_WATCH (issue #16: under 2% each).
+        std::thread::sleep(Duration::from_secs(1));
+        let (t0, i0) = (cpu_seconds(tyched.daemon.pid()), cpu_seconds(init.daemon.pid()));
+        std::thread::sleep(IDLE_WATCH);
+        let pct = |a: f64, b: f64| (b - a) / IDLE_WATCH.as_secs_f64() * 100.0;
+        let (t, i) = (pct(t0, cpu_seconds(tyched.daemon.pid())), pct(i0, cpu_seconds(init.daemon.pid())));
+        self.idle.borrow_mut().push((system.to_string(), nics, t, i));
         Ok(())
     }
 }
@@ -288,10 +320,22 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
     let work = PathBuf::from(format!("/run/tyche-bench-{}", std::process::id()));
     let _ = fs::remove_dir_all(&work);
     fs::create_dir_all(&work)?;
-    let bench = Bench { root, work: work.clone(), runtime, nbd_io: &args.nbd_io };
+    let bench = Bench {
+        root,
+        work: work.clone(),
+        runtime,
+        nbd_io: &args.nbd_io,
+        poll: args.poll.as_deref(),
+        jobs: &args.jobs,
+        idle: Default::default(),
+    };
     let known = ["nbdkit-tcp", "tyche-tcp", "tyche-xdp", "tyche-xdp-auth", "tyche-xdp-encrypt", "tyche-xdp-digest"];
     if let Some(bad) = args.only.iter().find(|s| !known.contains(&s.as_str())) {
         bail!("bench e2e: --only {bad}: not a system (one of {})", known.join(", "));
+    }
+    if let Some(bad) = args.jobs.iter().find(|n| !JOBS.iter().any(|j| j.name == n.as_str())) {
+        let names: Vec<&str> = JOBS.iter().map(|j| j.name).collect();
+        bail!("bench e2e: --jobs {bad}: not a job (one of {})", names.join(", "));
     }
     let want = |system: &str| args.only.is_empty() || args.only.iter().any(|s| s == system);
     let mut rows = Vec::new();
@@ -367,11 +411,16 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
             writeln!(latency, "- {system} ({nics} NIC) / nbdkit, {qd1}: p50={p50:.2}x, p99={p99:.2}x")?;
         }
     }
+    let mut idle = String::new();
+    for (system, nics, t, i) in bench.idle.borrow().iter() {
+        writeln!(idle, "- {system} ({nics} NIC): tyched {t:.2}%, tyche-init {i:.2}%")?;
+    }
     let ratios = format!(
-        "{ratios}\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}"
+        "{ratios}\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nIdle CPU of one core, attached and without I/O, {} s watched one second after the last job (target: under 2% each):\n\n{idle}\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}",
+        IDLE_WATCH.as_secs()
     );
     println!("{table}\n{ratios}");
-    if !args.only.is_empty() {
+    if !args.only.is_empty() || !args.jobs.is_empty() {
         if rows.is_empty() {
             bail!("no results");
         }
@@ -383,8 +432,9 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
     let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let mtu = args.mtu;
     let doc = format!(
-        "# End-to-end benchmarks (`cargo xtask bench e2e{}`)\n\nGenerated by the command; do not edit by hand.\nMachine: {} cores, kernel {kernel}, commit {commit}, {date}, load average at the end: {}.\nfio's `nbd` engine, {runtime} s per job after 1 s of ramp, RAM exports of 1 GiB, veth pairs at MTU {mtu} in two network namespaces. nbdkit's path is fio → TCP → nbdkit; Tyche's is fio → Unix socket → `tyche-init` → AF_XDP (or TCP) → `tyched`, one local hop longer. nbdkit and tyche-tcp use one link; CPU s/GB counts the server process on the target side and fio plus `tyche-init` on the initiator side. p50 and p99 are fio's completion latency, and for `randread4k-qd1` (one request at a time) its total latency from submission.\n\n{table}\nRatios of IOPS against nbdkit:\n\n{ratios}\n![Throughput by block size](bench-e2e-block-size.png)\n\n![Tyche over AF_XDP by NIC count](bench-e2e-nics.png)\n",
+        "# End-to-end benchmarks (`cargo xtask bench e2e{}{}`)\n\nGenerated by the command; do not edit by hand.\nMachine: {} cores, kernel {kernel}, commit {commit}, {date}, load average at the end: {}.\nfio's `nbd` engine, {runtime} s per job after 1 s of ramp, RAM exports of 1 GiB, veth pairs at MTU {mtu} in two network namespaces. nbdkit's path is fio → TCP → nbdkit; Tyche's is fio → Unix socket → `tyche-init` → AF_XDP (or TCP) → `tyched`, one local hop longer. nbdkit and tyche-tcp use one link; CPU s/GB counts the server process on the target side and fio plus `tyche-init` on the initiator side. p50 and p99 are fio's completion latency, and for `randread4k-qd1` (one request at a time) its total latency from submission.\n\n{table}\nRatios of IOPS against nbdkit:\n\n{ratios}\n![Throughput by block size](bench-e2e-block-size.png)\n\n![Tyche over AF_XDP by NIC count](bench-e2e-nics.png)\n",
         if args.quick { " --quick" } else { "" },
+        args.poll.as_ref().map(|p| format!(" --poll {p}")).unwrap_or_default(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         load.split_whitespace().next().unwrap_or("?"),
     );

@@ -137,7 +137,26 @@ pub fn guest() -> Result<String> {
     ensure!(said.contains("deleted"), "detach of the orphaned {dev3} said {said:?}");
     stack::wait_for("the orphaned device to go", Duration::from_secs(10), || Ok(!Path::new(&dev3).exists()))?;
     println!("ublk: orphaned {dev3} (server killed) deleted by detach");
-    Ok(format!("features: {features}; recovery: kill -9 mid-write, {mode}, resumed in {:.1} s", resumed.as_secs_f64()))
+    let path = data_path(&features);
+    Ok(format!(
+        "data path: {path}, features: {features}; recovery: kill -9 mid-write, {mode}, resumed in {:.1} s",
+        resumed.as_secs_f64()
+    ))
+}
+
+/// Which ublk data path the device ran with, from its features: how request data moves
+/// between the kernel's pages and tyche-init.
+fn data_path(features: &str) -> &'static str {
+    let has = |f: &str| features.split(',').any(|x| x == f);
+    if has("auto_buf_reg") {
+        "auto buffer registration (zero copy)"
+    } else if has("zero_copy") {
+        "zero copy"
+    } else if has("user_copy") {
+        "user copy (one copy, by read/write on /dev/ublkcN)"
+    } else {
+        "per-tag bounce buffers"
+    }
 }
 
 /// Starts `tyche-init attach` over the lab's links with `extra` arguments.

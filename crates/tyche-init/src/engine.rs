@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use nix::poll::{PollFd, PollFlags};
-use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::time::TimeSpec;
 
 use tokio::sync::oneshot;
@@ -24,6 +23,7 @@ use tyche_channel::{
     VolumeEvent,
 };
 use tyche_transport::poll::{Next, PollStats, Poller};
+use tyche_transport::wake::WakeFd;
 use tyche_transport::{FrameTransport, MemoryArea};
 use tyche_wire::{
     flags, ChannelParams, DisconnectReason, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD,
@@ -52,27 +52,26 @@ const CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// threads after leaving it frames to send.
 #[derive(Debug)]
 pub(crate) struct Bell {
-    efd: EventFd,
+    efd: WakeFd,
     sleeping: AtomicBool,
 }
 
 impl Bell {
     fn new() -> std::io::Result<Self> {
-        let efd = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
-        Ok(Bell { efd, sleeping: AtomicBool::new(false) })
+        Ok(Bell { efd: WakeFd::new()?, sleeping: AtomicBool::new(false) })
     }
 
     /// Wakes the engine if it sleeps (one syscall only then).
     pub(crate) fn ring(&self) {
         if self.sleeping.swap(false, Ordering::AcqRel) {
-            let _ = self.efd.write(1);
+            self.efd.wake();
         }
     }
 
     /// Wakes the engine whether or not it has said it sleeps.
     fn force(&self) {
         self.sleeping.store(false, Ordering::Release);
-        let _ = self.efd.write(1);
+        self.efd.wake();
     }
 }
 
@@ -1261,7 +1260,7 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
         }
         sleep(&bell, &io, &sockets, wait);
         bell.sleeping.store(false, Ordering::Release);
-        let _ = bell.efd.read();
+        bell.efd.drain();
     }
 }
 

@@ -32,8 +32,8 @@ use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::helpers::IoBuf;
 use libublk::io::{UblkDev, UblkIOCtx, UblkQueue};
 use libublk::{sys, BufDesc, UblkError, UblkFlags};
-use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::{error, info, warn};
+use tyche_transport::wake::WakeFd;
 
 use crate::client::Client;
 use crate::frontend::{BlockFrontend, FrontendError, UblkOptions};
@@ -44,7 +44,7 @@ const IO_BUF_BYTES: u32 = 1 << 20;
 /// A waker that wakes the task and rings the queue's eventfd.
 struct Doorbell {
     task: Waker,
-    efd: Arc<EventFd>,
+    efd: Arc<WakeFd>,
 }
 
 impl Wake for Doorbell {
@@ -53,14 +53,14 @@ impl Wake for Doorbell {
     }
     fn wake_by_ref(self: &Arc<Self>) {
         self.task.wake_by_ref();
-        let _ = self.efd.write(1);
+        self.efd.wake();
     }
 }
 
 /// Polls `fut` with a [`Doorbell`] waker.
 struct Rung<F> {
     fut: Pin<Box<F>>,
-    efd: Arc<EventFd>,
+    efd: Arc<WakeFd>,
 }
 
 impl<F: Future> Future for Rung<F> {
@@ -72,12 +72,12 @@ impl<F: Future> Future for Rung<F> {
     }
 }
 
-fn rung<F: Future>(efd: &Arc<EventFd>, fut: F) -> Rung<F> {
+fn rung<F: Future>(efd: &Arc<WakeFd>, fut: F) -> Rung<F> {
     Rung { fut: Box::pin(fut), efd: Arc::clone(efd) }
 }
 
 /// Keeps a read of the eventfd in the ring so that a ring wakes the queue thread.
-async fn doorbell(q: &UblkQueue<'_>, efd: &EventFd) {
+async fn doorbell(q: &UblkQueue<'_>, efd: &WakeFd) {
     // Leaked on purpose: the kernel may still write here while the ring is torn down.
     let buf: &'static mut [u8; 8] = Box::leak(Box::new([0u8; 8]));
     loop {
@@ -143,7 +143,7 @@ async fn serve_one(
     iod: &sys::ublksrv_io_desc,
     mut data: Data<'_>,
     client: &Client,
-    efd: &Arc<EventFd>,
+    efd: &Arc<WakeFd>,
 ) -> i32 {
     let op = iod.op_flags & 0xff;
     let fua = iod.op_flags & sys::UBLK_IO_F_FUA != 0;
@@ -166,7 +166,7 @@ async fn serve_one(
     }
 }
 
-async fn tag_task(q: &UblkQueue<'_>, tag: u16, client: &Client, efd: &Arc<EventFd>) -> Result<(), UblkError> {
+async fn tag_task(q: &UblkQueue<'_>, tag: u16, client: &Client, efd: &Arc<WakeFd>) -> Result<(), UblkError> {
     if q.dev.dev_info.flags & u64::from(sys::UBLK_F_USER_COPY) != 0 {
         let cdev = q.dev.tgt.fds[0];
         let pos = UblkIOCtx::ublk_user_copy_pos(q.get_qid(), tag, 0);
@@ -205,7 +205,8 @@ pub fn feature_names(flags: u64) -> Vec<&'static str> {
 
 /// The body of one queue thread.
 fn queue_thread(qid: u16, dev: &UblkDev, client: &Client) {
-    let efd = match EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC) {
+    // Blocking: the doorbell's READ in the ring must wait for a wake (see `WakeFd::blocking`).
+    let efd = match WakeFd::blocking() {
         Ok(e) => Arc::new(e),
         Err(e) => return error!(queue = qid, "eventfd: {e}"),
     };

@@ -12,14 +12,10 @@
 use std::io;
 use std::ptr::NonNull;
 
-use libc::{c_int, c_ulong, c_void};
+use libc::c_void;
 
+use crate::sys::{self, NodeMask, MPOL_BIND, MPOL_DEFAULT};
 use crate::NumaError;
-
-/// `MPOL_DEFAULT` from `<linux/mempolicy.h>`.
-const MPOL_DEFAULT: c_int = 0;
-/// `MPOL_BIND` from `<linux/mempolicy.h>`.
-const MPOL_BIND: c_int = 2;
 /// The huge page size assumed for `MAP_HUGETLB` without a size flag (x86-64 and arm64 default).
 pub const HUGE_PAGE_SIZE: usize = 2 << 20;
 
@@ -88,29 +84,13 @@ impl NodeRegion {
     }
 
     fn bind(&mut self, node: u32) -> Result<(), NumaError> {
-        let (mask, maxnode) = node_mask(node);
-        // SAFETY: the range is exactly this region's own mapping; `mask` holds `maxnode - 1`
-        // bits and outlives the call; mbind only changes the policy of the range.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_mbind,
-                self.ptr.as_ptr().cast::<c_void>(),
-                self.len as c_ulong,
-                MPOL_BIND,
-                mask.as_ptr(),
-                maxnode,
-                0 as c_ulong,
-            )
-        };
-        if rc != 0 {
-            let source = io::Error::last_os_error();
-            return Err(if source.raw_os_error() == Some(libc::EINVAL) {
+        sys::mbind(self.as_mut_slice(), MPOL_BIND, &NodeMask::of(&[node])).map_err(|source| {
+            if source.raw_os_error() == Some(libc::EINVAL) {
                 NumaError::NoSuchNode(node)
             } else {
                 NumaError::Sys { call: "mbind", source }
-            });
-        }
-        Ok(())
+            }
+        })
     }
 
     /// Faults every page in, so that it is allocated now, under the region's policy.
@@ -170,29 +150,10 @@ impl NodeRegion {
     /// Asks the kernel which node each page of the region is on (`move_pages(2)` with no
     /// target nodes only reports). `None` for a page that is not present.
     pub fn page_nodes(&self) -> Result<Vec<Option<u32>>, NumaError> {
-        let count = self.len / self.page_size;
-        let pages: Vec<*const c_void> = (0..count)
-            // `i * page_size < len`: every address is inside this region.
-            .map(|i| self.as_ptr().wrapping_add(i * self.page_size).cast::<c_void>())
-            .collect();
-        let mut status: Vec<c_int> = vec![0; count];
-        // SAFETY: `pages` and `status` hold `count` entries each and outlive the call; a NULL
-        // `nodes` array makes move_pages a query that moves nothing; pid 0 is this process.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_move_pages,
-                0 as libc::pid_t,
-                count as c_ulong,
-                pages.as_ptr(),
-                std::ptr::null::<c_int>(),
-                status.as_mut_ptr(),
-                0 as c_int,
-            )
-        };
-        if rc < 0 {
-            return Err(NumaError::last_os("move_pages"));
-        }
-        Ok(status.into_iter().map(|s| u32::try_from(s).ok()).collect())
+        // `i * page_size < len`: every address is inside this region.
+        let pages: Vec<usize> =
+            (0..self.len / self.page_size).map(|i| self.as_ptr() as usize + i * self.page_size).collect();
+        sys::page_nodes(&pages).map_err(|source| NumaError::Sys { call: "move_pages", source })
     }
 }
 
@@ -209,19 +170,13 @@ impl Drop for NodeRegion {
 /// it faults in from now on come from that node. Use it around allocations made by other
 /// libraries (xsk-rs `Umem::new`); undo it with [`reset_thread_memory`].
 pub fn bind_thread_memory(node: u32) -> Result<(), NumaError> {
-    let (mask, maxnode) = node_mask(node);
-    // SAFETY: `mask` holds `maxnode - 1` bits and outlives the call; set_mempolicy only
-    // changes the calling thread's policy.
-    let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, MPOL_BIND, mask.as_ptr(), maxnode) };
-    if rc != 0 {
-        let source = io::Error::last_os_error();
-        return Err(if source.raw_os_error() == Some(libc::EINVAL) {
+    sys::set_thread_policy(MPOL_BIND, Some(&NodeMask::of(&[node]))).map_err(|source| {
+        if source.raw_os_error() == Some(libc::EINVAL) {
             NumaError::NoSuchNode(node)
         } else {
             NumaError::Sys { call: "set_mempolicy", source }
-        });
-    }
-    Ok(())
+        }
+    })
 }
 
 /// Binds the memory policy of the calling thread to the set `nodes` (`MPOL_BIND`, no
@@ -232,41 +187,36 @@ pub fn bind_thread_memory(node: u32) -> Result<(), NumaError> {
 /// thread's policy whether a page without a VMA policy is misplaced; a bound policy without
 /// `MPOL_F_NUMA_BALANCING` says never.)
 pub fn bind_thread_memory_to(nodes: &[u32]) -> Result<(), NumaError> {
-    let Some(&max) = nodes.iter().max() else { return Err(NumaError::EmptyRegion) };
-    let bits = c_ulong::BITS as usize;
-    let mut mask = vec![0 as c_ulong; max as usize / bits + 1];
-    for &n in nodes {
-        mask[n as usize / bits] |= 1 << (n as usize % bits);
+    if nodes.is_empty() {
+        return Err(NumaError::EmptyRegion);
     }
-    let maxnode = (mask.len() * bits + 1) as c_ulong;
-    // SAFETY: `mask` holds `maxnode - 1` bits and outlives the call; set_mempolicy only
-    // changes the calling thread's policy.
-    let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, MPOL_BIND, mask.as_ptr(), maxnode) };
-    if rc != 0 {
-        return Err(NumaError::last_os("set_mempolicy"));
-    }
-    Ok(())
+    sys::set_thread_policy(MPOL_BIND, Some(&NodeMask::of(nodes)))
+        .map_err(|source| NumaError::Sys { call: "set_mempolicy", source })
 }
 
 /// Returns the calling thread to the default memory policy (allocate on the local node).
 pub fn reset_thread_memory() -> Result<(), NumaError> {
-    // SAFETY: MPOL_DEFAULT takes no node mask (NULL, 0); only this thread's policy changes.
-    let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, MPOL_DEFAULT, std::ptr::null::<c_ulong>(), 0 as c_ulong) };
-    if rc != 0 {
-        return Err(NumaError::last_os("set_mempolicy"));
-    }
-    Ok(())
+    sys::set_thread_policy(MPOL_DEFAULT, None).map_err(|source| NumaError::Sys { call: "set_mempolicy", source })
 }
 
-/// A node mask with only `node` set, and the `maxnode` argument that goes with it (the kernel
-/// reads `maxnode - 1` bits).
-fn node_mask(node: u32) -> (Vec<c_ulong>, c_ulong) {
-    let bits = c_ulong::BITS as usize;
-    let node = node as usize;
-    let mut mask = vec![0 as c_ulong; node / bits + 1];
-    mask[node / bits] |= 1 << (node % bits);
-    let maxnode = (mask.len() * bits + 1) as c_ulong;
-    (mask, maxnode)
+/// Runs `f` with the calling thread's memory policy bound to `node` (so pages it faults in,
+/// such as a UMEM that another library maps with `MAP_POPULATE`, land there), then restores the
+/// policy the thread had. With `node == None`, just runs `f`.
+pub fn with_thread_memory_on<R>(node: Option<u32>, f: impl FnOnce() -> R) -> Result<R, NumaError> {
+    let Some(node) = node else {
+        return Ok(f());
+    };
+    if node as usize >= sys::MAX_NODES {
+        return Err(NumaError::NoSuchNode(node));
+    }
+    let (old_mode, old_mask) =
+        sys::thread_policy().map_err(|source| NumaError::Sys { call: "get_mempolicy", source })?;
+    sys::set_thread_policy(MPOL_BIND, Some(&NodeMask::of(&[node])))
+        .map_err(|source| NumaError::Sys { call: "set_mempolicy", source })?;
+    let r = f();
+    let old = if old_mode == MPOL_DEFAULT { None } else { Some(&old_mask) };
+    sys::set_thread_policy(old_mode, old).map_err(|source| NumaError::Sys { call: "set_mempolicy", source })?;
+    Ok(r)
 }
 
 /// The system page size.
@@ -348,13 +298,5 @@ mod tests {
         })
         .join()
         .expect("thread ran");
-    }
-
-    #[test]
-    fn node_mask_sets_one_bit() {
-        let (mask, maxnode) = node_mask(0);
-        assert_eq!((mask, maxnode), (vec![1], 65));
-        let (mask, maxnode) = node_mask(65);
-        assert_eq!((mask, maxnode), (vec![0, 2], 129));
     }
 }

@@ -44,9 +44,3 @@ pub enum NumaError {
     #[error("a bandwidth measurement thread panicked")]
     MeasurementPanicked,
 }
-
-impl NumaError {
-    pub(crate) fn last_os(call: &'static str) -> Self {
-        NumaError::Sys { call, source: io::Error::last_os_error() }
-    }
-}

@@ -16,6 +16,8 @@
 //! - [`model`]: the I/O bandwidth model (node-bound copy tests grouped into bandwidth classes).
 //! - [`report`]: where memory really is (page by page, `move_pages(2)`) and where a thread may
 //!   run, for the daemons' stats.
+//! - [`sys`]: the memory-policy system calls nix does not wrap (`mbind`, `set_mempolicy`,
+//!   `get_mempolicy`, `move_pages`), behind safe functions; the workspace's only copy of them.
 //!
 //! # Promises
 //! - Everything except [`Topology::this_system`], [`alloc`], [`pin_current_thread`] and
@@ -24,7 +26,8 @@
 //! - A NIC whose node is unknown (sysfs `numa_node` is -1, a virtual interface, or hwloc attached
 //!   it to the whole machine) has node `None`; it is never silently treated as node 0.
 //! - [`NodeRegion`] owns its mapping and unmaps it on drop; the only `unsafe` code is the
-//!   system calls in [`alloc`] and [`placement`], each justified in place.
+//!   system calls in [`sys`] and the mapping in [`alloc`], each justified in place (affinity
+//!   goes through nix).
 
 pub mod alloc;
 pub mod cpulist;
@@ -33,6 +36,7 @@ pub mod model;
 pub mod placement;
 pub mod report;
 pub mod scheduler;
+pub mod sys;
 pub mod topology;
 
 pub use alloc::{HugePages, NodeRegion};

@@ -24,6 +24,8 @@
 
 use std::collections::BTreeSet;
 
+use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+use nix::unistd::Pid;
 use serde::Serialize;
 
 use crate::{NumaError, Topology};
@@ -294,44 +296,24 @@ fn nearest_with_cpus(topo: &Topology, node: u32, with_cpus: &[u32]) -> u32 {
         .expect("with_cpus is not empty")
 }
 
-/// Pins the calling thread to `cpus` with `sched_setaffinity(2)`.
+/// Pins the calling thread to `cpus` with `sched_setaffinity(2)` (nix).
 pub fn pin_current_thread(cpus: &[u32]) -> Result<(), NumaError> {
     if cpus.is_empty() {
         return Err(NumaError::NoCpus);
     }
-    // SAFETY: cpu_set_t is a plain bit array for which all-zero is the empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let capacity = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    let mut set = CpuSet::new();
     for &cpu in cpus {
-        if cpu as usize >= capacity {
-            return Err(NumaError::InvalidCpu(cpu));
-        }
-        // SAFETY: `cpu` was checked to be below the set's capacity in bits.
-        unsafe { libc::CPU_SET(cpu as usize, &mut set) };
+        set.set(cpu as usize).map_err(|_| NumaError::InvalidCpu(cpu))?;
     }
-    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the calling thread.
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-    if rc != 0 {
-        return Err(NumaError::last_os("sched_setaffinity"));
-    }
-    Ok(())
+    sched_setaffinity(Pid::from_raw(0), &set)
+        .map_err(|e| NumaError::Sys { call: "sched_setaffinity", source: e.into() })
 }
 
 /// The CPUs the calling thread may run on (`sched_getaffinity(2)`).
 pub fn current_thread_cpus() -> Result<Vec<u32>, NumaError> {
-    // SAFETY: all-zero is a valid, empty cpu_set_t.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid, writable cpu_set_t of the size passed; pid 0 is this thread.
-    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-    if rc != 0 {
-        return Err(NumaError::last_os("sched_getaffinity"));
-    }
-    let capacity = 8 * std::mem::size_of::<libc::cpu_set_t>();
-    Ok((0..capacity)
-        // SAFETY: `c` is below the set's capacity in bits.
-        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-        .map(|c| c as u32)
-        .collect())
+    let set = sched_getaffinity(Pid::from_raw(0))
+        .map_err(|e| NumaError::Sys { call: "sched_getaffinity", source: e.into() })?;
+    Ok((0..CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).map(|c| c as u32).collect())
 }
 
 #[cfg(test)]

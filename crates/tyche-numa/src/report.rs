@@ -7,15 +7,11 @@
 
 use std::collections::BTreeMap;
 
-use libc::{c_int, c_ulong, c_void};
 use serde::{Deserialize, Serialize};
 
 use crate::alloc::system_page_size;
 use crate::placement::current_thread_cpus;
 use crate::NumaError;
-
-/// Pages asked about per `move_pages(2)` call.
-const QUERY_BATCH: usize = 4096;
 
 /// Where the pages of some memory are, against the node they should be on.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,30 +84,8 @@ pub fn area_page_nodes(addr: usize, len: usize) -> Result<Vec<Option<u32>>, Numa
     let page = system_page_size();
     let first = addr / page;
     let last = (addr + len - 1) / page;
-    let all: Vec<*const c_void> = (first..=last).map(|p| (p * page) as *const c_void).collect();
-    let mut out = Vec::with_capacity(all.len());
-    for pages in all.chunks(QUERY_BATCH) {
-        let mut status: Vec<c_int> = vec![0; pages.len()];
-        // SAFETY: `pages` and `status` hold `pages.len()` entries each and outlive the call; a
-        // NULL `nodes` array makes move_pages a query that moves nothing and reads no memory at
-        // the addresses; pid 0 is this process.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_move_pages,
-                0 as libc::pid_t,
-                pages.len() as c_ulong,
-                pages.as_ptr(),
-                std::ptr::null::<c_int>(),
-                status.as_mut_ptr(),
-                0 as c_int,
-            )
-        };
-        if rc < 0 {
-            return Err(NumaError::last_os("move_pages"));
-        }
-        out.extend(status.into_iter().map(|s| u32::try_from(s).ok()));
-    }
-    Ok(out)
+    let all: Vec<usize> = (first..=last).map(|p| p * page).collect();
+    crate::sys::page_nodes(&all).map_err(|source| NumaError::Sys { call: "move_pages", source })
 }
 
 /// [`area_page_nodes`] counted against `expected`.

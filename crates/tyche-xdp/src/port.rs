@@ -14,7 +14,9 @@ use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
 use crate::program::{AttachMode, AttachedMode, XdpProgram};
 use crate::{numa, Error, InterfaceInfo};
 
-/// UMEM chunk size: the kernel's maximum in aligned mode on 4 KiB pages (TECHNOTES §5).
+/// UMEM chunk size: the largest the kernel accepts for an aligned-mode UMEM on 4 KiB pages
+/// (`xdp_umem_reg` refuses chunks below `XDP_UMEM_MIN_CHUNK_SIZE`, 2048 bytes, or above the page
+/// size, with `EINVAL`).
 pub const CHUNK_SIZE: usize = 4096;
 /// Headroom the kernel keeps in front of every received frame (`XDP_PACKET_HEADROOM`).
 pub const XDP_HEADROOM: usize = 256;
@@ -421,18 +423,14 @@ impl XdpPort {
     /// mode the poll also drives pending transmissions). Returns whether frames are waiting. For
     /// threads that poll the port themselves: spin while busy, call this when idle.
     pub fn wait_readable(&mut self, timeout: std::time::Duration) -> io::Result<bool> {
-        let mut pfd = libc::pollfd { fd: self.rx.fd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
-        // SAFETY: `pfd` is one valid pollfd for the duration of the call.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if rc < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                return Ok(false);
-            }
-            return Err(e);
+        use nix::poll::{PollFd, PollFlags, PollTimeout};
+        let mut fds = [PollFd::new(self.rx.fd_borrowed(), PollFlags::POLLIN)];
+        let ms = timeout.as_millis().min(i32::MAX as u128);
+        match nix::poll::poll(&mut fds, PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)) {
+            Err(nix::errno::Errno::EINTR) => Ok(false),
+            Err(e) => Err(e.into()),
+            Ok(n) => Ok(n > 0 && fds[0].revents().is_some_and(|r| r.contains(PollFlags::POLLIN))),
         }
-        Ok(rc > 0 && pfd.revents & libc::POLLIN != 0)
     }
 
     /// Transmit buffers not yet given back by the kernel.

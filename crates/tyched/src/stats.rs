@@ -378,106 +378,11 @@ impl Snapshot {
         s
     }
 
-    /// The counters in the Prometheus text exposition format.
+    /// The counters in the Prometheus text exposition format (by prometheus-client; the text
+    /// `GET /metrics` answers, [`crate::prometheus::encode`]).
     pub fn prometheus(&self) -> String {
-        use std::fmt::Write;
-        let mut s = String::new();
-        let mut metric = |name: &str, help: &str, kind: &str, rows: Vec<(String, u64)>| {
-            let _ = writeln!(s, "# HELP tyched_{name} {help}\n# TYPE tyched_{name} {kind}");
-            for (labels, v) in rows {
-                let _ = writeln!(s, "tyched_{name}{labels} {v}");
-            }
-        };
-        let one = |v: u64| vec![(String::new(), v)];
-        metric("uptime_milliseconds", "Time since start.", "counter", one(self.uptime_ms));
-        metric("sessions", "Live sessions.", "gauge", one(self.sessions));
-        metric("sessions_reclaimed_total", "Sessions reclaimed.", "counter", one(self.sessions_reclaimed));
-        metric(
-            "payload_copied_bytes_total",
-            "Payload bytes copied in user space.",
-            "counter",
-            one(self.payload_copied_bytes),
-        );
-        metric("storage_inflight", "Storage requests queued or running.", "gauge", one(self.storage_inflight));
-        let nic = |f: &dyn Fn(&NicStats) -> u64| {
-            self.nics.iter().map(|n| (format!("{{nic=\"{}\"}}", esc(&n.name)), f(n))).collect::<Vec<_>>()
-        };
-        metric("nic_rx_frames_total", "Frames received.", "counter", nic(&|n| n.frames_rx));
-        metric("nic_rx_bytes_total", "Bytes received.", "counter", nic(&|n| n.bytes_rx));
-        metric("nic_tx_frames_total", "Frames sent.", "counter", nic(&|n| n.frames_tx));
-        metric("nic_tx_bytes_total", "Bytes sent.", "counter", nic(&|n| n.bytes_tx));
-        let mut drops = Vec::new();
-        for n in &self.nics {
-            let d = &n.drops;
-            for (reason, v) in [
-                ("malformed", d.malformed),
-                ("unknown_session", d.unknown_session),
-                ("not_ours", d.not_ours),
-                ("slot_busy", d.slot_busy),
-                ("denied_mac", d.denied_mac),
-                ("denied_key", d.denied_key),
-                ("shutting_down", d.shutting_down),
-            ] {
-                drops.push((format!("{{nic=\"{}\",reason=\"{reason}\"}}", esc(&n.name)), v));
-            }
-            for (reason, v) in &d.channel {
-                drops.push((format!("{{nic=\"{}\",reason=\"channel_{}\"}}", esc(&n.name), esc(reason)), *v));
-            }
-        }
-        metric("nic_drops_total", "Frames dropped, by reason.", "counter", drops);
-        let mut reqs = Vec::new();
-        for e in &self.exports {
-            let r = &e.requests;
-            for (op, v) in [
-                ("read", r.read),
-                ("write", r.write),
-                ("flush", r.flush),
-                ("discard", r.discard),
-                ("write_zeroes", r.write_zeroes),
-            ] {
-                reqs.push((format!("{{export=\"{}\",op=\"{op}\"}}", esc(&e.name)), v));
-            }
-        }
-        metric("export_requests_total", "Requests executed, by op.", "counter", reqs);
-        let ex = |f: &dyn Fn(&ExportStats) -> u64| {
-            self.exports.iter().map(|e| (format!("{{export=\"{}\"}}", esc(&e.name)), f(e))).collect::<Vec<_>>()
-        };
-        metric("export_read_bytes_total", "Bytes read from storage.", "counter", ex(&|e| e.bytes_read));
-        metric("export_written_bytes_total", "Bytes written to storage.", "counter", ex(&|e| e.bytes_written));
-        metric("export_errors_total", "Requests completed with an error.", "counter", ex(&|e| e.errors));
-        metric("export_denied_total", "CONNECTs refused.", "counter", ex(&|e| e.denied));
-        let ch = |f: &dyn Fn(&ChannelSnapshot) -> u64| {
-            self.channels
-                .iter()
-                .map(|c| {
-                    (
-                        format!("{{session=\"{:016x}\",channel=\"{}\",nic=\"{}\"}}", c.session, c.channel, esc(&c.nic)),
-                        f(c),
-                    )
-                })
-                .collect::<Vec<_>>()
-        };
-        let th = |f: &dyn Fn(&PollStats) -> u64| {
-            self.poll.threads.iter().enumerate().map(|(k, t)| (format!("{{thread=\"{k}\"}}"), f(t))).collect::<Vec<_>>()
-        };
-        metric("poll_nanoseconds_total", "Time network threads spent polling.", "counter", th(&|t| t.poll_ns));
-        metric("poll_hits_total", "Polls that found work (wake-ups saved).", "counter", th(&|t| t.poll_hits));
-        metric("poll_misses_total", "Polls that ran out of budget and slept.", "counter", th(&|t| t.poll_misses));
-        metric("poll_sleeps_total", "Sleeps of network threads.", "counter", th(&|t| t.sleeps));
-        metric("poll_wakeups_total", "Sleeps that ended in work.", "counter", th(&|t| t.wakeups));
-        metric("poll_budget_nanoseconds", "The adaptive poll budget now.", "gauge", th(&|t| t.budget_ns));
-        metric("channel_retransmits_total", "Retransmissions.", "counter", ch(&|c| c.retransmits));
-        metric("channel_executing", "Requests executing.", "gauge", ch(&|c| c.executing));
-        s
+        crate::prometheus::encode(self)
     }
-}
-
-/// A Prometheus label value with `\`, `"` and newlines escaped (export names may hold them).
-fn esc(v: &str) -> std::borrow::Cow<'_, str> {
-    if !v.contains(['\\', '"', '\n']) {
-        return v.into();
-    }
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n").into()
 }
 
 #[cfg(test)]
@@ -488,7 +393,7 @@ mod tests {
         s.exports.push(super::ExportStats { name: "a\"b\\c".into(), ..Default::default() });
         let text = s.prometheus();
         assert!(text.contains("tyched_export_errors_total{export=\"a\\\"b\\\\c\"} 0\n"), "{text}");
-        assert_eq!(super::esc("plain"), "plain");
-        assert_eq!(super::esc("x\ny"), "x\\ny");
+        s.exports[0].name = "x\ny".into();
+        assert!(s.prometheus().contains("tyched_export_errors_total{export=\"x\\ny\"} 0\n"));
     }
 }

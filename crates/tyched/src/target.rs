@@ -15,7 +15,7 @@
 //! the workers signal, until the engine's next timer.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -28,6 +28,7 @@ use tyche_channel::{
     TargetInbound, TargetSession,
 };
 use tyche_transport::poll::{Next, PollConfig, PollStats, Poller};
+use tyche_transport::wake::WakeFd;
 use tyche_transport::{FrameTransport, Lease, Sent, TxChunk};
 use tyche_wire::{
     flags, layout, Challenge, ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Reject, RejectReason,
@@ -132,7 +133,7 @@ struct Export {
 #[derive(Debug)]
 struct Shared {
     stop: AtomicBool,
-    wake: OwnedFd,
+    wake: WakeFd,
     stats_requested: AtomicU64,
     snapshot: Mutex<(u64, Snapshot)>,
     published: Condvar,
@@ -140,30 +141,8 @@ struct Shared {
 
 impl Shared {
     fn wake(&self) {
-        wake_fd(&self.wake);
+        self.wake.wake();
     }
-}
-
-pub(crate) fn wake_fd(fd: &OwnedFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live u64 to an eventfd the caller owns.
-    let _ = unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-}
-
-pub(crate) fn drain_fd(fd: &OwnedFd) {
-    let mut v: u64 = 0;
-    // SAFETY: reads at most 8 bytes into a live u64; the eventfd is non-blocking.
-    let _ = unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-}
-
-pub(crate) fn new_eventfd() -> std::io::Result<OwnedFd> {
-    // SAFETY: eventfd takes integers and returns a new descriptor or -1.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a fresh descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// A rate limit for log lines a peer can cause (refusals, sessions and channels opening and
@@ -538,7 +517,7 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
 
     let shared = Arc::new(Shared {
         stop: AtomicBool::new(false),
-        wake: new_eventfd()?,
+        wake: WakeFd::new()?,
         stats_requested: AtomicU64::new(0),
         snapshot: Mutex::new((0, Snapshot::default())),
         published: Condvar::new(),
@@ -642,7 +621,7 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
             group_of[k] = g;
         }
     }
-    let group_wakes = groups.iter().map(|_| new_eventfd().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
+    let group_wakes = groups.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
     let mut net = Network {
         ethertype: config.ethertype,
         nic_stats,
@@ -736,13 +715,7 @@ struct Turn {
 /// The loop of the network thread serving the NICs `nics` (group `g`): a turn of the engine
 /// under its lock, then, outside it, the transports' flush (the AF_XDP kick) and, when the
 /// poller says so ([`Poller`]: after a while without work), the sleep.
-fn serve_group(
-    g: usize,
-    mut nics: Vec<(usize, Nic)>,
-    engine: &Mutex<Network>,
-    wakes: &[Arc<OwnedFd>],
-    shared: &Shared,
-) {
+fn serve_group(g: usize, mut nics: Vec<(usize, Nic)>, engine: &Mutex<Network>, wakes: &[Arc<WakeFd>], shared: &Shared) {
     let mut poller = Poller::new(lock_engine(engine).poll);
     loop {
         let turn = {
@@ -756,7 +729,7 @@ fn serve_group(
             }
         }
         for &h in &turn.wake {
-            wake_fd(&wakes[h]);
+            wakes[h].wake();
         }
         if turn.exit {
             return;
@@ -772,23 +745,23 @@ fn serve_group(
 
 /// Sleeps in `poll(2)` on the transports' descriptors, this thread's eventfd and the shared one
 /// (storage completions, stats requests, stop), at most `timeout`.
-fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &OwnedFd, shared: &Shared) {
-    let mut fds: Vec<libc::pollfd> = nics
+fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &WakeFd, shared: &Shared) {
+    use nix::poll::{PollFd, PollFlags, PollTimeout};
+    let mut fds: Vec<PollFd<'_>> = nics
         .iter()
         .zip(live)
         .filter(|(_, live)| **live)
         .filter_map(|((_, n), _)| n.transport.readiness_fd())
-        .map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 })
+        .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
         .collect();
-    fds.push(libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-    fds.push(libc::pollfd { fd: shared.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+    fds.push(PollFd::new(wake.as_fd(), PollFlags::POLLIN));
+    fds.push(PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN));
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128);
     if ms > 0 {
-        // SAFETY: `fds` is a live array of `fds.len()` pollfd structures.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        let _ = nix::poll::poll(&mut fds, PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX));
     }
-    drain_fd(wake);
-    drain_fd(&shared.wake);
+    wake.drain();
+    shared.wake.drain();
 }
 
 pub(crate) fn pin(cpus: &[u32], what: &str) {
@@ -1069,7 +1042,7 @@ struct Network {
     /// NIC → the network thread (group) that serves it.
     group_of: Vec<usize>,
     /// Each network thread's eventfd.
-    group_wakes: Vec<Arc<OwnedFd>>,
+    group_wakes: Vec<Arc<WakeFd>>,
     /// Network threads that ended their last turn with nothing to do (and sleep or will).
     sleeping: Vec<bool>,
     /// How the network threads wait for work.

@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -24,7 +24,8 @@ use io_uring::{opcode, types, IoUring, Probe};
 use tyche_wire::{Op, Status};
 
 use crate::backend::{Backend, FileBackend};
-use crate::target::{drain_fd, new_eventfd, wake_fd, Done, Job};
+use crate::target::{Done, Job};
+use tyche_transport::wake::WakeFd;
 
 /// Requests in flight at most (one submission queue entry each; one more entry is the poll on
 /// the job eventfd).
@@ -84,7 +85,7 @@ pub fn handles(ring_has_fallocate: bool, backend: &dyn Backend, op: Op) -> bool 
 #[derive(Debug)]
 pub(crate) struct UringQueue {
     tx: Option<mpsc::Sender<Job>>,
-    wake: Arc<OwnedFd>,
+    wake: Arc<WakeFd>,
     /// Whether the ring does FALLOCATE.
     pub(crate) fallocate: bool,
 }
@@ -96,7 +97,7 @@ impl UringQueue {
     pub(crate) fn submit(&self, job: Job) -> Result<(), Job> {
         let Some(tx) = &self.tx else { return Err(job) };
         tx.send(job).map_err(|mpsc::SendError(job)| job)?;
-        wake_fd(&self.wake);
+        self.wake.wake();
         Ok(())
     }
 }
@@ -104,7 +105,7 @@ impl UringQueue {
 impl Drop for UringQueue {
     fn drop(&mut self) {
         self.tx.take();
-        wake_fd(&self.wake);
+        self.wake.wake();
     }
 }
 
@@ -119,7 +120,7 @@ pub(crate) fn start(
     cpus: Vec<u32>,
 ) -> io::Result<(UringQueue, JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel::<Job>();
-    let wake = Arc::new(new_eventfd()?);
+    let wake = Arc::new(WakeFd::new()?);
     let fallocate = ring.fallocate;
     let engine = Engine {
         ring: ring.ring,
@@ -159,7 +160,7 @@ unsafe impl Send for IoVecs {}
 struct Engine {
     ring: IoUring,
     rx: mpsc::Receiver<Job>,
-    wake: Arc<OwnedFd>,
+    wake: Arc<WakeFd>,
     backends: Vec<Arc<dyn Backend>>,
     done: mpsc::Sender<Done>,
     notify: Arc<dyn Fn() + Send + Sync>,
@@ -230,7 +231,7 @@ impl Engine {
             let mut finished = false;
             for (data, res) in cqes {
                 if data == WAKE {
-                    drain_fd(&self.wake);
+                    self.wake.drain();
                     poll_armed = false;
                     continue;
                 }

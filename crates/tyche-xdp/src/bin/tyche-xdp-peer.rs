@@ -16,7 +16,6 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use tyche_transport::FrameTransport;
 use tyche_wire::{Ack, DataHeader, Envelope, Frame, MacAddr, Message, Seq, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
 
@@ -52,19 +51,16 @@ impl Port {
     }
     /// Sleeps until the transport has input or `timeout` passes.
     fn wait(&mut self, timeout: Duration) -> std::io::Result<()> {
-        let Some(fd) = self.t().readiness_fd().map(|f| f.as_raw_fd()) else {
+        use nix::poll::{PollFd, PollFlags, PollTimeout};
+        let Some(fd) = self.t().readiness_fd() else {
             return Ok(());
         };
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: `pfd` is one valid pollfd for the duration of the call.
-        let rc = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as libc::c_int) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(e);
-            }
+        let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+        let ms = PollTimeout::try_from(timeout.as_millis()).unwrap_or(PollTimeout::MAX);
+        match nix::poll::poll(&mut fds, ms) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
+            Err(e) => Err(e.into()),
         }
-        Ok(())
     }
 }
 
