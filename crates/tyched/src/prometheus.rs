@@ -441,6 +441,7 @@ impl Collector for SnapshotCollector {
                 ("flush", r.flush),
                 ("discard", r.discard),
                 ("write_zeroes", r.write_zeroes),
+                ("block_status", r.block_status),
             ] {
                 reqs.push((vec![("export", e.name.clone()), ("op", op.to_owned())], v));
             }
@@ -662,7 +663,7 @@ mod tests {
             exports: vec![
                 ExportStats {
                     name: "disk".into(),
-                    requests: OpCounts { read: 1, write: 7, flush: 2, discard: 3, write_zeroes: 4 },
+                    requests: OpCounts { read: 1, write: 7, flush: 2, discard: 3, write_zeroes: 4, block_status: 5 },
                     bytes_read: 100,
                     bytes_written: 200,
                     errors: 1,

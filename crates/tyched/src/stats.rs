@@ -344,10 +344,10 @@ impl Snapshot {
             let r = &e.requests;
             let _ = writeln!(
                 s,
-                "  {:<12} {} {} B{}{}  sessions {}  read {} ({} B) write {} ({} B) flush {} discard {} write-zeroes {}  errors {} denied {}",
+                "  {:<12} {} {} B{}{}  sessions {}  read {} ({} B) write {} ({} B) flush {} discard {} write-zeroes {} block-status {}  errors {} denied {}",
                 e.name, e.backend, e.size, if e.read_only { " ro" } else { "" }, if e.keyed { " keyed" } else { "" },
                 e.sessions, r.read, e.bytes_read, r.write, e.bytes_written, r.flush, r.discard, r.write_zeroes,
-                e.errors, e.denied
+                r.block_status, e.errors, e.denied
             );
         }
         let _ = writeln!(s, "\nPlacement (pages on the NIC's node / elsewhere / not present):");
