@@ -149,13 +149,19 @@ async fn raw_protocol_exchange_with_tasks() {
     raw_exchange(false).await;
 }
 
-async fn raw_exchange(engine_io: bool) {
-    let s = server_with(4 * MIB, engine_io).await;
-    let mut c = UnixStream::connect(&s.socket).await.unwrap();
+/// Connects to the NBD socket, checks the greeting and answers it (fixed newstyle, no zeroes).
+async fn newstyle(socket: &Path) -> UnixStream {
+    let mut c = UnixStream::connect(socket).await.unwrap();
     let mut greet = [0u8; 18];
     c.read_exact(&mut greet).await.unwrap();
     assert_eq!(greet, codec::greeting());
     c.write_u32(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES).await.unwrap();
+    c
+}
+
+async fn raw_exchange(engine_io: bool) {
+    let s = server_with(4 * MIB, engine_io).await;
+    let mut c = newstyle(&s.socket).await;
     // An unsupported option first.
     let mut o = codec::IHAVEOPT.to_be_bytes().to_vec();
     o.extend(99u32.to_be_bytes());
@@ -355,10 +361,7 @@ async fn raw_structured_replies_and_block_status_with_tasks() {
 async fn raw_structured(engine_io: bool) {
     use codec::{chunk as ch, cmd, rep};
     let s = server_with(4 * MIB, engine_io).await;
-    let mut c = UnixStream::connect(&s.socket).await.unwrap();
-    let mut greet = [0u8; 18];
-    c.read_exact(&mut greet).await.unwrap();
-    c.write_u32(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES).await.unwrap();
+    let mut c = newstyle(&s.socket).await;
     let ctx = codec::rep_meta_context(codec::BASE_ALLOCATION_ID, codec::BASE_ALLOCATION);
     // SET before structured replies: refused. LIST works and names the one context.
     let r = option(&mut c, codec::opt::SET_META_CONTEXT, &meta_request("ram", &["base:allocation"])).await;
@@ -451,10 +454,7 @@ async fn raw_structured(engine_io: bool) {
 async fn block_status_without_a_context_is_invalid() {
     for engine_io in [true, false] {
         let s = server_with(4 * MIB, engine_io).await;
-        let mut c = UnixStream::connect(&s.socket).await.unwrap();
-        let mut greet = [0u8; 18];
-        c.read_exact(&mut greet).await.unwrap();
-        c.write_u32(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES).await.unwrap();
+        let mut c = newstyle(&s.socket).await;
         let mut go = 0u32.to_be_bytes().to_vec();
         go.extend(0u16.to_be_bytes());
         option(&mut c, codec::opt::GO, &go).await;

@@ -42,26 +42,31 @@ fn number(s: &str) -> Option<usize> {
     }
 }
 
+/// Every table row of the document, with the label of its table and its cells.
+fn table_rows() -> impl Iterator<Item = (String, Vec<&'static str>)> {
+    let mut label = String::new();
+    DOC.lines().filter_map(move |line| {
+        if let Some(l) = label_of(line) {
+            label = l;
+            return None;
+        }
+        line.starts_with('|').then(|| (label.clone(), cells(line)))
+    })
+}
+
+/// `` `NAME` `` → `NAME`.
+fn code_name(cell: &str) -> Option<&str> {
+    cell.strip_prefix('`').and_then(|n| n.strip_suffix('`'))
+}
+
 /// Field rows `| Off | Abs | Size | `NAME` | ...` by (table label, field name).
 fn doc_fields() -> BTreeMap<(String, String), Row> {
     let mut out = BTreeMap::new();
-    let mut label = String::new();
-    for line in DOC.lines() {
-        if let Some(l) = label_of(line) {
-            label = l;
-            continue;
-        }
-        if !line.starts_with('|') {
-            continue;
-        }
-        let c = cells(line);
+    for (label, c) in table_rows() {
         if c.len() < 5 {
             continue;
         }
-        let (Some(off), Some(abs)) = (number(c[0]), number(c[1])) else {
-            continue;
-        };
-        let Some(name) = c[3].strip_prefix('`').and_then(|n| n.strip_suffix('`')) else {
+        let (Some(off), Some(abs), Some(name)) = (number(c[0]), number(c[1]), code_name(c[3])) else {
             continue;
         };
         let prev = out.insert((label.clone(), name.to_string()), (off, abs, number(c[2])));
@@ -72,22 +77,7 @@ fn doc_fields() -> BTreeMap<(String, String), Row> {
 
 /// Code rows `| value | NAME | ...` of the table labelled `label`.
 fn doc_codes(label: &str) -> BTreeMap<String, usize> {
-    let mut out = BTreeMap::new();
-    let mut current = String::new();
-    for line in DOC.lines() {
-        if let Some(l) = label_of(line) {
-            current = l;
-            continue;
-        }
-        if current != label || !line.starts_with('|') {
-            continue;
-        }
-        let c = cells(line);
-        if let (Some(v), Some(name)) = (number(c[0]), c.get(1)) {
-            out.insert(name.to_string(), v);
-        }
-    }
-    out
+    table_rows().filter(|(l, _)| l == label).filter_map(|(_, c)| Some((c.get(1)?.to_string(), number(c[0])?))).collect()
 }
 
 /// `WriteZeroes` → `WRITE_ZEROES`.
@@ -274,26 +264,10 @@ fn code_tables_match_enums() {
 
 /// Rows `| Off | Size | `NAME` | ... |` (four cells, fixed numbers) of the table labelled `label`.
 fn doc_payload_fields(label: &str) -> BTreeMap<String, (usize, usize)> {
-    let mut out = BTreeMap::new();
-    let mut current = String::new();
-    for line in DOC.lines() {
-        if let Some(l) = label_of(line) {
-            current = l;
-            continue;
-        }
-        if current != label || !line.starts_with('|') {
-            continue;
-        }
-        let c = cells(line);
-        if c.len() != 4 {
-            continue;
-        }
-        let (Some(off), Some(size)) = (number(c[0]), number(c[1])) else { continue };
-        if let Some(name) = c[2].strip_prefix('`').and_then(|n| n.strip_suffix('`')) {
-            out.insert(name.to_string(), (off, size));
-        }
-    }
-    out
+    table_rows()
+        .filter(|(l, c)| l == label && c.len() == 4)
+        .filter_map(|(_, c)| Some((code_name(c[2])?.to_string(), (number(c[0])?, number(c[1])?))))
+        .collect()
 }
 
 #[test]
