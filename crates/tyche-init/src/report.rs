@@ -157,20 +157,7 @@ impl Report {
                 l.thread.nodes
             );
         }
-        let mut all = PollStats::default();
-        self.poll.iter().for_each(|t| all.add(t));
-        let _ = writeln!(
-            s,
-            "\npoll {} (budget {} µs, now {} µs)  polled {:.3}s  found work {}  ran out {}  sleeps {}  woken for work {}",
-            self.poll_mode,
-            self.poll_budget_us,
-            all.budget_ns / 1000,
-            all.poll_ns as f64 / 1e9,
-            all.poll_hits,
-            all.poll_misses,
-            all.sleeps,
-            all.wakeups
-        );
+        let _ = writeln!(s, "\n{}", tyche_transport::poll::summary(self.poll_mode, self.poll_budget_us, &self.poll));
         if !self.nbd.is_empty() {
             let _ = writeln!(s, "\nNBD connections (buffer pages on the connection's node / elsewhere / not present):");
             for c in &self.nbd {

@@ -197,31 +197,22 @@ async fn raw_exchange(engine_io: bool) {
         }
     }
     // Transmission: a write, a read, an out-of-range read, an unaligned read.
-    let req = |cmd: u16, flags: u16, cookie: u64, off: u64, len: u32| {
-        let mut b = codec::REQUEST_MAGIC.to_be_bytes().to_vec();
-        b.extend(flags.to_be_bytes());
-        b.extend(cmd.to_be_bytes());
-        b.extend(cookie.to_be_bytes());
-        b.extend(off.to_be_bytes());
-        b.extend(len.to_be_bytes());
-        b
-    };
-    let mut w = req(codec::cmd::WRITE, codec::cflag::FUA, 1, 4096, 4096);
+    let mut w = request(codec::cmd::WRITE, codec::cflag::FUA, 1, 4096, 4096);
     w.extend([0xabu8; 4096]);
     c.write_all(&w).await.unwrap();
     let mut h = [0u8; 16];
     c.read_exact(&mut h).await.unwrap();
     assert_eq!(h, codec::simple_reply(0, 1));
-    c.write_all(&req(codec::cmd::READ, 0, 2, 4 * MIB, 512)).await.unwrap();
+    c.write_all(&request(codec::cmd::READ, 0, 2, 4 * MIB, 512)).await.unwrap();
     c.read_exact(&mut h).await.unwrap();
     assert_eq!(h, codec::simple_reply(codec::errno::EINVAL, 2));
-    c.write_all(&req(codec::cmd::READ, 0, 3, 4096 + 100, 10)).await.unwrap();
+    c.write_all(&request(codec::cmd::READ, 0, 3, 4096 + 100, 10)).await.unwrap();
     c.read_exact(&mut h).await.unwrap();
     assert_eq!(h, codec::simple_reply(0, 3));
     let mut d = [0u8; 10];
     c.read_exact(&mut d).await.unwrap();
     assert_eq!(d, [0xab; 10]);
-    c.write_all(&req(codec::cmd::FLUSH, 0, 4, 0, 0)).await.unwrap();
+    c.write_all(&request(codec::cmd::FLUSH, 0, 4, 0, 0)).await.unwrap();
     c.read_exact(&mut h).await.unwrap();
     assert_eq!(h, codec::simple_reply(0, 4));
     // Pipelined: 48 requests in one write (writes of 64 KiB, reads of what an earlier request
@@ -231,22 +222,22 @@ async fn raw_exchange(engine_io: bool) {
     let mut expect = std::collections::HashMap::new();
     for k in 0..16u64 {
         let at = MIB + k * 65536;
-        let mut w = req(codec::cmd::WRITE, 0, 100 + k, at, 65536);
+        let mut w = request(codec::cmd::WRITE, 0, 100 + k, at, 65536);
         w.extend(std::iter::repeat_n(k as u8 + 1, 65536));
         batch.extend(w);
         expect.insert(100 + k, (0u32, 0usize));
     }
     // Requests on one connection may complete in any order, so the reads go after a flush
     // round trip below; here: the other kinds.
-    batch.extend(req(codec::cmd::TRIM, codec::cflag::FUA, 200, 2 * MIB, 8192));
+    batch.extend(request(codec::cmd::TRIM, codec::cflag::FUA, 200, 2 * MIB, 8192));
     expect.insert(200, (0, 0));
-    batch.extend(req(codec::cmd::WRITE_ZEROES, 0, 201, 2 * MIB + 8192, 4096));
+    batch.extend(request(codec::cmd::WRITE_ZEROES, 0, 201, 2 * MIB + 8192, 4096));
     expect.insert(201, (0, 0));
-    batch.extend(req(codec::cmd::READ, 0, 202, 0, 0));
+    batch.extend(request(codec::cmd::READ, 0, 202, 0, 0));
     expect.insert(202, (0, 0));
-    batch.extend(req(codec::cmd::CACHE, 0, 203, 0, 4096));
+    batch.extend(request(codec::cmd::CACHE, 0, 203, 0, 4096));
     expect.insert(203, (0, 0));
-    batch.extend(req(99, 0, 204, 0, 512));
+    batch.extend(request(99, 0, 204, 0, 512));
     expect.insert(204, (codec::errno::EINVAL, 0));
     c.write_all(&batch).await.unwrap();
     while !expect.is_empty() {
@@ -258,7 +249,7 @@ async fn raw_exchange(engine_io: bool) {
     }
     let mut batch = Vec::new();
     for k in 0..16u64 {
-        batch.extend(req(codec::cmd::READ, 0, 300 + k, MIB + k * 65536, 65536));
+        batch.extend(request(codec::cmd::READ, 0, 300 + k, MIB + k * 65536, 65536));
     }
     c.write_all(&batch).await.unwrap();
     let mut seen = 0;
@@ -272,7 +263,7 @@ async fn raw_exchange(engine_io: bool) {
         assert!(d.iter().all(|&b| b == k as u8 + 1), "read {k} returns what write {k} wrote");
         seen += 1;
     }
-    c.write_all(&req(codec::cmd::DISC, 0, 5, 0, 0)).await.unwrap();
+    c.write_all(&request(codec::cmd::DISC, 0, 5, 0, 0)).await.unwrap();
     let mut rest = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.expect("server closes").unwrap();
     assert!(rest.is_empty());

@@ -154,6 +154,22 @@ impl PollStats {
     }
 }
 
+/// One line summing up the pollers of a daemon's threads (`mode`, configured budget in µs), for
+/// the daemons' human-readable stats.
+pub fn summary(mode: PollMode, budget_us: u64, threads: &[PollStats]) -> String {
+    let mut all = PollStats::default();
+    threads.iter().for_each(|t| all.add(t));
+    format!(
+        "poll {mode} (budget {budget_us} µs, now {} µs)  polled {:.3}s  found work {}  ran out {}  sleeps {}  woken for work {}",
+        all.budget_ns / 1000,
+        all.poll_ns as f64 / 1e9,
+        all.poll_hits,
+        all.poll_misses,
+        all.sleeps,
+        all.wakeups
+    )
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     /// Nothing has happened yet, or the thread has been idle since before its last sleep with no

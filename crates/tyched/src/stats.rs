@@ -315,20 +315,7 @@ impl Snapshot {
             self.duplicates_suppressed
         );
         let p = &self.poll;
-        let mut all = PollStats::default();
-        p.threads.iter().for_each(|t| all.add(t));
-        let _ = writeln!(
-            s,
-            "poll {} (budget {} µs, now {} µs)  polled {:.3}s  found work {}  ran out {}  sleeps {}  woken for work {}",
-            p.mode,
-            p.budget_us,
-            all.budget_ns / 1000,
-            all.poll_ns as f64 / 1e9,
-            all.poll_hits,
-            all.poll_misses,
-            all.sleeps,
-            all.wakeups
-        );
+        let _ = writeln!(s, "{}", tyche_transport::poll::summary(p.mode, p.budget_us, &p.threads));
         let _ = writeln!(s, "\nNICs:");
         for n in &self.nics {
             let d = &n.drops;
