@@ -5,18 +5,23 @@
 //! - the fixed-newstyle handshake ([`fuzzing::handshake`]) on client bytes in memory: flags,
 //!   options of every kind with well-formed, short, overlong and huge data, bad magic, raw bytes;
 //! - the engine-mode transmission ([`fuzzing::Conn`], what an engine thread serves) over a real
-//!   socket pair: requests of every command with chosen flags, offsets and lengths (in range,
-//!   past the end, unaligned, overflowing, over the maximum), write payloads cut short, raw
-//!   bytes, the client's bytes delivered in arbitrary chunks, completions in arbitrary order
-//!   and with errors. The volume's part is played by a RAM disk here.
+//!   socket pair, compact or (as after NBD_OPT_EXTENDED_HEADERS) extended headers, hole-aware
+//!   reads on or off: requests of every command with chosen flags (NBD_CMD_FLAG_PAYLOAD_LEN
+//!   included), offsets and lengths (in range, past the end, unaligned, overflowing, over the
+//!   maximum, 64-bit), payloads cut short, compact headers on an extended connection and the
+//!   other way round, raw bytes, the client's bytes delivered in arbitrary chunks, completions in
+//!   arbitrary order and with errors. The volume's part is played by a RAM disk here.
 //!
 //! Invariants: no panic; every request handed to the volume is sector-aligned, inside the
 //! export, at most the maximum request, with a buffer of its length, TRIM only where the export
 //! discards; the connection never holds more than its bound of requests and data; every reply
-//! is well-formed (simple, or with structured replies negotiated a single structured chunk for
-//! READ and BLOCK_STATUS, block status extents inside the range asked, one with REQ_ONE) and a
-//! request is answered at most once, also when the volume's block status list is malformed;
-//! once the client closes and every request completes, the connection is finished.
+//! is well-formed (simple, or with structured replies negotiated structured chunks for READ and
+//! BLOCK_STATUS, with extended headers extended chunks for everything: a READ's content chunks
+//! inside its range, not overlapping, covering it all unless an error chunk came; block status
+//! extents inside the range asked, one with REQ_ONE, 64-bit descriptors with extended headers)
+//! and a request is answered at most once (one chunk flagged DONE, nothing after it), also when
+//! the volume's block status list is malformed; once the client closes and every request
+//! completes, the connection is finished.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -43,6 +48,10 @@ pub struct Input {
     max_inflight: u8,
     /// Transmission as after NBD_OPT_STRUCTURED_REPLY and `base:allocation`.
     structured: bool,
+    /// Transmission as after NBD_OPT_EXTENDED_HEADERS (structured replies implied).
+    extended: bool,
+    /// Reads of 4 KiB or more are hole-aware (block status first, hole chunks).
+    hole_reads: bool,
     client_flags: u32,
     options: Vec<Opt>,
     items: Vec<Item>,
@@ -83,8 +92,8 @@ pub enum OptData {
 /// One step of the transmission phase.
 #[derive(Debug, Arbitrary)]
 pub enum Item {
-    /// A request.
-    Request { command: u8, flags: u16, offset: Offset, length: Length, payload: Payload, bad_magic: bool },
+    /// A request (`bad_magic`: the other header style's magic, or none).
+    Request { command: u8, flags: u16, offset: Offset, length: Length, payload: Payload, bad_magic: Option<bool> },
     /// Bytes.
     Raw(Vec<u8>),
     /// The server reads and replies; the volume completes some of what it holds.
@@ -109,6 +118,8 @@ pub enum Length {
     Raw(u32),
     /// Just over the maximum request.
     OverMax(u8),
+    /// Any 64-bit length (extended headers; cut to 32 bits in a compact header).
+    Wide(u64),
 }
 
 #[derive(Debug, Clone, Copy, Arbitrary)]
@@ -215,10 +226,14 @@ struct Client {
     pending: VecDeque<u8>,
     /// Replies not yet parsed.
     got: Vec<u8>,
-    /// Requests sent by cookie: command, flags, and length.
-    asked: HashMap<u64, (u16, u16, u32)>,
+    /// Requests sent by cookie: command, flags, offset and length.
+    asked: HashMap<u64, Asked>,
     /// Structured replies were negotiated.
     structured: bool,
+    /// Extended headers were negotiated.
+    extended: bool,
+    /// Content bytes received and whether an error chunk came, by cookie of a reply not done.
+    partial: HashMap<u64, (u64, bool)>,
     /// Cookies answered.
     answered: HashMap<u64, u32>,
     /// Replies are no longer parseable (a reply to a cookie the client did not track).
@@ -262,27 +277,46 @@ impl Client {
         while !self.lost && self.got.len() - at >= 16 {
             let h = &self.got[at..];
             let magic = u32::from_be_bytes(h[..4].try_into().expect("4"));
-            let (cookie, len) = if magic == codec::STRUCTURED_REPLY_MAGIC {
+            let (cookie, len, done) = if magic == codec::STRUCTURED_REPLY_MAGIC || magic == codec::EXTENDED_REPLY_MAGIC
+            {
+                let ext = magic == codec::EXTENDED_REPLY_MAGIC;
+                assert_eq!(ext, self.extended, "reply magic {magic:#x} with extended headers {}", self.extended);
                 assert!(self.structured, "a structured reply without structured replies negotiated");
-                if h.len() < 20 {
+                let head = if ext { 32 } else { 20 };
+                if h.len() < head {
                     break;
                 }
                 let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8"));
-                let payload = u32::from_be_bytes(h[16..20].try_into().expect("4")) as usize;
-                if h.len() < 20 + payload {
+                let payload = if ext {
+                    let n = u64::from_be_bytes(h[24..32].try_into().expect("8"));
+                    assert!(n <= fuzzing::MAX_REQUEST as u64 + 64, "an extended chunk of {n} bytes");
+                    n as usize
+                } else {
+                    u32::from_be_bytes(h[16..20].try_into().expect("4")) as usize
+                };
+                if h.len() < head + payload {
                     break;
                 }
                 let Some(&asked) = self.asked.get(&cookie) else {
                     self.lost = true;
                     break;
                 };
-                check_chunk(&h[..20 + payload], asked);
-                (cookie, 20 + payload)
+                if ext {
+                    let offset = u64::from_be_bytes(h[16..24].try_into().expect("8"));
+                    assert_eq!(offset, asked.offset, "an extended chunk's offset is the request's");
+                }
+                let state = self.partial.entry(cookie).or_default();
+                let done = check_chunk(&h[..head + payload], head, ext, asked, state);
+                if done {
+                    self.partial.remove(&cookie);
+                }
+                (cookie, head + payload, done)
             } else {
                 assert_eq!(magic, codec::SIMPLE_REPLY_MAGIC, "a reply without the reply magic");
+                assert!(!self.extended, "a simple reply with extended headers negotiated");
                 let error = u32::from_be_bytes(h[4..8].try_into().expect("4"));
                 let cookie = u64::from_be_bytes(h[8..16].try_into().expect("8"));
-                let Some(&(command, _, length)) = self.asked.get(&cookie) else {
+                let Some(&Asked { command, length, .. }) = self.asked.get(&cookie) else {
                     // A cookie of raw bytes: its data length is unknown.
                     self.lost = true;
                     break;
@@ -295,67 +329,133 @@ impl Client {
                 if h.len() < 16 + body {
                     break;
                 }
-                (cookie, 16 + body)
+                (cookie, 16 + body, true)
             };
-            let n = self.answered.entry(cookie).or_default();
-            *n += 1;
-            assert_eq!(*n, 1, "request {cookie:#x} answered twice");
+            assert_eq!(self.answered.get(&cookie), None, "a chunk for request {cookie:#x} after its last");
+            if done {
+                self.answered.insert(cookie, 1);
+            }
             at += len;
         }
         self.got.drain(..at);
     }
 }
 
-/// Checks one structured reply (header and payload) to a request of `(command, flags, length)`.
-fn check_chunk(c: &[u8], (command, flags, length): (u16, u16, u32)) {
+/// A request the client sent.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    command: u16,
+    flags: u16,
+    offset: u64,
+    length: u64,
+}
+
+/// Checks one structured or extended chunk (header of `head` bytes and payload) answering
+/// `asked`; `state` is what earlier chunks of the reply carried (content bytes, an error seen).
+/// Returns whether the chunk ends the reply.
+fn check_chunk(c: &[u8], head: usize, ext: bool, asked: Asked, state: &mut (u64, bool)) -> bool {
+    let Asked { command, flags, offset, length } = asked;
     let cflags = u16::from_be_bytes([c[4], c[5]]);
     let kind = u16::from_be_bytes([c[6], c[7]]);
-    let p = &c[20..];
-    assert_eq!(cflags, codec::chunk::FLAG_DONE, "one chunk per reply, flagged DONE");
-    assert!(matches!(command, cmd::READ | cmd::BLOCK_STATUS), "a structured reply to command {command}");
+    let p = &c[head..];
+    assert_eq!(cflags & !codec::chunk::FLAG_DONE, 0, "unknown chunk flags {cflags:#x}");
+    let done = cflags & codec::chunk::FLAG_DONE != 0;
+    assert!(
+        ext || matches!(command, cmd::READ | cmd::BLOCK_STATUS),
+        "a structured reply to command {command} without extended headers"
+    );
     match kind {
         codec::chunk::ERROR => {
             assert_eq!(p.len(), 6, "an error chunk without a message");
             assert_ne!(u32::from_be_bytes(p[..4].try_into().expect("4")), 0, "an error chunk of error 0");
+            assert!(!state.1, "two error chunks in one reply");
+            state.1 = true;
         }
-        codec::chunk::NONE => assert!(p.is_empty() && command == cmd::READ && length == 0, "a NONE chunk"),
-        codec::chunk::OFFSET_DATA => {
-            assert_eq!(command, cmd::READ, "read data for command {command}");
-            assert_eq!(p.len(), 8 + length as usize, "an OFFSET_DATA chunk of the wrong length");
+        codec::chunk::NONE => {
+            assert!(p.is_empty() && done, "a NONE chunk with a payload or not last");
+            if command == cmd::READ && !state.1 {
+                assert_eq!(state.0, length, "a READ's reply ends before its content covers it");
+            }
         }
-        codec::chunk::BLOCK_STATUS => {
+        codec::chunk::OFFSET_DATA | codec::chunk::OFFSET_HOLE => {
+            assert_eq!(command, cmd::READ, "content for command {command}");
+            let at = u64::from_be_bytes(p[..8].try_into().expect("8"));
+            let n = if kind == codec::chunk::OFFSET_DATA {
+                assert!(p.len() > 8, "an empty OFFSET_DATA chunk");
+                p.len() as u64 - 8
+            } else {
+                assert_eq!(p.len(), 12, "an OFFSET_HOLE chunk of {} bytes", p.len());
+                assert_eq!(flags & codec::cflag::DF, 0, "a hole chunk for a DF read");
+                u32::from_be_bytes(p[8..12].try_into().expect("4")) as u64
+            };
+            assert!(n > 0 && at >= offset && at + n <= offset + length, "content {at}+{n} outside {offset}+{length}");
+            state.0 += n;
+            assert!(state.0 <= length, "content chunks overlap: {} bytes for a read of {length}", state.0);
+            if flags & codec::cflag::DF != 0 {
+                assert!(done && state.0 == length, "a DF read in more than one chunk");
+            }
+            if done && !state.1 {
+                assert_eq!(state.0, length, "a READ's reply ends before its content covers it");
+            }
+        }
+        codec::chunk::BLOCK_STATUS | codec::chunk::BLOCK_STATUS_EXT => {
             assert_eq!(command, cmd::BLOCK_STATUS, "block status for command {command}");
-            assert!(p.len() >= 12 && (p.len() - 4) % 8 == 0, "block status payload of {} bytes", p.len());
+            assert_eq!(kind == codec::chunk::BLOCK_STATUS_EXT, ext, "block status chunk type {kind}");
+            assert!(done, "one block status chunk, the last");
             assert_eq!(u32::from_be_bytes(p[..4].try_into().expect("4")), codec::BASE_ALLOCATION_ID);
-            let n = (p.len() - 4) / 8;
+            let (fixed, size) = if ext { (8, 16) } else { (4, 8) };
+            assert!(
+                p.len() >= fixed + size && (p.len() - fixed) % size == 0,
+                "block status payload of {} bytes",
+                p.len()
+            );
+            let n = (p.len() - fixed) / size;
+            if ext {
+                assert_eq!(u32::from_be_bytes(p[4..8].try_into().expect("4")) as usize, n, "descriptor count");
+            }
             if flags & codec::cflag::REQ_ONE != 0 {
                 assert_eq!(n, 1, "REQ_ONE answered with {n} extents");
             }
             let mut total = 0u64;
-            for e in p[4..].chunks_exact(8) {
-                let len = u32::from_be_bytes(e[..4].try_into().expect("4"));
-                let state = u32::from_be_bytes(e[4..].try_into().expect("4"));
+            for e in p[fixed..].chunks_exact(size) {
+                let (len, state) = if ext {
+                    (
+                        u64::from_be_bytes(e[..8].try_into().expect("8")),
+                        u64::from_be_bytes(e[8..].try_into().expect("8")),
+                    )
+                } else {
+                    (
+                        u32::from_be_bytes(e[..4].try_into().expect("4")) as u64,
+                        u32::from_be_bytes(e[4..].try_into().expect("4")) as u64,
+                    )
+                };
                 assert!(len > 0, "an empty extent");
                 assert_eq!(state & !3, 0, "unknown state bits {state:#x}");
-                total += len as u64;
+                total += len;
             }
-            assert!(total <= length as u64, "extents cover {total} bytes of {length} asked");
+            assert!(total <= length, "extents cover {total} bytes of {length} asked");
         }
         k => panic!("chunk type {k}"),
     }
+    done
 }
 
 fn transmission(input: &Input, size: u64) {
     let Ok((server, client)) = UnixStream::pair() else { return };
     let max = input.max_inflight as usize % 64 + 1;
-    let Ok(mut conn) = Conn::new(server, size, input.discard, max, input.structured) else { return };
+    let hole_min = input.hole_reads.then_some(4096);
+    let Ok(mut conn) = Conn::new(server, size, input.discard, max, input.structured, input.extended, hole_min) else {
+        return;
+    };
     client.set_nonblocking(true).expect("non-blocking");
     let mut c = Client {
         sock: client,
         pending: VecDeque::new(),
         got: Vec::new(),
         asked: HashMap::new(),
-        structured: input.structured,
+        structured: input.structured || input.extended,
+        extended: input.extended,
+        partial: HashMap::new(),
         answered: HashMap::new(),
         lost: false,
     };
@@ -385,24 +485,51 @@ fn transmission(input: &Input, size: u64) {
                     Offset::Raw(v) => v,
                     Offset::End(d) => size.wrapping_add_signed(d as i64),
                 };
-                let length = match length {
-                    Length::Sectors(s) => s as u32 * 512,
-                    Length::Raw(v) => v,
-                    Length::OverMax(d) => fuzzing::MAX_REQUEST + d as u32,
+                let mut length = match length {
+                    Length::Sectors(s) => s as u64 * 512,
+                    Length::Raw(v) => v as u64,
+                    Length::OverMax(d) => fuzzing::MAX_REQUEST as u64 + d as u64,
+                    Length::Wide(v) => v,
                 };
+                if !input.extended {
+                    length &= u32::MAX as u64;
+                }
+                // With extended headers a WRITE carries PAYLOAD_LEN unless the flags ask to leave it
+                // out (bit 15: a WRITE without it, for the server to refuse).
+                let mut flags = flags;
+                if input.extended && command == cmd::WRITE && flags & 0x8000 == 0 {
+                    flags |= codec::cflag::PAYLOAD_LEN;
+                }
                 let cookie = next_cookie;
                 next_cookie += 1;
-                let mut h = Vec::with_capacity(28);
-                put_u32(&mut h, if bad_magic { 0xdead_beef } else { codec::REQUEST_MAGIC });
+                let mut h = Vec::with_capacity(32);
+                let (good, other) = if input.extended {
+                    (codec::EXTENDED_REQUEST_MAGIC, codec::REQUEST_MAGIC)
+                } else {
+                    (codec::REQUEST_MAGIC, codec::EXTENDED_REQUEST_MAGIC)
+                };
+                put_u32(
+                    &mut h,
+                    match bad_magic {
+                        None => good,
+                        Some(true) => other,
+                        Some(false) => 0xdead_beef,
+                    },
+                );
                 h.extend_from_slice(&flags.to_be_bytes());
                 h.extend_from_slice(&command.to_be_bytes());
                 h.extend_from_slice(&cookie.to_be_bytes());
                 h.extend_from_slice(&offset.to_be_bytes());
-                put_u32(&mut h, length);
-                let body = match (command, payload) {
-                    (cmd::WRITE, Payload::Full) => length as usize,
-                    (cmd::WRITE, Payload::Short(n)) => (n as usize).min(length as usize),
-                    _ => 0,
+                if input.extended {
+                    h.extend_from_slice(&length.to_be_bytes());
+                } else {
+                    put_u32(&mut h, length as u32);
+                }
+                let req = codec::Request { flags, command, cookie, offset, length };
+                let body = match (req.payload(input.extended), payload) {
+                    (Some(n), Payload::Full) => n.min(MAX_CLIENT_BYTES as u64 + 1) as usize,
+                    (Some(n), Payload::Short(k)) => (k as u64).min(n) as usize,
+                    (None, _) => 0,
                 };
                 if queued + 28 + body > MAX_CLIENT_BYTES {
                     continue;
@@ -410,7 +537,7 @@ fn transmission(input: &Input, size: u64) {
                 queued += 28 + body;
                 c.pending.extend(h);
                 c.pending.extend(std::iter::repeat_n(cookie as u8 | 1, body));
-                c.asked.insert(cookie, (command, flags, length));
+                c.asked.insert(cookie, Asked { command, flags, offset, length });
             }
             Item::Raw(ref v) => {
                 crate::count_frames(1);
@@ -501,6 +628,9 @@ fn check(io: &Io, size: u64, input: &Input) {
             assert!(off.checked_add(len).is_some_and(|e| e <= size), "{op:?} at {off}+{len} past the end ({size})");
             if matches!(op, Op::Read | Op::Write) {
                 assert!(len <= fuzzing::MAX_REQUEST as u64, "{op:?} of {len} bytes");
+            }
+            if matches!(op, Op::Discard | Op::WriteZeroes) {
+                assert!(len <= fuzzing::MAX_EFFECT, "{op:?} of {len} bytes");
             }
         }
     }

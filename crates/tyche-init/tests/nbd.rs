@@ -598,3 +598,303 @@ fn interop_with_tyched() {
         }
     }
 }
+
+/// Option haggling up to transmission: extended headers and/or structured replies, then
+/// `base:allocation`, then NBD_OPT_GO. Returns the connection and the transmission flags.
+async fn negotiate(socket: &Path, extended: bool, structured: bool) -> (UnixStream, u16) {
+    let mut c = newstyle(socket).await;
+    if extended {
+        assert_eq!(option(&mut c, codec::opt::EXTENDED_HEADERS, &[]).await, [(codec::rep::ACK, vec![])]);
+    }
+    if structured {
+        let want = if extended { codec::rep::ERR_EXT_HEADER_REQD } else { codec::rep::ACK };
+        assert_eq!(option(&mut c, codec::opt::STRUCTURED_REPLY, &[]).await, [(want, vec![])]);
+    }
+    if extended || structured {
+        let r = option(&mut c, codec::opt::SET_META_CONTEXT, &meta_request("ram", &["base:allocation"])).await;
+        assert_eq!(r.last().unwrap().0, codec::rep::ACK);
+    }
+    let mut go = 0u32.to_be_bytes().to_vec();
+    go.extend(0u16.to_be_bytes());
+    let r = option(&mut c, codec::opt::GO, &go).await;
+    let flags = u16::from_be_bytes(r[0].1[10..12].try_into().unwrap());
+    (c, flags)
+}
+
+/// An extended request header (32 bytes, 64-bit length).
+fn ext_request(cmd: u16, flags: u16, cookie: u64, off: u64, len: u64) -> Vec<u8> {
+    let mut b = codec::EXTENDED_REQUEST_MAGIC.to_be_bytes().to_vec();
+    b.extend(flags.to_be_bytes());
+    b.extend(cmd.to_be_bytes());
+    b.extend(cookie.to_be_bytes());
+    b.extend(off.to_be_bytes());
+    b.extend(len.to_be_bytes());
+    b
+}
+
+/// One extended reply chunk: (flags, type, cookie, the header's offset, payload).
+async fn ext_chunk(c: &mut UnixStream) -> (u16, u16, u64, u64, Vec<u8>) {
+    let mut h = [0u8; 32];
+    c.read_exact(&mut h).await.unwrap();
+    assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), codec::EXTENDED_REPLY_MAGIC, "{h:?}");
+    let len = u64::from_be_bytes(h[24..32].try_into().unwrap());
+    assert!(len <= 64 << 20, "a chunk of {len} bytes");
+    let mut p = vec![0u8; len as usize];
+    c.read_exact(&mut p).await.unwrap();
+    (
+        u16::from_be_bytes([h[4], h[5]]),
+        u16::from_be_bytes([h[6], h[7]]),
+        u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        u64::from_be_bytes(h[16..24].try_into().unwrap()),
+        p,
+    )
+}
+
+/// Whether the server closed the connection (a hard disconnect) within 10 s.
+async fn closed(c: &mut UnixStream) -> bool {
+    let mut rest = Vec::new();
+    matches!(tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await, Ok(Ok(_)) | Ok(Err(_)))
+}
+
+/// NBD_OPT_EXTENDED_HEADERS on a raw socket, engine path: negotiation rules, every command with
+/// 64-bit lengths, the errors that keep the session and those that end it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_extended_headers() {
+    raw_extended(true).await;
+}
+
+/// The same with a task per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_extended_headers_with_tasks() {
+    raw_extended(false).await;
+}
+
+async fn raw_extended(engine_io: bool) {
+    use codec::{chunk as ch, cmd, errno, rep};
+    let size = 64 * MIB;
+    let s = server_with(size, engine_io).await;
+    let mut c = newstyle(&s.socket).await;
+    // Data with the option: invalid; then ACK, twice; structured replies can no longer be had.
+    assert_eq!(option(&mut c, codec::opt::EXTENDED_HEADERS, &[0]).await, [(rep::ERR_INVALID, vec![])]);
+    for _ in 0..2 {
+        assert_eq!(option(&mut c, codec::opt::EXTENDED_HEADERS, &[]).await, [(rep::ACK, vec![])]);
+    }
+    assert_eq!(option(&mut c, codec::opt::STRUCTURED_REPLY, &[]).await, [(rep::ERR_EXT_HEADER_REQD, vec![])]);
+    let ctx = codec::rep_meta_context(codec::BASE_ALLOCATION_ID, codec::BASE_ALLOCATION);
+    let r = option(&mut c, codec::opt::SET_META_CONTEXT, &meta_request("ram", &["base:allocation"])).await;
+    assert_eq!(r, [(rep::META_CONTEXT, ctx), (rep::ACK, vec![])], "no structured replies needed");
+    let mut go = 0u32.to_be_bytes().to_vec();
+    go.extend(0u16.to_be_bytes());
+    let r = option(&mut c, codec::opt::GO, &go).await;
+    let flags = u16::from_be_bytes(r[0].1[10..12].try_into().unwrap());
+    assert_ne!(flags & codec::tflag::SEND_DF, 0, "SEND_DF with extended headers");
+
+    let pl = codec::cflag::PAYLOAD_LEN;
+    // A write (PAYLOAD_LEN), answered NONE: no simple replies with extended headers.
+    let mut w = ext_request(cmd::WRITE, pl | codec::cflag::FUA, 1, 65536, 8192);
+    w.extend([0x5a; 8192]);
+    c.write_all(&w).await.unwrap();
+    assert_eq!(ext_chunk(&mut c).await, (ch::FLAG_DONE, ch::NONE, 1, 65536, vec![]));
+    // A write without PAYLOAD_LEN (so no payload): EINVAL, and the session goes on.
+    c.write_all(&ext_request(cmd::WRITE, 0, 2, 0, 4096)).await.unwrap();
+    let (f, t, cookie, _, p) = ext_chunk(&mut c).await;
+    assert_eq!((f, t, cookie, p), (ch::FLAG_DONE, ch::ERROR, 2, vec![0, 0, 0, errno::EINVAL as u8, 0, 0]));
+    // A read with a payload: the payload is read and dropped, EINVAL.
+    let mut r = ext_request(cmd::READ, pl, 3, 0, 512);
+    r.extend([0xee; 512]);
+    c.write_all(&r).await.unwrap();
+    let (_, t, cookie, _, p) = ext_chunk(&mut c).await;
+    assert_eq!((t, cookie, p[3] as u32), (ch::ERROR, 3, errno::EINVAL));
+    // A read: one OFFSET_DATA chunk; the header has the request's offset.
+    c.write_all(&ext_request(cmd::READ, 0, 4, 65536 + 100, 20)).await.unwrap();
+    let (f, t, cookie, off, p) = ext_chunk(&mut c).await;
+    assert_eq!((f, t, cookie, off), (ch::FLAG_DONE, ch::OFFSET_DATA, 4, 65536 + 100));
+    assert_eq!(p[..8], (65536u64 + 100).to_be_bytes());
+    assert_eq!(p[8..], [0x5a; 20]);
+    // Reads over the maximum (64-bit length): EOVERFLOW; past the end: EINVAL.
+    c.write_all(&ext_request(cmd::READ, 0, 5, 0, 33 * MIB)).await.unwrap();
+    let (_, t, _, _, p) = ext_chunk(&mut c).await;
+    assert_eq!((t, p[3] as u32), (ch::ERROR, errno::EOVERFLOW));
+    c.write_all(&ext_request(cmd::READ, 0, 6, 0, 1 << 40)).await.unwrap();
+    let (_, t, _, _, p) = ext_chunk(&mut c).await;
+    assert_eq!((t, p[3] as u32), (ch::ERROR, errno::EINVAL));
+    // Block status of the whole export in one request: BLOCK_STATUS_EXT, 64-bit descriptors.
+    c.write_all(&ext_request(cmd::BLOCK_STATUS, 0, 7, 0, size)).await.unwrap();
+    let (f, t, cookie, _, p) = ext_chunk(&mut c).await;
+    assert_eq!((f, t, cookie), (ch::FLAG_DONE, ch::BLOCK_STATUS_EXT, 7));
+    assert_eq!(p[..4], codec::BASE_ALLOCATION_ID.to_be_bytes());
+    let n = u32::from_be_bytes(p[4..8].try_into().unwrap()) as usize;
+    assert_eq!(p.len(), 8 + 16 * n, "the descriptor count");
+    let ext: Vec<(u64, u64)> = p[8..]
+        .chunks_exact(16)
+        .map(|e| (u64::from_be_bytes(e[..8].try_into().unwrap()), u64::from_be_bytes(e[8..].try_into().unwrap())))
+        .collect();
+    let hz = (codec::state::HOLE | codec::state::ZERO) as u64;
+    assert_eq!(ext[..2], [(65536, hz), (8192, 0)], "{ext:?}");
+    // Zeroes and trim over ranges of 64-bit lengths (the whole export), a FLUSH, CACHE.
+    c.write_all(&ext_request(cmd::WRITE_ZEROES, 0, 8, 0, size)).await.unwrap();
+    assert_eq!(ext_chunk(&mut c).await, (ch::FLAG_DONE, ch::NONE, 8, 0, vec![]));
+    c.write_all(&ext_request(cmd::TRIM, codec::cflag::FUA, 9, 0, size)).await.unwrap();
+    assert_eq!(ext_chunk(&mut c).await, (ch::FLAG_DONE, ch::NONE, 9, 0, vec![]));
+    c.write_all(&ext_request(cmd::FLUSH, 0, 10, 0, 0)).await.unwrap();
+    assert_eq!(ext_chunk(&mut c).await.1, ch::NONE);
+    c.write_all(&ext_request(cmd::CACHE, 0, 11, 0, size)).await.unwrap();
+    assert_eq!(ext_chunk(&mut c).await.1, ch::NONE);
+    c.write_all(&ext_request(cmd::READ, 0, 12, 65536, 4096)).await.unwrap();
+    let (_, t, _, _, p) = ext_chunk(&mut c).await;
+    assert_eq!(t, ch::OFFSET_DATA);
+    assert!(p[8..].iter().all(|&b| b == 0), "zeroed");
+    // A payload over the maximum: the server hangs up (it will not read 33 MiB it cannot use).
+    c.write_all(&ext_request(cmd::WRITE, pl, 13, 0, 33 * MIB)).await.unwrap();
+    assert!(closed(&mut c).await, "a payload over the maximum ends the session");
+
+    // The wrong header for what was negotiated, and a bad magic: the session ends (once a whole
+    // header's bytes are in: a compact one is followed by the start of the next request).
+    for (extended, bad) in [
+        (true, request(cmd::READ, 0, 1, 0, 512).into_iter().chain(request(cmd::READ, 0, 2, 0, 512)).collect()),
+        (false, ext_request(cmd::READ, 0, 1, 0, 512)),
+        (true, [0xde, 0xad, 0xbe, 0xef].into_iter().chain([0u8; 28]).collect()),
+    ] {
+        let (mut c, _) = negotiate(&s.socket, extended, false).await;
+        c.write_all(&bad).await.unwrap();
+        assert!(closed(&mut c).await, "extended {extended}: {bad:x?}");
+    }
+    // NBD_OPT_EXPORT_NAME after extended headers: the session ends (no way to answer an error).
+    let mut c = newstyle(&s.socket).await;
+    option(&mut c, codec::opt::EXTENDED_HEADERS, &[]).await;
+    let mut o = codec::IHAVEOPT.to_be_bytes().to_vec();
+    o.extend(codec::opt::EXPORT_NAME.to_be_bytes());
+    o.extend(0u32.to_be_bytes());
+    c.write_all(&o).await.unwrap();
+    assert!(closed(&mut c).await);
+}
+
+/// The chunks of one structured or extended reply, to its DONE: (type, offset, payload).
+async fn reply_chunks(c: &mut UnixStream, extended: bool) -> Vec<(u16, u64, Vec<u8>)> {
+    let mut out = Vec::new();
+    loop {
+        let (f, t, p) = if extended {
+            let (f, t, _, _, p) = ext_chunk(c).await;
+            (f, t, p)
+        } else {
+            let (f, t, _, p) = chunk(c).await;
+            (f, t, p)
+        };
+        let off = if p.len() >= 8 { u64::from_be_bytes(p[..8].try_into().unwrap()) } else { 0 };
+        out.push((t, off, p));
+        if f & codec::chunk::FLAG_DONE != 0 {
+            return out;
+        }
+    }
+}
+
+/// Reads of holes come back as NBD_REPLY_TYPE_OFFSET_HOLE chunks (no zeroes on the wire), data
+/// as OFFSET_DATA, with structured replies and with extended headers, on both paths; with
+/// NBD_CMD_FLAG_DF one data chunk; contents right either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_reads_answer_holes_as_hole_chunks() {
+    use codec::{chunk as ch, cmd};
+    for engine_io in [true, false] {
+        let s = server_with(8 * MIB, engine_io).await;
+        for extended in [false, true] {
+            let (mut c, flags) = negotiate(&s.socket, extended, !extended).await;
+            assert_ne!(flags & codec::tflag::SEND_DF, 0);
+            // Data: 8 KiB at 1 MiB, 512 bytes at 2 MiB + 512 (4 KiB pages on the target).
+            let mut want = vec![0u8; 3 * MIB as usize];
+            for (at, n, v) in [(MIB, 8192u64, 0x11u8), (2 * MIB + 512, 512, 0x22)] {
+                let mut w = if extended {
+                    ext_request(cmd::WRITE, codec::cflag::PAYLOAD_LEN, 1, at, n)
+                } else {
+                    request(cmd::WRITE, 0, 1, at, n as u32)
+                };
+                w.extend(std::iter::repeat_n(v, n as usize));
+                want[at as usize..(at + n) as usize].fill(v);
+                c.write_all(&w).await.unwrap();
+                if extended {
+                    ext_chunk(&mut c).await;
+                } else {
+                    let mut h = [0u8; 16];
+                    c.read_exact(&mut h).await.unwrap();
+                    assert_eq!(h, codec::simple_reply(0, 1));
+                }
+            }
+            // 2 MiB + 1000 from 512 K - 100 (unaligned both ends).
+            let (off, len) = (512 * 1024 - 100, 2 * MIB + 1000);
+            let req = |flags, cookie| {
+                if extended {
+                    ext_request(cmd::READ, flags, cookie, off, len)
+                } else {
+                    request(cmd::READ, flags, cookie, off, len as u32)
+                }
+            };
+            c.write_all(&req(0, 2)).await.unwrap();
+            let chunks = reply_chunks(&mut c, extended).await;
+            let mut got = vec![0xffu8; len as usize];
+            let (mut holes, mut data) = (0u64, 0u64);
+            for (t, at, p) in &chunks {
+                let rel = (at - off) as usize;
+                match *t {
+                    ch::OFFSET_HOLE => {
+                        let n = u32::from_be_bytes(p[8..12].try_into().unwrap()) as usize;
+                        got[rel..rel + n].fill(0);
+                        holes += n as u64;
+                    }
+                    ch::OFFSET_DATA => {
+                        got[rel..rel + p.len() - 8].copy_from_slice(&p[8..]);
+                        data += p.len() as u64 - 8;
+                    }
+                    t => panic!("chunk type {t}"),
+                }
+            }
+            assert_eq!(holes + data, len, "the chunks cover the read exactly: {chunks:?}");
+            assert!(holes >= 2 * MIB - 64 * 1024, "extended {extended} engine {engine_io}: {holes} bytes of holes");
+            assert!(got == want[off as usize..(off + len) as usize], "contents");
+            // DF: one data chunk, zeroes and all.
+            c.write_all(&req(codec::cflag::DF, 3)).await.unwrap();
+            let chunks = reply_chunks(&mut c, extended).await;
+            assert_eq!(chunks.len(), 1);
+            assert_eq!(chunks[0].0, ch::OFFSET_DATA);
+            assert!(chunks[0].2[8..] == want[off as usize..(off + len) as usize]);
+        }
+    }
+}
+
+/// python3-libnbd (nbdsh, libnbd 1.14: no extended headers in the client) reads holes as hole
+/// chunks through `pread_structured`, data as data chunks, contents right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdsh_pread_structured_sees_hole_chunks() {
+    if !have("nbdsh") {
+        return;
+    }
+    for engine_io in [true, false] {
+        let s = server_with(16 * MIB, engine_io).await;
+        let u = uri(&s.socket);
+        let script = r#"
+import nbd
+h.connect_uri(URI)
+assert h.get_structured_replies_negotiated()
+h.pwrite(b"\x5a" * 65536, 4 << 20)
+h.pwrite(b"\xa5" * 4096, (6 << 20) + 8192)
+want = bytearray(8 << 20)
+want[4 << 20:(4 << 20) + 65536] = b"\x5a" * 65536
+want[(6 << 20) + 8192:(6 << 20) + 12288] = b"\xa5" * 4096
+chunks = []
+def cb(buf, off, status, err):
+    chunks.append((status, off, len(buf)))
+    return 0
+buf = h.pread_structured(8 << 20, 0, cb)
+assert buf == bytes(want), "contents"
+holes = sum(n for s, o, n in chunks if s == nbd.READ_HOLE)
+data = sum(n for s, o, n in chunks if s == nbd.READ_DATA)
+assert holes + data == 8 << 20, chunks
+assert data <= 256 << 10 and holes >= 7 << 20, chunks
+chunks.clear()
+buf = h.pread_structured(8 << 20, 0, cb, flags=nbd.CMD_FLAG_DF)
+assert buf == bytes(want) and len(chunks) == 1 and chunks[0][0] == nbd.READ_DATA, chunks
+print("PREAD STRUCTURED OK", len(chunks))
+"#
+        .replace("URI", &format!("{u:?}"));
+        let out = tokio::task::spawn_blocking(move || run(Command::new("nbdsh").arg("-c").arg(script))).await.unwrap();
+        assert!(out.contains("PREAD STRUCTURED OK"), "engine_io {engine_io}: {out}");
+    }
+}

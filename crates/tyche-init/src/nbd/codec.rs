@@ -1,5 +1,5 @@
-//! The NBD wire format (fixed newstyle handshake, simple and structured replies, metadata
-//! contexts), as far as the server needs it.
+//! The NBD wire format (fixed newstyle handshake, simple, structured and extended replies,
+//! compact and extended requests, metadata contexts), as far as the server needs it.
 //! Numbers from the NBD protocol document (`doc/proto.md` in NetworkBlockDevice/nbd). All
 //! integers are big-endian.
 
@@ -15,6 +15,10 @@ pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 /// Magic of a structured reply chunk.
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+/// Magic of an extended request (32 bytes, 64-bit length; NBD_OPT_EXTENDED_HEADERS).
+pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+/// Magic of an extended reply chunk (32 bytes, with the request's offset and a 64-bit length).
+pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 /// The one metadata context served.
 pub const BASE_ALLOCATION: &str = "base:allocation";
 /// Id the server gives `base:allocation`.
@@ -49,6 +53,8 @@ pub mod opt {
     pub const LIST_META_CONTEXT: u32 = 9;
     /// Select metadata contexts for transmission.
     pub const SET_META_CONTEXT: u32 = 10;
+    /// Extended headers: 32-byte requests and replies with 64-bit lengths.
+    pub const EXTENDED_HEADERS: u32 = 11;
 }
 
 /// Option reply types.
@@ -69,6 +75,8 @@ pub mod rep {
     pub const ERR_UNKNOWN: u32 = (1 << 31) + 6;
     /// Option too big.
     pub const ERR_TOO_BIG: u32 = (1 << 31) + 9;
+    /// Extended headers are required, or (to NBD_OPT_STRUCTURED_REPLY) already negotiated.
+    pub const ERR_EXT_HEADER_REQD: u32 = (1 << 31) + 10;
 }
 
 /// NBD_INFO item types.
@@ -97,6 +105,8 @@ pub mod tflag {
     pub const SEND_TRIM: u16 = 1 << 5;
     /// WRITE_ZEROES supported.
     pub const SEND_WRITE_ZEROES: u16 = 1 << 6;
+    /// READ honours NBD_CMD_FLAG_DF (only with structured replies or extended headers).
+    pub const SEND_DF: u16 = 1 << 7;
     /// Several connections see one consistent export (a FLUSH on one covers all).
     pub const CAN_MULTI_CONN: u16 = 1 << 8;
     /// CACHE supported.
@@ -129,10 +139,12 @@ pub mod cflag {
     pub const FUA: u16 = 1 << 0;
     /// WRITE_ZEROES must not punch a hole.
     pub const NO_HOLE: u16 = 1 << 1;
-    /// READ must not be fragmented (this server never does).
+    /// READ must be answered with at most one content chunk.
     pub const DF: u16 = 1 << 2;
     /// BLOCK_STATUS: one extent only.
     pub const REQ_ONE: u16 = 1 << 3;
+    /// Extended headers: the length is a payload that follows the header (WRITE must set it).
+    pub const PAYLOAD_LEN: u16 = 1 << 5;
 }
 
 /// Structured reply chunk types and flags.
@@ -143,8 +155,12 @@ pub mod chunk {
     pub const NONE: u16 = 0;
     /// Read data at an offset.
     pub const OFFSET_DATA: u16 = 1;
-    /// Block status extents of one metadata context.
+    /// A read's range that reads as zeroes (offset and 32-bit size, no data).
+    pub const OFFSET_HOLE: u16 = 2;
+    /// Block status extents of one metadata context (32-bit lengths).
     pub const BLOCK_STATUS: u16 = 5;
+    /// Block status extents with 64-bit lengths and states (extended headers only).
+    pub const BLOCK_STATUS_EXT: u16 = 6;
     /// An error (errno, message).
     pub const ERROR: u16 = (1 << 15) + 1;
 }
@@ -286,7 +302,7 @@ pub fn parse_info_request(d: &[u8]) -> Option<(String, Vec<u16>)> {
     Some((name, items.chunks_exact(2).map(|c| u16::from_be_bytes([c[0], c[1]])).collect()))
 }
 
-/// A transmission request.
+/// A transmission request (compact or extended: the length is 64 bits either way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
     /// Command flags.
@@ -297,12 +313,63 @@ pub struct Request {
     pub cookie: u64,
     /// Byte offset.
     pub offset: u64,
-    /// Bytes.
-    pub length: u32,
+    /// Bytes: the effect length, or with [`Request::payload`] the payload that follows.
+    pub length: u64,
 }
 
-/// Length of a request header.
+impl Request {
+    /// Bytes of payload that follow the header: a compact WRITE's length; with extended
+    /// headers, the length of any request flagged [`cflag::PAYLOAD_LEN`].
+    pub fn payload(&self, extended: bool) -> Option<u64> {
+        let has = if extended { self.flags & cflag::PAYLOAD_LEN != 0 } else { self.command == cmd::WRITE };
+        has.then_some(self.length)
+    }
+}
+
+/// Length of a compact request header.
 pub const REQUEST_LEN: usize = 28;
+/// Length of an extended request header.
+pub const EXTENDED_REQUEST_LEN: usize = 32;
+
+/// The request header length of a connection with (or without) extended headers.
+pub fn request_len(extended: bool) -> usize {
+    if extended {
+        EXTENDED_REQUEST_LEN
+    } else {
+        REQUEST_LEN
+    }
+}
+
+/// Why a request header was refused. The stream cannot be framed after one: the connection
+/// ends (a hard disconnect, as the NBD protocol has it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadRequest {
+    /// Neither request magic.
+    Magic(u32),
+    /// A compact header on a connection that negotiated extended headers.
+    CompactAfterExtended,
+    /// An extended header on a connection that did not negotiate them.
+    ExtendedNotNegotiated,
+    /// Fewer bytes than a header.
+    Short,
+}
+
+impl std::fmt::Display for BadRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BadRequest::Magic(m) => write!(f, "bad request magic {m:#010x}"),
+            BadRequest::CompactAfterExtended => {
+                f.write_str("a compact request header after extended headers were negotiated")
+            }
+            BadRequest::ExtendedNotNegotiated => {
+                f.write_str("an extended request header without NBD_OPT_EXTENDED_HEADERS negotiated")
+            }
+            BadRequest::Short => f.write_str("a short request header"),
+        }
+    }
+}
+
+impl std::error::Error for BadRequest {}
 
 /// The queries of NBD_OPT_LIST_META_CONTEXT / NBD_OPT_SET_META_CONTEXT: export name and the
 /// query strings. `None` if the lengths do not add up or a string is not UTF-8.
@@ -333,15 +400,23 @@ pub fn rep_meta_context(id: u32, name: &str) -> Vec<u8> {
     b
 }
 
-/// Parses a request header; `None` if the magic is wrong.
-pub fn parse_request(b: &[u8; REQUEST_LEN]) -> Option<Request> {
-    let magic = u32::from_be_bytes(b[..4].try_into().expect("4 bytes"));
-    (magic == REQUEST_MAGIC).then(|| Request {
+/// Parses a request header of [`request_len`]`(extended)` bytes (the first bytes of `b`).
+pub fn parse_request(b: &[u8], extended: bool) -> Result<Request, BadRequest> {
+    let b = b.get(..request_len(extended)).ok_or(BadRequest::Short)?;
+    let be32 = |r: std::ops::Range<usize>| u32::from_be_bytes(b[r].try_into().expect("4 bytes"));
+    let be64 = |r: std::ops::Range<usize>| u64::from_be_bytes(b[r].try_into().expect("8 bytes"));
+    match (be32(0..4), extended) {
+        (REQUEST_MAGIC, false) | (EXTENDED_REQUEST_MAGIC, true) => {}
+        (REQUEST_MAGIC, true) => return Err(BadRequest::CompactAfterExtended),
+        (EXTENDED_REQUEST_MAGIC, false) => return Err(BadRequest::ExtendedNotNegotiated),
+        (m, _) => return Err(BadRequest::Magic(m)),
+    }
+    Ok(Request {
         flags: u16::from_be_bytes([b[4], b[5]]),
         command: u16::from_be_bytes([b[6], b[7]]),
-        cookie: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
-        offset: u64::from_be_bytes(b[16..24].try_into().expect("8 bytes")),
-        length: u32::from_be_bytes(b[24..28].try_into().expect("4 bytes")),
+        cookie: be64(8..16),
+        offset: be64(16..24),
+        length: if extended { be64(24..32) } else { be32(24..28) as u64 },
     })
 }
 
@@ -354,12 +429,16 @@ pub fn simple_reply(error: u32, cookie: u64) -> [u8; 16] {
     b
 }
 
-/// A reply's header: a simple reply, or a structured chunk header with the fixed part of its
-/// payload (a read's offset, an error's number, a block status's context id). Inline, no
-/// allocation per reply.
+/// Most bytes of a reply head: an extended chunk header (32) and the largest fixed payload part
+/// (an OFFSET_HOLE's 12).
+const HEAD_MAX: usize = 48;
+
+/// A reply's header: a simple reply, or a structured or extended chunk header with the fixed
+/// part of its payload (a read's offset, a hole's offset and size, an error's number, a block
+/// status's context id and count). Inline, no allocation per reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Head {
-    b: [u8; 32],
+    b: [u8; HEAD_MAX],
     n: u8,
 }
 
@@ -377,43 +456,81 @@ impl Head {
 
     /// A simple reply (read data, if any, follows).
     pub fn simple(error: u32, cookie: u64) -> Head {
-        let mut h = Head { b: [0; 32], n: 0 };
+        let mut h = Head { b: [0; HEAD_MAX], n: 0 };
         h.put(&simple_reply(error, cookie));
         h
     }
 
-    /// A structured chunk header with `DONE`, of type `kind`, whose payload is `fixed` and then
-    /// `more` bytes that follow the head.
-    fn chunk(kind: u16, cookie: u64, fixed: &[u8], more: usize) -> Head {
-        let mut h = Head { b: [0; 32], n: 0 };
-        h.put(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-        h.put(&chunk::FLAG_DONE.to_be_bytes());
+    /// A chunk header of type `kind` answering `req` (flagged DONE when `done`), whose payload is
+    /// `fixed` and then `more` bytes that follow the head: structured (20 bytes), or extended
+    /// (32 bytes, echoing the request's offset, 64-bit length).
+    fn chunk(extended: bool, req: &Request, done: bool, kind: u16, fixed: &[u8], more: usize) -> Head {
+        let mut h = Head { b: [0; HEAD_MAX], n: 0 };
+        let flags = if done { chunk::FLAG_DONE } else { 0 };
+        h.put(&if extended { EXTENDED_REPLY_MAGIC } else { STRUCTURED_REPLY_MAGIC }.to_be_bytes());
+        h.put(&flags.to_be_bytes());
         h.put(&kind.to_be_bytes());
-        h.put(&cookie.to_be_bytes());
-        h.put(&((fixed.len() + more) as u32).to_be_bytes());
+        h.put(&req.cookie.to_be_bytes());
+        let len = fixed.len() + more;
+        if extended {
+            h.put(&req.offset.to_be_bytes());
+            h.put(&(len as u64).to_be_bytes());
+        } else {
+            h.put(&(len as u32).to_be_bytes());
+        }
         h.put(fixed);
         h
     }
 
-    /// NBD_REPLY_TYPE_OFFSET_DATA of `len` bytes at `offset` (the data follows), or
-    /// NBD_REPLY_TYPE_NONE for a read of nothing.
-    pub fn read_data(cookie: u64, offset: u64, len: usize) -> Head {
-        if len == 0 {
-            return Head::chunk(chunk::NONE, cookie, &[], 0);
-        }
-        Head::chunk(chunk::OFFSET_DATA, cookie, &offset.to_be_bytes(), len)
+    /// NBD_REPLY_TYPE_NONE, DONE: success without data.
+    pub fn none(extended: bool, req: &Request) -> Head {
+        Head::chunk(extended, req, true, chunk::NONE, &[], 0)
+    }
+
+    /// NBD_REPLY_TYPE_OFFSET_DATA of `len` bytes at `offset` (the data follows).
+    pub fn read_data(extended: bool, req: &Request, offset: u64, len: usize, done: bool) -> Head {
+        Head::chunk(extended, req, done, chunk::OFFSET_DATA, &offset.to_be_bytes(), len)
+    }
+
+    /// NBD_REPLY_TYPE_OFFSET_HOLE: `len` bytes at `offset` read as zeroes.
+    pub fn hole(extended: bool, req: &Request, offset: u64, len: u32, done: bool) -> Head {
+        let mut fixed = [0u8; 12];
+        fixed[..8].copy_from_slice(&offset.to_be_bytes());
+        fixed[8..].copy_from_slice(&len.to_be_bytes());
+        Head::chunk(extended, req, done, chunk::OFFSET_HOLE, &fixed, 0)
     }
 
     /// NBD_REPLY_TYPE_ERROR with `error` and no message.
-    pub fn error(cookie: u64, error: u32) -> Head {
+    pub fn error(extended: bool, req: &Request, error: u32, done: bool) -> Head {
         let mut fixed = [0u8; 6];
         fixed[..4].copy_from_slice(&error.to_be_bytes());
-        Head::chunk(chunk::ERROR, cookie, &fixed, 0)
+        Head::chunk(extended, req, done, chunk::ERROR, &fixed, 0)
     }
 
-    /// NBD_REPLY_TYPE_BLOCK_STATUS of context `id` with `descriptors` bytes of extents following.
-    pub fn block_status(cookie: u64, id: u32, descriptors: usize) -> Head {
-        Head::chunk(chunk::BLOCK_STATUS, cookie, &id.to_be_bytes(), descriptors)
+    /// NBD_REPLY_TYPE_BLOCK_STATUS (or, extended, NBD_REPLY_TYPE_BLOCK_STATUS_EXT with its
+    /// descriptor count) of context `id`, DONE, with `count` descriptors (written by
+    /// [`descriptor`]) following.
+    pub fn block_status(extended: bool, req: &Request, id: u32, count: usize) -> Head {
+        if extended {
+            let mut fixed = [0u8; 8];
+            fixed[..4].copy_from_slice(&id.to_be_bytes());
+            fixed[4..].copy_from_slice(&(count as u32).to_be_bytes());
+            Head::chunk(true, req, true, chunk::BLOCK_STATUS_EXT, &fixed, count * 16)
+        } else {
+            Head::chunk(false, req, true, chunk::BLOCK_STATUS, &id.to_be_bytes(), count * 8)
+        }
+    }
+}
+
+/// Appends one block status descriptor: 32-bit length and state, or (extended) 64-bit length
+/// and state. A compact descriptor's length must fit 32 bits (the caller's range does).
+pub fn descriptor(extended: bool, len: u64, state: u32, out: &mut Vec<u8>) {
+    if extended {
+        out.extend_from_slice(&len.to_be_bytes());
+        out.extend_from_slice(&(state as u64).to_be_bytes());
+    } else {
+        out.extend_from_slice(&(len as u32).to_be_bytes());
+        out.extend_from_slice(&state.to_be_bytes());
     }
 }
 
@@ -452,6 +569,8 @@ mod tests {
         );
         let e = option_reply(opt::STRUCTURED_REPLY, rep::ERR_UNSUP, &[]);
         assert_eq!(&e[12..], &[0x80, 0, 0, 1, 0, 0, 0, 0]);
+        let e = option_reply(opt::EXTENDED_HEADERS, rep::ERR_EXT_HEADER_REQD, &[]);
+        assert_eq!(&e[8..], &[0, 0, 0, 11, 0x80, 0, 0, 10, 0, 0, 0, 0]);
     }
 
     #[test]
@@ -484,39 +603,129 @@ mod tests {
             0, 0, 0, 0, 0, 0, 0x10, 0, // offset 4096
             0, 0, 0x02, 0, // length 512
         ];
-        assert_eq!(
-            parse_request(&b),
-            Some(Request {
-                flags: cflag::FUA,
-                command: cmd::WRITE,
-                cookie: 0x0102_0304_0506_0708,
-                offset: 4096,
-                length: 512
-            })
-        );
+        let want = Request {
+            flags: cflag::FUA,
+            command: cmd::WRITE,
+            cookie: 0x0102_0304_0506_0708,
+            offset: 4096,
+            length: 512,
+        };
+        assert_eq!(parse_request(&b, false), Ok(want));
+        assert_eq!(want.payload(false), Some(512), "a compact WRITE carries its length");
         let mut bad = b;
         bad[3] = 0;
-        assert_eq!(parse_request(&bad), None);
+        assert_eq!(parse_request(&bad, false), Err(BadRequest::Magic(0x2560_9500)));
+        assert_eq!(parse_request(&b, true), Err(BadRequest::Short), "28 bytes are no extended header");
+        assert_eq!(parse_request(&b[..27], false), Err(BadRequest::Short));
         assert_eq!(simple_reply(errno::EIO, 9), [0x67, 0x44, 0x66, 0x98, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 9]);
+    }
+
+    #[test]
+    fn extended_request_bytes() {
+        let b = [
+            0x21, 0xe4, 0x1c, 0x71, // magic
+            0, 0x21, // PAYLOAD_LEN | FUA
+            0, 1, // WRITE
+            1, 2, 3, 4, 5, 6, 7, 8, // cookie
+            0, 0, 0, 1, 0, 0, 0, 0, // offset 4 GiB
+            0, 0, 0, 0, 0, 0, 0x10, 0, // length 4096
+        ];
+        let r = parse_request(&b, true).unwrap();
+        assert_eq!(
+            r,
+            Request {
+                flags: cflag::PAYLOAD_LEN | cflag::FUA,
+                command: cmd::WRITE,
+                cookie: 0x0102_0304_0506_0708,
+                offset: 1 << 32,
+                length: 4096
+            }
+        );
+        assert_eq!(r.payload(true), Some(4096));
+        // A TRIM of 8 TiB: an effect length over 32 bits, no payload.
+        let mut t = b;
+        t[4..8].copy_from_slice(&[0, 0, 0, 4]);
+        t[24..32].copy_from_slice(&(8u64 << 40).to_be_bytes());
+        let r = parse_request(&t, true).unwrap();
+        assert_eq!((r.command, r.length, r.payload(true)), (cmd::TRIM, 8 << 40, None));
+        // The wrong header for what was negotiated, either way, and a bad magic.
+        assert_eq!(parse_request(&b, false), Err(BadRequest::ExtendedNotNegotiated));
+        let mut compact = [0u8; 32];
+        compact[..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        assert_eq!(parse_request(&compact, true), Err(BadRequest::CompactAfterExtended));
+        compact[..4].copy_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
+        assert_eq!(parse_request(&compact, true), Err(BadRequest::Magic(EXTENDED_REPLY_MAGIC)));
+        assert_eq!(parse_request(&b[..31], true), Err(BadRequest::Short));
+        assert!(BadRequest::CompactAfterExtended.to_string().contains("extended headers were negotiated"));
+    }
+
+    fn req(cookie: u64, offset: u64, length: u64) -> Request {
+        Request { flags: 0, command: cmd::READ, cookie, offset, length }
     }
 
     #[test]
     fn structured_chunks_bytes() {
         let magic = [0x66, 0x8e, 0x33, 0xef];
-        let r = Head::read_data(7, 4096, 512);
+        let r = Head::read_data(false, &req(7, 4096, 512), 4096, 512, true);
         let mut want = magic.to_vec();
         want.extend([0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 2, 8, 0, 0, 0, 0, 0, 0, 0x10, 0]);
         assert_eq!(r.as_slice(), want);
         let mut want = magic.to_vec();
         want.extend([0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0]);
-        assert_eq!(Head::read_data(7, 0, 0).as_slice(), want, "NONE for an empty read");
+        assert_eq!(Head::none(false, &req(7, 0, 0)).as_slice(), want, "NONE");
         let mut want = magic.to_vec();
         want.extend([0, 1, 0x80, 1, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, 6, 0, 0, 0, 5, 0, 0]);
-        assert_eq!(Head::error(9, errno::EIO).as_slice(), want);
+        assert_eq!(Head::error(false, &req(9, 0, 1), errno::EIO, true).as_slice(), want);
         let mut want = magic.to_vec();
         want.extend([0, 1, 0, 5, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 20, 0, 0, 0, 1]);
-        assert_eq!(Head::block_status(3, BASE_ALLOCATION_ID, 16).as_slice(), want);
+        assert_eq!(Head::block_status(false, &req(3, 0, 1), BASE_ALLOCATION_ID, 2).as_slice(), want);
+        // A hole chunk, not the last: flags 0, type 2, 12 bytes of offset and size.
+        let mut want = magic.to_vec();
+        want.extend([0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 12]);
+        want.extend([0, 0, 0, 0, 0, 0x10, 0, 0, 0, 0x02, 0, 0]);
+        assert_eq!(Head::hole(false, &req(4, 0, 1 << 21), 1 << 20, 128 << 10, false).as_slice(), want);
         assert_eq!(Head::simple(0, 2).as_slice(), simple_reply(0, 2));
+        let mut d = Vec::new();
+        descriptor(false, 4096, state::HOLE | state::ZERO, &mut d);
+        assert_eq!(d, [0, 0, 0x10, 0, 0, 0, 0, 3]);
+    }
+
+    #[test]
+    fn extended_chunks_bytes() {
+        let magic = [0x6e, 0x8a, 0x27, 0x8c];
+        // Header: magic, flags, type, cookie, the request's offset, 64-bit payload length.
+        let head = |flags: u16, kind: u16, cookie: u64, offset: u64, len: u64| {
+            let mut v = magic.to_vec();
+            v.extend(flags.to_be_bytes());
+            v.extend(kind.to_be_bytes());
+            v.extend(cookie.to_be_bytes());
+            v.extend(offset.to_be_bytes());
+            v.extend(len.to_be_bytes());
+            v
+        };
+        let r = req(7, 1 << 33, 1 << 20);
+        assert_eq!(Head::none(true, &r).as_slice(), head(1, 0, 7, 1 << 33, 0));
+        assert_eq!(Head::none(true, &r).as_slice().len(), 32);
+        // A data chunk in the middle of the read: its own offset in the payload, the request's in
+        // the header.
+        let mut want = head(0, 1, 7, 1 << 33, 8 + 4096);
+        want.extend(((1u64 << 33) + 8192).to_be_bytes());
+        assert_eq!(Head::read_data(true, &r, (1 << 33) + 8192, 4096, false).as_slice(), want);
+        let mut want = head(1, 2, 7, 1 << 33, 12);
+        want.extend((1u64 << 33).to_be_bytes());
+        want.extend((64u32 << 10).to_be_bytes());
+        assert_eq!(Head::hole(true, &r, 1 << 33, 64 << 10, true).as_slice(), want);
+        assert_eq!(Head::hole(true, &r, 0, 1, true).as_slice().len(), 44, "the largest head");
+        let mut want = head(1, 0x8001, 7, 1 << 33, 6);
+        want.extend([0, 0, 0, 75, 0, 0]);
+        assert_eq!(Head::error(true, &r, errno::EOVERFLOW, true).as_slice(), want);
+        // BLOCK_STATUS_EXT: context id, descriptor count, then 16-byte descriptors.
+        let mut want = head(1, 6, 7, 1 << 33, 8 + 2 * 16);
+        want.extend([0, 0, 0, 1, 0, 0, 0, 2]);
+        assert_eq!(Head::block_status(true, &r, BASE_ALLOCATION_ID, 2).as_slice(), want);
+        let mut d = Vec::new();
+        descriptor(true, 5 << 32, state::ZERO, &mut d);
+        assert_eq!(d, [0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
     }
 
     #[test]

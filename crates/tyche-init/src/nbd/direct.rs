@@ -21,7 +21,10 @@ use tyche_wire::Op;
 
 use super::codec::{self, cflag, cmd, errno, Head};
 use super::MAX_REQUEST;
-use super::{block_status_reply, reply_head, status_query, validate, Negotiated, REPLY_BATCH, REQUEST_BUFFER, SECTOR};
+use super::{
+    block_status_reply, hole_aware, read_plan, reply_head, status_query, validate, Negotiated, Piece, REPLY_BATCH,
+    REQUEST_BUFFER, SECTOR,
+};
 use crate::engine::{Buf, Outcome};
 use crate::error::Error;
 use crate::report::NbdStats;
@@ -59,6 +62,10 @@ pub(crate) struct NbdReply {
     pub status_start: u64,
     /// A BLOCK_STATUS: bytes asked of the volume.
     pub status_len: u64,
+    /// The block status asked for a hole-aware READ (`req`), before its data is read.
+    pub probe: bool,
+    /// One data piece of a hole-aware READ.
+    pub split: Option<Split>,
     /// For a read of sectors covering an unaligned range: the part to return.
     pub trim: Option<(usize, usize)>,
     /// A TRIM with FUA: flush after the discard succeeds.
@@ -69,6 +76,24 @@ pub(crate) struct NbdReply {
     pub held: u64,
     /// Bytes a write carries (for the counters).
     pub written: u64,
+}
+
+/// A data piece of a hole-aware READ: which one, and where its data chunk says it is.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Split {
+    /// Key of the read's [`SplitState`].
+    pub key: u64,
+    /// Offset of the piece in the export.
+    pub offset: u64,
+}
+
+/// A hole-aware READ whose data pieces are in flight.
+#[derive(Debug)]
+struct SplitState {
+    /// Pieces not completed yet: the last one's chunk is flagged DONE.
+    left: usize,
+    /// An ERROR chunk was sent: later pieces send nothing but the final NONE.
+    failed: bool,
 }
 
 /// One reply: header and, for a successful read or block status, its data.
@@ -168,6 +193,16 @@ pub(crate) struct DirectConn {
     node: Option<u32>,
     stats: NbdStats,
     max_inflight: usize,
+    /// Reads of at least this many bytes are hole-aware (see [`super::HOLE_READ_MIN`]).
+    hole_read_min: Option<u64>,
+    /// Cleared when the target says it cannot tell holes from data.
+    status_works: bool,
+    /// Volume requests that completions started (a hole-aware read's data pieces), handed to
+    /// the engine by the next [`DirectConn::poll_requests`].
+    followups: Vec<NbdIo>,
+    /// Hole-aware reads with data pieces in flight, by key.
+    splits: HashMap<u64, SplitState>,
+    next_split: u64,
     inbuf: Box<[u8]>,
     start: usize,
     end: usize,
@@ -199,6 +234,7 @@ impl DirectConn {
         node: Option<u32>,
         stats: NbdStats,
         max_inflight: usize,
+        hole_read_min: Option<u64>,
         done: oneshot::Sender<io::Result<()>>,
     ) -> io::Result<Self> {
         stream.set_nonblocking(true)?;
@@ -212,6 +248,11 @@ impl DirectConn {
             node,
             stats,
             max_inflight: max_inflight.max(1),
+            hole_read_min,
+            status_works: true,
+            followups: Vec::new(),
+            splits: HashMap::new(),
+            next_split: 0,
             inbuf: vec![0; REQUEST_BUFFER].into_boxed_slice(),
             start: 0,
             end: 0,
@@ -255,15 +296,19 @@ impl DirectConn {
         (self.inflight, self.held)
     }
 
-    /// Whether replies wait to be written.
+    /// Whether replies wait to be written, or follow-up requests to be handed out: either way
+    /// the engine must not sleep on this socket (it is writable, so a poll for writing returns at
+    /// once and the next turn collects the follow-ups).
     pub(crate) fn wants_write(&self) -> bool {
-        self.error.is_none() && !self.out.is_empty()
+        self.error.is_none() && (!self.out.is_empty() || !self.followups.is_empty())
     }
 
     /// Whether the connection is over: the client left (or it failed), nothing is in flight
-    /// and every reply is out.
+    /// or waiting to be, and every reply is out.
     pub(crate) fn finished(&self) -> bool {
-        (self.eof || self.error.is_some()) && self.inflight == 0 && (self.out.is_empty() || self.error.is_some())
+        (self.eof || self.error.is_some())
+            && self.inflight == 0
+            && ((self.out.is_empty() && self.followups.is_empty()) || self.error.is_some())
     }
 
     /// Reads what the socket has and parses requests, up to the connection's limits. Requests
@@ -271,6 +316,14 @@ impl DirectConn {
     /// are answered at once.
     pub(crate) fn poll_requests(&mut self) -> Vec<NbdIo> {
         let mut ios = Vec::new();
+        if self.error.is_some() {
+            self.followups.clear();
+        }
+        for io in self.followups.drain(..) {
+            self.inflight += 1;
+            self.held += io.reply.held;
+            ios.push(io);
+        }
         while self.wants_read() {
             match self.next_request() {
                 Ok(Some(io)) => {
@@ -319,7 +372,8 @@ impl DirectConn {
             let p = self.partial.take().expect("partial");
             return Ok(Some(self.request(p.req, p.data)));
         }
-        if self.end - self.start < codec::REQUEST_LEN {
+        let header_len = codec::request_len(self.neg.extended);
+        if self.end - self.start < header_len {
             self.inbuf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
@@ -339,36 +393,34 @@ impl DirectConn {
                     Err(e) => return Err(e),
                 }
             }
-            if self.end - self.start < codec::REQUEST_LEN {
+            if self.end - self.start < header_len {
                 return Ok(Some(None));
             }
         }
-        let h: &[u8; codec::REQUEST_LEN] =
-            self.inbuf[self.start..self.start + codec::REQUEST_LEN].try_into().expect("request header");
-        let Some(req) = codec::parse_request(h) else {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
-        };
-        self.start += codec::REQUEST_LEN;
-        match req.command {
-            cmd::DISC => {
-                self.eof = true;
-                Ok(Some(None))
-            }
-            cmd::WRITE if req.length > MAX_REQUEST => {
-                Err(io::Error::new(io::ErrorKind::InvalidData, "write larger than the advertised maximum"))
-            }
-            cmd::WRITE => {
-                let data = self.pool.take(req.length as usize, self.node);
+        let req = codec::parse_request(&self.inbuf[self.start..self.end], self.neg.extended)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        self.start += header_len;
+        if req.command == cmd::DISC {
+            self.eof = true;
+            return Ok(Some(None));
+        }
+        match req.payload(self.neg.extended) {
+            Some(n) if n > MAX_REQUEST as u64 => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a request payload of {n} bytes, over the maximum of {MAX_REQUEST}"),
+            )),
+            Some(n) => {
+                let data = self.pool.take(n as usize, self.node);
                 self.partial = Some(Partial { req, data, filled: 0 });
                 self.next_request()
             }
-            _ => Ok(Some(self.request(req, Buf::Heap(Vec::new())))),
+            None => Ok(Some(self.request(req, Buf::Heap(Vec::new())))),
         }
     }
 
     /// Turns a whole request into a volume request, or answers it.
     fn request(&mut self, req: codec::Request, data: Buf) -> Option<NbdIo> {
-        let (off, len) = (req.offset, req.length as u64);
+        let (off, len) = (req.offset, req.length);
         let fua = req.flags & cflag::FUA != 0;
         let seq = self.seq;
         self.seq += 1;
@@ -378,6 +430,8 @@ impl DirectConn {
             req,
             status_start: 0,
             status_len: 0,
+            probe: false,
+            split: None,
             trim: None,
             then_flush: false,
             sample,
@@ -387,6 +441,8 @@ impl DirectConn {
         let io = |op, offset, length, data: Buf, reply| NbdIo { op, fua, offset, length, data, reply };
         let none = || Buf::Heap(Vec::new());
         if let Err(e) = validate(&req, self.size, self.neg) {
+            // A payload the request should not have carried goes back to the pool.
+            self.pool.give(data);
             self.answer(&req, e);
             return None;
         }
@@ -398,29 +454,25 @@ impl DirectConn {
             }
             cmd::BLOCK_STATUS => {
                 let Some((start, length)) = status_query(off, len, self.size) else {
-                    let (header, data) =
-                        block_status_reply(&req, off, Err(Error::Target(tyche_wire::Status::Unsupported)));
+                    let (header, data) = block_status_reply(
+                        self.neg.extended,
+                        &req,
+                        off,
+                        Err(Error::Target(tyche_wire::Status::Unsupported)),
+                    );
                     self.out.push_back(Reply { header, data: Buf::Heap(data) });
                     return None;
                 };
-                reply.status_start = start;
-                reply.status_len = length;
-                reply.held = tyche_wire::layout::block_status::LEN as u64;
-                let list = self.pool.take(tyche_wire::layout::block_status::LEN, None);
-                NbdIo { op: Op::BlockStatus, fua: false, offset: start, length, data: list, reply }
+                self.status_io(reply, start, length)
             }
-            cmd::READ => {
-                // Unaligned reads read the covering sectors.
-                let start = off / SECTOR * SECTOR;
-                let end = (off + len).next_multiple_of(SECTOR);
-                if start != off || end != off + len {
-                    reply.trim = Some(((off - start) as usize, len as usize));
+            cmd::READ if hole_aware(&req, self.neg, self.hole_read_min, self.status_works) => {
+                match status_query(off, len, self.size) {
+                    // Which parts are holes first; the data pieces follow (see `complete`).
+                    Some((start, length)) => self.status_io(NbdReply { probe: true, ..reply }, start, length),
+                    None => self.read_io(reply, off, len, None),
                 }
-                reply.held = end - start;
-                // On the connection's node, whichever thread later receives the data.
-                let buf = self.pool.take((end - start) as usize, self.node);
-                io(Op::Read, start, end - start, buf, reply)
             }
+            cmd::READ => self.read_io(reply, off, len, None),
             cmd::WRITE => {
                 if sample {
                     self.count_pages(data.as_slice());
@@ -459,16 +511,148 @@ impl DirectConn {
         Some(io)
     }
 
+    /// A BLOCK_STATUS of `length` bytes at `start` for the volume (a list buffer with it).
+    fn status_io(&mut self, mut reply: NbdReply, start: u64, length: u64) -> NbdIo {
+        reply.status_start = start;
+        reply.status_len = length;
+        reply.held = tyche_wire::layout::block_status::LEN as u64;
+        let list = self.pool.take(tyche_wire::layout::block_status::LEN, None);
+        NbdIo { op: Op::BlockStatus, fua: false, offset: start, length, data: list, reply }
+    }
+
+    /// A READ for the volume of the sectors covering `len` bytes at `off` (unaligned reads read
+    /// the covering sectors and return the part asked); `split`: one piece of a hole-aware read.
+    fn read_io(&mut self, mut reply: NbdReply, off: u64, len: u64, split: Option<Split>) -> NbdIo {
+        let start = off / SECTOR * SECTOR;
+        let end = (off + len).next_multiple_of(SECTOR);
+        reply.trim = (start != off || end != off + len).then_some(((off - start) as usize, len as usize));
+        reply.held = end - start;
+        reply.probe = false;
+        reply.split = split;
+        // On the connection's node, whichever thread later receives the data.
+        let buf = self.pool.take((end - start) as usize, self.node);
+        NbdIo { op: Op::Read, fua: false, offset: start, length: end - start, data: buf, reply }
+    }
+
     /// Queues a reply without data for a request that never reached the volume.
     fn answer(&mut self, req: &codec::Request, error: u32) {
         self.out.push_back(Reply { header: reply_head(self.neg, req, error, 0), data: Buf::Heap(Vec::new()) });
+    }
+
+    /// Queues a reply (unless the connection failed: nothing more is written then).
+    fn push(&mut self, header: Head, data: Buf) {
+        if self.error.is_none() {
+            self.out.push_back(Reply { header, data });
+        } else {
+            self.pool.give(data);
+        }
+    }
+
+    /// The block status of a hole-aware READ came back: hole chunks for its holes at once, and
+    /// follow-up reads for its data pieces (or, when it is all data or the target could not
+    /// tell, one read of the whole range, answered as usual).
+    fn after_probe(&mut self, reply: NbdReply, answer: Result<Vec<tyche_wire::Extent>, Error>) {
+        let req = reply.req;
+        let plan = match answer {
+            Ok(extents) => read_plan(req.offset, req.length, reply.status_start, &extents),
+            Err(Error::Target(tyche_wire::Status::Unsupported)) => {
+                self.status_works = false;
+                Vec::new()
+            }
+            // Block status only spares zeroes: on any other failure, read it all.
+            Err(_) => Vec::new(),
+        };
+        let base = NbdReply { probe: false, status_start: 0, status_len: 0, ..reply };
+        if self.error.is_some() {
+            return;
+        }
+        if plan.len() <= 1 && !matches!(plan.first(), Some(Piece::Hole(..))) {
+            let io = self.read_io(base, req.offset, req.length, None);
+            self.followups.push(io);
+            return;
+        }
+        let key = self.next_split;
+        self.next_split += 1;
+        let data = plan.iter().filter(|p| matches!(p, Piece::Data(..))).count();
+        let mut holes = plan.len() - data;
+        for piece in plan {
+            match piece {
+                Piece::Hole(off, n) => {
+                    holes -= 1;
+                    let done = data == 0 && holes == 0;
+                    self.push(Head::hole(self.neg.extended, &req, off, n as u32, done), Buf::Heap(Vec::new()));
+                }
+                Piece::Data(off, n) => {
+                    let io = self.read_io(base, off, n, Some(Split { key, offset: off }));
+                    self.followups.push(io);
+                }
+            }
+        }
+        if data > 0 {
+            self.splits.insert(key, SplitState { left: data, failed: false });
+        }
+    }
+
+    /// A data piece of a hole-aware READ completed: its OFFSET_DATA chunk (the read's last piece
+    /// flagged DONE), or on the first failure one ERROR chunk; after a failure only the final
+    /// NONE.
+    fn complete_piece(&mut self, reply: NbdReply, split: Split, result: Outcome) {
+        let ext = self.neg.extended;
+        let Some(state) = self.splits.get_mut(&split.key) else {
+            if let Ok((_, data)) = result {
+                self.pool.give(data);
+            }
+            return;
+        };
+        state.left -= 1;
+        let done = state.left == 0;
+        let failed = state.failed;
+        if done {
+            self.splits.remove(&split.key);
+        }
+        match result {
+            Ok((_, data)) if !failed => {
+                let data = match reply.trim {
+                    Some((at, len)) => {
+                        let part = data.as_slice()[at..at + len].to_vec();
+                        self.pool.give(data);
+                        Buf::Heap(part)
+                    }
+                    None => data,
+                };
+                let read = data.len() as u64;
+                self.stats.update(self.id, |r| r.bytes_read += read);
+                self.push(Head::read_data(ext, &reply.req, split.offset, data.len(), done), data);
+            }
+            Ok((_, data)) => {
+                self.pool.give(data);
+                if done {
+                    self.push(Head::none(ext, &reply.req), Buf::Heap(Vec::new()));
+                }
+            }
+            Err(e) if !failed => {
+                if let Some(s) = self.splits.get_mut(&split.key) {
+                    s.failed = true;
+                }
+                self.push(Head::error(ext, &reply.req, errno::from_errno(e.errno()), done), Buf::Heap(Vec::new()));
+            }
+            Err(_) => {
+                if done {
+                    self.push(Head::none(ext, &reply.req), Buf::Heap(Vec::new()));
+                }
+            }
+        }
     }
 
     /// Queues the reply of a request the volume completed (a read's data with it).
     pub(crate) fn complete(&mut self, reply: NbdReply, result: Outcome) {
         self.inflight = self.inflight.saturating_sub(1);
         self.held = self.held.saturating_sub(reply.held);
-        if reply.req.command == cmd::BLOCK_STATUS {
+        if let Some(split) = reply.split {
+            self.complete_piece(reply, split, result);
+            return;
+        }
+        if reply.req.command == cmd::BLOCK_STATUS || reply.probe {
             let answer = match result {
                 Ok((_, list)) => {
                     // The list answers the range asked of the volume.
@@ -478,10 +662,12 @@ impl DirectConn {
                 }
                 Err(e) => Err(e),
             };
-            let (header, data) = block_status_reply(&reply.req, reply.status_start, answer);
-            if self.error.is_none() {
-                self.out.push_back(Reply { header, data: Buf::Heap(data) });
+            if reply.probe {
+                self.after_probe(reply, answer);
+                return;
             }
+            let (header, data) = block_status_reply(self.neg.extended, &reply.req, reply.status_start, answer);
+            self.push(header, Buf::Heap(data));
             return;
         }
         let (error, data) = match result {
@@ -535,7 +721,7 @@ impl DirectConn {
     /// socket would block. Returns whether anything was written.
     pub(crate) fn write_replies(&mut self) -> bool {
         let mut wrote = false;
-        while self.wants_write() {
+        while self.error.is_none() && !self.out.is_empty() {
             let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * REPLY_BATCH.min(self.out.len()));
             let mut skip = self.out_off;
             for r in self.out.iter().take(REPLY_BATCH) {

@@ -32,8 +32,21 @@ use crate::error::Error;
 use codec::{cflag, cmd, errno, info as info_item, opt, rep, tflag, Head};
 use tyche_wire::{flags as wflags, Extent, Status};
 
-/// Largest request the server accepts (advertised as the maximum block size).
+/// Largest request the server accepts (advertised as the maximum block size): the most a READ
+/// reads and the most payload a request carries. A payload over it ends the connection (the
+/// NBD protocol's hard disconnect); a READ over it is EOVERFLOW.
 pub const MAX_REQUEST: u32 = 32 << 20;
+/// Largest effect length of a TRIM or WRITE_ZEROES (extended headers carry 64-bit lengths):
+/// 1 TiB, 256 Tyche requests of 4 GiB. Longer ones are EOVERFLOW (the NBD protocol allows it
+/// for requests that would take too many server resources); clients split them.
+pub const MAX_EFFECT: u64 = 1 << 40;
+/// Reads of at least this many bytes, with structured replies and without NBD_CMD_FLAG_DF, ask
+/// the target which of their sectors are holes first and read only the rest (the holes are
+/// answered as NBD_REPLY_TYPE_OFFSET_HOLE chunks). The default of [`NbdOptions::hole_read_min`].
+pub const HOLE_READ_MIN: u64 = 256 << 10;
+/// Holes shorter than this inside a hole-aware read are read as data (a chunk and a Tyche
+/// request each would cost more than the zeroes).
+pub const HOLE_CHUNK_MIN: u64 = 64 << 10;
 /// Unit of the per-connection data budget.
 const BYTE_UNIT: u32 = 64 << 10;
 /// Data (read buffers and write payloads) one connection may hold at once: 256 MiB, in units.
@@ -71,6 +84,9 @@ pub struct NbdOptions {
     /// read and replies written in the engine's loop, see [`direct`]) rather than from a task
     /// per request on the connection's own thread.
     pub engine_io: bool,
+    /// Reads of at least this many bytes ask for block status first and answer holes as hole
+    /// chunks (with structured replies, without DF); `None`: never. See [`HOLE_READ_MIN`].
+    pub hole_read_min: Option<u64>,
 }
 
 impl NbdOptions {
@@ -83,6 +99,7 @@ impl NbdOptions {
             connection_nodes: Vec::new(),
             stats: crate::report::NbdStats::default(),
             engine_io: true,
+            hole_read_min: Some(HOLE_READ_MIN),
         }
     }
 }
@@ -234,6 +251,7 @@ async fn connection(
         node,
         opts.stats.clone(),
         opts.max_inflight,
+        opts.hole_read_min,
         done,
     )?;
     client.serve_nbd(conn).map_err(|e| io::Error::other(e.to_string()))?;
@@ -243,10 +261,26 @@ async fn connection(
 /// What a connection's handshake settled for transmission.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Negotiated {
-    /// NBD_OPT_STRUCTURED_REPLY was accepted: reads and block status get structured replies.
+    /// NBD_OPT_STRUCTURED_REPLY (or NBD_OPT_EXTENDED_HEADERS) was accepted: reads and block
+    /// status get structured replies.
     pub structured: bool,
+    /// NBD_OPT_EXTENDED_HEADERS was accepted: 32-byte extended requests (64-bit lengths,
+    /// NBD_CMD_FLAG_PAYLOAD_LEN) and extended reply chunks for every request.
+    pub extended: bool,
     /// `base:allocation` was selected (NBD_OPT_SET_META_CONTEXT): BLOCK_STATUS is allowed.
     pub allocation: bool,
+}
+
+impl Negotiated {
+    /// The transmission flags for what was negotiated: `base` and, with structured replies,
+    /// SEND_DF (a READ with NBD_CMD_FLAG_DF gets one data chunk).
+    pub fn flags(&self, base: u16) -> u16 {
+        if self.structured {
+            base | tflag::SEND_DF
+        } else {
+            base
+        }
+    }
 }
 
 /// The block sizes advertised (NBD_INFO_BLOCK_SIZE) for an export of `size` bytes: minimum 512
@@ -307,7 +341,11 @@ where
                 if !matches(&name) {
                     return Err(invalid("unknown export requested with NBD_OPT_EXPORT_NAME"));
                 }
-                wr.write_all(&codec::export_name_reply(size, flags, no_zeroes)).await?;
+                if neg.extended {
+                    // The protocol forbids it (no way to answer an error): end the session.
+                    return Err(invalid("NBD_OPT_EXPORT_NAME after NBD_OPT_EXTENDED_HEADERS"));
+                }
+                wr.write_all(&codec::export_name_reply(size, neg.flags(flags), no_zeroes)).await?;
                 return Ok(Some(neg));
             }
             opt::ABORT => {
@@ -315,7 +353,21 @@ where
                 return Ok(None);
             }
             opt::STRUCTURED_REPLY => {
+                let reply = if !data.is_empty() {
+                    rep::ERR_INVALID
+                } else if neg.extended {
+                    // Extended headers take precedence: no way back to structured replies.
+                    rep::ERR_EXT_HEADER_REQD
+                } else {
+                    neg.structured = true;
+                    rep::ACK
+                };
+                wr.write_all(&codec::option_reply(h.option, reply, &[])).await?;
+            }
+            opt::EXTENDED_HEADERS => {
+                // Implies structured replies (extended chunks); asking again changes nothing.
                 let reply = if data.is_empty() {
+                    neg.extended = true;
                     neg.structured = true;
                     rep::ACK
                 } else {
@@ -371,7 +423,7 @@ where
                     wr.write_all(&codec::option_reply(h.option, rep::ERR_UNKNOWN, &[])).await?;
                     continue;
                 }
-                let mut r = codec::option_reply(h.option, rep::INFO, &codec::info_export(size, flags));
+                let mut r = codec::option_reply(h.option, rep::INFO, &codec::info_export(size, neg.flags(flags)));
                 let (min, preferred, max) = block_sizes(size);
                 r.extend(codec::option_reply(h.option, rep::INFO, &codec::info_block_size(min, preferred, max)));
                 if items.contains(&info_item::NAME) {
@@ -437,13 +489,19 @@ fn nbd_error(e: Error) -> u32 {
     errno::from_errno(e.errno())
 }
 
-/// The checks of a whole request (a write's payload read) shared by both transmission paths:
-/// `Err` is the NBD error to answer without going to the volume. FLUSH ignores its range; a
-/// range past the end is EINVAL (ENOSPC for a write); a read longer than [`MAX_REQUEST`], a
-/// BLOCK_STATUS without `base:allocation` negotiated or of length zero, and unknown commands are
-/// EINVAL.
+/// The checks of a whole request (a payload read) shared by both transmission paths: `Err` is
+/// the NBD error to answer without going to the volume. NBD_CMD_FLAG_PAYLOAD_LEN without
+/// extended headers, with extended headers a WRITE without it or another command with it (its
+/// payload was read and dropped), and unknown commands are EINVAL. FLUSH ignores its range; a
+/// range past the end is EINVAL (ENOSPC for a write); a READ longer than [`MAX_REQUEST`] or a
+/// TRIM or WRITE_ZEROES longer than [`MAX_EFFECT`] is EOVERFLOW; a BLOCK_STATUS without
+/// `base:allocation` negotiated or of length zero is EINVAL.
 pub(crate) fn validate(req: &codec::Request, size: u64, neg: Negotiated) -> Result<(), u32> {
-    let (off, len) = (req.offset, req.length as u64);
+    let (off, len) = (req.offset, req.length);
+    let payload = req.flags & cflag::PAYLOAD_LEN != 0;
+    if payload && !neg.extended || neg.extended && payload != (req.command == cmd::WRITE) {
+        return Err(errno::EINVAL);
+    }
     let in_range = off.checked_add(len).is_some_and(|end| end <= size);
     match req.command {
         cmd::FLUSH => Ok(()),
@@ -451,29 +509,86 @@ pub(crate) fn validate(req: &codec::Request, size: u64, neg: Negotiated) -> Resu
             if !in_range {
                 return Err(if req.command == cmd::WRITE { errno::ENOSPC } else { errno::EINVAL });
             }
-            let bad = match req.command {
-                cmd::READ => len > MAX_REQUEST as u64,
-                cmd::BLOCK_STATUS => !neg.allocation || len == 0,
-                _ => false,
-            };
-            if bad {
-                Err(errno::EINVAL)
-            } else {
-                Ok(())
+            match req.command {
+                cmd::READ if len > MAX_REQUEST as u64 => Err(errno::EOVERFLOW),
+                cmd::TRIM | cmd::WRITE_ZEROES if len > MAX_EFFECT => Err(errno::EOVERFLOW),
+                cmd::BLOCK_STATUS if !neg.allocation || len == 0 => Err(errno::EINVAL),
+                _ => Ok(()),
             }
         }
         _ => Err(errno::EINVAL),
     }
 }
 
-/// The reply header of a request without block status: simple, or (structured replies
-/// negotiated) for a READ an OFFSET_DATA chunk of `data_len` bytes or an ERROR chunk.
+/// The reply header of a request answered in one piece (not block status): with extended
+/// headers always an extended chunk (ERROR, NONE, or a READ's OFFSET_DATA); with structured
+/// replies an ERROR chunk for a failed READ or BLOCK_STATUS, OFFSET_DATA of `data_len` bytes (or
+/// NONE for nothing) for a READ, a simple reply for the others; else a simple reply.
 pub(crate) fn reply_head(neg: Negotiated, req: &codec::Request, error: u32, data_len: usize) -> Head {
+    let ext = neg.extended;
     match req.command {
-        cmd::READ | cmd::BLOCK_STATUS if neg.structured && error != 0 => Head::error(req.cookie, error),
-        cmd::READ if neg.structured => Head::read_data(req.cookie, req.offset, data_len),
+        _ if ext && error != 0 => Head::error(true, req, error, true),
+        cmd::READ | cmd::BLOCK_STATUS if neg.structured && error != 0 => Head::error(false, req, error, true),
+        cmd::READ if neg.structured && data_len == 0 => Head::none(ext, req),
+        cmd::READ if neg.structured => Head::read_data(ext, req, req.offset, data_len, true),
+        _ if ext => Head::none(true, req),
         _ => Head::simple(error, req.cookie),
     }
+}
+
+/// Whether a READ is answered hole-aware (block status first, then only the data): structured
+/// replies negotiated, no NBD_CMD_FLAG_DF, at least `min` bytes, and the target has not said
+/// it cannot tell (`status_works`).
+pub(crate) fn hole_aware(req: &codec::Request, neg: Negotiated, min: Option<u64>, status_works: bool) -> bool {
+    req.command == cmd::READ
+        && neg.structured
+        && status_works
+        && req.flags & cflag::DF == 0
+        && min.is_some_and(|m| req.length >= m.max(1))
+}
+
+/// One part of a hole-aware read's answer: `(offset, length)` in the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Piece {
+    /// Read and sent as an OFFSET_DATA chunk.
+    Data(u64, u64),
+    /// Sent as an OFFSET_HOLE chunk (reads as zeroes).
+    Hole(u64, u64),
+}
+
+/// How to answer a READ of `len` bytes at `off` from the target's extents for the range from
+/// `start` (at or before `off`): pieces in order covering the whole read, holes only where the
+/// target says ZERO and at least [`HOLE_CHUNK_MIN`] long, data elsewhere (a range the extents do
+/// not cover included).
+pub(crate) fn read_plan(off: u64, len: u64, start: u64, extents: &[Extent]) -> Vec<Piece> {
+    let end = off + len;
+    fn push(runs: &mut Vec<(bool, u64, u64)>, hole: bool, at: u64, n: u64) {
+        match runs.last_mut() {
+            Some((h, _, l)) if *h == hole => *l += n,
+            _ => runs.push((hole, at, n)),
+        }
+    }
+    let mut runs = Vec::new();
+    let (mut at, mut covered) = (start, off);
+    for e in extents {
+        let (s, t) = (at.max(off), at.saturating_add(e.length).min(end));
+        at = at.saturating_add(e.length);
+        if t > s {
+            push(&mut runs, e.flags & wflags::EXTENT_ZERO != 0, s, t - s);
+            covered = t;
+        }
+        if at >= end {
+            break;
+        }
+    }
+    if covered < end {
+        push(&mut runs, false, covered, end - covered);
+    }
+    let mut out = Vec::new();
+    for (hole, at, n) in runs {
+        push(&mut out, hole && n >= HOLE_CHUNK_MIN, at, n);
+    }
+    out.into_iter().map(|(hole, at, n)| if hole { Piece::Hole(at, n) } else { Piece::Data(at, n) }).collect()
 }
 
 /// The Tyche BLOCK_STATUS range for an NBD one at `off` of `len` bytes: the sectors covering it
@@ -493,20 +608,20 @@ pub(crate) fn status_query(off: u64, len: u64, size: u64) -> Option<(u64, u64)> 
 /// (UNSUPPORTED, or no feature) or no query at all: the whole range is data. Other errors: an
 /// ERROR chunk.
 pub(crate) fn block_status_reply(
+    extended: bool,
     req: &codec::Request,
     start: u64,
     answer: Result<Vec<Extent>, Error>,
 ) -> (Head, Vec<u8>) {
-    let (off, end) = (req.offset, req.offset + req.length as u64);
+    let (off, end) = (req.offset, req.offset + req.length);
     let req_one = req.flags & cflag::REQ_ONE != 0;
-    let mut out: Vec<(u32, u32)> = Vec::new();
-    // Lengths fit u32: the range is an NBD request's.
-    fn push(out: &mut Vec<(u32, u32)>, len: u64, state: u32) {
-        match out.last_mut() {
-            Some((l, s)) if *s == state && (*l as u64 + len) <= u32::MAX as u64 => *l += len as u32,
-            _ => out.push((len as u32, state)),
-        }
-    }
+    let mut out: Vec<(u64, u32)> = Vec::new();
+    // Compact descriptors hold 32-bit lengths (a compact request's range fits them).
+    let most = if extended { u64::MAX } else { u32::MAX as u64 };
+    let push = |out: &mut Vec<(u64, u32)>, len: u64, state: u32| match out.last_mut() {
+        Some((l, s)) if *s == state && *l + len <= most => *l += len,
+        _ => out.push((len, state)),
+    };
     match answer {
         Ok(extents) => {
             let mut at = start;
@@ -529,7 +644,7 @@ pub(crate) fn block_status_reply(
             }
         }
         Err(Error::Target(Status::Unsupported)) => {}
-        Err(e) => return (Head::error(req.cookie, nbd_error(e)), Vec::new()),
+        Err(e) => return (Head::error(extended, req, nbd_error(e), true), Vec::new()),
     }
     if out.is_empty() {
         // Nothing said about the range (cannot happen with a valid list: its first extent
@@ -540,12 +655,11 @@ pub(crate) fn block_status_reply(
     if req_one {
         out.truncate(1);
     }
-    let mut data = Vec::with_capacity(out.len() * 8);
-    for (len, state) in out {
-        data.extend_from_slice(&len.to_be_bytes());
-        data.extend_from_slice(&state.to_be_bytes());
+    let mut data = Vec::with_capacity(out.len() * 16);
+    for &(len, state) in &out {
+        codec::descriptor(extended, len, state, &mut data);
     }
-    (Head::block_status(req.cookie, codec::BASE_ALLOCATION_ID, data.len()), data)
+    (Head::block_status(extended, req, codec::BASE_ALLOCATION_ID, out.len()), data)
 }
 
 /// Reads requests, runs each in its own task, writes replies as they complete.
@@ -581,32 +695,41 @@ async fn transmission(
     let slots = Arc::new(Semaphore::new(opts.max_inflight));
     let bytes = Arc::new(Semaphore::new(BYTE_UNITS as usize));
     let size = client.size();
+    // Cleared when the target says it cannot tell holes from data: reads stop asking.
+    let status_works = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let mut seq = 0u64;
+    let header_len = codec::request_len(neg.extended);
     let result = loop {
-        let mut h = [0u8; codec::REQUEST_LEN];
-        match rd.read_exact(&mut h).await {
+        let mut h = [0u8; codec::EXTENDED_REQUEST_LEN];
+        match rd.read_exact(&mut h[..header_len]).await {
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break Ok(()), // client went away
             Err(e) => break Err(e),
         }
-        let Some(req) = codec::parse_request(&h) else { break Err(invalid("bad request magic")) };
+        let req = match codec::parse_request(&h, neg.extended) {
+            Ok(r) => r,
+            Err(e) => break Err(invalid(&e.to_string())),
+        };
         if req.command == cmd::DISC {
             break Ok(());
         }
-        if req.length > MAX_REQUEST && matches!(req.command, cmd::WRITE) {
-            break Err(invalid("write larger than the advertised maximum"));
+        let payload = req.payload(neg.extended);
+        if let Some(n) = payload.filter(|&n| n > MAX_REQUEST as u64) {
+            break Err(invalid(&format!("a request payload of {n} bytes, over the maximum of {MAX_REQUEST}")));
         }
-        // Bound what one connection holds: requests, and bytes of data (reads and writes).
+        // Bound what one connection holds: requests, and bytes of data (reads and payloads).
         let permit = Arc::clone(&slots).acquire_owned().await.expect("semaphore never closed");
-        let units = if matches!(req.command, cmd::READ | cmd::WRITE) {
-            req.length.min(MAX_REQUEST).div_ceil(BYTE_UNIT).max(1)
-        } else {
-            0
+        let held = match (req.command, payload) {
+            (_, Some(n)) => n,
+            (cmd::READ, None) => req.length.min(MAX_REQUEST as u64),
+            _ => 0,
         };
+        let units =
+            if held > 0 || req.command == cmd::READ { held.div_ceil(BYTE_UNIT as u64).max(1) as u32 } else { 0 };
         let bytes_permit = Arc::clone(&bytes).acquire_many_owned(units).await.expect("semaphore never closed");
         let mut data = Vec::new();
-        if req.command == cmd::WRITE {
-            data = vec![0u8; req.length as usize];
+        if let Some(n) = payload {
+            data = vec![0u8; n as usize];
             if let Err(e) = rd.read_exact(&mut data).await {
                 break Err(e);
             }
@@ -617,6 +740,9 @@ async fn transmission(
         // BUFFER_SAMPLE after: a syscall per request would cost more than the request.
         let sample = node.is_some() && (seq < 64 || seq % BUFFER_SAMPLE == 0);
         seq += 1;
+        let holes = hole_aware(&req, neg, opts.hole_read_min, status_works.load(std::sync::atomic::Ordering::Relaxed))
+            && validate(&req, size, neg).is_ok();
+        let status_works = Arc::clone(&status_works);
         tokio::spawn(async move {
             let written = data.len() as u64;
             let mut pages = sample.then(|| tyche_numa::report::count_slice(&data, node).ok()).flatten();
@@ -624,17 +750,28 @@ async fn transmission(
                 let reply = match validate(&req, size, neg) {
                     Err(e) => Reply { header: reply_head(neg, &req, e, 0), data: Vec::new() },
                     Ok(()) => {
-                        let answer = match status_query(req.offset, req.length as u64, size) {
+                        let answer = match status_query(req.offset, req.length, size) {
                             Some((start, len)) => (start, client.block_status(start, len).await),
                             None => (req.offset, Err(Error::Target(Status::Unsupported))),
                         };
-                        let (header, data) = block_status_reply(&req, answer.0, answer.1);
+                        let (header, data) = block_status_reply(neg.extended, &req, answer.0, answer.1);
                         Reply { header, data }
                     }
                 };
                 let _ = tx.send(reply).await;
                 drop((permit, bytes_permit));
                 return;
+            }
+            if holes {
+                if let Some(replies) = read_with_holes(&client, &req, size, neg, &status_works).await {
+                    let read: u64 = replies.iter().map(|r| r.data.len() as u64).sum();
+                    stats.update(idx, |r| r.bytes_read += read);
+                    for r in replies {
+                        let _ = tx.send(r).await;
+                    }
+                    drop((permit, bytes_permit));
+                    return;
+                }
             }
             let (error, data) = match execute(&client, req, data, size, neg).await {
                 Ok(d) => (0, d),
@@ -669,8 +806,83 @@ async fn transmission(
     result
 }
 
+/// A hole-aware READ (already validated) on the task path: block status for its range, then the
+/// data pieces read at once, answered as hole and data chunks (the last flagged DONE), or one
+/// ERROR chunk if a read fails. `None` when the answer is a single data piece (no hole worth a
+/// chunk, or the target could not tell): the caller reads it as usual.
+async fn read_with_holes(
+    client: &Client,
+    req: &codec::Request,
+    size: u64,
+    neg: Negotiated,
+    status_works: &std::sync::atomic::AtomicBool,
+) -> Option<Vec<Reply>> {
+    let (start, len) = status_query(req.offset, req.length, size)?;
+    let plan = match client.block_status(start, len).await {
+        Ok(extents) => read_plan(req.offset, req.length, start, &extents),
+        Err(Error::Target(Status::Unsupported)) => {
+            status_works.store(false, std::sync::atomic::Ordering::Relaxed);
+            return None;
+        }
+        // Block status only spares zeroes: on any other failure, read it all.
+        Err(_) => return None,
+    };
+    if matches!(plan[..], [Piece::Data(..)]) {
+        return None;
+    }
+    let reads: Vec<_> = plan
+        .iter()
+        .map(|p| match *p {
+            Piece::Data(off, n) => {
+                let client = client.clone();
+                Some(tokio::spawn(async move { read_range(&client, off, n).await }))
+            }
+            Piece::Hole(..) => None,
+        })
+        .collect();
+    let mut replies = Vec::with_capacity(plan.len());
+    let last = plan.len() - 1;
+    for (i, (piece, read)) in plan.iter().zip(reads).enumerate() {
+        let done = i == last;
+        match (*piece, read) {
+            (Piece::Hole(off, n), _) => {
+                replies.push(Reply { header: Head::hole(neg.extended, req, off, n as u32, done), data: Vec::new() })
+            }
+            (Piece::Data(off, n), read) => {
+                let data = match read {
+                    Some(read) => read.await.unwrap_or(Err(errno::EIO)),
+                    None => read_range(client, off, n).await,
+                };
+                match data {
+                    Ok(data) => {
+                        replies.push(Reply { header: Head::read_data(neg.extended, req, off, data.len(), done), data })
+                    }
+                    Err(e) => {
+                        // One ERROR chunk, no data: the client may assume nothing of the read.
+                        return Some(vec![Reply { header: Head::error(neg.extended, req, e, true), data: Vec::new() }]);
+                    }
+                }
+            }
+        }
+    }
+    Some(replies)
+}
+
 /// The sector: reads and trims are rounded to it.
 const SECTOR: u64 = MIN_BLOCK as u64;
+
+/// Reads `len` bytes at `off`, through the sectors covering them.
+async fn read_range(client: &Client, off: u64, len: u64) -> Result<Vec<u8>, u32> {
+    let start = off / SECTOR * SECTOR;
+    let end = (off + len).next_multiple_of(SECTOR);
+    let buf = client.read(start, (end - start) as usize).await.map_err(nbd_error)?;
+    if start == off && end == off + len {
+        Ok(buf)
+    } else {
+        let at = (off - start) as usize;
+        Ok(buf[at..at + len as usize].to_vec())
+    }
+}
 
 /// Runs one command; returns read data or an NBD error number.
 async fn execute(
@@ -680,24 +892,14 @@ async fn execute(
     size: u64,
     neg: Negotiated,
 ) -> Result<Vec<u8>, u32> {
-    let (off, len) = (req.offset, req.length as u64);
+    let (off, len) = (req.offset, req.length);
     let fua = req.flags & cflag::FUA != 0;
     validate(&req, size, neg)?;
     match req.command {
         cmd::FLUSH => client.flush().await.map(|()| Vec::new()).map_err(nbd_error),
         _ if len == 0 => Ok(Vec::new()),
-        cmd::READ => {
-            // Unaligned reads read the covering sectors.
-            let start = off / SECTOR * SECTOR;
-            let end = (off + len).next_multiple_of(SECTOR);
-            let buf = client.read(start, (end - start) as usize).await.map_err(nbd_error)?;
-            if start == off && end == off + len {
-                Ok(buf)
-            } else {
-                let at = (off - start) as usize;
-                Ok(buf[at..at + len as usize].to_vec())
-            }
-        }
+        // Unaligned reads read the covering sectors.
+        cmd::READ => read_range(client, off, len).await,
         cmd::WRITE => client.write_owned(off, data, fua).await.map(|()| Vec::new()).map_err(nbd_error),
         cmd::TRIM => {
             // Advisory: trim the whole sectors inside the range.
@@ -722,7 +924,7 @@ async fn execute(
 mod tests {
     use super::*;
 
-    fn req(command: u16, flags: u16, offset: u64, length: u32) -> codec::Request {
+    fn req(command: u16, flags: u16, offset: u64, length: u64) -> codec::Request {
         codec::Request { flags, command, cookie: 7, offset, length }
     }
 
@@ -735,7 +937,7 @@ mod tests {
 
     #[test]
     fn validate_checks_ranges_contexts_and_commands() {
-        let both = Negotiated { structured: true, allocation: true };
+        let both = Negotiated { structured: true, extended: false, allocation: true };
         let size = 1 << 20;
         assert_eq!(validate(&req(cmd::READ, 0, 0, 512), size, both), Ok(()));
         assert_eq!(validate(&req(cmd::READ, 0, size, 512), size, both), Err(errno::EINVAL));
@@ -744,9 +946,114 @@ mod tests {
         assert_eq!(validate(&req(cmd::FLUSH, 0, u64::MAX, 9), size, both), Ok(()), "FLUSH ignores its range");
         assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 4096), size, both), Ok(()));
         assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 0), size, both), Err(errno::EINVAL));
-        let none = Negotiated { structured: true, allocation: false };
+        let none = Negotiated { structured: true, extended: false, allocation: false };
         assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 4096), size, none), Err(errno::EINVAL));
         assert_eq!(validate(&req(99, 0, 0, 512), size, both), Err(errno::EINVAL));
+        assert_eq!(validate(&req(cmd::READ, 0, 0, MAX_REQUEST as u64 + 512), 1 << 30, both), Err(errno::EOVERFLOW));
+        assert_eq!(
+            validate(&req(cmd::WRITE, codec::cflag::PAYLOAD_LEN, 0, 512), size, both),
+            Err(errno::EINVAL),
+            "PAYLOAD_LEN without extended headers"
+        );
+    }
+
+    #[test]
+    fn validate_checks_extended_requests() {
+        let ext = Negotiated { structured: true, extended: true, allocation: true };
+        let pl = codec::cflag::PAYLOAD_LEN;
+        let size = 4 << 40;
+        assert_eq!(validate(&req(cmd::WRITE, pl, 0, 4096), size, ext), Ok(()));
+        assert_eq!(
+            validate(&req(cmd::WRITE, 0, 0, 4096), size, ext),
+            Err(errno::EINVAL),
+            "a WRITE without PAYLOAD_LEN"
+        );
+        assert_eq!(validate(&req(cmd::READ, pl, 0, 4096), size, ext), Err(errno::EINVAL), "a READ with a payload");
+        assert_eq!(validate(&req(cmd::FLUSH, pl, 0, 8), size, ext), Err(errno::EINVAL));
+        // 64-bit effect lengths: up to MAX_EFFECT for TRIM and WRITE_ZEROES, the export for
+        // BLOCK_STATUS and CACHE, MAX_REQUEST for READ.
+        assert_eq!(validate(&req(cmd::TRIM, 0, 0, MAX_EFFECT), size, ext), Ok(()));
+        assert_eq!(validate(&req(cmd::TRIM, 0, 0, MAX_EFFECT + 512), size, ext), Err(errno::EOVERFLOW));
+        assert_eq!(validate(&req(cmd::WRITE_ZEROES, 0, 0, 2 << 40), size, ext), Err(errno::EOVERFLOW));
+        assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, size), size, ext), Ok(()));
+        assert_eq!(validate(&req(cmd::CACHE, 0, 512, size), size, ext), Err(errno::EINVAL), "past the end");
+        assert_eq!(validate(&req(cmd::READ, 0, 0, 1 << 33), size, ext), Err(errno::EOVERFLOW));
+        assert_eq!(validate(&req(cmd::READ, 0, u64::MAX - 10, 1 << 33), size, ext), Err(errno::EINVAL), "overflow");
+    }
+
+    #[test]
+    fn reply_heads_follow_the_negotiation() {
+        let plain = Negotiated::default();
+        let st = Negotiated { structured: true, ..plain };
+        let ext = Negotiated { structured: true, extended: true, allocation: false };
+        let w = req(cmd::WRITE, 0, 0, 512);
+        let r = req(cmd::READ, 0, 4096, 512);
+        assert_eq!(reply_head(plain, &w, 0, 0), Head::simple(0, 7));
+        assert_eq!(reply_head(st, &w, errno::EIO, 0), Head::simple(errno::EIO, 7));
+        assert_eq!(reply_head(ext, &w, 0, 0), Head::none(true, &w), "no simple replies with extended headers");
+        assert_eq!(reply_head(ext, &w, errno::ENOSPC, 0), Head::error(true, &w, errno::ENOSPC, true));
+        assert_eq!(reply_head(st, &r, 0, 512), Head::read_data(false, &r, 4096, 512, true));
+        assert_eq!(reply_head(ext, &r, 0, 512), Head::read_data(true, &r, 4096, 512, true));
+        assert_eq!(reply_head(ext, &r, 0, 0), Head::none(true, &r));
+        assert_eq!(plain.flags(tflag::HAS_FLAGS), tflag::HAS_FLAGS);
+        assert_eq!(st.flags(tflag::HAS_FLAGS), tflag::HAS_FLAGS | tflag::SEND_DF);
+    }
+
+    #[test]
+    fn read_plans_answer_long_holes_as_holes() {
+        let e = |length, flags| Extent { length, flags };
+        let hz = wflags::EXTENT_HOLE | wflags::EXTENT_ZERO;
+        let k = 1024u64;
+        // 1 MiB read at 100: data 0..64K, hole 64K..576K, data, a hole of 4K (read as data),
+        // data, hole.
+        let ext = [e(64 * k, 0), e(512 * k, hz), e(4 * k, 0), e(4 * k, hz), e(56 * k, 0), e(1024 * k, hz)];
+        let plan = read_plan(100, 1024 * k, 0, &ext);
+        assert_eq!(
+            plan,
+            [
+                Piece::Data(100, 64 * k - 100),
+                Piece::Hole(64 * k, 512 * k),
+                Piece::Data(576 * k, 64 * k),
+                Piece::Hole(640 * k, 1024 * k + 100 - 640 * k),
+            ]
+        );
+        // HOLE without ZERO may hold anything: data.
+        assert_eq!(read_plan(0, 256 * k, 0, &[e(256 * k, wflags::EXTENT_HOLE)]), [Piece::Data(0, 256 * k)]);
+        // Extents that cover less than the read: the rest is data.
+        assert_eq!(
+            read_plan(0, 512 * k, 0, &[e(128 * k, hz)]),
+            [Piece::Hole(0, 128 * k), Piece::Data(128 * k, 384 * k)]
+        );
+        // A short hole at the end is data too; nothing at all is data.
+        assert_eq!(read_plan(0, 256 * k, 0, &[e(200 * k, 0), e(56 * k, hz)]), [Piece::Data(0, 256 * k)]);
+        assert_eq!(read_plan(0, 256 * k, 0, &[]), [Piece::Data(0, 256 * k)]);
+    }
+
+    #[test]
+    fn hole_aware_reads_need_structured_replies_size_and_no_df() {
+        let st = Negotiated { structured: true, ..Negotiated::default() };
+        let big = req(cmd::READ, 0, 0, HOLE_READ_MIN);
+        assert!(hole_aware(&big, st, Some(HOLE_READ_MIN), true));
+        assert!(!hole_aware(&big, Negotiated::default(), Some(HOLE_READ_MIN), true), "simple replies");
+        assert!(!hole_aware(&req(cmd::READ, codec::cflag::DF, 0, HOLE_READ_MIN), st, Some(HOLE_READ_MIN), true));
+        assert!(!hole_aware(&req(cmd::READ, 0, 0, HOLE_READ_MIN - 512), st, Some(HOLE_READ_MIN), true));
+        assert!(!hole_aware(&big, st, None, true), "turned off");
+        assert!(!hole_aware(&big, st, Some(HOLE_READ_MIN), false), "the target cannot tell");
+        assert!(!hole_aware(&req(cmd::WRITE, 0, 0, HOLE_READ_MIN), st, Some(HOLE_READ_MIN), true));
+    }
+
+    #[test]
+    fn extended_block_status_has_64_bit_descriptors() {
+        let e = |length, flags| Extent { length, flags };
+        let r = req(cmd::BLOCK_STATUS, 0, 0, 8 << 30);
+        // The target could not tell: 8 GiB of data in one 16-byte descriptor.
+        let (h, d) = block_status_reply(true, &r, 0, Err(Error::Target(Status::Unsupported)));
+        assert_eq!(&h.as_slice()[..8], &[0x6e, 0x8a, 0x27, 0x8c, 0, 1, 0, 6]);
+        assert_eq!(&h.as_slice()[32..], &[0, 0, 0, 1, 0, 0, 0, 1], "context 1, one descriptor");
+        assert_eq!(d, [0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        let (h, d) = block_status_reply(true, &r, 0, Ok(vec![e(4096, wflags::EXTENT_ZERO), e(4096, 0)]));
+        assert_eq!(u64::from_be_bytes(h.as_slice()[24..32].try_into().unwrap()), 8 + 32);
+        assert_eq!(d.len(), 32);
     }
 
     #[test]
@@ -768,25 +1075,25 @@ mod tests {
         let tyche_hz = wflags::EXTENT_HOLE | wflags::EXTENT_ZERO;
         // Asked 100..2100 (sectors 0..2560): cut at both ends.
         let r = req(cmd::BLOCK_STATUS, 0, 100, 2000);
-        let (h, d) = block_status_reply(&r, 0, Ok(vec![e(1024, tyche_hz), e(1536, 0)]));
+        let (h, d) = block_status_reply(false, &r, 0, Ok(vec![e(1024, tyche_hz), e(1536, 0)]));
         assert_eq!(descriptors(&h, &d), [(924, hz), (1076, 0)]);
         assert_eq!(u32::from_be_bytes(h.as_slice()[16..20].try_into().unwrap()) as usize, 4 + d.len());
         // REQ_ONE: the first only.
         let r1 = req(cmd::BLOCK_STATUS, codec::cflag::REQ_ONE, 100, 2000);
-        let (h, d) = block_status_reply(&r1, 0, Ok(vec![e(1024, tyche_hz), e(1536, 0)]));
+        let (h, d) = block_status_reply(false, &r1, 0, Ok(vec![e(1024, tyche_hz), e(1536, 0)]));
         assert_eq!(descriptors(&h, &d), [(924, hz)]);
         // A shorter answer covers less; ZERO alone stays ZERO.
-        let (h, d) = block_status_reply(&r, 0, Ok(vec![e(512, wflags::EXTENT_ZERO)]));
+        let (h, d) = block_status_reply(false, &r, 0, Ok(vec![e(512, wflags::EXTENT_ZERO)]));
         assert_eq!(descriptors(&h, &d), [(412, codec::state::ZERO)]);
         // The target cannot tell: data.
-        let (h, d) = block_status_reply(&r, 0, Err(Error::Target(Status::Unsupported)));
+        let (h, d) = block_status_reply(false, &r, 0, Err(Error::Target(Status::Unsupported)));
         assert_eq!(descriptors(&h, &d), [(2000, 0)]);
         // Other errors: an ERROR chunk, EIO for a malformed list.
-        let (h, d) = block_status_reply(&r, 0, Err(Error::BadReply));
-        assert_eq!(h, Head::error(7, errno::EIO));
+        let (h, d) = block_status_reply(false, &r, 0, Err(Error::BadReply));
+        assert_eq!(h, Head::error(false, &r, errno::EIO, true));
         assert!(d.is_empty());
-        let (h, _) = block_status_reply(&r, 0, Err(Error::NoPath));
-        assert_eq!(h, Head::error(7, errno::EIO));
+        let (h, _) = block_status_reply(false, &r, 0, Err(Error::NoPath));
+        assert_eq!(h, Head::error(false, &r, errno::EIO, true));
     }
 
     #[test]
@@ -888,19 +1195,26 @@ pub mod fuzzing {
 
     impl Conn {
         /// Serves `stream` (made non-blocking) for an export of `size` bytes; with `structured`,
-        /// as after NBD_OPT_STRUCTURED_REPLY and NBD_OPT_SET_META_CONTEXT `base:allocation`.
+        /// as after NBD_OPT_STRUCTURED_REPLY and NBD_OPT_SET_META_CONTEXT `base:allocation`; with
+        /// `extended`, as after NBD_OPT_EXTENDED_HEADERS too. Reads of `hole_read_min` bytes or
+        /// more are hole-aware.
         pub fn new(
             stream: UnixStream,
             size: u64,
             discard: bool,
             max_inflight: usize,
             structured: bool,
+            extended: bool,
+            hole_read_min: Option<u64>,
         ) -> io::Result<Conn> {
             let (done, _) = tokio::sync::oneshot::channel();
             let stats = crate::report::NbdStats::default();
             let idx = stats.add(crate::report::NbdConnReport::default());
-            let neg = super::Negotiated { structured, allocation: structured };
-            Ok(Conn(Some(DirectConn::new(stream, idx, size, discard, neg, None, stats, max_inflight, done)?)))
+            let structured = structured || extended;
+            let neg = super::Negotiated { structured, extended, allocation: structured };
+            let conn =
+                DirectConn::new(stream, idx, size, discard, neg, None, stats, max_inflight, hole_read_min, done)?;
+            Ok(Conn(Some(conn)))
         }
         fn conn(&mut self) -> &mut DirectConn {
             self.0.as_mut().expect("open")
@@ -943,4 +1257,6 @@ pub mod fuzzing {
     pub const HELD_BYTES: u64 = super::direct::HELD_BYTES;
     /// Largest request accepted.
     pub const MAX_REQUEST: u32 = super::MAX_REQUEST;
+    /// Largest TRIM or WRITE_ZEROES accepted.
+    pub const MAX_EFFECT: u64 = super::MAX_EFFECT;
 }
