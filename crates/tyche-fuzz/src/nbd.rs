@@ -164,9 +164,10 @@ fn handshake(input: &Input, size: u64) {
                     opt::STRUCTURED_REPLY,
                     opt::LIST_META_CONTEXT,
                     opt::SET_META_CONTEXT,
+                    opt::EXTENDED_HEADERS,
                     0,
                     99,
-                ][*option as usize % 11];
+                ][*option as usize % 12];
                 let d = match data {
                     OptData::None => Vec::new(),
                     OptData::Name(k) => name(*k).as_bytes().to_vec(),

@@ -3,8 +3,9 @@
 # rest holes) served by `tyched` over the TCP transport, inside a network namespace made here,
 # and `tyche-init serve-nbd --tcp`. nbdinfo --map and qemu-img map see the holes, qemu-img
 # convert and nbdcopy copy it sparse (du and contents compared), nbdsh (python3-libnbd) checks
-# structured replies, base:allocation, REQ_ONE and the block sizes; nbdinfo --map again through
-# the task-per-request path (--nbd-io tasks). Root only.
+# structured replies, base:allocation, REQ_ONE, the block sizes and hole chunks in reads
+# (pread_structured); a python3 raw-socket client checks extended headers; nbdinfo --map again
+# through the task-per-request path (--nbd-io tasks). Root only.
 # Run: TYCHED=path BIN=path bash block-status.sh
 set -u
 BIN=${BIN:?path of the tyche-init binary}; TYCHED=${TYCHED:?path of the tyched binary}
@@ -129,12 +130,87 @@ with open(img, "rb") as f:
     want = f.read()
 for o, n in [(0, 4096), (10 << 20, 65536), (20 << 20, 8192), (62 << 20, 1 << 20), (1000 * 512, 512)]:
     assert h.pread(n, o) == want[o:o + n], (o, n)
+# Hole-aware reads: 4 MiB from 9 MiB is a 1 MiB hole, 64 KiB of data, then holes: hole chunks
+# for the holes, data chunks for the data, the file's contents; with DF one data chunk.
+chunks = []
+def cb(buf, off, status, err):
+    chunks.append((status, off, len(buf)))
+    return 0
+o, n = 9 << 20, 4 << 20
+assert h.pread_structured(n, o, cb) == want[o:o + n]
+holes = sum(l for s, _, l in chunks if s == nbd.READ_HOLE)
+data = [(off, l) for s, off, l in chunks if s == nbd.READ_DATA]
+assert holes == n - 65536 and data == [(10 << 20, 65536)], chunks
+chunks.clear()
+assert h.pread_structured(n, o, cb, flags=nbd.CMD_FLAG_DF) == want[o:o + n]
+assert [s for s, _, _ in chunks] == [nbd.READ_DATA], chunks
 h.shutdown()
 print("NBDSH CHECKS OK")
 EOT
 URI=$URI IMG=$IMG DATA=$DATA PATH=/usr/bin:$PATH timeout 60 nbdsh -c "exec(open('$W/check.py').read())" 2>&1 | tail -n 5 >$W/nbdsh.out
 grep -q "NBDSH CHECKS OK" $W/nbdsh.out || { cat $W/nbdsh.out; fail "nbdsh checks"; }
 echo "BLOCK STATUS NBDSH OK"
+
+# Extended headers on a raw socket (libnbd 1.14 cannot ask for them): block status of the whole
+# export in one 64-bit request (NBD_REPLY_TYPE_BLOCK_STATUS_EXT), a hole-aware read compared
+# with the file, a write without NBD_CMD_FLAG_PAYLOAD_LEN refused with the session going on.
+cat >$W/ext.py <<'EOT'
+import os, socket, struct
+sock, img, want_data = os.environ["SOCK"], os.environ["IMG"], int(os.environ["DATA"])
+s = socket.socket(socket.AF_UNIX); s.connect(sock); s.settimeout(30)
+def rd(n):
+    b = b""
+    while len(b) < n:
+        c = s.recv(n - len(b)); assert c, "closed"; b += c
+    return b
+assert rd(18)[:16] == b"NBDMAGICIHAVEOPT"
+s.sendall(struct.pack(">I", 3))
+def opt(o, d=b""):
+    s.sendall(b"IHAVEOPT" + struct.pack(">II", o, len(d)) + d)
+    out = []
+    while True:
+        _, oo, t, n = struct.unpack(">QIII", rd(20)); out.append((t, rd(n)))
+        if t == 1 or t & 0x80000000: return out
+assert opt(11) == [(1, b"")], "EXTENDED_HEADERS"
+assert opt(8)[-1][0] == 0x8000000a, "STRUCTURED_REPLY after extended headers"
+name = b"sparse"; q = b"base:allocation"
+r = opt(10, struct.pack(">I", len(name)) + name + struct.pack(">II", 1, len(q)) + q)
+assert r[0][0] == 4 and r[-1][0] == 1, r
+r = opt(7, struct.pack(">I", len(name)) + name + struct.pack(">H", 0))
+size, flags = struct.unpack(">QH", r[0][1][2:12])
+def req(cmd, cookie, off, n, flags=0):
+    s.sendall(struct.pack(">IHHQQQ", 0x21e41c71, flags, cmd, cookie, off, n))
+def chunk():
+    magic, f, t, cookie, off, n = struct.unpack(">IHHQQQ", rd(32))
+    assert magic == 0x6e8a278c, hex(magic)
+    return f, t, cookie, off, rd(n)
+req(7, 1, 0, size)
+f, t, cookie, _, p = chunk()
+assert (f, t, cookie) == (1, 6, 1), (f, t)
+ctx, count = struct.unpack(">II", p[:8]); assert len(p) == 8 + 16 * count
+ext = [struct.unpack(">QQ", p[8 + 16 * i:24 + 16 * i]) for i in range(count)]
+covered = sum(l for l, _ in ext); data = sum(l for l, st in ext if st == 0)
+assert ext[0] == (1 << 20, 0), ext
+with open(img, "rb") as fh: want = fh.read()
+o, n = 9 << 20, 4 << 20
+req(0, 2, o, n)
+got, kinds = bytearray(b"\xff" * n), []
+while True:
+    f, t, cookie, off, p = chunk(); assert cookie == 2 and off == o
+    at = struct.unpack(">Q", p[:8])[0] - o
+    if t == 1: got[at:at + len(p) - 8] = p[8:]; kinds.append("data")
+    elif t == 2: l = struct.unpack(">I", p[8:12])[0]; got[at:at + l] = bytes(l); kinds.append("hole")
+    else: raise AssertionError(t)
+    if f & 1: break
+assert bytes(got) == want[o:o + n] and "hole" in kinds, kinds
+req(1, 3, 0, 4096)
+f, t, cookie, _, p = chunk()
+assert (t, cookie, struct.unpack(">I", p[:4])[0]) == (0x8001, 3, 22), (t, p)
+req(2, 4, 0, 0)
+print("EXTENDED OK", count, "extents covering", covered, "data", data, "chunks", kinds)
+EOT
+SOCK=$SOCK IMG=$IMG DATA=$DATA timeout 60 /usr/bin/python3 $W/ext.py >$W/ext.out 2>&1 || { cat $W/ext.out; fail "extended headers"; }
+echo "BLOCK STATUS EXTENDED HEADERS OK ($(cat $W/ext.out))"
 
 # The task-per-request path answers the same (a new target: its TCP listener served the first
 # initiator's connection).

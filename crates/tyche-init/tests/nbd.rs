@@ -43,6 +43,8 @@ struct Server {
     socket: PathBuf,
     _dir: tempfile::TempDir,
     _target: RamTarget,
+    /// The session the server serves (its counters: bytes read over the links).
+    client: tyche_init::Client,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
@@ -59,6 +61,11 @@ async fn server(size: u64) -> Server {
 /// A server whose connections are served by the engine threads (`engine_io`) or by a task per
 /// request.
 async fn server_with(size: u64, engine_io: bool) -> Server {
+    server_opts(size, NbdOptions { engine_io, ..NbdOptions::new("ram") }).await
+}
+
+/// A server with options `opts` (export name "ram").
+async fn server_opts(size: u64, opts: NbdOptions) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("nbd.sock");
     let (links, _sw, target) = mem_links(RamExport::new("ram", size), 2);
@@ -66,7 +73,7 @@ async fn server_with(size: u64, engine_io: bool) -> Server {
     cfg.timers = initiator_timers();
     let client = connect(cfg, links).await.expect("connect");
     let s = socket.clone();
-    let opts = NbdOptions { engine_io, ..NbdOptions::new("ram") };
+    let session = client.clone();
     let task = tokio::spawn(async move { tyche_init::nbd::serve_unix(&s, client, opts).await });
     for _ in 0..100 {
         if socket.exists() {
@@ -74,7 +81,7 @@ async fn server_with(size: u64, engine_io: bool) -> Server {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Server { socket, _dir: dir, _target: target, task }
+    Server { socket, _dir: dir, _target: target, client: session, task }
 }
 
 fn uri(socket: &Path) -> String {
@@ -580,6 +587,7 @@ fn interop_with_tyched() {
                 "SPARSE QEMU-IMG CONVERT OK",
                 "SPARSE NBDCOPY OK",
                 "BLOCK STATUS NBDSH OK",
+                "BLOCK STATUS EXTENDED HEADERS OK",
                 "BLOCK STATUS TASKS PATH OK",
             ][..],
         ),
@@ -896,5 +904,71 @@ print("PREAD STRUCTURED OK", len(chunks))
         .replace("URI", &format!("{u:?}"));
         let out = tokio::task::spawn_blocking(move || run(Command::new("nbdsh").arg("-c").arg(script))).await.unwrap();
         assert!(out.contains("PREAD STRUCTURED OK"), "engine_io {engine_io}: {out}");
+    }
+}
+
+/// What hole-aware reads cost and save: `nbdcopy --no-extents` (every byte read with READ, no
+/// block status of its own) from a 256 MiB export to `null:`, all data or 1/16 data, with
+/// hole-aware reads at the default threshold and off, for request sizes of 256 KiB and 1 MiB.
+/// Prints a table (`cargo test -p tyche-init --test nbd -- --ignored bench_hole_reads
+/// --nocapture`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, not a check"]
+async fn bench_hole_reads() {
+    if !have("nbdcopy") {
+        return;
+    }
+    let size = 256 * MIB;
+    println!("| export | request | engine | hole-aware | MiB/s | MiB read from the target |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (name, stride) in [("all data", 1u64), ("1/16 data", 16)] {
+        for engine_io in [true, false] {
+            for holes in [Some(tyche_init::nbd::HOLE_READ_MIN), None] {
+                let s =
+                    server_opts(size, NbdOptions { engine_io, hole_read_min: holes, ..NbdOptions::new("ram") }).await;
+                let u = uri(&s.socket);
+                // Fill: 64 KiB of data in every `stride` 64 KiB.
+                let dir = tempfile::tempdir().unwrap();
+                let src = dir.path().join("src");
+                let mut v = vec![0u8; size as usize];
+                for (i, c) in v.chunks_mut(65536).enumerate() {
+                    if i as u64 % stride == 0 {
+                        c.fill(i as u8 | 1);
+                    }
+                }
+                std::fs::write(&src, &v).unwrap();
+                let u2 = u.clone();
+                tokio::task::spawn_blocking(move || {
+                    run(Command::new("nbdcopy").arg("--no-extents").arg(&src).arg(&u2))
+                })
+                .await
+                .unwrap();
+                for req in [262144, 1 << 20] {
+                    let u = u.clone();
+                    let before = s.client.stats().await.unwrap().bytes_read;
+                    let best = tokio::task::spawn_blocking(move || {
+                        (0..5)
+                            .map(|_| {
+                                let t = std::time::Instant::now();
+                                run(Command::new("nbdcopy")
+                                    .args(["--no-extents", "--connections=1", "--requests=16"])
+                                    .arg(format!("--request-size={req}"))
+                                    .arg(&u)
+                                    .arg("null:"));
+                                t.elapsed()
+                            })
+                            .min()
+                            .unwrap()
+                    })
+                    .await
+                    .unwrap();
+                    let mibs = size as f64 / MIB as f64 / best.as_secs_f64();
+                    let moved = (s.client.stats().await.unwrap().bytes_read - before) / 5 / MIB;
+                    let on = if holes.is_some() { "on" } else { "off" };
+                    let eng = if engine_io { "engine" } else { "tasks" };
+                    println!("| {name} | {} KiB | {eng} | {on} | {mibs:.0} | {moved} |", req >> 10);
+                }
+            }
+        }
     }
 }
