@@ -9,7 +9,9 @@
 //!
 //! Semantics are those of the task-based server in [`super`]: the same validation, the same
 //! replies and error numbers, out-of-order completion, at most `max_inflight` requests and
-//! [`HELD_BYTES`] of data per connection.
+//! [`HELD_BYTES`] of data per connection. A hole-aware READ is first a BLOCK_STATUS for the
+//! volume; its completion queues hole chunks and follow-up reads of the data pieces, which the
+//! engine collects with the next [`DirectConn::poll_requests`].
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read, Write};

@@ -1,12 +1,15 @@
 //! An NBD server on a Unix socket, backed by a [`Client`].
 //!
 //! Fixed newstyle handshake (NBD_OPT_GO, NBD_OPT_INFO, NBD_OPT_EXPORT_NAME, NBD_OPT_LIST,
-//! NBD_OPT_ABORT, NBD_OPT_STRUCTURED_REPLY, NBD_OPT_LIST_META_CONTEXT and
-//! NBD_OPT_SET_META_CONTEXT with the one context `base:allocation`; everything else is answered
-//! NBD_REP_ERR_UNSUP), simple or structured replies, and the commands READ, WRITE (with FUA),
-//! FLUSH, TRIM, WRITE_ZEROES (with FUA and NO_HOLE), CACHE, BLOCK_STATUS (with REQ_ONE) and
-//! DISC. Both transmission paths (tasks here, engine thread in [`direct`]) check requests with
-//! [`validate`] and answer block status with [`block_status_reply`]. Every connection serves the same session, so the export is advertised with
+//! NBD_OPT_ABORT, NBD_OPT_STRUCTURED_REPLY, NBD_OPT_EXTENDED_HEADERS, NBD_OPT_LIST_META_CONTEXT
+//! and NBD_OPT_SET_META_CONTEXT with the one context `base:allocation`; everything else is
+//! answered NBD_REP_ERR_UNSUP), simple, structured or extended replies, compact or extended
+//! (64-bit) requests, and the commands READ (hole-aware from [`HOLE_READ_MIN`]: holes answered as
+//! hole chunks, see [`read_plan`]; one chunk with DF), WRITE (with FUA), FLUSH, TRIM, WRITE_ZEROES
+//! (with FUA and NO_HOLE), CACHE, BLOCK_STATUS (with REQ_ONE) and DISC. Both transmission paths
+//! (tasks here, engine thread in [`direct`]) check requests with [`validate`], answer block status
+//! with [`block_status_reply`] and plan hole-aware reads with [`read_plan`]. Every connection
+//! serves the same session, so the export is advertised with
 //! CAN_MULTI_CONN. Each connection handles many requests at once and replies as they complete
 //! (out of order, as NBD allows), at most [`NbdOptions::max_inflight`] per connection.
 //!
