@@ -31,6 +31,7 @@
 
 pub mod alloc;
 pub mod cpulist;
+pub mod irq;
 mod error;
 pub mod model;
 pub mod placement;
