@@ -560,7 +560,11 @@ impl Engine {
                             max_requests: self.cfg.max_requests,
                         };
                         let nodes: Vec<u32> = self.links.iter().filter_map(|l| l.node).collect();
-                        let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::new(self.cfg.scheduler, &nodes));
+                        let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::with_order(
+                            self.cfg.scheduler,
+                            &nodes,
+                            self.cfg.node_order.as_ref(),
+                        ));
                         self.volume = Some(Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now));
                         self.connected = Some(c);
                         debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");

@@ -64,7 +64,9 @@ pub enum IrqError {
         source: io::Error,
     },
     /// Writing an IRQ's affinity was refused because this process is not root.
-    #[error("setting the affinity of IRQ {irq} needs root (CAP_SYS_ADMIN); run as root or use irq_affinity = \"keep\"")]
+    #[error(
+        "setting the affinity of IRQ {irq} needs root (CAP_SYS_ADMIN); run as root or use irq_affinity = \"keep\""
+    )]
     NotRoot {
         /// The IRQ.
         irq: u32,
@@ -167,7 +169,8 @@ fn msi_dir(dir: &Path) -> Result<Vec<u32>, IrqError> {
         let e = e.map_err(|source| IrqError::Read { path: dir.display().to_string(), source })?;
         let name = e.file_name();
         let name = name.to_string_lossy();
-        let irq = name.parse::<u32>().map_err(|_| malformed(&e.path(), "an msi_irqs entry that is not an IRQ number"))?;
+        let irq =
+            name.parse::<u32>().map_err(|_| malformed(&e.path(), "an msi_irqs entry that is not an IRQ number"))?;
         irqs.push(irq);
         if irqs.len() > MAX_IRQS_PER_NIC {
             return Err(malformed(dir, format!("more than {MAX_IRQS_PER_NIC} IRQs")));
@@ -247,7 +250,8 @@ pub fn irq_affinity(roots: &Roots, irq: u32) -> Result<IrqAffinity, IrqError> {
         parse_cpu_list(text.trim()).map_err(|e| malformed(&path, e))
     };
     let affinity = list("smp_affinity_list")?;
-    let effective = if dir.join("effective_affinity_list").exists() { list("effective_affinity_list")? } else { Vec::new() };
+    let effective =
+        if dir.join("effective_affinity_list").exists() { list("effective_affinity_list")? } else { Vec::new() };
     Ok(IrqAffinity { irq, affinity, effective })
 }
 

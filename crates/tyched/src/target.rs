@@ -2385,6 +2385,8 @@ impl Network {
             exports,
             channels,
             placement,
+            // Read by the daemon's stats source (tyched's main), not the engine.
+            irqs: Vec::new(),
             limits: self.limit_snapshot(),
             poll: PollReport {
                 mode: self.poll.mode,
