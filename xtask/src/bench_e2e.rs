@@ -23,7 +23,7 @@ use clap::Args;
 use crate::charts::{self, Point};
 use crate::disk::run;
 use crate::lab::Lab;
-use crate::stack::{prepare, start_initiator, start_tyched_with, wait_for, Daemon, Link};
+use crate::stack::{bin, prepare, start_initiator, start_tyched_with, wait_for, Daemon, Link};
 
 #[derive(Args, Debug)]
 pub struct BenchE2eArgs {
@@ -132,6 +132,8 @@ struct Bench<'a> {
     /// Idle CPU of both daemons after the jobs, per Tyche system: (system, NICs, target %,
     /// initiator %).
     idle: std::cell::RefCell<Vec<(String, u32, f64, f64)>>,
+    /// Per Tyche system: both daemons' polling summaries after its jobs.
+    polls: std::cell::RefCell<Vec<String>>,
 }
 
 /// How long the daemons are watched, idle, after the jobs.
@@ -305,6 +307,16 @@ impl Bench<'_> {
         let pct = |a: f64, b: f64| (b - a) / IDLE_WATCH.as_secs_f64() * 100.0;
         let (t, i) = (pct(t0, cpu_seconds(tyched.daemon.pid())), pct(i0, cpu_seconds(init.daemon.pid())));
         self.idle.borrow_mut().push((system.to_string(), nics, t, i));
+        // How the daemons' threads waited over the jobs (polling, sleeps, contention holdoffs).
+        let summary = |cmd: &mut Command| {
+            run(cmd)
+                .ok()
+                .and_then(|out| out.lines().map(str::trim).find(|l| l.starts_with("poll ")).map(str::to_owned))
+                .unwrap_or_else(|| "no poll line in its stats".into())
+        };
+        let t = summary(Command::new(bin(self.root, "tyched")).args(["stats", "--socket"]).arg(&tsock));
+        let i = summary(Command::new(bin(self.root, "tyche-init")).arg("stats").arg(init.daemon.pid().to_string()));
+        self.polls.borrow_mut().push(format!("- {system} ({nics} NIC): tyched: {t}\n  tyche-init: {i}"));
         Ok(())
     }
 }
@@ -328,6 +340,7 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
         poll: args.poll.as_deref(),
         jobs: &args.jobs,
         idle: Default::default(),
+        polls: Default::default(),
     };
     let known = ["nbdkit-tcp", "tyche-tcp", "tyche-xdp", "tyche-xdp-auth", "tyche-xdp-encrypt", "tyche-xdp-digest"];
     if let Some(bad) = args.only.iter().find(|s| !known.contains(&s.as_str())) {
@@ -415,8 +428,9 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
     for (system, nics, t, i) in bench.idle.borrow().iter() {
         writeln!(idle, "- {system} ({nics} NIC): tyched {t:.2}%, tyche-init {i:.2}%")?;
     }
+    let polls = bench.polls.borrow().join("\n");
     let ratios = format!(
-        "{ratios}\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nIdle CPU of one core, attached and without I/O, {} s watched one second after the last job (target: under 2% each):\n\n{idle}\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}",
+        "{ratios}\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nIdle CPU of one core, attached and without I/O, {} s watched one second after the last job (target: under 2% each):\n\n{idle}\nHow the daemons' threads waited, over all jobs of each system:\n\n{polls}\n\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}",
         IDLE_WATCH.as_secs()
     );
     println!("{table}\n{ratios}");

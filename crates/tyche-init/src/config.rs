@@ -149,6 +149,9 @@ pub struct InitiatorConfig {
     pub max_requests: usize,
     /// Channel scheduler.
     pub scheduler: SchedulerKind,
+    /// Where the affinity scheduler falls back when a buffer's node has no usable channel
+    /// (`crate::sched::fallback_order`: bandwidth classes, else distances); `None`: by node id.
+    pub node_order: Option<tyche_numa::NodeOrder>,
     /// Send mode.
     pub send_mode: SendMode,
     /// Engine threads: one per NUMA node of the links (default) or one for all.
@@ -206,6 +209,7 @@ impl InitiatorConfig {
             slots: 128,
             max_requests: 512,
             scheduler: SchedulerKind::default(),
+            node_order: None,
             send_mode: SendMode::default(),
             engine_threads: EngineThreads::default(),
             poll: tyche_transport::poll::PollConfig::default(),

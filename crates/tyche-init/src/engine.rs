@@ -22,7 +22,7 @@ use tyche_channel::{
     IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler, SubmitError, Volume, VolumeConfig,
     VolumeEvent,
 };
-use tyche_transport::poll::{Next, PollStats, Poller};
+use tyche_transport::poll::{Next, PollStats, Poller, SchedStat};
 use tyche_transport::wake::WakeFd;
 use tyche_transport::{FrameTransport, MemoryArea};
 use tyche_wire::{
@@ -560,7 +560,11 @@ impl Engine {
                             max_requests: self.cfg.max_requests,
                         };
                         let nodes: Vec<u32> = self.links.iter().filter_map(|l| l.node).collect();
-                        let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::new(self.cfg.scheduler, &nodes));
+                        let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::with_order(
+                            self.cfg.scheduler,
+                            &nodes,
+                            self.cfg.node_order.as_ref(),
+                        ));
                         self.volume = Some(Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now));
                         self.connected = Some(c);
                         debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");
@@ -1170,6 +1174,7 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
     // Links without a readiness descriptor (in-memory ones) are polled: sleep briefly.
     let all_fds = io.iter().all(|(_, t)| t.readiness_fd().is_some());
     let mut poller = Poller::new(shared.lock().cfg.poll);
+    let run_queue = SchedStat::of_this_thread();
     let mut disconnected = false;
     let mut next: Option<Cmd> = None;
     loop {
@@ -1216,7 +1221,9 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
         }
         e.wake_others(g);
         e.poll_stats[g] = poller.stats();
-        if poller.turn(std::time::Instant::now(), work) == Next::Poll {
+        let at = std::time::Instant::now();
+        run_queue.feed(&mut poller, at);
+        if poller.turn(at, work) == Next::Poll {
             drop(e);
             if !work {
                 // Polling with nothing to do: let a thread that shares the core run.

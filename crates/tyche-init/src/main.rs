@@ -163,6 +163,16 @@ struct ConnArgs {
     /// Unix socket for `tyche-init stats` (default: PID.stats.sock in the state directory).
     #[arg(long)]
     stats_socket: Option<PathBuf>,
+    /// The NICs' interrupts: keep (leave them, report and warn) or auto (each NIC's IRQs on one
+    /// core of its node that this process's threads then keep off; needs root).
+    #[arg(long, default_value = "keep", value_name = "keep|auto")]
+    irq_affinity: tyche_numa::irq::IrqPolicy,
+    /// Where the measured I/O bandwidth model is kept (machines with several NUMA nodes).
+    #[arg(long, value_name = "FILE", default_value = tyche_numa::model::DEFAULT_CACHE)]
+    model_cache: PathBuf,
+    /// Measure the I/O bandwidth model again instead of using the cached one.
+    #[arg(long)]
+    model_refresh: bool,
     /// Testing only: drop this fraction of frames on every link, both ways, with the seeded
     /// fault-injection wrapper (AF_XDP copy-mode transmit bypasses the qdisc, so `tc netem`
     /// cannot drop Tyche frames).
@@ -316,11 +326,22 @@ impl ConnArgs {
     }
 }
 
-/// Attaches: the client, the in-process target of `--loopback-mib`, and the target's name (its
-/// MAC, or MACs, as given or found by discovery).
-async fn open(conn: &ConnArgs) -> Result<(Client, Option<RamTarget>, String)> {
-    let cfg = conn.config()?;
+/// What the NUMA set-up decided, for the stats.
+#[derive(Debug, Clone, Default)]
+struct NumaSetup {
+    topo: Option<tyche_numa::Topology>,
+    /// Interfaces whose interrupts the stats show (AF_XDP links).
+    ifaces: Vec<String>,
+    /// Where the scheduler falls back: `model`, `distances` or `id`.
+    fallback: String,
+}
+
+/// Attaches: the client, the in-process target of `--loopback-mib`, the target's name (its
+/// MAC, or MACs, as given or found by discovery) and the NUMA set-up.
+async fn open(conn: &ConnArgs) -> Result<(Client, Option<RamTarget>, String, NumaSetup)> {
+    let mut cfg = conn.config()?;
     let (links, target) = conn.links()?;
+    let numa = numa_setup(conn, &links, &mut cfg)?;
     // Named after discovery, so a target found that way is named too.
     let mut macs: Vec<String> = links.iter().map(|l| l.target.to_string()).collect();
     macs.dedup();
@@ -328,7 +349,100 @@ async fn open(conn: &ConnArgs) -> Result<(Client, Option<RamTarget>, String)> {
     let client = tyche_init::connect(cfg, links)
         .await
         .with_context(|| format!("attaching export {:?} of target {name}", conn.export))?;
-    Ok((client, target, name))
+    Ok((client, target, name, numa))
+}
+
+/// Before the engine threads start: the scheduler's fallback order (bandwidth model, cached,
+/// on machines with several nodes; else distances; else ids), warnings for links in a low
+/// bandwidth class, and the NICs' interrupts (`--irq-affinity`).
+fn numa_setup(conn: &ConnArgs, links: &[Link], cfg: &mut InitiatorConfig) -> Result<NumaSetup> {
+    use tyche_init::sched;
+    use tyche_numa::irq::{self, IrqPolicy};
+    let topo = tyche_numa::Topology::this_system().ok();
+    let mut nodes: Vec<u32> = links.iter().filter_map(|l| l.node).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    let model = match &topo {
+        Some(t) if (t.nodes.len() > 1 || conn.model_refresh) && !nodes.is_empty() => {
+            match tyche_numa::model::cached(
+                &conn.model_cache,
+                t,
+                &nodes,
+                &tyche_numa::ModelConfig::default(),
+                conn.model_refresh,
+            ) {
+                Ok((m, how)) => {
+                    info!(path = %conn.model_cache.display(), ?how, "I/O bandwidth model");
+                    Some(m)
+                }
+                Err(e) => {
+                    warn!("no I/O bandwidth model: {e}");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    let (order, source) = sched::fallback_order(topo.as_ref(), model.as_ref(), &nodes);
+    info!(source = ?source, "channel fallback order");
+    if let Some(m) = &model {
+        // The NICs' nodes with no channel of their own fall back to the first tier: warn when
+        // that is a low bandwidth class for them.
+        for n in topo.iter().flat_map(|t| t.nodes.iter()).map(|n| n.id).filter(|n| !nodes.contains(n)) {
+            if let Some(&first) = order.fallback(n).first().and_then(|t| t.first()) {
+                if let Some(w) = tyche_numa::model::low_class(m, &format!("requests from node {n}"), n, first) {
+                    warn!("{w}");
+                }
+            }
+        }
+    }
+    cfg.node_order = Some(order);
+    let fallback = match source {
+        sched::OrderSource::Model => "model",
+        sched::OrderSource::Distances => "distances",
+        sched::OrderSource::Id => "id",
+    };
+    let ifaces: Vec<String> =
+        if conn.tcp.is_empty() && conn.loopback_mib.is_none() { conn.ifaces.clone() } else { Vec::new() };
+    let roots = irq::Roots::default();
+    for (iface, link) in ifaces.iter().zip(links) {
+        let found = match irq::nic_irqs(&roots, iface) {
+            Ok(n) => n,
+            Err(e) if conn.irq_affinity == IrqPolicy::Auto => {
+                return Err(e).with_context(|| format!("--irq-affinity auto: {iface}"))
+            }
+            Err(e) => {
+                warn!(iface = %iface, "cannot read the NIC's interrupts: {e}");
+                continue;
+            }
+        };
+        if found.virtual_nic {
+            info!(iface = %iface, "no IRQs (virtual NIC)");
+            continue;
+        }
+        let Some(t) = &topo else { continue };
+        let node = link.node.or_else(|| (t.nodes.len() == 1).then(|| t.nodes[0].id));
+        let mut now = found;
+        if conn.irq_affinity == IrqPolicy::Auto && !now.irqs.is_empty() {
+            let node = node.with_context(|| format!("--irq-affinity auto: {iface}: its NUMA node is unknown"))?;
+            // One core of the node (its lowest) takes the interrupts; this process's engine,
+            // NBD and ublk threads keep off it.
+            let cores = t.node(node).map(|n| n.cores.clone()).unwrap_or_default();
+            if cores.len() < 2 {
+                bail!("--irq-affinity auto: {iface}: node {node} has {} core(s): no core for the interrupts other than the engine thread's", cores.len());
+            }
+            now = irq::apply_auto(&roots, &now, &[cores[0][0]])
+                .with_context(|| format!("--irq-affinity auto: {iface}"))?;
+            sched::reserve_cpus(&cores[0]);
+            info!(iface = %iface, irqs = %now.describe(), "NIC interrupts moved off the engine threads' cores");
+        }
+        if let Some(cpus) = node.and_then(sched::node_cpus) {
+            for w in irq::check(t, &now, &cpus, &[]) {
+                warn!("{w}");
+            }
+        }
+    }
+    Ok(NumaSetup { topo, ifaces, fallback: fallback.to_owned() })
 }
 
 /// Waits for SIGINT or SIGTERM.
@@ -349,14 +463,26 @@ fn start_stats(
     pid: u32,
     client: &Client,
     nbd: Option<tyche_init::NbdStats>,
+    numa: NumaSetup,
 ) -> (Option<tyche_transport::stats_socket::StatsServer>, String) {
     let path = conn.stats_socket.clone().unwrap_or_else(|| state::stats_socket(dir, pid));
     let c = client.clone();
+    let roots = tyche_numa::irq::Roots::default();
     let source = move || {
         let mut r = c.report_blocking().unwrap_or_default();
         if let Some(n) = &nbd {
             r.nbd = n.snapshot();
         }
+        // Read afresh, against the CPUs each link's engine thread reports for itself.
+        r.irqs = numa
+            .ifaces
+            .iter()
+            .map(|iface| {
+                let cpus = r.links.iter().find(|l| l.name == *iface).map(|l| l.thread.cpus.clone()).unwrap_or_default();
+                tyche_numa::IrqReport::read(&roots, iface, numa.topo.as_ref(), &cpus)
+            })
+            .collect();
+        r.fallback = numa.fallback.clone();
         r
     };
     match tyche_transport::stats_socket::StatsServer::start(&path, "tyche-stats", source) {
@@ -375,14 +501,14 @@ async fn serve_nbd(
     nbd_nodes: Vec<u32>,
     engine_io: bool,
 ) -> Result<()> {
-    let (client, _target, target_name) = open(&conn).await?;
+    let (client, _target, target_name, numa) = open(&conn).await?;
     let i = client.info();
     println!("{}", socket.display());
     info!(export = %i.export, size = i.size, session = format_args!("{:#x}", i.session), "attached");
     let opts = NbdOptions { max_inflight, connection_nodes: nbd_nodes, engine_io, ..NbdOptions::new(&conn.export) };
     let dir = state::dir();
     let pid = std::process::id();
-    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, Some(opts.stats.clone()));
+    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, Some(opts.stats.clone()), numa);
     let rec = state::Attachment {
         pid,
         kind: "nbd".into(),
@@ -427,7 +553,7 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     }
     // A new session from this host fences the dead process's session on the target, so none of
     // its writes lands after ours.
-    let (client, _target, target_name) = open(&conn).await?;
+    let (client, _target, target_name, numa) = open(&conn).await?;
     // libublk keeps its control ring per thread: the device is created and served on one thread.
     let (tx, rx) = tokio::sync::oneshot::channel();
     let ublk_client = client.clone();
@@ -458,7 +584,7 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     println!("{path}");
     let dir = state::dir();
     let pid = std::process::id();
-    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, None);
+    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, None, numa);
     let rec = state::Attachment {
         pid,
         kind: "ublk".into(),

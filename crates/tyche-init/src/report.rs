@@ -118,6 +118,14 @@ pub struct Report {
     /// Polling counters per engine thread.
     #[serde(default)]
     pub poll: Vec<PollStats>,
+    /// Per interface: its IRQs, the CPUs they land on, and how many share a core with the
+    /// engine thread serving it (`none (virtual NIC)` for veth).
+    #[serde(default)]
+    pub irqs: Vec<tyche_numa::IrqReport>,
+    /// Where the channel scheduler falls back when a node has no usable channel: `model`
+    /// (bandwidth classes), `distances` or `id`.
+    #[serde(default)]
+    pub fallback: String,
 }
 
 impl Report {
@@ -156,6 +164,15 @@ impl Report {
                 l.thread.cpus,
                 l.thread.nodes
             );
+        }
+        if !self.irqs.is_empty() {
+            let _ = writeln!(s, "\nInterrupts (IRQ -> cpus):");
+            for r in &self.irqs {
+                let _ = writeln!(s, "  {:<10} {}", r.nic, r.describe());
+            }
+        }
+        if !self.fallback.is_empty() {
+            let _ = writeln!(s, "\nChannel fallback order: by {}", self.fallback);
         }
         let _ = writeln!(s, "\n{}", tyche_transport::poll::summary(self.poll_mode, self.poll_budget_us, &self.poll));
         if !self.nbd.is_empty() {

@@ -345,8 +345,9 @@ async fn every_poll_mode_serves_requests_and_counts_its_waits() {
         assert_eq!((r.poll_mode, r.poll_budget_us, r.poll.len()), (mode, 50, 1), "{}", r.human());
         let p = r.poll[0];
         match mode {
-            // Every turn that found nothing after work polled a while before sleeping.
-            PollMode::Adaptive => assert!(p.poll_ns > 0 && p.budget_ns <= 50_000, "{mode}: {p:?}"),
+            // Every turn that found nothing after work polled a while before sleeping (unless
+            // the machine was so busy that polling gave way to other work all along).
+            PollMode::Adaptive => assert!((p.poll_ns > 0 || p.contended > 0) && p.budget_ns <= 50_000, "{mode}: {p:?}"),
             PollMode::Sleep => assert!(p.poll_ns == 0 && p.sleeps > 0 && p.poll_hits == 0, "{mode}: {p:?}"),
             PollMode::Spin => assert!(p.sleeps == 0 && p.poll_ns > 0, "{mode}: {p:?}"),
         }

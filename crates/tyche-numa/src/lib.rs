@@ -32,6 +32,7 @@
 pub mod alloc;
 pub mod cpulist;
 mod error;
+pub mod irq;
 pub mod model;
 pub mod placement;
 pub mod report;
@@ -42,8 +43,8 @@ pub mod topology;
 pub use alloc::{HugePages, NodeRegion};
 pub use cpulist::{format_cpu_list, parse_cpu_list};
 pub use error::NumaError;
-pub use model::{BandwidthModel, ModelConfig};
+pub use model::{BandwidthModel, IoMeasurement, ModelConfig};
 pub use placement::{current_thread_cpus, pin_current_thread, ChannelSpec, PlacementRequest, Plan};
-pub use report::{PageCounts, ThreadPlacement};
+pub use report::{IrqReport, PageCounts, ThreadPlacement};
 pub use scheduler::{ChannelId, ChannelScheduler, NodeOrder, Policy};
 pub use topology::{Nic, NicNodeSource, Node, Topology, TopologySource};

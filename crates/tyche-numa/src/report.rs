@@ -155,10 +155,90 @@ pub fn node_cpus_from_sysfs() -> Vec<(u32, Vec<u32>)> {
     out
 }
 
+/// A NIC's interrupts as the daemons' stats show them: which IRQs, where they land, and how
+/// many land on the core of the NIC's network thread (Hanford et al.: the worst place).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct IrqReport {
+    /// Interface name.
+    pub nic: String,
+    /// A virtual NIC (veth, bridge): no IRQs.
+    pub virtual_nic: bool,
+    /// Its IRQs and their CPUs.
+    pub irqs: Vec<crate::irq::IrqAffinity>,
+    /// The CPUs its network thread may run on (as that thread reported itself).
+    pub network_cpus: Vec<u32>,
+    /// IRQs whose CPUs share a physical core with the network thread's CPUs.
+    pub sharing_network_core: u64,
+    /// Why the IRQs could not be read (empty when they were).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub error: String,
+}
+
+impl IrqReport {
+    /// Reads `nic`'s interrupts under `roots` and compares them with `network_cpus`; cores come
+    /// from `topo` (without one, only equal CPUs count as the same core). A read error is kept
+    /// in `error`, not returned: the stats still show the rest.
+    pub fn read(roots: &crate::irq::Roots, nic: &str, topo: Option<&crate::Topology>, network_cpus: &[u32]) -> Self {
+        let mut r = IrqReport { nic: nic.to_owned(), network_cpus: network_cpus.to_vec(), ..IrqReport::default() };
+        match crate::irq::nic_irqs(roots, nic) {
+            Ok(n) => {
+                r.virtual_nic = n.virtual_nic;
+                r.irqs = n.irqs;
+            }
+            Err(e) => r.error = e.to_string(),
+        }
+        let shares = |cpus: &[u32]| match topo {
+            Some(t) => crate::irq::share_a_core(t, network_cpus, cpus),
+            None => cpus.iter().any(|c| network_cpus.contains(c)),
+        };
+        r.sharing_network_core = r.irqs.iter().filter(|i| shares(i.cpus())).count() as u64;
+        r
+    }
+
+    /// One line: `none (virtual NIC)`, `unreadable: ...`, or the IRQs and their CPUs.
+    pub fn describe(&self) -> String {
+        if !self.error.is_empty() {
+            return format!("unreadable: {}", self.error);
+        }
+        let n = crate::irq::NicIrqs { nic: self.nic.clone(), virtual_nic: self.virtual_nic, irqs: self.irqs.clone() };
+        let mut s = n.describe();
+        if self.sharing_network_core > 0 {
+            s.push_str(&format!(
+                "; {} on the network thread's core (cpus {})",
+                self.sharing_network_core,
+                crate::format_cpu_list(&self.network_cpus)
+            ));
+        }
+        s
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{HugePages, NodeRegion};
+
+    #[test]
+    fn irq_report_of_a_virtual_and_a_missing_nic() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let roots = crate::irq::Roots { sys: dir.path().join("sys"), proc: dir.path().join("proc") };
+        std::fs::create_dir_all(roots.sys.join("class/net/veth0")).unwrap();
+        let r = IrqReport::read(&roots, "veth0", None, &[1]);
+        assert!(r.virtual_nic && r.error.is_empty());
+        assert_eq!(r.describe(), "none (virtual NIC)");
+        let r = IrqReport::read(&roots, "gone0", None, &[1]);
+        assert!(r.describe().starts_with("unreadable: no network interface"), "{}", r.describe());
+        // Shared core: IRQ 5 on CPU 1, the network thread on CPU 1.
+        std::fs::create_dir_all(roots.sys.join("class/net/eth9/device/msi_irqs/5")).unwrap();
+        std::fs::create_dir_all(roots.proc.join("irq/5")).unwrap();
+        std::fs::write(roots.proc.join("irq/5/smp_affinity_list"), "1\n").unwrap();
+        let r = IrqReport::read(&roots, "eth9", None, &[1]);
+        assert_eq!(r.sharing_network_core, 1);
+        assert_eq!(r.describe(), "5 -> 1; 1 on the network thread's core (cpus 1)");
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<IrqReport>(&json).unwrap(), r);
+    }
 
     #[test]
     fn counts_against_the_expected_node() {

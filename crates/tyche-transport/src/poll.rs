@@ -21,8 +21,23 @@
 //!   within the configured budget (a near miss) raises it to cover that wait.
 //! - Counters ([`PollStats`]) say how long the thread polled, how often polling found work, how
 //!   often it slept, and how many of those sleeps ended in work (wake-ups polling did not save).
+//! - **Contention.** A polling thread that yields between empty turns stays runnable, so on a core
+//!   shared with other busy work it keeps taking CPU the rest of the path needs (measured: 2–3x
+//!   fewer IOPS than sleeping, with two busy loops on two cores). The thread's own run-queue
+//!   wait is the signal: the caller feeds the poller the time the thread has run and waited for
+//!   a CPU ([`SchedStat`], from the kernel's schedstat) when [`Poller::sample_due`] says so, at
+//!   most every [`SAMPLE_EVERY`]. When, since the last sample, the thread waited more than
+//!   [`CONTENDED_RATIO`] times as long as it ran and more than [`CONTENDED_SHARE`] of the wall
+//!   time, [`PollMode::Adaptive`] gives polling up for [`HOLDOFF`] and sleeps after every empty
+//!   turn, as [`PollMode::Sleep`] does; then it tries again. [`PollMode::Spin`] (dedicated
+//!   cores) never gives up. Why run against wait: the threads of one request's path take turns
+//!   on the cores too, so a polling thread waits a lot even alone (measured on 2 cores at queue
+//!   depth 1: the initiator's engine ran 45–60% of the time and waited 33–58%); with two busy
+//!   loops on the cores, polling threads ran 5–9% and waited 76–100%.
 
 use std::fmt;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
@@ -69,6 +84,16 @@ impl FromStr for PollMode {
         }
     }
 }
+
+/// How often [`PollMode::Adaptive`] looks at the thread's run-queue wait.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(10);
+/// Contention, between two samples: the thread waited for a CPU more than this many times as
+/// long as it ran ...
+pub const CONTENDED_RATIO: u32 = 4;
+/// ... and more than this share of the wall time (a half, as numerator and denominator).
+pub const CONTENDED_SHARE: (u32, u32) = (1, 2);
+/// How long [`PollMode::Adaptive`] sleeps after every empty turn once contention is seen.
+pub const HOLDOFF: Duration = Duration::from_millis(100);
 
 /// How a [`Poller`] behaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,6 +165,9 @@ pub struct PollStats {
     pub wakeups: u64,
     /// The adaptive budget now, in nanoseconds.
     pub budget_ns: u64,
+    /// Times polling was given up for [`HOLDOFF`] because the thread waited for a CPU more than
+    /// [`CONTENDED_SHARE`] of the time (a core shared with other busy work).
+    pub contended: u64,
 }
 
 impl PollStats {
@@ -151,6 +179,7 @@ impl PollStats {
         self.sleeps += other.sleeps;
         self.wakeups += other.wakeups;
         self.budget_ns = self.budget_ns.max(other.budget_ns);
+        self.contended += other.contended;
     }
 }
 
@@ -160,13 +189,14 @@ pub fn summary(mode: PollMode, budget_us: u64, threads: &[PollStats]) -> String 
     let mut all = PollStats::default();
     threads.iter().for_each(|t| all.add(t));
     format!(
-        "poll {mode} (budget {budget_us} µs, now {} µs)  polled {:.3}s  found work {}  ran out {}  sleeps {}  woken for work {}",
+        "poll {mode} (budget {budget_us} µs, now {} µs)  polled {:.3}s  found work {}  ran out {}  sleeps {}  woken for work {}  held off (cpu contended) {}",
         all.budget_ns / 1000,
         all.poll_ns as f64 / 1e9,
         all.poll_hits,
         all.poll_misses,
         all.sleeps,
-        all.wakeups
+        all.wakeups,
+        all.contended
     )
 }
 
@@ -184,6 +214,54 @@ enum State {
     Slept { last_work: Option<Instant> },
 }
 
+/// A thread's time on a CPU and waiting for one (runnable, not running), in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CpuTimes {
+    /// On a CPU.
+    pub run: Duration,
+    /// Waiting in a run queue.
+    pub wait: Duration,
+}
+
+/// The calling thread's [`CpuTimes`], from `/proc/thread-self/schedstat`. Opened by the thread it
+/// measures; a kernel without schedstat gives `None`, and the poller then never sees contention.
+#[derive(Debug)]
+pub struct SchedStat {
+    file: Option<File>,
+}
+
+impl SchedStat {
+    /// Opens the calling thread's schedstat (call it on the thread that polls).
+    pub fn of_this_thread() -> Self {
+        SchedStat { file: File::open("/proc/thread-self/schedstat").ok() }
+    }
+
+    /// The thread's CPU times so far, if the kernel reports them.
+    pub fn read(&self) -> Option<CpuTimes> {
+        let mut buf = [0u8; 96];
+        let n = self.file.as_ref()?.read_at(&mut buf, 0).ok()?;
+        parse_schedstat(&buf[..n])
+    }
+
+    /// Feeds `poller` a sample if one is due at `now`.
+    pub fn feed(&self, poller: &mut Poller, now: Instant) {
+        if poller.sample_due(now) {
+            if let Some(t) = self.read() {
+                poller.sample(now, t);
+            }
+        }
+    }
+}
+
+/// The CPU times in a schedstat line: "<on cpu ns> <waiting ns> <timeslices>".
+fn parse_schedstat(line: &[u8]) -> Option<CpuTimes> {
+    let text = std::str::from_utf8(line).ok()?;
+    let mut fields = text.split_ascii_whitespace().map(str::parse::<u64>);
+    let run = fields.next()?.ok()?;
+    let wait = fields.next()?.ok()?;
+    Some(CpuTimes { run: Duration::from_nanos(run), wait: Duration::from_nanos(wait) })
+}
+
 /// The polling policy of one thread. See the [module documentation](self).
 #[derive(Debug, Clone)]
 pub struct Poller {
@@ -191,12 +269,23 @@ pub struct Poller {
     budget: Duration,
     state: State,
     stats: PollStats,
+    /// The last sample: when, and the thread's CPU times then.
+    sample: Option<(Instant, CpuTimes)>,
+    /// Polling is given up until then (contention).
+    holdoff_until: Option<Instant>,
 }
 
 impl Poller {
     /// A poller in `config`'s mode, its budget at the configured (largest) one.
     pub fn new(config: PollConfig) -> Self {
-        Poller { config, budget: config.budget, state: State::Idle, stats: PollStats::default() }
+        Poller {
+            config,
+            budget: config.budget,
+            state: State::Idle,
+            stats: PollStats::default(),
+            sample: None,
+            holdoff_until: None,
+        }
     }
 
     /// The configuration.
@@ -214,6 +303,37 @@ impl Poller {
         PollStats { budget_ns: self.budget.as_nanos() as u64, ..self.stats }
     }
 
+    /// Whether the caller should pass [`Poller::sample`] the thread's CPU times now (adaptive
+    /// mode, [`SAMPLE_EVERY`] after the last sample).
+    pub fn sample_due(&self, now: Instant) -> bool {
+        self.config.mode == PollMode::Adaptive
+            && self.sample.is_none_or(|(at, _)| now.saturating_duration_since(at) >= SAMPLE_EVERY)
+    }
+
+    /// The thread's CPU times as of `now` ([`SchedStat::read`]). If, since the last sample, it
+    /// waited more than [`CONTENDED_RATIO`] times as long as it ran and more than
+    /// [`CONTENDED_SHARE`] of the time, polling is given up for [`HOLDOFF`].
+    pub fn sample(&mut self, now: Instant, times: CpuTimes) {
+        if let Some((at, before)) = self.sample {
+            let elapsed = now.saturating_duration_since(at);
+            let ran = times.run.saturating_sub(before.run);
+            let waited = times.wait.saturating_sub(before.wait);
+            let (num, den) = CONTENDED_SHARE;
+            if waited > ran * CONTENDED_RATIO && waited * den > elapsed * num {
+                if !self.held_off(now) {
+                    self.stats.contended += 1;
+                }
+                self.holdoff_until = Some(now + HOLDOFF);
+            }
+        }
+        self.sample = Some((now, times));
+    }
+
+    /// Whether polling is given up at `now` (contention seen less than [`HOLDOFF`] ago).
+    pub fn held_off(&self, now: Instant) -> bool {
+        self.holdoff_until.is_some_and(|t| now < t)
+    }
+
     /// Says what to do after a turn that ended at `now` and did work or not (`did_work`).
     pub fn turn(&mut self, now: Instant, did_work: bool) -> Next {
         if did_work {
@@ -222,6 +342,10 @@ impl Poller {
         }
         match (self.config.mode, self.state) {
             (PollMode::Sleep, _) => self.sleep(None),
+            // The core is contended: sleep as `Sleep` does, keeping the time of the last work.
+            (PollMode::Adaptive, State::Worked(at) | State::Polling { since: at, .. }) if self.held_off(now) => {
+                self.sleep(Some(at))
+            }
             (_, State::Worked(at)) => self.poll_on(at, at, now),
             (_, State::Polling { since, prev }) => self.poll_on(since, prev, now),
             (PollMode::Spin, State::Idle | State::Slept { .. }) => {
@@ -496,12 +620,97 @@ mod tests {
         assert_eq!(p.stats().wakeups, 1);
     }
 
+    fn times(run_us: u64, wait_us: u64) -> CpuTimes {
+        CpuTimes { run: us(run_us), wait: us(wait_us) }
+    }
+
+    #[test]
+    fn a_contended_core_gives_polling_up_for_the_holdoff() {
+        let mut c = Clock::new();
+        let mut p = adaptive(100);
+        assert!(p.sample_due(c.0));
+        p.sample(c.0, times(0, 0));
+        // Work, then 10 ms in which the thread ran 4.5 ms and waited 5.5 ms for a CPU (the other
+        // threads of the path had it): not contention.
+        p.turn(c.tick(us(1)), true);
+        assert_eq!(p.turn(c.tick(us(10)), false), Next::Poll);
+        let now = c.tick(SAMPLE_EVERY);
+        assert!(p.sample_due(now));
+        p.sample(now, times(4500, 5500));
+        assert!(!p.held_off(now));
+        assert!(!p.sample_due(c.tick(us(10))), "at most one sample per {SAMPLE_EVERY:?}");
+        // A thread that slept most of the time and waited a little, more than it ran: not either.
+        let now = c.tick(SAMPLE_EVERY);
+        p.sample(now, times(4510, 5600));
+        assert!(!p.held_off(now));
+        // The next 10 ms it ran 0.5 ms and waited 9 ms: contended. Empty turns after work now
+        // sleep at once.
+        let now = c.tick(SAMPLE_EVERY);
+        p.sample(now, times(5010, 14_600));
+        assert!(p.held_off(now));
+        assert_eq!(p.stats().contended, 1);
+        assert_eq!(p.turn(c.tick(us(1)), true), Next::Poll, "work still goes round again");
+        assert_eq!(p.turn(c.tick(us(1)), false), Next::Sleep);
+        let misses = p.stats().poll_misses;
+        for _ in 0..10 {
+            p.turn(c.tick(us(1)), true);
+            assert_eq!(p.turn(c.tick(us(1)), false), Next::Sleep);
+        }
+        assert_eq!(p.stats().poll_misses, misses, "a held-off sleep is not a miss: the budget stays");
+        assert_eq!(p.budget(), us(100));
+        // Contention seen again while held off extends the holdoff but counts once.
+        let now = c.tick(SAMPLE_EVERY);
+        p.sample(now, times(5110, 24_100));
+        assert_eq!(p.stats().contended, 1);
+        // After the holdoff, with the core free again, polling comes back.
+        let now = c.tick(HOLDOFF);
+        p.sample(now, times(90_000, 30_000));
+        assert!(!p.held_off(now));
+        p.turn(c.tick(us(1)), true);
+        assert_eq!(p.turn(c.tick(us(1)), false), Next::Poll);
+    }
+
+    #[test]
+    fn spin_and_sleep_never_sample() {
+        let now = Instant::now();
+        for mode in [PollMode::Spin, PollMode::Sleep] {
+            let mut p = Poller::new(PollConfig { mode, budget: us(10) });
+            assert!(!p.sample_due(now));
+            // Even told of contention, spin keeps polling.
+            p.sample(now, times(0, 0));
+            p.sample(now + SAMPLE_EVERY, times(0, 10_000));
+            if mode == PollMode::Spin {
+                p.turn(now + SAMPLE_EVERY, true);
+                assert_eq!(p.turn(now + SAMPLE_EVERY + us(1), false), Next::Poll);
+            }
+        }
+    }
+
+    #[test]
+    fn schedstat_lines_parse_and_bad_ones_do_not() {
+        assert_eq!(parse_schedstat(b"123000 456789000 12\n"), Some(times(123, 456_789)));
+        assert_eq!(parse_schedstat(b"123\n"), None);
+        assert_eq!(parse_schedstat(b"1 x 2"), None);
+        assert_eq!(parse_schedstat(&[0xff, 0x20, 0x31]), None);
+        assert_eq!(parse_schedstat(b""), None);
+        // This kernel has it (CONFIG_SCHED_INFO); without, the reader says None, never panics.
+        let stat = SchedStat::of_this_thread();
+        if let Some(a) = stat.read() {
+            let b = stat.read().expect("read twice");
+            assert!(b.run >= a.run && b.wait >= a.wait);
+        }
+    }
+
     #[test]
     fn stats_add_up() {
-        let a = PollStats { poll_ns: 1, poll_hits: 2, poll_misses: 3, sleeps: 4, wakeups: 5, budget_ns: 6 };
+        let a =
+            PollStats { poll_ns: 1, poll_hits: 2, poll_misses: 3, sleeps: 4, wakeups: 5, budget_ns: 6, contended: 7 };
         let mut b = PollStats { budget_ns: 9, ..a };
         b.add(&a);
-        assert_eq!(b, PollStats { poll_ns: 2, poll_hits: 4, poll_misses: 6, sleeps: 8, wakeups: 10, budget_ns: 9 });
+        assert_eq!(
+            b,
+            PollStats { poll_ns: 2, poll_hits: 4, poll_misses: 6, sleeps: 8, wakeups: 10, budget_ns: 9, contended: 14 }
+        );
         let json = serde_json::to_string(&b).expect("serialises");
         assert_eq!(serde_json::from_str::<PollStats>(&json).expect("parses"), b);
         assert_eq!(serde_json::from_str::<PollMode>("\"spin\"").expect("parses"), PollMode::Spin);

@@ -140,6 +140,14 @@ pub struct Config {
     /// error (counted in `storage_timeouts`) so a hung backend never wedges a channel; 0: none.
     #[serde(default = "default_storage_deadline_ms")]
     pub storage_deadline_ms: u64,
+    /// The NICs' interrupts: `keep` them where they are (default; reported and warned about)
+    /// or `auto`: each NIC's IRQs on cores of its node that run no network thread (root).
+    #[serde(default)]
+    pub irq_affinity: tyche_numa::irq::IrqPolicy,
+    /// Where the measured I/O bandwidth model is kept (machines with several NUMA nodes; none:
+    /// `/var/lib/tyche/bandwidth-model.json`).
+    #[serde(default)]
+    pub model_cache: Option<PathBuf>,
     /// The exports.
     #[serde(default, rename = "export")]
     pub exports: Vec<ExportConfig>,
@@ -345,6 +353,8 @@ impl Default for Config {
             dead_after_ms: default_dead_after_ms(),
             reclaim_after_ms: default_reclaim_after_ms(),
             storage_deadline_ms: default_storage_deadline_ms(),
+            irq_affinity: tyche_numa::irq::IrqPolicy::default(),
+            model_cache: None,
             exports: Vec::new(),
         }
     }
@@ -618,6 +628,19 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn irq_affinity_and_model_cache_parse() {
+        use tyche_numa::irq::IrqPolicy;
+        let export = "[[export]]\nname = \"a\"\nsize = \"1M\"";
+        assert_eq!(Config::from_toml(export).unwrap().irq_affinity, IrqPolicy::Keep, "default keep");
+        let c =
+            Config::from_toml(&format!("irq_affinity = \"auto\"\nmodel_cache = \"/tmp/m.json\"\n{export}")).unwrap();
+        assert_eq!(c.irq_affinity, IrqPolicy::Auto);
+        assert_eq!(c.model_cache.as_deref(), Some(std::path::Path::new("/tmp/m.json")));
+        let err = Config::from_toml(&format!("irq_affinity = \"spread\"\n{export}")).expect_err("unknown").to_string();
+        assert!(err.contains("irq_affinity") || err.contains("unknown variant"), "{err}");
+    }
 
     #[test]
     fn key_files_must_be_private_and_keys_never_show() {

@@ -88,6 +88,17 @@ struct ServeArgs {
     /// Allow --prometheus-listen on a non-loopback address (the endpoint has no authentication).
     #[arg(long)]
     prometheus_allow_remote: bool,
+    /// The NICs' interrupts: keep (leave them, report and warn) or auto (each NIC's IRQs on
+    /// cores of its node that run no network thread; needs root).
+    #[arg(long, value_name = "keep|auto")]
+    irq_affinity: Option<tyche_numa::irq::IrqPolicy>,
+    /// Where the measured I/O bandwidth model is kept (default
+    /// /var/lib/tyche/bandwidth-model.json).
+    #[arg(long, value_name = "FILE")]
+    model_cache: Option<PathBuf>,
+    /// Measure the I/O bandwidth model again instead of using the cached one.
+    #[arg(long)]
+    model_refresh: bool,
     /// Check the configuration and exit.
     #[arg(long)]
     check: bool,
@@ -169,6 +180,12 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if args.prometheus_allow_remote {
         config.prometheus_allow_remote = true;
     }
+    if let Some(p) = args.irq_affinity {
+        config.irq_affinity = p;
+    }
+    if let Some(p) = &args.model_cache {
+        config.model_cache = Some(p.clone());
+    }
     config.validate()?;
     Ok(config)
 }
@@ -197,9 +214,15 @@ fn serve(args: ServeArgs) -> Result<()> {
     if term.load(Ordering::SeqCst) {
         return Ok(());
     }
-    let placement = placement_for(&config, &nics);
+    let topo = tyche_numa::Topology::this_system().ok();
+    let (placement, plan) = placement_for(&config, &nics, topo.as_ref());
+    if let (Some(topo), Some(plan)) = (&topo, &plan) {
+        bandwidth_model(&config, topo, plan, args.model_refresh);
+    }
+    let roots = tyche_numa::irq::Roots::default();
+    interrupts(&config, &nics, &placement, topo.as_ref(), &roots)?;
     let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
-    let _stats = match stats_server::start(&config.stats_socket, handle.stats_source()) {
+    let _stats = match stats_server::start(&config.stats_socket, with_irqs(handle.stats_source(), &config, &topo)) {
         Ok(s) => Some(s),
         Err(e) => {
             tracing::warn!(socket = %config.stats_socket.display(), "no stats socket: {e}");
@@ -207,7 +230,10 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
     };
     let _prometheus = match prometheus {
-        Some(l) => Some(l.serve(handle.stats_source()).context("prometheus_listen: starting the endpoint")?),
+        Some(l) => Some(
+            l.serve(with_irqs(handle.stats_source(), &config, &topo))
+                .context("prometheus_listen: starting the endpoint")?,
+        ),
         None => None,
     };
     while !term.load(Ordering::SeqCst) && !handle.is_finished() {
@@ -306,9 +332,14 @@ fn tcp_mac(k: usize) -> tyche_wire::MacAddr {
 /// Memory on the serving NICs' node and threads on its CPUs, when the topology says so; with
 /// one network thread per NIC, each on the CPU tyche-numa's placement plan gives that NIC's
 /// channel (for NICs whose node is known).
-fn placement_for(config: &Config, nics: &[Nic]) -> Placement {
-    let Ok(topo) = tyche_numa::Topology::this_system() else { return Placement::default() };
+fn placement_for(
+    config: &Config,
+    nics: &[Nic],
+    topo: Option<&tyche_numa::Topology>,
+) -> (Placement, Option<tyche_numa::Plan>) {
+    let Some(topo) = topo else { return (Placement::default(), None) };
     let mut placement = Placement::default();
+    let mut planned = None;
     let nodes: Vec<Option<u32>> =
         config.ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
     match nodes.first() {
@@ -331,9 +362,9 @@ fn placement_for(config: &Config, nics: &[Nic]) -> Placement {
     }
     if config.network_threads == NetworkThreads::PerNic {
         let per_nic = if config.transport == TransportKind::Xdp { u32::from(config.channels_per_nic) } else { 1 };
-        if let Ok(req) = tyche_numa::placement::PlacementRequest::channels_per_nic(&topo, &config.ifaces, per_nic) {
+        if let Ok(req) = tyche_numa::placement::PlacementRequest::channels_per_nic(topo, &config.ifaces, per_nic) {
             // (tyche-numa logs the plan's warnings itself.)
-            let plan = tyche_numa::placement::plan(&topo, &req);
+            let plan = tyche_numa::placement::plan(topo, &req);
             placement.nic_cpus = nics
                 .iter()
                 .map(|nic| {
@@ -349,9 +380,132 @@ fn placement_for(config: &Config, nics: &[Nic]) -> Placement {
                     c.map(|c| vec![c.network_cpu]).unwrap_or_default()
                 })
                 .collect();
+            planned = Some(plan);
         }
     }
-    placement
+    (placement, planned)
+}
+
+/// The I/O bandwidth model on a machine with several NUMA nodes (or when `--model-refresh`
+/// asks): read from the cache, else measured and stored; a warning for every channel whose
+/// memory and thread the plan puts in a bandwidth class worse than 1 for its NIC's node.
+fn bandwidth_model(config: &Config, topo: &tyche_numa::Topology, plan: &tyche_numa::Plan, refresh: bool) {
+    if topo.nodes.len() < 2 && !refresh {
+        return;
+    }
+    let mut io_nodes: Vec<u32> = plan.channels.iter().filter_map(|c| c.nic_node).collect();
+    io_nodes.sort_unstable();
+    io_nodes.dedup();
+    if io_nodes.is_empty() {
+        return;
+    }
+    let path = config.model_cache.clone().unwrap_or_else(|| PathBuf::from(tyche_numa::model::DEFAULT_CACHE));
+    match tyche_numa::model::cached(&path, topo, &io_nodes, &tyche_numa::ModelConfig::default(), refresh) {
+        Ok((model, how)) => {
+            tracing::info!(path = %path.display(), ?how, "I/O bandwidth model");
+            for w in tyche_numa::model::plan_warnings(&model, plan) {
+                tracing::warn!("{w}");
+            }
+        }
+        Err(e) => tracing::warn!("no I/O bandwidth model: {e}"),
+    }
+}
+
+/// The CPUs each interface's network threads are pinned to (empty: unpinned).
+fn network_cpus_of(iface: &str, nics: &[Nic], placement: &Placement) -> Vec<u32> {
+    let mut cpus: Vec<u32> = nics
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| n.name == iface || n.name.split_once('/').is_some_and(|(i, _)| i == iface))
+        .flat_map(|(k, _)| match placement.nic_cpus.get(k).filter(|c| !c.is_empty()) {
+            Some(c) => c.clone(),
+            None => placement.network_cpus.clone(),
+        })
+        .collect();
+    cpus.sort_unstable();
+    cpus.dedup();
+    cpus
+}
+
+/// `irq_affinity = "auto"`: each NIC's IRQs onto cores of its node that run no network thread
+/// (an error when that cannot be done); then, either way, a warning for each NIC whose
+/// interrupts land on its network thread's core.
+fn interrupts(
+    config: &Config,
+    nics: &[Nic],
+    placement: &Placement,
+    topo: Option<&tyche_numa::Topology>,
+    roots: &tyche_numa::irq::Roots,
+) -> Result<()> {
+    use tyche_numa::irq::{self, IrqPolicy};
+    let all_network: Vec<u32> = placement.nic_cpus.iter().flatten().copied().collect();
+    for iface in &config.ifaces {
+        let own = network_cpus_of(iface, nics, placement);
+        let found = match irq::nic_irqs(roots, iface) {
+            Ok(n) => n,
+            Err(e) if config.irq_affinity == IrqPolicy::Auto => {
+                return Err(e).with_context(|| format!("irq_affinity = \"auto\": {iface}"))
+            }
+            Err(e) => {
+                tracing::warn!(iface = %iface, "cannot read the NIC's interrupts: {e}");
+                continue;
+            }
+        };
+        if found.virtual_nic {
+            tracing::info!(iface = %iface, "no IRQs (virtual NIC)");
+            continue;
+        }
+        let mut now = found;
+        if config.irq_affinity == IrqPolicy::Auto && !now.irqs.is_empty() {
+            let topo = topo.context("irq_affinity = \"auto\" needs this machine's topology (hwloc)")?;
+            let node = topo
+                .nic(iface)
+                .and_then(|n| n.node)
+                .or_else(|| own.first().and_then(|c| topo.nodes.iter().find(|n| n.cpus.contains(c))).map(|n| n.id))
+                .or_else(|| (topo.nodes.len() == 1).then(|| topo.nodes[0].id))
+                .with_context(|| format!("irq_affinity = \"auto\": {iface}: its NUMA node is unknown"))?;
+            let cpus = irq::auto_irq_cpus(topo, node, &own, &all_network)
+                .with_context(|| format!("irq_affinity = \"auto\": {iface}"))?;
+            now = irq::apply_auto(roots, &now, &cpus).with_context(|| format!("irq_affinity = \"auto\": {iface}"))?;
+            tracing::info!(iface = %iface, irqs = %now.describe(), "NIC interrupts moved off the network thread's core");
+        }
+        if let Some(topo) = topo {
+            for w in irq::check(topo, &now, &own, &[]) {
+                tracing::warn!("{w}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The stats with each interface's interrupts read afresh (and compared with the CPUs its
+/// network thread reports for itself).
+fn with_irqs(
+    source: impl Fn() -> tyched::Snapshot + Send + Sync + 'static,
+    config: &Config,
+    topo: &Option<tyche_numa::Topology>,
+) -> impl Fn() -> tyched::Snapshot + Send + Sync + 'static {
+    let ifaces = config.ifaces.clone();
+    let topo = topo.clone();
+    let roots = tyche_numa::irq::Roots::default();
+    move || {
+        let mut snap = source();
+        snap.irqs = ifaces
+            .iter()
+            .map(|iface| {
+                let mut cpus: Vec<u32> = snap
+                    .placement
+                    .iter()
+                    .filter(|p| p.nic == *iface || p.nic.split_once('/').is_some_and(|(i, _)| i == iface))
+                    .flat_map(|p| p.thread.cpus.iter().copied())
+                    .collect();
+                cpus.sort_unstable();
+                cpus.dedup();
+                tyche_numa::IrqReport::read(&roots, iface, topo.as_ref(), &cpus)
+            })
+            .collect();
+        snap
+    }
 }
 
 fn stats(args: &StatsArgs) -> Result<()> {

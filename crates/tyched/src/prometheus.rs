@@ -463,6 +463,24 @@ impl Collector for SnapshotCollector {
         family(enc, "poll_sleeps", "Sleeps of network threads.", Counter, th(&|t| t.sleeps))?;
         family(enc, "poll_wakeups", "Sleeps that ended in work.", Counter, th(&|t| t.wakeups))?;
         family(enc, "poll_budget_nanoseconds", "The adaptive poll budget now.", Gauge, th(&|t| t.budget_ns))?;
+        family(
+            enc,
+            "poll_contended",
+            "Times polling was given up because the thread waited for a CPU.",
+            Counter,
+            th(&|t| t.contended),
+        )?;
+        let irq = |f: &dyn Fn(&tyche_numa::IrqReport) -> u64| {
+            s.irqs.iter().map(|r| (vec![("nic", r.nic.clone())], f(r))).collect::<Vec<_>>()
+        };
+        family(enc, "nic_irqs", "IRQs of the interface (0: virtual NIC).", Gauge, irq(&|r| r.irqs.len() as u64))?;
+        family(
+            enc,
+            "nic_irqs_on_network_core",
+            "IRQs of the interface delivered on the core of its network thread.",
+            Gauge,
+            irq(&|r| r.sharing_network_core),
+        )?;
         let ch = |f: &dyn Fn(&ChannelSnapshot) -> u64| {
             s.channels
                 .iter()
@@ -680,9 +698,27 @@ mod tests {
                 executing: 3,
                 ..Default::default()
             }],
+            irqs: vec![
+                tyche_numa::IrqReport {
+                    nic: "eth0".into(),
+                    irqs: vec![tyche_numa::irq::IrqAffinity { irq: 38, affinity: vec![0, 1], effective: vec![1] }],
+                    network_cpus: vec![1],
+                    sharing_network_core: 1,
+                    ..Default::default()
+                },
+                tyche_numa::IrqReport { nic: "veth0".into(), virtual_nic: true, ..Default::default() },
+            ],
             poll: PollReport {
                 threads: vec![
-                    PollStats { poll_ns: 1, poll_hits: 2, poll_misses: 3, sleeps: 4, wakeups: 5, budget_ns: 6 },
+                    PollStats {
+                        poll_ns: 1,
+                        poll_hits: 2,
+                        poll_misses: 3,
+                        sleeps: 4,
+                        wakeups: 5,
+                        budget_ns: 6,
+                        contended: 7,
+                    },
                     PollStats::default(),
                 ],
                 ..Default::default()
@@ -695,14 +731,15 @@ mod tests {
     fn the_text_is_the_hand_written_encoders_but_for_uptimes_type() {
         // Written by the encoder this crate had before prometheus-client, with one change:
         // `tyched_uptime_milliseconds` was typed `counter` (prometheus-client names every
-        // counter `*_total`, so it is a gauge now to keep its name).
+        // counter `*_total`, so it is a gauge now to keep its name), and one family added since:
+        // `tyched_poll_contended_total`.
         let expected = include_str!("../testdata/metrics-sample.prom");
         let text = sample().prometheus();
         assert_eq!(text, expected);
         assert!(text.contains("tyched_nic_rx_frames_total{nic=\"we\\\"ird\\\\\"} 0\n"), "{text}");
         assert!(text.contains("tyched_export_errors_total{export=\"a\\nb\"} 0\n"), "{text}");
         assert!(!text.contains("# EOF"), "the 0.0.4 text format has no EOF marker");
-        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 23);
+        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 26);
     }
 
     /// One row of the metric table in docs/tyched.md: name, type, label names.

@@ -237,6 +237,11 @@ pub struct Snapshot {
     /// Per NIC: where its memory and its thread are.
     #[serde(default)]
     pub placement: Vec<NicPlacement>,
+    /// Per interface: its IRQs, the CPUs they land on, and how many share a core with its
+    /// network thread (read from /proc when the stats are asked for; `none (virtual NIC)` for
+    /// veth).
+    #[serde(default)]
+    pub irqs: Vec<tyche_numa::IrqReport>,
     /// What the limits (`[limits]` in the config, docs/tyched.md "Limits") refused or held back.
     #[serde(default)]
     pub limits: LimitStats,
@@ -352,6 +357,12 @@ impl Snapshot {
                 p.thread.cpus,
                 p.thread.nodes
             );
+        }
+        if !self.irqs.is_empty() {
+            let _ = writeln!(s, "\nInterrupts (IRQ -> cpus):");
+            for r in &self.irqs {
+                let _ = writeln!(s, "  {:<10} {}", r.nic, r.describe());
+            }
         }
         let _ = writeln!(s, "\nChannels:");
         for c in &self.channels {

@@ -27,7 +27,7 @@ use tyche_channel::{
     Accepted, Acceptor, DropReason, ExportGeometry, ExportSpec, FrameDrop, Instant, KeyedConnect, TargetEvent,
     TargetInbound, TargetSession,
 };
-use tyche_transport::poll::{Next, PollConfig, PollStats, Poller};
+use tyche_transport::poll::{Next, PollConfig, PollStats, Poller, SchedStat};
 use tyche_transport::wake::WakeFd;
 use tyche_transport::{FrameTransport, Lease, Sent, TxChunk};
 use tyche_wire::{
@@ -717,6 +717,7 @@ struct Turn {
 /// poller says so ([`Poller`]: after a while without work), the sleep.
 fn serve_group(g: usize, mut nics: Vec<(usize, Nic)>, engine: &Mutex<Network>, wakes: &[Arc<WakeFd>], shared: &Shared) {
     let mut poller = Poller::new(lock_engine(engine).poll);
+    let run_queue = SchedStat::of_this_thread();
     loop {
         let turn = {
             let mut net = lock_engine(engine);
@@ -734,7 +735,9 @@ fn serve_group(g: usize, mut nics: Vec<(usize, Nic)>, engine: &Mutex<Network>, w
         if turn.exit {
             return;
         }
-        match poller.turn(std::time::Instant::now(), turn.busy) {
+        let now = std::time::Instant::now();
+        run_queue.feed(&mut poller, now);
+        match poller.turn(now, turn.busy) {
             // Polling with nothing to do: let a thread that shares the core run.
             Next::Poll if !turn.busy => std::thread::yield_now(),
             Next::Poll => {}
@@ -2385,6 +2388,8 @@ impl Network {
             exports,
             channels,
             placement,
+            // Read by the daemon's stats source (tyched's main), not the engine.
+            irqs: Vec::new(),
             limits: self.limit_snapshot(),
             poll: PollReport {
                 mode: self.poll.mode,

@@ -106,7 +106,10 @@ fn every_poll_mode_serves_requests_and_counts_its_waits() {
         assert_eq!((s.poll.mode, s.poll.budget_us, s.poll.threads.len()), (mode, 40, 2), "{:?}", s.poll);
         let busy = s.poll.threads.iter().find(|t| t.poll_hits + t.wakeups > 0).expect("a thread found work");
         match mode {
-            PollMode::Adaptive => assert!(busy.poll_ns > 0 && busy.budget_ns <= 40_000, "{mode}: {busy:?}"),
+            // Polled, unless the machine was so busy that polling gave way all along.
+            PollMode::Adaptive => {
+                assert!((busy.poll_ns > 0 || busy.contended > 0) && busy.budget_ns <= 40_000, "{mode}: {busy:?}")
+            }
             PollMode::Sleep => assert!(busy.poll_ns == 0 && busy.sleeps > 0 && busy.poll_hits == 0, "{mode}: {busy:?}"),
             PollMode::Spin => assert!(busy.sleeps == 0 && busy.poll_ns > 0, "{mode}: {busy:?}"),
         }
