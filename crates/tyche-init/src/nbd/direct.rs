@@ -198,7 +198,7 @@ pub(crate) struct DirectConn {
     /// Reads of at least this many bytes are hole-aware (see [`super::HOLE_READ_MIN`]).
     hole_read_min: Option<u64>,
     /// Cleared when the target says it cannot tell holes from data.
-    status_works: bool,
+    probe: super::HoleProbe,
     /// Volume requests that completions started (a hole-aware read's data pieces), handed to
     /// the engine by the next [`DirectConn::poll_requests`].
     followups: Vec<NbdIo>,
@@ -251,7 +251,7 @@ impl DirectConn {
             stats,
             max_inflight: max_inflight.max(1),
             hole_read_min,
-            status_works: true,
+            probe: super::HoleProbe::default(),
             followups: Vec::new(),
             splits: HashMap::new(),
             next_split: 0,
@@ -467,7 +467,7 @@ impl DirectConn {
                 };
                 self.status_io(reply, start, length)
             }
-            cmd::READ if hole_aware(&req, self.neg, self.hole_read_min, self.status_works) => {
+            cmd::READ if hole_aware(&req, self.neg, self.hole_read_min, &self.probe) => {
                 match status_query(off, len, self.size) {
                     // Which parts are holes first; the data pieces follow (see `complete`).
                     Some((start, length)) => self.status_io(NbdReply { probe: true, ..reply }, start, length),
@@ -558,12 +558,15 @@ impl DirectConn {
         let plan = match answer {
             Ok(extents) => read_plan(req.offset, req.length, reply.status_start, &extents),
             Err(Error::Target(tyche_wire::Status::Unsupported)) => {
-                self.status_works = false;
+                self.probe.unsupported();
                 Vec::new()
             }
             // Block status only spares zeroes: on any other failure, read it all.
             Err(_) => Vec::new(),
         };
+        if !plan.is_empty() {
+            self.probe.found(plan.iter().any(|p| matches!(p, Piece::Hole(..))));
+        }
         let base = NbdReply { probe: false, status_start: 0, status_len: 0, ..reply };
         if self.error.is_some() {
             return;

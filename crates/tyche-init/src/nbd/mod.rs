@@ -540,14 +540,70 @@ pub(crate) fn reply_head(neg: Negotiated, req: &codec::Request, error: u32, data
 }
 
 /// Whether a READ is answered hole-aware (block status first, then only the data): structured
-/// replies negotiated, no NBD_CMD_FLAG_DF, at least `min` bytes, and the target has not said
-/// it cannot tell (`status_works`).
-pub(crate) fn hole_aware(req: &codec::Request, neg: Negotiated, min: Option<u64>, status_works: bool) -> bool {
+/// replies negotiated, no NBD_CMD_FLAG_DF, at least `min` bytes, and the connection's
+/// [`HoleProbe`] says to probe (`probe`: the target can tell, and the last probes did not all
+/// find the range full of data). Call it last: asking the probe counts a skip.
+pub(crate) fn hole_aware(req: &codec::Request, neg: Negotiated, min: Option<u64>, probe: &HoleProbe) -> bool {
     req.command == cmd::READ
         && neg.structured
-        && status_works
         && req.flags & cflag::DF == 0
         && min.is_some_and(|m| req.length >= m.max(1))
+        && probe.should_probe()
+}
+
+/// The most large reads a connection answers without a block status probe after probes found
+/// only data: a dense export pays one probe per this many large reads at worst.
+pub const HOLE_PROBE_BACKOFF_MAX: u32 = 64;
+
+/// Whether a connection's large READs ask for block status first. The target may not be able
+/// to tell (UNSUPPORTED: never again on this connection); and on a dense export every probe is a
+/// round trip for nothing (measured: a quarter of read throughput at 256 KiB), so each probe
+/// that finds the range all data doubles the number of large reads read at once before the
+/// next probe (1, 2, 4 ... [`HOLE_PROBE_BACKOFF_MAX`]), and a probe that finds a hole starts
+/// over at 0. Shared by a connection's tasks: atomics, no lock.
+#[derive(Debug)]
+pub(crate) struct HoleProbe {
+    works: std::sync::atomic::AtomicBool,
+    /// Large reads still to read without probing.
+    skip: std::sync::atomic::AtomicU32,
+    /// How many to skip after the next probe that finds only data.
+    backoff: std::sync::atomic::AtomicU32,
+}
+
+impl Default for HoleProbe {
+    fn default() -> Self {
+        HoleProbe {
+            works: std::sync::atomic::AtomicBool::new(true),
+            skip: std::sync::atomic::AtomicU32::new(0),
+            backoff: std::sync::atomic::AtomicU32::new(1),
+        }
+    }
+}
+
+impl HoleProbe {
+    /// Whether this large read probes (else it counts one skip).
+    pub(crate) fn should_probe(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.works.load(Relaxed) && self.skip.fetch_update(Relaxed, Relaxed, |s| s.checked_sub(1)).is_err()
+    }
+
+    /// The target cannot tell: no more probes on this connection.
+    pub(crate) fn unsupported(&self) {
+        self.works.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A probe's answer: whether it found a hole worth a chunk.
+    pub(crate) fn found(&self, hole: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if hole {
+            self.skip.store(0, Relaxed);
+            self.backoff.store(1, Relaxed);
+        } else {
+            let b = self.backoff.load(Relaxed);
+            self.skip.store(b, Relaxed);
+            self.backoff.store((b * 2).min(HOLE_PROBE_BACKOFF_MAX), Relaxed);
+        }
+    }
 }
 
 /// One part of a hole-aware read's answer: `(offset, length)` in the export.
@@ -699,7 +755,7 @@ async fn transmission(
     let bytes = Arc::new(Semaphore::new(BYTE_UNITS as usize));
     let size = client.size();
     // Cleared when the target says it cannot tell holes from data: reads stop asking.
-    let status_works = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let probe = Arc::new(HoleProbe::default());
     let mut seq = 0u64;
     let header_len = codec::request_len(neg.extended);
     let result = loop {
@@ -743,9 +799,8 @@ async fn transmission(
         // BUFFER_SAMPLE after: a syscall per request would cost more than the request.
         let sample = node.is_some() && (seq < 64 || seq % BUFFER_SAMPLE == 0);
         seq += 1;
-        let holes = hole_aware(&req, neg, opts.hole_read_min, status_works.load(std::sync::atomic::Ordering::Relaxed))
-            && validate(&req, size, neg).is_ok();
-        let status_works = Arc::clone(&status_works);
+        let holes = validate(&req, size, neg).is_ok() && hole_aware(&req, neg, opts.hole_read_min, &probe);
+        let probe = Arc::clone(&probe);
         tokio::spawn(async move {
             let written = data.len() as u64;
             let mut pages = sample.then(|| tyche_numa::report::count_slice(&data, node).ok()).flatten();
@@ -766,7 +821,7 @@ async fn transmission(
                 return;
             }
             if holes {
-                if let Some(replies) = read_with_holes(&client, &req, size, neg, &status_works).await {
+                if let Some(replies) = read_with_holes(&client, &req, size, neg, &probe).await {
                     let read: u64 = replies.iter().map(|r| r.data.len() as u64).sum();
                     stats.update(idx, |r| r.bytes_read += read);
                     for r in replies {
@@ -818,19 +873,21 @@ async fn read_with_holes(
     req: &codec::Request,
     size: u64,
     neg: Negotiated,
-    status_works: &std::sync::atomic::AtomicBool,
+    probe: &HoleProbe,
 ) -> Option<Vec<Reply>> {
     let (start, len) = status_query(req.offset, req.length, size)?;
     let plan = match client.block_status(start, len).await {
         Ok(extents) => read_plan(req.offset, req.length, start, &extents),
         Err(Error::Target(Status::Unsupported)) => {
-            status_works.store(false, std::sync::atomic::Ordering::Relaxed);
+            probe.unsupported();
             return None;
         }
         // Block status only spares zeroes: on any other failure, read it all.
         Err(_) => return None,
     };
-    if matches!(plan[..], [Piece::Data(..)]) {
+    let all_data = matches!(plan[..], [Piece::Data(..)]);
+    probe.found(!all_data);
+    if all_data {
         return None;
     }
     let reads: Vec<_> = plan
@@ -1036,13 +1093,41 @@ mod tests {
     fn hole_aware_reads_need_structured_replies_size_and_no_df() {
         let st = Negotiated { structured: true, ..Negotiated::default() };
         let big = req(cmd::READ, 0, 0, HOLE_READ_MIN);
-        assert!(hole_aware(&big, st, Some(HOLE_READ_MIN), true));
-        assert!(!hole_aware(&big, Negotiated::default(), Some(HOLE_READ_MIN), true), "simple replies");
-        assert!(!hole_aware(&req(cmd::READ, codec::cflag::DF, 0, HOLE_READ_MIN), st, Some(HOLE_READ_MIN), true));
-        assert!(!hole_aware(&req(cmd::READ, 0, 0, HOLE_READ_MIN - 512), st, Some(HOLE_READ_MIN), true));
-        assert!(!hole_aware(&big, st, None, true), "turned off");
-        assert!(!hole_aware(&big, st, Some(HOLE_READ_MIN), false), "the target cannot tell");
-        assert!(!hole_aware(&req(cmd::WRITE, 0, 0, HOLE_READ_MIN), st, Some(HOLE_READ_MIN), true));
+        let p = HoleProbe::default();
+        assert!(hole_aware(&big, st, Some(HOLE_READ_MIN), &p));
+        assert!(!hole_aware(&big, Negotiated::default(), Some(HOLE_READ_MIN), &p), "simple replies");
+        assert!(!hole_aware(&req(cmd::READ, codec::cflag::DF, 0, HOLE_READ_MIN), st, Some(HOLE_READ_MIN), &p));
+        assert!(!hole_aware(&req(cmd::READ, 0, 0, HOLE_READ_MIN - 512), st, Some(HOLE_READ_MIN), &p));
+        assert!(!hole_aware(&big, st, None, &p), "turned off");
+        assert!(!hole_aware(&req(cmd::WRITE, 0, 0, HOLE_READ_MIN), st, Some(HOLE_READ_MIN), &p));
+        p.unsupported();
+        assert!(!hole_aware(&big, st, Some(HOLE_READ_MIN), &p), "the target cannot tell");
+    }
+
+    #[test]
+    fn probes_back_off_on_dense_exports_and_come_back_at_a_hole() {
+        let p = HoleProbe::default();
+        // Probes that find only data: 1, 2, 4 ... reads without a probe between, up to the cap.
+        let mut gaps = Vec::new();
+        for _ in 0..10 {
+            assert!(p.should_probe());
+            p.found(false);
+            let mut gap = 0;
+            while !p.should_probe() {
+                gap += 1;
+            }
+            gaps.push(gap);
+            p.found(false);
+            // That probe found data too; start the next round from the doubled backoff.
+            while !p.should_probe() {}
+        }
+        assert_eq!(gaps[..4], [1, 4, 16, 64]);
+        assert!(gaps.iter().all(|&g| g <= HOLE_PROBE_BACKOFF_MAX));
+        // A hole: probe every large read again.
+        p.found(true);
+        assert!(p.should_probe() && p.should_probe());
+        p.unsupported();
+        assert!(!p.should_probe());
     }
 
     #[test]
