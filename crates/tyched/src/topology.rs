@@ -22,10 +22,17 @@ pub struct TopologyArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Measure the I/O bandwidth model (node-bound copy tests; this machine only).
+    /// Show the I/O bandwidth model (node-bound copy tests; this machine only): the one the
+    /// daemons cached (`--model-cache`), else measured now and cached.
     #[arg(long)]
     model: bool,
-    /// Milliseconds each copy test of the model runs.
+    /// Where the daemons keep the measured model.
+    #[arg(long, value_name = "FILE", default_value = tyche_numa::model::DEFAULT_CACHE)]
+    model_cache: PathBuf,
+    /// Measure the model again (and store it) instead of showing the cached one.
+    #[arg(long)]
+    model_refresh: bool,
+    /// Milliseconds each copy test of the model runs when it is measured.
     #[arg(long, value_name = "MS", default_value_t = 60)]
     model_ms: u64,
     /// Channels per NIC in the placement plan.
@@ -83,7 +90,10 @@ pub fn run(args: &TopologyArgs) -> Result<()> {
             io_nodes = topo.nodes.iter().map(|n| n.id).collect();
         }
         let cfg = ModelConfig { duration: Duration::from_millis(args.model_ms), ..ModelConfig::default() };
-        Some(model::measure(&topo, &io_nodes, &cfg).context("measuring the bandwidth model")?)
+        let (m, how) = model::cached(&args.model_cache, &topo, &io_nodes, &cfg, args.model_refresh)
+            .context("measuring the bandwidth model")?;
+        eprintln!("bandwidth model: {how:?} ({})", args.model_cache.display());
+        Some(m)
     } else {
         None
     };

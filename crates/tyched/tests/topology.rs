@@ -97,8 +97,20 @@ fn model_refuses_an_xml_topology() {
 
 #[test]
 fn this_machine_with_model_reports_at_least_one_node_and_a_model() {
-    let v = json(&["topology", "--json", "--model", "--model-ms", "5"]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cache = dir.path().join("model.json");
+    let cache = cache.to_str().expect("utf-8");
+    let v = json(&["topology", "--json", "--model", "--model-ms", "5", "--model-cache", cache]);
     assert!(!v["nodes"].as_array().expect("nodes").is_empty());
     let io_nodes = v["model"]["io_nodes"].as_array().expect("model present");
     assert!(!io_nodes.is_empty(), "at least one device node modelled");
+    // Measured and stored once; shown from the cache after, measured again when asked.
+    let again = tyched(&["topology", "--json", "--model", "--model-cache", cache]);
+    assert!(again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("bandwidth model: Loaded"), "{again:?}");
+    let cached: Value = serde_json::from_slice(&again.stdout).expect("json");
+    assert_eq!(cached["model"], v["model"]);
+    let fresh =
+        tyched(&["topology", "--json", "--model", "--model-ms", "5", "--model-cache", cache, "--model-refresh"]);
+    assert!(String::from_utf8_lossy(&fresh.stderr).contains("bandwidth model: Measured"), "{fresh:?}");
 }
