@@ -195,7 +195,8 @@ impl ConnArgs {
             bail!("--no-path-timeout must be a non-negative number of seconds");
         }
         let mut c = InitiatorConfig::new(&self.export);
-        c.channels_per_link = self.channels_per_nic;
+        // One channel per link when each channel has a NIC queue (and a link) of its own.
+        c.channels_per_link = if self.queue_per_channel() { 1 } else { self.channels_per_nic };
         c.no_path_timeout = Duration::from_secs_f64(self.no_path_timeout);
         c.reconnect_attempts = self.reconnect_attempts;
         c.scheduler = self.scheduler;
@@ -233,6 +234,29 @@ impl ConnArgs {
             c.key = Some(tyche_channel::auth::Psk::new(&key[..len]));
         }
         Ok(c)
+    }
+
+    /// Whether `--channels-per-nic N` opens N AF_XDP sockets per interface, on queues 0..N-1,
+    /// one channel each: when every interface has N receive and transmit queues. Else the N
+    /// channels share the interface's queue 0 (logged).
+    fn queue_per_channel(&self) -> bool {
+        if self.channels_per_nic < 2 || !self.tcp.is_empty() || self.loopback_mib.is_some() {
+            return false;
+        }
+        let short: Vec<String> = self
+            .ifaces
+            .iter()
+            .filter(|i| (tyche_xdp::queue_count(i).unwrap_or(1) as usize) < self.channels_per_nic)
+            .map(|i| format!("{i} ({} queues)", tyche_xdp::queue_count(i).unwrap_or(1)))
+            .collect();
+        if !short.is_empty() {
+            info!(
+                channels_per_nic = self.channels_per_nic,
+                "not every interface has a queue per channel: {}; the channels share queue 0",
+                short.join(", ")
+            );
+        }
+        short.is_empty()
     }
 
     /// The links to the target, and the in-process target when `--loopback-mib` asks for one.
@@ -278,13 +302,26 @@ impl ConnArgs {
                 });
             }
         }
+        let queues = if self.queue_per_channel() { self.channels_per_nic as u32 } else { 1 };
         for (k, ifname) in self.ifaces.iter().enumerate().filter(|_| self.tcp.is_empty()) {
-            let cfg = tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, ..Default::default() };
-            let port = tyche_xdp::XdpPort::open(ifname, &cfg)
-                .with_context(|| format!("opening an AF_XDP socket on {ifname}"))?;
-            let node = port.numa_node();
-            info!(iface = %ifname, ?node, mode = ?port.mode(), "AF_XDP socket open");
-            links.push(Link { name: ifname.clone(), transport: Box::new(port), target: target_of(k), node });
+            // Queue 0 attaches the steering program; the other queues share it.
+            let mut first: Option<(std::sync::Arc<tyche_xdp::XdpProgram>, tyche_xdp::InterfaceInfo)> = None;
+            for q in 0..queues {
+                let cfg =
+                    tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, queue: q, ..Default::default() };
+                let port = match &first {
+                    None => tyche_xdp::XdpPort::open(ifname, &cfg),
+                    Some((prog, info)) => tyche_xdp::XdpPort::open_on(prog.clone(), info.clone(), &cfg),
+                }
+                .with_context(|| format!("opening an AF_XDP socket on {ifname} queue {q}"))?;
+                if first.is_none() {
+                    first = Some((port.program().clone(), port.interface().clone()));
+                }
+                let node = port.numa_node();
+                info!(iface = %ifname, queue = q, ?node, mode = ?port.mode(), "AF_XDP socket open");
+                let name = if queues > 1 { format!("{ifname}/{q}") } else { ifname.clone() };
+                links.push(Link { name, transport: Box::new(port), target: target_of(k), node });
+            }
         }
         if targets.is_empty() {
             self.find_targets(&mut links)?;

@@ -577,10 +577,11 @@ fn interop_with_tyched() {
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    for (script, needles) in [
-        ("tcp-tyched.sh", &["TCP NBDCOPY ROUND TRIP OK"][..]),
+    for (script, queues, needles) in [
+        ("tcp-tyched.sh", "1", &["TCP NBDCOPY ROUND TRIP OK"][..]),
         (
             "block-status.sh",
+            "1",
             &[
                 "BLOCK STATUS NBDINFO MAP OK",
                 "BLOCK STATUS QEMU-IMG MAP OK",
@@ -591,13 +592,20 @@ fn interop_with_tyched() {
                 "BLOCK STATUS TASKS PATH OK",
             ][..],
         ),
-        ("xdp-veth-nbd.sh", &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..]),
+        ("xdp-veth-nbd.sh", "1", &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..]),
+        // A queue and an AF_XDP socket per channel on both sides (two-queue veth).
+        (
+            "xdp-veth-nbd.sh",
+            "2",
+            &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP QUEUES OK", "XDP FAILOVER ROUND TRIP OK"][..],
+        ),
     ] {
         let out = Command::new("bash")
             .arg(dir.join(script))
             .env("BIN", me)
             .env("TYCHED", &tyched)
             .env("FIND_TARGET", "1")
+            .env("QUEUES", queues)
             .output()
             .expect("run the script");
         let text = String::from_utf8_lossy(&out.stdout);

@@ -3,8 +3,13 @@
 # `tyche-init ram-target` (a RAM export; or `tyched serve` when TYCHED=path) in one,
 # `tyche-init serve-nbd` in the other, then
 # nbdinfo and nbdcopy through the NBD socket, and a link taken down mid-copy. Root only.
+# QUEUES=2 (with TYCHED): veth pairs with two queues each, both daemons with
+# --channels-per-nic 2, so every channel has an AF_XDP socket and a queue of its own on both
+# sides; checks that each of tyched's four sockets received frames.
 # Run: BIN=target/debug/tyche-init bash crates/tyche-init/tests/xdp-veth-nbd.sh
 set -u
+QUEUES=${QUEUES:-1}
+VQ=""; [ "$QUEUES" -gt 1 ] && VQ="numtxqueues $QUEUES numrxqueues $QUEUES"
 BIN=${BIN:?path of the tyche-init binary}
 W=$(mktemp -d /tmp/tyxdp.XXXX)
 NI=tyi$$; NT=tyt$$
@@ -19,7 +24,7 @@ cleanup() {
 trap cleanup EXIT
 ip netns add $NI && ip netns add $NT || exit 1
 for k in 0 1; do
-  ip link add ti$k netns $NI type veth peer name tt$k netns $NT || exit 1
+  ip link add ti$k netns $NI $VQ type veth peer name tt$k netns $NT $VQ || exit 1
   ip -n $NI link set ti$k mtu 3000 up; ip -n $NT link set tt$k mtu 3000 up
 done
 export TYCHE_INIT_STATE_DIR=$W/state TYCHE_LOG=${TYCHE_LOG:-info}
@@ -27,7 +32,8 @@ M0=$(ip -n $NT -o link show tt0 | grep -o 'link/ether [0-9a-f:]*' | cut -d' ' -f
 M1=$(ip -n $NT -o link show tt1 | grep -o 'link/ether [0-9a-f:]*' | cut -d' ' -f2)
 if [ -n "${TYCHED:-}" ]; then
   # The real target daemon instead of the in-process RAM target.
-  timeout 300 ip netns exec $NT $TYCHED serve --iface tt0 --iface tt1 --export ram=ram:64M >$W/target.out 2>$W/target.log & TPID=$!
+  timeout 300 ip netns exec $NT $TYCHED serve --iface tt0 --iface tt1 --export ram=ram:64M \
+    --channels-per-nic $QUEUES --stats-socket $W/tyched.stats >$W/target.out 2>$W/target.log & TPID=$!
   echo "target: tyched"
 else
   timeout 300 ip netns exec $NT $BIN ram-target --iface tt0 --iface tt1 --export ram --mib 64 >$W/target.out 2>$W/target.log & TPID=$!
@@ -49,6 +55,18 @@ head -c 48M /dev/urandom > $W/in
 timeout 120 nbdcopy $W/in "nbd+unix:///ram?socket=$SOCK" || { echo "nbdcopy in failed"; tail $W/init.log; exit 1; }
 timeout 120 nbdcopy "nbd+unix:///ram?socket=$SOCK" $W/out || exit 1
 cmp <(head -c 48M $W/out) $W/in && echo "XDP NBDCOPY ROUND TRIP OK"
+if [ "$QUEUES" -gt 1 ] && [ -n "${TYCHED:-}" ]; then
+  # Every queue's socket on the target received frames: each channel has a queue of its own.
+  $TYCHED stats --socket $W/tyched.stats --json > $W/stats.json
+  python3 - $W/stats.json $QUEUES <<'PY' && echo "XDP QUEUES OK"
+import json, sys
+s = json.load(open(sys.argv[1])); q = int(sys.argv[2])
+rx = {n["name"]: n["frames_rx"] for n in s["nics"]}
+want = [f"tt{k}/{i}" for k in range(2) for i in range(q)]
+print("frames received per target socket:", {w: rx.get(w) for w in want})
+sys.exit(0 if all(rx.get(w, 0) > 0 for w in want) else 1)
+PY
+fi
 # Fail one link while copying: everything still lands, through the other.
 ( sleep 0.3; ip -n $NI link set ti1 down ) &
 timeout 120 nbdcopy $W/in "nbd+unix:///ram?socket=$SOCK" || { echo "nbdcopy during failover failed"; tail $W/init.log; exit 1; }

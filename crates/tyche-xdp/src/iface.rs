@@ -67,3 +67,48 @@ impl InterfaceInfo {
         result
     }
 }
+
+/// How many queues `name` has for AF_XDP, one socket each: the smaller of its receive and
+/// transmit queue counts (`/sys/class/net/NAME/queues/rx-*` and `tx-*`, as the calling process's
+/// network namespace sees them). veth has one unless made with `numrxqueues`/`numtxqueues`.
+pub fn queue_count(name: &str) -> Result<u32, Error> {
+    queue_count_in(std::path::Path::new("/sys/class/net"), name)
+}
+
+fn queue_count_in(root: &std::path::Path, name: &str) -> Result<u32, Error> {
+    if name.is_empty() || name.contains('/') || name.len() >= libc::IFNAMSIZ {
+        return Err(Error::NoInterface(name.to_string()));
+    }
+    let dir = root.join(name).join("queues");
+    let entries = std::fs::read_dir(&dir).map_err(|e| Error::io(format!("reading {}", dir.display()), e))?;
+    let (mut rx, mut tx) = (0u32, 0u32);
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let n = file.to_string_lossy();
+        if n.starts_with("rx-") {
+            rx += 1;
+        } else if n.starts_with("tx-") {
+            tx += 1;
+        }
+    }
+    Ok(rx.min(tx))
+}
+
+#[cfg(test)]
+mod queue_tests {
+    use super::*;
+
+    #[test]
+    fn queues_are_the_smaller_of_rx_and_tx() {
+        let root = tempfile::tempdir().expect("temp dir");
+        for q in ["rx-0", "rx-1", "rx-2", "tx-0", "tx-1", "other"] {
+            std::fs::create_dir_all(root.path().join("eth9/queues").join(q)).expect("mkdir");
+        }
+        assert_eq!(queue_count_in(root.path(), "eth9").expect("counted"), 2);
+        assert!(queue_count_in(root.path(), "missing").is_err());
+        assert!(queue_count_in(root.path(), "../etc").is_err());
+        assert!(queue_count_in(root.path(), "").is_err());
+        // Loopback always exists here and has at least one queue of each.
+        assert!(queue_count("lo").expect("lo") >= 1);
+    }
+}

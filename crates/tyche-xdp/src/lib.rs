@@ -27,7 +27,7 @@ mod program;
 
 pub use async_io::AsyncTransport;
 pub use error::Error;
-pub use iface::InterfaceInfo;
+pub use iface::{queue_count, InterfaceInfo};
 pub use port::{
     plan_frames, BusyPoll, FramePlan, NumaPlacement, PortConfig, PortStats, XdpPort, BUFFER_CAPACITY, CHUNK_SIZE,
     FRAME_HEADROOM, MAX_SG_FRAME, XDP_HEADROOM,
