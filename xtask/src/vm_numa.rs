@@ -21,7 +21,11 @@
 //!      [`RR_SPREAD`] of half;
 //!    - no payload byte copied in user space on the target (`payload_copied_bytes` 0);
 //!    - each of `tyched`'s per-NIC network threads, and each of `tyche-init`'s per-node engine
-//!      threads, on its NIC's node's CPUs.
+//!      threads, on its NIC's node's CPUs;
+//!    - the initiator's channel fallback order by the I/O bandwidth model (seed 003);
+//!    - each target NIC's interrupts read from the VM's sysfs and procfs; in the `affinity` run,
+//!      `tyched --irq-affinity auto` has put every one of them on its NIC's node and none on its
+//!      network thread's core (seed 002).
 //!
 //! Prints each step and the per-channel byte counts, prefixed `vm-numa:`.
 
@@ -451,6 +455,12 @@ fn run_scheduler(
     for n in tgt {
         cmd.args(["--iface", &n.name]);
     }
+    // Seed 002: the NICs' interrupts on their node, off the network thread's core (the
+    // affinity run moves them; the other run reports where they are).
+    let irq_auto = scheduler == "affinity";
+    if irq_auto {
+        cmd.args(["--irq-affinity", "auto"]);
+    }
     cmd.env("TYCHE_LOG", "info");
     let mut t = Daemon::spawn("tyched", &mut cmd, &tlog)?;
     wait_for("tyched's stats socket", Duration::from_secs(60), || {
@@ -567,6 +577,41 @@ fn run_scheduler(
         // tyched serves each NIC from a network thread of its own, pinned to the NIC's node.
         let tc = thread_on_node(&p["thread"], &format!("target {name}: its network thread"), node, cpus)?;
         say(format!("{scheduler}: target {name}: network thread {} on cpus {tc:?} (node {node})", p["thread"]["name"]));
+    }
+    // Seed 003: with two nodes the initiator measured (or loaded) the bandwidth model, and its
+    // channel fallback order follows it.
+    check!(ir["fallback"] == "model", "initiator: channel fallback by {}, not by the bandwidth model", ir["fallback"]);
+    say(format!("{scheduler}: initiator: channel fallback order by {}", ir["fallback"]));
+    // Seed 002: each target NIC's interrupts, read from the VM's sysfs and procfs.
+    for n in tgt {
+        let r = tr["irqs"]
+            .as_array()
+            .and_then(|a| a.iter().find(|r| r["nic"] == n.name.as_str()))
+            .with_context(|| format!("tyched stats: no IRQ report for {}", n.name))?;
+        let irqs = r["irqs"].as_array().cloned().unwrap_or_default();
+        check!(!irqs.is_empty() && r["virtual_nic"] != true, "target {}: no IRQs read: {r}", n.name);
+        if irq_auto {
+            check!(u(r, "sharing_network_core") == 0, "target {}: IRQs on its network thread's core: {r}", n.name);
+            for q in &irqs {
+                let on: Vec<u64> =
+                    q["affinity"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default();
+                check!(
+                    !on.is_empty() && on.iter().all(|c| cpus[n.node as usize].contains(c)),
+                    "target {}: IRQ {} on cpus {on:?}, not on node {}'s {:?}",
+                    n.name,
+                    q["irq"],
+                    n.node,
+                    cpus[n.node as usize]
+                );
+            }
+        }
+        say(format!(
+            "{scheduler}: target {}: {} IRQs, {} on the network thread's core{}",
+            n.name,
+            irqs.len(),
+            u(r, "sharing_network_core"),
+            if irq_auto { " (moved: --irq-affinity auto)" } else { "" }
+        ));
     }
     // The target moved the data between UMEM frames and its RAM store with no copy in user space
     // (native XDP on virtio-net here).
