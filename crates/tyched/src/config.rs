@@ -144,6 +144,10 @@ pub struct Config {
     /// or `auto`: each NIC's IRQs on cores of its node that run no network thread (root).
     #[serde(default)]
     pub irq_affinity: tyche_numa::irq::IrqPolicy,
+    /// For placement experiments only (the NESUS paper's *Worst* case): every AF_XDP channel's
+    /// memory (UMEM, rings, slot memory) on this node instead of its NIC's. None: the NIC's.
+    #[serde(default)]
+    pub channel_memory_node: Option<u32>,
     /// Where the measured I/O bandwidth model is kept (machines with several NUMA nodes; none:
     /// `/var/lib/tyche/bandwidth-model.json`).
     #[serde(default)]
@@ -354,6 +358,7 @@ impl Default for Config {
             reclaim_after_ms: default_reclaim_after_ms(),
             storage_deadline_ms: default_storage_deadline_ms(),
             irq_affinity: tyche_numa::irq::IrqPolicy::default(),
+            channel_memory_node: None,
             model_cache: None,
             exports: Vec::new(),
         }
@@ -523,6 +528,9 @@ impl Config {
         if self.exports.is_empty() {
             return Err(invalid("export", "at least one export is needed"));
         }
+        if self.channel_memory_node.is_some_and(|n| n >= 1024) {
+            return Err(invalid("channel_memory_node", "a NUMA node number (below 1024)"));
+        }
         if self.channels_per_nic == 0 || self.channels_per_nic > 64 {
             return Err(invalid("channels_per_nic", "must be 1 to 64"));
         }
@@ -628,6 +636,16 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn channel_memory_node_parses_and_is_bounded() {
+        let export = "[[export]]\nname = \"a\"\nsize = \"1M\"\n";
+        assert_eq!(Config::from_toml(export).unwrap().channel_memory_node, None, "default: the NIC's node");
+        let c = Config::from_toml(&format!("channel_memory_node = 1\n{export}")).unwrap();
+        assert_eq!(c.channel_memory_node, Some(1));
+        let err = Config::from_toml(&format!("channel_memory_node = 5000\n{export}")).expect_err("too big").to_string();
+        assert!(err.contains("channel_memory_node"), "{err}");
+    }
 
     #[test]
     fn irq_affinity_and_model_cache_parse() {

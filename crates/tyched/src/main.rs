@@ -92,6 +92,10 @@ struct ServeArgs {
     /// cores of its node that run no network thread; needs root).
     #[arg(long, value_name = "keep|auto")]
     irq_affinity: Option<tyche_numa::irq::IrqPolicy>,
+    /// Placement experiments only: every AF_XDP channel's memory (UMEM, rings, slot memory) on
+    /// this NUMA node instead of its NIC's (the NESUS paper's misplaced-memory case).
+    #[arg(long, value_name = "NODE")]
+    channel_memory_node: Option<u32>,
     /// Where the measured I/O bandwidth model is kept (default
     /// /var/lib/tyche/bandwidth-model.json).
     #[arg(long, value_name = "FILE")]
@@ -183,6 +187,9 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if let Some(p) = args.irq_affinity {
         config.irq_affinity = p;
     }
+    if let Some(n) = args.channel_memory_node {
+        config.channel_memory_node = Some(n);
+    }
     if let Some(p) = &args.model_cache {
         config.model_cache = Some(p.clone());
     }
@@ -210,6 +217,18 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
+    if let Some(n) = config.channel_memory_node {
+        if !std::path::Path::new(&format!("/sys/devices/system/node/node{n}")).exists() {
+            bail!("channel_memory_node = {n}: this machine has no NUMA node {n}");
+        }
+        if config.transport != TransportKind::Xdp {
+            bail!("channel_memory_node applies to AF_XDP channels (transport = \"xdp\") only");
+        }
+        tracing::warn!(
+            node = n,
+            "placement experiment: every channel's memory on node {n}, not on its NIC's (channel_memory_node)"
+        );
+    }
     let nics = open_nics(&config, &term)?;
     if term.load(Ordering::SeqCst) {
         return Ok(());
@@ -276,6 +295,9 @@ fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
                 for q in 0..u32::from(config.channels_per_nic) {
                     let pc = tyche_xdp::PortConfig {
                         queue: q,
+                        numa: config
+                            .channel_memory_node
+                            .map_or(tyche_xdp::NumaPlacement::Auto, tyche_xdp::NumaPlacement::Node),
                         ethertype: config.ethertype,
                         lend_frames: tyched::LEND_FRAMES,
                         tx_lend_frames: tyched::TX_LEND_FRAMES,
