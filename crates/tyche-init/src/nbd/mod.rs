@@ -554,20 +554,26 @@ pub(crate) fn hole_aware(req: &codec::Request, neg: Negotiated, min: Option<u64>
 /// The most large reads a connection answers without a block status probe after probes found
 /// only data: a dense export pays one probe per this many large reads at worst.
 pub const HOLE_PROBE_BACKOFF_MAX: u32 = 64;
+/// Probes in a row that find only data before large reads start to skip probing: a client that
+/// reads a few data ranges and then a hole still gets its hole chunks.
+pub const HOLE_PROBE_DENSE_AFTER: u32 = 8;
 
 /// Whether a connection's large READs ask for block status first. The target may not be able
 /// to tell (UNSUPPORTED: never again on this connection); and on a dense export every probe is a
-/// round trip for nothing (measured: a quarter of read throughput at 256 KiB), so each probe
-/// that finds the range all data doubles the number of large reads read at once before the
-/// next probe (1, 2, 4 ... [`HOLE_PROBE_BACKOFF_MAX`]), and a probe that finds a hole starts
-/// over at 0. Shared by a connection's tasks: atomics, no lock.
+/// round trip for nothing (measured: a quarter of read throughput at 256 KiB), so after
+/// [`HOLE_PROBE_DENSE_AFTER`] probes in a row that found the range all data, each further one
+/// doubles the number of large reads read at once before the next probe (1, 2, 4 ...
+/// [`HOLE_PROBE_BACKOFF_MAX`]); a probe that finds a hole starts over. Shared by a connection's
+/// tasks: atomics, no lock.
 #[derive(Debug)]
 pub(crate) struct HoleProbe {
     works: std::sync::atomic::AtomicBool,
     /// Large reads still to read without probing.
     skip: std::sync::atomic::AtomicU32,
-    /// How many to skip after the next probe that finds only data.
+    /// How many to skip after the next probe that finds only data (once dense).
     backoff: std::sync::atomic::AtomicU32,
+    /// Probes in a row that found only data.
+    dense: std::sync::atomic::AtomicU32,
 }
 
 impl Default for HoleProbe {
@@ -576,6 +582,7 @@ impl Default for HoleProbe {
             works: std::sync::atomic::AtomicBool::new(true),
             skip: std::sync::atomic::AtomicU32::new(0),
             backoff: std::sync::atomic::AtomicU32::new(1),
+            dense: std::sync::atomic::AtomicU32::new(0),
         }
     }
 }
@@ -598,7 +605,8 @@ impl HoleProbe {
         if hole {
             self.skip.store(0, Relaxed);
             self.backoff.store(1, Relaxed);
-        } else {
+            self.dense.store(0, Relaxed);
+        } else if self.dense.fetch_add(1, Relaxed).saturating_add(1) >= HOLE_PROBE_DENSE_AFTER {
             let b = self.backoff.load(Relaxed);
             self.skip.store(b, Relaxed);
             self.backoff.store((b * 2).min(HOLE_PROBE_BACKOFF_MAX), Relaxed);
@@ -1107,22 +1115,22 @@ mod tests {
     #[test]
     fn probes_back_off_on_dense_exports_and_come_back_at_a_hole() {
         let p = HoleProbe::default();
-        // Probes that find only data: 1, 2, 4 ... reads without a probe between, up to the cap.
-        let mut gaps = Vec::new();
-        for _ in 0..10 {
-            assert!(p.should_probe());
-            p.found(false);
-            let mut gap = 0;
-            while !p.should_probe() {
+        // Large reads one after another, every probe finding only data: how many reads went
+        // without a probe before each probe.
+        let (mut gaps, mut gap) = (Vec::new(), 0);
+        for _ in 0..2000 {
+            if p.should_probe() {
+                p.found(false);
+                gaps.push(gap);
+                gap = 0;
+            } else {
                 gap += 1;
             }
-            gaps.push(gap);
-            p.found(false);
-            // That probe found data too; start the next round from the doubled backoff.
-            while !p.should_probe() {}
         }
-        assert_eq!(gaps[..4], [1, 4, 16, 64]);
-        assert!(gaps.iter().all(|&g| g <= HOLE_PROBE_BACKOFF_MAX));
+        let dense = HOLE_PROBE_DENSE_AFTER as usize;
+        assert!(gaps[..dense].iter().all(|&g| g == 0), "every read probes at first: {gaps:?}");
+        assert_eq!(gaps[dense..dense + 7], [1, 2, 4, 8, 16, 32, 64]);
+        assert!(gaps[dense + 7..].iter().all(|&g| g == HOLE_PROBE_BACKOFF_MAX), "{gaps:?}");
         // A hole: probe every large read again.
         p.found(true);
         assert!(p.should_probe() && p.should_probe());
