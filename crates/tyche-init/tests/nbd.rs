@@ -158,7 +158,22 @@ async fn raw_protocol_exchange_with_tasks() {
 
 /// Connects to the NBD socket, checks the greeting and answers it (fixed newstyle, no zeroes).
 async fn newstyle(socket: &Path) -> UnixStream {
-    let mut c = UnixStream::connect(socket).await.unwrap();
+    // The socket file appears at bind(2), a moment before listen(2): until then a connection is
+    // refused (seen under CI load), so try again for a while.
+    let mut tries = 0;
+    let mut c = loop {
+        match UnixStream::connect(socket).await {
+            Ok(c) => break c,
+            Err(e)
+                if tries < 100
+                    && matches!(e.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound) =>
+            {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("connecting to {}: {e}", socket.display()),
+        }
+    };
     let mut greet = [0u8; 18];
     c.read_exact(&mut greet).await.unwrap();
     assert_eq!(greet, codec::greeting());
