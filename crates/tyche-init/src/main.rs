@@ -196,7 +196,7 @@ impl ConnArgs {
         }
         let mut c = InitiatorConfig::new(&self.export);
         // One channel per link when each channel has a NIC queue (and a link) of its own.
-        c.channels_per_link = if self.queue_per_channel() { 1 } else { self.channels_per_nic };
+        c.channels_per_link = if self.queue_per_channel(false) { 1 } else { self.channels_per_nic };
         c.no_path_timeout = Duration::from_secs_f64(self.no_path_timeout);
         c.reconnect_attempts = self.reconnect_attempts;
         c.scheduler = self.scheduler;
@@ -238,8 +238,8 @@ impl ConnArgs {
 
     /// Whether `--channels-per-nic N` opens N AF_XDP sockets per interface, on queues 0..N-1,
     /// one channel each: when every interface has N receive and transmit queues. Else the N
-    /// channels share the interface's queue 0 (logged).
-    fn queue_per_channel(&self) -> bool {
+    /// channels share the interface's queue 0 (logged when `log`: once, where the links open).
+    fn queue_per_channel(&self, log: bool) -> bool {
         if self.channels_per_nic < 2 || !self.tcp.is_empty() || self.loopback_mib.is_some() {
             return false;
         }
@@ -249,7 +249,7 @@ impl ConnArgs {
             .filter(|i| (tyche_xdp::queue_count(i).unwrap_or(1) as usize) < self.channels_per_nic)
             .map(|i| format!("{i} ({} queues)", tyche_xdp::queue_count(i).unwrap_or(1)))
             .collect();
-        if !short.is_empty() {
+        if log && !short.is_empty() {
             info!(
                 channels_per_nic = self.channels_per_nic,
                 "not every interface has a queue per channel: {}; the channels share queue 0",
@@ -302,21 +302,12 @@ impl ConnArgs {
                 });
             }
         }
-        let queues = if self.queue_per_channel() { self.channels_per_nic as u32 } else { 1 };
+        let queues = if self.queue_per_channel(true) { self.channels_per_nic as u32 } else { 1 };
         for (k, ifname) in self.ifaces.iter().enumerate().filter(|_| self.tcp.is_empty()) {
-            // Queue 0 attaches the steering program; the other queues share it.
-            let mut first: Option<(std::sync::Arc<tyche_xdp::XdpProgram>, tyche_xdp::InterfaceInfo)> = None;
-            for q in 0..queues {
-                let cfg =
-                    tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, queue: q, ..Default::default() };
-                let port = match &first {
-                    None => tyche_xdp::XdpPort::open(ifname, &cfg),
-                    Some((prog, info)) => tyche_xdp::XdpPort::open_on(prog.clone(), info.clone(), &cfg),
-                }
-                .with_context(|| format!("opening an AF_XDP socket on {ifname} queue {q}"))?;
-                if first.is_none() {
-                    first = Some((port.program().clone(), port.interface().clone()));
-                }
+            let cfg = tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, ..Default::default() };
+            let ports = tyche_xdp::XdpPort::open_queues(ifname, queues, &cfg)
+                .with_context(|| format!("opening AF_XDP sockets on {ifname} (queues 0..{queues})"))?;
+            for (q, port) in ports.into_iter().enumerate() {
                 let node = port.numa_node();
                 info!(iface = %ifname, queue = q, ?node, mode = ?port.mode(), "AF_XDP socket open");
                 let name = if queues > 1 { format!("{ifname}/{q}") } else { ifname.clone() };

@@ -246,6 +246,21 @@ impl XdpPort {
         Self::open_on(program, info, config)
     }
 
+    /// Opens a port on each of queues `0..queues` of `ifname` (`config` with each queue's number
+    /// set): queue 0 attaches the steering program, the others share it.
+    pub fn open_queues(ifname: &str, queues: u32, config: &PortConfig) -> Result<Vec<Self>, Error> {
+        let mut ports: Vec<XdpPort> = Vec::with_capacity(queues as usize);
+        for queue in 0..queues {
+            let pc = PortConfig { queue, ..config.clone() };
+            let port = match ports.first() {
+                None => Self::open(ifname, &pc)?,
+                Some(first) => Self::open_on(first.program.clone(), first.info.clone(), &pc)?,
+            };
+            ports.push(port);
+        }
+        Ok(ports)
+    }
+
     /// Opens a port on another queue of an interface whose program is already attached.
     pub fn open_on(program: Arc<XdpProgram>, info: InterfaceInfo, config: &PortConfig) -> Result<Self, Error> {
         let plan = plan_frames(&info.name, info.mtu, config.multi_buffer)?;

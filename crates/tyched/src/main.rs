@@ -291,27 +291,19 @@ fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
                 nics.push(Nic { name: name.clone(), transport: Box::new(t) });
             }
             TransportKind::Xdp => {
-                let mut first: Option<(std::sync::Arc<tyche_xdp::XdpProgram>, tyche_xdp::InterfaceInfo)> = None;
-                for q in 0..u32::from(config.channels_per_nic) {
-                    let pc = tyche_xdp::PortConfig {
-                        queue: q,
-                        numa: config
-                            .channel_memory_node
-                            .map_or(tyche_xdp::NumaPlacement::Auto, tyche_xdp::NumaPlacement::Node),
-                        ethertype: config.ethertype,
-                        lend_frames: tyched::LEND_FRAMES,
-                        tx_lend_frames: tyched::TX_LEND_FRAMES,
-                        ..Default::default()
-                    };
-                    // The steering program is attached once per interface; later queues share it.
-                    let port = match &first {
-                        None => tyche_xdp::XdpPort::open(name, &pc),
-                        Some((prog, info)) => tyche_xdp::XdpPort::open_on(prog.clone(), info.clone(), &pc),
-                    }
-                    .with_context(|| format!("{name} queue {q}: AF_XDP"))?;
-                    if first.is_none() {
-                        first = Some((port.program().clone(), port.interface().clone()));
-                    }
+                let pc = tyche_xdp::PortConfig {
+                    numa: config
+                        .channel_memory_node
+                        .map_or(tyche_xdp::NumaPlacement::Auto, tyche_xdp::NumaPlacement::Node),
+                    ethertype: config.ethertype,
+                    lend_frames: tyched::LEND_FRAMES,
+                    tx_lend_frames: tyched::TX_LEND_FRAMES,
+                    ..Default::default()
+                };
+                let queues = u32::from(config.channels_per_nic);
+                let ports = tyche_xdp::XdpPort::open_queues(name, queues, &pc)
+                    .with_context(|| format!("{name} (queues 0..{queues}): AF_XDP"))?;
+                for (q, port) in ports.into_iter().enumerate() {
                     tracing::info!(iface = %name, queue = q, mode = %port.mode(), "AF_XDP port open");
                     let label = if config.channels_per_nic > 1 { format!("{name}/{q}") } else { name.clone() };
                     nics.push(Nic { name: label, transport: Box::new(port) });
