@@ -32,7 +32,7 @@
 //!   turn, as [`PollMode::Sleep`] does; then it tries again. [`PollMode::Spin`] (dedicated
 //!   cores) never gives up. Why run against wait: the threads of one request's path take turns
 //!   on the cores too, so a polling thread waits a lot even alone (measured on 2 cores at queue
-//!   depth 1: the initiator's engine ran 45–60% of the time and waited 33–58%); with two busy
+//!   depth 1: the initiator's engine ran 45–70% of the time and waited 33–58%); with two busy
 //!   loops on the cores, polling threads ran 5–9% and waited 76–100%.
 
 use std::fmt;
@@ -165,8 +165,8 @@ pub struct PollStats {
     pub wakeups: u64,
     /// The adaptive budget now, in nanoseconds.
     pub budget_ns: u64,
-    /// Times polling was given up for [`HOLDOFF`] because the thread waited for a CPU more than
-    /// [`CONTENDED_SHARE`] of the time (a core shared with other busy work).
+    /// Times polling was given up for [`HOLDOFF`] because the thread waited for a CPU far longer
+    /// than it ran ([`CONTENDED_RATIO`], [`CONTENDED_SHARE`]): a core shared with other busy work.
     pub contended: u64,
 }
 
