@@ -110,8 +110,7 @@ pub fn reserve_cpus(cpus: &[u32]) {
 /// The CPUs of NUMA node `node`, from sysfs (`None` when unknown), without the CPUs reserved
 /// for interrupts ([`reserve_cpus`]) unless those are all it has.
 pub fn node_cpus(node: u32) -> Option<Vec<u32>> {
-    let list = std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist")).ok()?;
-    let cpus = tyche_numa::parse_cpu_list(list.trim()).ok().filter(|cpus| !cpus.is_empty())?;
+    let cpus = tyche_numa::node_cpus(node).ok()?;
     Some(without_reserved(cpus, &RESERVED.read().unwrap_or_else(std::sync::PoisonError::into_inner)))
 }
 

@@ -44,7 +44,9 @@ pub use alloc::{HugePages, NodeRegion};
 pub use cpulist::{format_cpu_list, parse_cpu_list};
 pub use error::NumaError;
 pub use model::{BandwidthModel, IoMeasurement, ModelConfig};
-pub use placement::{current_thread_cpus, pin_current_thread, ChannelSpec, PlacementRequest, Plan};
+pub use placement::{
+    current_thread_cpus, node_cpus, pin_current_thread, pin_current_thread_to_node, ChannelSpec, PlacementRequest, Plan,
+};
 pub use report::{IrqReport, PageCounts, ThreadPlacement};
 pub use scheduler::{ChannelId, ChannelScheduler, NodeOrder, Policy};
-pub use topology::{Nic, NicNodeSource, Node, Topology, TopologySource};
+pub use topology::{nic_node, Nic, NicNodeSource, Node, Topology, TopologySource};

@@ -309,6 +309,37 @@ pub fn pin_current_thread(cpus: &[u32]) -> Result<(), NumaError> {
         .map_err(|e| NumaError::Sys { call: "sched_setaffinity", source: e.into() })
 }
 
+/// The CPUs of NUMA node `node` as the running kernel lists them
+/// (`/sys/devices/system/node/node<N>/cpulist`). A node without that file is
+/// [`NumaError::NoSuchNode`]; a list that does not parse, or an empty one, is an error too.
+pub fn node_cpus(node: u32) -> Result<Vec<u32>, NumaError> {
+    node_cpus_in(std::path::Path::new(crate::report::SYSFS_NODES), node)
+}
+
+/// [`node_cpus`] under another sysfs `devices/system/node` directory (tests).
+pub fn node_cpus_in(root: &std::path::Path, node: u32) -> Result<Vec<u32>, NumaError> {
+    let path = root.join(format!("node{node}")).join("cpulist");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(NumaError::NoSuchNode(node)),
+        Err(source) => return Err(NumaError::Sys { call: "reading a node's cpulist", source }),
+    };
+    let cpus = crate::parse_cpu_list(text.trim()).map_err(|e| NumaError::Sys {
+        call: "parsing a node's cpulist",
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {e}", path.display())),
+    })?;
+    if cpus.is_empty() {
+        return Err(NumaError::NoCpus);
+    }
+    Ok(cpus)
+}
+
+/// Pins the calling thread to the CPUs of `node` ([`node_cpus`]), so a thread serving a NIC
+/// queue runs beside the NIC and its memory.
+pub fn pin_current_thread_to_node(node: u32) -> Result<(), NumaError> {
+    pin_current_thread(&node_cpus(node)?)
+}
+
 /// The CPUs the calling thread may run on (`sched_getaffinity(2)`).
 pub fn current_thread_cpus() -> Result<Vec<u32>, NumaError> {
     let set = sched_getaffinity(Pid::from_raw(0))
@@ -325,6 +356,26 @@ mod tests {
     fn fixture(name: &str) -> Topology {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
         Topology::from_xml_file(&path).unwrap_or_else(|e| panic!("{name} should load: {e}"))
+    }
+
+    #[test]
+    fn node_cpus_read_sysfs_and_refuse_what_is_wrong() {
+        let root = std::env::temp_dir().join(format!("tyche-numa-nodes-{}", std::process::id()));
+        for (node, list) in [(0, "0-1,4\n"), (1, "three"), (2, "\n")] {
+            std::fs::create_dir_all(root.join(format!("node{node}"))).unwrap();
+            std::fs::write(root.join(format!("node{node}")).join("cpulist"), list).unwrap();
+        }
+        assert_eq!(node_cpus_in(&root, 0).unwrap(), vec![0, 1, 4]);
+        let bad = node_cpus_in(&root, 1).unwrap_err().to_string();
+        assert!(bad.contains("three") && bad.contains("node1"), "names the file and the entry: {bad}");
+        assert!(matches!(node_cpus_in(&root, 2), Err(NumaError::NoCpus)));
+        assert!(matches!(node_cpus_in(&root, 7), Err(NumaError::NoSuchNode(7))));
+        std::fs::remove_dir_all(&root).unwrap();
+        // The running machine has a node 0 with CPUs, and pinning to it works.
+        assert!(!node_cpus(0).expect("node 0").is_empty());
+        let before = current_thread_cpus().unwrap();
+        pin_current_thread_to_node(0).expect("pin to node 0");
+        pin_current_thread(&before).unwrap();
     }
 
     fn request(topo: &Topology, per_nic: u32) -> PlacementRequest {

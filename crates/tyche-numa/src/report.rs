@@ -139,9 +139,12 @@ pub fn nodes_of_cpus(cpus: &[u32]) -> Vec<u32> {
     nodes
 }
 
+/// Where the running kernel lists NUMA nodes and their CPUs.
+pub const SYSFS_NODES: &str = "/sys/devices/system/node";
+
 /// Every node in sysfs with its CPU list.
 pub fn node_cpus_from_sysfs() -> Vec<(u32, Vec<u32>)> {
-    let Ok(dir) = std::fs::read_dir("/sys/devices/system/node") else { return Vec::new() };
+    let Ok(dir) = std::fs::read_dir(SYSFS_NODES) else { return Vec::new() };
     let mut out = Vec::new();
     for e in dir.flatten() {
         let name = e.file_name();

@@ -328,6 +328,12 @@ pub fn sysfs_nic(root: &Path, name: &str) -> Nic {
     Nic { name: name.to_owned(), node: None, node_source: NicNodeSource::Unknown }
 }
 
+/// The NUMA node of network interface `ifname` on the running machine ([`sysfs_nic`] under
+/// `/sys/class/net`), or `None` when unknown (veth, loopback, no NUMA information).
+pub fn nic_node(ifname: &str) -> Option<u32> {
+    sysfs_nic(Path::new("/sys/class/net"), ifname).node
+}
+
 /// Parses the content of a sysfs `numa_node` file: a node number, or -1 for "unknown".
 pub fn parse_numa_node(text: &str) -> Option<u32> {
     let value: i64 = text.trim().parse().ok()?;
@@ -337,6 +343,12 @@ pub fn parse_numa_node(text: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn virtual_interfaces_have_no_node() {
+        assert_eq!(nic_node("lo"), None, "loopback has no device node");
+        assert_eq!(nic_node("no-such-nic"), None);
+    }
 
     fn fixture(name: &str) -> Topology {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);

@@ -12,6 +12,15 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// Placing the UMEM, its rings or the calling thread on the NIC's NUMA node failed.
+    #[error("{what}: {source}")]
+    Numa {
+        /// What was being placed.
+        what: String,
+        /// What tyche-numa said.
+        #[source]
+        source: tyche_numa::NumaError,
+    },
     /// The network interface does not exist (in this network namespace).
     #[error("no network interface named {0:?}")]
     NoInterface(String),
@@ -62,6 +71,9 @@ pub enum Error {
 impl Error {
     pub(crate) fn io(what: impl Into<String>, source: io::Error) -> Self {
         Error::Io { what: what.into(), source }
+    }
+    pub(crate) fn numa(what: impl Into<String>, source: tyche_numa::NumaError) -> Self {
+        Error::Numa { what: what.into(), source }
     }
     pub(crate) fn bpf(what: impl Into<String>, source: libbpf_rs::Error) -> Self {
         Error::Bpf { what: what.into(), source }

@@ -3,7 +3,7 @@
 //! An XDP program ([`XdpProgram`], source `bpf/tyche_steer.bpf.c`) steers frames with the Tyche
 //! EtherType and a valid Tyche header into AF_XDP sockets, by receive queue, and passes every
 //! other frame to the kernel, so Tyche shares links with IP. Each [`XdpPort`] is one socket on
-//! one NIC queue with its own UMEM, allocated on the NIC's NUMA node ([`numa`]), and implements
+//! one NIC queue with its own UMEM, allocated on the NIC's NUMA node (`tyche_numa::nic_node`, `tyche_numa::alloc`), and implements
 //! [`tyche_transport::FrameTransport`], so the channel engine runs on it unchanged.
 //!
 //! # Promises
@@ -21,7 +21,6 @@
 mod async_io;
 mod error;
 mod iface;
-pub mod numa;
 mod port;
 mod program;
 

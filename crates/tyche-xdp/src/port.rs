@@ -12,7 +12,7 @@ use xsk_rs::config::{BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, So
 use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
 
 use crate::program::{AttachMode, AttachedMode, XdpProgram};
-use crate::{numa, Error, InterfaceInfo};
+use crate::{Error, InterfaceInfo};
 
 /// UMEM chunk size: the largest the kernel accepts for an aligned-mode UMEM on 4 KiB pages
 /// (`xdp_umem_reg` refuses chunks below `XDP_UMEM_MIN_CHUNK_SIZE`, 2048 bytes, or above the page
@@ -61,7 +61,7 @@ pub fn plan_frames(ifname: &str, mtu: usize, allow_multi_buffer: bool) -> Result
 /// Where to put the UMEM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NumaPlacement {
-    /// On the NIC's node when it has one ([`numa::nic_node`]); nowhere in particular otherwise.
+    /// On the NIC's node when it has one (`tyche_numa::nic_node`); nowhere in particular otherwise.
     Auto,
     /// On this node.
     Node(u32),
@@ -284,20 +284,22 @@ impl XdpPort {
             .build()
             .map_err(|e| xsk_err("UMEM config", e))?;
         let numa_node = match config.numa {
-            NumaPlacement::Auto => numa::nic_node(&info.name),
+            NumaPlacement::Auto => tyche_numa::nic_node(&info.name),
             NumaPlacement::Node(n) => Some(n),
             NumaPlacement::Off => None,
         };
         if let (true, Some(node)) = (config.pin_thread, numa_node) {
-            numa::pin_current_thread_to_node(node).map_err(|e| Error::io(format!("pinning to NUMA node {node}"), e))?;
+            tyche_numa::pin_current_thread_to_node(node)
+                .map_err(|e| Error::numa(format!("pinning to NUMA node {node}"), e))?;
         }
         let frame_count =
             NonZeroU32::new(config.frame_count + config.lend_frames + config.tx_lend_frames).expect("frame_count > 0");
         // Umem::new maps with MAP_POPULATE: binding the memory policy around it places every
         // page on the NIC's node.
-        let (umem, descs) = numa::with_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
-            .map_err(|e| Error::io("binding the UMEM to the NIC's NUMA node", e))?
-            .map_err(|e| xsk_err("creating the UMEM", e))?;
+        let (umem, descs) =
+            tyche_numa::alloc::with_thread_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
+                .map_err(|e| Error::numa("binding the UMEM to the NIC's NUMA node", e))?
+                .map_err(|e| xsk_err("creating the UMEM", e))?;
 
         let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
         if plan.multi_buffer {
@@ -314,14 +316,14 @@ impl XdpPort {
         // calling thread's memory policy: bind it here too so they land beside the UMEM.
         // SAFETY: this UMEM is bound to (ifname, queue) once, by this socket; the program is
         // ours (INHIBIT_PROG_LOAD), so libxdp never detaches one it did not load.
-        let (tx, rx, rings) =
-            numa::with_memory_on(numa_node, || unsafe { Socket::new(socket_config, &umem, &iface, config.queue) })
-                .map_err(|e| Error::io("binding the rings to the NIC's NUMA node", e))?
-                .map_err(|e| {
-                    let hint =
-                        if plan.multi_buffer { " (multi-buffer needs kernel 6.6+ and driver support)" } else { "" };
-                    xsk_err(&format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue), e)
-                })?;
+        let (tx, rx, rings) = tyche_numa::alloc::with_thread_memory_on(numa_node, || unsafe {
+            Socket::new(socket_config, &umem, &iface, config.queue)
+        })
+        .map_err(|e| Error::numa("binding the rings to the NIC's NUMA node", e))?
+        .map_err(|e| {
+            let hint = if plan.multi_buffer { " (multi-buffer needs kernel 6.6+ and driver support)" } else { "" };
+            xsk_err(&format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue), e)
+        })?;
         let (mut fq, cq) = rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
 
         if let Some(bp) = config.busy_poll {
