@@ -25,6 +25,11 @@ pub struct Model {
     /// Sectors whose expected content may differ from `durable` (each listed once).
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
+    /// Acknowledged (or failed) modifications of each sector so far: a FLUSH makes a sector
+    /// clean only if none came after the FLUSH was submitted. (Comparing contents is not
+    /// enough: zeroes, then data, then zeroes again look unchanged, but the data may be what
+    /// the FLUSH wrote to the medium.)
+    changes: Vec<u32>,
     /// Crashes of the target so far: a FLUSH started before one covers nothing after it.
     epoch: u64,
     /// A crash lost (or may have lost) acknowledged writes no FLUSH covered: the next FLUSH
@@ -37,7 +42,8 @@ pub struct Model {
 #[derive(Debug, Clone)]
 pub struct FlushCover {
     epoch: u64,
-    sectors: Vec<(u32, Expect)>,
+    /// Sector, its acknowledged content and its [`Model::changes`] count at submission.
+    sectors: Vec<(u32, Expect, u32)>,
 }
 
 /// The 8-byte words of sector `sector` as written by write `version` (0: zeroes).
@@ -74,6 +80,7 @@ impl Model {
             durable: vec![Expect::Version(0); n],
             dirty: Vec::new(),
             is_dirty: vec![false; n],
+            changes: vec![0; n],
             epoch: 0,
             owed: false,
         }
@@ -81,6 +88,7 @@ impl Model {
 
     fn mark_dirty(&mut self, range: std::ops::Range<usize>) {
         for s in range {
+            self.changes[s] = self.changes[s].wrapping_add(1);
             if !self.is_dirty[s] {
                 self.is_dirty[s] = true;
                 self.dirty.push(s as u32);
@@ -103,7 +111,10 @@ impl Model {
     pub fn written_durable(&mut self, offset: u64, length: u64, version: u64) {
         let r = Self::range(offset, length);
         self.sectors[r.clone()].fill(Expect::Version(version));
-        self.durable[r].fill(Expect::Version(version));
+        self.durable[r.clone()].fill(Expect::Version(version));
+        for s in r {
+            self.changes[s] = self.changes[s].wrapping_add(1);
+        }
     }
 
     /// A modification that failed or was never acknowledged: its sectors are unknown until the
@@ -121,7 +132,7 @@ impl Model {
 
     /// A FLUSH is submitted: it will make durable what is acknowledged now.
     pub fn flush_started(&self) -> FlushCover {
-        let sectors = self.dirty.iter().map(|&s| (s, self.sectors[s as usize])).collect();
+        let sectors = self.dirty.iter().map(|&s| (s, self.sectors[s as usize], self.changes[s as usize])).collect();
         FlushCover { epoch: self.epoch, sectors }
     }
 
@@ -136,15 +147,20 @@ impl Model {
         if self.owed {
             return false;
         }
-        for (s, e) in cover.sectors {
+        // Clean: covered, and not modified since the FLUSH was submitted. Every other sector
+        // stays dirty (one modified since may or may not have reached the medium).
+        let mut clean = Vec::new();
+        for (s, e, changes) in cover.sectors {
             self.durable[s as usize] = e;
+            if self.changes[s as usize] == changes {
+                clean.push(s);
+            }
         }
-        let (sectors, durable, is_dirty) = (&self.sectors, &self.durable, &mut self.is_dirty);
-        self.dirty.retain(|&s| {
-            let keep = sectors[s as usize] != durable[s as usize];
-            is_dirty[s as usize] = keep;
-            keep
-        });
+        for s in clean {
+            self.is_dirty[s as usize] = false;
+        }
+        let is_dirty = &self.is_dirty;
+        self.dirty.retain(|&s| is_dirty[s as usize]);
         true
     }
 
@@ -190,6 +206,31 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flush_does_not_clean_a_sector_modified_after_it_was_submitted() {
+        // Found by seed 122 of the restarts contract with --reorder 0 --dup 0: zeroes (durable),
+        // a FLUSH submitted, data written over them, zeroes again, the FLUSH completes (storage
+        // ran it while the data was there, so the data is what it made durable), a crash loses
+        // the unflushed zeroes: the sector holds the data, which the model must allow.
+        let mut m = Model::new(4 * 512);
+        let cover = m.flush_started();
+        m.written(0, 512, 86);
+        m.written(0, 512, 0);
+        assert!(m.flush_done(cover));
+        m.crash();
+        let mut disk = vec![0u8; 4 * 512];
+        fill(&mut disk[..512], 86, 0);
+        assert_eq!(m.mismatches(0, &disk), 0, "the flushed data is a valid outcome of the crash");
+        // A sector the FLUSH covered and nothing modified since is clean: a crash keeps it.
+        let mut m = Model::new(4 * 512);
+        m.written(512, 512, 7);
+        let cover = m.flush_started();
+        assert!(m.flush_done(cover));
+        m.crash();
+        let disk = vec![0u8; 4 * 512];
+        assert_eq!(m.mismatches(0, &disk), 1, "sector 1 must hold write 7 after the crash");
+    }
 
     #[test]
     fn model_tracks_writes_and_unknowns() {
