@@ -249,6 +249,7 @@ fn wire(c: &mut Criterion) {
         fua: false,
         remq: 1,
         damq: 2,
+        home: 3,
         tag: 99,
         floor: 90,
         offset: 4096,

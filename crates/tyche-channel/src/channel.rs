@@ -37,6 +37,9 @@ pub struct Submission {
     pub offset: u64,
     /// Length in bytes (at most the channel's `max_io` for reads and writes).
     pub length: u32,
+    /// Index of the channel the tag was first issued on in this session (this channel's own
+    /// index on a first issue): the target keeps the tag's at-most-once record there.
+    pub home: u16,
 }
 
 /// A request the target should execute now: for a write, every data segment is in `damq`.
@@ -621,6 +624,7 @@ impl Channel {
             fua: sub.fua,
             remq,
             damq,
+            home: sub.home,
             tag: sub.tag,
             floor,
             offset: sub.offset,

@@ -144,6 +144,9 @@ struct Part {
     req_offset: u64,
     node: Option<u32>,
     channel: Option<u16>,
+    /// The channel the part was first issued on in the current session (its REQUEST's `HOME`,
+    /// kept when it is re-issued elsewhere).
+    home: Option<u16>,
     /// ABORTED answers in the current session.
     aborts: u8,
 }
@@ -314,6 +317,8 @@ impl Volume {
         self.pending.clear();
         for (&tag, part) in self.parts.iter_mut() {
             part.channel = None;
+            // The new session's ledger has seen no tag: its first issue there names its home.
+            part.home = None;
             part.aborts = 0;
             self.pending.push_back(tag);
         }
@@ -412,6 +417,7 @@ impl Volume {
                 req_offset,
                 node: req.node,
                 channel: None,
+                home: None,
                 aborts: 0,
             };
             self.parts.insert(tag, part);
@@ -466,9 +472,12 @@ impl Volume {
             let Some(i) = self.scheduler.pick(moved, part.node, &self.views) else { break };
             assert!(self.views[i].live && self.views[i].has_room, "scheduler picked an unusable channel");
             let member = self.members[i].as_mut().expect("picked a present channel");
-            let sub = Submission { tag, op: part.op, fua: part.fua, offset: part.offset, length: part.length };
+            let home = part.home.unwrap_or(member.channel.envelope().channel);
+            let sub = Submission { tag, op: part.op, fua: part.fua, offset: part.offset, length: part.length, home };
             assert!(member.channel.submit(sub, floor), "channel refused a part it had room for");
-            self.parts.get_mut(&tag).expect("pending part").channel = Some(i as u16);
+            let part = self.parts.get_mut(&tag).expect("pending part");
+            part.channel = Some(i as u16);
+            part.home = Some(home);
             self.pending.pop_front();
         }
     }

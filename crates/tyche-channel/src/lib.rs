@@ -31,6 +31,7 @@ mod channel;
 pub mod config;
 mod handshake;
 mod initiator;
+mod ledger;
 mod reconnect;
 mod scheduler;
 mod seq;

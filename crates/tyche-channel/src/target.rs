@@ -6,6 +6,7 @@ use tyche_wire::{Op, Request, Status};
 
 use crate::channel::{deliver, Channel, ChannelEvent, DeadReason, FrameDrop, Received, Role, Transmit};
 use crate::config::TAG_WINDOW;
+use crate::ledger::{Admission, Ledger};
 use crate::time::{earliest, Instant};
 
 /// What the target serves in a session.
@@ -68,15 +69,8 @@ pub enum TargetInbound<'a> {
     Dropped(FrameDrop),
 }
 
-#[derive(Debug)]
-enum Ledger {
-    /// Being executed; these copies (channel, remq, tag) wait for its status.
-    InProgress(Vec<(u16, u16, u64)>),
-    /// Executed with this status.
-    Done(Status),
-}
-
-/// Bound on the ledger: the initiator keeps its tags within [`TAG_WINDOW`] of its floor.
+/// Bound on the records of a session's ledger, all home shards together: the initiator keeps
+/// its tags within [`TAG_WINDOW`] of its floor.
 const LEDGER_LIMIT: usize = TAG_WINDOW as usize;
 
 /// One initiator's session on the target.
@@ -95,10 +89,14 @@ pub struct TargetSession {
     /// Replaced channels (reconnects on the same index) with requests still executing: their
     /// completions must reach them, not the new channel that reuses their slot numbers.
     retired: Vec<Channel>,
+    /// The largest `FLOOR` any request carried.
     floor: u64,
-    ledger: BTreeMap<u64, Ledger>,
+    /// The at-most-once records, in shards by the tags' home channels.
+    ledger: Ledger,
     events: VecDeque<TargetEvent>,
     duplicates_suppressed: u64,
+    /// Requests refused because their `HOME` names no channel of the session.
+    bad_home: u64,
 }
 
 impl TargetSession {
@@ -111,9 +109,10 @@ impl TargetSession {
             channels: BTreeMap::new(),
             retired: Vec::new(),
             floor: 0,
-            ledger: BTreeMap::new(),
+            ledger: Ledger::default(),
             events: VecDeque::new(),
             duplicates_suppressed: 0,
+            bad_home: 0,
         }
     }
 
@@ -128,6 +127,14 @@ impl TargetSession {
     /// Copies of already executed modifying requests that were not executed again.
     pub fn duplicates_suppressed(&self) -> u64 {
         self.duplicates_suppressed
+    }
+    /// Requests refused (INVALID) because their `HOME` named no channel of the session.
+    pub fn bad_home(&self) -> u64 {
+        self.bad_home
+    }
+    /// At-most-once records held, all home shards together (at most the tag window).
+    pub fn ledger_records(&self) -> usize {
+        self.ledger.records()
     }
     /// The channel with index `i`, if any.
     pub fn channel(&self, i: u16) -> Option<&Channel> {
@@ -216,21 +223,22 @@ impl TargetSession {
         self.complete_in(idx, r.remq, r.tag, status);
     }
 
-    /// A request is ready on channel `idx`: check it, deduplicate it, hand it to the caller.
+    /// A request is ready on channel `idx`: check it, deduplicate it in its home channel's
+    /// ledger shard, hand it to the caller.
     fn admit(&mut self, idx: u16, r: Request, generation: u32) {
-        if r.floor > self.floor {
-            self.floor = r.floor;
-            // Executed tags below the floor can never arrive again except as stale copies,
-            // which the floor check refuses.
-            let keep = self.ledger.split_off(&self.floor);
-            let old = std::mem::replace(&mut self.ledger, keep);
-            for (tag, entry) in old {
-                if let Ledger::InProgress(w) = entry {
-                    self.ledger.insert(tag, Ledger::InProgress(w));
-                }
-            }
+        // The home must be a channel of this session (a reconnect keeps the index): a made-up
+        // one would open shards without bound.
+        if !self.channels.contains_key(&r.home) {
+            self.bad_home += 1;
+            return self.reply(idx, &r, Status::Invalid);
         }
-        if r.tag < self.floor {
+        self.floor = self.floor.max(r.floor);
+        let floor = self.floor;
+        let stale = self.ledger.with(r.home, |shard, _| {
+            shard.raise_floor(floor);
+            shard.stale(r.tag)
+        });
+        if stale {
             self.duplicates_suppressed += 1;
             return self.reply(idx, &r, Status::Aborted);
         }
@@ -245,19 +253,20 @@ impl TargetSession {
             return self.reply(idx, &r, Status::Unsupported);
         }
         if r.op.modifies() {
-            let full = self.ledger.len() >= LEDGER_LIMIT;
-            match self.ledger.get_mut(&r.tag) {
-                None if full => return self.reply(idx, &r, Status::Invalid),
-                None => {
-                    self.ledger.insert(r.tag, Ledger::InProgress(Vec::new()));
-                }
-                Some(Ledger::InProgress(waiters)) => {
+            if self.ledger.records() >= LEDGER_LIMIT {
+                // Records of homes that have sent nothing lately may lie below the floor.
+                self.ledger.raise_all(floor);
+            }
+            let admitted =
+                self.ledger.with(r.home, |shard, records| shard.admit((idx, r.remq, r.tag), records < LEDGER_LIMIT));
+            match admitted {
+                None => return self.reply(idx, &r, Status::Invalid),
+                Some(Admission::Execute) => {}
+                Some(Admission::Wait) => {
                     self.duplicates_suppressed += 1;
-                    waiters.push((idx, r.remq, r.tag));
                     return;
                 }
-                Some(Ledger::Done(status)) => {
-                    let status = *status;
+                Some(Admission::Recorded(status)) => {
                     self.duplicates_suppressed += 1;
                     return self.reply(idx, &r, status);
                 }
@@ -275,20 +284,13 @@ impl TargetSession {
     pub fn complete(&mut self, channel: u16, request: &Request, status: Status) -> bool {
         let Some(req) = self.complete_in(channel, request.remq, request.tag, status) else { return false };
         if req.op.modifies() {
-            // ABORTED means not executed: the tag is not recorded, so a copy re-issued in this
-            // session runs.
-            let record = if status == Status::Aborted { None } else { Some(Ledger::Done(status)) };
-            let before = match record {
-                Some(done) => self.ledger.insert(req.tag, done),
-                None => self.ledger.remove(&req.tag),
-            };
-            let waiters = match before {
-                Some(Ledger::InProgress(w)) => w,
-                _ => Vec::new(),
-            };
-            if req.tag < self.floor {
-                self.ledger.remove(&req.tag);
-            }
+            // (ABORTED means not executed: the tag is not recorded, so a copy re-issued in this
+            // session runs.)
+            let floor = self.floor;
+            let waiters = self.ledger.with(req.home, |shard, _| {
+                shard.raise_floor(floor);
+                shard.record(req.tag, status)
+            });
             for (c, remq, tag) in waiters {
                 self.complete_in(c, remq, tag, status);
             }

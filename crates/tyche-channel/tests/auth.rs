@@ -114,6 +114,7 @@ fn forged_and_altered_frames_are_dropped_before_anything_changes() {
             fua: false,
             remq: 5,
             damq: 5,
+            home: 0,
             tag: 1000,
             floor,
             offset: 0,

@@ -394,7 +394,7 @@ mod hygiene {
     }
 
     fn request(seq: u32, remq: u16, damq: u16, op: Op, length: u32) -> Request {
-        Request { seq: Seq { seq, ack: 0 }, op, fua: false, remq, damq, tag: 1, floor: 1, offset: 0, length }
+        Request { seq: Seq { seq, ack: 0 }, op, fua: false, remq, damq, home: 0, tag: 1, floor: 1, offset: 0, length }
     }
 
     fn data(seq: u32, damq: u16, seg_index: u16, seg_count: u16, offset: u32) -> DataHeader {
@@ -436,7 +436,7 @@ mod hygiene {
         // hand its caller bytes past the request's buffer.
         let now = Instant(0);
         let (mut ini, _) = raw_channels(params(), now);
-        let sub = tyche_channel::Submission { tag: 9, op: Op::Read, fua: false, offset: 0, length: 1000 };
+        let sub = tyche_channel::Submission { tag: 9, op: Op::Read, fua: false, offset: 0, length: 1000, home: 0 };
         assert!(ini.submit(sub, 0));
         let payload = vec![7u8; 1024];
         let h = DataHeader { seq: Seq { seq: 0, ack: 0 }, damq: 0, seg_index: 0, seg_count: 1, tag: 9, offset: 0 };
@@ -458,7 +458,7 @@ mod hygiene {
         p.ring = 4;
         let (mut ini, _) = raw_channels(p, now);
         let mut buf = vec![0u8; 4096];
-        let sub = |tag| tyche_channel::Submission { tag, op: Op::Write, fua: false, offset: 0, length: 8192 };
+        let sub = |tag| tyche_channel::Submission { tag, op: Op::Write, fua: false, offset: 0, length: 8192, home: 0 };
         assert!(ini.submit(sub(1), 0));
         let mut first = None;
         while let Some(t) = ini.poll_transmit(now, &mut buf) {

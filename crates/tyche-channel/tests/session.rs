@@ -98,6 +98,54 @@ fn late_copy_below_floor_is_refused() {
     assert!(aborted, "the late copy was not answered ABORTED");
 }
 
+#[test]
+fn request_naming_no_channel_as_home_is_refused_and_counted() {
+    // HOME picks the ledger shard: a made-up one must not open shards, nor run the request.
+    let mut pair = Pair::new();
+    let first = std::rc::Rc::new(std::cell::Cell::new(true));
+    let f = std::rc::Rc::clone(&first);
+    pair.fault = Box::new(move |p| {
+        if p.dir == Dir::ToTarget && p.kind() == Kind::Request && f.replace(false) {
+            Fate::Drop
+        } else {
+            Fate::Deliver
+        }
+    });
+    pair.write(1, 0, &pattern(3, 512));
+    pair.drive_until("the request is sent", |p| !p.sent.is_empty() && !first.get());
+    let sent = pair.sent.iter().find(|p| p.dir == Dir::ToTarget && p.kind() == Kind::Request).unwrap();
+    let Message::Request(r) = sent.msg() else { unreachable!() };
+    assert_eq!(r.home, sent.channel(), "a first issue names its own channel");
+    let env = Envelope::of(&sent.frame());
+    let forged = util::frame_of(&env, &Message::Request(tyche_wire::Request { home: 7, ..r }));
+    pair.inject(Dir::ToTarget, forged);
+    pair.drive_until("write 1 ends", |p| p.result(1).is_some());
+    assert_eq!(pair.result(1), Some(Err(IoError::Target(Status::Invalid))));
+    assert_eq!(pair.target.bad_home(), 1);
+    assert!(pair.executed.is_empty(), "the request ran");
+    assert_eq!(pair.target.ledger_records(), 0, "a record was kept for a refused request");
+}
+
+#[test]
+fn reissued_copy_keeps_its_home() {
+    let mut pair = Pair::with(PairConfig { paths: 2, ..PairConfig::default() });
+    pair.fault = Box::new(|p| if p.dir == Dir::ToInitiator && p.channel() == 0 { Fate::Drop } else { Fate::Deliver });
+    pair.write(1, 0, &pattern(4, 1024));
+    pair.drive_until("write 1 ends", |p| p.result(1).is_some());
+    pair.expect_ok(1);
+    let homes: Vec<(u16, u16)> = pair
+        .sent
+        .iter()
+        .filter(|p| p.dir == Dir::ToTarget && p.kind() == Kind::Request)
+        .map(|p| match p.msg() {
+            Message::Request(r) => (p.channel(), r.home),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert!(homes.contains(&(0, 0)) && homes.contains(&(1, 0)), "first on 0, re-issued on 1 with home 0: {homes:?}");
+    assert_eq!(pair.executed.len(), 1);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Handshake.
 

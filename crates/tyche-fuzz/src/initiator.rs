@@ -453,6 +453,7 @@ impl World {
                         fua: false,
                         remq: a as u16,
                         damq: (a >> 16) as u16,
+                        home: (a >> 32) as u16,
                         tag: b,
                         floor: 0,
                         offset: 0,

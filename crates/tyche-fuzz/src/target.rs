@@ -209,6 +209,15 @@ pub enum FloorSel {
     Raw(u64),
 }
 
+/// The `HOME` of a hostile REQUEST.
+#[derive(Debug, Clone, Copy, Arbitrary)]
+pub enum HomeSel {
+    /// The channel it is sent on (an honest first issue).
+    Own,
+    /// Any index: another channel of the session, or one it does not have.
+    Raw(u16),
+}
+
 /// One thing the hostile does.
 #[derive(Debug, Clone, Arbitrary)]
 pub enum Action {
@@ -222,6 +231,7 @@ pub enum Action {
         remq: u16,
         damq: u16,
         tag: TagSel,
+        home: HomeSel,
         floor: FloorSel,
         /// In sectors (or raw bytes when `odd`).
         offset: u32,
@@ -758,7 +768,7 @@ impl World {
         let tag = self.tag(TagSel::Next);
         let req_seq = if data_first { None } else { Some(self.seq(&env, SeqSel::Next, AckSel::Honest)) };
         if let Some(seq) = req_seq {
-            let r = Request { seq, op: Op::Write, fua, remq, damq, tag, floor: tag, offset, length };
+            let r = Request { seq, op: Op::Write, fua, remq, damq, home: env.channel, tag, floor: tag, offset, length };
             self.emit(env, &Message::Request(r));
         }
         let mut order: Vec<u32> = (0..count).filter(|i| mask == 0 || mask & (1 << (i % 16)) != 0).collect();
@@ -774,14 +784,14 @@ impl World {
         }
         if req_seq.is_none() {
             let seq = self.seq(&env, SeqSel::Next, AckSel::Honest);
-            let r = Request { seq, op: Op::Write, fua, remq, damq, tag, floor: tag, offset, length };
+            let r = Request { seq, op: Op::Write, fua, remq, damq, home: env.channel, tag, floor: tag, offset, length };
             self.emit(env, &Message::Request(r));
         }
     }
 
     fn act(&mut self, a: &Action) {
         match *a {
-            Action::Request { ch, seq, ack, op, fua, remq, damq, tag, floor, offset, length, odd } => {
+            Action::Request { ch, seq, ack, op, fua, remq, damq, tag, home, floor, offset, length, odd } => {
                 let env = self.env(ch);
                 let seq = self.seq(&env, seq, ack);
                 let tag = self.tag(tag);
@@ -795,7 +805,11 @@ impl World {
                 let (offset, length) =
                     if odd { (offset as u64, length) } else { (offset as u64 * 512, length.wrapping_mul(512)) };
                 let op = Op::ALL[op as usize % Op::ALL.len()];
-                let r = Request { seq, op, fua, remq, damq, tag, floor, offset, length };
+                let home = match home {
+                    HomeSel::Own => env.channel,
+                    HomeSel::Raw(h) => h,
+                };
+                let r = Request { seq, op, fua, remq, damq, home, tag, floor, offset, length };
                 self.emit(env, &Message::Request(r));
             }
             Action::Data { ch, seq, ack, damq, seg_index, seg_count, tag, offset, len, fill } => {
@@ -826,6 +840,7 @@ impl World {
                     fua: false,
                     remq: remq as u16 % p.remq_slots.max(1),
                     damq: damq as u16 % p.damq_slots.max(1),
+                    home: env.channel,
                     tag,
                     floor: tag,
                     offset: offset as u64 * 512,
@@ -842,7 +857,18 @@ impl World {
                 let (offset, length) =
                     if op == Op::Flush { (0, 0) } else { (offset as u64 * 512, (sectors as u32 + 1) * 512) };
                 let remq = remq as u16 % p.remq_slots.max(1);
-                let r = Request { seq, op, fua: false, remq, damq: NO_SLOT, tag, floor: tag, offset, length };
+                let r = Request {
+                    seq,
+                    op,
+                    fua: false,
+                    remq,
+                    damq: NO_SLOT,
+                    home: env.channel,
+                    tag,
+                    floor: tag,
+                    offset,
+                    length,
+                };
                 self.emit(env, &Message::Request(r));
             }
             Action::Ack { ch, cumulative, sack } => {

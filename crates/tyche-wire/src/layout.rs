@@ -52,8 +52,10 @@ pub mod request {
     pub const REMQ: Field = 26..28;
     /// `damq` slot holding its data, `u16` (`0xffff` for none).
     pub const DAMQ: Field = 28..30;
-    /// Reserved, `u16`, zero.
-    pub const RESERVED0: Field = 30..32;
+    /// Home channel, `u16`: the index of the channel the tag was first issued on in this
+    /// session, kept when it is re-issued on another; the target keeps the tag's at-most-once
+    /// record with that channel.
+    pub const HOME: Field = 30..32;
     /// Request tag, `u64`: unique and increasing per session, kept across re-issue on another
     /// channel so the target executes each write at most once.
     pub const TAG: Field = 32..40;

@@ -663,6 +663,9 @@ pub struct Request {
     pub remq: u16,
     /// `damq` slot, or [`NO_SLOT`].
     pub damq: u16,
+    /// Index of the channel the tag was first issued on in this session (kept across
+    /// re-issue): where the target keeps its at-most-once record.
+    pub home: u16,
     /// Tag (unique per session, kept across re-issue).
     pub tag: u64,
     /// Every tag below this one is finished at the initiator.
@@ -952,6 +955,7 @@ impl<'a> Message<'a> {
                     fua: req_flags & flags::FUA != 0,
                     remq: get_u16(m, f::REMQ),
                     damq: get_u16(m, f::DAMQ),
+                    home: get_u16(m, f::HOME),
                     tag: get_u64(m, f::TAG),
                     floor: get_u64(m, f::FLOOR),
                     offset: get_u64(m, f::OFFSET),
@@ -1086,6 +1090,7 @@ impl<'a> Message<'a> {
                 m[f::REQ_FLAGS] = if r.fua { flags::FUA } else { 0 };
                 put_u16(m, f::REMQ, r.remq);
                 put_u16(m, f::DAMQ, r.damq);
+                put_u16(m, f::HOME, r.home);
                 put_u64(m, f::TAG, r.tag);
                 put_u64(m, f::FLOOR, r.floor);
                 put_u64(m, f::OFFSET, r.offset);

@@ -155,7 +155,7 @@ fn expected_fields() -> Vec<((String, String), Row)> {
         b("REQUEST", "REQ_FLAGS", request::REQ_FLAGS),
         f("REQUEST", "REMQ", request::REMQ),
         f("REQUEST", "DAMQ", request::DAMQ),
-        f("REQUEST", "RESERVED0", request::RESERVED0),
+        f("REQUEST", "HOME", request::HOME),
         f("REQUEST", "TAG", request::TAG),
         f("REQUEST", "FLOOR", request::FLOOR),
         f("REQUEST", "OFFSET", request::OFFSET),

@@ -70,12 +70,12 @@ fn request() -> impl Strategy<Value = Request> {
         any::<bool>(),
         slot(),
         slot(),
-        any::<u64>(),
+        (any::<u16>(), any::<u64>()),
         any::<u64>(),
         0..=max_off_sectors,
         1..=max_len_sectors,
     )
-        .prop_map(move |(seq, op, fua, remq, damq, tag, floor_seed, off, len)| {
+        .prop_map(move |(seq, op, fua, remq, damq, (home, tag), floor_seed, off, len)| {
             let (damq, offset, length) = match op {
                 Op::Read | Op::Write | Op::BlockStatus => (damq, off * SECTOR_SIZE as u64, len * SECTOR_SIZE),
                 Op::Discard | Op::WriteZeroes => (NO_SLOT, off * SECTOR_SIZE as u64, len * SECTOR_SIZE),
@@ -87,6 +87,7 @@ fn request() -> impl Strategy<Value = Request> {
                 fua,
                 remq,
                 damq,
+                home,
                 tag,
                 floor: tag.checked_add(1).map_or(floor_seed, |n| floor_seed % n),
                 offset,

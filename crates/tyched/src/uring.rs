@@ -468,7 +468,7 @@ mod tests {
 
     fn request(op: Op, offset: u64, length: u32, fua: bool) -> Request {
         let damq = if op.uses_damq() { 0 } else { NO_SLOT };
-        Request { seq: Seq::default(), op, fua, remq: 0, damq, tag: 1, floor: 0, offset, length }
+        Request { seq: Seq::default(), op, fua, remq: 0, damq, home: 0, tag: 1, floor: 0, offset, length }
     }
 
     struct Harness {

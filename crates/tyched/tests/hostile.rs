@@ -82,7 +82,8 @@ impl Peer {
 
     fn request(&mut self, op: Op, remq: u16, damq: u16, tag: u64, offset: u64, length: u32) {
         let seq = self.seq();
-        self.send(Message::Request(Request { seq, op, fua: false, remq, damq, tag, floor: 0, offset, length }));
+        let home = self.env.channel;
+        self.send(Message::Request(Request { seq, op, fua: false, remq, damq, home, tag, floor: 0, offset, length }));
     }
 
     fn data(&mut self, damq: u16, seg_index: u16, seg_count: u16, tag: u64, payload: &[u8]) {

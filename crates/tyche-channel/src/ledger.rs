@@ -1,0 +1,214 @@
+//! The target's at-most-once ledger, in shards by home channel.
+//!
+//! Every REQUEST names its tag's home (`HOME`: the channel the initiator first issued the tag on
+//! in this session; a re-issue on another channel keeps it). The record of tag *t* lives in the
+//! shard of channel `HOME(t)`. Normally a tag arrives on its home channel, so the decision needs
+//! nothing but that channel's shard; a copy re-issued elsewhere after a path failed is decided by
+//! the home shard all the same. This is what lets channels be owned by different threads later:
+//! a shard moves with its channel, and only the rare re-issued copy must reach another thread.
+//!
+//! The floor is the session's (the largest `FLOOR` any request carried): a shard takes it when
+//! one of its tags comes or completes, and every shard takes it when the records together reach
+//! their bound, so a shard whose channel died cannot keep stale records that crowd out the
+//! live ones. Forgetting a record only below a floor the initiator sent is what makes it safe:
+//! every tag below it has completed at the initiator and is never sent again.
+
+use std::collections::BTreeMap;
+
+use tyche_wire::Status;
+
+/// A copy of a request waiting for another copy's status: channel, `remq` slot, tag.
+pub(crate) type Waiter = (u16, u16, u64);
+
+#[derive(Debug)]
+enum Entry {
+    /// Being executed; these copies wait for its status.
+    InProgress(Vec<Waiter>),
+    /// Executed with this status.
+    Done(Status),
+}
+
+/// What the home shard decides for a copy of a modifying request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// First copy: execute it, then [`Shard::record`] its status.
+    Execute,
+    /// Another copy is executing: this one waits for its status.
+    Wait,
+    /// Executed already: answer with this status.
+    Recorded(Status),
+}
+
+/// One home channel's part of the ledger.
+#[derive(Debug, Default)]
+pub(crate) struct Shard {
+    floor: u64,
+    entries: BTreeMap<u64, Entry>,
+}
+
+impl Shard {
+    /// Records in this shard.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether `tag` lies below this shard's floor (a stale copy: refuse it).
+    pub(crate) fn stale(&self, tag: u64) -> bool {
+        tag < self.floor
+    }
+
+    /// Takes a request's `FLOOR`: executed tags below it can only come again as stale copies,
+    /// which [`Shard::stale`] refuses, so their records go (those still executing stay).
+    pub(crate) fn raise_floor(&mut self, floor: u64) {
+        if floor <= self.floor {
+            return;
+        }
+        self.floor = floor;
+        let keep = self.entries.split_off(&floor);
+        let old = std::mem::replace(&mut self.entries, keep);
+        for (tag, entry) in old {
+            if let Entry::InProgress(w) = entry {
+                self.entries.insert(tag, Entry::InProgress(w));
+            }
+        }
+    }
+
+    /// Decides a copy of modifying request `waiter.2` (not stale). `room`: whether the session
+    /// may hold one more record; without it a new tag is `None` (refuse it).
+    pub(crate) fn admit(&mut self, waiter: Waiter, room: bool) -> Option<Admission> {
+        let tag = waiter.2;
+        match self.entries.get_mut(&tag) {
+            None if !room => None,
+            None => {
+                self.entries.insert(tag, Entry::InProgress(Vec::new()));
+                Some(Admission::Execute)
+            }
+            Some(Entry::InProgress(waiters)) => {
+                waiters.push(waiter);
+                Some(Admission::Wait)
+            }
+            Some(Entry::Done(status)) => Some(Admission::Recorded(*status)),
+        }
+    }
+
+    /// Records how `tag` went and returns the copies that waited for it. ABORTED means "not
+    /// executed": the tag is not recorded, so a copy re-issued in this session runs.
+    pub(crate) fn record(&mut self, tag: u64, status: Status) -> Vec<Waiter> {
+        let before = if status == Status::Aborted {
+            self.entries.remove(&tag)
+        } else {
+            self.entries.insert(tag, Entry::Done(status))
+        };
+        if tag < self.floor {
+            self.entries.remove(&tag);
+        }
+        match before {
+            Some(Entry::InProgress(w)) => w,
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// The shards of one session, by home channel, with a bound on their records together.
+#[derive(Debug, Default)]
+pub(crate) struct Ledger {
+    shards: BTreeMap<u16, Shard>,
+    records: usize,
+}
+
+impl Ledger {
+    /// Records in every shard.
+    pub(crate) fn records(&self) -> usize {
+        self.records
+    }
+
+    /// Shards (homes that have sent a request).
+    #[cfg(test)]
+    pub(crate) fn shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Raises every shard's floor to `floor` (when the records reach their bound).
+    pub(crate) fn raise_all(&mut self, floor: u64) {
+        for shard in self.shards.values_mut() {
+            self.records -= shard.len();
+            shard.raise_floor(floor);
+            self.records += shard.len();
+        }
+    }
+
+    /// Runs `f` on the shard of `home` (created empty on first use), keeping the record count.
+    pub(crate) fn with<R>(&mut self, home: u16, f: impl FnOnce(&mut Shard, usize) -> R) -> R {
+        let shard = self.shards.entry(home).or_default();
+        let before = shard.len();
+        let out = f(shard, self.records);
+        self.records = self.records - before + shard.len();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tag_executes_once_and_copies_wait_or_get_its_status() {
+        let mut l = Ledger::default();
+        assert_eq!(l.with(1, |s, _| s.admit((1, 0, 10), true)), Some(Admission::Execute));
+        assert_eq!(l.with(1, |s, _| s.admit((2, 5, 10), true)), Some(Admission::Wait));
+        assert_eq!(l.records(), 1);
+        assert_eq!(l.with(1, |s, _| s.record(10, Status::Ok)), vec![(2, 5, 10)]);
+        assert_eq!(l.with(1, |s, _| s.admit((3, 1, 10), true)), Some(Admission::Recorded(Status::Ok)));
+        // Another home knows nothing of it (the initiator names one home per tag and session).
+        assert_eq!(l.with(2, |s, _| s.admit((2, 1, 10), true)), Some(Admission::Execute));
+        assert_eq!((l.records(), l.shards()), (2, 2));
+    }
+
+    #[test]
+    fn aborted_is_not_recorded_and_a_full_ledger_refuses_new_tags() {
+        let mut l = Ledger::default();
+        assert_eq!(l.with(0, |s, _| s.admit((0, 0, 7), true)), Some(Admission::Execute));
+        assert!(l.with(0, |s, _| s.record(7, Status::Aborted)).is_empty());
+        assert_eq!(l.records(), 0);
+        assert_eq!(l.with(0, |s, _| s.admit((0, 0, 7), true)), Some(Admission::Execute), "runs again");
+        assert_eq!(l.with(0, |s, _| s.admit((0, 1, 8), false)), None, "no room for a new tag");
+        assert_eq!(l.with(0, |s, _| s.admit((0, 2, 7), false)), Some(Admission::Wait), "a known tag needs none");
+    }
+
+    #[test]
+    fn the_floor_forgets_done_records_below_it_but_keeps_executing_ones() {
+        let mut l = Ledger::default();
+        for tag in 1..=4 {
+            l.with(0, |s, _| s.admit((0, tag as u16, tag), true));
+        }
+        l.with(0, |s, _| {
+            s.record(1, Status::Ok);
+            s.record(2, Status::Ok);
+        });
+        l.with(0, |s, _| s.raise_floor(3));
+        assert_eq!(l.records(), 2, "tags 3 and 4 stay");
+        assert!(l.with(0, |s, _| s.stale(2)) && !l.with(0, |s, _| s.stale(3)));
+        // An executing tag below a later floor is kept until it completes, then forgotten.
+        l.with(0, |s, _| s.raise_floor(10));
+        assert_eq!(l.records(), 2);
+        l.with(0, |s, _| s.record(3, Status::Ok));
+        assert_eq!(l.records(), 1);
+        // Floors never go down.
+        l.with(0, |s, _| s.raise_floor(5));
+        assert!(l.with(0, |s, _| s.stale(9)));
+    }
+
+    #[test]
+    fn raising_every_floor_clears_the_records_of_idle_homes() {
+        let mut l = Ledger::default();
+        for home in 0..3u16 {
+            l.with(home, |s, _| {
+                s.admit((home, 0, u64::from(home) + 1), true);
+                s.record(u64::from(home) + 1, Status::Ok);
+            });
+        }
+        assert_eq!(l.records(), 3);
+        l.raise_all(3);
+        assert_eq!(l.records(), 1, "only tag 3 (home 2) is not below the floor");
+    }
+}
