@@ -1,9 +1,13 @@
-//! The engine threads: one per NUMA node of the links (see [`EngineThreads`]), each owning the
+//! The engine threads: one per NUMA node of the links (see [`EngineThreads`]), each serving the
 //! transports of its node's links and pinned to that node's CPUs. They share the session (the
 //! [`Volume`], the request buffers, the connectors) under one lock, and each loops receive →
 //! handle → events → transmit → timers → reconnects over its own links. A thread that leaves
 //! work for another one's links (a request scheduled on a channel of another node, a
 //! retransmission, a reconnect) rings that thread's bell.
+//!
+//! Each engine group's transports sit behind a lock of their own in [`Shared`] (lock order: the
+//! engine, then one group's transports; never the reverse), so that in inline send mode the
+//! thread that submits a request sends its frames itself ([`Shared::submit_inline`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
@@ -1363,15 +1367,18 @@ fn serve(shared: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver
         if let Some(t) = e.reconnector.poll_timeout().filter(|_| e.closing.is_none()) {
             wait = wait.min(t.since(now));
         }
-        if e.nbd.values().any(|c| c.owner == g && c.handed_waiting()) {
-            // Requests handed over while the connection was at its limits: take them now.
-            wait = Duration::ZERO;
-        }
         let sockets = e.nbd_poll_set(g);
         // Say so before letting go of the lock: a thread that then leaves work for this one
-        // (a command, frames on its links, an inline request it must receive the reply of)
-        // rings, and the sleep below returns at once.
+        // (a command, frames on its links, an inline request it must receive the reply of, an
+        // NBD reader thread's request) rings, and the sleep below returns at once.
         bell.sleeping.store(!disconnected, Ordering::Release);
+        if e.nbd.values().any(|c| c.owner == g && c.handed_waiting()) {
+            // Requests a reader thread handed over before it could see this thread sleep.
+            bell.sleeping.store(false, Ordering::Release);
+            drop(io);
+            drop(e);
+            continue;
+        }
         drop(io);
         drop(e);
         if disconnected {
