@@ -2,7 +2,8 @@
 //! side on this machine. Runs the ignored measurement `bench_send_mode` of tyche-init's
 //! `tests/send_mode.rs` in release mode: the library client against the in-process RAM target
 //! over two in-memory links, 4 KiB random reads at queue depth 1 and 32, inline and queue mode
-//! alternating, each repeated. Prints the table (IOPS and p50 latency per run, min/median/max per
+//! alternating, each repeated; then the same through the NBD server with fio's nbd engine (where
+//! fio is installed). Prints the table (IOPS and p50 latency per run, min/median/max per
 //! mode) and the last line `send-mode: inline/queue qd1=<r>x qd32=<r>x`. Needs no privileges.
 
 use std::process::Command;
@@ -35,7 +36,8 @@ pub fn bench_send_mode(root: &std::path::Path, args: &BenchSendModeArgs) -> Resu
     ensure!(out.status.success(), "the measurement failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let mut last = None;
     for line in stdout.lines() {
-        if line.starts_with('|') || line.is_empty() {
+        if line.starts_with('|') || line.is_empty() || line.starts_with("send-mode nbd:") || line.starts_with("(no NBD")
+        {
             println!("{line}");
         }
         if line.starts_with("send-mode: ") {
