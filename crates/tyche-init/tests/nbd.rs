@@ -1026,3 +1026,58 @@ async fn bench_hole_reads() {
         }
     }
 }
+
+/// Queue send mode with a connection limit of 2 requests: the reader thread runs ahead of the
+/// engine (requests wait in its hand-off while the connection is at its limit) and every pipelined
+/// request still completes with the right data; then a request with a bad magic ends the
+/// connection through the reader thread, and a new connection is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_send_mode_holds_back_a_pipelining_client() {
+    for mode in [SendMode::Queue, SendMode::Inline] {
+        let s = server_full(16 * MIB, NbdOptions { max_inflight: 2, ..NbdOptions::new("ram") }, mode).await;
+        let (mut c, _) = negotiate(&s.socket, false, false).await;
+        let n = 64u64;
+        let mut batch = Vec::new();
+        for k in 0..n {
+            let mut w = request(codec::cmd::WRITE, 0, k, k * 65536, 65536);
+            w.extend(std::iter::repeat_n(k as u8 ^ 0x5a, 65536));
+            batch.extend(w);
+        }
+        c.write_all(&batch).await.unwrap();
+        let mut h = [0u8; 16];
+        let mut seen = std::collections::HashSet::new();
+        while seen.len() < n as usize {
+            tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut h)).await.expect("reply").unwrap();
+            let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+            assert_eq!(h, codec::simple_reply(0, cookie));
+            assert!(seen.insert(cookie), "two replies to {cookie}");
+        }
+        let mut batch = Vec::new();
+        for k in 0..n {
+            batch.extend(request(codec::cmd::READ, 0, 1000 + k, k * 65536, 65536));
+        }
+        c.write_all(&batch).await.unwrap();
+        for _ in 0..n {
+            c.read_exact(&mut h).await.unwrap();
+            let k = u64::from_be_bytes(h[8..16].try_into().unwrap()) - 1000;
+            let mut d = vec![0u8; 65536];
+            c.read_exact(&mut d).await.unwrap();
+            assert!(d.iter().all(|&b| b == k as u8 ^ 0x5a), "{mode}: read {k} returns what write {k} wrote");
+        }
+        // A bad magic: a hard disconnect.
+        let mut bad = request(codec::cmd::READ, 0, 7, 0, 512);
+        bad[0] ^= 0xff;
+        c.write_all(&bad).await.unwrap();
+        assert!(closed(&mut c).await, "{mode}: a bad request ends the connection");
+        let (mut c, _) = negotiate(&s.socket, false, false).await;
+        c.write_all(&request(codec::cmd::READ, 0, 8, 0, 512)).await.unwrap();
+        c.read_exact(&mut h).await.unwrap();
+        assert_eq!(h, codec::simple_reply(0, 8), "{mode}: a new connection is served");
+        let send = s.client.report().await.expect("report").send;
+        let (mine, other) = match mode {
+            SendMode::Inline => (send.inline, send.handed_over),
+            SendMode::Queue => (send.handed_over, send.inline),
+        };
+        assert!(mine > 2 * n && other == 0, "{mode}: {send:?}");
+    }
+}

@@ -1000,6 +1000,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn handoff_is_bounded_by_requests_and_bytes_and_close_frees_the_reader() {
+        let h = Arc::new(HandOff::default());
+        let req = |n| {
+            Handed::Raw(Raw::Request(
+                codec::Request { flags: 0, command: cmd::READ, cookie: 0, offset: 0, length: 0 },
+                Buf::Heap(vec![0; n]),
+            ))
+        };
+        for _ in 0..HANDOFF_DEPTH {
+            assert!(h.push(req(0), 0));
+        }
+        // Full by count: the next push waits until the engine takes one.
+        let (h2, t0) = (Arc::clone(&h), std::time::Instant::now());
+        let pusher = std::thread::spawn(move || h2.push(req(0), 0));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!pusher.is_finished(), "a push into a full hand-off waits");
+        assert!(h.pop().is_some());
+        assert!(pusher.join().unwrap(), "room made: the push went through");
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(50));
+        while h.pop().is_some() {}
+        // By bytes: one request over the rest waits too, but never alone in an empty queue.
+        assert!(h.push(req(0), HANDOFF_BYTES - 10));
+        let h2 = Arc::clone(&h);
+        let pusher = std::thread::spawn(move || h2.push(req(0), 100));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!pusher.is_finished(), "over the byte limit: waits");
+        // The engine lets go: the waiting reader is told to stop, and later pushes fail.
+        h.close();
+        assert!(!pusher.join().unwrap());
+        assert!(!h.push(req(0), 0) && h.is_empty() && h.is_closed());
+    }
+
+    #[test]
     fn pool_reuses_node_buffers_by_size_class_up_to_its_cap() {
         let mut pool = Pool::default();
         // No node: heap buffers, pooled too.
