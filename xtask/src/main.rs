@@ -3,6 +3,7 @@
 
 mod attack;
 mod bench_e2e;
+mod bench_send_mode;
 mod bpfgen;
 mod charts;
 mod demo;
@@ -87,6 +88,8 @@ enum BenchCommand {
     Xdp(xdp::BenchArgs),
     /// fio through NBD: Tyche over AF_XDP (1 and 2 NICs) and over TCP against nbdkit (root).
     E2e(bench_e2e::BenchE2eArgs),
+    /// Inline against queue send mode: the library client, 4 KiB random reads at QD1 and QD32.
+    SendMode(bench_send_mode::BenchSendModeArgs),
 }
 
 /// The workspace root.
@@ -120,6 +123,7 @@ fn main() -> Result<()> {
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),
         Command::Bench { what: BenchCommand::Xdp(args) } => xdp::bench(&root(), &args),
         Command::Bench { what: BenchCommand::E2e(args) } => bench_e2e::bench_e2e(&root(), &args),
+        Command::Bench { what: BenchCommand::SendMode(args) } => bench_send_mode::bench_send_mode(&root(), &args),
         Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
         Command::FsCheck(a) => disk::fs_check(a),
         Command::VmTest(a) => {

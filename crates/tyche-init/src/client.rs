@@ -6,7 +6,7 @@ use tokio::sync::oneshot;
 use tyche_wire::Op;
 
 use crate::config::SendMode;
-use crate::engine::{Bell, Buf, Cmd, Completion, IoCmd};
+use crate::engine::{Bell, Buf, Cmd, Completion, IoCmd, Shared};
 use crate::error::Error;
 use crate::nbd::direct::DirectConn;
 
@@ -58,6 +58,18 @@ pub struct Stats {
     pub replayed: u64,
     /// DATA frames the open channels refused for a wrong CRC32C (feature DIGEST).
     pub bad_digest: u64,
+    /// Requests the thread that had them submitted and sent itself (inline send mode: the
+    /// application's thread; an NBD connection in inline mode: the engine thread that reads it).
+    pub sent_inline: u64,
+    /// Requests handed to an engine thread over a queue (queue send mode: a submitter thread's
+    /// batches; an NBD connection in queue mode: its reader thread's requests).
+    pub handed_over: u64,
+    /// Inline submissions whose frames were left to an engine thread after all (the request
+    /// waited in the backlog, or a group's transports were busy).
+    pub inline_fallbacks: u64,
+    /// Inline sends after which an engine thread whose links cannot wake it on arrival
+    /// (in-memory links) was rung to look for the reply.
+    pub inline_wakes: u64,
 }
 
 #[derive(Debug)]
@@ -71,6 +83,10 @@ struct Inner {
     info: ExportInfo,
     /// Distinct NUMA nodes of the links' NICs.
     nodes: Vec<u32>,
+    /// The send mode.
+    mode: SendMode,
+    /// What the engine threads share: inline mode submits and sends through it.
+    shared: Arc<Shared>,
 }
 
 /// An async handle to an attached export. Cheap to clone; the session closes when the last
@@ -111,6 +127,7 @@ impl Client {
         info: ExportInfo,
         mode: SendMode,
         nodes: &[Option<u32>],
+        shared: Arc<Shared>,
     ) -> Self {
         let mut queues = HashMap::new();
         if mode == SendMode::Queue {
@@ -133,7 +150,7 @@ impl Client {
         let mut known: Vec<u32> = nodes.iter().flatten().copied().collect();
         known.sort_unstable();
         known.dedup();
-        Client { inner: Arc::new(Inner { engines, node_engine, queues, info, nodes: known }), node: None }
+        Client { inner: Arc::new(Inner { engines, node_engine, queues, info, nodes: known, mode, shared }), node: None }
     }
 
     /// A handle whose requests say their buffers live on NUMA node `node` (the scheduler sends
@@ -145,6 +162,11 @@ impl Client {
     /// The NUMA nodes of the links' NICs (empty when unknown).
     pub fn nodes(&self) -> &[u32] {
         &self.inner.nodes
+    }
+
+    /// The send mode the session was opened with.
+    pub fn send_mode(&self) -> SendMode {
+        self.inner.mode
     }
 
     /// What was attached.
@@ -164,10 +186,9 @@ impl Client {
         let sent = match self.inner.queues.get(&self.node).or_else(|| self.inner.queues.get(&None)) {
             Some(q) => q.send(io).is_ok(),
             None => {
-                let (engine, bell) = &self.inner.engines[engine_for(&self.inner.node_engine, self.node)];
-                let ok = engine.send(Cmd::Io(io)).is_ok();
-                bell.ring();
-                ok
+                // Inline: this thread submits and sends (a closed session fails the request).
+                self.inner.shared.submit_inline(io);
+                true
             }
         };
         if !sent {
@@ -260,12 +281,27 @@ impl Client {
     }
 
     /// Hands an NBD connection, past its handshake, to the engine thread of this handle's node,
-    /// which serves its requests from then on (see [`crate::nbd::direct`]).
-    pub(crate) fn serve_nbd(&self, mut conn: DirectConn) -> Result<(), Error> {
+    /// which serves its requests from then on (see [`crate::nbd::direct`]). In queue send mode
+    /// a reader thread of its own (started here, on the calling thread's CPUs and memory
+    /// policy) reads the socket and hands the requests over; in inline mode the engine thread
+    /// reads it.
+    pub(crate) fn serve_nbd(&self, mut conn: DirectConn) -> std::io::Result<()> {
         let g = engine_for(&self.inner.node_engine, self.node);
         conn.owner = g;
         let (engine, bell) = &self.inner.engines[g];
-        engine.send(Cmd::Nbd(Box::new(conn))).map_err(|_| Error::Closed)?;
+        if self.inner.mode == SendMode::Queue {
+            if let Some((reader, handoff)) = conn.hand_off_reading() {
+                let bell = Arc::clone(bell);
+                std::thread::Builder::new()
+                    .name(format!("tyche-nbdq{}", conn.id))
+                    .spawn(move || crate::nbd::direct::reader_thread(reader, handoff, bell))?;
+            }
+        }
+        if let Err(std::sync::mpsc::SendError(Cmd::Nbd(conn))) = engine.send(Cmd::Nbd(Box::new(conn))) {
+            // The session is over: the reader thread (if any) stops.
+            conn.close(true);
+            return Err(std::io::Error::other(Error::Closed.to_string()));
+        }
         bell.ring();
         Ok(())
     }

@@ -59,14 +59,33 @@ impl fmt::Display for SchedulerKind {
     }
 }
 
-/// How requests reach the engine.
+/// How requests reach the channels: the two send modes of the Tyche papers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SendMode {
-    /// The serving task hands each request straight to the engine.
+    /// The thread that has the request submits it and sends its frames itself: a [`Client`]
+    /// caller (and so a ublk queue thread) takes the session's lock, submits into the volume
+    /// and transmits on the links' transports; an NBD connection's engine thread reads the
+    /// socket and sends. No hand-off, no wake-up.
+    ///
+    /// [`Client`]: crate::Client
     #[default]
     Inline,
-    /// Requests pass through a per-node queue drained in batches by a dedicated submitter thread.
+    /// The thread that has the request queues it and another thread sends: [`Client`] requests
+    /// go through a per-node queue drained in batches by a submitter thread, and an NBD
+    /// connection's reader thread hands parsed requests to the engine thread over a bounded
+    /// queue with a doorbell.
+    ///
+    /// [`Client`]: crate::Client
     Queue,
+}
+
+impl fmt::Display for SendMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SendMode::Inline => "inline",
+            SendMode::Queue => "queue",
+        })
+    }
 }
 
 impl FromStr for SendMode {

@@ -1,9 +1,13 @@
-//! The engine threads: one per NUMA node of the links (see [`EngineThreads`]), each owning the
+//! The engine threads: one per NUMA node of the links (see [`EngineThreads`]), each serving the
 //! transports of its node's links and pinned to that node's CPUs. They share the session (the
 //! [`Volume`], the request buffers, the connectors) under one lock, and each loops receive →
 //! handle → events → transmit → timers → reconnects over its own links. A thread that leaves
 //! work for another one's links (a request scheduled on a channel of another node, a
 //! retransmission, a reconnect) rings that thread's bell.
+//!
+//! Each engine group's transports sit behind a lock of their own in [`Shared`] (lock order: the
+//! engine, then one group's transports; never the reverse), so that in inline send mode the
+//! thread that submits a request sends its frames itself ([`Shared::submit_inline`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
@@ -147,7 +151,7 @@ pub(crate) enum Completion {
 /// What the client sends the engine.
 #[derive(Debug)]
 pub(crate) enum Cmd {
-    Io(IoCmd),
+    /// Requests a queue-mode submitter thread hands over.
     Batch(Vec<IoCmd>),
     Stats(oneshot::Sender<Stats>),
     Report(oneshot::Sender<crate::report::Report>),
@@ -246,9 +250,23 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-/// What the engine threads share.
-struct Shared {
+/// What the engine threads (and, in inline send mode, the submitting threads) share.
+///
+/// Lock order: `engine` first, then one group's `io`; never `io` and then `engine`, and never
+/// two groups' `io` at once. An engine thread holds both for its turn and neither while it
+/// sleeps, so a submitting thread that holds `engine` normally finds every `io` free.
+pub(crate) struct Shared {
     engine: Mutex<Engine>,
+    /// Each engine group's transports (the links that group's thread receives on).
+    io: Vec<Mutex<Vec<(usize, Transport)>>>,
+    /// Whether every transport of a group wakes its thread on arrival (a readiness descriptor).
+    wakes: Vec<bool>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").field("groups", &self.io.len()).finish_non_exhaustive()
+    }
 }
 
 impl Shared {
@@ -256,6 +274,68 @@ impl Shared {
     /// consistent enough to fail requests and close).
     fn lock(&self) -> MutexGuard<'_, Engine> {
         self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Group `g`'s transports (the caller holds the engine lock: see the lock order above).
+    fn io(&self, g: usize) -> MutexGuard<'_, Vec<(usize, Transport)>> {
+        self.io[g].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Inline send mode (the papers' "inline" path): the calling thread serialises on the
+    /// session (the engine lock), submits `io` into the volume, and sends the frames it put on
+    /// the channels itself, on each link's transport under its group's lock; no hand-off to an
+    /// engine thread and no wake-up. The engine threads keep receiving, timers,
+    /// retransmissions and completions.
+    ///
+    /// Falls back to leaving the frames to the engine thread (its bell rung, the request
+    /// counted in [`Stats::inline_fallbacks`]) when the request has to wait in the backlog (the
+    /// volume is full) or a group's transports are busy. A group whose transports cannot wake
+    /// its thread on arrival (in-memory links) is rung after an inline send all the same, so
+    /// that it looks for the reply (counted in [`Stats::inline_wakes`]).
+    pub(crate) fn submit_inline(&self, io: IoCmd) {
+        let mut e = self.lock();
+        let now = e.now();
+        if e.finished || e.closing.is_some() || e.volume.is_none() {
+            e.complete(io.reply, Err(Error::Closed), now);
+            return;
+        }
+        let waits = !e.backlog.is_empty();
+        e.submit(io, now);
+        if waits || !e.backlog.is_empty() {
+            e.stats.inline_fallbacks += 1;
+            for bell in &e.bells {
+                bell.ring();
+            }
+            return;
+        }
+        let mut all_sent = true;
+        for g in 0..self.io.len() {
+            if !e.group_wants_transmit(g) {
+                continue;
+            }
+            match self.io[g].try_lock() {
+                Ok(mut io) => {
+                    e.transmit(now, &mut io);
+                }
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    e.transmit(now, &mut p.into_inner());
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    all_sent = false;
+                    e.bells[g].ring();
+                    continue;
+                }
+            }
+            if !self.wakes[g] && e.bells[g].sleeping.load(Ordering::Acquire) {
+                e.stats.inline_wakes += 1;
+                e.bells[g].ring();
+            }
+        }
+        if all_sent {
+            e.stats.sent_inline += 1;
+        } else {
+            e.stats.inline_fallbacks += 1;
+        }
     }
 }
 
@@ -340,18 +420,37 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         "session open"
     );
     let send_mode = engine.cfg.send_mode;
-    let shared = Arc::new(Shared { engine: Mutex::new(engine) });
+    let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
+    for (k, t) in io {
+        by_group[group[k]].push((k, t));
+    }
+    // What each engine thread sleeps on besides its bell: duplicates of its transports'
+    // readiness descriptors, so that it sleeps without holding its group's transports.
+    let mut sleep_fds: Vec<Vec<std::os::fd::OwnedFd>> = Vec::with_capacity(groups);
+    let mut wakes = Vec::with_capacity(groups);
+    for mine in &by_group {
+        let mut fds = Vec::new();
+        for (_, t) in mine {
+            if let Some(fd) = t.readiness_fd() {
+                let fd = fd
+                    .try_clone_to_owned()
+                    .map_err(|e| ConnectError::Config(format!("cannot duplicate a readiness descriptor: {e}")))?;
+                fds.push(fd);
+            }
+        }
+        wakes.push(fds.len() == mine.len());
+        sleep_fds.push(fds);
+    }
+    let metas: Vec<Vec<usize>> = by_group.iter().map(|m| m.iter().map(|(k, _)| *k).collect()).collect();
+    let shared =
+        Arc::new(Shared { engine: Mutex::new(engine), io: by_group.into_iter().map(Mutex::new).collect(), wakes });
     let mut queues: Vec<(Sender<Cmd>, Arc<Bell>)> = Vec::with_capacity(groups);
     let mut node_group: Vec<(Option<u32>, usize)> = Vec::new();
     let mut all_nodes: Vec<u32> = nodes.iter().flatten().copied().collect();
     all_nodes.sort_unstable();
     all_nodes.dedup();
-    let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
-    for (k, t) in io {
-        by_group[group[k]].push((k, t));
-    }
-    for (g, (mine, bell)) in by_group.into_iter().zip(&bells).enumerate() {
-        let mut spread: Vec<u32> = mine.iter().filter_map(|(k, _)| nodes[*k]).collect();
+    for (g, ((mine, fds), bell)) in metas.into_iter().zip(sleep_fds).zip(&bells).enumerate() {
+        let mut spread: Vec<u32> = mine.iter().filter_map(|k| nodes[*k]).collect();
         spread.sort_unstable();
         spread.dedup();
         // A thread whose links are all on one node runs on that node's CPUs (as tyched's
@@ -360,11 +459,11 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         // thread also copies data of requests whose buffers are on another node (round robin, a
         // dead channel's requests), and automatic NUMA balancing must not drag those buffers to
         // the node it runs on.
-        let home = match (spread.as_slice(), mine.iter().all(|(k, _)| nodes[*k].is_some())) {
+        let home = match (spread.as_slice(), mine.iter().all(|k| nodes[*k].is_some())) {
             ([n], true) => Some(*n),
             _ => None,
         };
-        for (k, _) in &mine {
+        for k in &mine {
             if !node_group.iter().any(|(n, _)| *n == nodes[*k]) {
                 node_group.push((nodes[*k], g));
             }
@@ -390,11 +489,11 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
                         warn!(nodes = ?all_nodes, "cannot bind an engine thread's memory policy: {e}");
                     }
                 }
-                serve(&shared, g, mine, rx)
+                serve(&shared, g, fds, rx)
             })
             .map_err(|e| ConnectError::Config(format!("cannot start an engine thread: {e}")))?;
     }
-    Ok(Client::new(queues, node_group, info, send_mode, &nodes))
+    Ok(Client::new(queues, node_group, info, send_mode, &nodes, shared))
 }
 
 impl Engine {
@@ -863,8 +962,8 @@ impl Engine {
 
     fn command(&mut self, cmd: Cmd, now: Instant) {
         match cmd {
-            Cmd::Io(io) => self.submit(io, now),
             Cmd::Batch(ios) => {
+                self.stats.handed_over += ios.len() as u64;
                 for io in ios {
                     self.submit(io, now);
                 }
@@ -1004,6 +1103,13 @@ impl Engine {
             poll_mode: self.cfg.poll.mode,
             poll_budget_us: self.cfg.poll.budget.as_micros() as u64,
             poll: self.poll_stats.clone(),
+            send: crate::report::SendCounters {
+                mode: self.cfg.send_mode.to_string(),
+                inline: s.sent_inline,
+                handed_over: s.handed_over,
+                inline_fallbacks: s.inline_fallbacks,
+                inline_wakes: s.inline_wakes,
+            },
             ..Report::default()
         };
         if let Some(v) = &self.volume {
@@ -1061,7 +1167,10 @@ impl Engine {
             return;
         }
         for (g, bell) in self.bells.iter().enumerate() {
-            if g != me && (self.group_wants_transmit(g) || self.nbd.values().any(|c| c.owner == g && c.wants_write())) {
+            if g != me
+                && (self.group_wants_transmit(g)
+                    || self.nbd.values().any(|c| c.owner == g && (c.wants_write() || c.handed_waiting())))
+            {
                 bell.ring();
             }
         }
@@ -1074,11 +1183,16 @@ impl Engine {
         }
         let mut ios = Vec::new();
         for conn in self.nbd.values_mut().filter(|c| c.owner == g) {
-            let node = conn.node();
-            ios.extend(conn.poll_requests().into_iter().map(|io| (node, io)));
+            let (node, queued) = (conn.node(), conn.queued());
+            ios.extend(conn.poll_requests().into_iter().map(|io| (node, io, queued)));
         }
         let work = !ios.is_empty();
-        for (node, io) in ios {
+        for (node, io, queued) in ios {
+            if queued {
+                self.stats.handed_over += 1;
+            } else {
+                self.stats.sent_inline += 1;
+            }
             let reply = Completion::Nbd(io.reply);
             self.submit(
                 IoCmd { op: io.op, fua: io.fua, offset: io.offset, length: io.length, data: io.data, node, reply },
@@ -1116,7 +1230,8 @@ impl Engine {
             .filter(|c| c.owner == g)
             .filter_map(|c| {
                 let mut f = PollFlags::empty();
-                if c.wants_read() {
+                // A queue-mode connection's reader thread reads the socket (and rings).
+                if c.wants_read() && !c.queued() {
                     f |= PollFlags::POLLIN;
                 }
                 if c.wants_write() {
@@ -1166,24 +1281,30 @@ impl Engine {
     }
 }
 
-/// An engine thread's loop over its links `io`; returns when the session is closed (after every
-/// client is gone or one asked).
-fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receiver<Cmd>) {
+/// An engine thread's loop over its group's links (`shared.io[g]`); `fds` are duplicates of
+/// their readiness descriptors. Returns when the session is closed (after every client is gone
+/// or one asked).
+fn serve(shared: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd>) {
     let bell = Arc::clone(&shared.lock().bells[g]);
     shared.lock().threads[g] = Some(tyche_numa::report::this_thread());
     // Links without a readiness descriptor (in-memory ones) are polled: sleep briefly.
-    let all_fds = io.iter().all(|(_, t)| t.readiness_fd().is_some());
+    let all_fds = shared.wakes[g];
     let mut poller = Poller::new(shared.lock().cfg.poll);
     let run_queue = SchedStat::of_this_thread();
     let mut disconnected = false;
     let mut next: Option<Cmd> = None;
     loop {
+        // Lock order: the engine, then this group's transports.
         let mut e = shared.lock();
+        let mut io = shared.io(g);
         let now = e.now();
         if e.finished {
             // Another thread closed the session: DISCONNECT on this thread's channels.
             e.transmit(now, &mut io);
             e.exit_thread();
+            drop(e);
+            // The transports go with the thread, as they did when they lived on its stack.
+            drop(std::mem::take(&mut *io));
             return;
         }
         let mut work = false;
@@ -1216,6 +1337,8 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
             if e.inflight.is_empty() || now >= *deadline {
                 e.finish(now, &mut io);
                 e.exit_thread();
+                drop(e);
+                drop(std::mem::take(&mut *io));
                 return;
             }
         }
@@ -1224,6 +1347,7 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
         let at = std::time::Instant::now();
         run_queue.feed(&mut poller, at);
         if poller.turn(at, work) == Next::Poll {
+            drop(io);
             drop(e);
             if !work {
                 // Polling with nothing to do: let a thread that shares the core run.
@@ -1245,8 +1369,17 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
         }
         let sockets = e.nbd_poll_set(g);
         // Say so before letting go of the lock: a thread that then leaves work for this one
-        // rings, and the sleep below returns at once.
+        // (a command, frames on its links, an inline request it must receive the reply of, an
+        // NBD reader thread's request) rings, and the sleep below returns at once.
         bell.sleeping.store(!disconnected, Ordering::Release);
+        if e.nbd.values().any(|c| c.owner == g && c.handed_waiting()) {
+            // Requests a reader thread handed over before it could see this thread sleep.
+            bell.sleeping.store(false, Ordering::Release);
+            drop(io);
+            drop(e);
+            continue;
+        }
+        drop(io);
         drop(e);
         if disconnected {
             std::thread::sleep(wait);
@@ -1265,19 +1398,24 @@ fn serve(shared: &Shared, g: usize, mut io: Vec<(usize, Transport)>, rx: Receive
                 continue;
             }
         }
-        sleep(&bell, &io, &sockets, wait);
+        sleep(&bell, &fds, &sockets, wait);
         bell.sleeping.store(false, Ordering::Release);
         bell.efd.drain();
     }
 }
 
-/// Sleeps until a client or another engine thread rings, a transport becomes readable, an NBD
-/// connection readable or writable as asked, or `wait` passes.
-fn sleep(bell: &Bell, io: &Io, sockets: &[(Arc<std::os::unix::net::UnixStream>, PollFlags)], wait: Duration) {
-    let mut fds = vec![PollFd::new(bell.efd.as_fd(), PollFlags::POLLIN)];
-    fds.extend(io.iter().filter_map(|(_, t)| t.readiness_fd()).map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
-    fds.extend(sockets.iter().map(|(s, f)| PollFd::new(s.as_fd(), *f)));
-    let _ = nix::poll::ppoll(&mut fds, Some(TimeSpec::from_duration(wait)), None);
+/// Sleeps until a client or another engine thread rings, a transport becomes readable (`fds`),
+/// an NBD connection readable or writable as asked, or `wait` passes.
+fn sleep(
+    bell: &Bell,
+    fds: &[std::os::fd::OwnedFd],
+    sockets: &[(Arc<std::os::unix::net::UnixStream>, PollFlags)],
+    wait: Duration,
+) {
+    let mut polled = vec![PollFd::new(bell.efd.as_fd(), PollFlags::POLLIN)];
+    polled.extend(fds.iter().map(|fd| PollFd::new(fd.as_fd(), PollFlags::POLLIN)));
+    polled.extend(sockets.iter().map(|(s, f)| PollFd::new(s.as_fd(), *f)));
+    let _ = nix::poll::ppoll(&mut polled, Some(TimeSpec::from_duration(wait)), None);
 }
 
 #[cfg(test)]

@@ -79,6 +79,21 @@ pub struct Refused {
     pub bad_digest: u64,
 }
 
+/// How requests reached the channels (`--send-mode`), see [`crate::SendMode`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendCounters {
+    /// The send mode (`inline` or `queue`).
+    pub mode: String,
+    /// Requests the thread that had them submitted and sent itself.
+    pub inline: u64,
+    /// Requests handed to an engine thread over a queue.
+    pub handed_over: u64,
+    /// Inline submissions whose frames an engine thread sent after all.
+    pub inline_fallbacks: u64,
+    /// Engine threads rung after an inline send because their links cannot wake them.
+    pub inline_wakes: u64,
+}
+
 /// Everything `tyche-init stats` shows.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Report {
@@ -126,6 +141,9 @@ pub struct Report {
     /// (bandwidth classes), `distances` or `id`.
     #[serde(default)]
     pub fallback: String,
+    /// Requests sent inline and handed over.
+    #[serde(default)]
+    pub send: SendCounters,
 }
 
 impl Report {
@@ -141,6 +159,11 @@ impl Report {
             self.export, self.session, self.scheduler, self.live_channels, self.completed, self.failed,
             self.bytes_read, self.bytes_written, self.reconnects, self.refused.unauthenticated, self.refused.replayed,
             self.refused.bad_digest
+        );
+        let _ = writeln!(
+            s,
+            "send mode {}: {} sent inline, {} handed over, {} inline fallbacks, {} inline wakes",
+            self.send.mode, self.send.inline, self.send.handed_over, self.send.inline_fallbacks, self.send.inline_wakes
         );
         let _ = writeln!(s, "\nChannels:");
         for c in &self.channels {

@@ -8,6 +8,11 @@
 //! that eventfd in the queue's ring, so the ring wakes, libublk reaps, and the executor runs the
 //! woken task.
 //!
+//! Send modes: in inline mode (the default) the queue thread itself submits each request into the
+//! session and sends its frames (the papers' inline mode: no hand-off, no wake-up of an engine
+//! thread); in queue mode it queues the request for a submitter thread. Either way the engine
+//! threads receive the replies and complete the client futures.
+//!
 //! Data path: with `UBLK_F_USER_COPY` (kernel 6.5 and later; used whenever the driver offers it)
 //! there is no per-tag I/O buffer: write data is read from `/dev/ublkcN` straight into the
 //! request's buffer, and read data is written from the completion's buffer straight into the

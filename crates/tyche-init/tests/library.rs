@@ -123,8 +123,131 @@ async fn queue_send_mode_round_trips() {
     let mut cfg = config();
     cfg.send_mode = SendMode::Queue;
     let client = connect(cfg, links).await.expect("connect");
+    assert_eq!(client.send_mode(), SendMode::Queue);
     concurrent(&client.on_node(Some(0)), 64, 32 << 10).await;
     concurrent(&client, 64, 16 << 10).await;
+    // Every request went through a submitter thread.
+    let s = client.stats().await.unwrap();
+    assert_eq!((s.handed_over, s.sent_inline, s.inline_fallbacks), (256, 0, 0), "{s:?}");
+    assert_eq!(client.report().await.unwrap().send.mode, "queue");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_send_mode_sends_on_the_submitting_thread() {
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 16 * MIB), 2);
+    let mut cfg = config();
+    cfg.channels_per_link = 2;
+    assert_eq!(cfg.send_mode, SendMode::Inline, "inline is the default");
+    let client = connect(cfg, links).await.expect("connect");
+    concurrent(&client, 64, 32 << 10).await;
+    let data = pattern(5, 4096);
+    client.write(0, &data).await.expect("write");
+    assert!(target.snapshot(0, 4096) == data);
+    // No request was handed to an engine thread; those that found the volume full waited in
+    // its backlog (a fallback), none here with 512 requests allowed.
+    let s = client.stats().await.unwrap();
+    assert_eq!((s.sent_inline, s.handed_over, s.inline_fallbacks), (129, 0, 0), "{s:?}");
+    let r = client.report().await.unwrap();
+    assert_eq!((r.send.mode.as_str(), r.send.inline), ("inline", 129));
+    assert!(r.human().contains("send mode inline: 129 sent inline, 0 handed over"), "{}", r.human());
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_send_mode_falls_back_to_the_engine_when_the_volume_is_full() {
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1);
+    let mut cfg = config();
+    cfg.max_requests = 4; // fewer than the requests: some wait in the backlog
+    let client = connect(cfg, links).await.expect("connect");
+    concurrent(&client, 64, 16 << 10).await;
+    let s = client.stats().await.unwrap();
+    assert_eq!(s.sent_inline + s.inline_fallbacks, 128, "{s:?}");
+    assert!(s.inline_fallbacks > 0, "{s:?}");
+    assert_eq!((s.handed_over, s.failed), (0, 0), "{s:?}");
+}
+
+/// Application threads of their own (not the runtime's), each driving its requests with a
+/// runtime of its own, submit inline at once: they serialise on the session and every request
+/// completes with the right data.
+#[test]
+fn inline_send_mode_with_concurrent_submitters_on_several_threads() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let client = rt.block_on(connect(config(), links)).expect("connect");
+    let threads: Vec<_> = (0..6u64)
+        .map(|t| {
+            let c = client.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(async {
+                    for i in 0..40u64 {
+                        let len = 4096 * (1 + (i as usize % 4));
+                        let at = (t * 40 + i) * 16384;
+                        let data = pattern(t * 1000 + i, len);
+                        c.write_owned(at, data.clone(), false).await.expect("write");
+                        let back = c.read(at, len).await.expect("read");
+                        assert!(back == data, "thread {t} request {i}: read back differs");
+                    }
+                })
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("submitter thread");
+    }
+    let s = rt.block_on(client.stats()).unwrap();
+    assert_eq!(s.completed, 6 * 40 * 2, "{s:?}");
+    assert_eq!(s.sent_inline + s.inline_fallbacks, 6 * 40 * 2, "{s:?}");
+    assert_eq!(s.handed_over, 0, "{s:?}");
+    assert!(target.snapshot(16384, 8192) == pattern(1, 8192));
+    rt.block_on(client.close());
+}
+
+/// The session closes while threads keep submitting inline: every request either completes or
+/// fails with `Error::Closed`, nothing hangs or panics, and a request after the close is
+/// `Error::Closed` at once.
+#[test]
+fn inline_send_mode_close_while_submitting_and_after() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1);
+    let client = rt.block_on(connect(config(), links)).expect("connect");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (c, stop) = (client.clone(), std::sync::Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                let (mut ok, mut closed) = (0u64, 0u64);
+                let t0 = std::time::Instant::now();
+                // Until the session is closed (plus a few more that must fail at once).
+                while closed < 8 {
+                    assert!(t0.elapsed() < LIMIT, "submitter {t} never saw the close");
+                    let r = rt.block_on(async {
+                        tokio::time::timeout(LIMIT, c.write_owned(t * MIB, vec![t as u8; 8192], false)).await
+                    });
+                    match r.expect("a request never hangs") {
+                        Ok(()) => ok += 1,
+                        Err(Error::Closed) => closed += 1,
+                        Err(e) => panic!("submitter {t}: {e:?}"),
+                    }
+                    if ok > 20_000 && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        panic!("submitter {t}: the close never came");
+                    }
+                }
+                ok
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    rt.block_on(bounded("close", client.close()));
+    let done: u64 = threads.into_iter().map(|t| t.join().expect("submitter thread")).sum();
+    assert!(done > 0, "some writes completed before the close");
+    for _ in 0..3 {
+        assert_eq!(rt.block_on(client.read(0, 4096)), Err(Error::Closed));
+        assert_eq!(rt.block_on(client.flush()), Err(Error::Closed));
+    }
+    assert!(rt.block_on(client.stats()).is_err(), "the engine threads are gone");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tyche_init::loopback::{initiator_timers, mem_links, RamExport, RamTarget};
 use tyche_init::nbd::{codec, NbdOptions};
-use tyche_init::{connect, InitiatorConfig};
+use tyche_init::{connect, InitiatorConfig, SendMode};
 
 const MIB: u64 = 1 << 20;
 
@@ -64,13 +64,23 @@ async fn server_with(size: u64, engine_io: bool) -> Server {
     server_opts(size, NbdOptions { engine_io, ..NbdOptions::new("ram") }).await
 }
 
-/// A server with options `opts` (export name "ram").
+/// A server with options `opts` (export name "ram"), inline send mode.
 async fn server_opts(size: u64, opts: NbdOptions) -> Server {
+    server_full(size, opts, SendMode::Inline).await
+}
+
+/// A server whose session uses send mode `mode`.
+async fn server_mode(size: u64, engine_io: bool, mode: SendMode) -> Server {
+    server_full(size, NbdOptions { engine_io, ..NbdOptions::new("ram") }, mode).await
+}
+
+async fn server_full(size: u64, opts: NbdOptions, mode: SendMode) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("nbd.sock");
     let (links, _sw, target) = mem_links(RamExport::new("ram", size), 2);
     let mut cfg = InitiatorConfig::new("ram");
     cfg.timers = initiator_timers();
+    cfg.send_mode = mode;
     let client = connect(cfg, links).await.expect("connect");
     let s = socket.clone();
     let session = client.clone();
@@ -147,13 +157,20 @@ async fn nbdcopy_round_trip_over_several_connections() {
 /// connections served by the engine threads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_protocol_exchange() {
-    raw_exchange(true).await;
+    raw_exchange(true, SendMode::Inline).await;
+}
+
+/// The same exchange in queue send mode: a reader thread per connection hands the requests to
+/// the engine thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_protocol_exchange_in_queue_send_mode() {
+    raw_exchange(true, SendMode::Queue).await;
 }
 
 /// The same exchange with a task per request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_protocol_exchange_with_tasks() {
-    raw_exchange(false).await;
+    raw_exchange(false, SendMode::Inline).await;
 }
 
 /// Connects to the NBD socket, checks the greeting and answers it (fixed newstyle, no zeroes).
@@ -181,8 +198,8 @@ async fn newstyle(socket: &Path) -> UnixStream {
     c
 }
 
-async fn raw_exchange(engine_io: bool) {
-    let s = server_with(4 * MIB, engine_io).await;
+async fn raw_exchange(engine_io: bool, mode: SendMode) {
+    let s = server_mode(4 * MIB, engine_io, mode).await;
     let mut c = newstyle(&s.socket).await;
     // An unsupported option first.
     let mut o = codec::IHAVEOPT.to_be_bytes().to_vec();
@@ -289,6 +306,14 @@ async fn raw_exchange(engine_io: bool) {
     let mut rest = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.expect("server closes").unwrap();
     assert!(rest.is_empty());
+    // The mode decided who sent: the thread that read the requests, or the engine thread they
+    // were handed to.
+    let send = s.client.report().await.expect("report").send;
+    assert_eq!(send.mode, mode.to_string());
+    match mode {
+        SendMode::Inline => assert!(send.inline >= 30 && send.handed_over == 0, "{send:?}"),
+        SendMode::Queue => assert!(send.handed_over >= 30 && send.inline == 0, "{send:?}"),
+    }
 }
 
 /// Option haggling on a raw socket: `(option, data)` sent, the replies' (type, data) returned up
@@ -691,19 +716,25 @@ async fn closed(c: &mut UnixStream) -> bool {
 /// 64-bit lengths, the errors that keep the session and those that end it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_extended_headers() {
-    raw_extended(true).await;
+    raw_extended(true, SendMode::Inline).await;
+}
+
+/// The same in queue send mode: the reader thread meets the errors that end the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_extended_headers_in_queue_send_mode() {
+    raw_extended(true, SendMode::Queue).await;
 }
 
 /// The same with a task per request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_extended_headers_with_tasks() {
-    raw_extended(false).await;
+    raw_extended(false, SendMode::Inline).await;
 }
 
-async fn raw_extended(engine_io: bool) {
+async fn raw_extended(engine_io: bool, mode: SendMode) {
     use codec::{chunk as ch, cmd, errno, rep};
     let size = 64 * MIB;
-    let s = server_with(size, engine_io).await;
+    let s = server_mode(size, engine_io, mode).await;
     let mut c = newstyle(&s.socket).await;
     // Data with the option: invalid; then ACK, twice; structured replies can no longer be had.
     assert_eq!(option(&mut c, codec::opt::EXTENDED_HEADERS, &[0]).await, [(rep::ERR_INVALID, vec![])]);
@@ -993,5 +1024,60 @@ async fn bench_hole_reads() {
                 }
             }
         }
+    }
+}
+
+/// Queue send mode with a connection limit of 2 requests: the reader thread runs ahead of the
+/// engine (requests wait in its hand-off while the connection is at its limit) and every pipelined
+/// request still completes with the right data; then a request with a bad magic ends the
+/// connection through the reader thread, and a new connection is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_send_mode_holds_back_a_pipelining_client() {
+    for mode in [SendMode::Queue, SendMode::Inline] {
+        let s = server_full(16 * MIB, NbdOptions { max_inflight: 2, ..NbdOptions::new("ram") }, mode).await;
+        let (mut c, _) = negotiate(&s.socket, false, false).await;
+        let n = 64u64;
+        let mut batch = Vec::new();
+        for k in 0..n {
+            let mut w = request(codec::cmd::WRITE, 0, k, k * 65536, 65536);
+            w.extend(std::iter::repeat_n(k as u8 ^ 0x5a, 65536));
+            batch.extend(w);
+        }
+        c.write_all(&batch).await.unwrap();
+        let mut h = [0u8; 16];
+        let mut seen = std::collections::HashSet::new();
+        while seen.len() < n as usize {
+            tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut h)).await.expect("reply").unwrap();
+            let cookie = u64::from_be_bytes(h[8..16].try_into().unwrap());
+            assert_eq!(h, codec::simple_reply(0, cookie));
+            assert!(seen.insert(cookie), "two replies to {cookie}");
+        }
+        let mut batch = Vec::new();
+        for k in 0..n {
+            batch.extend(request(codec::cmd::READ, 0, 1000 + k, k * 65536, 65536));
+        }
+        c.write_all(&batch).await.unwrap();
+        for _ in 0..n {
+            c.read_exact(&mut h).await.unwrap();
+            let k = u64::from_be_bytes(h[8..16].try_into().unwrap()) - 1000;
+            let mut d = vec![0u8; 65536];
+            c.read_exact(&mut d).await.unwrap();
+            assert!(d.iter().all(|&b| b == k as u8 ^ 0x5a), "{mode}: read {k} returns what write {k} wrote");
+        }
+        // A bad magic: a hard disconnect.
+        let mut bad = request(codec::cmd::READ, 0, 7, 0, 512);
+        bad[0] ^= 0xff;
+        c.write_all(&bad).await.unwrap();
+        assert!(closed(&mut c).await, "{mode}: a bad request ends the connection");
+        let (mut c, _) = negotiate(&s.socket, false, false).await;
+        c.write_all(&request(codec::cmd::READ, 0, 8, 0, 512)).await.unwrap();
+        c.read_exact(&mut h).await.unwrap();
+        assert_eq!(h, codec::simple_reply(0, 8), "{mode}: a new connection is served");
+        let send = s.client.report().await.expect("report").send;
+        let (mine, other) = match mode {
+            SendMode::Inline => (send.inline, send.handed_over),
+            SendMode::Queue => (send.handed_over, send.inline),
+        };
+        assert!(mine > 2 * n && other == 0, "{mode}: {send:?}");
     }
 }

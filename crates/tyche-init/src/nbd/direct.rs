@@ -181,6 +181,228 @@ impl Pool {
     }
 }
 
+/// A whole request read from the socket: its header and its payload (a write's data).
+#[derive(Debug)]
+pub(crate) enum Raw {
+    Request(codec::Request, Buf),
+    /// NBD_CMD_DISC: the client is leaving.
+    Disc,
+}
+
+/// The request stream of a connection: a read buffer, and the write whose payload is still
+/// arriving. Read by the engine thread (inline send mode) or by the connection's reader thread
+/// (queue send mode, see [`reader_thread`]).
+#[derive(Debug)]
+pub(crate) struct Reader {
+    stream: Arc<UnixStream>,
+    extended: bool,
+    inbuf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    partial: Option<Partial>,
+}
+
+impl Reader {
+    fn new(stream: Arc<UnixStream>, extended: bool) -> Self {
+        Reader { stream, extended, inbuf: vec![0; REQUEST_BUFFER].into_boxed_slice(), start: 0, end: 0, partial: None }
+    }
+
+    /// The next whole request, `Ok(None)` when the socket has nothing more now (it does not
+    /// block), `Err(UnexpectedEof)` when the client closed its end between requests. A write's
+    /// payload goes into a buffer from `alloc`.
+    pub(crate) fn next(&mut self, alloc: &mut dyn FnMut(usize) -> Buf) -> io::Result<Option<Raw>> {
+        loop {
+            if let Some(p) = &mut self.partial {
+                // Payload already buffered, then straight from the socket into the request's
+                // buffer.
+                let data = p.data.as_mut_slice();
+                let buffered = (self.end - self.start).min(data.len() - p.filled);
+                data[p.filled..p.filled + buffered].copy_from_slice(&self.inbuf[self.start..self.start + buffered]);
+                p.filled += buffered;
+                self.start += buffered;
+                while p.filled < data.len() {
+                    match self.stream.as_ref().read(&mut data[p.filled..]) {
+                        Ok(0) => {
+                            return Err(io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                "closed in the middle of a write's data",
+                            ))
+                        }
+                        Ok(n) => p.filled += n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                let p = self.partial.take().expect("partial");
+                return Ok(Some(Raw::Request(p.req, p.data)));
+            }
+            let header_len = codec::request_len(self.extended);
+            if self.end - self.start < header_len {
+                self.inbuf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+                loop {
+                    match self.stream.as_ref().read(&mut self.inbuf[self.end..]) {
+                        // The client went away: between requests that is no error.
+                        Ok(0) if self.end == 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                        Ok(0) => {
+                            return Err(io::Error::new(io::ErrorKind::InvalidData, "closed in the middle of a request"))
+                        }
+                        Ok(n) => {
+                            self.end += n;
+                            break;
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                if self.end - self.start < header_len {
+                    continue;
+                }
+            }
+            let req = codec::parse_request(&self.inbuf[self.start..self.end], self.extended)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            self.start += header_len;
+            if req.command == cmd::DISC {
+                return Ok(Some(Raw::Disc));
+            }
+            match req.payload(self.extended) {
+                Some(n) if n > MAX_REQUEST as u64 => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("a request payload of {n} bytes, over the maximum of {MAX_REQUEST}"),
+                    ))
+                }
+                Some(n) => {
+                    let data = alloc(n as usize);
+                    self.partial = Some(Partial { req, data, filled: 0 });
+                }
+                None => return Ok(Some(Raw::Request(req, Buf::Heap(Vec::new())))),
+            }
+        }
+    }
+}
+
+/// Requests a queue-mode connection's reader thread may have waiting for the engine thread.
+pub(crate) const HANDOFF_DEPTH: usize = 256;
+/// Bytes of write payloads a queue-mode connection's reader thread may have waiting for the
+/// engine thread (a request larger than the rest of it waits until the queue is empty).
+pub(crate) const HANDOFF_BYTES: u64 = 64 << 20;
+/// Longest a reader thread waits in `poll` before it looks whether its connection is over.
+const READER_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// What a reader thread hands the engine thread.
+#[derive(Debug)]
+pub(crate) enum Handed {
+    Raw(Raw),
+    /// The client closed its end (`Ok`) or the stream failed.
+    End(io::Result<()>),
+}
+
+#[derive(Debug, Default)]
+struct HandOffState {
+    items: VecDeque<(Handed, u64)>,
+    bytes: u64,
+    /// The engine let go of the connection: the reader thread stops.
+    closed: bool,
+}
+
+/// The bounded queue (at most [`HANDOFF_DEPTH`] requests and [`HANDOFF_BYTES`] of payload)
+/// from a queue-mode connection's reader thread to its engine thread. The reader blocks while
+/// it is full; the engine never blocks on it.
+#[derive(Debug, Default)]
+pub(crate) struct HandOff {
+    state: std::sync::Mutex<HandOffState>,
+    room: std::sync::Condvar,
+}
+
+impl HandOff {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HandOffState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `item` of `bytes` payload bytes, waiting for room; `false` once closed.
+    fn push(&self, item: Handed, bytes: u64) -> bool {
+        let mut st = self.lock();
+        while !st.closed
+            && !st.items.is_empty()
+            && (st.items.len() >= HANDOFF_DEPTH || st.bytes + bytes > HANDOFF_BYTES)
+        {
+            st = self.room.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        if st.closed {
+            return false;
+        }
+        st.bytes += bytes;
+        st.items.push_back((item, bytes));
+        true
+    }
+
+    /// The oldest item, without waiting.
+    fn pop(&self) -> Option<Handed> {
+        let mut st = self.lock();
+        let (item, bytes) = st.items.pop_front()?;
+        st.bytes -= bytes;
+        self.room.notify_all();
+        Some(item)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.lock().items.is_empty()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// The engine let go: the reader thread stops (what is queued is dropped).
+    fn close(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        st.items.clear();
+        st.bytes = 0;
+        self.room.notify_all();
+    }
+}
+
+/// Queue send mode: reads `reader`'s requests (blocking in `poll`, not in the engine's loop)
+/// and hands them to the engine thread over `handoff`, ringing `bell` after each. Returns when
+/// the client leaves, the stream fails, or the engine lets go of the connection.
+pub(crate) fn reader_thread(mut reader: Reader, handoff: Arc<HandOff>, bell: Arc<crate::engine::Bell>) {
+    use std::os::fd::AsFd;
+    loop {
+        if handoff.is_closed() {
+            return;
+        }
+        // The reader's own buffers (its thread runs on the connection's node).
+        let got = reader.next(&mut |n| Buf::Heap(vec![0; n]));
+        let (item, bytes, end) = match got {
+            Ok(Some(Raw::Request(req, data))) => {
+                let n = data.len() as u64;
+                (Handed::Raw(Raw::Request(req, data)), n, false)
+            }
+            Ok(Some(Raw::Disc)) => (Handed::Raw(Raw::Disc), 0, true),
+            Ok(None) => {
+                let mut fds = [nix::poll::PollFd::new(reader.stream.as_fd(), nix::poll::PollFlags::POLLIN)];
+                let wait = nix::sys::time::TimeSpec::from_duration(READER_POLL);
+                let _ = nix::poll::ppoll(&mut fds, Some(wait), None);
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => (Handed::End(Ok(())), 0, true),
+            Err(e) => (Handed::End(Err(e)), 0, true),
+        };
+        if !handoff.push(item, bytes) {
+            return;
+        }
+        bell.ring();
+        if end {
+            return;
+        }
+    }
+}
+
 /// An NBD connection in transmission, served by an engine thread.
 #[derive(Debug)]
 pub(crate) struct DirectConn {
@@ -205,10 +427,10 @@ pub(crate) struct DirectConn {
     /// Hole-aware reads with data pieces in flight, by key.
     splits: HashMap<u64, SplitState>,
     next_split: u64,
-    inbuf: Box<[u8]>,
-    start: usize,
-    end: usize,
-    partial: Option<Partial>,
+    /// Inline send mode: the request stream, read by the engine thread.
+    reader: Option<Reader>,
+    /// Queue send mode: requests the connection's reader thread read.
+    handoff: Option<Arc<HandOff>>,
     out: VecDeque<Reply>,
     pool: Pool,
     /// Bytes of `out`'s first reply (header and data together) already written.
@@ -240,10 +462,13 @@ impl DirectConn {
         done: oneshot::Sender<io::Result<()>>,
     ) -> io::Result<Self> {
         stream.set_nonblocking(true)?;
+        let stream = Arc::new(stream);
         Ok(DirectConn {
             id,
             owner: 0,
-            stream: Arc::new(stream),
+            reader: Some(Reader::new(Arc::clone(&stream), neg.extended)),
+            handoff: None,
+            stream,
             size,
             discard,
             neg,
@@ -255,10 +480,6 @@ impl DirectConn {
             followups: Vec::new(),
             splits: HashMap::new(),
             next_split: 0,
-            inbuf: vec![0; REQUEST_BUFFER].into_boxed_slice(),
-            start: 0,
-            end: 0,
-            partial: None,
             out: VecDeque::new(),
             pool: Pool::default(),
             out_off: 0,
@@ -313,9 +534,29 @@ impl DirectConn {
             && ((self.out.is_empty() && self.followups.is_empty()) || self.error.is_some())
     }
 
-    /// Reads what the socket has and parses requests, up to the connection's limits. Requests
-    /// that need the volume are returned; the others (validation errors, empty ranges, CACHE)
-    /// are answered at once.
+    /// Queue send mode: from now on a reader thread reads the request stream; returns what it
+    /// needs (the stream, and the queue it hands requests over). `None` if already done.
+    pub(crate) fn hand_off_reading(&mut self) -> Option<(Reader, Arc<HandOff>)> {
+        let reader = self.reader.take()?;
+        let handoff = Arc::new(HandOff::default());
+        self.handoff = Some(Arc::clone(&handoff));
+        Some((reader, handoff))
+    }
+
+    /// Whether a reader thread reads the request stream (queue send mode).
+    pub(crate) fn queued(&self) -> bool {
+        self.handoff.is_some()
+    }
+
+    /// Whether the reader thread handed over requests the engine can take now.
+    pub(crate) fn handed_waiting(&self) -> bool {
+        self.wants_read() && self.handoff.as_ref().is_some_and(|h| !h.is_empty())
+    }
+
+    /// Reads what the socket has (inline send mode) or what the reader thread handed over
+    /// (queue send mode) and parses requests, up to the connection's limits. Requests that need
+    /// the volume are returned; the others (validation errors, empty ranges, CACHE) are
+    /// answered at once.
     pub(crate) fn poll_requests(&mut self) -> Vec<NbdIo> {
         let mut ios = Vec::new();
         if self.error.is_some() {
@@ -325,6 +566,21 @@ impl DirectConn {
             self.inflight += 1;
             self.held += io.reply.held;
             ios.push(io);
+        }
+        if let Some(handoff) = self.handoff.clone() {
+            while self.wants_read() {
+                match handoff.pop() {
+                    None => break,
+                    Some(Handed::Raw(Raw::Request(req, data))) => {
+                        if let Some(io) = self.request(req, data) {
+                            ios.push(io);
+                        }
+                    }
+                    Some(Handed::Raw(Raw::Disc)) | Some(Handed::End(Ok(()))) => self.eof = true,
+                    Some(Handed::End(Err(e))) => self.error = Some(e),
+                }
+            }
+            return ios;
         }
         while self.wants_read() {
             match self.next_request() {
@@ -350,73 +606,16 @@ impl DirectConn {
     /// One step of the parser: `Ok(None)` when the socket has nothing more now,
     /// `Ok(Some(None))` when a request was answered without the volume.
     fn next_request(&mut self) -> io::Result<Option<Option<NbdIo>>> {
-        if let Some(p) = &mut self.partial {
-            // Payload already buffered, then straight from the socket into the request's buffer.
-            let data = p.data.as_mut_slice();
-            let buffered = (self.end - self.start).min(data.len() - p.filled);
-            data[p.filled..p.filled + buffered].copy_from_slice(&self.inbuf[self.start..self.start + buffered]);
-            p.filled += buffered;
-            self.start += buffered;
-            while p.filled < data.len() {
-                match self.stream.as_ref().read(&mut data[p.filled..]) {
-                    Ok(0) => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            "closed in the middle of a write's data",
-                        ))
-                    }
-                    Ok(n) => p.filled += n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
-                }
+        let DirectConn { reader, pool, node, .. } = self;
+        let Some(reader) = reader.as_mut() else { return Ok(None) };
+        let node = *node;
+        match reader.next(&mut |n| pool.take(n, node))? {
+            None => Ok(None),
+            Some(Raw::Disc) => {
+                self.eof = true;
+                Ok(Some(None))
             }
-            let p = self.partial.take().expect("partial");
-            return Ok(Some(self.request(p.req, p.data)));
-        }
-        let header_len = codec::request_len(self.neg.extended);
-        if self.end - self.start < header_len {
-            self.inbuf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
-            loop {
-                match self.stream.as_ref().read(&mut self.inbuf[self.end..]) {
-                    // The client went away: between requests that is no error.
-                    Ok(0) if self.end == 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                    Ok(0) => {
-                        return Err(io::Error::new(io::ErrorKind::InvalidData, "closed in the middle of a request"))
-                    }
-                    Ok(n) => {
-                        self.end += n;
-                        break;
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            if self.end - self.start < header_len {
-                return Ok(Some(None));
-            }
-        }
-        let req = codec::parse_request(&self.inbuf[self.start..self.end], self.neg.extended)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        self.start += header_len;
-        if req.command == cmd::DISC {
-            self.eof = true;
-            return Ok(Some(None));
-        }
-        match req.payload(self.neg.extended) {
-            Some(n) if n > MAX_REQUEST as u64 => Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("a request payload of {n} bytes, over the maximum of {MAX_REQUEST}"),
-            )),
-            Some(n) => {
-                let data = self.pool.take(n as usize, self.node);
-                self.partial = Some(Partial { req, data, filled: 0 });
-                self.next_request()
-            }
-            None => Ok(Some(self.request(req, Buf::Heap(Vec::new())))),
+            Some(Raw::Request(req, data)) => Ok(Some(self.request(req, data))),
         }
     }
 
@@ -772,6 +971,9 @@ impl DirectConn {
 
     /// Ends the connection: shuts the socket down and tells the waiting task how it went.
     pub(crate) fn close(mut self, closed: bool) {
+        if let Some(h) = &self.handoff {
+            h.close();
+        }
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         let result = match self.error.take() {
             Some(e) => Err(e),
@@ -784,9 +986,51 @@ impl DirectConn {
     }
 }
 
+impl Drop for DirectConn {
+    fn drop(&mut self) {
+        // However the connection goes, its reader thread (queue send mode) stops.
+        if let Some(h) = &self.handoff {
+            h.close();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn handoff_is_bounded_by_requests_and_bytes_and_close_frees_the_reader() {
+        let h = Arc::new(HandOff::default());
+        let req = |n| {
+            Handed::Raw(Raw::Request(
+                codec::Request { flags: 0, command: cmd::READ, cookie: 0, offset: 0, length: 0 },
+                Buf::Heap(vec![0; n]),
+            ))
+        };
+        for _ in 0..HANDOFF_DEPTH {
+            assert!(h.push(req(0), 0));
+        }
+        // Full by count: the next push waits until the engine takes one.
+        let (h2, t0) = (Arc::clone(&h), std::time::Instant::now());
+        let pusher = std::thread::spawn(move || h2.push(req(0), 0));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!pusher.is_finished(), "a push into a full hand-off waits");
+        assert!(h.pop().is_some());
+        assert!(pusher.join().unwrap(), "room made: the push went through");
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(50));
+        while h.pop().is_some() {}
+        // By bytes: one request over the rest waits too, but never alone in an empty queue.
+        assert!(h.push(req(0), HANDOFF_BYTES - 10));
+        let h2 = Arc::clone(&h);
+        let pusher = std::thread::spawn(move || h2.push(req(0), 100));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!pusher.is_finished(), "over the byte limit: waits");
+        // The engine lets go: the waiting reader is told to stop, and later pushes fail.
+        h.close();
+        assert!(!pusher.join().unwrap());
+        assert!(!h.push(req(0), 0) && h.is_empty() && h.is_closed());
+    }
 
     #[test]
     fn pool_reuses_node_buffers_by_size_class_up_to_its_cap() {

@@ -257,7 +257,7 @@ async fn connection(
         opts.hole_read_min,
         done,
     )?;
-    client.serve_nbd(conn).map_err(|e| io::Error::other(e.to_string()))?;
+    client.serve_nbd(conn)?;
     finished.await.unwrap_or_else(|_| Err(io::Error::other("the engine stopped")))
 }
 
