@@ -3,6 +3,7 @@
 
 mod attack;
 mod bench_e2e;
+mod bench_scale;
 mod bpfgen;
 mod charts;
 mod demo;
@@ -87,6 +88,9 @@ enum BenchCommand {
     Xdp(xdp::BenchArgs),
     /// fio through NBD: Tyche over AF_XDP (1 and 2 NICs) and over TCP against nbdkit (root).
     E2e(bench_e2e::BenchE2eArgs),
+    /// Channel scaling: both daemons' frame handling with 1 channel on 1 pinned thread against
+    /// 2 on 2, peers replayed from frames built in advance (no root).
+    Scale(bench_scale::BenchScaleArgs),
 }
 
 /// The workspace root.
@@ -120,6 +124,7 @@ fn main() -> Result<()> {
         Command::XdpSmoke(args) => xdp::smoke(&root(), &args),
         Command::Bench { what: BenchCommand::Xdp(args) } => xdp::bench(&root(), &args),
         Command::Bench { what: BenchCommand::E2e(args) } => bench_e2e::bench_e2e(&root(), &args),
+        Command::Bench { what: BenchCommand::Scale(args) } => bench_scale::bench_scale(&root(), &args),
         Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
         Command::FsCheck(a) => disk::fs_check(a),
         Command::VmTest(a) => {
