@@ -133,12 +133,14 @@ impl Run {
     }
 }
 
-/// The CPUs the measured threads are pinned to: CPU 1 alone, or CPUs 0 and 1.
+/// The CPUs the measured threads are pinned to: CPU 1 alone, or CPUs 0 and 1 (on a machine
+/// with one CPU, which only the tests would run on, CPU 0).
 fn cpus(channels: usize) -> Vec<Vec<u32>> {
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     if channels == 1 {
-        vec![vec![1]]
+        vec![vec![1 % n]]
     } else {
-        (0..channels as u32).map(|c| vec![c]).collect()
+        (0..channels as u32).map(|c| vec![c % n]).collect()
     }
 }
 
@@ -542,10 +544,14 @@ fn main() {
 mod tests {
     use super::*;
 
+    /// The runs find their threads by name in this process: one run at a time.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     /// The replayed requests are accepted: the target executes every one (the run checks its
     /// read counter) and counts no drop, with 1 and 2 channels.
     #[test]
     fn target_accepts_the_replayed_requests() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for channels in [1, 2] {
             let run = target_run(channels, 2_000, 16).unwrap_or_else(|e| panic!("{channels} channel(s): {e}"));
             assert_eq!(run.requests, 2_000);
@@ -556,6 +562,7 @@ mod tests {
     /// its data, with 1 and 2 channels.
     #[test]
     fn initiator_accepts_the_replayed_responses() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for channels in [1, 2] {
             let run = initiator_run(channels, 2_000).unwrap_or_else(|e| panic!("{channels} channel(s): {e}"));
             assert_eq!(run.requests, 2_000);
