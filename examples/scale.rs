@@ -306,6 +306,9 @@ fn target_drops(s: &tyched::Snapshot) -> u64 {
     nic + channel
 }
 
+/// A read handed to the client, polled by hand.
+type PendingRead = Pin<Box<dyn Future<Output = Result<Vec<u8>, tyche_init::Error>>>>;
+
 /// The initiator's frame handling: `channels` links, one engine thread each.
 fn initiator_run(channels: usize, requests: u64) -> Result<Run, String> {
     let mut nics = Vec::new();
@@ -376,11 +379,11 @@ fn initiator_run(channels: usize, requests: u64) -> Result<Run, String> {
     }
     // Every request is handed over before the clock starts: the engine sends what its slots
     // allow and the rest waits in its backlog.
-    let mut reads: Vec<Pin<Box<dyn Future<Output = Result<Vec<u8>, tyche_init::Error>>>>> = (0..requests)
+    let mut reads: Vec<PendingRead> = (0..requests)
         .map(|i| {
             let offset = (i * READ as u64) % EXPORT;
             let c = client.clone();
-            Box::pin(async move { c.read(offset, READ).await }) as Pin<Box<dyn Future<Output = _>>>
+            Box::pin(async move { c.read(offset, READ).await }) as PendingRead
         })
         .collect();
     for r in reads.iter_mut() {
@@ -527,8 +530,7 @@ fn main() {
     println!("|---|---:|---:|---:|---:|---:|");
     let mut ratio = Vec::new();
     for (s, side) in args.sides.iter().enumerate() {
-        for c in 0..2 {
-            let v = &rates[s][c];
+        for (c, v) in rates[s].iter().enumerate() {
             let min = v.iter().copied().fold(f64::INFINITY, f64::min);
             let max = v.iter().copied().fold(0.0, f64::max);
             println!("| {} | {} | {} | {:.0} | {:.0} | {:.0} |", side.name(), c + 1, v.len(), min, median(v), max);
