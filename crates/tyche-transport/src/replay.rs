@@ -48,6 +48,11 @@ const REPLAY: u8 = 2;
 
 /// Largest number of requests a port standing in for the initiator keeps in flight.
 pub const MAX_WINDOW: u16 = 1024;
+/// Most requests a port standing in for the target holds unanswered (more are counted in
+/// [`ReplayControl::failed`]); an initiator's slots keep it far below.
+pub const MAX_ASKED: usize = 1 << 16;
+/// Most segments of the read response a port standing in for the target records.
+pub const MAX_SEGMENTS: u16 = 1024;
 
 /// What a port replays, set before [`ReplayControl::replay`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -301,7 +306,7 @@ impl ReplayPort {
                     self.ctl.recorded.fetch_add(1, Ordering::AcqRel);
                 }
             }
-            (Stand::Target, Message::Data(d)) => {
+            (Stand::Target, Message::Data(d)) if d.header.seg_count <= MAX_SEGMENTS => {
                 let h = d.header;
                 if h.tag != self.rec_data_tag || self.rec_data.len() != h.seg_count as usize {
                     self.rec_data = vec![None; h.seg_count as usize];
@@ -369,7 +374,7 @@ impl ReplayPort {
             Stand::Target if kind == Kind::Request as u8 && replaying && new => {
                 let Ok(frame) = Frame::new_checked(bytes, self.ethertype) else { return };
                 match frame.parse() {
-                    Ok(Message::Request(r)) if self.answers(&r) => {
+                    Ok(Message::Request(r)) if self.answers(&r) && self.asked.len() < MAX_ASKED => {
                         self.asked.push_back(Asked { remq: r.remq, damq: r.damq, tag: r.tag, sent: 0 })
                     }
                     _ => {
