@@ -4,6 +4,7 @@
 mod attack;
 mod bench_e2e;
 mod bench_send_mode;
+mod bench_scale;
 mod bpfgen;
 mod charts;
 mod demo;
@@ -90,6 +91,9 @@ enum BenchCommand {
     E2e(bench_e2e::BenchE2eArgs),
     /// Inline against queue send mode: the library client, 4 KiB random reads at QD1 and QD32.
     SendMode(bench_send_mode::BenchSendModeArgs),
+    /// Channel scaling: both daemons' frame handling with 1 channel on 1 pinned thread against
+    /// 2 on 2, peers replayed from frames built in advance (no root).
+    Scale(bench_scale::BenchScaleArgs),
 }
 
 /// The workspace root.
@@ -124,6 +128,7 @@ fn main() -> Result<()> {
         Command::Bench { what: BenchCommand::Xdp(args) } => xdp::bench(&root(), &args),
         Command::Bench { what: BenchCommand::E2e(args) } => bench_e2e::bench_e2e(&root(), &args),
         Command::Bench { what: BenchCommand::SendMode(args) } => bench_send_mode::bench_send_mode(&root(), &args),
+        Command::Bench { what: BenchCommand::Scale(args) } => bench_scale::bench_scale(&root(), &args),
         Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
         Command::FsCheck(a) => disk::fs_check(a),
         Command::VmTest(a) => {

@@ -5,8 +5,9 @@
 //! benches and tests all implement it, so the engine runs unchanged on each. [`FaultInjector`]
 //! wraps any transport and drops, duplicates or delays frames from a seeded generator.
 //! [`poll::Poller`] decides, after each turn of a thread that serves transports, whether it
-//! polls again or sleeps (adaptive polling). [`wake::WakeFd`] is the eventfd every thread that
-//! sleeps in `poll(2)` (or in an io_uring) is woken through.
+//! polls again or sleeps (adaptive polling). [`replay::ReplayPort`] stands in for a daemon's peer
+//! with frames built in advance (the channel scaling bench). [`wake::WakeFd`] is the eventfd
+//! every thread that sleeps in `poll(2)` (or in an io_uring) is woken through.
 //!
 //! # Contract
 //! - Frames are whole Ethernet frames (header included, FCS excluded). A transport delivers a
@@ -31,6 +32,7 @@
 mod fault;
 mod mem;
 pub mod poll;
+pub mod replay;
 pub mod stats_socket;
 pub mod wake;
 
