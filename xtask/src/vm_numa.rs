@@ -8,8 +8,8 @@
 //! 1. finds the NICs by MAC and moves the target-side ones into namespace `tgt`, the
 //!    initiator-side ones into `ini`;
 //! 2. checks that hwloc (`tyched topology --json`, in each namespace) puts each NIC on its node;
-//! 3. for each scheduler (`affinity`, then `round-robin`): starts `tyched` (RAM export, AF_XDP on
-//!    both NICs) and `tyche-init serve-nbd` (AF_XDP on both NICs, every NBD connection served
+//! 3. for each scheduler (`affinity`, then `round-robin`): starts `tyched` (a file export on the
+//!    guest's tmpfs, io_uring, AF_XDP on both NICs) and `tyche-init serve-nbd` (AF_XDP on both NICs, every NBD connection served
 //!    for node 1: `--nbd-nodes 1`), writes [`WORKLOAD`] bytes through one NBD connection from
 //!    this process, reads them back and compares, and reads both daemons' stats;
 //! 4. checks, from the stats (page by page with `move_pages(2)`, affinities as the threads see
@@ -25,7 +25,13 @@
 //!    - the initiator's channel fallback order by the I/O bandwidth model (seed 003);
 //!    - each target NIC's interrupts read from the VM's sysfs and procfs; in the `affinity` run,
 //!      `tyched --irq-affinity auto` has put every one of them on its NIC's node and none on its
-//!      network thread's core (seed 002).
+//!      network thread's core (seed 002);
+//!    - `tyched`'s storage threads (seed 000, completion placement): a worker on every CPU where
+//!      the placement plan (`tyched topology --json`) puts a completion worker, each pinned there
+//!      and on no other CPU, an io_uring thread per node on one of them, and the storage jobs
+//!      counted per node where the channels that carried them are: with `affinity` none of the
+//!      data requests on node 0, with `round-robin` each node's share of the jobs within
+//!      [`RR_SPREAD`] of its share of the payload.
 //!
 //! Prints each step and the per-channel byte counts, prefixed `vm-numa:`.
 
@@ -359,12 +365,17 @@ pub fn guest() -> Result<String> {
     }
 
     // 2. hwloc puts each NIC on its node, in each namespace.
+    let mut planned = BTreeMap::new();
     for (ns, list) in [(TGT, &tgt), (INI, &ini)] {
         let mut args = vec!["topology", "--json"];
         for n in list.iter() {
             args.extend(["--iface", n.name.as_str()]);
         }
         let topo = json(&in_ns(ns, &tyched, &args)?, "tyched topology --json")?;
+        if ns == TGT {
+            planned = completion_workers(&topo["plan"])?;
+            say(format!("{ns}: the plan's completion workers (node: cpus): {planned:?}"));
+        }
         for n in list.iter() {
             let found = topo["nics"]
                 .as_array()
@@ -396,7 +407,7 @@ pub fn guest() -> Result<String> {
     say(format!("automatic NUMA balancing: {}", if balancing.trim() == "0" { "off" } else { "on" }));
 
     // 3 and 4, once per scheduler.
-    let aff = run_scheduler("affinity", &tyched, &tyche_init, &tgt, &ini, &cpus)?;
+    let aff = run_scheduler("affinity", &tyched, &tyche_init, &tgt, &ini, &cpus, &planned)?;
     let share = |m: &BTreeMap<u32, u64>| {
         let total: u64 = m.values().sum();
         (m.get(&1).copied().unwrap_or(0) as f64 / total.max(1) as f64, total)
@@ -411,7 +422,7 @@ pub fn guest() -> Result<String> {
             AFFINITY_SHARE * 100.0
         );
     }
-    let rr = run_scheduler("round-robin", &tyched, &tyche_init, &tgt, &ini, &cpus)?;
+    let rr = run_scheduler("round-robin", &tyched, &tyche_init, &tgt, &ini, &cpus, &planned)?;
     // Retransmissions inflate the initiator's sent bytes unevenly (TCG is slow enough for
     // retransmission timers to fire); its read bytes and the target's bytes are exact.
     let (s, total) = share(&rr.ini_by_node);
@@ -439,6 +450,7 @@ fn run_scheduler(
     tgt: &[VmNic],
     ini: &[VmNic],
     cpus: &[Vec<u64>; 2],
+    planned: &BTreeMap<u32, Vec<u64>>,
 ) -> Result<Run> {
     say(format!("--- scheduler {scheduler}"));
     let work = Path::new(WORK);
@@ -449,8 +461,12 @@ fn run_scheduler(
         let _ = fs::remove_file(p);
     }
     let tlog = work.join(format!("tyched-{scheduler}.log"));
+    // A file export, so that storage jobs go to the storage threads (a RAM export's run on the
+    // network thread).
+    let image = work.join(format!("numa-{scheduler}.img"));
+    fs::File::create(&image)?.set_len((EXPORT_MIB as u64) << 20)?;
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", TGT]).arg(tyched).args(["serve", "--export", &format!("numa=ram:{EXPORT_MIB}M")]);
+    cmd.args(["netns", "exec", TGT]).arg(tyched).arg("serve").arg("--export").arg(format!("numa={}", image.display()));
     cmd.arg("--stats-socket").arg(&tstats);
     for n in tgt {
         cmd.args(["--iface", &n.name]);
@@ -634,9 +650,107 @@ fn run_scheduler(
             ch["channel"], ch["slots"]["on_expected"], ch["slots"]["pages"]
         ));
     }
+    storage_checks(scheduler, &tr, &tgt_by_node, cpus, planned)?;
     i.stop();
     t.stop();
+    let _ = fs::remove_file(&image);
     Ok(Run { ini_by_node, ini_read_by_node, tgt_by_node })
+}
+
+/// The completion workers of a placement plan (`plan` of `tyched topology --json`): node → CPUs.
+fn completion_workers(plan: &Value) -> Result<BTreeMap<u32, Vec<u64>>> {
+    let mut out: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+    for w in plan["completion_workers"].as_array().context("tyched topology: no completion_workers")? {
+        let node = node_of(&w["node"]).with_context(|| format!("completion worker without a node: {w}"))?;
+        out.entry(node).or_default().push(w["cpu"].as_u64().with_context(|| format!("no cpu: {w}"))?);
+    }
+    Ok(out)
+}
+
+/// Seed 000 (completion placement): `tyched`'s storage threads are the plan's completion
+/// workers, and a channel's storage jobs ran on its NIC's node.
+fn storage_checks(
+    scheduler: &str,
+    tr: &Value,
+    tgt_by_node: &BTreeMap<u32, u64>,
+    cpus: &[Vec<u64>; 2],
+    planned: &BTreeMap<u32, Vec<u64>>,
+) -> Result<()> {
+    let threads = tr["storage_threads"].as_array().context("tyched stats: no storage_threads")?;
+    let queues = tr["storage_queues"].as_array().context("tyched stats: no storage_queues")?;
+    let mut jobs_by_node = BTreeMap::new();
+    for node in 0..2u32 {
+        let want = planned.get(&node).cloned().unwrap_or_default();
+        check!(!want.is_empty(), "the plan has no completion worker on node {node}: {planned:?}");
+        check!(
+            want.iter().all(|c| cpus[node as usize].contains(c)),
+            "the plan's node-{node} workers {want:?} are not on node {node}'s cpus {:?}",
+            cpus[node as usize]
+        );
+        let on = |kind: &str| {
+            threads.iter().filter(|t| t["kind"] == kind && node_of(&t["node"]) == Some(node)).collect::<Vec<_>>()
+        };
+        let workers = on("worker");
+        let mut seen = Vec::new();
+        for w in &workers {
+            let tc = thread_cpus(&w["thread"]);
+            check!(
+                tc.len() == 1 && want.contains(&tc[0]),
+                "storage worker {} of node {node} runs on cpus {tc:?}, not on one planned cpu of {want:?}",
+                w["name"]
+            );
+            seen.extend(tc);
+        }
+        check!(
+            want.iter().all(|c| seen.contains(c)),
+            "node {node}: planned completion worker cpus {want:?}, storage workers on {seen:?}"
+        );
+        let rings = on("io_uring");
+        check!(rings.len() == 1, "node {node}: {} io_uring threads, expected one", rings.len());
+        let rc = rings.first().map(|r| thread_cpus(&r["thread"])).unwrap_or_default();
+        check!(
+            rc.len() == 1 && want.contains(&rc[0]),
+            "node {node}: the io_uring thread runs on cpus {rc:?}, not on one of its completion worker cpus {want:?}"
+        );
+        let jobs: u64 = queues.iter().filter(|q| node_of(&q["node"]) == Some(node)).map(|q| u(q, "jobs")).sum();
+        jobs_by_node.insert(node, jobs);
+        say(format!(
+            "{scheduler}: target node {node}: {} storage workers on cpus {seen:?} (planned {want:?}), io_uring thread on cpus {rc:?}; {jobs} jobs",
+            workers.len()
+        ));
+    }
+    let total_jobs: u64 = jobs_by_node.values().sum();
+    let data_jobs = (2 * WORKLOAD / REQUEST) as u64;
+    check!(total_jobs >= data_jobs, "target: {total_jobs} storage jobs counted, at least {data_jobs} ran");
+    let total_bytes: u64 = tgt_by_node.values().sum();
+    for node in 0..2u32 {
+        let jobs = jobs_by_node[&node];
+        let bytes = tgt_by_node.get(&node).copied().unwrap_or(0);
+        let (job_share, byte_share) =
+            (jobs as f64 / total_jobs.max(1) as f64, bytes as f64 / total_bytes.max(1) as f64);
+        if bytes < REQUEST as u64 {
+            // No data request on this node's channel: at most the FLUSH (which has no buffer,
+            // so the initiator may send it on either channel).
+            check!(
+                jobs <= 2,
+                "target node {node}: its channel carried no data request but {jobs} jobs ran on node {node}"
+            );
+        } else {
+            check!(jobs > 0, "target node {node}: its channel carried {bytes} B but no job ran on node {node}");
+            check!(
+                (job_share - byte_share).abs() <= RR_SPREAD,
+                "target node {node}: {:.1}% of the jobs ran there, its channel carried {:.1}% of the payload",
+                job_share * 100.0,
+                byte_share * 100.0
+            );
+        }
+        say(format!(
+            "{scheduler}: target node {node}: {jobs} of {total_jobs} storage jobs ({:.1}%) on node {node}, its channel carried {:.1}% of the payload",
+            job_share * 100.0,
+            byte_share * 100.0
+        ));
+    }
+    Ok(())
 }
 
 fn run_cmd(bin: &Path, args: &[&str]) -> Result<String> {
@@ -667,6 +781,36 @@ mod tests {
         assert!(pages_ok(&none, "slots", 1, false).is_ok());
         assert!(pages_ok(&none, "umem", 1, true).is_err());
         assert!(pages_ok(&ok, "x", 0, true).is_err(), "wrong expected node");
+    }
+
+    fn storage_stats(worker_cpus: [u64; 2], jobs: [u64; 2]) -> Value {
+        let t = |name: &str, kind: &str, node: u32, cpu: u64, jobs: u64| {
+            serde_json::json!({"name": name, "kind": kind, "node": node, "planned_cpus": [cpu], "jobs": jobs,
+                "thread": {"name": name, "cpus": [cpu], "nodes": [node]}})
+        };
+        serde_json::json!({
+            "storage_threads": [
+                t("tyched-io0", "worker", 0, worker_cpus[0], jobs[0]), t("tyched-io1", "worker", 0, 0, 0),
+                t("tyched-io2", "worker", 1, worker_cpus[1], jobs[1]), t("tyched-io3", "worker", 1, 2, 0),
+                t("tyched-uring0", "io_uring", 0, 0, 0), t("tyched-uring1", "io_uring", 1, 2, 0)],
+            "storage_queues": [{"node": 0, "jobs": jobs[0]}, {"node": 1, "jobs": jobs[1]}],
+        })
+    }
+
+    #[test]
+    fn storage_checks_want_the_planned_cpus_and_jobs_on_the_channels_node() {
+        let cpus = [vec![0, 1], vec![2, 3]];
+        let planned: BTreeMap<u32, Vec<u64>> = [(0, vec![0]), (1, vec![2])].into();
+        let aff: BTreeMap<u32, u64> = [(0, 0), (1, 32 << 20)].into();
+        let rr: BTreeMap<u32, u64> = [(0, 16 << 20), (1, 16 << 20)].into();
+        storage_checks("affinity", &storage_stats([0, 2], [1, 32]), &aff, &cpus, &planned).expect("as planned");
+        storage_checks("round-robin", &storage_stats([0, 2], [17, 16]), &rr, &cpus, &planned).expect("as planned");
+        let e = storage_checks("affinity", &storage_stats([0, 2], [20, 13]), &aff, &cpus, &planned).unwrap_err();
+        assert!(e.to_string().contains("carried no data request but 20 jobs"), "{e}");
+        let e = storage_checks("round-robin", &storage_stats([0, 2], [0, 33]), &rr, &cpus, &planned).unwrap_err();
+        assert!(e.to_string().contains("no job ran on node 0"), "{e}");
+        let e = storage_checks("affinity", &storage_stats([1, 2], [1, 32]), &aff, &cpus, &planned).unwrap_err();
+        assert!(e.to_string().contains("not on one planned cpu"), "{e}");
     }
 
     /// The guest test on this machine, over veth pairs given the VM's MACs (root; `TYCHE_BIN_DIR`

@@ -6,6 +6,8 @@
 //! - [`uring`]: the io_uring engine for file and block exports (the worker pool where the
 //!   kernel does not allow io_uring).
 //! - [`target`]: the runtime (network thread, storage workers, access control, shutdown).
+//! - [`workers`]: storage workers per NUMA node (the placement plan's completion workers), the
+//!   per-node job queues and where completions go.
 //! - [`stats`]: the counters `tyched stats` shows, and [`stats_server`] serving them.
 //! - [`prometheus`]: the same counters as Prometheus text on `GET /metrics` (local HTTP).
 //!
@@ -31,6 +33,7 @@ pub mod stats;
 pub mod stats_server;
 pub mod target;
 pub mod uring;
+pub mod workers;
 
 pub use config::{Config, ConfigError, ExportConfig};
 pub use stats::Snapshot;

@@ -345,7 +345,8 @@ fn tcp_mac(k: usize) -> tyche_wire::MacAddr {
 
 /// Memory on the serving NICs' node and threads on its CPUs, when the topology says so; with
 /// one network thread per NIC, each on the CPU tyche-numa's placement plan gives that NIC's
-/// channel (for NICs whose node is known).
+/// channel (for NICs whose node is known); the storage workers are the plan's completion
+/// workers, a queue per node (unless `workers = N` is given: then the pool).
 fn placement_for(
     config: &Config,
     nics: &[Nic],
@@ -374,11 +375,15 @@ fn placement_for(
             }
         }
     }
-    if config.network_threads == NetworkThreads::PerNic {
-        let per_nic = if config.transport == TransportKind::Xdp { u32::from(config.channels_per_nic) } else { 1 };
-        if let Ok(req) = tyche_numa::placement::PlacementRequest::channels_per_nic(topo, &config.ifaces, per_nic) {
-            // (tyche-numa logs the plan's warnings itself.)
-            let plan = tyche_numa::placement::plan(topo, &req);
+    let per_nic = if config.transport == TransportKind::Xdp { u32::from(config.channels_per_nic) } else { 1 };
+    if let Ok(req) = tyche_numa::placement::PlacementRequest::channels_per_nic(topo, &config.ifaces, per_nic) {
+        // (tyche-numa logs the plan's warnings itself.)
+        let plan = tyche_numa::placement::plan(topo, &req);
+        if config.workers == 0 {
+            let labels: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
+            placement.storage = Some(tyched::workers::StoragePlan::from_plan(topo, &plan, &labels));
+        }
+        if config.network_threads == NetworkThreads::PerNic {
             placement.nic_cpus = nics
                 .iter()
                 .map(|nic| {
@@ -394,8 +399,8 @@ fn placement_for(
                     c.map(|c| vec![c.network_cpu]).unwrap_or_default()
                 })
                 .collect();
-            planned = Some(plan);
         }
+        planned = Some(plan);
     }
     (placement, planned)
 }

@@ -481,6 +481,21 @@ impl Collector for SnapshotCollector {
             Gauge,
             irq(&|r| r.sharing_network_core),
         )?;
+        let storage = s
+            .storage_threads
+            .iter()
+            .map(|t| {
+                let node = t.node.map_or_else(|| "none".to_owned(), |n| n.to_string());
+                (vec![("thread", t.name.clone()), ("node", node)], t.jobs)
+            })
+            .collect();
+        family(
+            enc,
+            "storage_jobs",
+            "Storage jobs executed by a worker or io_uring thread, with its queue's node.",
+            Counter,
+            storage,
+        )?;
         let ch = |f: &dyn Fn(&ChannelSnapshot) -> u64| {
             s.channels
                 .iter()
@@ -698,6 +713,20 @@ mod tests {
                 executing: 3,
                 ..Default::default()
             }],
+            storage_threads: vec![
+                crate::stats::StorageThreadStats {
+                    name: "tyched-io0".into(),
+                    kind: "worker".into(),
+                    node: Some(1),
+                    jobs: 11,
+                    ..Default::default()
+                },
+                crate::stats::StorageThreadStats {
+                    name: "tyched-uring0".into(),
+                    kind: "io_uring".into(),
+                    ..Default::default()
+                },
+            ],
             irqs: vec![
                 tyche_numa::IrqReport {
                     nic: "eth0".into(),
@@ -731,15 +760,15 @@ mod tests {
     fn the_text_is_the_hand_written_encoders_but_for_uptimes_type() {
         // Written by the encoder this crate had before prometheus-client, with one change:
         // `tyched_uptime_milliseconds` was typed `counter` (prometheus-client names every
-        // counter `*_total`, so it is a gauge now to keep its name), and one family added since:
-        // `tyched_poll_contended_total`.
+        // counter `*_total`, so it is a gauge now to keep its name), and families added since:
+        // `tyched_poll_contended_total`, `tyched_nic_irqs*`, `tyched_storage_jobs_total`.
         let expected = include_str!("../testdata/metrics-sample.prom");
         let text = sample().prometheus();
         assert_eq!(text, expected);
         assert!(text.contains("tyched_nic_rx_frames_total{nic=\"we\\\"ird\\\\\"} 0\n"), "{text}");
         assert!(text.contains("tyched_export_errors_total{export=\"a\\nb\"} 0\n"), "{text}");
         assert!(!text.contains("# EOF"), "the 0.0.4 text format has no EOF marker");
-        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 26);
+        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 27);
     }
 
     /// One row of the metric table in docs/tyched.md: name, type, label names.

@@ -249,6 +249,47 @@ pub struct Snapshot {
     /// "Polling").
     #[serde(default)]
     pub poll: PollReport,
+    /// The storage threads (workers and io_uring threads): where each runs and what it did.
+    #[serde(default)]
+    pub storage_threads: Vec<StorageThreadStats>,
+    /// The storage queues (one per NUMA node with channels, or one for the pool).
+    #[serde(default)]
+    pub storage_queues: Vec<StorageQueueStats>,
+}
+
+/// One storage thread: a worker (`tyched-io{w}`) or an io_uring thread (`tyched-uring{q}`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StorageThreadStats {
+    /// Thread name.
+    pub name: String,
+    /// `worker` or `io_uring`.
+    pub kind: String,
+    /// The node of its queue (`None`: the pool, no particular node).
+    pub node: Option<u32>,
+    /// The CPUs it was meant to be pinned to (the plan's completion worker CPU; empty: not
+    /// pinned).
+    pub planned_cpus: Vec<u32>,
+    /// The thread as it sees itself (`sched_getaffinity`).
+    pub thread: ThreadPlacement,
+    /// Storage jobs it executed.
+    pub jobs: u64,
+}
+
+/// One storage queue: the jobs of the channels of `nics` go there.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StorageQueueStats {
+    /// Its node (`None`: the pool, no particular node).
+    pub node: Option<u32>,
+    /// The NICs whose channels' jobs it takes.
+    pub nics: Vec<String>,
+    /// Its worker threads.
+    pub workers: u64,
+    /// Whether the plan had no completion worker on the node (its workers share the node's CPUs).
+    pub fallback: bool,
+    /// Jobs its threads (workers and io_uring thread) executed.
+    pub jobs: u64,
 }
 
 /// The polling of the network threads.
@@ -357,6 +398,34 @@ impl Snapshot {
                 p.thread.cpus,
                 p.thread.nodes
             );
+        }
+        if !self.storage_threads.is_empty() {
+            let node = |n: Option<u32>| n.map_or("none".into(), |n| n.to_string());
+            let _ = writeln!(s, "\nStorage (a queue per node; jobs executed):");
+            for q in &self.storage_queues {
+                let _ = writeln!(
+                    s,
+                    "  node {:<5} nics {:?}  workers {}{}  jobs {}",
+                    node(q.node),
+                    q.nics,
+                    q.workers,
+                    if q.fallback { " (fallback: the node's cpus)" } else { "" },
+                    q.jobs
+                );
+            }
+            for t in &self.storage_threads {
+                let _ = writeln!(
+                    s,
+                    "  {:<14} {:<8} node {:<5} planned cpus {:?}  runs on cpus {:?} (nodes {:?})  jobs {}",
+                    t.name,
+                    t.kind,
+                    node(t.node),
+                    t.planned_cpus,
+                    t.thread.cpus,
+                    t.thread.nodes,
+                    t.jobs
+                );
+            }
         }
         if !self.irqs.is_empty() {
             let _ = writeln!(s, "\nInterrupts (IRQ -> cpus):");

@@ -1,16 +1,17 @@
-//! The target runtime: a network thread that owns the channel engine and the transports, and a
-//! bounded pool of storage workers.
+//! The target runtime: network threads that share the channel engine and own the transports,
+//! and storage workers in a bounded queue per NUMA node.
 //!
 //! ```text
-//!  transports ──recv──▶ network thread ──jobs (bounded)──▶ storage workers ──▶ backend
-//!      ▲                 (Acceptor, TargetSessions,                 │
-//!      └────send──────── slot memory, timers)  ◀──completions+wake──┘
+//!  transports ──recv──▶ network thread ──jobs (bounded, per node)──▶ node's storage workers ──▶ backend
+//!      ▲                 (Acceptor, TargetSessions,                        │
+//!      └────send──────── slot memory, timers)  ◀──completions (per network thread)+wake──┘
 //! ```
 //!
-//! The network thread polls every transport it was given, answers DISCOVER/CONNECT (with the
+//! A network thread polls the transports it was given, answers DISCOVER/CONNECT (with the
 //! MAC allow-list and the key proof in front of the [`Acceptor`]), places write data into the
-//! request's `damq` slot memory, hands executable requests to the workers together with that
-//! slot memory, and sends completions and read data when the workers hand them back. When
+//! request's `damq` slot memory, hands executable requests to the workers of its channel's
+//! node (`crate::workers`) together with that slot memory, and sends completions and read data
+//! when the workers hand them back to it (each network thread has its own done queue). When
 //! nothing is due it sleeps in `poll(2)` on the transports' readiness descriptors and an eventfd
 //! the workers signal, until the engine's next timer.
 
@@ -37,14 +38,16 @@ use tyche_wire::{
 
 use crate::backend::{Backend, BackendError, FileBackend, Memory, RamBackend};
 use crate::config::{Config, NetworkThreads};
-use crate::stats::{ChannelSnapshot, Drops, ExportStats, LimitStats, NicPlacement, NicStats, PollReport, Snapshot};
+use crate::stats::{
+    ChannelSnapshot, Drops, ExportStats, LimitStats, NicPlacement, NicStats, PollReport, Snapshot, StorageQueueStats,
+};
+use crate::workers::{DoneRoute, JobQueues, StoragePlan, ThreadStat};
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
 /// Frames sent per transport per loop turn.
 const TX_BUDGET: usize = 256;
-/// Storage jobs queued at most (the workers' queue).
-const JOB_QUEUE: usize = 4096;
+use crate::workers::JOB_QUEUE;
 /// How long a CHALLENGE may be answered.
 const CHALLENGE_LIFETIME: Duration = Duration::from_secs(5);
 /// Longest sleep when some transport has no readiness descriptor (in-memory links).
@@ -93,8 +96,11 @@ pub struct Placement {
     /// [`Target::start_placed`] (with `network_threads = "per-nic"`); missing or empty entries
     /// use `network_cpus`.
     pub nic_cpus: Vec<Vec<u32>>,
-    /// CPUs for the storage workers.
+    /// CPUs for the storage workers of the pool (without `storage`).
     pub worker_cpus: Vec<u32>,
+    /// The storage workers per node (the placement plan's completion workers) and each NIC's
+    /// queue; `None`: one pool of `config.workers` workers on `worker_cpus`.
+    pub storage: Option<StoragePlan>,
     /// NICs on several nodes: the network thread's memory policy is bound to these nodes, so
     /// that automatic NUMA balancing does not move the pages it touches towards the CPU it
     /// happens to run on (`tyche_numa::alloc::bind_thread_memory_to`).
@@ -203,6 +209,8 @@ pub(crate) struct Job {
     pub(crate) id: u64,
     /// Set when the job's session is fenced: a job not started by then is not run.
     pub(crate) fence: Option<Arc<AtomicBool>>,
+    /// The NIC of its channel: its node's queue runs it, and its network thread completes it.
+    pub(crate) nic: Option<usize>,
 }
 
 /// Transmit chunks a NIC's transport lent for good, holding one request's read data: segment
@@ -523,57 +531,72 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         published: Condvar::new(),
     });
     let backends: Vec<Arc<dyn Backend>> = exports.iter().map(|e| Arc::clone(&e.backend)).collect();
-    let (job_tx, job_rx) = mpsc::sync_channel::<Job>(JOB_QUEUE);
-    let job_rx = Arc::new(Mutex::new(job_rx));
-    let (done_tx, done_rx) = mpsc::channel::<Done>();
+    let n_nics = nics.len();
+    let groups: Vec<Vec<usize>> = match config.network_threads {
+        NetworkThreads::One => vec![(0..n_nics).collect()],
+        NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
+    };
+    let mut group_of = vec![0; n_nics];
+    for (g, members) in groups.iter().enumerate() {
+        for &k in members {
+            group_of[k] = g;
+        }
+    }
+    let group_wakes = groups.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
+    // Completions go back to the network thread of their channel's NIC.
+    let (done_txs, done_rx): (Vec<_>, Vec<_>) = groups.iter().map(|_| mpsc::channel::<Done>()).unzip();
+    let route = DoneRoute::new(done_txs, group_wakes.clone(), group_of.clone());
     // RAM exports execute on the network thread: the workers serve file and block exports
     // (where io_uring is not used).
-    let n_workers = match config.workers {
-        _ if !exports.iter().any(|e| e.backend.as_file().is_some()) => 0,
-        0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8),
-        n => n,
+    let files = exports.iter().any(|e| e.backend.as_file().is_some());
+    let storage = match &placement.storage {
+        Some(plan) if config.workers == 0 && plan.nic_queue.len() == n_nics => plan.clone(),
+        _ => {
+            let n = match config.workers {
+                0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8),
+                n => n,
+            };
+            StoragePlan::pool(n, &placement.worker_cpus, placement.node, n_nics)
+        }
     };
+    let (jobs, job_rx) = JobQueues::new(storage.nodes.len(), JOB_QUEUE, storage.nic_queue.clone());
     let mut workers = Vec::new();
-    for w in 0..n_workers {
-        let rx = Arc::clone(&job_rx);
-        let tx = done_tx.clone();
-        let backends = backends.clone();
-        let shared = Arc::clone(&shared);
-        let cpus = placement.worker_cpus.clone();
-        workers.push(std::thread::Builder::new().name(format!("tyched-io{w}")).spawn(move || {
-            pin(&cpus, "storage worker");
-            loop {
-                let job = rx.lock().expect("job queue").recv();
-                let Ok(mut job) = job else { return };
-                let status = execute_contained(&*backends[job.export], &mut job);
-                if tx.send(Done { job, status }).is_err() {
-                    return;
-                }
-                shared.wake();
-            }
-        })?);
+    let mut threads = Vec::new();
+    let mut n_workers = 0;
+    if files {
+        for (q, (node, rx)) in storage.nodes.iter().zip(job_rx).enumerate() {
+            workers.extend(crate::workers::start_workers(node, q, n_workers, rx, &backends, &route, &mut threads)?);
+            n_workers += node.workers.len();
+            tracing::info!(node = ?node.node, workers = node.workers.len(), cpus = ?node.workers.iter().map(|w| w.cpus.clone()).collect::<Vec<_>>(),
+                fallback = node.fallback, "storage workers");
+        }
     }
-    // File and block exports use io_uring where the kernel allows it, else the pool.
-    let mut uring = None;
-    if exports.iter().any(|e| e.backend.as_file().is_some()) {
-        let ring = if config.io_uring { crate::uring::open() } else { Err("disabled (io_uring = false)".into()) };
-        match ring {
-            Ok(ring) => {
-                let notify = Arc::clone(&shared);
-                let (queue, thread) = crate::uring::start(
-                    ring,
-                    backends.clone(),
-                    done_tx.clone(),
-                    Arc::new(move || notify.wake()),
-                    job_tx.clone(),
-                    placement.worker_cpus.clone(),
-                )?;
-                tracing::info!(depth = crate::uring::DEPTH, fallocate = queue.fallocate, "io_uring storage engine");
-                workers.push(thread);
+    // File and block exports use io_uring where the kernel allows it (a ring per storage
+    // queue, on that queue's node), else the pool.
+    let mut uring = Vec::new();
+    if files {
+        let rings: Result<Vec<_>, String> = if config.io_uring {
+            storage.nodes.iter().map(|_| crate::uring::open()).collect()
+        } else {
+            Err("disabled (io_uring = false)".into())
+        };
+        match rings {
+            Ok(rings) => {
+                let mut fallocate = true;
+                for (q, (ring, node)) in rings.into_iter().zip(&storage.nodes).enumerate() {
+                    let stat =
+                        ThreadStat::new(format!("tyched-uring{q}"), "io_uring", node.node, node.ring_cpus.clone(), q);
+                    threads.push(Arc::clone(&stat));
+                    let (queue, thread) =
+                        crate::uring::start(ring, backends.clone(), route.clone(), jobs.sender(q), stat)?;
+                    fallocate &= queue.fallocate;
+                    workers.push(thread);
+                    uring.push(queue);
+                }
+                tracing::info!(depth = crate::uring::DEPTH, rings = uring.len(), fallocate, "io_uring storage engine");
                 for e in exports.iter_mut().filter(|e| e.backend.as_file().is_some()) {
                     e.uring = true;
                 }
-                uring = Some(queue);
             }
             Err(reason) if config.io_uring => {
                 tracing::warn!(
@@ -586,7 +609,18 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
             }
         }
     }
-    drop(done_tx);
+    drop(route);
+    let storage_queues = storage
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(q, n)| StorageQueueStats {
+            node: n.node,
+            nics: (0..n_nics).filter(|&k| storage.nic_queue[k] == q).map(|k| nics[k].name.clone()).collect(),
+            fallback: n.fallback,
+            ..StorageQueueStats::default()
+        })
+        .collect();
     let nic_stats = nics
         .iter()
         .map(|n| NicStats { name: n.name.clone(), mac: n.transport.local_mac().to_string(), ..NicStats::default() })
@@ -610,18 +644,6 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
             ..ExportStats::default()
         })
         .collect();
-    let n_nics = nics.len();
-    let groups: Vec<Vec<usize>> = match config.network_threads {
-        NetworkThreads::One => vec![(0..n_nics).collect()],
-        NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
-    };
-    let mut group_of = vec![0; n_nics];
-    for (g, members) in groups.iter().enumerate() {
-        for &k in members {
-            group_of[k] = g;
-        }
-    }
-    let group_wakes = groups.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
     let mut net = Network {
         ethertype: config.ethertype,
         nic_stats,
@@ -642,10 +664,11 @@ fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Bu
         nic_node: Vec::new(),
         nic_areas: Vec::new(),
         nic_thread: Vec::new(),
-        job_tx,
+        jobs,
         uring,
-        overflow: VecDeque::new(),
         done_rx,
+        storage_threads: threads,
+        storage_queues,
         inflight: 0,
         control: Vec::new(),
         challenges: HashMap::new(),
@@ -990,11 +1013,17 @@ struct Network {
     nic_areas: Vec<Vec<tyche_transport::MemoryArea>>,
     /// Each NIC's serving thread, as it saw itself when it started.
     nic_thread: Vec<Option<tyche_numa::report::ThreadPlacement>>,
-    job_tx: mpsc::SyncSender<Job>,
-    /// The io_uring engine, when file and block exports use it.
-    uring: Option<crate::uring::UringQueue>,
-    overflow: VecDeque<Job>,
-    done_rx: mpsc::Receiver<Done>,
+    /// The storage queue of each node, and the jobs waiting for room in them.
+    jobs: JobQueues,
+    /// The io_uring engine of each storage queue, when file and block exports use it (empty:
+    /// they use the workers).
+    uring: Vec<crate::uring::UringQueue>,
+    /// Each network thread's finished jobs (those of its NICs' channels).
+    done_rx: Vec<mpsc::Receiver<Done>>,
+    /// The storage threads (workers, io_uring threads) and what they did.
+    storage_threads: Vec<Arc<ThreadStat>>,
+    /// Each storage queue's node and NICs (jobs filled in by the snapshot).
+    storage_queues: Vec<StorageQueueStats>,
     inflight: u64,
     /// Control replies (ACCEPT, REJECT, CHALLENGE, DISCOVER_REPLY) waiting per NIC.
     control: Vec<VecDeque<Vec<u8>>>,
@@ -1098,7 +1127,7 @@ impl Network {
             self.give_back(*k, nic);
             busy |= self.receive_on(now, *k, nic);
         }
-        busy |= self.completions(now);
+        busy |= self.completions(g);
         self.storage_deadlines(now);
         self.timers(now);
         self.collect_events();
@@ -1112,7 +1141,7 @@ impl Network {
         }
         self.publish_if_requested(now);
         if let Some(since) = self.stopping {
-            let drained = self.inflight == 0 && self.overflow.is_empty();
+            let drained = self.inflight == 0 && self.jobs.is_empty();
             let quiet = drained && !self.any_wants_transmit() && now.since(since) > Duration::from_millis(50);
             if quiet || now.since(since) > DRAIN_LIMIT {
                 // DISCONNECT every channel; each thread sends its own NICs' and exits.
@@ -1647,7 +1676,7 @@ impl Network {
                 "session fenced: the same initiator attached again"
             );
         }
-        for j in self.overflow.iter_mut().filter(|j| j.session == old) {
+        for j in self.jobs.waiting_mut().filter(|j| j.session == old) {
             j.abort = true;
         }
         let waiting: Vec<Deferred> = self.waiting_memory.iter().filter(|d| d.0 == old).copied().collect();
@@ -1761,15 +1790,17 @@ impl Network {
                 self.finish_job(Done { job: j, status });
             } else if let Some(q) = self
                 .uring
-                .as_ref()
+                .get(self.jobs.queue_of(j.nic))
                 .filter(|q| self.exports[j.export].uring && crate::uring::handles(q.fallocate, &*backend, j.request.op))
             {
+                // The ring of the channel's node.
                 if let Err(j) = q.submit(j) {
                     tracing::error!("the io_uring thread is gone; request failed");
                     self.finish_job(Done { job: j, status: Status::IoError });
                 }
             } else {
-                self.overflow.push_back(j);
+                // The queue of the channel's node.
+                self.jobs.push(j);
             }
         }
         self.submit_overflow();
@@ -1893,6 +1924,7 @@ impl Network {
             abort: stopping || dead,
             id,
             fence,
+            nic,
         })
     }
 
@@ -1970,26 +2002,19 @@ impl Network {
         }
     }
 
+    /// Moves jobs into their node's queue while it has room (the rest wait, in order).
     fn submit_overflow(&mut self) {
-        while let Some(j) = self.overflow.pop_front() {
-            match self.job_tx.try_send(j) {
-                Ok(()) => {}
-                Err(mpsc::TrySendError::Full(j)) => {
-                    self.overflow.push_front(j);
-                    return;
-                }
-                Err(mpsc::TrySendError::Disconnected(j)) => {
-                    // No worker is left (they only exit when the target stops): fail the request.
-                    tracing::error!("storage workers are gone; request failed");
-                    self.finish_job(Done { job: j, status: Status::IoError });
-                }
-            }
+        for j in self.jobs.submit() {
+            // No worker is left (they only exit when the target stops): fail the request.
+            tracing::error!("storage workers are gone; request failed");
+            self.finish_job(Done { job: j, status: Status::IoError });
         }
     }
 
-    fn completions(&mut self, _now: Instant) -> bool {
+    /// Finishes the jobs storage handed back to network thread `g` (its NICs' channels').
+    fn completions(&mut self, g: usize) -> bool {
         let mut any = false;
-        while let Ok(d) = self.done_rx.try_recv() {
+        while let Some(d) = self.done_rx.get(g).and_then(|rx| rx.try_recv().ok()) {
             any = true;
             self.finish_job(d);
         }
@@ -2391,6 +2416,17 @@ impl Network {
             // Read by the daemon's stats source (tyched's main), not the engine.
             irqs: Vec::new(),
             limits: self.limit_snapshot(),
+            storage_threads: self.storage_threads.iter().map(|t| t.snapshot()).collect(),
+            storage_queues: self
+                .storage_queues
+                .iter()
+                .enumerate()
+                .map(|(q, sq)| StorageQueueStats {
+                    workers: self.storage_threads.iter().filter(|t| t.queue == q && t.kind == "worker").count() as u64,
+                    jobs: self.storage_threads.iter().filter(|t| t.queue == q).map(|t| t.jobs()).sum(),
+                    ..sq.clone()
+                })
+                .collect(),
             poll: PollReport {
                 mode: self.poll.mode,
                 budget_us: self.poll.budget.as_micros() as u64,

@@ -8,7 +8,13 @@
 //! regular files DISCARD / WRITE_ZEROES as `IORING_OP_FALLOCATE` (punch hole / zero range).
 //! Block-device DISCARD / WRITE_ZEROES (ioctls, which io_uring has no op for on the kernels we
 //! target), and a FALLOCATE the file system refuses, go to the thread pool's existing path. Short
-//! transfers are resubmitted for the rest. Completions go back as [`Done`], as from the pool.
+//! transfers are resubmitted for the rest. Completions go back as [`Done`], as from the pool, to
+//! the done queue of the network thread that serves the job's NIC ([`DoneRoute`]).
+//!
+//! The target starts one engine (one ring, one thread) per storage queue: per NUMA node with
+//! channels when the placement plan is used (`crate::workers`), pinned to the first completion
+//! worker CPU of that node, so the submissions and completions of a channel's storage requests
+//! happen on its NIC's node.
 //!
 //! [`open`] says whether the kernel allows io_uring here (setup, and a probe for every op this
 //! engine uses); where it does not, the target uses the thread pool and logs why.
@@ -25,6 +31,7 @@ use tyche_wire::{Op, Status};
 
 use crate::backend::{Backend, FileBackend};
 use crate::target::{Done, Job};
+use crate::workers::{DoneRoute, ThreadStat};
 use tyche_transport::wake::WakeFd;
 
 /// Requests in flight at most (one submission queue entry each; one more entry is the poll on
@@ -109,15 +116,15 @@ impl Drop for UringQueue {
     }
 }
 
-/// Starts the engine's thread. `done` receives every finished job, then `notify` runs;
-/// `pool` takes the jobs the ring cannot do.
+/// Starts the engine's thread (named, pinned and counted as `stat` says). `done` takes every
+/// finished job to its network thread and wakes that thread once per batch; `pool` takes the
+/// jobs the ring cannot do.
 pub(crate) fn start(
     ring: Ring,
     backends: Vec<Arc<dyn Backend>>,
-    done: mpsc::Sender<Done>,
-    notify: Arc<dyn Fn() + Send + Sync>,
+    done: DoneRoute,
     pool: mpsc::SyncSender<Job>,
-    cpus: Vec<u32>,
+    stat: Arc<ThreadStat>,
 ) -> io::Result<(UringQueue, JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel::<Job>();
     let wake = Arc::new(WakeFd::new()?);
@@ -128,15 +135,17 @@ pub(crate) fn start(
         wake: Arc::clone(&wake),
         backends,
         done,
-        notify,
+        woken: Vec::new(),
+        stat: Arc::clone(&stat),
         pool,
         fallocate,
         slots: (0..DEPTH).map(|_| None).collect(),
         free: (0..DEPTH as usize).rev().collect(),
         pending: VecDeque::new(),
     };
-    let thread = std::thread::Builder::new().name("tyched-uring".into()).spawn(move || {
-        crate::target::pin(&cpus, "io_uring thread");
+    let thread = std::thread::Builder::new().name(stat.name.clone()).spawn(move || {
+        // Its memory policy stays the default: the ring's memory is the kernel's.
+        stat.place(None);
         engine.run();
     })?;
     Ok((UringQueue { tx: Some(tx), wake, fallocate }, thread))
@@ -162,8 +171,10 @@ struct Engine {
     rx: mpsc::Receiver<Job>,
     wake: Arc<WakeFd>,
     backends: Vec<Arc<dyn Backend>>,
-    done: mpsc::Sender<Done>,
-    notify: Arc<dyn Fn() + Send + Sync>,
+    done: DoneRoute,
+    /// Network threads with completions queued since they were last woken.
+    woken: Vec<usize>,
+    stat: Arc<ThreadStat>,
     pool: mpsc::SyncSender<Job>,
     fallocate: bool,
     slots: Vec<Option<InFlight>>,
@@ -207,7 +218,7 @@ impl Engine {
                 finished |= self.start(job);
             }
             if finished {
-                (self.notify)();
+                self.notify();
             }
             let inflight = DEPTH as usize - self.free.len();
             if closed && inflight == 0 && self.pending.is_empty() {
@@ -238,7 +249,7 @@ impl Engine {
                 finished |= self.complete(data as usize, res);
             }
             if finished {
-                (self.notify)();
+                self.notify();
             }
         }
     }
@@ -418,7 +429,19 @@ impl Engine {
     }
 
     fn finish(&mut self, job: Job, status: Status) {
-        let _ = self.done.send(Done { job, status });
+        self.stat.executed();
+        if let Some(g) = self.done.send(Done { job, status }) {
+            if !self.woken.contains(&g) {
+                self.woken.push(g);
+            }
+        }
+    }
+
+    /// Wakes the network threads that got completions.
+    fn notify(&mut self) {
+        for g in self.woken.drain(..) {
+            self.done.wake(g);
+        }
     }
 }
 
@@ -451,7 +474,7 @@ impl Drop for Engine {
         for job in self.pending.drain(..) {
             let _ = self.done.send(Done { job, status: Status::IoError });
         }
-        (self.notify)();
+        self.done.wake_all();
     }
 }
 
@@ -485,8 +508,9 @@ mod tests {
             let ring = open().expect("io_uring works on this machine");
             let (done_tx, done) = mpsc::channel();
             let (pool_tx, pool) = mpsc::sync_channel(16);
-            let (queue, thread) =
-                start(ring, vec![Arc::clone(&backend)], done_tx, Arc::new(|| {}), pool_tx, vec![]).expect("start");
+            let route = DoneRoute::new(vec![done_tx], vec![Arc::new(WakeFd::new().expect("eventfd"))], vec![0]);
+            let stat = ThreadStat::new("tyched-uring0".into(), "io_uring", None, Vec::new(), 0);
+            let (queue, thread) = start(ring, vec![Arc::clone(&backend)], route, pool_tx, stat).expect("start");
             Harness { queue: Some(queue), thread: Some(thread), done, pool, pooled: Default::default(), backend }
         }
 
@@ -504,6 +528,7 @@ mod tests {
                 abort: false,
                 id: 0,
                 fence: None,
+                nic: None,
             };
             self.queue.as_ref().unwrap().submit(job).expect("the engine runs");
             loop {
@@ -574,6 +599,7 @@ mod tests {
                 abort: false,
                 id: 0,
                 fence: None,
+                nic: None,
             })
             .expect("the engine runs");
         }
@@ -597,6 +623,7 @@ mod tests {
             abort: true,
             id: 0,
             fence: None,
+            nic: None,
         };
         q.submit(j).expect("the engine runs");
         assert_eq!(h.done.recv_timeout(Duration::from_secs(5)).expect("aborted").status, Status::Aborted);
