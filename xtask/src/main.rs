@@ -3,8 +3,8 @@
 
 mod attack;
 mod bench_e2e;
-mod bench_send_mode;
 mod bench_scale;
+mod bench_send_mode;
 mod bpfgen;
 mod charts;
 mod demo;

@@ -366,6 +366,7 @@ mod tests {
             fua: false,
             remq: 0,
             damq: NO_SLOT,
+            home: 0,
             tag: id,
             floor: 0,
             offset: 0,
