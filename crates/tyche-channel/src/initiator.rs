@@ -622,11 +622,16 @@ impl Volume {
         }
     }
 
-    /// Whether modifications completed that no completed FLUSH covered (a caller that replaces
-    /// this volume, e.g. a restarted engine, hands that on with
-    /// [`Volume::assume_writes_lost`]).
+    /// Whether this volume owes its user a durability report: modifications completed that no
+    /// completed FLUSH covered, or a lost session (or an earlier volume, through
+    /// [`Volume::assume_writes_lost`]) may have lost some and no FLUSH has failed to say so yet.
+    /// A caller that replaces this volume, e.g. a restarted engine, hands that on with
+    /// [`Volume::assume_writes_lost`]; otherwise a second replacement before the next FLUSH
+    /// would forget the report, and a FLUSH would succeed after acknowledged writes were lost.
     pub fn unflushed_writes(&self) -> bool {
         self.done_writes > self.flushed
+            || self.owed_flush_error
+            || self.requests.values().any(|r| r.op == Op::Flush && r.doubtful)
     }
 
     /// Makes the next FLUSH to complete fail with an I/O error: writes an earlier volume of

@@ -184,3 +184,26 @@ fn no_path_timeout_runs_from_the_last_path_across_a_resume() {
     assert!(failed >= died + no_path && failed < died + no_path + no_path / 2, "failed at {failed:?}, died {died:?}");
     let _ = SESSION;
 }
+
+#[test]
+fn a_volume_that_owes_a_durability_report_says_so_until_a_flush_fails() {
+    // Found by the simulator (seed 2838, two engine restarts): a volume that took the report
+    // over (`assume_writes_lost`) or owes it after a lost session, with no write of its own,
+    // said it had nothing unflushed, so a second replacement forgot the report and a FLUSH
+    // succeeded after acknowledged writes were lost.
+    let mut pair = Pair::new();
+    assert!(!pair.volume.unflushed_writes());
+    pair.volume.assume_writes_lost();
+    assert!(pair.volume.unflushed_writes(), "a report handed on is still owed");
+    pair.flush(1);
+    pair.drive_until("the flush ends", |p| p.result(1).is_some());
+    assert_eq!(pair.result(1), Some(Err(IoError::Target(Status::IoError))));
+    assert!(!pair.volume.unflushed_writes(), "reported: nothing owed any more");
+    // A write, then the session is lost without a shutdown: owed across the resume.
+    pair.write(2, 0, &pattern(2, 512));
+    pair.drive_until("the write ends", |p| p.result(2).is_some());
+    pair.expect_ok(2);
+    pair.restart_target(NEW);
+    pair.volume.resume(NEW, pair.now);
+    assert!(pair.volume.unflushed_writes(), "owed after a lost session");
+}
