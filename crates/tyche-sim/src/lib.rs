@@ -556,7 +556,9 @@ impl World {
                         }
                         self.volume.as_mut().expect("created").add_channel(channel, None, now);
                         if std::mem::take(&mut self.recovering) {
-                            // The new engine takes the application's requests over.
+                            // The new engine takes the application's requests over (re-issued
+                            // FLUSHes then run on a target that may have crashed since).
+                            self.model.resumed();
                             let vol = self.volume.as_mut().expect("created");
                             if std::mem::take(&mut self.unflushed_handed_on) {
                                 vol.assume_writes_lost();
@@ -578,6 +580,7 @@ impl World {
                         assert_eq!(connected.export_size, self.export_size, "seed {seed}: the export changed size");
                         let vol = self.volume.as_mut().expect("a volume resumes");
                         vol.resume(connected.session, now);
+                        self.model.resumed();
                         vol.add_channel(channel, None, now);
                     }
                     Opened::Joined => self.volume.as_mut().expect("joined a volume").add_channel(channel, None, now),

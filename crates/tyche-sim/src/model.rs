@@ -32,9 +32,14 @@ pub struct Model {
     changes: Vec<u32>,
     /// Crashes of the target so far: a FLUSH started before one covers nothing after it.
     epoch: u64,
-    /// A crash lost (or may have lost) acknowledged writes no FLUSH covered: the next FLUSH
-    /// must fail, not succeed as if they were durable.
-    owed: bool,
+    /// Acknowledged writes a crash may have lost (sector, its [`Model::changes`] count at the
+    /// crash): while any is left, the next FLUSH must fail, not succeed as if they were durable.
+    /// A FLUSH submitted before the crash that completes after it ran before it: the sectors it
+    /// covered, unmodified since its submission, were durable, and leave this list.
+    owed: Vec<(u32, u32)>,
+    /// The initiator resumed its volume since the last crash: a FLUSH from before the crash
+    /// that completes now may have been re-issued and run after it (it then proves nothing).
+    resumed: bool,
 }
 
 /// What a FLUSH covers: the acknowledged content, when it was submitted, of every sector not
@@ -82,7 +87,8 @@ impl Model {
             is_dirty: vec![false; n],
             changes: vec![0; n],
             epoch: 0,
-            owed: false,
+            owed: Vec::new(),
+            resumed: false,
         }
     }
 
@@ -140,11 +146,20 @@ impl Model {
     /// acknowledged writes since, and no FLUSH has failed to say so.
     pub fn flush_done(&mut self, cover: FlushCover) -> bool {
         if cover.epoch != self.epoch {
-            // Submitted before a crash: had it run after the crash it would have had to fail,
-            // so it ran before it, and covered only what the crash may have taken anyway.
+            // Submitted before a crash. Completed before the volume resumed: its completion was
+            // on the wire, so it ran before the crash, and what it covered was durable then.
+            // (Completed after: it may have been re-issued and run after the crash, where it
+            // had to fail if the crash owed a report; it proves nothing.)
+            if self.resumed {
+                return true;
+            }
+            let changes = &self.changes;
+            let covered: Vec<(u32, u32)> =
+                cover.sectors.iter().filter(|&&(s, _, c)| changes[s as usize] == c).map(|&(s, _, c)| (s, c)).collect();
+            self.owed.retain(|o| !covered.contains(o));
             return true;
         }
-        if self.owed {
+        if !self.owed.is_empty() {
             return false;
         }
         // Clean: covered, and not modified since the FLUSH was submitted. Every other sector
@@ -164,9 +179,14 @@ impl Model {
         true
     }
 
+    /// The initiator resumed its volume on a new session (re-issuing what was outstanding).
+    pub fn resumed(&mut self) {
+        self.resumed = true;
+    }
+
     /// A FLUSH failed: whatever a crash lost has been reported.
     pub fn flush_failed(&mut self) {
-        self.owed = false;
+        self.owed.clear();
     }
 
     /// The target crashed: every sector modified since a FLUSH last covered it may hold
@@ -174,11 +194,17 @@ impl Model {
     /// flushed: a modification in between may have reached the medium).
     pub fn crash(&mut self) {
         self.epoch += 1;
-        let (sectors, durable) = (&self.sectors, &self.durable);
-        self.owed |= self.dirty.iter().any(|&s| {
-            let s = s as usize;
-            matches!(sectors[s], Expect::Version(_)) && sectors[s] != durable[s]
-        });
+        self.resumed = false;
+        let (sectors, durable, changes) = (&self.sectors, &self.durable, &self.changes);
+        self.owed.extend(
+            self.dirty
+                .iter()
+                .filter(|&&s| {
+                    let s = s as usize;
+                    matches!(sectors[s], Expect::Version(_)) && sectors[s] != durable[s]
+                })
+                .map(|&s| (s, changes[s as usize])),
+        );
         for s in std::mem::take(&mut self.dirty) {
             let s = s as usize;
             self.is_dirty[s] = false;
@@ -233,6 +259,44 @@ mod tests {
     }
 
     #[test]
+    fn a_flush_that_ran_before_the_crash_pays_what_the_crash_owed() {
+        // Found by seed 1260 (--paths 3 --restarts): a FLUSH's completion was on the wire when
+        // the target crashed; it ran before the crash, so the writes it covered were durable,
+        // and the initiator rightly let the next FLUSH succeed.
+        let mut m = Model::new(4 * 512);
+        m.written(0, 1024, 5);
+        let cover = m.flush_started();
+        m.crash();
+        assert!(m.flush_done(cover), "a FLUSH from before the crash");
+        let next = m.flush_started();
+        assert!(m.flush_done(next), "nothing acknowledged was lost");
+        // Without that FLUSH the next one must fail.
+        let mut m = Model::new(4 * 512);
+        m.written(0, 1024, 5);
+        m.crash();
+        let next = m.flush_started();
+        assert!(!m.flush_done(next), "a crash lost write 5 and no FLUSH said so");
+        // A FLUSH from before the crash whose sectors were modified after it covers nothing.
+        let mut m = Model::new(4 * 512);
+        m.written(0, 512, 5);
+        let cover = m.flush_started();
+        m.written(0, 512, 6);
+        m.crash();
+        assert!(m.flush_done(cover));
+        let next = m.flush_started();
+        assert!(!m.flush_done(next), "write 6 may have been lost");
+        // One completed after the volume resumed proves nothing either.
+        let mut m = Model::new(4 * 512);
+        m.written(0, 1024, 5);
+        let cover = m.flush_started();
+        m.crash();
+        m.resumed();
+        assert!(m.flush_done(cover));
+        let next = m.flush_started();
+        assert!(!m.flush_done(next), "write 6 may have been lost");
+    }
+
+    #[test]
     fn model_tracks_writes_and_unknowns() {
         let mut m = Model::new(8 * 512);
         let mut disk = vec![0u8; 8 * 512];
@@ -278,7 +342,9 @@ mod tests {
         m.written(0, 512, 3);
         let cover = m.flush_started();
         m.crash();
-        assert!(m.flush_done(cover), "ran before the crash");
+        // Completed after the volume resumed: re-issued, it may have run after the crash.
+        m.resumed();
+        assert!(m.flush_done(cover));
         m.crash();
         assert_eq!(m.mismatches(0, &[0xCD; 512]), 0, "write 3 was never made durable");
         // Write 3 may be lost: the next FLUSH must fail.
