@@ -147,7 +147,9 @@ struct ConnArgs {
     /// Channel scheduler: affinity or round-robin.
     #[arg(long, default_value = "affinity")]
     scheduler: SchedulerKind,
-    /// Send mode: inline or queue.
+    /// Send mode: inline (the submitting thread, or the engine thread reading an NBD socket,
+    /// posts the request's frames itself) or queue (it hands the request to the engine thread
+    /// over a bounded queue).
     #[arg(long, default_value = "inline")]
     send_mode: SendMode,
     /// Engine threads: per-node (one per NUMA node of the NICs, pinned there) or one.
