@@ -169,6 +169,11 @@ struct ConnArgs {
     /// core of its node that this process's threads then keep off; needs root).
     #[arg(long, default_value = "keep", value_name = "keep|auto")]
     irq_affinity: tyche_numa::irq::IrqPolicy,
+    /// Placement experiment (the NESUS paper's misplaced-memory case): every AF_XDP channel's
+    /// UMEM and rings on NUMA node N instead of its NIC's node. Channels are still scheduled by
+    /// their NIC's node.
+    #[arg(long, value_name = "N")]
+    channel_memory_node: Option<u32>,
     /// Where the measured I/O bandwidth model is kept (machines with several NUMA nodes).
     #[arg(long, value_name = "FILE", default_value = tyche_numa::model::DEFAULT_CACHE)]
     model_cache: PathBuf,
@@ -305,12 +310,25 @@ impl ConnArgs {
             }
         }
         let queues = if self.queue_per_channel(true) { self.channels_per_nic as u32 } else { 1 };
+        let numa = match self.channel_memory_node {
+            None => tyche_xdp::NumaPlacement::Auto,
+            Some(n) => {
+                if !self.tcp.is_empty() || self.ifaces.is_empty() {
+                    bail!("--channel-memory-node applies to AF_XDP channels (--iface) only");
+                }
+                tyche_numa::node_cpus(n).with_context(|| format!("--channel-memory-node {n}"))?;
+                warn!(node = n, "placement experiment: every channel's memory on node {n}, not on its NIC's");
+                tyche_xdp::NumaPlacement::Node(n)
+            }
+        };
         for (k, ifname) in self.ifaces.iter().enumerate().filter(|_| self.tcp.is_empty()) {
-            let cfg = tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, ..Default::default() };
+            let cfg = tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, numa, ..Default::default() };
             let ports = tyche_xdp::XdpPort::open_queues(ifname, queues, &cfg)
                 .with_context(|| format!("opening AF_XDP sockets on {ifname} (queues 0..{queues})"))?;
             for (q, port) in ports.into_iter().enumerate() {
-                let node = port.numa_node();
+                // Scheduled by the NIC's node, wherever the experiment put the memory.
+                let node =
+                    if self.channel_memory_node.is_some() { tyche_numa::nic_node(ifname) } else { port.numa_node() };
                 info!(iface = %ifname, queue = q, ?node, mode = ?port.mode(), "AF_XDP socket open");
                 let name = if queues > 1 { format!("{ifname}/{q}") } else { ifname.clone() };
                 links.push(Link { name, transport: Box::new(port), target: target_of(k), node });
