@@ -8,6 +8,10 @@
 //! 1. finds the NICs by MAC and moves the target-side ones into namespace `tgt`, the
 //!    initiator-side ones into `ini`;
 //! 2. checks that hwloc (`tyched topology --json`, in each namespace) puts each NIC on its node;
+//!    then, with consumers on every CPU of node 1, that the I/O bandwidth model decides where
+//!    the node-1 NIC's channel thread goes (`--model-file`, a given model, since TCG's memory
+//!    has no NUMA bandwidth to measure): to node 0 when node 0 is in class 1 for node 1's
+//!    NICs, memory staying on node 1; on node 1, sharing a core, when node 0 is in class 2;
 //! 3. for each scheduler (`affinity`, then `round-robin`): starts `tyched` (a file export on the
 //!    guest's tmpfs, io_uring, AF_XDP on both NICs) and `tyche-init serve-nbd` (AF_XDP on both NICs, every NBD connection served
 //!    for node 1: `--nbd-nodes 1`), writes [`WORKLOAD`] bytes through one NBD connection from
@@ -399,6 +403,9 @@ pub fn guest() -> Result<String> {
         }
     }
 
+    // 2b. Seed 003 deciding placement: node 1's CPUs all taken by consumers.
+    model_guided_placement(&tyched, &tgt, &cpus)?;
+
     // Automatic NUMA balancing (on by default on a NUMA kernel) migrates a page towards the CPU
     // that touches it, unless a memory policy says otherwise. The test runs with it as the
     // machine has it: the initiator binds the memory policy of its engine threads (which copy
@@ -440,6 +447,65 @@ pub fn guest() -> Result<String> {
     let summary = "2 nodes, 2 nics".to_string();
     say(format!("ok: {summary}"));
     Ok(summary)
+}
+
+/// A bandwidth model of the VM for NICs on node 1 in which node 0 moves `node0` GB/s (node 1
+/// its own 10): class 1 when within 10 % of node 1, else class 2.
+fn vm_model(node0: f64) -> Value {
+    let class = if node0 >= 9.0 { 1 } else { 2 };
+    let side = serde_json::json!([
+        {"node": 0, "gbytes_per_s": node0, "class": class},
+        {"node": 1, "gbytes_per_s": 10.0, "class": 1},
+    ]);
+    serde_json::json!({"tolerance": 0.1, "io_nodes": [{"io_node": 1, "write": side, "read": side}]})
+}
+
+/// The placement plan on the VM's real topology when consumers run on every CPU of node 1 (the
+/// node of the target's second NIC), with a given bandwidth model (`--model-file`: TCG's
+/// memory has no NUMA bandwidth to measure): with node 0 in class 1, the channel's network
+/// thread goes to a CPU of node 0 and its memory stays on node 1; with node 0 in class 2 it
+/// stays on node 1 and shares a consumer's core.
+fn model_guided_placement(tyched: &Path, tgt: &[VmNic], cpus: &[Vec<u64>; 2]) -> Result<()> {
+    let nic = tgt.iter().find(|n| n.node == 1).context("no target NIC on node 1")?;
+    let busy = cpus[1].iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+    for (node0, want) in [(9.5, 0u32), (6.0, 1u32)] {
+        let file = Path::new(WORK).join(format!("model-{node0}.json"));
+        fs::write(&file, vm_model(node0).to_string())?;
+        let file = file.to_str().context("utf-8 path")?;
+        let args = [
+            "topology",
+            "--json",
+            "--iface",
+            nic.name.as_str(),
+            "--consumer-cpus",
+            busy.as_str(),
+            "--model-file",
+            file,
+        ];
+        let v = json(&in_ns(TGT, tyched, &args)?, "tyched topology --json --model-file")?;
+        let ch = &v["plan"]["channels"][0];
+        let cpu = ch["network_cpu"].as_u64().unwrap_or(u64::MAX);
+        let class = if want == 0 { 1 } else { 2 };
+        check!(
+            node_of(&ch["node"]) == Some(want) && cpus[want as usize].contains(&cpu),
+            "model (node 0 in class {class}): {}'s thread on node {} cpu {cpu}, expected node {want} ({:?})",
+            nic.name,
+            ch["node"],
+            cpus[want as usize]
+        );
+        check!(node_of(&ch["memory_node"]) == Some(1), "{}'s memory planned on node {}", nic.name, ch["memory_node"]);
+        check!(
+            ch["exclusive_core"] == (want == 0),
+            "{}: exclusive_core {} with node 0 in class {class}",
+            nic.name,
+            ch["exclusive_core"]
+        );
+        say(format!(
+            "model-guided placement: node 1's cpus {busy} busy, node 0 in class {class}: {}'s thread on node {want} cpu {cpu}, memory on node 1",
+            nic.name
+        ));
+    }
+    Ok(())
 }
 
 /// Starts both daemons with `scheduler`, runs the workload, checks placement, stops them.

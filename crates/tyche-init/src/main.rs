@@ -438,7 +438,7 @@ fn numa_setup(conn: &ConnArgs, links: &[Link], cfg: &mut InitiatorConfig) -> Res
         // that is a low bandwidth class for them.
         for n in topo.iter().flat_map(|t| t.nodes.iter()).map(|n| n.id).filter(|n| !nodes.contains(n)) {
             if let Some(&first) = order.fallback(n).first().and_then(|t| t.first()) {
-                if let Some(w) = tyche_numa::model::low_class(m, &format!("requests from node {n}"), n, first) {
+                if let Some(w) = tyche_numa::model::low_class(m, "the buffers of requests", n, first) {
                     warn!("{w}");
                 }
             }

@@ -218,11 +218,22 @@ pub fn measure(topo: &Topology, io_nodes: &[u32], cfg: &ModelConfig) -> Result<B
     }
     let mut measurements = Vec::new();
     for &k in io_nodes {
-        let device = topo.node(k).ok_or(NumaError::NoSuchNode(k))?;
+        let mut device = topo.node(k).ok_or(NumaError::NoSuchNode(k))?;
         if device.cpus.is_empty() {
-            // No CPU to simulate the DMA engine with; leave the node out of the model.
-            tracing::warn!("bandwidth model: node {k} has no CPUs, not modelled");
-            continue;
+            // No CPU on the device's node to simulate its DMA engine with: the threads run on
+            // the nearest node that has CPUs, still copying to and from buffers on `k`, so the
+            // classes say how well each node's memory and `k`'s memory exchange data.
+            let Some(near) = topo
+                .nodes
+                .iter()
+                .filter(|n| !n.cpus.is_empty())
+                .min_by_key(|n| (topo.distance(k, n.id).unwrap_or(u64::MAX), n.id.abs_diff(k), n.id))
+            else {
+                tracing::warn!("bandwidth model: no node has CPUs, node {k} not modelled");
+                continue;
+            };
+            tracing::info!("bandwidth model: node {k} has no CPUs; its copy threads run on node {}", near.id);
+            device = near;
         }
         let threads = cfg.threads.unwrap_or(device.cores.len()).max(1);
         let mut write = Vec::new();
@@ -353,6 +364,29 @@ pub fn cached(
 
 /// The cache file, `None` when there is none; an error says what is wrong with it.
 fn read_cache(path: &Path) -> Result<Option<CacheFile>, String> {
+    let Some(bytes) = read_bounded(path)? else { return Ok(None) };
+    let file: CacheFile = serde_json::from_slice(&bytes).map_err(|e| format!("not a model file: {e}"))?;
+    check_model(&file.model)?;
+    Ok(Some(file))
+}
+
+/// A model from a file, whatever machine it was measured on: a cache file (as the daemons
+/// write) or the bare model (as `tyched topology --json` prints under `model`). For placing on
+/// another machine's topology (`tyched topology --xml FILE --model-file FILE`), or for
+/// repeating a placement with given classes; an error says what is wrong with the file.
+pub fn load_file(path: &Path) -> Result<BandwidthModel, String> {
+    let bytes = read_bounded(path)?.ok_or_else(|| "no such file".to_string())?;
+    let model = match serde_json::from_slice::<CacheFile>(&bytes) {
+        Ok(file) => file.model,
+        Err(_) => serde_json::from_slice::<BandwidthModel>(&bytes)
+            .map_err(|e| format!("neither a model cache file nor a model: {e}"))?,
+    };
+    check_model(&model)?;
+    Ok(model)
+}
+
+/// At most [`MAX_CACHE_BYTES`] of a file; `None` when it does not exist.
+fn read_bounded(path: &Path) -> Result<Option<Vec<u8>>, String> {
     use std::io::Read;
     let f = match std::fs::File::open(path) {
         Ok(f) => f,
@@ -364,17 +398,21 @@ fn read_cache(path: &Path) -> Result<Option<CacheFile>, String> {
     if bytes.len() as u64 > MAX_CACHE_BYTES {
         return Err(format!("larger than {MAX_CACHE_BYTES} bytes"));
     }
-    let file: CacheFile = serde_json::from_slice(&bytes).map_err(|e| format!("not a model file: {e}"))?;
-    let finite = file
-        .model
+    Ok(Some(bytes))
+}
+
+/// A model read from a file has finite, non-negative bandwidths, classes from 1 and a
+/// tolerance in [0, 1).
+fn check_model(model: &BandwidthModel) -> Result<(), String> {
+    let finite = model
         .io_nodes
         .iter()
         .flat_map(|m| m.write.iter().chain(&m.read))
         .all(|b| b.gbytes_per_s.is_finite() && b.gbytes_per_s >= 0.0 && b.class >= 1);
-    if !finite || !(0.0..1.0).contains(&file.model.tolerance) {
+    if !finite || !(0.0..1.0).contains(&model.tolerance) {
         return Err("not a model file: a bandwidth, class or tolerance out of range".into());
     }
-    Ok(Some(file))
+    Ok(())
 }
 
 fn write_cache(path: &Path, file: &CacheFile) -> std::io::Result<()> {
@@ -389,33 +427,41 @@ fn write_cache(path: &Path, file: &CacheFile) -> std::io::Result<()> {
     })
 }
 
-/// A warning when memory and threads on `node` are in a bandwidth class worse than 1 for a
-/// device on `io_node` (`what` names the channel); `None` when class 1 or not modelled. Pure.
+/// A warning when `what` (a channel's memory or thread, requests' buffers) on `node` is in a
+/// bandwidth class worse than 1 for a device on `io_node`; `None` when class 1 or not
+/// modelled. Pure.
 pub fn low_class(model: &BandwidthModel, what: &str, node: u32, io_node: u32) -> Option<String> {
     let class = model.class_between(node, io_node)?;
     let worst =
         model.io_node(io_node).map(|m| m.write.iter().chain(&m.read).map(|b| b.class).max().unwrap_or(1)).unwrap_or(1);
     (class > 1).then(|| {
         format!(
-            "{what}: memory and thread on node {node}, bandwidth class {class} of {worst} for NICs on node {io_node} \
+            "{what} on node {node}: bandwidth class {class} of {worst} for NICs on node {io_node} \
              (class 1 is best: the NIC's node and its neighbours)"
         )
     })
 }
 
-/// [`low_class`] for every channel of a plan whose NIC's node is known. Pure.
+/// [`low_class`] for every channel of a plan whose NIC's node is known: for its thread's node,
+/// and for its memory's node where that is another one. Pure.
 pub fn plan_warnings(model: &BandwidthModel, plan: &crate::Plan) -> Vec<String> {
     plan.channels
         .iter()
         .filter_map(|c| {
             let k = c.nic_node?;
-            low_class(model, &format!("{} channel {}", c.nic, c.channel), c.node, k)
+            let what = format!("{} channel {}", c.nic, c.channel);
+            if c.memory_node == c.node {
+                return low_class(model, &format!("{what}: memory and thread"), c.node, k);
+            }
+            let memory = low_class(model, &format!("{what}: memory"), c.memory_node, k);
+            let thread = low_class(model, &format!("{what}: network thread"), c.node, k);
+            memory.or(thread)
         })
         .collect()
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::scheduler::{ChannelScheduler, NodeOrder, Policy};
 
@@ -434,7 +480,7 @@ mod tests {
         vec![(0, 42.9), (1, 44.1), (2, 26.0), (3, 27.3), (4, 44.1), (5, 46.9), (6, 46.5), (7, 55.9)]
     }
 
-    fn paper_model() -> BandwidthModel {
+    pub(crate) fn paper_model() -> BandwidthModel {
         BandwidthModel::from_measurements(
             vec![IoMeasurement { io_node: 7, first_class: vec![6, 7], write: table_iv_write(), read: table_v_read() }],
             0.10,
@@ -544,6 +590,27 @@ mod tests {
         std::fs::write(&blocked, "").unwrap();
         let (_, how) = cached(&blocked.join("model.json"), &topo, &[k], &cfg, false).expect("measured");
         assert_eq!(how, CacheUse::MeasuredNotStored);
+    }
+
+    #[test]
+    fn model_files_load_bare_or_cached_and_junk_is_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let model = paper_model();
+        let bare = dir.path().join("bare.json");
+        std::fs::write(&bare, serde_json::to_string(&model).unwrap()).unwrap();
+        assert_eq!(load_file(&bare).expect("a bare model"), model);
+        let cache = dir.path().join("cache.json");
+        let file = CacheFile { version: CACHE_VERSION, machine: "another machine".into(), model: model.clone() };
+        std::fs::write(&cache, serde_json::to_string(&file).unwrap()).unwrap();
+        assert_eq!(load_file(&cache).expect("a cache file of any machine"), model);
+        assert!(load_file(&dir.path().join("missing.json")).unwrap_err().contains("no such file"));
+        let junk = dir.path().join("junk.json");
+        std::fs::write(&junk, "{\"tolerance\": 0.1}").unwrap();
+        assert!(load_file(&junk).unwrap_err().contains("neither"), "junk is named");
+        let mut bad = model;
+        bad.io_nodes[0].read[0].gbytes_per_s = -1.0;
+        std::fs::write(&junk, serde_json::to_string(&bad).unwrap()).unwrap();
+        assert!(load_file(&junk).unwrap_err().contains("out of range"));
     }
 
     #[test]

@@ -21,6 +21,23 @@
 //! A channel whose NIC node is unknown goes to the node with the fewest channels so far; one
 //! whose node has no CPUs goes to the nearest node that has some. Both are warnings: each is
 //! logged with `tracing::warn!` and listed in [`Plan::warnings`].
+//!
+//! # With the I/O bandwidth model ([`plan_with_model`])
+//! The model of Li et al. (seed 003, [`crate::model`]) groups nodes into bandwidth classes for
+//! the NICs of each node. With it, two decisions follow the measured classes instead of the
+//! distance matrix alone:
+//! - **A NIC on a node without CPUs**: its channels' threads go to the node with CPUs in the
+//!   best class for that NIC's node (ties: nearest, then lowest id).
+//! - **A NIC whose node has no free core for all of its channels** (consumers on its cores, or
+//!   more channels than free cores): a channel that would share a core moves its thread to
+//!   another node in class 1 for the NIC's node (same bandwidth, by the model) that has a spare
+//!   core, nearest first. A channel never moves to a worse class for want of a core: there it
+//!   shares, as without a model (warning). Without a model nothing moves, since distance alone
+//!   does not say the bandwidth is the same.
+//!
+//! A channel's memory (UMEM, rings, slots) stays on its NIC's node whenever that node has memory
+//! ([`ChannelPlacement::memory_node`]): the device's own node is class 1 by definition, so only
+//! the thread moves.
 
 use std::collections::BTreeSet;
 
@@ -28,7 +45,7 @@ use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
 use serde::Serialize;
 
-use crate::{NumaError, Topology};
+use crate::{BandwidthModel, NumaError, Topology};
 
 /// One channel to place: which NIC it uses, its index on that NIC, and the NIC's node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -80,8 +97,12 @@ pub struct ChannelPlacement {
     pub channel: u32,
     /// The NIC's node (`None` when unknown).
     pub nic_node: Option<u32>,
-    /// The node the channel's thread and memory are placed on.
+    /// The node the channel's network thread runs on (its NIC's node unless that node has no
+    /// CPUs or no free core; see the module documentation).
     pub node: u32,
+    /// The node the channel's memory is placed on: the NIC's node when that node has memory,
+    /// else `node`.
+    pub memory_node: u32,
     /// The CPU (processing unit) its network thread is pinned to.
     pub network_cpu: u32,
     /// Whether the network thread has a physical core to itself.
@@ -90,11 +111,17 @@ pub struct ChannelPlacement {
 
 impl ChannelPlacement {
     /// Makes the calling thread this channel's network thread: pins it to `network_cpu` and
-    /// binds its memory policy to the channel's node (so the UMEM and rings it allocates next
-    /// are local). Only meaningful for a plan of [`Topology::this_system`].
+    /// binds its memory policy to the channel's memory node (so the UMEM and rings it allocates
+    /// next are beside the NIC). Only meaningful for a plan of [`Topology::this_system`].
     pub fn apply(&self) -> Result<(), NumaError> {
         pin_current_thread(&[self.network_cpu])?;
-        crate::alloc::bind_thread_memory(self.node)
+        crate::alloc::bind_thread_memory(self.memory_node)
+    }
+
+    /// Whether the plan moved this channel's thread off its NIC's node (a node without CPUs, or
+    /// without a free core).
+    pub fn moved(&self) -> bool {
+        self.nic_node.is_some_and(|k| k != self.node)
     }
 }
 
@@ -134,8 +161,14 @@ impl Plan {
 }
 
 /// Places the network thread of every channel and the completion workers. Pure and
-/// deterministic.
+/// deterministic. Without a bandwidth model: [`plan_with_model`] with `None`.
 pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
+    plan_with_model(topo, req, None)
+}
+
+/// [`plan`], with the I/O bandwidth model deciding where a channel goes when its NIC's node
+/// has no CPUs or no free core for it (module documentation). Pure and deterministic.
+pub fn plan_with_model(topo: &Topology, req: &PlacementRequest, model: Option<&BandwidthModel>) -> Plan {
     let mut out = Plan::default();
     let with_cpus: Vec<u32> = topo.nodes.iter().filter(|n| !n.cpus.is_empty()).map(|n| n.id).collect();
     if with_cpus.is_empty() {
@@ -157,11 +190,18 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
             if with_cpus.contains(&node) {
                 return Some(node);
             }
-            let near = nearest_with_cpus(topo, node, &with_cpus);
+            let (near, class) = nearest_with_cpus(topo, node, &with_cpus, model);
             if warned_nics.insert(c.nic.clone()) {
+                let why = match class {
+                    Some(class) => format!("bandwidth class {class} for NICs on node {node}, the best with CPUs"),
+                    None => "the nearest with CPUs".to_string(),
+                };
                 warn(
                     &mut out,
-                    format!("NIC {} is on node {node}, which has no CPUs: its channels run on node {near}", c.nic),
+                    format!(
+                        "NIC {} is on node {node}, which has no CPUs: its channels run on node {near} ({why})",
+                        c.nic
+                    ),
                 );
             }
             Some(near)
@@ -192,8 +232,13 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
         channel_node.push(node.expect("every channel has a node now"));
     }
 
-    // 2. Per node: cores for network threads and for completion workers.
+    // 2. With a model: channels that would share a core move to a class-1 node with a spare one.
     let consumers: BTreeSet<u32> = req.consumer_cpus.iter().copied().collect();
+    if let Some(model) = model {
+        spill(topo, req, model, &consumers, &mut channel_node, &mut out);
+    }
+
+    // 3. Per node: cores for network threads and for completion workers.
     let mut network_cpu: Vec<(u32, bool)> = vec![(0, false); req.channels.len()];
     for node in topo.nodes.iter().filter(|n| !n.cpus.is_empty()) {
         let mine: Vec<usize> = (0..req.channels.len()).filter(|&i| channel_node[i] == node.id).collect();
@@ -276,6 +321,7 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
             channel: spec.channel,
             nic_node: spec.nic_node,
             node,
+            memory_node: spec.nic_node.filter(|&k| topo.node(k).is_some_and(|n| n.memory_bytes > 0)).unwrap_or(node),
             network_cpu: cpu,
             exclusive_core: exclusive,
         })
@@ -283,17 +329,102 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Plan {
     out
 }
 
+/// Free cores of `node`: those that run no consumer.
+fn free_cores(node: &crate::Node, consumers: &BTreeSet<u32>) -> usize {
+    node.cores.iter().filter(|core| !core.iter().any(|c| consumers.contains(c))).count()
+}
+
+/// Network threads a node can give a core of their own while keeping one core for completion
+/// workers (step 3's `free > n` case).
+fn exclusive_capacity(node: &crate::Node, consumers: &BTreeSet<u32>) -> usize {
+    free_cores(node, consumers).saturating_sub(1)
+}
+
+/// Moves the channels a node cannot give a core of their own to other nodes in bandwidth class
+/// 1 for their NIC's node that can, nearest first (then the one with most spare cores, then the
+/// lowest id). The last channels of a node move first; a channel whose NIC's node is unknown or
+/// not modelled stays.
+fn spill(
+    topo: &Topology,
+    req: &PlacementRequest,
+    model: &BandwidthModel,
+    consumers: &BTreeSet<u32>,
+    channel_node: &mut [u32],
+    out: &mut Plan,
+) {
+    let capacity: Vec<(u32, usize)> =
+        topo.nodes.iter().filter(|n| !n.cpus.is_empty()).map(|n| (n.id, exclusive_capacity(n, consumers))).collect();
+    let count = |id: u32, nodes: &[u32]| nodes.iter().filter(|&&n| n == id).count();
+    // (NIC, from, to) → channels moved, for one warning per NIC and destination.
+    let mut moved: Vec<(String, u32, u32, usize)> = Vec::new();
+    for &(k, cap_k) in &capacity {
+        let mut over = count(k, channel_node).saturating_sub(cap_k);
+        for i in (0..req.channels.len()).rev() {
+            if over == 0 {
+                break;
+            }
+            if channel_node[i] != k {
+                continue;
+            }
+            let io_node = req.channels[i].nic_node.unwrap_or(k);
+            let Some(&(m, _)) = capacity
+                .iter()
+                .filter(|&&(m, cap_m)| {
+                    m != k && model.class_between(m, io_node) == Some(1) && count(m, channel_node) < cap_m
+                })
+                .min_by_key(|&&(m, cap_m)| {
+                    (topo.distance(k, m).unwrap_or(u64::MAX), std::cmp::Reverse(cap_m - count(m, channel_node)), m)
+                })
+            else {
+                continue;
+            };
+            channel_node[i] = m;
+            over -= 1;
+            let nic = &req.channels[i].nic;
+            match moved.iter_mut().find(|e| &e.0 == nic && e.1 == k && e.2 == m) {
+                Some(e) => e.3 += 1,
+                None => moved.push((nic.clone(), k, m, 1)),
+            }
+        }
+    }
+    for (nic, k, m, n) in moved {
+        warn(
+            out,
+            format!(
+                "NIC {nic}: node {k} has no free core for {n} of its channel(s): their threads run on node {m}, \
+                 in bandwidth class 1 for NICs on node {k} by the I/O bandwidth model (memory stays on node {k})"
+            ),
+        );
+    }
+}
+
 fn warn(plan: &mut Plan, message: String) {
     tracing::warn!(target: "tyche_numa::placement", "{message}");
     plan.warnings.push(message);
 }
 
-/// The node with CPUs nearest to `node` (by distance matrix, else by id difference).
-fn nearest_with_cpus(topo: &Topology, node: u32, with_cpus: &[u32]) -> u32 {
-    *with_cpus
+/// The node with CPUs for the NICs of `node`, which has none: with a model that covers `node`,
+/// the best bandwidth class first (returned with the node); then nearest by the distance
+/// matrix, else by id difference.
+fn nearest_with_cpus(
+    topo: &Topology,
+    node: u32,
+    with_cpus: &[u32],
+    model: Option<&BandwidthModel>,
+) -> (u32, Option<u32>) {
+    let class = |other: u32| model.and_then(|m| m.class_between(other, node));
+    let near = *with_cpus
         .iter()
-        .min_by_key(|&&other| (topo.distance(node, other).unwrap_or(u64::MAX), other.abs_diff(node), other))
-        .expect("with_cpus is not empty")
+        .min_by_key(|&&other| {
+            (
+                class(other).unwrap_or(u32::MAX),
+                topo.distance(node, other).unwrap_or(u64::MAX),
+                other.abs_diff(node),
+                other,
+            )
+        })
+        .expect("with_cpus is not empty");
+    (near, class(near))
 }
 
 /// Pins the calling thread to `cpus` with `sched_setaffinity(2)` (nix).
@@ -543,6 +674,146 @@ mod tests {
         assert!(plan.warnings[0].contains("no CPUs"), "{:?}", plan.warnings);
     }
 
+    /// Li et al.'s machine: 8 nodes (two per Opteron 6136 package) of 4 cores, 16 GiB each;
+    /// distance 16 within a package, 22 across; the NIC on node 7 (the paper's Tables IV and V
+    /// were measured with the devices there).
+    fn opteron_8node() -> Topology {
+        let nodes = (0..8u32)
+            .map(|i| Node {
+                id: i,
+                cpus: (4 * i..4 * i + 4).collect(),
+                cores: (4 * i..4 * i + 4).map(|c| vec![c]).collect(),
+                memory_bytes: 16 << 30,
+                distances: (0..8u32)
+                    .map(|j| {
+                        if i == j {
+                            10
+                        } else if i / 2 == j / 2 {
+                            16
+                        } else {
+                            22
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        Topology {
+            nodes,
+            nics: vec![Nic { name: "eth7".into(), node: Some(7), node_source: NicNodeSource::Hwloc }],
+            source: TopologySource::XmlString,
+        }
+    }
+
+    fn cpus_of(topo: &Topology, nodes: &[u32]) -> Vec<u32> {
+        nodes.iter().flat_map(|&n| topo.node(n).expect("node").cpus.clone()).collect()
+    }
+
+    #[test]
+    fn paper_machine_with_its_nics_node_busy_moves_the_thread_to_the_class_one_neighbour() {
+        let topo = opteron_8node();
+        let model = crate::model::tests::paper_model();
+        assert!(crate::model::first_class_nodes(&topo, 7) == vec![6, 7], "node 6 is node 7's neighbour");
+        let mut req = request(&topo, 1);
+        req.consumer_cpus = cpus_of(&topo, &[7]);
+        let with = plan_with_model(&topo, &req, Some(&model));
+        let ch = &with.channels[0];
+        assert_eq!(
+            (ch.node, ch.memory_node, ch.nic_node),
+            (6, 7, Some(7)),
+            "thread on node 6, memory on the NIC's node"
+        );
+        assert!(ch.moved() && ch.exclusive_core, "{ch:?}");
+        assert!(topo.node(6).unwrap().cpus.contains(&ch.network_cpu));
+        assert!(with.warnings.iter().any(|w| w.contains("class 1") && w.contains("node 6")), "{:?}", with.warnings);
+        // Without the model, distance alone does not say node 6 is as good: the thread shares
+        // a consumer's core on the NIC's node, and says so.
+        let without = plan(&topo, &req);
+        assert_eq!(without.channels[0].node, 7);
+        assert!(!without.channels[0].exclusive_core);
+        assert!(without.warnings.iter().any(|w| w.contains("consumers run on all")), "{:?}", without.warnings);
+    }
+
+    #[test]
+    fn paper_machine_never_trades_a_bandwidth_class_for_a_core() {
+        // Nodes 6 and 7 both busy: the next nodes with free cores are in class 2 or worse
+        // (Table V: {2, 3} class 2 for reads; Table IV: class 3 for writes), so the channel stays.
+        let topo = opteron_8node();
+        let model = crate::model::tests::paper_model();
+        let mut req = request(&topo, 1);
+        req.consumer_cpus = cpus_of(&topo, &[6, 7]);
+        let p = plan_with_model(&topo, &req, Some(&model));
+        assert_eq!(p.channels[0].node, 7, "{:?}", p.warnings);
+        assert!(!p.channels[0].moved());
+        assert!(!p.warnings.iter().any(|w| w.contains("class 1 for NICs")), "{:?}", p.warnings);
+    }
+
+    #[test]
+    fn paper_machine_spreads_more_channels_than_free_cores_over_class_one() {
+        // Six channels, four cores on node 7: three keep a core each there (one stays for the
+        // completion worker), three go to node 6; none shares.
+        let topo = opteron_8node();
+        let model = crate::model::tests::paper_model();
+        let p = plan_with_model(&topo, &request(&topo, 6), Some(&model));
+        let on = |n: u32| p.channels.iter().filter(|c| c.node == n).count();
+        assert_eq!((on(7), on(6)), (3, 3), "{:?}", p.channels);
+        assert!(p.channels.iter().all(|c| c.exclusive_core && c.memory_node == 7), "{:?}", p.channels);
+        assert!(p.channels[..3].iter().all(|c| c.node == 7), "the first channels stay on the NIC's node");
+        assert_sound_with_model(&topo, &model, &p);
+        // Without the model they share node 7's cores.
+        let without = plan(&topo, &request(&topo, 6));
+        assert!(without.channels.iter().all(|c| c.node == 7 && !c.exclusive_core));
+    }
+
+    #[test]
+    fn nic_on_a_cpuless_node_goes_to_the_best_class_before_the_nearest_node() {
+        let mut topo = opteron_8node();
+        // Node 7 becomes memory only (as a CXL expander would be), nearest to node 6 by
+        // distance; the model says node 2 moves data to and from it best.
+        let seven = topo.nodes.iter_mut().find(|n| n.id == 7).unwrap();
+        seven.cpus.clear();
+        seven.cores.clear();
+        let samples: Vec<(u32, f64)> = (0..8)
+            .map(|n| {
+                (
+                    n,
+                    if n == 2 {
+                        50.0
+                    } else if n == 7 {
+                        52.0
+                    } else {
+                        30.0
+                    },
+                )
+            })
+            .collect();
+        let model = BandwidthModel::from_measurements(
+            vec![crate::IoMeasurement { io_node: 7, first_class: vec![7], write: samples.clone(), read: samples }],
+            0.10,
+        );
+        let p = plan_with_model(&topo, &request(&topo, 1), Some(&model));
+        assert_eq!((p.channels[0].node, p.channels[0].memory_node), (2, 7), "{:?}", p.warnings);
+        assert!(p.warnings[0].contains("bandwidth class 2 for NICs on node 7, the best"), "{:?}", p.warnings);
+        assert_eq!(plan(&topo, &request(&topo, 1)).channels[0].node, 6, "without the model: the nearest");
+    }
+
+    /// A plan with a model: every channel is on a node with CPUs, and one that left its NIC's
+    /// node (which has CPUs) went to a class-1 node and has a core of its own there.
+    fn assert_sound_with_model(topo: &Topology, model: &BandwidthModel, plan: &Plan) {
+        for ch in &plan.channels {
+            let node = topo.node(ch.node).expect("placed on an existing node");
+            assert!(node.cpus.contains(&ch.network_cpu), "{ch:?}");
+            let Some(k) = ch.nic_node else { continue };
+            assert_eq!(ch.memory_node, k, "memory stays on the NIC's node: {ch:?}");
+            if ch.moved() && topo.node(k).is_some_and(|n| !n.cpus.is_empty()) {
+                assert_eq!(model.class_between(ch.node, k), Some(1), "{ch:?}");
+                assert!(ch.exclusive_core, "a moved thread has a core of its own: {ch:?}");
+            }
+        }
+        for w in &plan.completion_workers {
+            assert_eq!(topo.node_of_cpu(w.cpu), Some(w.node), "worker cpu on its node");
+        }
+    }
+
     #[test]
     fn unknown_interface_names_are_returned() {
         let topo = fixture("laptop-1node.xml");
@@ -583,6 +854,24 @@ mod tests {
             if plan.warnings.is_empty() {
                 proptest::prop_assert!(plan.channels.iter().all(|c| c.exclusive_core));
             }
+        }
+
+        /// On the paper's machine with its model, for any channel count and consumer set: the
+        /// model moves threads only to class-1 nodes with a core to spare, memory stays beside
+        /// the NIC, and no channel is lost.
+        #[test]
+        fn model_guided_plans_are_sound(
+            per_nic in 1u32..12,
+            consumers in proptest::collection::vec(0u32..32, 0..12),
+        ) {
+            let topo = opteron_8node();
+            let model = crate::model::tests::paper_model();
+            let mut req = request(&topo, per_nic);
+            req.consumer_cpus = consumers;
+            let plan = plan_with_model(&topo, &req, Some(&model));
+            proptest::prop_assert_eq!(plan.channels.len(), req.channels.len());
+            assert_sound_with_model(&topo, &model, &plan);
+            proptest::prop_assert!(plan.channels.iter().all(|c| c.node == 6 || c.node == 7));
         }
     }
 

@@ -25,6 +25,10 @@ pub enum ConfigError {
     },
 }
 
+/// Highest CPU number (exclusive) a CPU list in the configuration may name: the kernel's
+/// largest `NR_CPUS`.
+pub const MAX_CPU: u32 = 8192;
+
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { field: field.into(), message: message.into() }
 }
@@ -152,6 +156,12 @@ pub struct Config {
     /// `/var/lib/tyche/bandwidth-model.json`).
     #[serde(default)]
     pub model_cache: Option<PathBuf>,
+    /// CPUs where the storage's consumers run on this host (a converged node's applications,
+    /// as a list such as `"0-3,8"`): network threads keep off their cores, no completion worker
+    /// goes there, and where that leaves a NIC's node no free core, the I/O bandwidth model
+    /// decides where its channels' threads go. None: no consumer.
+    #[serde(default)]
+    pub consumer_cpus: Option<String>,
     /// The exports.
     #[serde(default, rename = "export")]
     pub exports: Vec<ExportConfig>,
@@ -360,6 +370,7 @@ impl Default for Config {
             irq_affinity: tyche_numa::irq::IrqPolicy::default(),
             channel_memory_node: None,
             model_cache: None,
+            consumer_cpus: None,
             exports: Vec::new(),
         }
     }
@@ -523,6 +534,17 @@ impl Config {
         Ok(Some(a))
     }
 
+    /// The CPUs of `consumer_cpus` (empty when none are given).
+    pub fn consumer_cpus(&self) -> Result<Vec<u32>, ConfigError> {
+        let Some(list) = &self.consumer_cpus else { return Ok(Vec::new()) };
+        let cpus = tyche_numa::parse_cpu_list(list)
+            .map_err(|e| invalid("consumer_cpus", format!("not a CPU list such as \"0-3,8\": {e}")))?;
+        if cpus.iter().any(|&c| c >= MAX_CPU) {
+            return Err(invalid("consumer_cpus", format!("CPU numbers must be below {MAX_CPU}")));
+        }
+        Ok(cpus)
+    }
+
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.exports.is_empty() {
@@ -531,6 +553,7 @@ impl Config {
         if self.channel_memory_node.is_some_and(|n| n >= 1024) {
             return Err(invalid("channel_memory_node", "a NUMA node number (below 1024)"));
         }
+        self.consumer_cpus()?;
         if self.channels_per_nic == 0 || self.channels_per_nic > 64 {
             return Err(invalid("channels_per_nic", "must be 1 to 64"));
         }
@@ -645,6 +668,18 @@ mod tests {
         assert_eq!(c.channel_memory_node, Some(1));
         let err = Config::from_toml(&format!("channel_memory_node = 5000\n{export}")).expect_err("too big").to_string();
         assert!(err.contains("channel_memory_node"), "{err}");
+    }
+
+    #[test]
+    fn consumer_cpus_parse_and_bad_lists_are_named() {
+        let export = "[[export]]\nname = \"a\"\nsize = \"1M\"\n";
+        assert_eq!(Config::from_toml(export).unwrap().consumer_cpus().unwrap(), Vec::<u32>::new());
+        let c = Config::from_toml(&format!("consumer_cpus = \"0-2,5\"\n{export}")).unwrap();
+        assert_eq!(c.consumer_cpus().unwrap(), vec![0, 1, 2, 5]);
+        for bad in ["3-1", "x", "9000"] {
+            let err = Config::from_toml(&format!("consumer_cpus = \"{bad}\"\n{export}")).expect_err(bad).to_string();
+            assert!(err.contains("consumer_cpus"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -103,6 +103,11 @@ struct ServeArgs {
     /// Measure the I/O bandwidth model again instead of using the cached one.
     #[arg(long)]
     model_refresh: bool,
+    /// CPUs where this host's applications (the storage's consumers) run, e.g. `0-3,8`:
+    /// network threads and completion workers keep off their cores; where that leaves a NIC's
+    /// node no free core, the I/O bandwidth model decides where its channels' threads go.
+    #[arg(long, value_name = "LIST")]
+    consumer_cpus: Option<String>,
     /// Check the configuration and exit.
     #[arg(long)]
     check: bool,
@@ -193,6 +198,9 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if let Some(p) = &args.model_cache {
         config.model_cache = Some(p.clone());
     }
+    if let Some(l) = &args.consumer_cpus {
+        config.consumer_cpus = Some(l.clone());
+    }
     config.validate()?;
     Ok(config)
 }
@@ -234,9 +242,12 @@ fn serve(args: ServeArgs) -> Result<()> {
         return Ok(());
     }
     let topo = tyche_numa::Topology::this_system().ok();
-    let (placement, plan) = placement_for(&config, &nics, topo.as_ref());
-    if let (Some(topo), Some(plan)) = (&topo, &plan) {
-        bandwidth_model(&config, topo, plan, args.model_refresh);
+    let model = topo.as_ref().and_then(|t| bandwidth_model(&config, t, args.model_refresh));
+    let (placement, plan) = placement_for(&config, &nics, topo.as_ref(), model.as_ref());
+    if let (Some(model), Some(plan)) = (&model, &plan) {
+        for w in tyche_numa::model::plan_warnings(model, plan) {
+            tracing::warn!("{w}");
+        }
     }
     let roots = tyche_numa::irq::Roots::default();
     interrupts(&config, &nics, &placement, topo.as_ref(), &roots)?;
@@ -351,6 +362,7 @@ fn placement_for(
     config: &Config,
     nics: &[Nic],
     topo: Option<&tyche_numa::Topology>,
+    model: Option<&tyche_numa::BandwidthModel>,
 ) -> (Placement, Option<tyche_numa::Plan>) {
     let Some(topo) = topo else { return (Placement::default(), None) };
     let mut placement = Placement::default();
@@ -376,9 +388,10 @@ fn placement_for(
         }
     }
     let per_nic = if config.transport == TransportKind::Xdp { u32::from(config.channels_per_nic) } else { 1 };
-    if let Ok(req) = tyche_numa::placement::PlacementRequest::channels_per_nic(topo, &config.ifaces, per_nic) {
-        // (tyche-numa logs the plan's warnings itself.)
-        let plan = tyche_numa::placement::plan(topo, &req);
+    if let Ok(mut req) = tyche_numa::placement::PlacementRequest::channels_per_nic(topo, &config.ifaces, per_nic) {
+        // (Validated at load; tyche-numa logs the plan's warnings itself.)
+        req.consumer_cpus = config.consumer_cpus().unwrap_or_default();
+        let plan = tyche_numa::placement::plan_with_model(topo, &req, model);
         if config.workers == 0 {
             let labels: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
             placement.storage = Some(tyched::workers::StoragePlan::from_plan(topo, &plan, &labels));
@@ -406,27 +419,28 @@ fn placement_for(
 }
 
 /// The I/O bandwidth model on a machine with several NUMA nodes (or when `--model-refresh`
-/// asks): read from the cache, else measured and stored; a warning for every channel whose
-/// memory and thread the plan puts in a bandwidth class worse than 1 for its NIC's node.
-fn bandwidth_model(config: &Config, topo: &tyche_numa::Topology, plan: &tyche_numa::Plan, refresh: bool) {
+/// asks), for the nodes of the serving NICs: read from the cache, else measured and stored.
+/// `None` (logged) on one node, when no serving NIC's node is known, or when it cannot be had.
+fn bandwidth_model(config: &Config, topo: &tyche_numa::Topology, refresh: bool) -> Option<tyche_numa::BandwidthModel> {
     if topo.nodes.len() < 2 && !refresh {
-        return;
+        return None;
     }
-    let mut io_nodes: Vec<u32> = plan.channels.iter().filter_map(|c| c.nic_node).collect();
+    let mut io_nodes: Vec<u32> = config.ifaces.iter().filter_map(|i| topo.nic(i).and_then(|n| n.node)).collect();
     io_nodes.sort_unstable();
     io_nodes.dedup();
     if io_nodes.is_empty() {
-        return;
+        return None;
     }
     let path = config.model_cache.clone().unwrap_or_else(|| PathBuf::from(tyche_numa::model::DEFAULT_CACHE));
     match tyche_numa::model::cached(&path, topo, &io_nodes, &tyche_numa::ModelConfig::default(), refresh) {
         Ok((model, how)) => {
             tracing::info!(path = %path.display(), ?how, "I/O bandwidth model");
-            for w in tyche_numa::model::plan_warnings(&model, plan) {
-                tracing::warn!("{w}");
-            }
+            Some(model)
         }
-        Err(e) => tracing::warn!("no I/O bandwidth model: {e}"),
+        Err(e) => {
+            tracing::warn!("no I/O bandwidth model: {e}");
+            None
+        }
     }
 }
 
@@ -489,7 +503,7 @@ fn interrupts(
             tracing::info!(iface = %iface, irqs = %now.describe(), "NIC interrupts moved off the network thread's core");
         }
         if let Some(topo) = topo {
-            for w in irq::check(topo, &now, &own, &[]) {
+            for w in irq::check(topo, &now, &own, &config.consumer_cpus().unwrap_or_default()) {
                 tracing::warn!("{w}");
             }
         }

@@ -32,6 +32,11 @@ pub struct TopologyArgs {
     /// Measure the model again (and store it) instead of showing the cached one.
     #[arg(long)]
     model_refresh: bool,
+    /// Use the I/O bandwidth model in FILE (a model cache file, or the `model` of
+    /// `tyched topology --json`) instead of measuring: works with `--xml`, to see how another
+    /// machine's channels are placed with its measured classes.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "model_refresh"])]
+    model_file: Option<PathBuf>,
     /// Milliseconds each copy test of the model runs when it is measured.
     #[arg(long, value_name = "MS", default_value_t = 60)]
     model_ms: u64,
@@ -43,8 +48,8 @@ pub struct TopologyArgs {
     ifaces: Vec<String>,
     /// CPUs that run consumers outside the plan (comma-separated list, ranges allowed:
     /// `0-3,8`); network threads keep off their cores.
-    #[arg(long, value_name = "LIST", value_parser = parse_cpu_list)]
-    consumer_cpus: Option<Vec<u32>>,
+    #[arg(long, value_name = "LIST")]
+    consumer_cpus: Option<String>,
 }
 
 /// The whole report, as printed by `--json`.
@@ -75,10 +80,15 @@ pub fn run(args: &TopologyArgs) -> Result<()> {
                 topo.nics.iter().map(|n| n.name.as_str()).collect::<Vec<_>>().join(", ")
             )
         })?;
-    req.consumer_cpus = args.consumer_cpus.clone().unwrap_or_default();
-    let plan = placement::plan(&topo, &req);
+    // (A `Vec` from a value parser would be taken by clap for a list of values.)
+    if let Some(list) = &args.consumer_cpus {
+        req.consumer_cpus =
+            parse_cpu_list(list).map_err(|e| anyhow::anyhow!("--consumer-cpus {list:?}: not a CPU list: {e}"))?;
+    }
 
-    let model = if args.model {
+    let model = if let Some(path) = &args.model_file {
+        Some(model::load_file(path).map_err(|e| anyhow::anyhow!("--model-file {}: {e}", path.display()))?)
+    } else if args.model {
         if !topo.is_this_system() {
             bail!("--model measures this machine and cannot run on a topology loaded with --xml");
         }
@@ -97,6 +107,14 @@ pub fn run(args: &TopologyArgs) -> Result<()> {
     } else {
         None
     };
+    // The model, when there is one, decides where channels go when their NIC's node cannot
+    // have them (no CPUs, no free core).
+    let plan = placement::plan_with_model(&topo, &req, model.as_ref());
+    if let Some(m) = &model {
+        for w in model::plan_warnings(m, &plan) {
+            tracing::warn!("{w}");
+        }
+    }
     let fallback = match &model {
         Some(m) => NodeOrder::from_model(m, &topo.nodes.iter().map(|n| n.id).collect::<Vec<_>>()),
         None => NodeOrder::from_topology(&topo),
@@ -151,15 +169,20 @@ fn table(topo: &Topology, r: &Report<'_>, per_nic: u32) -> String {
         let _ = writeln!(s, "  {:<16} {:<8} {source}", nic.name, node(nic.node));
     }
     let _ = writeln!(s, "\nChannel placement ({per_nic} channel{} per NIC)", if per_nic == 1 { "" } else { "s" });
-    let _ = writeln!(s, "  {:<16} {:>3} {:>8} {:>5} {:>11}  CORE", "NIC", "CH", "NIC NODE", "NODE", "NETWORK CPU");
+    let _ = writeln!(
+        s,
+        "  {:<16} {:>3} {:>8} {:>11} {:>8} {:>11}  CORE",
+        "NIC", "CH", "NIC NODE", "THREAD NODE", "MEM NODE", "NETWORK CPU"
+    );
     for c in &r.plan.channels {
         let _ = writeln!(
             s,
-            "  {:<16} {:>3} {:>8} {:>5} {:>11}  {}",
+            "  {:<16} {:>3} {:>8} {:>11} {:>8} {:>11}  {}",
             c.nic,
             c.channel,
             node(c.nic_node),
             c.node,
+            c.memory_node,
             c.network_cpu,
             if c.exclusive_core { "own" } else { "shared" }
         );

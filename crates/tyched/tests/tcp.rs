@@ -142,6 +142,11 @@ fn tyched_binary_serves_prometheus_metrics() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("prometheus_listen: 0.0.0.0:9464 is not a loopback address"), "{err}");
     assert!(check(&["--prometheus-listen", "0.0.0.0:9464", "--prometheus-allow-remote"]).status.success());
+    // A consumer CPU list that does not parse is refused with the field named.
+    let out = check(&["--consumer-cpus", "3-1"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("consumer_cpus"), "{out:?}");
+    assert!(check(&["--consumer-cpus", "0"]).status.success());
 
     let child = Command::new(env!("CARGO_BIN_EXE_tyched"))
         .args(["serve", "--transport", "tcp", "--iface", "lo", "--tcp-listen", &addr, "--workers", "2"])

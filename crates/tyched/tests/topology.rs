@@ -114,3 +114,63 @@ fn this_machine_with_model_reports_at_least_one_node_and_a_model() {
         tyched(&["topology", "--json", "--model", "--model-ms", "5", "--model-cache", cache, "--model-refresh"]);
     assert!(String::from_utf8_lossy(&fresh.stderr).contains("bandwidth model: Measured"), "{fresh:?}");
 }
+
+/// A model for NICs on node 1 of the two-node paper server: `other` is node 0's bandwidth
+/// (node 1's own is 10 GB/s), so within 10 % puts node 0 in class 1.
+fn two_node_model(other: f64) -> String {
+    serde_json::json!({
+        "tolerance": 0.1,
+        "io_nodes": [{
+            "io_node": 1,
+            "write": [{"node": 0, "gbytes_per_s": other, "class": if other >= 9.0 { 1 } else { 2 }},
+                      {"node": 1, "gbytes_per_s": 10.0, "class": 1}],
+            "read": [{"node": 0, "gbytes_per_s": other, "class": if other >= 9.0 { 1 } else { 2 }},
+                     {"node": 1, "gbytes_per_s": 10.0, "class": 1}],
+        }],
+    })
+    .to_string()
+}
+
+#[test]
+fn model_file_decides_where_a_busy_nodes_channels_go() {
+    let xml = fixture("paper-2s4c2t-6nic.xml");
+    let xml = xml.to_str().expect("utf-8");
+    let dir = tempfile::tempdir().expect("temp dir");
+    // Consumers on every CPU of node 1, the node of ens3f0.
+    let busy = "8-15";
+    for (other, moves) in [(9.5, true), (6.0, false)] {
+        let file = dir.path().join(format!("model-{other}.json"));
+        std::fs::write(&file, two_node_model(other)).expect("write the model");
+        let v = json(&[
+            "topology",
+            "--xml",
+            xml,
+            "--json",
+            "--iface",
+            "ens3f0",
+            "--consumer-cpus",
+            busy,
+            "--model-file",
+            file.to_str().expect("utf-8"),
+        ]);
+        let ch = &v["plan"]["channels"][0];
+        assert_eq!(ch["nic_node"], 1);
+        assert_eq!(ch["memory_node"], 1, "memory stays beside the NIC");
+        let warnings = v["plan"]["warnings"].to_string();
+        if moves {
+            assert_eq!(ch["node"], 0, "node 0 is class 1 for node 1's NICs: {v}");
+            assert_eq!(ch["exclusive_core"], true);
+            assert!(warnings.contains("class 1"), "{warnings}");
+        } else {
+            assert_eq!(ch["node"], 1, "node 0 is class 2: never traded for a core: {v}");
+            assert_eq!(ch["exclusive_core"], false);
+            assert!(warnings.contains("consumers run on all"), "{warnings}");
+        }
+    }
+    // A file that is not a model is a clear error.
+    let junk = dir.path().join("junk.json");
+    std::fs::write(&junk, "[1, 2]").expect("write");
+    let out = tyched(&["topology", "--xml", xml, "--model-file", junk.to_str().expect("utf-8")]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--model-file"), "{out:?}");
+}
