@@ -12,6 +12,9 @@
 //!    the node-1 NIC's channel thread goes (`--model-file`, a given model, since TCG's memory
 //!    has no NUMA bandwidth to measure): to node 0 when node 0 is in class 1 for node 1's
 //!    NICs, memory staying on node 1; on node 1, sharing a core, when node 0 is in class 2;
+//!    and that the NESUS paper's *Worst* case can be set up by options (`tyched
+//!    --network-thread-node 0 --channel-memory-node 0`: the node-1 NIC's thread on node 0's
+//!    CPUs, its UMEM and rings on node 0);
 //! 3. for each scheduler (`affinity`, then `round-robin`): starts `tyched` (a file export on the
 //!    guest's tmpfs, io_uring, AF_XDP on both NICs) and `tyche-init serve-nbd` (AF_XDP on both NICs, every NBD connection served
 //!    for node 1: `--nbd-nodes 1`), writes [`WORKLOAD`] bytes through one NBD connection from
@@ -405,6 +408,8 @@ pub fn guest() -> Result<String> {
 
     // 2b. Seed 003 deciding placement: node 1's CPUs all taken by consumers.
     model_guided_placement(&tyched, &tgt, &cpus)?;
+    // 2c. The NESUS paper's Worst case set up by options: threads and memory on node 0.
+    misplaced_by_options(&tyched, &tgt, &cpus)?;
 
     // Automatic NUMA balancing (on by default on a NUMA kernel) migrates a page towards the CPU
     // that touches it, unless a memory policy says otherwise. The test runs with it as the
@@ -504,6 +509,39 @@ fn model_guided_placement(tyched: &Path, tgt: &[VmNic], cpus: &[Vec<u64>; 2]) ->
             "model-guided placement: node 1's cpus {busy} busy, node 0 in class {class}: {}'s thread on node {want} cpu {cpu}, memory on node 1",
             nic.name
         ));
+    }
+    Ok(())
+}
+
+/// The NESUS paper's *Worst* placement, set up by options: `tyched --network-thread-node 0
+/// --channel-memory-node 0` (a RAM export, no traffic): the node-1 NIC's network thread runs on
+/// node 0's CPUs and its UMEM and rings are on node 0, as `tyched stats` measures them.
+fn misplaced_by_options(tyched: &Path, tgt: &[VmNic], cpus: &[Vec<u64>; 2]) -> Result<()> {
+    let work = Path::new(WORK);
+    let stats = work.join("tyched-misplaced.sock");
+    let log = work.join("tyched-misplaced.log");
+    let _ = fs::remove_file(&stats);
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", TGT]).arg(tyched).args(["serve", "--export", "w=ram:16M"]);
+    cmd.args(["--network-thread-node", "0", "--channel-memory-node", "0"]).arg("--stats-socket").arg(&stats);
+    for n in tgt {
+        cmd.args(["--iface", &n.name]);
+    }
+    cmd.env("TYCHE_LOG", "info");
+    let mut t = Daemon::spawn("tyched", &mut cmd, &log)?;
+    wait_for("tyched's stats socket", Duration::from_secs(60), || {
+        t.check_alive(&log)?;
+        Ok(stats.exists())
+    })?;
+    let tr = json(&run_cmd(tyched, &["stats", "--json", "--socket", &stats.display().to_string()])?, "tyched stats")?;
+    t.stop();
+    for p in tr["placement"].as_array().context("tyched stats: no placement")? {
+        let name = p["nic"].as_str().unwrap_or_default();
+        let nic_node = tgt.iter().find(|n| n.name == name).map(|n| n.node).context("unknown target NIC")?;
+        let a = pages_ok(&p["umem"], &format!("misplaced: target {name} UMEM"), 0, true)?;
+        let b = pages_ok(&p["rings"], &format!("misplaced: target {name} rings"), 0, true)?;
+        let tc = thread_on_node(&p["thread"], &format!("misplaced: target {name}: its network thread"), 0, cpus)?;
+        say(format!("misplaced by options: target {name} (NIC on node {nic_node}): thread on cpus {tc:?}; {a}; {b}"));
     }
     Ok(())
 }

@@ -152,6 +152,11 @@ pub struct Config {
     /// memory (UMEM, rings, slot memory) on this node instead of its NIC's. None: the NIC's.
     #[serde(default)]
     pub channel_memory_node: Option<u32>,
+    /// For placement experiments only (the NESUS paper's misplaced threads): every network
+    /// thread, and the completion workers of its channels, on this node's CPUs instead of its
+    /// NIC's (memory stays where `channel_memory_node` says). None: the NIC's node.
+    #[serde(default)]
+    pub network_thread_node: Option<u32>,
     /// Where the measured I/O bandwidth model is kept (machines with several NUMA nodes; none:
     /// `/var/lib/tyche/bandwidth-model.json`).
     #[serde(default)]
@@ -369,6 +374,7 @@ impl Default for Config {
             storage_deadline_ms: default_storage_deadline_ms(),
             irq_affinity: tyche_numa::irq::IrqPolicy::default(),
             channel_memory_node: None,
+            network_thread_node: None,
             model_cache: None,
             consumer_cpus: None,
             exports: Vec::new(),
@@ -553,6 +559,9 @@ impl Config {
         if self.channel_memory_node.is_some_and(|n| n >= 1024) {
             return Err(invalid("channel_memory_node", "a NUMA node number (below 1024)"));
         }
+        if self.network_thread_node.is_some_and(|n| n >= 1024) {
+            return Err(invalid("network_thread_node", "a NUMA node number (below 1024)"));
+        }
         self.consumer_cpus()?;
         if self.channels_per_nic == 0 || self.channels_per_nic > 64 {
             return Err(invalid("channels_per_nic", "must be 1 to 64"));
@@ -668,6 +677,10 @@ mod tests {
         assert_eq!(c.channel_memory_node, Some(1));
         let err = Config::from_toml(&format!("channel_memory_node = 5000\n{export}")).expect_err("too big").to_string();
         assert!(err.contains("channel_memory_node"), "{err}");
+        let c = Config::from_toml(&format!("network_thread_node = 1\n{export}")).unwrap();
+        assert_eq!((c.network_thread_node, c.channel_memory_node), (Some(1), None));
+        let err = Config::from_toml(&format!("network_thread_node = 5000\n{export}")).expect_err("too big").to_string();
+        assert!(err.contains("network_thread_node"), "{err}");
     }
 
     #[test]

@@ -96,6 +96,10 @@ struct ServeArgs {
     /// this NUMA node instead of its NIC's (the NESUS paper's misplaced-memory case).
     #[arg(long, value_name = "NODE")]
     channel_memory_node: Option<u32>,
+    /// Placement experiments only: every network thread (and its channels' completion workers)
+    /// on this NUMA node's CPUs instead of its NIC's (the NESUS paper's misplaced threads).
+    #[arg(long, value_name = "NODE")]
+    network_thread_node: Option<u32>,
     /// Where the measured I/O bandwidth model is kept (default
     /// /var/lib/tyche/bandwidth-model.json).
     #[arg(long, value_name = "FILE")]
@@ -195,6 +199,9 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if let Some(n) = args.channel_memory_node {
         config.channel_memory_node = Some(n);
     }
+    if let Some(n) = args.network_thread_node {
+        config.network_thread_node = Some(n);
+    }
     if let Some(p) = &args.model_cache {
         config.model_cache = Some(p.clone());
     }
@@ -235,6 +242,15 @@ fn serve(args: ServeArgs) -> Result<()> {
         tracing::warn!(
             node = n,
             "placement experiment: every channel's memory on node {n}, not on its NIC's (channel_memory_node)"
+        );
+    }
+    if let Some(n) = config.network_thread_node {
+        if !std::path::Path::new(&format!("/sys/devices/system/node/node{n}")).exists() {
+            bail!("network_thread_node = {n}: this machine has no NUMA node {n}");
+        }
+        tracing::warn!(
+            node = n,
+            "placement experiment: every network thread and its completion workers on node {n}, not on its NIC's (network_thread_node)"
         );
     }
     let nics = open_nics(&config, &term)?;
@@ -369,12 +385,12 @@ fn placement_for(
     let mut planned = None;
     let nodes: Vec<Option<u32>> =
         config.ifaces.iter().map(|i| topo.nics.iter().find(|n| &n.name == i).and_then(|n| n.node)).collect();
+    let node_cpus = |node: u32| topo.node(node).map(|n| n.cpus.clone()).unwrap_or_default();
     match nodes.first() {
         Some(Some(node)) if nodes.iter().all(|x| x == &Some(*node)) => {
-            let cpus: Vec<u32> = topo.nodes.iter().find(|n| n.id == *node).map(|n| n.cpus.clone()).unwrap_or_default();
             placement.node = Some(*node);
-            placement.network_cpus = cpus.clone();
-            placement.worker_cpus = cpus;
+            placement.network_cpus = node_cpus(*node);
+            placement.worker_cpus = node_cpus(*node);
         }
         _ => {
             // NICs on several nodes: a network thread that serves several of them is unpinned,
@@ -387,10 +403,21 @@ fn placement_for(
             }
         }
     }
+    if let Some(n) = config.network_thread_node {
+        // The experiment: threads on node `n`, memory where it would be.
+        placement.network_cpus = node_cpus(n);
+        placement.worker_cpus = node_cpus(n);
+    }
     let per_nic = if config.transport == TransportKind::Xdp { u32::from(config.channels_per_nic) } else { 1 };
     if let Ok(mut req) = tyche_numa::placement::PlacementRequest::channels_per_nic(topo, &config.ifaces, per_nic) {
         // (Validated at load; tyche-numa logs the plan's warnings itself.)
         req.consumer_cpus = config.consumer_cpus().unwrap_or_default();
+        if let Some(n) = config.network_thread_node {
+            // The experiment: plan every channel as if its NIC were on node `n`.
+            for c in &mut req.channels {
+                c.nic_node = Some(n);
+            }
+        }
         let plan = tyche_numa::placement::plan_with_model(topo, &req, model);
         if config.workers == 0 {
             let labels: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
