@@ -13,8 +13,9 @@
 //!    has no NUMA bandwidth to measure): to node 0 when node 0 is in class 1 for node 1's
 //!    NICs, memory staying on node 1; on node 1, sharing a core, when node 0 is in class 2;
 //!    and that the NESUS paper's *Worst* case can be set up by options (`tyched
-//!    --network-thread-node 0 --channel-memory-node 0`: the node-1 NIC's thread on node 0's
-//!    CPUs, its UMEM and rings on node 0);
+//!    --network-thread-node 0 --channel-memory-node 0`, `tyche-init --engine-thread-node 0
+//!    --channel-memory-node 0`: on both sides the node-1 NIC's thread on node 0's CPUs, its
+//!    UMEM and rings on node 0);
 //! 3. for each scheduler (`affinity`, then `round-robin`): starts `tyched` (a file export on the
 //!    guest's tmpfs, io_uring, AF_XDP on both NICs) and `tyche-init serve-nbd` (AF_XDP on both NICs, every NBD connection served
 //!    for node 1: `--nbd-nodes 1`), writes [`WORKLOAD`] bytes through one NBD connection from
@@ -409,7 +410,7 @@ pub fn guest() -> Result<String> {
     // 2b. Seed 003 deciding placement: node 1's CPUs all taken by consumers.
     model_guided_placement(&tyched, &tgt, &cpus)?;
     // 2c. The NESUS paper's Worst case set up by options: threads and memory on node 0.
-    misplaced_by_options(&tyched, &tgt, &cpus)?;
+    misplaced_by_options(&tyched, &tyche_init, &tgt, &ini, &cpus)?;
 
     // Automatic NUMA balancing (on by default on a NUMA kernel) migrates a page towards the CPU
     // that touches it, unless a memory policy says otherwise. The test runs with it as the
@@ -514,9 +515,16 @@ fn model_guided_placement(tyched: &Path, tgt: &[VmNic], cpus: &[Vec<u64>; 2]) ->
 }
 
 /// The NESUS paper's *Worst* placement, set up by options: `tyched --network-thread-node 0
-/// --channel-memory-node 0` (a RAM export, no traffic): the node-1 NIC's network thread runs on
-/// node 0's CPUs and its UMEM and rings are on node 0, as `tyched stats` measures them.
-fn misplaced_by_options(tyched: &Path, tgt: &[VmNic], cpus: &[Vec<u64>; 2]) -> Result<()> {
+/// --channel-memory-node 0` (a RAM export) and `tyche-init serve-nbd --engine-thread-node 0
+/// --channel-memory-node 0` attached to it (no traffic): on both sides the node-1 NIC's thread
+/// runs on node 0's CPUs and its UMEM and rings are on node 0, as the stats measure them.
+fn misplaced_by_options(
+    tyched: &Path,
+    tyche_init: &Path,
+    tgt: &[VmNic],
+    ini: &[VmNic],
+    cpus: &[Vec<u64>; 2],
+) -> Result<()> {
     let work = Path::new(WORK);
     let stats = work.join("tyched-misplaced.sock");
     let log = work.join("tyched-misplaced.log");
@@ -534,7 +542,39 @@ fn misplaced_by_options(tyched: &Path, tgt: &[VmNic], cpus: &[Vec<u64>; 2]) -> R
         Ok(stats.exists())
     })?;
     let tr = json(&run_cmd(tyched, &["stats", "--json", "--socket", &stats.display().to_string()])?, "tyched stats")?;
+    // The initiator in the same case: `tyche-init --engine-thread-node 0 --channel-memory-node 0`.
+    let istats = work.join("tyche-init-misplaced.stats.sock");
+    let nbd = work.join("nbd-misplaced.sock");
+    let ilog = work.join("tyche-init-misplaced.log");
+    for p in [&istats, &nbd] {
+        let _ = fs::remove_file(p);
+    }
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", INI]).arg(tyche_init).arg("serve-nbd").arg("--socket").arg(&nbd);
+    cmd.args(["--export", "w", "--engine-thread-node", "0", "--channel-memory-node", "0"]);
+    cmd.arg("--stats-socket").arg(&istats);
+    for (i, t) in ini.iter().zip(tgt) {
+        cmd.args(["--iface", &i.name, "--target", &t.mac]);
+    }
+    cmd.env("TYCHE_LOG", "info").env("TYCHE_INIT_STATE_DIR", work.join("state"));
+    let mut i = Daemon::spawn("tyche-init", &mut cmd, &ilog)?;
+    wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
+        i.check_alive(&ilog)?;
+        Ok(nbd.exists() && istats.exists())
+    })?;
+    let ir = json(&run_cmd(tyche_init, &["stats", &istats.display().to_string(), "--json"])?, "tyche-init stats")?;
+    i.stop();
     t.stop();
+    for l in ir["links"].as_array().context("tyche-init stats: no links")? {
+        let name = l["name"].as_str().unwrap_or_default();
+        let nic_node = ini.iter().find(|n| n.name == name).map(|n| n.node).context("unknown initiator link")?;
+        let a = pages_ok(&l["umem"], &format!("misplaced: initiator {name} UMEM"), 0, true)?;
+        let b = pages_ok(&l["rings"], &format!("misplaced: initiator {name} rings"), 0, true)?;
+        let tc = thread_on_node(&l["thread"], &format!("misplaced: initiator {name}: its engine thread"), 0, cpus)?;
+        say(format!(
+            "misplaced by options: initiator {name} (NIC on node {nic_node}): engine thread on cpus {tc:?}; {a}; {b}"
+        ));
+    }
     for p in tr["placement"].as_array().context("tyched stats: no placement")? {
         let name = p["nic"].as_str().unwrap_or_default();
         let nic_node = tgt.iter().find(|n| n.name == name).map(|n| n.node).context("unknown target NIC")?;

@@ -175,6 +175,9 @@ pub struct InitiatorConfig {
     pub send_mode: SendMode,
     /// Engine threads: one per NUMA node of the links (default) or one for all.
     pub engine_threads: EngineThreads,
+    /// Placement experiments only (the NESUS paper's misplaced threads): every engine thread
+    /// pinned to this NUMA node's CPUs instead of its links' node. `None`: the links' node.
+    pub engine_thread_node: Option<u32>,
     /// How engine threads wait between turns that found nothing (adaptive polling by default).
     pub poll: tyche_transport::poll::PollConfig,
     /// EtherType.
@@ -231,6 +234,7 @@ impl InitiatorConfig {
             node_order: None,
             send_mode: SendMode::default(),
             engine_threads: EngineThreads::default(),
+            engine_thread_node: None,
             poll: tyche_transport::poll::PollConfig::default(),
             ethertype: DEFAULT_ETHERTYPE,
             key: None,

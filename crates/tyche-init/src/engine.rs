@@ -420,6 +420,8 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         "session open"
     );
     let send_mode = engine.cfg.send_mode;
+    // The placement experiment: every engine thread on one given node.
+    let thread_node = engine.cfg.engine_thread_node;
     let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
     for (k, t) in io {
         by_group[group[k]].push((k, t));
@@ -479,7 +481,7 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         std::thread::Builder::new()
             .name(name)
             .spawn(move || {
-                if let Some(cpus) = home.and_then(crate::sched::node_cpus) {
+                if let Some(cpus) = thread_node.or(home).and_then(crate::sched::node_cpus) {
                     if let Err(e) = tyche_numa::pin_current_thread(&cpus) {
                         warn!(node = home, "cannot pin an engine thread: {e}");
                     }

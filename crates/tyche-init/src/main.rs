@@ -174,6 +174,10 @@ struct ConnArgs {
     /// their NIC's node.
     #[arg(long, value_name = "N")]
     channel_memory_node: Option<u32>,
+    /// Placement experiment (the NESUS paper's misplaced threads): every engine thread on NUMA
+    /// node N's CPUs instead of its NICs' node.
+    #[arg(long, value_name = "N")]
+    engine_thread_node: Option<u32>,
     /// Where the measured I/O bandwidth model is kept (machines with several NUMA nodes).
     #[arg(long, value_name = "FILE", default_value = tyche_numa::model::DEFAULT_CACHE)]
     model_cache: PathBuf,
@@ -209,6 +213,11 @@ impl ConnArgs {
         c.scheduler = self.scheduler;
         c.send_mode = self.send_mode;
         c.engine_threads = self.engine_threads;
+        if let Some(n) = self.engine_thread_node {
+            tyche_numa::node_cpus(n).with_context(|| format!("--engine-thread-node {n}"))?;
+            warn!(node = n, "placement experiment: every engine thread on node {n}, not on its NICs'");
+            c.engine_thread_node = Some(n);
+        }
         c.poll = tyche_transport::poll::PollConfig::new(self.poll, self.poll_budget_us).context("--poll-budget-us")?;
         c.digest = self.digest;
         if let Some(id) = self.host_id {

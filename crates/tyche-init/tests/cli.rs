@@ -61,6 +61,20 @@ fn bad_connection_options_say_what_is_wrong() {
         &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--iface", "lo", "--channel-memory-node", "999"],
         "NUMA node 999 does not exist",
     );
+    fails_with(
+        &[
+            "serve-nbd",
+            "--socket",
+            "/tmp/x.sock",
+            "--export",
+            "x",
+            "--loopback-mib",
+            "1",
+            "--engine-thread-node",
+            "999",
+        ],
+        "--engine-thread-node 999",
+    );
 }
 
 #[test]
