@@ -31,6 +31,8 @@
 //!    - each of `tyched`'s per-NIC network threads, and each of `tyche-init`'s per-node engine
 //!      threads, on its NIC's node's CPUs;
 //!    - the initiator's channel fallback order by the I/O bandwidth model (seed 003);
+//!    - the paper's inline send mode: every request posted by the thread that read it from the
+//!      NBD socket (on node 1), none handed over;
 //!    - each target NIC's interrupts read from the VM's sysfs and procfs; in the `affinity` run,
 //!      `tyched --irq-affinity auto` has put every one of them on its NIC's node and none on its
 //!      network thread's core (seed 002);
@@ -738,6 +740,22 @@ fn run_scheduler(
         let tc = thread_on_node(&p["thread"], &format!("target {name}: its network thread"), node, cpus)?;
         say(format!("{scheduler}: target {name}: network thread {} on cpus {tc:?} (node {node})", p["thread"]["name"]));
     }
+    // The paper's inline send mode (the default): the thread that read each NBD request, on
+    // node 1, posted its frames itself; at least the 16 writes, the FLUSH and the 16 reads.
+    let send = &ir["send"];
+    let requests = 2 * (WORKLOAD / REQUEST) as u64 + 1;
+    check!(
+        send["mode"] == "inline" && u(send, "inline") >= requests && u(send, "handed_over") == 0,
+        "initiator: send mode {} with {} requests sent inline, {} handed over (expected inline, at least \
+         {requests}, none handed over)",
+        send["mode"],
+        send["inline"],
+        send["handed_over"]
+    );
+    say(format!(
+        "{scheduler}: initiator: send mode {}: {} sent inline, {} handed over, {} inline fallbacks",
+        send["mode"], send["inline"], send["handed_over"], send["inline_fallbacks"]
+    ));
     // Seed 003: with two nodes the initiator measured (or loaded) the bandwidth model, and its
     // channel fallback order follows it.
     check!(ir["fallback"] == "model", "initiator: channel fallback by {}, not by the bandwidth model", ir["fallback"]);
