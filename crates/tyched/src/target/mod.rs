@@ -244,6 +244,8 @@ fn lock_engine(engine: &Mutex<Network>) -> std::sync::MutexGuard<'_, Network> {
     engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Pins the calling thread (the `what`, for the warning when it cannot) to `cpus`; none: not
+/// pinned.
 pub(crate) fn pin(cpus: &[u32], what: &str) {
     if !cpus.is_empty() {
         if let Err(e) = tyche_numa::pin_current_thread(cpus) {
