@@ -468,7 +468,7 @@ impl SlotTable {
 mod tests {
     use std::sync::Arc;
 
-    use tyche_wire::{Op, Request};
+    use tyche_wire::{MacAddr, Op, Request};
 
     use super::*;
 
@@ -565,6 +565,37 @@ mod tests {
         assert!(back.is_some());
         t.drop_where(|k| k.0 == 5);
         assert_eq!((t.bytes(), t.leases_held()), (0, 0));
+    }
+
+    #[test]
+    fn read_data_in_transmit_chunks_gives_them_back_once_acknowledged() {
+        let (_peer, mut port) = tyche_transport::MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 3000, 4096, 8);
+        port.set_tx_lending(4);
+        let mut t = SlotTable::new(1, LEN, 4 * LEN as u64);
+        t.lend_tx(0, port.lend_tx_chunks(usize::MAX));
+        let key = (1, 0, 0, 0);
+        assert!(t.take_region(key, 0, 5, 2048, 7).is_none(), "more chunks than are free");
+        let region = t.take_region(key, 0, 2, 2048, 7).expect("two free");
+        assert!(t.data(&key).is_none(), "read data in a region is never sent from slot memory");
+        // The read succeeded on a live channel: its chunks hold the data until acknowledged.
+        t.job_ended(key, Vec::new(), Some(region), None, true, true);
+        assert!(t.region(&key, 7).is_some() && t.region(&key, 8).is_none());
+        assert!(t.has_regions(0));
+        assert_eq!(t.give_back(0, &mut port, |_| false), 2);
+        assert_eq!(t.give_back(0, &mut port, |_| true), 4);
+        assert!(!t.has_regions(0));
+        // A region whose channel went away, or whose read failed, comes straight back.
+        let region = t.take_region(key, 0, 3, 2048, 8).expect("three free");
+        t.job_ended(key, Vec::new(), Some(region), None, false, true);
+        let region = t.take_region((1, 0, 0, 1), 0, 1, 2048, 9).expect("one free");
+        t.job_ended((1, 0, 0, 1), Vec::new(), Some(region), None, true, false);
+        assert_eq!(t.give_back(0, &mut port, |_| false), 4);
+        // So does one of a slot dropped with its session.
+        let region = t.take_region(key, 0, 4, 2048, 10).expect("four free");
+        t.job_ended(key, Vec::new(), Some(region), None, true, true);
+        t.drop_where(|k| k.0 == 1);
+        assert_eq!(t.give_back(0, &mut port, |_| false), 4);
+        assert!(t.in_region.is_empty());
     }
 
     #[test]
