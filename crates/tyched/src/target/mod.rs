@@ -1,0 +1,434 @@
+//! The target runtime: network threads that share the channel engine and own the transports,
+//! and storage workers in a bounded queue per NUMA node.
+//!
+//! ```text
+//!  transports ──recv──▶ network thread ──jobs (bounded, per node)──▶ node's storage workers ──▶ backend
+//!      ▲                 (Acceptor, TargetSessions,                        │
+//!      └────send──────── slot memory, timers)  ◀──completions (per network thread)+wake──┘
+//! ```
+//!
+//! A network thread polls the transports it was given, answers DISCOVER/CONNECT (with the
+//! MAC allow-list and the key proof in front of the [`Acceptor`]), places write data into the
+//! request's `damq` slot memory, hands executable requests to the workers of its channel's
+//! node (`crate::workers`) together with that slot memory, and sends completions and read data
+//! when the workers hand them back to it (each network thread has its own done queue). When
+//! nothing is due it sleeps in `poll(2)` on the transports' readiness descriptors and an eventfd
+//! the workers signal, until the engine's next timer.
+//!
+//! The engine state ([`Network`]) is grouped by job, one module each:
+//! - `start`: opening exports, starting storage threads, building the engine, spawning the
+//!   network threads.
+//! - `network`: the per-thread loop (turns, receive, transmit, sleep), per-NIC state
+//!   (`NicState`) and per-thread state (`Groups`).
+//! - `handshake`: DISCOVER/CONNECT checks in front of the acceptor, key challenges
+//!   (`Challenges`), fencing, control replies.
+//! - `sessions`: per-session state beside the channel engine, timers, dead channels, reclaim.
+//! - `slots`: the `SlotTable`, the one owner of all per-`damq`-slot state (slot memory, write
+//!   data kept in frames, read data in transmit chunks, short writes) and its accounting.
+//! - `jobs`: storage jobs ([`Job`]) from preparation to completion, and `Storage` (queues,
+//!   io_uring, done queues, deadlines).
+//! - `snapshot`: counters (`Counters`), snapshots, the placement report, limit counters.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tyche_channel::auth::Psk;
+use tyche_channel::{Acceptor, ExportSpec, Instant};
+use tyche_transport::wake::WakeFd;
+use tyche_transport::FrameTransport;
+use tyche_wire::MacAddr;
+
+use crate::backend::{Backend, BackendError};
+use crate::config::{Config, NetworkThreads};
+use crate::stats::Snapshot;
+use crate::workers::StoragePlan;
+
+mod handshake;
+mod jobs;
+mod network;
+mod sessions;
+mod slots;
+mod snapshot;
+mod start;
+
+#[cfg(test)]
+pub(crate) use jobs::execute;
+pub(crate) use jobs::{execute_contained, Done, Job};
+
+use handshake::Challenges;
+use jobs::Storage;
+use network::{Groups, NicState};
+use sessions::SessionState;
+use slots::SlotTable;
+use snapshot::Counters;
+use start::{build, spawn_network, Built};
+
+/// Errors starting a target.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// An export could not be opened.
+    #[error("export[{index}] ({name}): {source}")]
+    Backend {
+        /// Index in the config.
+        index: usize,
+        /// Name.
+        name: String,
+        /// Why.
+        source: BackendError,
+    },
+    /// No transport to serve on.
+    #[error("no transport to serve on")]
+    NoTransport,
+    /// A thread or descriptor could not be created.
+    #[error("{0}")]
+    Os(#[from] std::io::Error),
+}
+
+/// Placement of the target's threads and memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// NUMA node of the serving NICs: RAM exports and slot memory are bound to it.
+    pub node: Option<u32>,
+    /// CPUs for the network thread (or, with one thread per NIC, for those NICs that have no
+    /// entry in `nic_cpus`).
+    pub network_cpus: Vec<u32>,
+    /// CPUs for the network thread of each NIC, in the order of the `nics` given to
+    /// [`Target::start_placed`] (with `network_threads = "per-nic"`); missing or empty entries
+    /// use `network_cpus`.
+    pub nic_cpus: Vec<Vec<u32>>,
+    /// CPUs for the storage workers of the pool (without `storage`).
+    pub worker_cpus: Vec<u32>,
+    /// The storage workers per node (the placement plan's completion workers) and each NIC's
+    /// queue; `None`: one pool of `config.workers` workers on `worker_cpus`.
+    pub storage: Option<StoragePlan>,
+    /// NICs on several nodes: the network thread's memory policy is bound to these nodes, so
+    /// that automatic NUMA balancing does not move the pages it touches towards the CPU it
+    /// happens to run on (`tyche_numa::alloc::bind_thread_memory_to`).
+    pub memory_nodes: Vec<u32>,
+}
+
+/// A transport with the name it is shown under.
+pub struct Nic {
+    /// Interface name (or any label).
+    pub name: String,
+    /// The transport.
+    pub transport: Box<dyn FrameTransport + Send>,
+}
+
+impl std::fmt::Debug for Nic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nic").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+struct Export {
+    spec: ExportSpec,
+    backend: Arc<dyn Backend>,
+    /// Whether its storage requests go to the io_uring engine (else the pool, or inline for RAM).
+    uring: bool,
+    /// Whether write data may stay in the received frames ([`Backend::writes_from_frames`]).
+    lend: bool,
+    allow: Vec<MacAddr>,
+    key: Option<Psk>,
+    read_only: bool,
+    /// Several initiators may attach at once.
+    shared: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    stop: AtomicBool,
+    wake: WakeFd,
+    stats_requested: AtomicU64,
+    snapshot: Mutex<(u64, Snapshot)>,
+    published: Condvar,
+}
+
+impl Shared {
+    fn wake(&self) {
+        self.wake.wake();
+    }
+}
+
+/// A rate limit for log lines a peer can cause (refusals, sessions and channels opening and
+/// dying, storage errors): at most [`RateLimit::PER_SECOND`] lines a second pass, the rest are
+/// counted (`limits.warnings_suppressed`). Lock-free: storage threads use it too.
+#[derive(Debug)]
+pub(crate) struct RateLimit {
+    second: AtomicU64,
+    used: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl RateLimit {
+    const PER_SECOND: u64 = 20;
+
+    const fn new() -> Self {
+        RateLimit { second: AtomicU64::new(0), used: AtomicU64::new(0), suppressed: AtomicU64::new(0) }
+    }
+
+    /// Whether a line may be logged now.
+    pub(crate) fn allow(&self) -> bool {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let now = START.get_or_init(std::time::Instant::now).elapsed().as_secs() + 1;
+        if self.second.swap(now, Ordering::Relaxed) != now {
+            self.used.store(0, Ordering::Relaxed);
+        }
+        if self.used.fetch_add(1, Ordering::Relaxed) < Self::PER_SECOND {
+            return true;
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    fn suppressed(&self) -> u64 {
+        self.suppressed.load(Ordering::Relaxed)
+    }
+}
+
+/// The log rate limit of this process's targets.
+pub(crate) static PEER_LOGS: RateLimit = RateLimit::new();
+
+/// Starts targets.
+#[derive(Debug)]
+pub struct Target;
+
+/// A running target.
+#[derive(Debug)]
+pub struct TargetHandle {
+    shared: Arc<Shared>,
+    /// The network threads (one per NIC, or one for all).
+    network: Vec<JoinHandle<()>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Target {
+    /// Opens the exports of `config` and serves them on `nics`, with RAM and slot memory on no
+    /// particular node.
+    pub fn start(config: Config, nics: Vec<Nic>) -> Result<TargetHandle, StartError> {
+        Target::start_placed(config, nics, Placement::default())
+    }
+
+    /// As [`Target::start`], placing memory and threads as `placement` says.
+    pub fn start_placed(config: Config, nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
+        let Built { net, nics, groups, shared, workers } = build(config, nics, &placement)?;
+        let engine = Arc::new(Mutex::new(net));
+        let mut slots: Vec<Option<Nic>> = nics.into_iter().map(Some).collect();
+        let mut network = Vec::new();
+        for (g, members) in groups.iter().enumerate() {
+            let mine: Vec<(usize, Nic)> =
+                members.iter().map(|&k| (k, slots[k].take().expect("each NIC in one group"))).collect();
+            let cpus = match members[..] {
+                [k] => placement.nic_cpus.get(k).filter(|c| !c.is_empty()).unwrap_or(&placement.network_cpus).clone(),
+                _ => placement.network_cpus.clone(),
+            };
+            // A thread serving NICs on several nodes binds its memory policy to them.
+            let memory_nodes = if members.len() > 1 { placement.memory_nodes.clone() } else { Vec::new() };
+            network.push(spawn_network(g, groups.len(), mine, cpus, memory_nodes, &engine, &shared)?);
+        }
+        Ok(TargetHandle { shared, network, workers })
+    }
+}
+
+/// Locks the engine. A panic on a network thread is contained per session (see
+/// [`Network::fail_session`]), so the lock is taken even if an earlier holder panicked: the
+/// state is still consistent for every other session.
+fn lock_engine(engine: &Mutex<Network>) -> std::sync::MutexGuard<'_, Network> {
+    engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Pins the calling thread (the `what`, for the warning when it cannot) to `cpus`; none: not
+/// pinned.
+pub(crate) fn pin(cpus: &[u32], what: &str) {
+    if !cpus.is_empty() {
+        if let Err(e) = tyche_numa::pin_current_thread(cpus) {
+            tracing::warn!(?cpus, "could not pin the {what}: {e}");
+        }
+    }
+}
+
+impl TargetHandle {
+    /// A fresh snapshot of the counters (waits up to a second for the network thread).
+    pub fn stats(&self) -> Snapshot {
+        let want = self.shared.stats_requested.fetch_add(1, Ordering::SeqCst) + 1;
+        self.shared.wake();
+        let guard = self.shared.snapshot.lock().expect("snapshot lock");
+        let (guard, _) = self
+            .shared
+            .published
+            .wait_timeout_while(guard, Duration::from_secs(1), |(gen, _)| {
+                *gen < want && self.network.iter().any(|h| !h.is_finished())
+            })
+            .expect("snapshot lock");
+        guard.1.clone()
+    }
+
+    /// A function that returns a fresh snapshot, for a stats server thread.
+    pub fn stats_source(&self) -> impl Fn() -> Snapshot + Send + Sync + 'static {
+        let shared = Arc::clone(&self.shared);
+        move || {
+            let want = shared.stats_requested.fetch_add(1, Ordering::SeqCst) + 1;
+            shared.wake();
+            let guard = shared.snapshot.lock().expect("snapshot lock");
+            let (guard, _) = shared
+                .published
+                .wait_timeout_while(guard, Duration::from_secs(1), |(gen, _)| *gen < want)
+                .expect("snapshot lock");
+            guard.1.clone()
+        }
+    }
+
+    /// Asks the target to stop (from a signal handler thread, say); [`TargetHandle::join`] waits.
+    pub fn request_stop(&self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.wake();
+    }
+
+    /// How many network threads serve the NICs.
+    pub fn network_threads(&self) -> usize {
+        self.network.len()
+    }
+
+    /// Whether a network thread has exited (they exit together, after a stop or a panic).
+    pub fn is_finished(&self) -> bool {
+        self.network.is_empty() || self.network.iter().any(|h| h.is_finished())
+    }
+
+    /// Stops accepting, finishes (or aborts) in-flight requests, flushes every export and
+    /// returns the final counters.
+    pub fn shutdown(mut self) -> Snapshot {
+        self.request_stop();
+        self.join_inner()
+    }
+
+    /// Waits for the target to stop (after [`TargetHandle::request_stop`]).
+    pub fn join(mut self) -> Snapshot {
+        self.join_inner()
+    }
+
+    fn join_inner(&mut self) -> Snapshot {
+        for h in self.network.drain(..) {
+            if h.join().is_err() {
+                tracing::error!("a network thread panicked");
+            }
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+        self.shared.snapshot.lock().expect("snapshot lock").1.clone()
+    }
+}
+
+impl Drop for TargetHandle {
+    fn drop(&mut self) {
+        if !self.network.is_empty() {
+            self.request_stop();
+            self.join_inner();
+        }
+    }
+}
+
+/// A target driven on the caller's thread, for fuzzing and deterministic tests: every NIC is
+/// served by [`Harness::turn`], no network thread runs, and the clock is real time plus whatever
+/// [`Harness::advance`] added. RAM exports execute inside the turn; file exports use the storage
+/// threads as in a daemon.
+#[doc(hidden)]
+pub struct Harness {
+    net: Network,
+    nics: Vec<(usize, Nic)>,
+    _workers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Harness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Harness").field("nics", &self.nics.len()).finish_non_exhaustive()
+    }
+}
+
+impl Harness {
+    /// Opens the exports of `config` and serves them on `nics` (one group, on this thread).
+    pub fn new(mut config: Config, nics: Vec<Nic>) -> Result<Harness, StartError> {
+        config.network_threads = NetworkThreads::One;
+        let Built { net, nics, workers, .. } = build(config, nics, &Placement::default())?;
+        Ok(Harness { net, nics: nics.into_iter().enumerate().collect(), _workers: workers })
+    }
+
+    /// One turn of the network loop over every NIC; whether anything happened.
+    pub fn turn(&mut self) -> bool {
+        let t = self.net.turn(0, &mut self.nics);
+        for (_, nic) in self.nics.iter_mut() {
+            let _ = nic.transport.flush();
+        }
+        t.busy
+    }
+
+    /// Moves the target's clock forward (timers, dead channels, reclaim).
+    pub fn advance(&mut self, by: Duration) {
+        self.net.clock.skew += by;
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> Snapshot {
+        self.net.snapshot(self.net.now())
+    }
+}
+
+/// The target's clock: real time since start, plus whatever [`Harness::advance`] added.
+#[derive(Debug)]
+struct Clock {
+    start: std::time::Instant,
+    /// Added to the clock (zero in a daemon).
+    skew: Duration,
+}
+
+impl Default for Clock {
+    fn default() -> Clock {
+        Clock { start: std::time::Instant::now(), skew: Duration::ZERO }
+    }
+}
+
+/// The engine state every network thread works on, under one lock (see docs/architecture.md,
+/// "Network threads"), grouped by job: each part is owned by its module (see the module
+/// documentation), so that a later step can hand each thread its own.
+struct Network {
+    ethertype: u16,
+    exports: Vec<Export>,
+    acceptor: Acceptor,
+    sessions: BTreeMap<u64, SessionState>,
+    /// All per-slot state: slot memory, kept frames, read data in transmit chunks.
+    slots: SlotTable,
+    /// Storage jobs: queues, io_uring, completions, deadlines, deferred requests.
+    storage: Storage,
+    /// Key challenges pending.
+    challenges: Challenges,
+    /// Per NIC: counters, control queue, link state, memory placement, serving thread.
+    nics: Vec<NicState>,
+    /// Per network thread: eventfds, sleeping, polling, shutdown.
+    groups: Groups,
+    /// Target-wide counters.
+    counters: Counters,
+    /// Where RAM and slot memory go when a channel's NIC names no node.
+    node: Option<u32>,
+    /// The limits in force.
+    limits: crate::config::Limits,
+    /// How long a session whose channels are all dead is kept (`reclaim_after_ms`).
+    reclaim_after: Duration,
+    clock: Clock,
+    shared: Arc<Shared>,
+    stopping: Option<Instant>,
+    /// The plaintext of the last frame of an encrypting channel.
+    rx_scratch: Vec<u8>,
+}
+
+impl Network {
+    fn now(&self) -> Instant {
+        Instant((self.clock.start.elapsed() + self.clock.skew).as_nanos() as u64 + 1)
+    }
+}

@@ -1,0 +1,560 @@
+//! The per-thread loop: each network thread serves its group of NICs ([`serve_group`]) with
+//! turns of the engine ([`Network::turn`]: receive, completions, deadlines, timers, events,
+//! transmit, reclaim), flushes its transports outside the engine's lock, and sleeps in
+//! `poll(2)` when its [`Poller`] says so. Receiving checks each frame once and hands the
+//! checked view on: handshake frames are parsed once and go to `handshake`, the others to their
+//! session, whose write data the slot table places. Transmitting fills the frames the channels
+//! write with read data from transmit chunks or slot memory.
+//!
+//! What this module owns per NIC ([`NicState`]: counters, control queue, link state, memory
+//! placement) and per thread ([`Groups`]: eventfds, sleep and polling state, shutdown) is what
+//! a shared-nothing target would hand to each thread.
+
+use std::collections::{HashSet, VecDeque};
+use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tyche_channel::{DropReason, FrameDrop, Instant, PayloadRef, TargetInbound};
+use tyche_transport::poll::{Next, PollConfig, PollStats, Poller, SchedStat};
+use tyche_transport::wake::WakeFd;
+use tyche_transport::{Lease, Sent};
+use tyche_wire::{Frame, Kind, MacAddr, DATA_FRAME_OVERHEAD};
+
+use crate::stats::NicStats;
+
+use super::sessions::{slot_acked, slot_idle};
+use super::slots::{Placed, SlotKey, SlotTable};
+use super::{lock_engine, Network, Nic, Shared};
+
+/// Frames received per transport per loop turn.
+const RX_BUDGET: usize = 64;
+/// Frames sent per transport per loop turn.
+const TX_BUDGET: usize = 256;
+/// Longest sleep when some transport has no readiness descriptor (in-memory links).
+const POLL_CAP_NO_FD: Duration = Duration::from_millis(1);
+/// Longest sleep otherwise (the stop flag and stats requests are also signalled on the eventfd).
+const POLL_CAP: Duration = Duration::from_millis(100);
+/// How long shutdown waits for storage and for the last completions to be acknowledged.
+const DRAIN_LIMIT: Duration = Duration::from_secs(5);
+
+/// What the engine keeps of one NIC.
+#[derive(Debug)]
+pub(super) struct NicState {
+    /// Its counters.
+    pub(super) stats: NicStats,
+    /// Control replies (ACCEPT, REJECT, CHALLENGE, DISCOVER_REPLY) waiting to be sent.
+    pub(super) control: VecDeque<Vec<u8>>,
+    /// Its transport failed for good (a closed TCP connection).
+    pub(super) down: bool,
+    /// NUMA node of its memory (slot memory of its channels goes there).
+    pub(super) node: Option<u32>,
+    /// Its transport's memory (UMEM, rings), for the placement report.
+    pub(super) areas: Vec<tyche_transport::MemoryArea>,
+    /// Its serving thread, as it saw itself when it started.
+    pub(super) thread: Option<tyche_numa::report::ThreadPlacement>,
+    /// The network thread (group) that serves it.
+    pub(super) group: usize,
+}
+
+/// The network threads (groups) as the engine sees them.
+#[derive(Debug)]
+pub(super) struct Groups {
+    /// Each network thread's eventfd.
+    pub(super) wakes: Vec<Arc<WakeFd>>,
+    /// Network threads that ended their last turn with nothing to do (and sleep or will).
+    pub(super) sleeping: Vec<bool>,
+    /// How the network threads wait for work.
+    pub(super) poll: PollConfig,
+    /// Each network thread's polling counters, as of its last turn.
+    pub(super) poll_stats: Vec<PollStats>,
+    /// Shutdown: every channel was told DISCONNECT; each thread sends its NICs' and exits.
+    pub(super) closing: bool,
+    /// Network threads that have exited; the last one flushes and publishes the final counters.
+    pub(super) exited: usize,
+}
+
+/// What one turn of a network thread left to do.
+pub(super) struct Turn {
+    /// Something happened: go round again without sleeping.
+    pub(super) busy: bool,
+    /// How long to sleep at most when not busy.
+    timeout: Duration,
+    /// Other network threads (groups) that now have frames to send.
+    wake: Vec<usize>,
+    /// The target has stopped: exit.
+    exit: bool,
+    /// Per NIC of the thread: whether to poll it (false once its transport failed for good).
+    live: Vec<bool>,
+}
+
+impl Turn {
+    fn exit() -> Turn {
+        Turn { busy: false, timeout: Duration::ZERO, wake: Vec::new(), exit: true, live: Vec::new() }
+    }
+}
+
+/// The loop of the network thread serving the NICs `nics` (group `g`): a turn of the engine
+/// under its lock, then, outside it, the transports' flush (the AF_XDP kick) and, when the
+/// poller says so ([`Poller`]: after a while without work), the sleep.
+pub(super) fn serve_group(
+    g: usize,
+    mut nics: Vec<(usize, Nic)>,
+    engine: &Mutex<Network>,
+    wakes: &[Arc<WakeFd>],
+    shared: &Shared,
+) {
+    let mut poller = Poller::new(lock_engine(engine).groups.poll);
+    let run_queue = SchedStat::of_this_thread();
+    loop {
+        let turn = {
+            let mut net = lock_engine(engine);
+            net.groups.poll_stats[g] = poller.stats();
+            net.turn(g, &mut nics)
+        };
+        for (_, nic) in nics.iter_mut() {
+            if let Err(e) = nic.transport.flush() {
+                tracing::warn!(nic = %nic.name, "flush failed: {e}");
+            }
+        }
+        for &h in &turn.wake {
+            wakes[h].wake();
+        }
+        if turn.exit {
+            return;
+        }
+        let now = std::time::Instant::now();
+        run_queue.feed(&mut poller, now);
+        match poller.turn(now, turn.busy) {
+            // Polling with nothing to do: let a thread that shares the core run.
+            Next::Poll if !turn.busy => std::thread::yield_now(),
+            Next::Poll => {}
+            Next::Sleep => sleep(&nics, &turn.live, turn.timeout, &wakes[g], shared),
+        }
+    }
+}
+
+/// Sleeps in `poll(2)` on the transports' descriptors, this thread's eventfd and the shared one
+/// (storage completions, stats requests, stop), at most `timeout`.
+fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &WakeFd, shared: &Shared) {
+    use nix::poll::{PollFd, PollFlags, PollTimeout};
+    let mut fds: Vec<PollFd<'_>> = nics
+        .iter()
+        .zip(live)
+        .filter(|(_, live)| **live)
+        .filter_map(|((_, n), _)| n.transport.readiness_fd())
+        .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
+        .collect();
+    fds.push(PollFd::new(wake.as_fd(), PollFlags::POLLIN));
+    fds.push(PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN));
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128);
+    if ms > 0 {
+        let _ = nix::poll::poll(&mut fds, PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX));
+    }
+    wake.drain();
+    shared.wake.drain();
+}
+
+/// Whether a transport error means the link is gone for good.
+fn permanent(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(e.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected)
+}
+
+impl Network {
+    /// One turn of network thread `g` over its NICs.
+    pub(super) fn turn(&mut self, g: usize, nics: &mut [(usize, Nic)]) -> Turn {
+        self.groups.sleeping[g] = false;
+        let now = self.now();
+        let stop = self.shared.stop.load(Ordering::SeqCst);
+        if stop && self.stopping.is_none() {
+            tracing::info!(inflight = self.storage.inflight, "stopping: no new channels, finishing in-flight requests");
+            self.stopping = Some(now);
+        }
+        if self.groups.closing {
+            for (k, nic) in nics.iter_mut() {
+                self.transmit_on(now, *k, nic);
+                self.give_back(*k, nic);
+            }
+            self.groups.exited += 1;
+            if self.groups.exited == self.groups.wakes.len() {
+                self.finish(now);
+            }
+            return Turn::exit();
+        }
+        let mut busy = false;
+        for (k, nic) in nics.iter_mut() {
+            self.give_back(*k, nic);
+            busy |= self.receive_on(now, *k, nic);
+        }
+        busy |= self.completions(g);
+        self.storage_deadlines(now);
+        self.timers(now);
+        self.collect_events();
+        self.submit_overflow();
+        for (k, nic) in nics.iter_mut() {
+            busy |= self.transmit_on(now, *k, nic);
+        }
+        self.reclaim(now);
+        for (k, nic) in nics.iter_mut() {
+            self.give_back(*k, nic);
+        }
+        self.publish_if_requested(now);
+        if let Some(since) = self.stopping {
+            let quiet =
+                self.storage.drained() && !self.any_wants_transmit() && now.since(since) > Duration::from_millis(50);
+            if quiet || now.since(since) > DRAIN_LIMIT {
+                // DISCONNECT every channel; each thread sends its own NICs' and exits.
+                for s in self.sessions.values_mut() {
+                    s.session.close(tyche_wire::DisconnectReason::Shutdown);
+                }
+                self.groups.closing = true;
+                let wake = (0..self.groups.wakes.len()).filter(|&h| h != g).collect();
+                return Turn { busy: true, timeout: Duration::ZERO, wake, exit: false, live: Vec::new() };
+            }
+        }
+        let wake = self.others_to_wake(g);
+        let timeout = self.sleep_limit(g, nics, now);
+        if !busy {
+            self.groups.sleeping[g] = true;
+        }
+        let live = nics.iter().map(|(k, _)| !self.nics[*k].down).collect();
+        Turn { busy, timeout, wake, exit: false, live }
+    }
+
+    /// The sleeping network threads other than `g` that work of this turn (completions, a
+    /// copy of a request that waited on another channel's execution, timers) gave frames to
+    /// send.
+    fn others_to_wake(&self, g: usize) -> Vec<usize> {
+        let mut wake = Vec::new();
+        for (k, n) in self.nics.iter().enumerate() {
+            let h = n.group;
+            if h == g || !self.groups.sleeping[h] || wake.contains(&h) {
+                continue;
+            }
+            let wants = !n.control.is_empty()
+                || self
+                    .sessions
+                    .values()
+                    .any(|s| s.nic_of.iter().any(|(&c, &on)| on == k && s.session.wants_transmit(c)));
+            if wants {
+                wake.push(h);
+            }
+        }
+        wake
+    }
+
+    /// How long network thread `g` may sleep: until its sessions' next timer, the next
+    /// storage deadline, a short while when stopping, and never long on transports it cannot
+    /// wait on.
+    fn sleep_limit(&self, g: usize, nics: &[(usize, Nic)], now: Instant) -> Duration {
+        let mine = |k: &usize| self.nics[*k].group == g;
+        let mut timeout =
+            if nics.iter().all(|(_, n)| n.transport.readiness_fd().is_some()) { POLL_CAP } else { POLL_CAP_NO_FD };
+        let next = self
+            .sessions
+            .values()
+            .filter(|s| s.nic_of.values().any(mine))
+            .filter_map(|s| s.session.poll_timeout())
+            .min();
+        if let Some(t) = next {
+            timeout = timeout.min(t.since(now));
+        }
+        if self.stopping.is_some() {
+            timeout = timeout.min(Duration::from_millis(5));
+        }
+        if let Some(t) = self.storage.next_deadline() {
+            timeout = timeout.min(t.since(now));
+        }
+        timeout
+    }
+
+    fn any_wants_transmit(&self) -> bool {
+        self.nics.iter().any(|n| !n.control.is_empty())
+            || self.sessions.values().any(|s| s.nic_of.keys().any(|&c| s.session.wants_transmit(c)))
+    }
+
+    /// The orderly end, once every channel was told DISCONNECT: flush every export, publish the
+    /// last counters.
+    fn finish(&mut self, now: Instant) {
+        for e in &self.exports {
+            if let Err(err) = e.backend.flush() {
+                tracing::error!(export = %e.spec.name, "flush at shutdown failed: {err}");
+            }
+        }
+        self.publish(now, u64::MAX);
+        tracing::info!("stopped");
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Receive.
+
+    fn receive_on(&mut self, now: Instant, k: usize, nic: &mut Nic) -> bool {
+        if self.nics[k].down {
+            return false;
+        }
+        let local = nic.transport.local_mac();
+        match nic.transport.recv_lend(RX_BUDGET, &mut |bytes, lease| self.on_frame(now, k, local, bytes, lease)) {
+            Ok(n) => n > 0,
+            Err(e) => {
+                let n = &mut self.nics[k];
+                n.stats.rx_errors += 1;
+                if permanent(&e) {
+                    // A closed TCP connection, say: stop polling it (its channels die by timeout).
+                    tracing::warn!(nic = %nic.name, "link down: {e}");
+                    n.down = true;
+                } else if n.stats.rx_errors.is_power_of_two() {
+                    tracing::warn!(nic = %nic.name, errors = n.stats.rx_errors, "receive failed: {e}");
+                }
+                false
+            }
+        }
+    }
+
+    /// Handles one received frame. Its header is checked here, once, and the checked view
+    /// goes on. Write data is kept in the frame when the transport lends it (`lease`) and the
+    /// export writes from frames; else it is copied into slot memory. Returns the lease when the
+    /// frame is not kept. A panic while handling it (a bug a peer's frame reached) ends that
+    /// frame's session alone ([`Network::fail_session`]).
+    fn on_frame(
+        &mut self,
+        now: Instant,
+        k: usize,
+        local: MacAddr,
+        bytes: &[u8],
+        lease: Option<Lease>,
+    ) -> Option<Lease> {
+        let st = &mut self.nics[k].stats;
+        st.frames_rx += 1;
+        st.bytes_rx += bytes.len() as u64;
+        let Ok(frame) = Frame::new_checked(bytes, self.ethertype) else {
+            st.drops.malformed += 1;
+            return lease;
+        };
+        let sid = frame.session();
+        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
+                // The one parse of a handshake frame's message; the handshake gets both views.
+                match frame.parse() {
+                    Ok(msg) => self.on_handshake(now, k, local, &frame, &msg),
+                    Err(_) => self.nics[k].stats.drops.malformed += 1,
+                }
+                return lease;
+            }
+            // The plaintext of an encrypting channel's frame goes here (kept, not reallocated).
+            let mut scratch = std::mem::take(&mut self.rx_scratch);
+            let kept = self.on_session_frame(now, k, &frame, lease, &mut scratch);
+            self.rx_scratch = scratch;
+            kept
+        }));
+        handled.unwrap_or_else(|_| {
+            self.fail_session(sid, "handling a frame");
+            None
+        })
+    }
+
+    /// A checked frame for a session: the session's channel takes it, and the payload of a DATA
+    /// frame it places goes into the slot table.
+    fn on_session_frame(
+        &mut self,
+        now: Instant,
+        k: usize,
+        frame: &Frame<&[u8]>,
+        lease: Option<Lease>,
+        scratch: &mut Vec<u8>,
+    ) -> Option<Lease> {
+        let bytes = frame.as_bytes();
+        let st = &mut self.nics[k].stats;
+        let Some(s) = self.sessions.get_mut(&frame.session()) else {
+            st.drops.unknown_session += 1;
+            tracing::trace!(src = %frame.src(), session = frame.session(), "frame for an unknown session");
+            return lease;
+        };
+        let (channel, damq, offset, payload, generation, tag) = match s.session.handle_frame(now, bytes, scratch) {
+            TargetInbound::Consumed => {
+                s.established = true;
+                return lease;
+            }
+            TargetInbound::Dropped(d) => {
+                match d {
+                    FrameDrop::Wire(_) => st.drops.malformed += 1,
+                    FrameDrop::NotOurs => st.drops.not_ours += 1,
+                    FrameDrop::Channel(r) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+                }
+                return lease;
+            }
+            TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
+                s.established = true;
+                (channel, damq, offset, payload, generation, tag)
+            }
+        };
+        let key = (s.session.id(), channel, s.epoch(channel), damq);
+        let lend = self.exports[s.export].lend;
+        let node = self.nics[k].node;
+        let sessions = &self.sessions;
+        let (placed, lease) =
+            self.slots.place_write(key, k, (tag, generation), offset, payload, lease, lend, node, |key| {
+                slot_idle(sessions, key)
+            });
+        let st = &mut self.nics[k].stats;
+        match placed {
+            Placed::Kept => st.frames_kept += 1,
+            Placed::Copied(n) => {
+                self.counters.payload_copied += n as u64;
+                self.counters.payload_copied_write += n as u64;
+            }
+            Placed::SlotBusy => st.drops.slot_busy += 1,
+            Placed::Short => {}
+        }
+        lease
+    }
+
+    /// Gives NIC `k`'s transport back the frames it lent that are no longer needed, and notes
+    /// how many it still has out.
+    fn give_back(&mut self, k: usize, nic: &mut Nic) {
+        let sessions = &self.sessions;
+        let free = self.slots.give_back(k, &mut *nic.transport, |key| slot_acked(sessions, key));
+        let st = &mut self.nics[k].stats;
+        st.leases_out = nic.transport.leases_out() as u64;
+        st.tx_chunks_free = free as u64;
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Transmit.
+
+    /// Sends what NIC `k` has to send (the caller flushes the transport, outside the lock):
+    /// its control replies, then what its channels have, in session and channel order.
+    fn transmit_on(&mut self, now: Instant, k: usize, nic: &mut Nic) -> bool {
+        if self.nics[k].down {
+            self.nics[k].control.clear();
+            return false;
+        }
+        let mut order: Vec<(u64, u16)> = Vec::new();
+        for (&sid, s) in &self.sessions {
+            order.extend(s.nic_of.iter().filter(|&(_, &n)| n == k).map(|(&c, _)| (sid, c)));
+        }
+        let mut cursor = 0;
+        let mut tx = TxCount::default();
+        // Chunks the kernel still sends cannot be rewritten or sent again yet.
+        let busy: HashSet<u64> = if self.slots.has_regions(k) {
+            nic.transport.tx_chunks_in_flight().into_iter().collect()
+        } else {
+            HashSet::new()
+        };
+        let mut used = HashSet::new();
+        let control = &mut self.nics[k].control;
+        let sessions = &mut self.sessions;
+        let slots = &self.slots;
+        let r = nic.transport.send_with(TX_BUDGET, &mut |buf| {
+            if let Some(f) = control.pop_front() {
+                buf[..f.len()].copy_from_slice(&f);
+                tx.frames += 1;
+                tx.bytes += f.len() as u64;
+                return Some(Sent::Here(f.len()));
+            }
+            while cursor < order.len() {
+                let (sid, ch) = order[cursor];
+                let s = sessions.get_mut(&sid).expect("listed");
+                let epoch = s.epoch(ch);
+                if let Some(t) = s.session.poll_transmit(now, ch, buf) {
+                    let sent = match t.payload {
+                        None => Sent::Here(t.len),
+                        Some(p) => {
+                            let key = (sid, ch, epoch, p.damq);
+                            fill_payload(slots, key, &p, t.len, buf, &busy, &mut used, &mut tx)
+                        }
+                    };
+                    let sent = match sent {
+                        Sent::Here(len) if len > 0 => Sent::Here(s.session.seal(ch, buf, len)),
+                        other => other,
+                    };
+                    if sent != Sent::Here(0) {
+                        tx.frames += 1;
+                        tx.bytes += t.len as u64;
+                    }
+                    return Some(sent);
+                }
+                cursor += 1;
+            }
+            None
+        });
+        let n = &mut self.nics[k];
+        n.stats.frames_sent_in_place += tx.in_place;
+        n.stats.resends_deferred += tx.deferred;
+        if let Err(e) = r {
+            n.stats.tx_errors += 1;
+            if permanent(&e) {
+                tracing::warn!(nic = %nic.name, "link down: {e}");
+                n.down = true;
+            } else if n.stats.tx_errors.is_power_of_two() {
+                tracing::warn!(nic = %nic.name, errors = n.stats.tx_errors, "send failed: {e}");
+            }
+        }
+        n.stats.frames_tx += tx.frames;
+        n.stats.bytes_tx += tx.bytes;
+        self.counters.payload_copied += tx.copied;
+        tx.frames > 0
+    }
+}
+
+/// What one [`Network::transmit_on`] sent.
+#[derive(Default)]
+struct TxCount {
+    frames: u64,
+    bytes: u64,
+    /// Payload bytes copied from slot memory.
+    copied: u64,
+    /// Frames sent from the transmit chunk holding their payload.
+    in_place: u64,
+    /// Resends skipped because the kernel still holds their chunk.
+    deferred: u64,
+}
+
+/// The payload `p` of a DATA frame of slot `key` that a channel wrote into `buf` (`len` bytes
+/// in all): sent from the transmit chunk that holds it when its read data went into one (unless
+/// the kernel still has that chunk, `busy`, or it goes out earlier in this batch, `used`), else
+/// copied from slot memory behind the headers. Read data always lies in its slot (or region)
+/// until the completion is sent: a payload found in neither is not sent, never stale bytes.
+#[allow(clippy::too_many_arguments)]
+fn fill_payload(
+    slots: &SlotTable,
+    key: SlotKey,
+    p: &PayloadRef,
+    len: usize,
+    buf: &mut [u8],
+    busy: &HashSet<u64>,
+    used: &mut HashSet<u64>,
+    tx: &mut TxCount,
+) -> Sent {
+    if let Some(region) = slots.region(&key, p.tag) {
+        let at = (p.offset % region.seg == 0).then(|| region.chunks.get((p.offset / region.seg) as usize));
+        let Some(Some(c)) = at else { return Sent::Here(0) };
+        if !busy.contains(&c.id()) && used.insert(c.id()) {
+            // The payload is in the chunk already: only the headers go there.
+            tx.in_place += 1;
+            return Sent::Chunk { id: c.id(), header: DATA_FRAME_OVERHEAD, len };
+        }
+        // The kernel still holds this chunk from an earlier send of the same segment (or it
+        // goes out earlier in this batch): that send carries these bytes, so this resend is
+        // skipped, not copied. If it is lost, the retransmission timer sends the chunk again
+        // once it is back.
+        tx.deferred += 1;
+        return Sent::Here(0);
+    }
+    let dst = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + p.len as usize];
+    let o = p.offset as usize;
+    match slots.data(&key).and_then(|mem| mem.get(o..o + p.len as usize)) {
+        Some(src) => {
+            dst.copy_from_slice(src);
+            tx.copied += p.len as u64;
+            Sent::Here(len)
+        }
+        None => Sent::Here(0),
+    }
+}
+
+/// A drop reason as the counters name it.
+pub(super) fn drop_name(r: DropReason) -> String {
+    r.as_str().to_owned()
+}

@@ -1,0 +1,369 @@
+//! Start-up: opening the exports, sizing the channels, starting the storage threads (workers
+//! per node, io_uring rings), building the engine state ([`build`]), and starting one network
+//! thread per group of NICs ([`spawn_network`]). [`super::Harness`] uses [`build`] alone and
+//! turns the engine on its caller's thread.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tyche_channel::auth::Psk;
+use tyche_channel::{Acceptor, ExportSpec};
+use tyche_transport::wake::WakeFd;
+use tyche_wire::{flags, ChannelParams, SECTOR_SIZE};
+
+use crate::backend::{Backend, FileBackend, RamBackend};
+use crate::config::{Config, NetworkThreads};
+use crate::stats::{ExportStats, NicStats, Snapshot, StorageQueueStats};
+use crate::workers::{DoneRoute, JobQueues, StoragePlan, ThreadStat, JOB_QUEUE};
+
+use super::handshake::Challenges;
+use super::jobs::{Done, Storage};
+use super::network::{serve_group, Groups, NicState};
+use super::slots::SlotTable;
+use super::snapshot::Counters;
+use super::{lock_engine, pin, Clock, Export, Network, Nic, Placement, Shared, StartError};
+
+/// A target's engine, its NICs and its storage threads, before any network thread runs.
+pub(super) struct Built {
+    pub(super) net: Network,
+    pub(super) nics: Vec<Nic>,
+    /// NIC indices served by each network thread.
+    pub(super) groups: Vec<Vec<usize>>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) workers: Vec<JoinHandle<()>>,
+}
+
+/// Opens the exports, starts the storage threads and builds the engine state.
+pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Built, StartError> {
+    config.validate()?;
+    if nics.is_empty() {
+        return Err(StartError::NoTransport);
+    }
+    let mut exports = open_exports(&config, placement.node)?;
+    let acceptor = Acceptor::new(
+        config.ethertype,
+        exports.iter().map(|e| e.spec.clone()).collect(),
+        channel_limits(&config, &nics),
+        config.timers(),
+    )
+    .with_limits(config.limits.acceptor());
+    let shared = Arc::new(Shared {
+        stop: AtomicBool::new(false),
+        wake: WakeFd::new()?,
+        stats_requested: AtomicU64::new(0),
+        snapshot: Mutex::new((0, Snapshot::default())),
+        published: Condvar::new(),
+    });
+    let n_nics = nics.len();
+    let groups: Vec<Vec<usize>> = match config.network_threads {
+        NetworkThreads::One => vec![(0..n_nics).collect()],
+        NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
+    };
+    let mut group_of = vec![0; n_nics];
+    for (g, members) in groups.iter().enumerate() {
+        for &k in members {
+            group_of[k] = g;
+        }
+    }
+    let group_wakes = groups.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
+    let (storage, workers) = start_storage(&config, placement, &mut exports, &nics, &group_of, &group_wakes)?;
+    let export_stats = export_stats(&exports);
+    let l = config.limits;
+    let mut slots = SlotTable::new(n_nics, l.max_io as usize, l.slot_memory.0);
+    // Read data goes straight into transmit chunks the transports lend, where the exports
+    // can read into them.
+    if exports.iter().any(|e| e.lend) {
+        for (k, n) in nics.iter_mut().enumerate() {
+            slots.lend_tx(k, n.transport.lend_tx_chunks(usize::MAX));
+        }
+    }
+    // Slot memory of a channel goes on its NIC's node (where the transport put its UMEM),
+    // else where the placement says. The transports' memory does not move: where it is is
+    // read once here, for the placement report.
+    let nic_states = nics
+        .iter()
+        .enumerate()
+        .map(|(k, n)| NicState {
+            stats: NicStats { name: n.name.clone(), mac: n.transport.local_mac().to_string(), ..NicStats::default() },
+            control: Default::default(),
+            down: false,
+            node: n.transport.numa_node().or(placement.node),
+            areas: n.transport.memory_areas(),
+            thread: None,
+            group: group_of[k],
+        })
+        .collect();
+    let net = Network {
+        ethertype: config.ethertype,
+        exports,
+        acceptor,
+        sessions: BTreeMap::new(),
+        slots,
+        storage,
+        challenges: Challenges::new(l.challenges, l.challenges_per_mac),
+        nics: nic_states,
+        groups: Groups {
+            wakes: group_wakes,
+            sleeping: vec![false; groups.len()],
+            poll: config.poll_config()?,
+            poll_stats: vec![Default::default(); groups.len()],
+            closing: false,
+            exited: 0,
+        },
+        counters: Counters { exports: export_stats, ..Counters::default() },
+        node: placement.node,
+        limits: l,
+        reclaim_after: Duration::from_millis(config.reclaim_after_ms),
+        clock: Clock::default(),
+        shared: Arc::clone(&shared),
+        stopping: None,
+        rx_scratch: Vec::new(),
+    };
+    tracing::info!(nics = n_nics, threads = groups.len(), "serving");
+    Ok(Built { net, nics, groups, shared, workers })
+}
+
+/// Opens every export of `config` (RAM exports on `node`).
+fn open_exports(config: &Config, node: Option<u32>) -> Result<Vec<Export>, StartError> {
+    let mut exports = Vec::new();
+    for (index, e) in config.exports.iter().enumerate() {
+        let backend: Arc<dyn Backend> = match &e.path {
+            None => {
+                Arc::new(RamBackend::new(e.size.expect("validated").0, node).map_err(|source| StartError::Backend {
+                    index,
+                    name: e.name.clone(),
+                    source,
+                })?)
+            }
+            Some(p) => Arc::new(
+                FileBackend::open(p, e.size.map(|s| s.0), e.read_only, e.direct)
+                    .map_err(|source| StartError::Backend { index, name: e.name.clone(), source })?,
+            ),
+        };
+        let mut f = flags::EXPORT_DISCARD;
+        if e.read_only {
+            f |= flags::EXPORT_READ_ONLY;
+        }
+        if e.keyed() {
+            f |= flags::EXPORT_NEEDS_KEY;
+        }
+        if e.encrypt {
+            f |= flags::EXPORT_ENCRYPTED;
+        }
+        tracing::info!(export = %e.name, backend = backend.kind(), size = backend.size(), read_only = e.read_only,
+                keyed = e.keyed(), encrypted = e.encrypt, "export ready");
+        if e.key.is_some() {
+            tracing::warn!(export = %e.name, "an inline key in the configuration is deprecated: put it in a file only its owner can read and name it in key_file");
+        }
+        exports.push(Export {
+            spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
+            lend: backend.writes_from_frames(),
+            backend,
+            uring: false,
+            allow: e.allowed_macs(),
+            key: e
+                .key_bytes()
+                .map_err(|m| crate::config::ConfigError::Invalid {
+                    field: format!("export[{index}].key_file"),
+                    message: m,
+                })?
+                .map(|k| Psk::new(&k)),
+            read_only: e.read_only,
+            shared: e.shared,
+        });
+    }
+    Ok(exports)
+}
+
+/// The most a channel may have: the configured limits, with a segment that fits every NIC's
+/// MTU and buffers.
+fn channel_limits(config: &Config, nics: &[Nic]) -> ChannelParams {
+    let segment = nics
+        .iter()
+        .filter_map(|n| tyche_wire::segment_size_for(n.transport.mtu(), n.transport.frame_capacity()))
+        .min()
+        .unwrap_or(SECTOR_SIZE)
+        .min(config.limits.segment as u32) as u16;
+    let l = config.limits;
+    ChannelParams {
+        ring: l.ring,
+        remq_slots: l.remq_slots,
+        damq_slots: l.damq_slots,
+        segment,
+        max_io: l.max_io,
+        // Granted to initiators that ask: a CRC32C of every DATA payload.
+        features: flags::FEATURE_DIGEST | flags::FEATURE_BLOCK_STATUS,
+    }
+}
+
+/// Starts the storage threads of file and block exports (RAM exports execute on the network
+/// thread): the workers of each node's queue, and the io_uring rings where the kernel allows
+/// them (marking the exports that use them). Completions go back to the network thread
+/// (group, `group_of`) of their channel's NIC, woken on its eventfd.
+fn start_storage(
+    config: &Config,
+    placement: &Placement,
+    exports: &mut [Export],
+    nics: &[Nic],
+    group_of: &[usize],
+    group_wakes: &[Arc<WakeFd>],
+) -> Result<(Storage, Vec<JoinHandle<()>>), StartError> {
+    let n_nics = nics.len();
+    let groups = group_wakes.len();
+    let backends: Vec<Arc<dyn Backend>> = exports.iter().map(|e| Arc::clone(&e.backend)).collect();
+    let (done_txs, done_rx): (Vec<_>, Vec<_>) = (0..groups).map(|_| mpsc::channel::<Done>()).unzip();
+    let route = DoneRoute::new(done_txs, group_wakes.to_vec(), group_of.to_vec());
+    let files = exports.iter().any(|e| e.backend.as_file().is_some());
+    let storage = match &placement.storage {
+        Some(plan) if config.workers == 0 && plan.nic_queue.len() == n_nics => plan.clone(),
+        _ => {
+            let n = match config.workers {
+                0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8),
+                n => n,
+            };
+            StoragePlan::pool(n, &placement.worker_cpus, placement.node, n_nics)
+        }
+    };
+    let (jobs, job_rx) = JobQueues::new(storage.nodes.len(), JOB_QUEUE, storage.nic_queue.clone());
+    let mut workers = Vec::new();
+    let mut threads = Vec::new();
+    let mut n_workers = 0;
+    if files {
+        for (q, (node, rx)) in storage.nodes.iter().zip(job_rx).enumerate() {
+            workers.extend(crate::workers::start_workers(node, q, n_workers, rx, &backends, &route, &mut threads)?);
+            n_workers += node.workers.len();
+            tracing::info!(node = ?node.node, workers = node.workers.len(), cpus = ?node.workers.iter().map(|w| w.cpus.clone()).collect::<Vec<_>>(),
+                fallback = node.fallback, "storage workers");
+        }
+    }
+    let uring = if files {
+        start_uring(config, &storage, exports, &backends, &route, &jobs, n_workers, &mut threads, &mut workers)?
+    } else {
+        Vec::new()
+    };
+    drop(route);
+    let queue_stats = storage
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(q, n)| StorageQueueStats {
+            node: n.node,
+            nics: (0..n_nics).filter(|&k| storage.nic_queue[k] == q).map(|k| nics[k].name.clone()).collect(),
+            fallback: n.fallback,
+            ..StorageQueueStats::default()
+        })
+        .collect();
+    let deadline = Duration::from_millis(config.storage_deadline_ms);
+    Ok((Storage::new(jobs, uring, done_rx, threads, queue_stats, deadline), workers))
+}
+
+/// File and block exports use io_uring where the kernel allows it (a ring per storage queue,
+/// on that queue's node), else the pool of `n_workers`: the rings, none if not.
+#[allow(clippy::too_many_arguments)]
+fn start_uring(
+    config: &Config,
+    storage: &StoragePlan,
+    exports: &mut [Export],
+    backends: &[Arc<dyn Backend>],
+    route: &DoneRoute,
+    jobs: &JobQueues,
+    n_workers: usize,
+    threads: &mut Vec<Arc<ThreadStat>>,
+    workers: &mut Vec<JoinHandle<()>>,
+) -> Result<Vec<crate::uring::UringQueue>, StartError> {
+    let mut uring = Vec::new();
+    let rings: Result<Vec<_>, String> = if config.io_uring {
+        storage.nodes.iter().map(|_| crate::uring::open()).collect()
+    } else {
+        Err("disabled (io_uring = false)".into())
+    };
+    match rings {
+        Ok(rings) => {
+            let mut fallocate = true;
+            for (q, (ring, node)) in rings.into_iter().zip(&storage.nodes).enumerate() {
+                let stat =
+                    ThreadStat::new(format!("tyched-uring{q}"), "io_uring", node.node, node.ring_cpus.clone(), q);
+                threads.push(Arc::clone(&stat));
+                let (queue, thread) =
+                    crate::uring::start(ring, backends.to_vec(), route.clone(), jobs.sender(q), stat)?;
+                fallocate &= queue.fallocate;
+                workers.push(thread);
+                uring.push(queue);
+            }
+            tracing::info!(depth = crate::uring::DEPTH, rings = uring.len(), fallocate, "io_uring storage engine");
+            for e in exports.iter_mut().filter(|e| e.backend.as_file().is_some()) {
+                e.uring = true;
+            }
+        }
+        Err(reason) if config.io_uring => {
+            tracing::warn!(
+                workers = n_workers,
+                "io_uring unavailable ({reason}): file and block exports use the thread pool"
+            );
+        }
+        Err(reason) => {
+            tracing::info!(workers = n_workers, "io_uring {reason}: file and block exports use the thread pool")
+        }
+    }
+    Ok(uring)
+}
+
+/// The counters of each export, as the snapshot starts them.
+fn export_stats(exports: &[Export]) -> Vec<ExportStats> {
+    exports
+        .iter()
+        .map(|e| ExportStats {
+            name: e.spec.name.clone(),
+            backend: e.backend.kind().into(),
+            size: e.spec.size,
+            read_only: e.read_only,
+            keyed: e.key.is_some(),
+            io: if e.uring {
+                "io_uring"
+            } else if e.backend.kind() == "ram" {
+                "inline"
+            } else {
+                "threads"
+            }
+            .into(),
+            ..ExportStats::default()
+        })
+        .collect()
+}
+
+/// Starts the network thread of group `g`, serving `mine` (NIC index and NIC) on `cpus`, with
+/// its memory policy bound to `memory_nodes` if any.
+pub(super) fn spawn_network(
+    g: usize,
+    groups: usize,
+    mine: Vec<(usize, Nic)>,
+    cpus: Vec<u32>,
+    memory_nodes: Vec<u32>,
+    engine: &Arc<Mutex<Network>>,
+    shared: &Arc<Shared>,
+) -> std::io::Result<JoinHandle<()>> {
+    let name = if groups == 1 { "tyched-net".to_owned() } else { format!("tyched-net{g}") };
+    let engine = Arc::clone(engine);
+    let shared = Arc::clone(shared);
+    std::thread::Builder::new().name(name).spawn(move || {
+        pin(&cpus, "network thread");
+        if !memory_nodes.is_empty() {
+            if let Err(e) = tyche_numa::alloc::bind_thread_memory_to(&memory_nodes) {
+                tracing::warn!(nodes = ?memory_nodes, "cannot bind the network thread's memory policy: {e}");
+            }
+        }
+        {
+            // The placement report shows each NIC's serving thread as it sees itself.
+            let me = tyche_numa::report::this_thread();
+            let mut net = lock_engine(&engine);
+            for (k, _) in &mine {
+                net.nics[*k].thread = Some(me.clone());
+            }
+        }
+        let wakes = lock_engine(&engine).groups.wakes.clone();
+        serve_group(g, mine, &engine, &wakes, &shared);
+    })
+}
