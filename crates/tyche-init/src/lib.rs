@@ -31,6 +31,7 @@ mod config;
 mod discover;
 mod engine;
 mod error;
+mod front;
 pub mod frontend;
 pub mod loopback;
 pub mod nbd;

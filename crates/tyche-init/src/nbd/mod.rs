@@ -257,7 +257,7 @@ async fn connection(
         opts.hole_read_min,
         done,
     )?;
-    client.serve_nbd(conn)?;
+    client.serve_front(Box::new(conn))?;
     finished.await.unwrap_or_else(|_| Err(io::Error::other("the engine stopped")))
 }
 
@@ -1224,9 +1224,10 @@ pub mod fuzzing {
 
     use tyche_wire::Op;
 
-    use super::direct::{DirectConn, NbdIo};
+    use super::direct::DirectConn;
     use super::NbdOptions;
     use crate::error::Error;
+    use crate::front::{Front, FrontIo};
 
     /// Runs the server's handshake for export `name` of `size` bytes on the client bytes
     /// `input`. Returns how it ended (whether transmission was entered), what the server wrote
@@ -1256,7 +1257,7 @@ pub mod fuzzing {
 
     /// A request the connection hands to the volume.
     #[derive(Debug)]
-    pub struct Io(NbdIo);
+    pub struct Io(FrontIo);
 
     impl Io {
         /// The operation.
@@ -1317,17 +1318,19 @@ pub mod fuzzing {
         }
         /// Reads and parses what the socket has; the requests for the volume.
         pub fn poll_requests(&mut self) -> Vec<Io> {
-            self.conn().poll_requests().into_iter().map(Io).collect()
+            let mut out = Vec::new();
+            self.conn().receive(&mut out);
+            out.into_iter().map(Io).collect()
         }
         /// The volume completed `io` (a read's data is in its buffer).
         pub fn complete(&mut self, io: Io, result: Result<(), Error>) {
             let Io(io) = io;
             let outcome = result.map(|()| (io.op, io.data));
-            self.conn().complete(io.reply, outcome);
+            self.conn().complete(io.token, outcome);
         }
         /// Writes queued replies; whether anything was written.
         pub fn write_replies(&mut self) -> bool {
-            self.conn().write_replies()
+            self.conn().send()
         }
         /// Whether more requests may be read now.
         pub fn wants_read(&self) -> bool {
@@ -1335,7 +1338,7 @@ pub mod fuzzing {
         }
         /// Whether the connection is over.
         pub fn finished(&self) -> bool {
-            self.0.as_ref().is_none_or(DirectConn::finished)
+            self.0.as_ref().is_none_or(|c| c.finished())
         }
         /// Requests in flight and data bytes held.
         pub fn load(&self) -> (usize, u64) {
@@ -1344,7 +1347,7 @@ pub mod fuzzing {
         /// Ends the connection.
         pub fn close(&mut self) {
             if let Some(c) = self.0.take() {
-                c.close(false);
+                Box::new(c).close(false);
             }
         }
     }
