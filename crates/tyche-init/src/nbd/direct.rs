@@ -24,10 +24,9 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 use tyche_wire::Op;
 
-use super::codec::{self, cflag, cmd, errno, Head};
-use super::MAX_REQUEST;
+use super::codec::{self, cflag, cmd, errno, Action, Head};
 use super::{
-    block_status_reply, hole_aware, read_plan, reply_head, status_query, validate, Negotiated, Piece, REPLY_BATCH,
+    block_status_reply, hole_aware, read_plan, reply_head, status_query, Negotiated, Piece, REPLY_BATCH,
     REQUEST_BUFFER, SECTOR,
 };
 use crate::config::SendMode;
@@ -303,13 +302,9 @@ impl Reader {
             if req.command == cmd::DISC {
                 return Ok(Some(Raw::Disc));
             }
-            match req.payload(self.extended) {
-                Some(n) if n > MAX_REQUEST as u64 => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("a request payload of {n} bytes, over the maximum of {MAX_REQUEST}"),
-                    ))
-                }
+            match codec::check_payload(&req, self.extended)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?
+            {
                 Some(n) => {
                     let data = alloc(n as usize);
                     self.partial = Some(Partial { req, data, filled: 0 });
@@ -445,7 +440,8 @@ pub(crate) struct DirectConn {
     pub(crate) id: u64,
     stream: Arc<UnixStream>,
     size: u64,
-    discard: bool,
+    /// What requests are checked against.
+    rules: codec::Rules,
     neg: Negotiated,
     node: Option<u32>,
     stats: NbdStats,
@@ -488,6 +484,7 @@ impl DirectConn {
         stream: UnixStream,
         id: u64,
         size: u64,
+        read_only: bool,
         discard: bool,
         neg: Negotiated,
         node: Option<u32>,
@@ -504,7 +501,7 @@ impl DirectConn {
             handoff: None,
             stream,
             size,
-            discard,
+            rules: super::rules(size, read_only, discard, neg),
             neg,
             node,
             stats,
@@ -647,19 +644,23 @@ impl DirectConn {
         };
         let io = |op, offset, length, data: Buf, reply| NbdIo { op, fua, offset, length, data, reply };
         let none = || Buf::Heap(Vec::new());
-        if let Err(e) = validate(&req, self.size, self.neg) {
-            // A payload the request should not have carried goes back to the pool.
-            self.pool.give(data);
-            self.answer(&req, e);
-            return None;
-        }
-        let io = match req.command {
-            cmd::FLUSH => io(Op::Flush, 0, 0, none(), reply),
-            _ if len == 0 => {
+        let action = match codec::check_request(&req, &self.rules) {
+            Ok(a) => a,
+            Err(e) => {
+                // A payload the request should not have carried goes back to the pool.
+                self.pool.give(data);
+                self.answer(&req, e);
+                return None;
+            }
+        };
+        let io = match action {
+            Action::Done => {
+                self.pool.give(data);
                 self.answer(&req, 0);
                 return None;
             }
-            cmd::BLOCK_STATUS => {
+            Action::Flush => io(Op::Flush, 0, 0, none(), reply),
+            Action::BlockStatus => {
                 let Some((start, length)) = status_query(off, len, self.size) else {
                     let (header, data) = block_status_reply(
                         self.neg.extended,
@@ -672,15 +673,15 @@ impl DirectConn {
                 };
                 self.status_io(reply, start, length)
             }
-            cmd::READ if hole_aware(&req, self.neg, self.hole_read_min, &self.probe) => {
+            Action::Read if hole_aware(&req, self.neg, self.hole_read_min, &self.probe) => {
                 match status_query(off, len, self.size) {
                     // Which parts are holes first; the data pieces follow (see `complete`).
                     Some((start, length)) => self.status_io(NbdReply { probe: true, ..reply }, start, length),
                     None => self.read_io(reply, off, len, None),
                 }
             }
-            cmd::READ => self.read_io(reply, off, len, None),
-            cmd::WRITE => {
+            Action::Read => self.read_io(reply, off, len, None),
+            Action::Write => {
                 if sample {
                     self.count_pages(data.as_slice());
                 }
@@ -688,30 +689,11 @@ impl DirectConn {
                 reply.written = len;
                 io(Op::Write, off, len, data, reply)
             }
-            cmd::TRIM => {
-                if !self.discard {
-                    self.answer(&req, errno::from_errno(Error::Unsupported.errno()));
-                    return None;
-                }
-                // Advisory: trim the whole sectors inside the range.
-                let start = off.next_multiple_of(SECTOR);
-                let end = (off + len) / SECTOR * SECTOR;
-                if end <= start {
-                    self.answer(&req, 0);
-                    return None;
-                }
-                reply.then_flush = fua;
-                NbdIo { op: Op::Discard, fua: false, offset: start, length: end - start, data: none(), reply }
+            Action::Trim { start, length, flush } => {
+                reply.then_flush = flush;
+                NbdIo { op: Op::Discard, fua: false, offset: start, length, data: none(), reply }
             }
-            cmd::WRITE_ZEROES => io(Op::WriteZeroes, off, len, none(), reply),
-            cmd::CACHE => {
-                self.answer(&req, 0);
-                return None;
-            }
-            _ => {
-                self.answer(&req, errno::EINVAL);
-                return None;
-            }
+            Action::WriteZeroes => io(Op::WriteZeroes, off, len, none(), reply),
         };
         Some(io)
     }
