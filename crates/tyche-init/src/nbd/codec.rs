@@ -511,7 +511,7 @@ pub fn check_request(req: &Request, rules: &Rules) -> Result<Action, u32> {
         cmd::READ | cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES | cmd::CACHE | cmd::BLOCK_STATUS => {}
         _ => return Err(errno::EINVAL),
     }
-    if !off.checked_add(len).is_some_and(|end| end <= rules.size) {
+    if off.checked_add(len).is_none_or(|end| end > rules.size) {
         return Err(if req.command == cmd::WRITE { errno::ENOSPC } else { errno::EINVAL });
     }
     match req.command {
