@@ -14,7 +14,8 @@
 //!
 //! Invariants: no panic; every request handed to the volume is sector-aligned, inside the
 //! export, at most the maximum request, with a buffer of its length, TRIM only where the export
-//! discards; the connection never holds more than its bound of requests and data; every reply
+//! discards, nothing that modifies a read-only export (the server's one request validator,
+//! `codec::check_request`, refuses the rest); the connection never holds more than its bound of requests and data; every reply
 //! is well-formed (simple, or with structured replies negotiated structured chunks for READ and
 //! BLOCK_STATUS, with extended headers extended chunks for everything: a READ's content chunks
 //! inside its range, not overlapping, covering it all unless an error chunk came; block status
@@ -445,7 +446,9 @@ fn transmission(input: &Input, size: u64) {
     let Ok((server, client)) = UnixStream::pair() else { return };
     let max = input.max_inflight as usize % 64 + 1;
     let hole_min = input.hole_reads.then_some(4096);
-    let Ok(mut conn) = Conn::new(server, size, input.discard, max, input.structured, input.extended, hole_min) else {
+    let Ok(mut conn) =
+        Conn::new(server, size, input.read_only, input.discard, max, input.structured, input.extended, hole_min)
+    else {
         return;
     };
     client.set_nonblocking(true).expect("non-blocking");
@@ -621,11 +624,9 @@ fn check(io: &Io, size: u64, input: &Input) {
         Op::Flush => assert_eq!((off, len), (0, 0), "a flush with a range"),
         op => {
             assert!(len > 0, "an empty {op:?}");
-            // Reads and trims the server rounds to sectors; writes it passes as they are, for
-            // the volume to refuse when unaligned.
-            if matches!(op, Op::Read | Op::Discard | Op::BlockStatus) {
-                assert!(off % 512 == 0 && len % 512 == 0, "{op:?} at {off}+{len} not in whole sectors");
-            }
+            // Reads and trims the server rounds to sectors; unaligned writes and write-zeroes
+            // its validator refuses.
+            assert!(off % 512 == 0 && len % 512 == 0, "{op:?} at {off}+{len} not in whole sectors");
             assert!(off.checked_add(len).is_some_and(|e| e <= size), "{op:?} at {off}+{len} past the end ({size})");
             if matches!(op, Op::Read | Op::Write) {
                 assert!(len <= fuzzing::MAX_REQUEST as u64, "{op:?} of {len} bytes");
@@ -643,13 +644,14 @@ fn check(io: &Io, size: u64, input: &Input) {
     if io.op() == Op::Discard {
         assert!(input.discard, "a discard on an export that does not discard");
     }
+    if input.read_only {
+        assert!(!io.op().modifies(), "a {:?} on a read-only export", io.op());
+    }
 }
 
 fn finish(conn: &mut Conn, mut io: Io, disk: &mut [u8], fail: Option<u8>) {
     let (off, len) = (io.offset() as usize, io.length() as usize);
     let result = match fail {
-        // What the volume answers to a request not in whole sectors.
-        _ if off % 512 != 0 || len % 512 != 0 => Err(Error::Unaligned),
         // A hostile target's block status list: garbage, which the server must refuse.
         Some(k) if io.op() == Op::BlockStatus && k % 6 >= 4 => {
             for (i, b) in io.data_mut().iter_mut().enumerate() {

@@ -8,7 +8,7 @@ use tyche_wire::Op;
 use crate::config::SendMode;
 use crate::engine::{Bell, Buf, Cmd, Completion, IoCmd, Shared};
 use crate::error::Error;
-use crate::nbd::direct::DirectConn;
+use crate::front::Front;
 
 /// What the session attached.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -280,26 +280,17 @@ impl Client {
         }
     }
 
-    /// Hands an NBD connection, past its handshake, to the engine thread of this handle's node,
-    /// which serves its requests from then on (see [`crate::nbd::direct`]). In queue send mode
-    /// a reader thread of its own (started here, on the calling thread's CPUs and memory
-    /// policy) reads the socket and hands the requests over; in inline mode the engine thread
-    /// reads it.
-    pub(crate) fn serve_nbd(&self, mut conn: DirectConn) -> std::io::Result<()> {
+    /// Hands a front end to the engine thread of this handle's node, which serves it from then
+    /// on (see [`crate::front`]). It starts first, on the calling thread ([`Front::start`]: in
+    /// queue send mode a reader thread of its own, on the calling thread's CPUs and memory
+    /// policy, may read its requests and hand them over).
+    pub(crate) fn serve_front(&self, mut front: Box<dyn Front>) -> std::io::Result<()> {
         let g = engine_for(&self.inner.node_engine, self.node);
-        conn.owner = g;
         let (engine, bell) = &self.inner.engines[g];
-        if self.inner.mode == SendMode::Queue {
-            if let Some((reader, handoff)) = conn.hand_off_reading() {
-                let bell = Arc::clone(bell);
-                std::thread::Builder::new()
-                    .name(format!("tyche-nbdq{}", conn.id))
-                    .spawn(move || crate::nbd::direct::reader_thread(reader, handoff, bell))?;
-            }
-        }
-        if let Err(std::sync::mpsc::SendError(Cmd::Nbd(conn))) = engine.send(Cmd::Nbd(Box::new(conn))) {
-            // The session is over: the reader thread (if any) stops.
-            conn.close(true);
+        front.start(self.inner.mode, bell)?;
+        if let Err(std::sync::mpsc::SendError(Cmd::Front(_, front))) = engine.send(Cmd::Front(g, front)) {
+            // The session is over: the front end's reader thread (if any) stops.
+            front.close(true);
             return Err(std::io::Error::other(Error::Closed.to_string()));
         }
         bell.ring();

@@ -36,7 +36,7 @@ use tyche_wire::{
 use crate::client::{Client, ExportInfo, Stats};
 use crate::config::{EngineThreads, InitiatorConfig, Link};
 use crate::error::{ConnectError, Error};
-use crate::nbd::direct::{DirectConn, NbdReply};
+use crate::front::{Front, FrontIo, Token, WaitFd};
 use crate::sched::NumaScheduler;
 
 /// Frames handled per transport per loop iteration.
@@ -93,7 +93,7 @@ pub(crate) struct IoCmd {
 }
 
 /// A request's data: a heap buffer (the [`Client`] API's `Vec`), or pages bound to a NUMA node
-/// (NBD connections served by the engine, see [`crate::nbd::direct`]).
+/// (front ends served by the engine, see [`crate::front`]).
 #[derive(Debug)]
 pub(crate) enum Buf {
     Heap(Vec<u8>),
@@ -144,8 +144,8 @@ pub(crate) type Outcome = Result<(Op, Buf), Error>;
 pub(crate) enum Completion {
     /// A [`Client`] call waits for it.
     Client(oneshot::Sender<Result<Vec<u8>, Error>>),
-    /// An NBD connection served by the engine turns it into a reply.
-    Nbd(NbdReply),
+    /// A front end served by the engine (its key) turns it into a reply.
+    Front(u64, Token),
 }
 
 /// What the client sends the engine.
@@ -156,8 +156,8 @@ pub(crate) enum Cmd {
     Stats(oneshot::Sender<Stats>),
     Report(oneshot::Sender<crate::report::Report>),
     Close(oneshot::Sender<()>),
-    /// An NBD connection for the engine thread that receives it to serve.
-    Nbd(Box<DirectConn>),
+    /// A front end for engine thread `.0` (the one that receives it) to serve.
+    Front(usize, Box<dyn Front>),
 }
 
 #[derive(Debug)]
@@ -165,6 +165,13 @@ struct InFlight {
     op: Op,
     buf: Buf,
     reply: Completion,
+}
+
+/// A front end and the engine thread that serves it.
+#[derive(Debug)]
+struct Served {
+    group: usize,
+    front: Box<dyn Front>,
 }
 
 #[derive(Debug)]
@@ -235,8 +242,13 @@ pub(crate) struct Engine {
     exited: usize,
     /// Who waits for the last engine thread to exit.
     closers: Vec<oneshot::Sender<()>>,
-    /// NBD connections the engine threads serve, by stats key.
-    nbd: HashMap<u64, DirectConn>,
+    /// Front ends the engine threads serve, by key.
+    fronts: HashMap<u64, Served>,
+    /// Requests the front ends handed over in a pass (kept to spare an allocation per pass).
+    front_ios: Vec<FrontIo>,
+    /// For `front_ios`, in order: each front end's key, node, whether it is queued, and how many
+    /// requests it handed over.
+    front_runs: Vec<(u64, Option<u32>, bool, usize)>,
     /// The link of every channel index ever opened.
     channel_link: HashMap<u16, usize>,
 }
@@ -533,7 +545,9 @@ impl Engine {
             finished: false,
             exited: 0,
             closers: Vec::new(),
-            nbd: HashMap::new(),
+            fronts: HashMap::new(),
+            front_ios: Vec::new(),
+            front_runs: Vec::new(),
             channel_link: HashMap::new(),
         }
     }
@@ -851,24 +865,18 @@ impl Engine {
         work
     }
 
-    /// Hands a request's outcome to whoever waits for it.
-    fn complete(&mut self, c: Completion, result: Outcome, now: Instant) {
+    /// Hands a request's outcome to whoever waits for it. (`_now`: the callers' clock, kept in
+    /// the signature they share; a completion starts no request since front ends make their own
+    /// follow-ups.)
+    fn complete(&mut self, c: Completion, result: Outcome, _now: Instant) {
         match c {
             Completion::Client(reply) => {
                 let _ =
                     reply.send(result.map(|(op, buf)| if op.has_read_data() { buf.into_vec() } else { Vec::new() }));
             }
-            Completion::Nbd(reply) if reply.then_flush && result.is_ok() => {
-                // TRIM with FUA: the discard is done, now the flush, then the reply.
-                let node = self.nbd.get(&reply.conn).and_then(DirectConn::node);
-                let reply = Completion::Nbd(NbdReply { then_flush: false, ..reply });
-                let io =
-                    IoCmd { op: Op::Flush, fua: false, offset: 0, length: 0, data: Buf::Heap(Vec::new()), node, reply };
-                self.submit(io, now);
-            }
-            Completion::Nbd(reply) => {
-                if let Some(conn) = self.nbd.get_mut(&reply.conn) {
-                    conn.complete(reply, result);
+            Completion::Front(key, token) => {
+                if let Some(s) = self.fronts.get_mut(&key) {
+                    s.front.complete(token, result);
                 }
             }
         }
@@ -976,13 +984,12 @@ impl Engine {
             Cmd::Report(reply) => {
                 let _ = reply.send(self.report());
             }
-            Cmd::Nbd(conn) => {
-                let thread = self.threads.get(conn.owner).cloned().flatten();
-                conn.placed(thread);
+            Cmd::Front(group, front) => {
+                front.placed(self.threads.get(group).cloned().flatten());
                 if self.closing.is_some() {
-                    conn.close(true);
+                    front.close(true);
                 } else {
-                    self.nbd.insert(conn.id, *conn);
+                    self.fronts.insert(front.key(), Served { group, front });
                 }
             }
             Cmd::Close(done) => {
@@ -1028,7 +1035,7 @@ impl Engine {
                 // Read data lands in the buffer the caller allocated (on its thread's node),
                 // when it gave one.
                 let buf = if io.op == Op::Read && io.data.len() != io.length as usize {
-                    // Touched here, on the submitting thread (the NBD connection's node), not
+                    // Touched here, on the submitting thread (a front end's node), not
                     // first by whichever thread receives the data.
                     let mut buf = vec![0; io.length as usize];
                     for i in (0..buf.len()).step_by(4096) {
@@ -1163,7 +1170,8 @@ impl Engine {
         })
     }
 
-    /// Rings the other engine threads that have something to send (frames, or NBD replies).
+    /// Rings the other engine threads that have something to send (frames, or front ends'
+    /// replies) or requests handed over to take.
     fn wake_others(&self, me: usize) {
         if self.bells.len() < 2 {
             return;
@@ -1171,77 +1179,79 @@ impl Engine {
         for (g, bell) in self.bells.iter().enumerate() {
             if g != me
                 && (self.group_wants_transmit(g)
-                    || self.nbd.values().any(|c| c.owner == g && (c.wants_write() || c.handed_waiting())))
+                    || self.fronts.values().any(|s| s.group == g && (s.front.wants_send() || s.front.handed_waiting())))
             {
                 bell.ring();
             }
         }
     }
 
-    /// Reads and submits the requests waiting on engine thread `g`'s NBD connections.
-    fn nbd_receive(&mut self, g: usize, now: Instant) -> bool {
-        if self.nbd.is_empty() {
+    /// Whether a front end of engine thread `g` has requests its reader thread handed over.
+    fn fronts_handed_waiting(&self, g: usize) -> bool {
+        self.fronts.values().any(|s| s.group == g && s.front.handed_waiting())
+    }
+
+    /// Takes and submits the requests of engine thread `g`'s front ends.
+    fn fronts_receive(&mut self, g: usize, now: Instant) -> bool {
+        if self.fronts.is_empty() {
             return false;
         }
-        let mut ios = Vec::new();
-        for conn in self.nbd.values_mut().filter(|c| c.owner == g) {
-            let (node, queued) = (conn.node(), conn.queued());
-            ios.extend(conn.poll_requests().into_iter().map(|io| (node, io, queued)));
+        let mut ios = std::mem::take(&mut self.front_ios);
+        let mut runs = std::mem::take(&mut self.front_runs);
+        for (&key, s) in self.fronts.iter_mut().filter(|(_, s)| s.group == g) {
+            let before = ios.len();
+            s.front.receive(&mut ios);
+            if ios.len() > before {
+                runs.push((key, s.front.node(), s.front.queued(), ios.len() - before));
+            }
         }
         let work = !ios.is_empty();
-        for (node, io, queued) in ios {
+        let mut drain = ios.drain(..);
+        for &(key, node, queued, n) in &runs {
             if queued {
-                self.stats.handed_over += 1;
+                self.stats.handed_over += n as u64;
             } else {
-                self.stats.sent_inline += 1;
+                self.stats.sent_inline += n as u64;
             }
-            let reply = Completion::Nbd(io.reply);
-            self.submit(
-                IoCmd { op: io.op, fua: io.fua, offset: io.offset, length: io.length, data: io.data, node, reply },
-                now,
-            );
+            for io in drain.by_ref().take(n) {
+                let reply = Completion::Front(key, io.token);
+                let FrontIo { op, fua, offset, length, data, .. } = io;
+                self.submit(IoCmd { op, fua, offset, length, data, node, reply }, now);
+            }
         }
+        drop(drain);
+        runs.clear();
+        self.front_ios = ios;
+        self.front_runs = runs;
         work
     }
 
-    /// Writes the replies of engine thread `g`'s NBD connections and ends those that are over.
-    fn nbd_send(&mut self, g: usize) -> bool {
-        if self.nbd.is_empty() {
+    /// Lets engine thread `g`'s front ends write their replies, and ends those that are over.
+    fn fronts_send(&mut self, g: usize) -> bool {
+        if self.fronts.is_empty() {
             return false;
         }
         let mut work = false;
-        let mut over = Vec::new();
-        for conn in self.nbd.values_mut().filter(|c| c.owner == g) {
-            work |= conn.write_replies();
-            if conn.finished() {
-                over.push(conn.id);
-            }
+        let mut over = false;
+        for s in self.fronts.values_mut().filter(|s| s.group == g) {
+            work |= s.front.send();
+            over |= s.front.finished();
         }
-        for id in over {
-            if let Some(conn) = self.nbd.remove(&id) {
-                conn.close(false);
+        if over {
+            let done: Vec<u64> =
+                self.fronts.iter().filter(|(_, s)| s.group == g && s.front.finished()).map(|(&k, _)| k).collect();
+            for key in done {
+                if let Some(s) = self.fronts.remove(&key) {
+                    s.front.close(false);
+                }
             }
         }
         work
     }
 
-    /// What engine thread `g` polls its NBD connections for while it sleeps.
-    fn nbd_poll_set(&self, g: usize) -> Vec<(Arc<std::os::unix::net::UnixStream>, PollFlags)> {
-        self.nbd
-            .values()
-            .filter(|c| c.owner == g)
-            .filter_map(|c| {
-                let mut f = PollFlags::empty();
-                // A queue-mode connection's reader thread reads the socket (and rings).
-                if c.wants_read() && !c.queued() {
-                    f |= PollFlags::POLLIN;
-                }
-                if c.wants_write() {
-                    f |= PollFlags::POLLOUT;
-                }
-                (!f.is_empty()).then(|| (c.socket(), f))
-            })
-            .collect()
+    /// What engine thread `g` polls its front ends for while it sleeps.
+    fn fronts_poll_set(&self, g: usize) -> Vec<(WaitFd, PollFlags)> {
+        self.fronts.values().filter(|s| s.group == g).filter_map(|s| s.front.wait_for()).collect()
     }
 
     /// Fails what is left, sends DISCONNECT on every channel of `io`'s links, and tells the
@@ -1254,9 +1264,9 @@ impl Engine {
         for io in std::mem::take(&mut self.backlog) {
             self.complete(io.reply, Err(Error::Closed), now);
         }
-        for (_, mut conn) in self.nbd.drain() {
-            conn.write_replies();
-            conn.close(true);
+        for (_, mut s) in self.fronts.drain() {
+            s.front.send();
+            s.front.close(true);
         }
         if let Some(v) = self.volume.as_mut() {
             v.close();
@@ -1331,10 +1341,10 @@ fn serve(shared: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver
                 }
             }
         }
-        work |= e.nbd_receive(g, now);
+        work |= e.fronts_receive(g, now);
         work |= e.drain_backlog(now);
         work |= e.step(&mut io);
-        work |= e.nbd_send(g);
+        work |= e.fronts_send(g);
         if let Some((deadline, _)) = &e.closing {
             if e.inflight.is_empty() || now >= *deadline {
                 e.finish(now, &mut io);
@@ -1369,12 +1379,12 @@ fn serve(shared: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver
         if let Some(t) = e.reconnector.poll_timeout().filter(|_| e.closing.is_none()) {
             wait = wait.min(t.since(now));
         }
-        let sockets = e.nbd_poll_set(g);
+        let sockets = e.fronts_poll_set(g);
         // Say so before letting go of the lock: a thread that then leaves work for this one
-        // (a command, frames on its links, an inline request it must receive the reply of, an
-        // NBD reader thread's request) rings, and the sleep below returns at once.
+        // (a command, frames on its links, an inline request it must receive the reply of, a
+        // front end's reader thread's request) rings, and the sleep below returns at once.
         bell.sleeping.store(!disconnected, Ordering::Release);
-        if e.nbd.values().any(|c| c.owner == g && c.handed_waiting()) {
+        if e.fronts_handed_waiting(g) {
             // Requests a reader thread handed over before it could see this thread sleep.
             bell.sleeping.store(false, Ordering::Release);
             drop(io);
@@ -1407,13 +1417,8 @@ fn serve(shared: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver
 }
 
 /// Sleeps until a client or another engine thread rings, a transport becomes readable (`fds`),
-/// an NBD connection readable or writable as asked, or `wait` passes.
-fn sleep(
-    bell: &Bell,
-    fds: &[std::os::fd::OwnedFd],
-    sockets: &[(Arc<std::os::unix::net::UnixStream>, PollFlags)],
-    wait: Duration,
-) {
+/// a front end's descriptor readable or writable as asked, or `wait` passes.
+fn sleep(bell: &Bell, fds: &[std::os::fd::OwnedFd], sockets: &[(WaitFd, PollFlags)], wait: Duration) {
     let mut polled = vec![PollFd::new(bell.efd.as_fd(), PollFlags::POLLIN)];
     polled.extend(fds.iter().map(|fd| PollFd::new(fd.as_fd(), PollFlags::POLLIN)));
     polled.extend(sockets.iter().map(|(s, f)| PollFd::new(s.as_fd(), *f)));

@@ -5,7 +5,10 @@
 //! sans-IO [`tyche_channel::Volume`] and the transports. It returns a [`Client`], a cheap,
 //! cloneable, async handle: [`Client::read`], [`Client::write`], [`Client::flush`],
 //! [`Client::discard`], [`Client::write_zeroes`]. The front ends ([`nbd`], the ublk front end
-//! behind [`frontend::BlockFrontend`]), the benchmarks and the examples all use that handle.
+//! behind [`frontend::BlockFrontend`]), the benchmarks and the examples all use that handle. A
+//! connection-style front end can also be served by an engine thread in its own loop (the NBD
+//! server's engine mode): the engine knows it only through a small trait (`front::Front`), never
+//! its protocol.
 //!
 //! # Promises
 //! - **Never hangs.** A request completes with data, with the target's error, or, when no
@@ -31,6 +34,7 @@ mod config;
 mod discover;
 mod engine;
 mod error;
+mod front;
 pub mod frontend;
 pub mod loopback;
 pub mod nbd;

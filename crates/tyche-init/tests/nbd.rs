@@ -75,9 +75,14 @@ async fn server_mode(size: u64, engine_io: bool, mode: SendMode) -> Server {
 }
 
 async fn server_full(size: u64, opts: NbdOptions, mode: SendMode) -> Server {
+    server_export(RamExport::new("ram", size), opts, mode).await
+}
+
+/// A server of `export` (named "ram").
+async fn server_export(export: RamExport, opts: NbdOptions, mode: SendMode) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("nbd.sock");
-    let (links, _sw, target) = mem_links(RamExport::new("ram", size), 2);
+    let (links, _sw, target) = mem_links(export, 2);
     let mut cfg = InitiatorConfig::new("ram");
     cfg.timers = initiator_timers();
     cfg.send_mode = mode;
@@ -500,6 +505,52 @@ async fn block_status_without_a_context_is_invalid() {
         let mut h = [0u8; 16];
         c.read_exact(&mut h).await.unwrap();
         assert_eq!(h, codec::simple_reply(codec::errno::EINVAL, 1), "engine_io {engine_io}");
+    }
+}
+
+/// Both transmission paths answer with the one validator (`codec::check_request`): on a
+/// read-only export a WRITE, TRIM or WRITE_ZEROES is EPERM whatever its length (a zero-length one
+/// included, which never reaches the volume), an unaligned WRITE is EINVAL (alignment first), a
+/// TRIM of no whole sector EPERM; reads and FLUSH work; a payload over the maximum ends the
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_exports_refuse_modifications_on_both_paths() {
+    use codec::{cmd, errno};
+    for (engine_io, mode) in [(true, SendMode::Inline), (true, SendMode::Queue), (false, SendMode::Inline)] {
+        let export = RamExport { read_only: true, ..RamExport::new("ram", 4 * MIB) };
+        let s = server_export(export, NbdOptions { engine_io, ..NbdOptions::new("ram") }, mode).await;
+        let mut c = newstyle(&s.socket).await;
+        let mut go = 0u32.to_be_bytes().to_vec();
+        go.extend(0u16.to_be_bytes());
+        option(&mut c, codec::opt::GO, &go).await;
+        let mut w = request(cmd::WRITE, 0, 1, 0, 4096);
+        w.extend([7u8; 4096]);
+        let cases: [(Vec<u8>, u32); 7] = [
+            (w, errno::EPERM),
+            (request(cmd::WRITE, 0, 2, 4096, 0), errno::EPERM),
+            (request(cmd::TRIM, 0, 3, 0, 0), errno::EPERM),
+            (request(cmd::TRIM, codec::cflag::FUA, 4, 100, 200), errno::EPERM),
+            (request(cmd::WRITE_ZEROES, 0, 5, 0, 8192), errno::EPERM),
+            ([request(cmd::WRITE, 0, 6, 100, 512), vec![1; 512]].concat(), errno::EINVAL),
+            (request(cmd::FLUSH, 0, 7, 0, 0), 0),
+        ];
+        for (bytes, want) in &cases {
+            c.write_all(bytes).await.unwrap();
+            let mut h = [0u8; 16];
+            c.read_exact(&mut h).await.unwrap();
+            let cookie = u64::from_be_bytes(h[8..].try_into().unwrap());
+            assert_eq!(h, codec::simple_reply(*want, cookie), "engine_io {engine_io} {mode:?}, request {cookie}");
+        }
+        c.write_all(&request(cmd::READ, 0, 8, 0, 4096)).await.unwrap();
+        let mut h = [0u8; 16 + 4096];
+        c.read_exact(&mut h).await.unwrap();
+        assert_eq!(h[..16], codec::simple_reply(0, 8), "engine_io {engine_io} {mode:?}");
+        assert!(h[16..].iter().all(|&b| b == 0), "nothing was written");
+        // A payload over the maximum: the connection ends before it is read.
+        c.write_all(&request(cmd::WRITE, 0, 9, 0, tyche_init::nbd::MAX_REQUEST + 512)).await.unwrap();
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await.expect("closed");
+        assert!(rest.is_empty(), "engine_io {engine_io} {mode:?}: {rest:?}");
     }
 }
 

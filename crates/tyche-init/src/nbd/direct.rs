@@ -5,13 +5,16 @@
 //! requests from the socket without blocking, submits them to the volume directly, and writes
 //! the replies of completed requests back in gathered writes, in the same loop that moves the
 //! frames: no thread hand-off per request, no async task per request. A connection is a
-//! [`DirectConn`]: a non-blocking socket, a request parser, and a queue of replies.
+//! [`DirectConn`]: a non-blocking socket, a request parser, and a queue of replies; the engine
+//! serves it as a [`Front`] and knows nothing of NBD. What a request needs to be answered stays
+//! here, in a table keyed by the [`Token`] the engine hands back with the outcome.
 //!
 //! Semantics are those of the task-based server in [`super`]: the same validation, the same
 //! replies and error numbers, out-of-order completion, at most `max_inflight` requests and
 //! [`HELD_BYTES`] of data per connection. A hole-aware READ is first a BLOCK_STATUS for the
 //! volume; its completion queues hole chunks and follow-up reads of the data pieces, which the
-//! engine collects with the next [`DirectConn::poll_requests`].
+//! engine collects with the next [`Front::receive`]. A TRIM with FUA is a discard and, once that
+//! succeeded, a follow-up FLUSH, then the reply.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read, Write};
@@ -21,14 +24,15 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 use tyche_wire::Op;
 
-use super::codec::{self, cflag, cmd, errno, Head};
-use super::MAX_REQUEST;
+use super::codec::{self, cflag, cmd, errno, Action, Head};
 use super::{
-    block_status_reply, hole_aware, read_plan, reply_head, status_query, validate, Negotiated, Piece, REPLY_BATCH,
+    block_status_reply, hole_aware, read_plan, reply_head, status_query, Negotiated, Piece, REPLY_BATCH,
     REQUEST_BUFFER, SECTOR,
 };
-use crate::engine::{Buf, Outcome};
+use crate::config::SendMode;
+use crate::engine::{Bell, Buf, Outcome};
 use crate::error::Error;
+use crate::front::{Front, FrontIo, Token, WaitFd};
 use crate::report::NbdStats;
 
 /// Data (read buffers and write payloads) one connection may hold at once.
@@ -40,7 +44,7 @@ const MIN_BUFFER: usize = 4096;
 /// Most bytes of idle buffers a connection keeps for reuse.
 const POOL_BYTES: u64 = 64 << 20;
 
-/// A request for the volume, parsed from the socket.
+/// A request for the volume, parsed from the socket (or started by a completion).
 #[derive(Debug)]
 pub(crate) struct NbdIo {
     pub op: Op,
@@ -56,8 +60,6 @@ pub(crate) struct NbdIo {
 /// Where a request's reply goes, and what is left to do when the volume completes it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct NbdReply {
-    /// The connection (its stats key).
-    pub conn: u64,
     /// The NBD request (its command, offset and flags shape the reply).
     pub req: codec::Request,
     /// A BLOCK_STATUS: where the range asked of the volume starts (the covering sector).
@@ -70,7 +72,7 @@ pub(crate) struct NbdReply {
     pub split: Option<Split>,
     /// For a read of sectors covering an unaligned range: the part to return.
     pub trim: Option<(usize, usize)>,
-    /// A TRIM with FUA: flush after the discard succeeds.
+    /// A TRIM with FUA: flush after the discard succeeds (a follow-up), then reply.
     pub then_flush: bool,
     /// Locate the buffer's pages for the stats (see [`BUFFER_SAMPLE`]).
     pub sample: bool,
@@ -111,6 +113,38 @@ struct Partial {
     req: codec::Request,
     data: Buf,
     filled: usize,
+}
+
+/// The replies of a connection's requests in the engine, by [`Token`]: a slab whose freed slots
+/// are reused, so handing a request to the engine allocates nothing once it has grown to the
+/// connection's most requests in flight (bounded by `max_inflight` and a hole-aware read's pieces).
+#[derive(Debug, Default)]
+struct Tokens {
+    slots: Vec<Option<NbdReply>>,
+    free: Vec<usize>,
+}
+
+impl Tokens {
+    fn insert(&mut self, reply: NbdReply) -> Token {
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(reply);
+                i as Token
+            }
+            None => {
+                self.slots.push(Some(reply));
+                (self.slots.len() - 1) as Token
+            }
+        }
+    }
+
+    /// The reply of `token`, once (an unknown or spent token is `None`).
+    fn take(&mut self, token: Token) -> Option<NbdReply> {
+        let i = usize::try_from(token).ok()?;
+        let reply = self.slots.get_mut(i)?.take()?;
+        self.free.push(i);
+        Some(reply)
+    }
 }
 
 /// Request buffers of a connection served for a node: regions bound to the node (`mbind`), by
@@ -268,13 +302,9 @@ impl Reader {
             if req.command == cmd::DISC {
                 return Ok(Some(Raw::Disc));
             }
-            match req.payload(self.extended) {
-                Some(n) if n > MAX_REQUEST as u64 => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("a request payload of {n} bytes, over the maximum of {MAX_REQUEST}"),
-                    ))
-                }
+            match codec::check_payload(&req, self.extended)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?
+            {
                 Some(n) => {
                     let data = alloc(n as usize);
                     self.partial = Some(Partial { req, data, filled: 0 });
@@ -370,7 +400,7 @@ impl HandOff {
 /// Queue send mode: reads `reader`'s requests (blocking in `poll`, not in the engine's loop)
 /// and hands them to the engine thread over `handoff`, ringing `bell` after each. Returns when
 /// the client leaves, the stream fails, or the engine lets go of the connection.
-pub(crate) fn reader_thread(mut reader: Reader, handoff: Arc<HandOff>, bell: Arc<crate::engine::Bell>) {
+fn reader_thread(mut reader: Reader, handoff: Arc<HandOff>, bell: Arc<Bell>) {
     use std::os::fd::AsFd;
     loop {
         if handoff.is_closed() {
@@ -408,11 +438,10 @@ pub(crate) fn reader_thread(mut reader: Reader, handoff: Arc<HandOff>, bell: Arc
 pub(crate) struct DirectConn {
     /// The stats key of the connection (unique per server).
     pub(crate) id: u64,
-    /// The engine thread that serves it.
-    pub(crate) owner: usize,
     stream: Arc<UnixStream>,
     size: u64,
-    discard: bool,
+    /// What requests are checked against.
+    rules: codec::Rules,
     neg: Negotiated,
     node: Option<u32>,
     stats: NbdStats,
@@ -421,9 +450,11 @@ pub(crate) struct DirectConn {
     hole_read_min: Option<u64>,
     /// Cleared when the target says it cannot tell holes from data.
     probe: super::HoleProbe,
-    /// Volume requests that completions started (a hole-aware read's data pieces), handed to
-    /// the engine by the next [`DirectConn::poll_requests`].
+    /// Volume requests that completions started (a hole-aware read's data pieces, a TRIM's
+    /// FLUSH), handed to the engine by the next [`Front::receive`].
     followups: Vec<NbdIo>,
+    /// The replies of the requests in the engine.
+    tokens: Tokens,
     /// Hole-aware reads with data pieces in flight, by key.
     splits: HashMap<u64, SplitState>,
     next_split: u64,
@@ -453,6 +484,7 @@ impl DirectConn {
         stream: UnixStream,
         id: u64,
         size: u64,
+        read_only: bool,
         discard: bool,
         neg: Negotiated,
         node: Option<u32>,
@@ -465,12 +497,11 @@ impl DirectConn {
         let stream = Arc::new(stream);
         Ok(DirectConn {
             id,
-            owner: 0,
             reader: Some(Reader::new(Arc::clone(&stream), neg.extended)),
             handoff: None,
             stream,
             size,
-            discard,
+            rules: super::rules(size, read_only, discard, neg),
             neg,
             node,
             stats,
@@ -478,6 +509,7 @@ impl DirectConn {
             hole_read_min,
             probe: super::HoleProbe::default(),
             followups: Vec::new(),
+            tokens: Tokens::default(),
             splits: HashMap::new(),
             next_split: 0,
             out: VecDeque::new(),
@@ -490,23 +522,6 @@ impl DirectConn {
             error: None,
             done: Some(done),
         })
-    }
-
-    /// The node the connection is served for.
-    pub(crate) fn node(&self) -> Option<u32> {
-        self.node
-    }
-
-    /// Records the engine thread that serves the connection in its report.
-    pub(crate) fn placed(&self, thread: Option<tyche_numa::report::ThreadPlacement>) {
-        if let Some(t) = thread {
-            self.stats.update(self.id, |r| r.thread = t);
-        }
-    }
-
-    /// The socket, for the engine thread's `poll`.
-    pub(crate) fn socket(&self) -> Arc<UnixStream> {
-        Arc::clone(&self.stream)
     }
 
     /// Whether more requests may be read now.
@@ -526,67 +541,57 @@ impl DirectConn {
         self.error.is_none() && (!self.out.is_empty() || !self.followups.is_empty())
     }
 
-    /// Whether the connection is over: the client left (or it failed), nothing is in flight
-    /// or waiting to be, and every reply is out.
-    pub(crate) fn finished(&self) -> bool {
-        (self.eof || self.error.is_some())
-            && self.inflight == 0
-            && ((self.out.is_empty() && self.followups.is_empty()) || self.error.is_some())
-    }
-
     /// Queue send mode: from now on a reader thread reads the request stream; returns what it
     /// needs (the stream, and the queue it hands requests over). `None` if already done.
-    pub(crate) fn hand_off_reading(&mut self) -> Option<(Reader, Arc<HandOff>)> {
+    fn hand_off_reading(&mut self) -> Option<(Reader, Arc<HandOff>)> {
         let reader = self.reader.take()?;
         let handoff = Arc::new(HandOff::default());
         self.handoff = Some(Arc::clone(&handoff));
         Some((reader, handoff))
     }
 
-    /// Whether a reader thread reads the request stream (queue send mode).
-    pub(crate) fn queued(&self) -> bool {
-        self.handoff.is_some()
-    }
-
-    /// Whether the reader thread handed over requests the engine can take now.
-    pub(crate) fn handed_waiting(&self) -> bool {
-        self.wants_read() && self.handoff.as_ref().is_some_and(|h| !h.is_empty())
+    /// A request for the engine: counted in flight, its reply kept under the token it gets.
+    fn issue(&mut self, io: NbdIo) -> FrontIo {
+        self.inflight += 1;
+        self.held += io.reply.held;
+        let NbdIo { op, fua, offset, length, data, reply } = io;
+        FrontIo { op, fua, offset, length, data, token: self.tokens.insert(reply) }
     }
 
     /// Reads what the socket has (inline send mode) or what the reader thread handed over
     /// (queue send mode) and parses requests, up to the connection's limits. Requests that need
-    /// the volume are returned; the others (validation errors, empty ranges, CACHE) are
-    /// answered at once.
-    pub(crate) fn poll_requests(&mut self) -> Vec<NbdIo> {
-        let mut ios = Vec::new();
+    /// the volume go to `out` (follow-ups first); the others (refused ones, empty ranges,
+    /// CACHE) are answered at once.
+    fn poll_requests(&mut self, out: &mut Vec<FrontIo>) {
         if self.error.is_some() {
             self.followups.clear();
         }
-        for io in self.followups.drain(..) {
-            self.inflight += 1;
-            self.held += io.reply.held;
-            ios.push(io);
+        let mut followups = std::mem::take(&mut self.followups);
+        for io in followups.drain(..) {
+            out.push(self.issue(io));
         }
+        // Kept for its capacity.
+        self.followups = followups;
         if let Some(handoff) = self.handoff.clone() {
             while self.wants_read() {
                 match handoff.pop() {
                     None => break,
                     Some(Handed::Raw(Raw::Request(req, data))) => {
                         if let Some(io) = self.request(req, data) {
-                            ios.push(io);
+                            out.push(self.issue(io));
                         }
                     }
                     Some(Handed::Raw(Raw::Disc)) | Some(Handed::End(Ok(()))) => self.eof = true,
                     Some(Handed::End(Err(e))) => self.error = Some(e),
                 }
             }
-            return ios;
+            return;
         }
         while self.wants_read() {
             match self.next_request() {
                 Ok(Some(io)) => {
                     if let Some(io) = io {
-                        ios.push(io);
+                        out.push(self.issue(io));
                     }
                 }
                 Ok(None) => break,
@@ -600,7 +605,6 @@ impl DirectConn {
                 }
             }
         }
-        ios
     }
 
     /// One step of the parser: `Ok(None)` when the socket has nothing more now,
@@ -627,7 +631,6 @@ impl DirectConn {
         self.seq += 1;
         let sample = self.node.is_some() && (seq < 64 || seq % BUFFER_SAMPLE == 0);
         let mut reply = NbdReply {
-            conn: self.id,
             req,
             status_start: 0,
             status_len: 0,
@@ -641,19 +644,23 @@ impl DirectConn {
         };
         let io = |op, offset, length, data: Buf, reply| NbdIo { op, fua, offset, length, data, reply };
         let none = || Buf::Heap(Vec::new());
-        if let Err(e) = validate(&req, self.size, self.neg) {
-            // A payload the request should not have carried goes back to the pool.
-            self.pool.give(data);
-            self.answer(&req, e);
-            return None;
-        }
-        let io = match req.command {
-            cmd::FLUSH => io(Op::Flush, 0, 0, none(), reply),
-            _ if len == 0 => {
+        let action = match codec::check_request(&req, &self.rules) {
+            Ok(a) => a,
+            Err(e) => {
+                // A payload the request should not have carried goes back to the pool.
+                self.pool.give(data);
+                self.answer(&req, e);
+                return None;
+            }
+        };
+        let io = match action {
+            Action::Done => {
+                self.pool.give(data);
                 self.answer(&req, 0);
                 return None;
             }
-            cmd::BLOCK_STATUS => {
+            Action::Flush => io(Op::Flush, 0, 0, none(), reply),
+            Action::BlockStatus => {
                 let Some((start, length)) = status_query(off, len, self.size) else {
                     let (header, data) = block_status_reply(
                         self.neg.extended,
@@ -666,15 +673,15 @@ impl DirectConn {
                 };
                 self.status_io(reply, start, length)
             }
-            cmd::READ if hole_aware(&req, self.neg, self.hole_read_min, &self.probe) => {
+            Action::Read if hole_aware(&req, self.neg, self.hole_read_min, &self.probe) => {
                 match status_query(off, len, self.size) {
                     // Which parts are holes first; the data pieces follow (see `complete`).
                     Some((start, length)) => self.status_io(NbdReply { probe: true, ..reply }, start, length),
                     None => self.read_io(reply, off, len, None),
                 }
             }
-            cmd::READ => self.read_io(reply, off, len, None),
-            cmd::WRITE => {
+            Action::Read => self.read_io(reply, off, len, None),
+            Action::Write => {
                 if sample {
                     self.count_pages(data.as_slice());
                 }
@@ -682,33 +689,12 @@ impl DirectConn {
                 reply.written = len;
                 io(Op::Write, off, len, data, reply)
             }
-            cmd::TRIM => {
-                if !self.discard {
-                    self.answer(&req, errno::from_errno(Error::Unsupported.errno()));
-                    return None;
-                }
-                // Advisory: trim the whole sectors inside the range.
-                let start = off.next_multiple_of(SECTOR);
-                let end = (off + len) / SECTOR * SECTOR;
-                if end <= start {
-                    self.answer(&req, 0);
-                    return None;
-                }
-                reply.then_flush = fua;
-                NbdIo { op: Op::Discard, fua: false, offset: start, length: end - start, data: none(), reply }
+            Action::Trim { start, length, flush } => {
+                reply.then_flush = flush;
+                NbdIo { op: Op::Discard, fua: false, offset: start, length, data: none(), reply }
             }
-            cmd::WRITE_ZEROES => io(Op::WriteZeroes, off, len, none(), reply),
-            cmd::CACHE => {
-                self.answer(&req, 0);
-                return None;
-            }
-            _ => {
-                self.answer(&req, errno::EINVAL);
-                return None;
-            }
+            Action::WriteZeroes => io(Op::WriteZeroes, off, len, none(), reply),
         };
-        self.inflight += 1;
-        self.held += io.reply.held;
         Some(io)
     }
 
@@ -848,10 +834,33 @@ impl DirectConn {
         }
     }
 
+    /// The volume completed the request of `token`.
+    fn complete_token(&mut self, token: Token, result: Outcome) {
+        match self.tokens.take(token) {
+            Some(reply) => self.complete(reply, result),
+            // Not one of this connection's (an engine bug): its buffer goes back to the pool.
+            None => {
+                if let Ok((_, data)) = result {
+                    self.pool.give(data);
+                }
+            }
+        }
+    }
+
     /// Queues the reply of a request the volume completed (a read's data with it).
-    pub(crate) fn complete(&mut self, reply: NbdReply, result: Outcome) {
+    fn complete(&mut self, reply: NbdReply, result: Outcome) {
         self.inflight = self.inflight.saturating_sub(1);
         self.held = self.held.saturating_sub(reply.held);
+        if reply.then_flush && result.is_ok() {
+            // TRIM with FUA: the discard is done; the flush follows, then the reply (unless the
+            // connection failed: nothing more is written then).
+            if self.error.is_none() {
+                let reply = NbdReply { then_flush: false, held: 0, ..reply };
+                let none = Buf::Heap(Vec::new());
+                self.followups.push(NbdIo { op: Op::Flush, fua: false, offset: 0, length: 0, data: none, reply });
+            }
+            return;
+        }
         if let Some(split) = reply.split {
             self.complete_piece(reply, split, result);
             return;
@@ -923,7 +932,7 @@ impl DirectConn {
 
     /// Writes queued replies (gathered: headers and payloads from their own buffers) until the
     /// socket would block. Returns whether anything was written.
-    pub(crate) fn write_replies(&mut self) -> bool {
+    fn write_replies(&mut self) -> bool {
         let mut wrote = false;
         while self.error.is_none() && !self.out.is_empty() {
             let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * REPLY_BATCH.min(self.out.len()));
@@ -970,7 +979,7 @@ impl DirectConn {
     }
 
     /// Ends the connection: shuts the socket down and tells the waiting task how it went.
-    pub(crate) fn close(mut self, closed: bool) {
+    fn shut(mut self, closed: bool) {
         if let Some(h) = &self.handoff {
             h.close();
         }
@@ -983,6 +992,86 @@ impl DirectConn {
         if let Some(done) = self.done.take() {
             let _ = done.send(result);
         }
+    }
+}
+
+impl Front for DirectConn {
+    fn key(&self) -> u64 {
+        self.id
+    }
+
+    fn node(&self) -> Option<u32> {
+        self.node
+    }
+
+    /// In queue send mode, a reader thread (`tyche-nbdqN`) reads the request stream from now on.
+    fn start(&mut self, mode: SendMode, bell: &Arc<Bell>) -> io::Result<()> {
+        if mode == SendMode::Queue {
+            if let Some((reader, handoff)) = self.hand_off_reading() {
+                let bell = Arc::clone(bell);
+                std::thread::Builder::new()
+                    .name(format!("tyche-nbdq{}", self.id))
+                    .spawn(move || reader_thread(reader, handoff, bell))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn queued(&self) -> bool {
+        self.handoff.is_some()
+    }
+
+    /// Records the engine thread that serves the connection in its report.
+    fn placed(&self, thread: Option<tyche_numa::report::ThreadPlacement>) {
+        if let Some(t) = thread {
+            self.stats.update(self.id, |r| r.thread = t);
+        }
+    }
+
+    fn receive(&mut self, out: &mut Vec<FrontIo>) {
+        self.poll_requests(out);
+    }
+
+    fn complete(&mut self, token: Token, outcome: Outcome) {
+        self.complete_token(token, outcome);
+    }
+
+    fn send(&mut self) -> bool {
+        self.write_replies()
+    }
+
+    fn wants_send(&self) -> bool {
+        self.wants_write()
+    }
+
+    fn handed_waiting(&self) -> bool {
+        self.wants_read() && self.handoff.as_ref().is_some_and(|h| !h.is_empty())
+    }
+
+    /// The socket: readable when more requests may be read and no reader thread reads it (that
+    /// one rings), writable while replies or follow-ups wait.
+    fn wait_for(&self) -> Option<(WaitFd, nix::poll::PollFlags)> {
+        use nix::poll::PollFlags;
+        let mut f = PollFlags::empty();
+        if self.wants_read() && self.handoff.is_none() {
+            f |= PollFlags::POLLIN;
+        }
+        if self.wants_write() {
+            f |= PollFlags::POLLOUT;
+        }
+        (!f.is_empty()).then(|| (Arc::clone(&self.stream) as WaitFd, f))
+    }
+
+    /// The client left (or it failed), nothing is in flight or waiting to be, and every reply is
+    /// out.
+    fn finished(&self) -> bool {
+        (self.eof || self.error.is_some())
+            && self.inflight == 0
+            && ((self.out.is_empty() && self.followups.is_empty()) || self.error.is_some())
+    }
+
+    fn close(self: Box<Self>, session_closed: bool) {
+        (*self).shut(session_closed);
     }
 }
 

@@ -7,7 +7,8 @@
 //! (64-bit) requests, and the commands READ (hole-aware from [`HOLE_READ_MIN`]: holes answered as
 //! hole chunks, see [`read_plan`]; one chunk with DF), WRITE (with FUA), FLUSH, TRIM, WRITE_ZEROES
 //! (with FUA and NO_HOLE), CACHE, BLOCK_STATUS (with REQ_ONE) and DISC. Both transmission paths
-//! (tasks here, engine thread in [`direct`]) check requests with [`validate`], answer block status
+//! (tasks here, engine thread in [`direct`]) check requests with [`codec::check_payload`] and
+//! [`codec::check_request`], answer block status
 //! with [`block_status_reply`] and plan hole-aware reads with [`read_plan`]. Every connection
 //! serves the same session, so the export is advertised with
 //! CAN_MULTI_CONN. Each connection handles many requests at once and replies as they complete
@@ -32,7 +33,7 @@ use tracing::{debug, info, warn};
 
 use crate::client::Client;
 use crate::error::Error;
-use codec::{cflag, cmd, errno, info as info_item, opt, rep, tflag, Head};
+use codec::{cflag, cmd, errno, info as info_item, opt, rep, tflag, Action, Head};
 use tyche_wire::{flags as wflags, Extent, Status};
 
 /// Largest request the server accepts (advertised as the maximum block size): the most a READ
@@ -249,6 +250,7 @@ async fn connection(
         stream,
         idx,
         info.size,
+        info.read_only,
         info.discard,
         neg,
         node,
@@ -257,7 +259,7 @@ async fn connection(
         opts.hole_read_min,
         done,
     )?;
-    client.serve_nbd(conn)?;
+    client.serve_front(Box::new(conn))?;
     finished.await.unwrap_or_else(|_| Err(io::Error::other("the engine stopped")))
 }
 
@@ -492,35 +494,11 @@ fn nbd_error(e: Error) -> u32 {
     errno::from_errno(e.errno())
 }
 
-/// The checks of a whole request (a payload read) shared by both transmission paths: `Err` is
-/// the NBD error to answer without going to the volume. NBD_CMD_FLAG_PAYLOAD_LEN without
-/// extended headers, with extended headers a WRITE without it or another command with it (its
-/// payload was read and dropped), and unknown commands are EINVAL. FLUSH ignores its range; a
-/// range past the end is EINVAL (ENOSPC for a write); a READ longer than [`MAX_REQUEST`] or a
-/// TRIM or WRITE_ZEROES longer than [`MAX_EFFECT`] is EOVERFLOW; a BLOCK_STATUS without
-/// `base:allocation` negotiated or of length zero is EINVAL.
-pub(crate) fn validate(req: &codec::Request, size: u64, neg: Negotiated) -> Result<(), u32> {
-    let (off, len) = (req.offset, req.length);
-    let payload = req.flags & cflag::PAYLOAD_LEN != 0;
-    if payload && !neg.extended || neg.extended && payload != (req.command == cmd::WRITE) {
-        return Err(errno::EINVAL);
-    }
-    let in_range = off.checked_add(len).is_some_and(|end| end <= size);
-    match req.command {
-        cmd::FLUSH => Ok(()),
-        cmd::READ | cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES | cmd::CACHE | cmd::BLOCK_STATUS => {
-            if !in_range {
-                return Err(if req.command == cmd::WRITE { errno::ENOSPC } else { errno::EINVAL });
-            }
-            match req.command {
-                cmd::READ if len > MAX_REQUEST as u64 => Err(errno::EOVERFLOW),
-                cmd::TRIM | cmd::WRITE_ZEROES if len > MAX_EFFECT => Err(errno::EOVERFLOW),
-                cmd::BLOCK_STATUS if !neg.allocation || len == 0 => Err(errno::EINVAL),
-                _ => Ok(()),
-            }
-        }
-        _ => Err(errno::EINVAL),
-    }
+/// What a connection's requests are checked against ([`codec::check_request`], the one
+/// validator of both transmission paths): the export (`size`, `read_only`, `discard`) and what was
+/// negotiated.
+pub(crate) fn rules(size: u64, read_only: bool, discard: bool, neg: Negotiated) -> codec::Rules {
+    codec::Rules { size, read_only, discard, extended: neg.extended, allocation: neg.allocation }
 }
 
 /// The reply header of a request answered in one piece (not block status): with extended
@@ -762,6 +740,7 @@ async fn transmission(
     let slots = Arc::new(Semaphore::new(opts.max_inflight));
     let bytes = Arc::new(Semaphore::new(BYTE_UNITS as usize));
     let size = client.size();
+    let rules = rules(size, client.info().read_only, client.info().discard, neg);
     // Cleared when the target says it cannot tell holes from data: reads stop asking.
     let probe = Arc::new(HoleProbe::default());
     let mut seq = 0u64;
@@ -780,10 +759,10 @@ async fn transmission(
         if req.command == cmd::DISC {
             break Ok(());
         }
-        let payload = req.payload(neg.extended);
-        if let Some(n) = payload.filter(|&n| n > MAX_REQUEST as u64) {
-            break Err(invalid(&format!("a request payload of {n} bytes, over the maximum of {MAX_REQUEST}")));
-        }
+        let payload = match codec::check_payload(&req, neg.extended) {
+            Ok(p) => p,
+            Err(e) => break Err(invalid(&e.to_string())),
+        };
         // Bound what one connection holds: requests, and bytes of data (reads and payloads).
         let permit = Arc::clone(&slots).acquire_owned().await.expect("semaphore never closed");
         let held = match (req.command, payload) {
@@ -807,15 +786,16 @@ async fn transmission(
         // BUFFER_SAMPLE after: a syscall per request would cost more than the request.
         let sample = node.is_some() && (seq < 64 || seq % BUFFER_SAMPLE == 0);
         seq += 1;
-        let holes = validate(&req, size, neg).is_ok() && hole_aware(&req, neg, opts.hole_read_min, &probe);
+        let action = codec::check_request(&req, &rules);
+        let holes = action == Ok(Action::Read) && hole_aware(&req, neg, opts.hole_read_min, &probe);
         let probe = Arc::clone(&probe);
         tokio::spawn(async move {
             let written = data.len() as u64;
             let mut pages = sample.then(|| tyche_numa::report::count_slice(&data, node).ok()).flatten();
             if req.command == cmd::BLOCK_STATUS {
-                let reply = match validate(&req, size, neg) {
+                let reply = match action {
                     Err(e) => Reply { header: reply_head(neg, &req, e, 0), data: Vec::new() },
-                    Ok(()) => {
+                    Ok(_) => {
                         let answer = match status_query(req.offset, req.length, size) {
                             Some((start, len)) => (start, client.block_status(start, len).await),
                             None => (req.offset, Err(Error::Target(Status::Unsupported))),
@@ -839,7 +819,7 @@ async fn transmission(
                     return;
                 }
             }
-            let (error, data) = match execute(&client, req, data, size, neg).await {
+            let (error, data) = match execute(&client, &req, action, data).await {
                 Ok(d) => (0, d),
                 Err(e) => (e, Vec::new()),
             };
@@ -952,39 +932,33 @@ async fn read_range(client: &Client, off: u64, len: u64) -> Result<Vec<u8>, u32>
     }
 }
 
-/// Runs one command; returns read data or an NBD error number.
+/// Runs one checked request ([`codec::check_request`]'s verdict); returns read data or an NBD
+/// error number.
 async fn execute(
     client: &Client,
-    req: codec::Request,
+    req: &codec::Request,
+    action: Result<Action, u32>,
     data: Vec<u8>,
-    size: u64,
-    neg: Negotiated,
 ) -> Result<Vec<u8>, u32> {
-    let (off, len) = (req.offset, req.length);
     let fua = req.flags & cflag::FUA != 0;
-    validate(&req, size, neg)?;
-    match req.command {
-        cmd::FLUSH => client.flush().await.map(|()| Vec::new()).map_err(nbd_error),
-        _ if len == 0 => Ok(Vec::new()),
+    match action? {
+        Action::Done => Ok(Vec::new()),
+        Action::Flush => client.flush().await.map(|()| Vec::new()).map_err(nbd_error),
         // Unaligned reads read the covering sectors.
-        cmd::READ => read_range(client, off, len).await,
-        cmd::WRITE => client.write_owned(off, data, fua).await.map(|()| Vec::new()).map_err(nbd_error),
-        cmd::TRIM => {
-            // Advisory: trim the whole sectors inside the range.
-            let start = off.next_multiple_of(SECTOR);
-            let end = (off + len) / SECTOR * SECTOR;
-            if end <= start {
-                return Ok(Vec::new());
-            }
-            client.discard(start, end - start).await.map_err(nbd_error)?;
-            if fua {
+        Action::Read => read_range(client, req.offset, req.length).await,
+        Action::Write => client.write_owned(req.offset, data, fua).await.map(|()| Vec::new()).map_err(nbd_error),
+        Action::Trim { start, length, flush } => {
+            client.discard(start, length).await.map_err(nbd_error)?;
+            if flush {
                 client.flush().await.map_err(nbd_error)?;
             }
             Ok(Vec::new())
         }
-        cmd::WRITE_ZEROES => client.write_zeroes(off, len, fua).await.map(|()| Vec::new()).map_err(nbd_error),
-        cmd::CACHE => Ok(Vec::new()),
-        _ => Err(errno::EINVAL),
+        Action::WriteZeroes => {
+            client.write_zeroes(req.offset, req.length, fua).await.map(|()| Vec::new()).map_err(nbd_error)
+        }
+        // Answered on its own path (see `transmission`).
+        Action::BlockStatus => Err(errno::EINVAL),
     }
 }
 
@@ -1001,52 +975,6 @@ mod tests {
         d.chunks_exact(8)
             .map(|c| (u32::from_be_bytes(c[..4].try_into().unwrap()), u32::from_be_bytes(c[4..].try_into().unwrap())))
             .collect()
-    }
-
-    #[test]
-    fn validate_checks_ranges_contexts_and_commands() {
-        let both = Negotiated { structured: true, extended: false, allocation: true };
-        let size = 1 << 20;
-        assert_eq!(validate(&req(cmd::READ, 0, 0, 512), size, both), Ok(()));
-        assert_eq!(validate(&req(cmd::READ, 0, size, 512), size, both), Err(errno::EINVAL));
-        assert_eq!(validate(&req(cmd::WRITE, 0, size, 512), size, both), Err(errno::ENOSPC));
-        assert_eq!(validate(&req(cmd::READ, 0, u64::MAX, 512), size, both), Err(errno::EINVAL), "overflow");
-        assert_eq!(validate(&req(cmd::FLUSH, 0, u64::MAX, 9), size, both), Ok(()), "FLUSH ignores its range");
-        assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 4096), size, both), Ok(()));
-        assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 0), size, both), Err(errno::EINVAL));
-        let none = Negotiated { structured: true, extended: false, allocation: false };
-        assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, 4096), size, none), Err(errno::EINVAL));
-        assert_eq!(validate(&req(99, 0, 0, 512), size, both), Err(errno::EINVAL));
-        assert_eq!(validate(&req(cmd::READ, 0, 0, MAX_REQUEST as u64 + 512), 1 << 30, both), Err(errno::EOVERFLOW));
-        assert_eq!(
-            validate(&req(cmd::WRITE, codec::cflag::PAYLOAD_LEN, 0, 512), size, both),
-            Err(errno::EINVAL),
-            "PAYLOAD_LEN without extended headers"
-        );
-    }
-
-    #[test]
-    fn validate_checks_extended_requests() {
-        let ext = Negotiated { structured: true, extended: true, allocation: true };
-        let pl = codec::cflag::PAYLOAD_LEN;
-        let size = 4 << 40;
-        assert_eq!(validate(&req(cmd::WRITE, pl, 0, 4096), size, ext), Ok(()));
-        assert_eq!(
-            validate(&req(cmd::WRITE, 0, 0, 4096), size, ext),
-            Err(errno::EINVAL),
-            "a WRITE without PAYLOAD_LEN"
-        );
-        assert_eq!(validate(&req(cmd::READ, pl, 0, 4096), size, ext), Err(errno::EINVAL), "a READ with a payload");
-        assert_eq!(validate(&req(cmd::FLUSH, pl, 0, 8), size, ext), Err(errno::EINVAL));
-        // 64-bit effect lengths: up to MAX_EFFECT for TRIM and WRITE_ZEROES, the export for
-        // BLOCK_STATUS and CACHE, MAX_REQUEST for READ.
-        assert_eq!(validate(&req(cmd::TRIM, 0, 0, MAX_EFFECT), size, ext), Ok(()));
-        assert_eq!(validate(&req(cmd::TRIM, 0, 0, MAX_EFFECT + 512), size, ext), Err(errno::EOVERFLOW));
-        assert_eq!(validate(&req(cmd::WRITE_ZEROES, 0, 0, 2 << 40), size, ext), Err(errno::EOVERFLOW));
-        assert_eq!(validate(&req(cmd::BLOCK_STATUS, 0, 0, size), size, ext), Ok(()));
-        assert_eq!(validate(&req(cmd::CACHE, 0, 512, size), size, ext), Err(errno::EINVAL), "past the end");
-        assert_eq!(validate(&req(cmd::READ, 0, 0, 1 << 33), size, ext), Err(errno::EOVERFLOW));
-        assert_eq!(validate(&req(cmd::READ, 0, u64::MAX - 10, 1 << 33), size, ext), Err(errno::EINVAL), "overflow");
     }
 
     #[test]
@@ -1224,9 +1152,10 @@ pub mod fuzzing {
 
     use tyche_wire::Op;
 
-    use super::direct::{DirectConn, NbdIo};
+    use super::direct::DirectConn;
     use super::NbdOptions;
     use crate::error::Error;
+    use crate::front::{Front, FrontIo};
 
     /// Runs the server's handshake for export `name` of `size` bytes on the client bytes
     /// `input`. Returns how it ended (whether transmission was entered), what the server wrote
@@ -1256,7 +1185,7 @@ pub mod fuzzing {
 
     /// A request the connection hands to the volume.
     #[derive(Debug)]
-    pub struct Io(NbdIo);
+    pub struct Io(FrontIo);
 
     impl Io {
         /// The operation.
@@ -1290,13 +1219,15 @@ pub mod fuzzing {
     pub struct Conn(Option<DirectConn>);
 
     impl Conn {
-        /// Serves `stream` (made non-blocking) for an export of `size` bytes; with `structured`,
-        /// as after NBD_OPT_STRUCTURED_REPLY and NBD_OPT_SET_META_CONTEXT `base:allocation`; with
-        /// `extended`, as after NBD_OPT_EXTENDED_HEADERS too. Reads of `hole_read_min` bytes or
-        /// more are hole-aware.
+        /// Serves `stream` (made non-blocking) for an export of `size` bytes (read-only or not,
+        /// discarding or not); with `structured`, as after NBD_OPT_STRUCTURED_REPLY and
+        /// NBD_OPT_SET_META_CONTEXT `base:allocation`; with `extended`, as after
+        /// NBD_OPT_EXTENDED_HEADERS too. Reads of `hole_read_min` bytes or more are hole-aware.
+        #[allow(clippy::too_many_arguments)]
         pub fn new(
             stream: UnixStream,
             size: u64,
+            read_only: bool,
             discard: bool,
             max_inflight: usize,
             structured: bool,
@@ -1308,8 +1239,19 @@ pub mod fuzzing {
             let idx = stats.add(crate::report::NbdConnReport::default());
             let structured = structured || extended;
             let neg = super::Negotiated { structured, extended, allocation: structured };
-            let conn =
-                DirectConn::new(stream, idx, size, discard, neg, None, stats, max_inflight, hole_read_min, done)?;
+            let conn = DirectConn::new(
+                stream,
+                idx,
+                size,
+                read_only,
+                discard,
+                neg,
+                None,
+                stats,
+                max_inflight,
+                hole_read_min,
+                done,
+            )?;
             Ok(Conn(Some(conn)))
         }
         fn conn(&mut self) -> &mut DirectConn {
@@ -1317,17 +1259,19 @@ pub mod fuzzing {
         }
         /// Reads and parses what the socket has; the requests for the volume.
         pub fn poll_requests(&mut self) -> Vec<Io> {
-            self.conn().poll_requests().into_iter().map(Io).collect()
+            let mut out = Vec::new();
+            self.conn().receive(&mut out);
+            out.into_iter().map(Io).collect()
         }
         /// The volume completed `io` (a read's data is in its buffer).
         pub fn complete(&mut self, io: Io, result: Result<(), Error>) {
             let Io(io) = io;
             let outcome = result.map(|()| (io.op, io.data));
-            self.conn().complete(io.reply, outcome);
+            self.conn().complete(io.token, outcome);
         }
         /// Writes queued replies; whether anything was written.
         pub fn write_replies(&mut self) -> bool {
-            self.conn().write_replies()
+            self.conn().send()
         }
         /// Whether more requests may be read now.
         pub fn wants_read(&self) -> bool {
@@ -1335,7 +1279,7 @@ pub mod fuzzing {
         }
         /// Whether the connection is over.
         pub fn finished(&self) -> bool {
-            self.0.as_ref().is_none_or(DirectConn::finished)
+            self.0.as_ref().is_none_or(|c| c.finished())
         }
         /// Requests in flight and data bytes held.
         pub fn load(&self) -> (usize, u64) {
@@ -1344,7 +1288,7 @@ pub mod fuzzing {
         /// Ends the connection.
         pub fn close(&mut self) {
             if let Some(c) = self.0.take() {
-                c.close(false);
+                Box::new(c).close(false);
             }
         }
     }
