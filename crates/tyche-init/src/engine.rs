@@ -664,7 +664,11 @@ impl Engine {
                             &nodes,
                             self.cfg.node_order.as_ref(),
                         ));
-                        self.volume = Some(Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now));
+                        let mut vol = Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now);
+                        // An earlier process's unflushed writes: kept if this session presents
+                        // the epoch they were acknowledged under, else the next FLUSH fails.
+                        vol.inherit_debt(self.cfg.prior_writes);
+                        self.volume = Some(vol);
                         self.connected = Some(c);
                         debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");
                     }
@@ -1075,6 +1079,8 @@ impl Engine {
             s.unauthenticated = dropped(tyche_channel::DropReason::Unauthenticated);
             s.replayed = dropped(tyche_channel::DropReason::Replayed);
             s.bad_digest = dropped(tyche_channel::DropReason::BadDigest);
+            s.durability_epoch = v.durability_epoch();
+            s.durability_debt = v.durability_debt();
         }
         s
     }

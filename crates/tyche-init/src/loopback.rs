@@ -245,7 +245,18 @@ impl TargetLoop {
         if export.read_only {
             f |= flags::EXPORT_READ_ONLY;
         }
-        let spec = ExportSpec { name: export.name.clone(), size: export.size, block_size: SECTOR_SIZE, flags: f };
+        // The RAM outlives the target's restarts (`RamTarget::restart`), as a file export's
+        // page cache outlives a tyched process: one epoch for the loopback target's life.
+        let durability_epoch = tyche_wire::DurabilityEpoch(std::array::from_fn(|i| {
+            (tyche_channel::auth::random_u64() >> (8 * (i % 8))) as u8 | u8::from(i == 0)
+        }));
+        let spec = ExportSpec {
+            name: export.name.clone(),
+            size: export.size,
+            block_size: SECTOR_SIZE,
+            flags: f,
+            durability_epoch,
+        };
         let acceptor = Acceptor::new(DEFAULT_ETHERTYPE, vec![spec.clone()], limit, timers);
         let macs = ports.iter().map(|p| p.local_mac()).collect();
         TargetLoop {
