@@ -684,7 +684,18 @@ impl Engine {
                         }
                         let vol = self.volume.as_mut().expect("a session was open");
                         let waiting = vol.outstanding();
+                        let (was, unflushed) = (vol.durability_epoch(), vol.unflushed_writes());
                         vol.resume(c.session, now);
+                        match was {
+                            Some(e) if unflushed && !e.keeps(&c.durability_epoch) => warn!(
+                                link = %name, "the target's durability epoch changed ({e} -> {}): writes not flushed \
+                                 may be lost, and the next FLUSH fails", c.durability_epoch
+                            ),
+                            Some(_) if unflushed => {
+                                info!(link = %name, "same durability epoch: the writes not flushed are still there")
+                            }
+                            _ => {}
+                        }
                         self.connected = Some(Connected { session: c.session, ..old });
                         self.stats.reconnects += 1;
                         info!(
