@@ -184,9 +184,15 @@ pub fn run(args: SimArgs) -> Result<()> {
     );
     if args.restarts {
         eprintln!(
-            "sim: {} target restarts, {} partitions, {} engine restarts, {} sessions resumed, {} errors surfaced, \
-             {} FLUSHes failed for writes a crash may have lost",
-            t.target_restarts, t.partitions, t.engine_restarts, t.resumes, t.surfaced, t.durability_errors
+            "sim: {} target restarts ({} process kills keeping the cache), {} partitions, {} engine restarts, \
+             {} sessions resumed, {} errors surfaced, {} FLUSHes failed for writes a crash may have lost",
+            t.target_restarts,
+            t.target_kills,
+            t.partitions,
+            t.engine_restarts,
+            t.resumes,
+            t.surfaced,
+            t.durability_errors
         );
     }
     println!("sim: {} seeds, {} requests, {} mismatches, {} stuck", t.seeds, t.requests, t.mismatches, t.stuck);

@@ -28,6 +28,7 @@
 //! export size      u64
 //! block size       u32
 //! export flags     u16
+//! durability epoch 16 bytes: the ACCEPT's DURABILITY_EPOCH
 //! ```
 //!
 //! Every integer is big-endian. Nonces come from the operating system's random source.
@@ -141,6 +142,9 @@ pub struct Grant {
     pub block_size: u32,
     /// Export flags.
     pub export_flags: u16,
+    /// The export's durability epoch: covered, so that nobody between the ends can make an
+    /// initiator believe writes survived a target crash that lost them.
+    pub durability_epoch: tyche_wire::DurabilityEpoch,
 }
 
 fn params_bytes(p: &ChannelParams) -> [u8; 16] {
@@ -175,6 +179,7 @@ fn mac_for(key: &[u8], role: ProofRole, input: &ProofInput<'_>, grant: Option<&G
         m.update(&g.export_size.to_be_bytes());
         m.update(&g.block_size.to_be_bytes());
         m.update(&g.export_flags.to_be_bytes());
+        m.update(&g.durability_epoch.0);
     }
     m
 }
@@ -423,6 +428,7 @@ mod tests {
             export_size: 1 << 20,
             block_size: 512,
             export_flags: 2,
+            durability_epoch: tyche_wire::DurabilityEpoch(core::array::from_fn(|i| 0x10 + i as u8)),
         }
     }
 
@@ -450,6 +456,7 @@ mod tests {
             Grant { session: 10, ..grant() },
             Grant { export_flags: 0, ..grant() },
             Grant { export_size: 1, ..grant() },
+            Grant { durability_epoch: tyche_wire::DurabilityEpoch::NONE, ..grant() },
         ] {
             assert!(!verify_target(b"secret", &input(), &g, &t), "{g:?} must not verify");
         }
@@ -467,7 +474,7 @@ mod tests {
         );
         assert_eq!(
             hex(target_proof(key, &input(), &grant())),
-            "73a5073479d04e1f9dc4c91aad4a3770e2316045d848e6052a40ae8c9d16290e"
+            "cb6a597e3a183532d04b5795bbb1958410152cf9ada5bb4ec395c5efb7153c06"
         );
     }
 

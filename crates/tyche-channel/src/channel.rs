@@ -402,6 +402,8 @@ pub struct Channel {
     stats: ChannelStats,
     /// Keys and counters of a keyed export's channel: every frame is sealed and checked.
     sealer: Option<Box<crate::auth::Sealer>>,
+    /// The export's durability epoch from the ACCEPT that opened it (initiator side).
+    durability_epoch: tyche_wire::DurabilityEpoch,
 }
 
 impl Channel {
@@ -464,6 +466,7 @@ impl Channel {
             events: VecDeque::new(),
             stats: ChannelStats::default(),
             sealer: None,
+            durability_epoch: tyche_wire::DurabilityEpoch::NONE,
         }
     }
 
@@ -472,6 +475,18 @@ impl Channel {
     pub fn with_sealer(mut self, sealer: crate::auth::Sealer) -> Self {
         self.sealer = Some(Box::new(sealer));
         self
+    }
+
+    /// The same channel, opened by an ACCEPT carrying durability epoch `epoch`.
+    pub fn with_durability_epoch(mut self, epoch: tyche_wire::DurabilityEpoch) -> Self {
+        self.durability_epoch = epoch;
+        self
+    }
+
+    /// The durability epoch of the ACCEPT that opened the channel
+    /// ([`tyche_wire::DurabilityEpoch::NONE`] unless [`Channel::with_durability_epoch`] set one).
+    pub fn durability_epoch(&self) -> tyche_wire::DurabilityEpoch {
+        self.durability_epoch
     }
 
     /// Whether the channel seals its frames (a keyed export's).

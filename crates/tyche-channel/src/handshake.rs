@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use tyche_wire::{
-    flags, Accept, ChannelParams, Connect, DiscoverReply, Envelope, ExportInfo, ExportList, MacAddr, Message, Reject,
-    RejectReason,
+    flags, Accept, ChannelParams, Connect, DiscoverReply, DurabilityEpoch, Envelope, ExportInfo, ExportList, MacAddr,
+    Message, Reject, RejectReason,
 };
 
 use crate::channel::{Channel, Role};
@@ -27,6 +27,9 @@ pub struct Connected {
     pub block_size: u32,
     /// `flags::EXPORT_*`.
     pub export_flags: u16,
+    /// The export's durability epoch: writes acknowledged on this session survive as long as
+    /// the target presents it again ([`DurabilityEpoch`]).
+    pub durability_epoch: DurabilityEpoch,
 }
 
 /// Why a channel could not be opened.
@@ -177,6 +180,7 @@ impl Connector {
                         export_size: a.export_size,
                         block_size: a.block_size,
                         export_flags: a.export_flags,
+                        durability_epoch: a.durability_epoch,
                     };
                     let ok = match (self.challenge, a.proof) {
                         (Some(tn), Some(proof)) => {
@@ -197,6 +201,7 @@ impl Connector {
                         export_size: a.export_size,
                         block_size: a.block_size,
                         export_flags: a.export_flags,
+                        durability_epoch: a.durability_epoch,
                     }))
                 } else {
                     Some(Err(ConnectError::BadGrant))
@@ -227,10 +232,11 @@ impl Connector {
     }
 
     /// Builds the initiator's channel from an ACCEPT: for a keyed export, with its keys
-    /// ([`crate::auth::Sealer`]).
+    /// ([`crate::auth::Sealer`]), and with the export's durability epoch (which the
+    /// [`crate::Volume`] it joins compares across sessions).
     pub fn channel(&self, c: &Connected, timers: Timers, now: Instant) -> Channel {
         let env = Envelope { session: c.session, ..self.env };
-        let ch = Channel::new(Role::Initiator, env, c.params, timers, now);
+        let ch = Channel::new(Role::Initiator, env, c.params, timers, now).with_durability_epoch(c.durability_epoch);
         match (&self.key, &self.target_proof) {
             (Some(key), Some(proof)) => {
                 let encrypt = c.export_flags & flags::EXPORT_ENCRYPTED != 0;
@@ -252,6 +258,9 @@ pub struct ExportSpec {
     pub block_size: u32,
     /// `flags::EXPORT_*`.
     pub flags: u16,
+    /// Durability epoch presented in every ACCEPT ([`DurabilityEpoch`]): the same for as long
+    /// as the writes the target acknowledged on the export are kept, flushed or not.
+    pub durability_epoch: DurabilityEpoch,
 }
 
 /// What the acceptor decided about a frame.
@@ -579,6 +588,7 @@ impl Acceptor {
             export_size: e.size,
             block_size: e.block_size,
             export_flags: e.flags,
+            durability_epoch: e.durability_epoch,
         };
         let sealing = keyed.filter(|_| needs_key).map(|k| {
             let input = crate::auth::ProofInput {
@@ -601,6 +611,7 @@ impl Acceptor {
             block_size: e.block_size,
             export_flags: e.flags,
             proof: sealing.map(|(_, p)| p),
+            durability_epoch: e.durability_epoch,
         };
         let record = self.sessions.get_mut(&sid).expect("inserted or checked");
         let granted = Granted { nonce: c.nonce, accept, proof: c.proof };

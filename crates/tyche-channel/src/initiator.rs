@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use tyche_wire::flags::FEATURE_BLOCK_STATUS;
-use tyche_wire::{DisconnectReason, Op, Status, SECTOR_SIZE};
+use tyche_wire::{DisconnectReason, DurabilityEpoch, Op, Status, SECTOR_SIZE};
 
 use crate::channel::{
     deliver, Channel, ChannelEvent, DeadReason, DropReason, FrameDrop, Received, Role, Submission, Transmit,
@@ -105,6 +105,36 @@ pub enum VolumeEvent {
     },
 }
 
+/// What a volume owes its user about the writes it completed: what a volume that replaces it
+/// (a restarted engine, a restarted initiator process) takes over with
+/// [`Volume::inherit_debt`], so that a lost write is reported by a FLUSH even across the
+/// replacement ([`Volume::durability_debt`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DurabilityDebt {
+    /// Every write completed is covered by a completed FLUSH: nothing can be lost.
+    #[default]
+    Clear,
+    /// Writes no FLUSH covered were acknowledged under this durability epoch: they are still
+    /// there if the target presents it again, lost (and owed to the user) if it presents
+    /// another.
+    AtRisk(DurabilityEpoch),
+    /// Writes may have been lost and no FLUSH has said so yet: the next FLUSH to complete fails.
+    Owed,
+}
+
+impl DurabilityDebt {
+    /// Both debts together: what a volume inheriting both owes.
+    pub fn merge(self, other: DurabilityDebt) -> DurabilityDebt {
+        use DurabilityDebt::*;
+        match (self, other) {
+            (Owed, _) | (_, Owed) => Owed,
+            (Clear, d) | (d, Clear) => d,
+            (AtRisk(a), AtRisk(b)) if a.keeps(&b) => AtRisk(a),
+            (AtRisk(_), AtRisk(_)) => Owed,
+        }
+    }
+}
+
 /// What [`Volume::handle_frame`] did with a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Inbound<'a> {
@@ -159,9 +189,12 @@ struct Outstanding {
     fua: bool,
     /// For a FLUSH: the modifications completed before it was submitted ([`Volume::done_writes`]).
     covers: u64,
-    /// A FLUSH outstanding when the session was lost with writes no FLUSH had covered: it
-    /// fails whatever the new session answers.
+    /// A FLUSH outstanding when the session was lost with writes no FLUSH had covered, and
+    /// the new session's durability epoch differed: it fails whatever the new session answers.
     doubtful: bool,
+    /// A FLUSH outstanding when the session was lost with writes no FLUSH had covered, while
+    /// the new session's epoch is not known yet ([`Volume::resume`]): doubtful if it differs.
+    undecided: bool,
 }
 
 #[derive(Debug)]
@@ -221,6 +254,15 @@ pub struct Volume {
     owed_flush_error: bool,
     /// FLUSHes failed because a lost session may have lost unflushed writes.
     durability_errors: u64,
+    /// The durability epoch of the current session, once a channel of it joined the volume.
+    epoch: Option<DurabilityEpoch>,
+    /// Writes no FLUSH covered were acknowledged under this epoch by a session (or an earlier
+    /// volume) since lost, and the current session's epoch is not known yet: when its first
+    /// channel joins, they are kept (same epoch) or owed (another, or this is
+    /// [`DurabilityEpoch::NONE`]).
+    undecided: Option<DurabilityEpoch>,
+    /// Channels refused because their ACCEPT carried another epoch than the session's first.
+    epoch_conflicts: u64,
 }
 
 impl Volume {
@@ -253,11 +295,20 @@ impl Volume {
             shutdown_seen: false,
             owed_flush_error: false,
             durability_errors: 0,
+            epoch: None,
+            undecided: None,
+            epoch_conflicts: 0,
         }
     }
 
     /// Adds (or replaces, after a reconnect) the channel with index `channel.envelope().channel`.
-    pub fn add_channel(&mut self, channel: Channel, node: Option<u32>, now: Instant) {
+    ///
+    /// The first channel of a session fixes the session's durability epoch
+    /// ([`Channel::durability_epoch`]) and settles what an earlier, lost session left undecided
+    /// ([`Volume::resume`]). A later channel of the same session whose ACCEPT carried another
+    /// epoch cannot come from one target: it is closed at once with a protocol error (a
+    /// [`VolumeEvent::ChannelDead`] follows) and never used.
+    pub fn add_channel(&mut self, mut channel: Channel, node: Option<u32>, now: Instant) {
         assert_eq!(channel.role(), Role::Initiator);
         assert_eq!(channel.envelope().session, self.session, "channel of another session");
         let idx = channel.envelope().channel as usize;
@@ -268,9 +319,55 @@ impl Volume {
             old.channel.abort();
             self.fail_over(idx as u16, DeadReason::Closed, now);
         }
-        self.members[idx] = Some(Member { channel, node, retiring: None });
-        self.no_path_since = None;
+        let epoch = channel.durability_epoch();
+        let conflict = match self.epoch {
+            Some(e) => e != epoch,
+            None => {
+                self.epoch = Some(epoch);
+                self.settle(epoch);
+                false
+            }
+        };
+        if conflict {
+            self.epoch_conflicts += 1;
+            channel.close(DisconnectReason::ProtocolError);
+            self.members[idx] = Some(Member { channel, node, retiring: Some(now) });
+            if self.live_channels() == 0 && self.no_path_since.is_none() {
+                self.no_path_since = Some(now);
+            }
+        } else {
+            self.members[idx] = Some(Member { channel, node, retiring: None });
+            self.no_path_since = None;
+        }
         self.pump(now);
+    }
+
+    /// The current session's epoch is now known: what a lost session left undecided is kept
+    /// or owed.
+    fn settle(&mut self, epoch: DurabilityEpoch) {
+        let Some(old) = self.undecided.take() else { return };
+        let kept = old.keeps(&epoch);
+        if !kept {
+            // Gone: the FLUSHes outstanding at the loss, and the first to complete whenever it
+            // was submitted, report it (as Linux reports a lost write-back at the next fsync).
+            self.flushed = self.done_writes;
+            self.owed_flush_error = true;
+        }
+        for r in self.requests.values_mut().filter(|r| r.undecided) {
+            r.undecided = false;
+            r.doubtful |= !kept;
+        }
+    }
+
+    /// The durability epoch of the current session, once one of its channels joined.
+    pub fn durability_epoch(&self) -> Option<DurabilityEpoch> {
+        self.epoch
+    }
+
+    /// Channels closed because their ACCEPT carried another durability epoch than their
+    /// session's first channel.
+    pub fn epoch_conflicts(&self) -> u64 {
+        self.epoch_conflicts
     }
 
     /// The session id.
@@ -303,17 +400,20 @@ impl Volume {
         self.members.clear();
         self.session = session;
         self.resumes += 1;
-        // Writes the old session completed and no FLUSH covered may be gone, unless the target
-        // said it was shutting down (it flushes before it stops): the FLUSHes outstanding, and
-        // the first to complete whenever it was submitted, report it (as Linux reports a lost
-        // write-back at the next fsync).
-        if !std::mem::take(&mut self.shutdown_seen) && self.done_writes > self.flushed {
-            self.flushed = self.done_writes;
+        // Writes the old session completed and no FLUSH covered are kept if the target said it
+        // was shutting down (it flushes before it stops), or if the new session presents the
+        // durability epoch they were acknowledged under; else they may be gone. The new
+        // session's epoch comes with its first channel ([`Volume::add_channel`] settles it):
+        // until then the FLUSHes outstanding now are undecided. An earlier loss still
+        // undecided (the session being left never had a channel, so it acknowledged nothing)
+        // stays as it was; a report already owed stays owed.
+        if !std::mem::take(&mut self.shutdown_seen) && self.done_writes > self.flushed && self.undecided.is_none() {
+            self.undecided = Some(self.epoch.unwrap_or(DurabilityEpoch::NONE));
             for r in self.requests.values_mut().filter(|r| r.op == Op::Flush) {
-                r.doubtful = true;
+                r.undecided = true;
             }
-            self.owed_flush_error = true;
         }
+        self.epoch = None;
         self.pending.clear();
         for (&tag, part) in self.parts.iter_mut() {
             part.channel = None;
@@ -401,6 +501,7 @@ impl Volume {
             fua: req.fua,
             covers: self.done_writes,
             doubtful,
+            undecided: false,
         };
         self.requests.insert(req.id, out);
         for i in 0..nparts {
@@ -610,7 +711,9 @@ impl Volume {
             let req = self.requests.remove(&part.id).expect("present");
             let mut result = req.error.map_or(Ok(()), Err);
             match req.op {
-                Op::Flush if req.doubtful || std::mem::take(&mut self.owed_flush_error) => {
+                // Undecided: it completes without a channel of the new session (no path), so
+                // it fails anyway; say why as for a loss.
+                Op::Flush if req.doubtful || req.undecided || std::mem::take(&mut self.owed_flush_error) => {
                     self.durability_errors += 1;
                     result = Err(IoError::Target(Status::IoError));
                 }
@@ -631,12 +734,63 @@ impl Volume {
     pub fn unflushed_writes(&self) -> bool {
         self.done_writes > self.flushed
             || self.owed_flush_error
-            || self.requests.values().any(|r| r.op == Op::Flush && r.doubtful)
+            || self.undecided.is_some()
+            || self.requests.values().any(|r| r.op == Op::Flush && (r.doubtful || r.undecided))
+    }
+
+    /// What this volume owes its user about the writes it completed, for a volume that
+    /// replaces it ([`Volume::inherit_debt`]): [`DurabilityDebt::Owed`] when a loss has not
+    /// been reported yet (or writes no FLUSH covered were acknowledged under an unknown or
+    /// [`DurabilityEpoch::NONE`] epoch), [`DurabilityDebt::AtRisk`] with the epoch unflushed
+    /// writes were acknowledged under, else [`DurabilityDebt::Clear`].
+    pub fn durability_debt(&self) -> DurabilityDebt {
+        let at_risk = |e: DurabilityEpoch| if e.is_none() { DurabilityDebt::Owed } else { DurabilityDebt::AtRisk(e) };
+        if self.owed_flush_error || self.requests.values().any(|r| r.op == Op::Flush && r.doubtful) {
+            DurabilityDebt::Owed
+        } else if let Some(e) = self.undecided {
+            at_risk(e)
+        } else if self.done_writes > self.flushed {
+            at_risk(self.epoch.unwrap_or(DurabilityEpoch::NONE))
+        } else {
+            DurabilityDebt::Clear
+        }
+    }
+
+    /// Takes over what an earlier volume of this device owed ([`Volume::durability_debt`]):
+    /// [`DurabilityDebt::Owed`] makes the next FLUSH to complete fail with an I/O error;
+    /// [`DurabilityDebt::AtRisk`] does the same unless this volume's session presents that
+    /// durability epoch (compared when its first channel joins, or now if one has). Kept, the
+    /// earlier volume's unflushed writes count as this volume's own until a FLUSH submitted
+    /// from now on covers them: a loss before that is reported like a loss of its own.
+    pub fn inherit_debt(&mut self, debt: DurabilityDebt) {
+        match debt {
+            DurabilityDebt::Clear => {}
+            DurabilityDebt::Owed => self.owed_flush_error = true,
+            DurabilityDebt::AtRisk(e) => {
+                // The earlier volume's unflushed writes, as one write done before any FLUSH
+                // submitted from now on.
+                self.done_writes += 1;
+                match self.epoch {
+                    Some(current) if e.keeps(&current) => {}
+                    Some(_) => {
+                        self.flushed = self.done_writes;
+                        self.owed_flush_error = true;
+                    }
+                    None => {
+                        self.undecided = Some(match self.undecided {
+                            Some(u) if !u.keeps(&e) => DurabilityEpoch::NONE,
+                            _ => e,
+                        });
+                    }
+                }
+            }
+        }
     }
 
     /// Makes the next FLUSH to complete fail with an I/O error: writes an earlier volume of
     /// this device completed may have been lost (its engine restarted while some were not
     /// flushed, and this volume cannot tell whether the target kept them).
+    /// [`Volume::inherit_debt`] says more when the earlier volume's debt is known.
     pub fn assume_writes_lost(&mut self) {
         self.owed_flush_error = true;
     }

@@ -46,7 +46,9 @@ pub use config::Timers;
 pub use handshake::{
     Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec, KeyedConnect,
 };
-pub use initiator::{Inbound, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent};
+pub use initiator::{
+    DurabilityDebt, Inbound, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent,
+};
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
 pub use target::{ExportGeometry, TargetEvent, TargetInbound, TargetSession};

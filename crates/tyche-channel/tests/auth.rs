@@ -214,7 +214,13 @@ fn handshake_channels_share_keys() {
         if encrypt {
             fl |= flags::EXPORT_ENCRYPTED;
         }
-        let spec = ExportSpec { name: "k".into(), size: 1 << 20, block_size: SECTOR_SIZE, flags: fl };
+        let spec = ExportSpec {
+            name: "k".into(),
+            size: 1 << 20,
+            block_size: SECTOR_SIZE,
+            flags: fl,
+            durability_epoch: tyche_wire::DurabilityEpoch([5; 16]),
+        };
         let mut acc = Acceptor::new(DEFAULT_ETHERTYPE, vec![spec], params, Timers::default());
         let env = Envelope { session: 0, ..initiator_env(0) };
         let now = Instant(1);
@@ -252,8 +258,14 @@ fn handshake_channels_share_keys() {
         };
         let af = Frame::new_checked(&out[..len], DEFAULT_ETHERTYPE).unwrap();
         let Ok(Message::Accept(a)) = af.parse() else { panic!("ACCEPT") };
-        let grant =
-            Grant { session, params: a.params, export_size: 1 << 20, block_size: SECTOR_SIZE, export_flags: fl };
+        let grant = Grant {
+            session,
+            params: a.params,
+            export_size: 1 << 20,
+            block_size: SECTOR_SIZE,
+            export_flags: fl,
+            durability_epoch: a.durability_epoch,
+        };
         assert!(auth::verify_target(KEY, &input, &grant, &a.proof.expect("target proof")));
         let outcome = c.handle(env.dst, session, &Message::Accept(a)).expect("outcome").expect("connected");
         let mut ich = c.channel(&outcome, Timers::default(), now);
@@ -293,8 +305,8 @@ fn handshake_channels_share_keys() {
 /// bytes 0..=31 and Appendix A's ACK, sealed with counter 0 by the initiator.
 #[test]
 fn sealed_frame_fixtures() {
-    const AUTH: &str = "02540000000202540000000188b5012080000020000301020304050607080000002200000000800000000000000500000000000000005977cfd48fe53795cba42d4f4eebf997";
-    const ENCRYPTED: &str = "02540000000202540000000188b5012080000020000301020304050607088bbb1ad3d4ebf45a2636dc7d33486ba10000000000000000d0e0635c2a6ded7d6ada568907955971";
+    const AUTH: &str = "02540000000202540000000188b50220800000200003010203040506070800000022000000008000000000000005000000000000000072ffc549a8ee294478557ee0859f7c52";
+    const ENCRYPTED: &str = "02540000000202540000000188b5022080000020000301020304050607088bbb1ad3d4ebf45a2636dc7d33486ba10000000000000000fb6869c10d66f3acd92b0526cce1dcb4";
     let proof: [u8; 32] = std::array::from_fn(|i| i as u8);
     let env = Envelope {
         dst: tyche_wire::MacAddr::local(2),

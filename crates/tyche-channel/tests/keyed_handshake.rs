@@ -20,6 +20,7 @@ fn acceptor() -> Acceptor {
         size: 1 << 20,
         block_size: SECTOR_SIZE,
         flags: flags::EXPORT_NEEDS_KEY | flags::EXPORT_DISCARD,
+        durability_epoch: tyche_wire::DurabilityEpoch([5; 16]),
     };
     Acceptor::new(DEFAULT_ETHERTYPE, vec![e], params(), Timers::default())
 }
@@ -34,7 +35,8 @@ fn target() -> MacAddr {
 /// Runs the exchange the way the target daemon does: CHALLENGE for a CONNECT without proof,
 /// verify the proof, then `handle_keyed` with the target's proof. `target_key` is the key the
 /// target checks with (it may differ from the initiator's).
-fn run(mut c: Connector, target_key: &[u8], tamper_accept: bool) -> Result<u64, ConnectError> {
+/// `tamper`: a byte of the ACCEPT (offset in the Tyche message) flipped on the way.
+fn run(mut c: Connector, target_key: &[u8], tamper: Option<usize>) -> Result<u64, ConnectError> {
     let mut a = acceptor();
     let now = Instant(1);
     let target_nonce = 0x7777;
@@ -73,9 +75,8 @@ fn run(mut c: Connector, target_key: &[u8], tamper_accept: bool) -> Result<u64, 
                     let keyed = Some(KeyedConnect { key: &key, target_nonce });
                     match a.handle_keyed(now, target(), init(), &env, &msg, &mut || 42, &mut out, keyed) {
                         Some(Accepted::Channel { len, .. }) => {
-                            if tamper_accept {
-                                // The PROOF field of the ACCEPT.
-                                out[14 + tyche_wire::layout::accept::PROOF.start] ^= 1;
+                            if let Some(at) = tamper {
+                                out[14 + at] ^= 1;
                             }
                             out[..len].to_vec()
                         }
@@ -99,25 +100,34 @@ fn connector() -> Connector {
 
 #[test]
 fn right_key_attaches_and_the_target_proves_it_too() {
-    assert_eq!(run(connector().with_key(KEY), KEY, false), Ok(42));
+    assert_eq!(run(connector().with_key(KEY), KEY, None), Ok(42));
 }
 
 #[test]
 fn wrong_key_is_refused() {
     assert_eq!(
-        run(connector().with_key(b"a different key of length"), KEY, false),
+        run(connector().with_key(b"a different key of length"), KEY, None),
         Err(ConnectError::Rejected(RejectReason::AuthFailed))
     );
 }
 
 #[test]
 fn no_key_cannot_answer_the_challenge() {
-    assert_eq!(run(connector(), KEY, false), Err(ConnectError::ChallengeUnsupported));
+    assert_eq!(run(connector(), KEY, None), Err(ConnectError::ChallengeUnsupported));
 }
 
 #[test]
 fn a_forged_target_proof_is_caught() {
-    assert_eq!(run(connector().with_key(KEY), KEY, true), Err(ConnectError::BadProof));
+    let proof = Some(tyche_wire::layout::accept::PROOF.start);
+    assert_eq!(run(connector().with_key(KEY), KEY, proof), Err(ConnectError::BadProof));
+}
+
+#[test]
+fn an_altered_durability_epoch_is_caught() {
+    // The target's proof covers the epoch: nobody on the way can make the initiator believe
+    // writes survived a target crash that changed it.
+    let epoch = Some(tyche_wire::layout::accept::DURABILITY_EPOCH.start + 5);
+    assert_eq!(run(connector().with_key(KEY), KEY, epoch), Err(ConnectError::BadProof));
 }
 
 #[test]

@@ -154,7 +154,13 @@ const EXPORT: &str = "vol0";
 fn acceptor() -> Acceptor {
     let limit =
         ChannelParams { ring: 256, remq_slots: 32, damq_slots: 32, segment: 1024, max_io: 64 << 10, features: 0 };
-    let export = ExportSpec { name: EXPORT.into(), size: 1 << 20, block_size: 512, flags: 0 };
+    let export = ExportSpec {
+        name: EXPORT.into(),
+        size: 1 << 20,
+        block_size: 512,
+        flags: 0,
+        durability_epoch: tyche_wire::DurabilityEpoch([7; 16]),
+    };
     Acceptor::new(DEFAULT_ETHERTYPE, vec![export], limit, test_timers())
 }
 
@@ -233,6 +239,9 @@ fn lost_accept_gets_the_same_accept_and_session() {
     let got = to_connector(&mut c1, &accept).unwrap().unwrap();
     assert_eq!(got.session, session);
     assert_eq!(c1.channel(&got, test_timers(), now).envelope().session, session);
+    // Every ACCEPT carries the export's durability epoch, and the channel built from it too.
+    assert_eq!(got.durability_epoch, tyche_wire::DurabilityEpoch([7; 16]));
+    assert_eq!(c1.channel(&got, test_timers(), now).durability_epoch(), got.durability_epoch);
 }
 
 #[test]
@@ -255,7 +264,15 @@ fn grant_beyond_what_was_asked_is_bad_grant() {
     let now = Instant(0);
     let accept = |params: ChannelParams, session: u64| {
         let env = Envelope { session, ..util::initiator_env(0).reply() };
-        let a = Accept { nonce: 7, params, export_size: 1 << 20, block_size: 512, export_flags: 0, proof: None };
+        let a = Accept {
+            nonce: 7,
+            params,
+            export_size: 1 << 20,
+            block_size: 512,
+            export_flags: 0,
+            proof: None,
+            durability_epoch: tyche_wire::DurabilityEpoch([7; 16]),
+        };
         util::frame_of(&env, &Message::Accept(a))
     };
     let more = [

@@ -214,7 +214,14 @@ pub fn run(data: &[u8]) {
             session: SESSION,
         };
         let c = Connector::new(env, "fuzz", params, 1, Duration::from_millis(10), 1, now);
-        let conn = Connected { session: SESSION, params, export_size: size, block_size: 512, export_flags: 0 };
+        let conn = Connected {
+            session: SESSION,
+            params,
+            export_size: size,
+            block_size: 512,
+            export_flags: 0,
+            durability_epoch: tyche_wire::DurabilityEpoch::NONE,
+        };
         vol.add_channel(c.channel(&conn, Timers::default(), now), None, now);
         channels.insert(ch, Chan { next_seq: 0, rx_next: 0 });
     }
@@ -440,6 +447,7 @@ impl World {
                         block_size: 512,
                         export_flags: 0,
                         proof: None,
+                        durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
                     }),
                     1 => Message::Challenge(Challenge { nonce: a, target_nonce: b }),
                     2 => Message::Reject(Reject {

@@ -930,6 +930,7 @@ impl World {
                         block_size: 512,
                         export_flags: 0,
                         proof: None,
+                        durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
                     }),
                     2 => Message::Challenge(tyche_wire::Challenge { nonce: a, target_nonce: b }),
                     3 => Message::Reject(tyche_wire::Reject {

@@ -192,6 +192,11 @@ pub struct InitiatorConfig {
     /// Ask for feature DIGEST: a CRC32C of every DATA payload, checked by the receiver (a
     /// corrupted one is sent again). Of no use on a keyed export, whose frames are sealed.
     pub digest: bool,
+    /// What an earlier process serving the same device owed about the writes it completed
+    /// (`tyche-init attach --recover` reads it from the dead process's attachment record):
+    /// the session's volume takes it over (`Volume::inherit_debt`), so a FLUSH reports writes
+    /// the target lost while no process served the device. `Clear` for a new device.
+    pub prior_writes: tyche_channel::DurabilityDebt,
 }
 
 /// Parses a host id: 32 hexadecimal digits (the form of `/etc/machine-id`).
@@ -240,6 +245,7 @@ impl InitiatorConfig {
             key: None,
             host_id: machine_id(),
             digest: false,
+            prior_writes: tyche_channel::DurabilityDebt::Clear,
         }
     }
 

@@ -680,7 +680,11 @@ impl Engine {
                             &nodes,
                             self.cfg.node_order.as_ref(),
                         ));
-                        self.volume = Some(Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now));
+                        let mut vol = Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now);
+                        // An earlier process's unflushed writes: kept if this session presents
+                        // the epoch they were acknowledged under, else the next FLUSH fails.
+                        vol.inherit_debt(self.cfg.prior_writes);
+                        self.volume = Some(vol);
                         self.connected = Some(c);
                         debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");
                     }
@@ -696,7 +700,18 @@ impl Engine {
                         }
                         let vol = self.volume.as_mut().expect("a session was open");
                         let waiting = vol.outstanding();
+                        let (was, unflushed) = (vol.durability_epoch(), vol.unflushed_writes());
                         vol.resume(c.session, now);
+                        match was {
+                            Some(e) if unflushed && !e.keeps(&c.durability_epoch) => warn!(
+                                link = %name, "the target's durability epoch changed ({e} -> {}): writes not flushed \
+                                 may be lost, and the next FLUSH fails", c.durability_epoch
+                            ),
+                            Some(_) if unflushed => {
+                                info!(link = %name, "same durability epoch: the writes not flushed are still there")
+                            }
+                            _ => {}
+                        }
                         self.connected = Some(Connected { session: c.session, ..old });
                         self.stats.reconnects += 1;
                         info!(
@@ -1084,6 +1099,8 @@ impl Engine {
             s.unauthenticated = dropped(tyche_channel::DropReason::Unauthenticated);
             s.replayed = dropped(tyche_channel::DropReason::Replayed);
             s.bad_digest = dropped(tyche_channel::DropReason::BadDigest);
+            s.durability_epoch = v.durability_epoch();
+            s.durability_debt = v.durability_debt();
         }
         s
     }

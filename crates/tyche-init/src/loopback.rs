@@ -79,12 +79,15 @@ pub struct RamExport {
     pub size: u64,
     /// Whether the export refuses modifications.
     pub read_only: bool,
+    /// The durability epoch its ACCEPTs carry; `None`: random, one for the target's life (its
+    /// RAM outlives [`RamTarget::restart`]).
+    pub durability_epoch: Option<tyche_wire::DurabilityEpoch>,
 }
 
 impl RamExport {
     /// A writable export.
     pub fn new(name: &str, size: u64) -> Self {
-        RamExport { name: name.to_owned(), size, read_only: false }
+        RamExport { name: name.to_owned(), size, read_only: false, durability_epoch: None }
     }
 }
 
@@ -245,7 +248,20 @@ impl TargetLoop {
         if export.read_only {
             f |= flags::EXPORT_READ_ONLY;
         }
-        let spec = ExportSpec { name: export.name.clone(), size: export.size, block_size: SECTOR_SIZE, flags: f };
+        // The RAM outlives the target's restarts (`RamTarget::restart`), as a file export's
+        // page cache outlives a tyched process: one epoch for the loopback target's life.
+        let durability_epoch = export.durability_epoch.unwrap_or_else(|| {
+            tyche_wire::DurabilityEpoch(std::array::from_fn(|i| {
+                (tyche_channel::auth::random_u64() >> (8 * (i % 8))) as u8 | u8::from(i == 0)
+            }))
+        });
+        let spec = ExportSpec {
+            name: export.name.clone(),
+            size: export.size,
+            block_size: SECTOR_SIZE,
+            flags: f,
+            durability_epoch,
+        };
         let acceptor = Acceptor::new(DEFAULT_ETHERTYPE, vec![spec.clone()], limit, timers);
         let macs = ports.iter().map(|p| p.local_mac()).collect();
         TargetLoop {

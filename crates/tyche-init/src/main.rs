@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing::{info, warn};
+use tyche_channel::DurabilityDebt;
 use tyche_init::frontend::{UblkFrontend, UblkOptions};
 use tyche_init::loopback::{mem_links, RamExport, RamTarget};
 use tyche_init::nbd::NbdOptions;
@@ -395,8 +396,11 @@ struct NumaSetup {
 
 /// Attaches: the client, the in-process target of `--loopback-mib`, the target's name (its
 /// MAC, or MACs, as given or found by discovery) and the NUMA set-up.
-async fn open(conn: &ConnArgs) -> Result<(Client, Option<RamTarget>, String, NumaSetup)> {
+/// Attaches the export. `prior`: what a dead process serving the same device owed about its
+/// writes (`attach --recover`), taken over by the new session's volume.
+async fn open(conn: &ConnArgs, prior: DurabilityDebt) -> Result<(Client, Option<RamTarget>, String, NumaSetup)> {
     let mut cfg = conn.config()?;
+    cfg.prior_writes = prior;
     let (links, target) = conn.links()?;
     let numa = numa_setup(conn, &links, &mut cfg)?;
     // Named after discovery, so a target found that way is named too.
@@ -558,7 +562,7 @@ async fn serve_nbd(
     nbd_nodes: Vec<u32>,
     engine_io: bool,
 ) -> Result<()> {
-    let (client, _target, target_name, numa) = open(&conn).await?;
+    let (client, _target, target_name, numa) = open(&conn, DurabilityDebt::Clear).await?;
     let i = client.info();
     println!("{}", socket.display());
     info!(export = %i.export, size = i.size, session = format_args!("{:#x}", i.session), "attached");
@@ -573,6 +577,8 @@ async fn serve_nbd(
         export: conn.export.clone(),
         target: target_name.clone(),
         stats,
+        epoch: None,
+        owed: false,
     };
     if let Err(e) = state::record(&dir, &rec) {
         warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
@@ -587,6 +593,43 @@ async fn serve_nbd(
     let _ = std::fs::remove_file(&socket);
     state::remove(&dir, pid);
     result
+}
+
+/// How often an attachment's record is brought up to date with what its volume owes.
+const DURABILITY_RECORD_EVERY: Duration = Duration::from_secs(1);
+
+/// Writes the attachment's record with what the volume owes about its writes (its session's
+/// durability epoch, a loss still to report), and keeps it up to date while the process runs.
+/// A record out of date errs on the safe side: it names the epoch of an earlier session (a
+/// recovering process then finds another epoch and reports a loss that was perhaps reported
+/// already), never a newer one. Returns the task that updates it (abort it before removing the
+/// record), or `None` when the first record could not be written.
+async fn record_durability(
+    client: &Client,
+    dir: &std::path::Path,
+    mut rec: state::Attachment,
+) -> Option<tokio::task::JoinHandle<()>> {
+    if let Ok(s) = client.stats().await {
+        rec.set_durability(s.durability_epoch, s.durability_debt);
+    }
+    if let Err(e) = state::record(dir, &rec) {
+        warn!("cannot record the attachment in {}: {e} (list/detach/--recover will not see it)", dir.display());
+        return None;
+    }
+    let (client, dir) = (client.clone(), dir.to_owned());
+    Some(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(DURABILITY_RECORD_EVERY).await;
+            let Ok(s) = client.stats().await else { return };
+            let before = (rec.epoch, rec.owed);
+            rec.set_durability(s.durability_epoch, s.durability_debt);
+            if (rec.epoch, rec.owed) != before {
+                if let Err(e) = state::record(&dir, &rec) {
+                    warn!("cannot update the attachment's record in {}: {e}", dir.display());
+                }
+            }
+        }
+    }))
 }
 
 /// How `attach` gets its device.
@@ -608,9 +651,21 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
             bail!("--recover: /dev/ublkb{id} is still served by pid {} (detach it, or kill it first)", a.pid);
         }
     }
+    // What the dead process owed about its writes: it may have had writes not flushed,
+    // acknowledged under the epoch its record names; the new session's volume compares.
+    let dir = state::dir();
+    let (prior, dead) = match device {
+        Device::Recover(id) => {
+            let dead = state::dead_records_of(&dir, &format!("/dev/ublkb{id}"))?;
+            let prior = state::inherited_debt(&dead);
+            info!(records = dead.len(), ?prior, "what the process that served /dev/ublkb{id} owed about its writes");
+            (prior, dead)
+        }
+        Device::Create(_) => (DurabilityDebt::Clear, Vec::new()),
+    };
     // A new session from this host fences the dead process's session on the target, so none of
     // its writes lands after ours.
-    let (client, _target, target_name, numa) = open(&conn).await?;
+    let (client, _target, target_name, numa) = open(&conn, prior).await?;
     // libublk keeps its control ring per thread: the device is created and served on one thread.
     let (tx, rx) = tokio::sync::oneshot::channel();
     let ublk_client = client.clone();
@@ -639,7 +694,6 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
         Err(_) => bail!("the ublk thread ended before creating the device"),
     };
     println!("{path}");
-    let dir = state::dir();
     let pid = std::process::id();
     let (_stats, stats) = start_stats(&conn, &dir, pid, &client, None, numa);
     let rec = state::Attachment {
@@ -649,9 +703,16 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
         export: conn.export.clone(),
         target: target_name.clone(),
         stats,
+        epoch: None,
+        owed: false,
     };
-    if let Err(e) = state::record(&dir, &rec) {
-        warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
+    // The record says what this process owes about its writes, for the next `--recover`;
+    // once it is written, the dead processes' records are taken over.
+    let recorder = record_durability(&client, &dir, rec).await;
+    if recorder.is_some() {
+        for d in &dead {
+            state::remove(&dir, d.pid);
+        }
     }
     tokio::spawn(async move {
         if terminated().await.is_ok() {
@@ -665,6 +726,9 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
             .unwrap_or_else(|_| Err(tyche_init::frontend::FrontendError::Other("the ublk thread panicked".into())))
     })
     .await;
+    if let Some(r) = recorder {
+        r.abort();
+    }
     client.close().await;
     state::remove(&dir, pid);
     result??;

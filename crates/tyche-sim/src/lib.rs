@@ -7,9 +7,11 @@
 //! the path up, so late duplicates reach a target that still listens). Channels are opened with
 //! the real handshake over the lossy paths and reopened by the initiator's reconnection policy
 //! ([`Reconnector`]). With [`SimConfig::restarts`] the run also suffers what operators do: the
-//! target restarts (a crash that loses sessions, ledgers and I/O in flight and keeps only
-//! flushed data for sure, or a graceful stop that aborts what it has not started and sends
-//! DISCONNECT SHUTDOWN), every path is cut for longer than the target's reclaim time, and the
+//! target restarts (a crash of its host that loses sessions, ledgers and I/O in flight and keeps
+//! only flushed data for sure, and so presents a new durability epoch; a kill of its process
+//! that loses sessions, ledgers and I/O in flight but keeps the cache, and the epoch, as a file
+//! export's page cache survives `tyched`; or a graceful stop that aborts what it has not started
+//! and sends DISCONNECT SHUTDOWN), every path is cut for longer than the target's reclaim time, and the
 //! initiator's engine restarts (the application's requests handed to the new one, what the old
 //! one sent arriving late). A randomized workload (reads, writes, flushes,
 //! discards, write-zeroes; 512 B to 1 MiB; queue depth up to 64) runs against a reference model
@@ -30,14 +32,14 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::time::Duration;
 
 use tyche_channel::{
-    Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, ExportGeometry, ExportSpec, Failed, Inbound,
-    Instant, IoError, IoRequest, KeyedConnect, LeastBytes, Opened, ReconnectPolicy, Reconnector, TargetEvent,
-    TargetInbound, TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
+    Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt, ExportGeometry, ExportSpec,
+    Failed, Inbound, Instant, IoError, IoRequest, KeyedConnect, LeastBytes, Opened, ReconnectPolicy, Reconnector,
+    TargetEvent, TargetInbound, TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
-    segment_size_for, ChannelParams, DisconnectReason, Envelope, Frame, Kind, MacAddr, Op, Request, Status,
-    DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE, SECTOR_SIZE,
+    segment_size_for, ChannelParams, DisconnectReason, DurabilityEpoch, Envelope, Frame, Kind, MacAddr, Op, Request,
+    Status, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE, SECTOR_SIZE,
 };
 
 use model::{FlushCover, Model};
@@ -116,8 +118,10 @@ pub struct SeedReport {
     pub duplicates_suppressed: u64,
     /// Channels that died.
     pub dead_channels: u64,
-    /// Target restarts (crashes and graceful stops).
+    /// Target restarts (crashes, kills and graceful stops).
     pub target_restarts: u64,
+    /// Of which kills of the target's process that kept its cache (and durability epoch).
+    pub target_kills: u64,
     /// Partitions of every path.
     pub partitions: u64,
     /// Restarts of the initiator's engine.
@@ -216,9 +220,13 @@ impl Ord for StorageOp {
 /// What an operator (or the world) does to the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
-    /// The target process dies: sessions, ledgers and I/O in flight are gone; unflushed data
-    /// may or may not have reached storage.
+    /// The target's host crashes: sessions, ledgers and I/O in flight are gone; unflushed data
+    /// may or may not have reached storage; the target presents a new durability epoch.
     TargetCrash,
+    /// The target's process is killed (SIGKILL) and started again: sessions, ledgers and I/O
+    /// in flight are gone, but what storage acknowledged stays in the cache, flushed or not,
+    /// and the target presents the same durability epoch.
+    TargetKill,
     /// SIGTERM: the target aborts what it has not started, finishes what it has, flushes,
     /// sends DISCONNECT SHUTDOWN, exits and is started again.
     TargetStop,
@@ -262,10 +270,14 @@ struct World {
     model: Model,
     /// The application's requests wait for a new engine's volume.
     recovering: bool,
-    /// The engine that restarted had writes no FLUSH covered (persisted for the next one).
-    unflushed_handed_on: bool,
+    /// What the engines that restarted owed about their writes (persisted for the next one).
+    debt_handed_on: DurabilityDebt,
     // Target.
     target: TargetState,
+    /// The durability epoch the target presents: new after each crash.
+    target_epoch: DurabilityEpoch,
+    /// Crashes of the target so far.
+    crashes: u64,
     acceptor: Acceptor,
     sessions: BTreeMap<u64, TargetSession>,
     /// The path of every target channel.
@@ -297,7 +309,15 @@ pub fn run_seed(cfg: &SimConfig, seed: u64) -> SeedReport {
     w.report
 }
 
-fn new_acceptor(cfg: &SimConfig) -> Acceptor {
+/// The durability epoch of seed `seed` after `crashes` crashes of the target (never all zero).
+fn epoch_of(seed: u64, crashes: u64) -> DurabilityEpoch {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&seed.to_be_bytes());
+    b[8..].copy_from_slice(&(crashes + 1).to_be_bytes());
+    DurabilityEpoch(b)
+}
+
+fn new_acceptor(cfg: &SimConfig, durability_epoch: DurabilityEpoch) -> Acceptor {
     let limit =
         ChannelParams { ring: 1024, remq_slots: 64, damq_slots: 64, segment: 8192, max_io: MAX_IO, features: 0 };
     let mut flags = tyche_wire::flags::EXPORT_DISCARD;
@@ -306,7 +326,8 @@ fn new_acceptor(cfg: &SimConfig) -> Acceptor {
         Some(false) => flags |= tyche_wire::flags::EXPORT_NEEDS_KEY,
         None => {}
     }
-    let export = ExportSpec { name: "sim".into(), size: cfg.export_bytes, block_size: SECTOR_SIZE, flags };
+    let export =
+        ExportSpec { name: "sim".into(), size: cfg.export_bytes, block_size: SECTOR_SIZE, flags, durability_epoch };
     Acceptor::new(DEFAULT_ETHERTYPE, vec![export], limit, target_timers())
 }
 
@@ -342,6 +363,13 @@ impl World {
                 };
                 faults.push((at, kind));
             }
+            // A kill of the target's process that keeps its cache, in a third of the seeds: drawn
+            // from a stream of its own, so the other faults of a seed stay what they were.
+            let mut kills = SplitMix64::new(seed ^ 0x6b69_6c6c_6b69_6c6c);
+            if kills.range(0, 2) == 0 {
+                let at = kills.range(cfg.requests as u64 / 10, cfg.requests as u64 * 9 / 10) as usize;
+                faults.push((at, Fault::TargetKill));
+            }
             faults.sort_by_key(|f| f.0);
         }
         let now = Instant(1_000_000);
@@ -364,9 +392,11 @@ impl World {
             depth,
             model: Model::new(cfg.export_bytes),
             recovering: false,
-            unflushed_handed_on: false,
+            debt_handed_on: DurabilityDebt::Clear,
             target: TargetState::Up,
-            acceptor: new_acceptor(&cfg),
+            target_epoch: epoch_of(seed, 0),
+            crashes: 0,
+            acceptor: new_acceptor(&cfg, epoch_of(seed, 0)),
             sessions: BTreeMap::new(),
             target_path: HashMap::new(),
             storage: vec![0; cfg.export_bytes as usize],
@@ -560,10 +590,16 @@ impl World {
                             // FLUSHes then run on a target that may have crashed since).
                             self.model.resumed();
                             let vol = self.volume.as_mut().expect("created");
-                            if std::mem::take(&mut self.unflushed_handed_on) {
-                                vol.assume_writes_lost();
-                            }
-                            for (&id, r) in &self.app {
+                            // What the old engines owed: kept if this session presents the epoch
+                            // their unflushed writes were acknowledged under.
+                            vol.inherit_debt(std::mem::replace(&mut self.debt_handed_on, DurabilityDebt::Clear));
+                            for (&id, r) in self.app.iter_mut() {
+                                // A FLUSH handed to the new engine is submitted anew: it runs
+                                // after every write acknowledged so far, and covers them (the
+                                // new volume takes the old one's unflushed writes as its own).
+                                if r.op == Op::Flush {
+                                    r.cover = Some(self.model.flush_started());
+                                }
                                 let io = IoRequest {
                                     id,
                                     op: r.op,
@@ -811,7 +847,7 @@ impl World {
             }
             TargetState::Down { until } if self.now >= until => {
                 self.target = TargetState::Up;
-                self.acceptor = new_acceptor(&self.cfg);
+                self.acceptor = new_acceptor(&self.cfg, self.target_epoch);
                 self.challenges.clear();
             }
             _ => {}
@@ -945,10 +981,18 @@ impl World {
                     self.is_dirty[s as usize] = false;
                 }
                 self.model.crash();
+                self.crashes += 1;
+                self.target_epoch = epoch_of(self.report.seed, self.crashes);
+                self.stop_target();
+            }
+            Fault::TargetKill if self.target == TargetState::Up => {
+                // The cache outlives the process: every acknowledged write is still there,
+                // dirty ones included, and the model loses nothing.
+                self.report.target_kills += 1;
                 self.stop_target();
             }
             Fault::TargetStop if self.target == TargetState::Up => self.target = TargetState::Draining,
-            Fault::TargetCrash | Fault::TargetStop => {}
+            Fault::TargetCrash | Fault::TargetKill | Fault::TargetStop => {}
             Fault::Partition => {
                 self.report.partitions += 1;
                 self.net.partition(now + Duration::from_millis(self.rng.range(800, 2500)));
@@ -965,7 +1009,7 @@ impl World {
                 let previous = self.volume.take().map_or(0, |v| {
                     self.report.resumes += v.resumes();
                     self.report.durability_errors += v.durability_errors();
-                    self.unflushed_handed_on = v.unflushed_writes();
+                    self.debt_handed_on = self.debt_handed_on.merge(v.durability_debt());
                     v.session()
                 });
                 self.connectors.clear();
@@ -1141,6 +1185,8 @@ pub struct Totals {
     pub surfaced: u64,
     /// Target restarts.
     pub target_restarts: u64,
+    /// Of which kills of the target's process that kept its cache.
+    pub target_kills: u64,
     /// Partitions.
     pub partitions: u64,
     /// Engine restarts.
@@ -1166,6 +1212,7 @@ impl Totals {
         self.failed_seeds += u64::from(!r.ok());
         self.surfaced += r.surfaced;
         self.target_restarts += r.target_restarts;
+        self.target_kills += r.target_kills;
         self.partitions += r.partitions;
         self.engine_restarts += r.engine_restarts;
         self.resumes += r.resumes;
@@ -1214,6 +1261,53 @@ mod tests {
         }
         assert!(seen.target_restarts > 0 && seen.partitions > 0 && seen.engine_restarts > 0, "{seen:?}");
         assert!(seen.resumes > 0, "no session was resumed: {seen:?}");
+    }
+
+    /// Runs `seed` with exactly `faults` (request index, fault).
+    fn run_with(cfg: SimConfig, seed: u64, faults: Vec<(usize, Fault)>) -> SeedReport {
+        let mut w = World::new(cfg, seed);
+        w.faults = faults;
+        w.run();
+        w.report
+    }
+
+    #[test]
+    fn a_killed_target_that_keeps_its_cache_costs_no_flush_error() {
+        // The process dies with writes acknowledged and not flushed; it comes back with the
+        // same durability epoch, so the volume resumes owing nothing, the FLUSHes after it
+        // succeed, and the model (which loses nothing on a kill) agrees with every sector.
+        let cfg = SimConfig { restarts: true, requests: 150, ..SimConfig::default() };
+        let mut seen = SeedReport::default();
+        for seed in 0..8 {
+            let r = run_with(cfg, seed, vec![(40, Fault::TargetKill), (100, Fault::TargetKill)]);
+            assert!(r.ok(), "seed {seed}: {r:?}");
+            assert_eq!(r.durability_errors, 0, "seed {seed}: {r:?}");
+            seen.target_kills += r.target_kills;
+            seen.resumes += r.resumes;
+        }
+        assert!(seen.target_kills >= 8 && seen.resumes >= 8, "{seen:?}");
+    }
+
+    #[test]
+    fn a_crashed_target_host_presents_a_new_epoch_and_the_loss_is_reported() {
+        let cfg = SimConfig { restarts: true, requests: 150, ..SimConfig::default() };
+        let mut errors = 0;
+        for seed in 0..8 {
+            let r = run_with(cfg, seed, vec![(60, Fault::TargetCrash)]);
+            assert!(r.ok(), "seed {seed}: {r:?}");
+            errors += r.durability_errors;
+        }
+        assert!(errors > 0, "no FLUSH reported a crash's loss");
+    }
+
+    #[test]
+    fn an_engine_restart_on_a_target_that_kept_everything_costs_no_flush_error() {
+        let cfg = SimConfig { restarts: true, requests: 150, ..SimConfig::default() };
+        for seed in 0..8 {
+            let r = run_with(cfg, seed, vec![(50, Fault::EngineRestart), (90, Fault::Partition)]);
+            assert!(r.ok(), "seed {seed}: {r:?}");
+            assert_eq!(r.durability_errors, 0, "seed {seed}: {r:?}");
+        }
     }
 
     #[test]

@@ -274,8 +274,12 @@ pub mod accept {
     pub const RESERVED0: Field = 54..56;
     /// Target's proof of the pre-shared key (flag `PROOF`), 32 bytes, else zero.
     pub const PROOF: Field = 56..88;
+    /// The export's durability epoch, 16 bytes: names the target-side cache domain that
+    /// acknowledged writes live in; writes acknowledged under an epoch survive as long as the
+    /// target presents the same epoch again. All zero: no promise (never matches).
+    pub const DURABILITY_EPOCH: Field = 88..104;
     /// End of the message.
-    pub const END: usize = 88;
+    pub const END: usize = 104;
 }
 
 /// REJECT: target refuses a CONNECT.

@@ -622,6 +622,62 @@ pub struct Challenge {
     pub target_nonce: u64,
 }
 
+/// An export's durability epoch (ACCEPT `DURABILITY_EPOCH`): names the target-side cache
+/// domain that acknowledged writes live in (the target host's page cache and the device's
+/// cache for a file or block export, the target process for a RAM export). Writes the target
+/// acknowledged under an epoch survive as long as it presents the same epoch again; a target
+/// whose acknowledged writes may be gone (its host rebooted, a RAM export's process restarted)
+/// presents another one. [`DurabilityEpoch::NONE`] (all zero) promises nothing: it never
+/// matches, not even itself.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct DurabilityEpoch(pub [u8; 16]);
+
+impl DurabilityEpoch {
+    /// No promise: the target's acknowledged writes may be gone whenever it forgets a session.
+    pub const NONE: DurabilityEpoch = DurabilityEpoch([0; 16]);
+
+    /// Whether this is [`DurabilityEpoch::NONE`].
+    pub fn is_none(&self) -> bool {
+        *self == Self::NONE
+    }
+
+    /// Whether writes acknowledged under `self` are still there under `other`: the same epoch,
+    /// and not [`DurabilityEpoch::NONE`].
+    pub fn keeps(&self, other: &DurabilityEpoch) -> bool {
+        !self.is_none() && self == other
+    }
+
+    /// The 32 lowercase hexadecimal digits of the epoch.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Parses 32 hexadecimal digits ([`DurabilityEpoch::to_hex`]).
+    pub fn from_hex(s: &str) -> Option<DurabilityEpoch> {
+        let s = s.trim();
+        if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        let mut out = [0u8; 16];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(DurabilityEpoch(out))
+    }
+}
+
+impl core::fmt::Debug for DurabilityEpoch {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "DurabilityEpoch({})", self.to_hex())
+    }
+}
+
+impl core::fmt::Display for DurabilityEpoch {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
 /// ACCEPT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Accept {
@@ -637,6 +693,8 @@ pub struct Accept {
     pub export_flags: u16,
     /// Target's proof of the key, if the CONNECT carried one.
     pub proof: Option<[u8; 32]>,
+    /// The export's durability epoch.
+    pub durability_epoch: DurabilityEpoch,
 }
 
 /// REJECT.
@@ -933,6 +991,7 @@ impl<'a> Message<'a> {
                     block_size: get_u32(m, f::BLOCK_SIZE),
                     export_flags: get_u16(m, f::EXPORT_FLAGS),
                     proof: parse_proof(m, f::PROOF, flags & flags::PROOF != 0),
+                    durability_epoch: DurabilityEpoch(m[f::DURABILITY_EPOCH].try_into().expect("16 bytes")),
                 })
             }
             Kind::Reject => {
@@ -1077,6 +1136,7 @@ impl<'a> Message<'a> {
                 put_u32(m, f::BLOCK_SIZE, a.block_size);
                 put_u16(m, f::EXPORT_FLAGS, a.export_flags);
                 emit_proof(m, f::PROOF, a.proof);
+                m[f::DURABILITY_EPOCH].copy_from_slice(&a.durability_epoch.0);
             }
             Message::Reject(r) => {
                 put_u64(m, layout::reject::NONCE, r.nonce);

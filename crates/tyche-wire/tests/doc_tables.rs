@@ -148,6 +148,7 @@ fn expected_fields() -> Vec<((String, String), Row)> {
         f("ACCEPT", "EXPORT_FLAGS", accept::EXPORT_FLAGS),
         f("ACCEPT", "RESERVED0", accept::RESERVED0),
         f("ACCEPT", "PROOF", accept::PROOF),
+        f("ACCEPT", "DURABILITY_EPOCH", accept::DURABILITY_EPOCH),
         f("REJECT", "NONCE", reject::NONCE),
         f("REJECT", "REASON", reject::REASON),
         f("REJECT", "HOLDER", reject::HOLDER),

@@ -123,11 +123,27 @@ fn owned() -> impl Strategy<Value = Owned> {
         (any::<u32>(), any::<u16>()).prop_map(|(nonce, start)| Message::Discover(Discover { nonce, start })),
         (any::<u64>(), any::<u64>())
             .prop_map(|(nonce, target_nonce)| Message::Challenge(Challenge { nonce, target_nonce })),
-        (any::<u64>(), params(), any::<u64>(), any::<u32>(), any::<u16>(), any::<Option<[u8; 32]>>()).prop_map(
-            |(nonce, params, export_size, block_size, export_flags, proof)| {
-                Message::Accept(Accept { nonce, params, export_size, block_size, export_flags, proof })
-            }
-        ),
+        (
+            any::<u64>(),
+            params(),
+            any::<u64>(),
+            any::<u32>(),
+            any::<u16>(),
+            any::<Option<[u8; 32]>>(),
+            any::<[u8; 16]>()
+        )
+            .prop_map(|(nonce, params, export_size, block_size, export_flags, proof, epoch)| {
+                let durability_epoch = DurabilityEpoch(epoch);
+                Message::Accept(Accept {
+                    nonce,
+                    params,
+                    export_size,
+                    block_size,
+                    export_flags,
+                    proof,
+                    durability_epoch,
+                })
+            }),
         (any::<u64>(), pick(RejectReason::ALL), any::<Option<[u8; 6]>>()).prop_map(|(nonce, reason, holder)| {
             let holder = holder.map(MacAddr).filter(|m| *m != MacAddr::ZERO);
             Message::Reject(Reject { nonce, reason, holder })

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
 use tyche_numa::{HugePages, NodeRegion};
-use tyche_wire::{flags, Extent};
+use tyche_wire::{flags, DurabilityEpoch, Extent};
 
 /// Errors opening a backend.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +49,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()>;
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
+    /// The export's durability epoch (ACCEPT `DURABILITY_EPOCH`): the same for as long as the
+    /// writes this backend completed are kept, flushed or not ([`crate::epoch`]). The default
+    /// promises nothing.
+    fn durability_epoch(&self) -> DurabilityEpoch {
+        DurabilityEpoch::NONE
+    }
     /// Deallocates a range; it reads back as zeroes.
     fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
     /// Writes zeroes over a range.
@@ -223,13 +229,15 @@ impl Memory {
 pub struct RamBackend {
     mem: RwLock<Memory>,
     size: u64,
+    /// Random: the contents die with the process.
+    epoch: DurabilityEpoch,
 }
 
 impl RamBackend {
     /// `size` bytes of zeroes on `node`.
     pub fn new(size: u64, node: Option<u32>) -> Result<Self, BackendError> {
         let len = usize::try_from(size).map_err(|_| BackendError::Ram { size, message: "too large".into() })?;
-        Ok(RamBackend { mem: RwLock::new(Memory::new(len, node)), size })
+        Ok(RamBackend { mem: RwLock::new(Memory::new(len, node)), size, epoch: crate::epoch::random() })
     }
 
     fn range(&self, offset: u64, len: u64) -> io::Result<std::ops::Range<usize>> {
@@ -273,6 +281,9 @@ impl Backend for RamBackend {
     }
     fn flush(&self) -> io::Result<()> {
         Ok(())
+    }
+    fn durability_epoch(&self) -> DurabilityEpoch {
+        self.epoch
     }
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.write_zeroes(offset, len)
@@ -331,6 +342,8 @@ pub struct FileBackend {
     direct_bytes: std::sync::atomic::AtomicU64,
     size: u64,
     block: bool,
+    /// From the host's boot and the file's identity ([`crate::epoch::of_file`]).
+    epoch: DurabilityEpoch,
 }
 
 fn open_err(path: &Path) -> impl FnOnce(io::Error) -> BackendError + '_ {
@@ -401,7 +414,8 @@ impl FileBackend {
                 None
             };
             let align = (ssz as usize).max(512);
-            return Ok(FileBackend { file, direct, align, direct_bytes: Default::default(), size, block: true });
+            let epoch = crate::epoch::of_file(&file).map_err(open_err(path))?;
+            return Ok(FileBackend { file, direct, align, direct_bytes: Default::default(), size, block: true, epoch });
         }
         let current = file.metadata().map_err(open_err(path))?.len();
         let size = match size {
@@ -418,7 +432,8 @@ impl FileBackend {
         if size == 0 {
             return Err(BackendError::Size(format!("{}: empty file and no size given", path.display())));
         }
-        Ok(FileBackend { file, direct: None, align: 512, direct_bytes: Default::default(), size, block: false })
+        let epoch = crate::epoch::of_file(&file).map_err(open_err(path))?;
+        Ok(FileBackend { file, direct: None, align: 512, direct_bytes: Default::default(), size, block: false, epoch })
     }
 
     /// Whether this is a block device (else a regular file).
@@ -615,6 +630,9 @@ impl Backend for FileBackend {
     }
     fn flush(&self) -> io::Result<()> {
         self.file.sync_data()
+    }
+    fn durability_epoch(&self) -> DurabilityEpoch {
+        self.epoch
     }
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         let r = if self.block {

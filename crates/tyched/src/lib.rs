@@ -3,6 +3,7 @@
 //!
 //! - [`config`]: the TOML configuration and its validation.
 //! - [`backend`]: RAM, file and block-device exports.
+//! - [`epoch`]: each export's durability epoch (ACCEPT `DURABILITY_EPOCH`).
 //! - [`uring`]: the io_uring engine for file and block exports (the worker pool where the
 //!   kernel does not allow io_uring).
 //! - [`target`]: the runtime (network thread, storage workers, access control, shutdown).
@@ -27,6 +28,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod epoch;
 pub mod packet;
 pub mod prometheus;
 pub mod stats;

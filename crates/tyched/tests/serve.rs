@@ -230,7 +230,7 @@ fn garbage_frames_are_counted_and_ignored() {
             f[..6].copy_from_slice(&t);
             f[6..12].copy_from_slice(&s);
             f[12..14].copy_from_slice(&tyche_wire::DEFAULT_ETHERTYPE.to_be_bytes());
-            f[14] = 1;
+            f[14] = tyche_wire::VERSION;
             if i % 4 == 0 {
                 f[22..30].copy_from_slice(&c.session.to_be_bytes());
             }

@@ -17,7 +17,8 @@ use tyche_channel::{
     Timers, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_wire::{
-    ChannelParams, Envelope, Frame, Kind, MacAddr, Message, Op, Request, Status, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE,
+    ChannelParams, DurabilityEpoch, Envelope, Frame, Kind, MacAddr, Message, Op, Request, Status, DATA_FRAME_OVERHEAD,
+    DEFAULT_ETHERTYPE,
 };
 
 /// Session id used by every pair.
@@ -121,6 +122,9 @@ pub struct PairConfig {
     pub max_requests: usize,
     /// Channels of a keyed export: `Some(encrypt)` seals every frame ([`Sealer`]).
     pub seal: Option<bool>,
+    /// The durability epoch the target's ACCEPTs carry: initiator channels opened from now on
+    /// get it ([`Channel::with_durability_epoch`]).
+    pub epoch: DurabilityEpoch,
 }
 
 /// Timers scaled to a 10 µs link.
@@ -159,6 +163,7 @@ impl Default for PairConfig {
             no_path_timeout: Duration::from_millis(50),
             max_requests: 64,
             seal: None,
+            epoch: DurabilityEpoch::NONE,
         }
     }
 }
@@ -252,7 +257,7 @@ fn channel_pair(
     now: Instant,
     opened: &mut u8,
 ) -> (Channel, Channel) {
-    let i = Channel::new(Role::Initiator, env, params, cfg.timers, now);
+    let i = Channel::new(Role::Initiator, env, params, cfg.timers, now).with_durability_epoch(cfg.epoch);
     let t = Channel::new(Role::Target, env.reply(), params, cfg.target_timers, now);
     *opened = opened.wrapping_add(1);
     match cfg.seal {
