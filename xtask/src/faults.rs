@@ -1,11 +1,12 @@
 //! `cargo xtask faults` (root): the faults a user meets, each on a fresh 2-NIC AF_XDP veth lab
 //! with a file export and fio writing with verify through `tyche-init serve-nbd`:
 //!
-//! 1. `sigterm-restart`: `tyched` stopped with SIGTERM mid-run and started again a second later.
+//! 1. `sigterm-restart`: `tyched` stopped with SIGTERM mid-run and started again a second later;
+//!    then a FLUSH that succeeds (the target said SHUTDOWN: nothing is owed).
 //! 2. `sigkill-restart`: a flushed copy and more writes not flushed, `tyched` killed with SIGKILL
 //!    and started again, then a byte-exact read-back of both and a FLUSH that succeeds (the
 //!    file export's durability epoch is unchanged: the unflushed writes were in the page cache).
-//! 3. `links-down`: both links down for 20 s mid-run, then up.
+//! 3. `links-down`: both links down for 20 s mid-run, then up; then a FLUSH that succeeds.
 //! 4. `fencing`: a second initiator (another host) is refused, naming the holder; the first
 //!    initiator killed and started again fences its old session and reads its data back.
 //! 5. `hung-storage`: reads that hang in the backend are answered with an error within the
@@ -15,7 +16,8 @@
 //!    `tyche-init attach --recover`, the writer finishes, fsck clean, checksums match.
 //!
 //! fio must finish with no error and its verify clean wherever the target is back within the
-//! initiator's no-path timeout. The last line is `faults: N passed, M failed`.
+//! initiator's no-path timeout. fio's closing `end_fsync` through its NBD engine does not report
+//! a failed flush, so the FLUSHes that must succeed are sent with nbdsh. The last line is `faults: N passed, M failed`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -113,6 +115,20 @@ impl World<'_> {
 
     fn uri(&self) -> String {
         format!("nbd+unix:///data?socket={}", self.socket().display())
+    }
+
+    /// An NBD FLUSH through the initiator (nbdsh's `h.flush()`), which must succeed: fio's
+    /// closing `end_fsync` through its NBD engine does not report a failed flush, so a scenario
+    /// in which no acknowledged write may be lost says so with this. nbdsh runs the system's
+    /// python3, which has the nbd module.
+    fn flush(&self, after: &str) -> Result<()> {
+        let said = run(Command::new("ip")
+            .args(["netns", "exec", &self.lab.initiator_ns, "env", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"])
+            .args(["nbdsh", "-u", &self.uri(), "-c", "h.flush()"])
+            .current_dir(&self.work))
+        .with_context(|| format!("a FLUSH after {after} (EIO: the initiator took acknowledged writes for lost)"))?;
+        ensure!(said.is_empty(), "nbdsh said: {said}");
+        Ok(())
     }
 
     /// `tyched` serving the file export (and `extra` arguments), its log numbered `n`.
@@ -263,7 +279,12 @@ fn sigterm_restart(w: &World<'_>) -> Result<String> {
     std::thread::sleep(Duration::from_secs(1));
     let _t2 = w.tyched(2, &[])?;
     let took = fio.success(Duration::from_secs(60))?;
-    Ok(format!("fio wrote and verified 96 MiB in {:.1} s across the restart", took.as_secs_f64()))
+    // The target said SHUTDOWN and flushed before it stopped: nothing is owed.
+    w.flush("the SIGTERM restart")?;
+    Ok(format!(
+        "fio wrote and verified 96 MiB in {:.1} s across the restart, then a FLUSH succeeded",
+        took.as_secs_f64()
+    ))
 }
 
 /// 2. A flushed copy, SIGKILL, a new target: every byte reads back.
@@ -289,15 +310,8 @@ fn sigkill_restart(w: &World<'_>) -> Result<String> {
         .success(Duration::from_secs(60))
         .context("the read-back of the writes not flushed before the SIGKILL")?;
     // The same host, the same file: the same durability epoch, so the writes acknowledged
-    // before the kill are not reported lost, and a FLUSH (NBD_CMD_FLUSH from nbdsh, which
-    // reports its error where fio's closing fsync does not) succeeds. nbdsh runs the system's
-    // python3, which has the nbd module.
-    let flush = run(Command::new("ip")
-        .args(["netns", "exec", &w.lab.initiator_ns, "env", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"])
-        .args(["nbdsh", "-u", &w.uri(), "-c", "h.flush()"])
-        .current_dir(&w.work))
-    .context("a FLUSH after the SIGKILL (EIO: the initiator took the writes for lost)")?;
-    ensure!(flush.is_empty(), "nbdsh said: {flush}");
+    // before the kill are not reported lost, and a FLUSH succeeds.
+    w.flush("the SIGKILL")?;
     Ok(format!(
         "64 MiB flushed and 16 MiB not flushed before SIGKILL read back intact, then a FLUSH succeeded, \
          {:.1} s after the restart",
@@ -316,9 +330,11 @@ fn links_down(w: &World<'_>) -> Result<String> {
     std::thread::sleep(Duration::from_secs(20));
     w.links(true)?;
     let took = fio.success(Duration::from_secs(90))?;
+    // The session outlived the outage: no write was lost, a FLUSH succeeds.
+    w.flush("the outage")?;
     let s = w.target_stats()?;
     Ok(format!(
-        "fio finished in {:.1} s with a 20 s outage; target sessions {}, reclaimed {}",
+        "fio finished in {:.1} s with a 20 s outage, then a FLUSH succeeded; target sessions {}, reclaimed {}",
         took.as_secs_f64(),
         s["sessions"],
         s["sessions_reclaimed"]

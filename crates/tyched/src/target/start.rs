@@ -159,7 +159,13 @@ fn open_exports(config: &Config, node: Option<u32>) -> Result<Vec<Export>, Start
             tracing::warn!(export = %e.name, "an inline key in the configuration is deprecated: put it in a file only its owner can read and name it in key_file");
         }
         exports.push(Export {
-            spec: ExportSpec { name: e.name.clone(), size: backend.size(), block_size: SECTOR_SIZE, flags: f },
+            spec: ExportSpec {
+                name: e.name.clone(),
+                size: backend.size(),
+                block_size: SECTOR_SIZE,
+                flags: f,
+                durability_epoch: backend.durability_epoch(),
+            },
             lend: backend.writes_from_frames(),
             backend,
             uring: false,
