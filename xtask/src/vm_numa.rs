@@ -516,6 +516,55 @@ fn model_guided_placement(tyched: &Path, tgt: &[VmNic], cpus: &[Vec<u64>; 2]) ->
     Ok(())
 }
 
+/// Starts `tyched serve` in the target namespace on every target NIC, with `args` (the export
+/// and options) and its stats socket at `stats`; returns once the socket is there.
+fn start_tyched(tyched: &Path, tgt: &[VmNic], args: &[String], stats: &Path, log: &Path) -> Result<Daemon> {
+    let _ = fs::remove_file(stats);
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", TGT]).arg(tyched).arg("serve").args(args).arg("--stats-socket").arg(stats);
+    for n in tgt {
+        cmd.args(["--iface", &n.name]);
+    }
+    cmd.env("TYCHE_LOG", "info");
+    let mut t = Daemon::spawn("tyched", &mut cmd, log)?;
+    wait_for("tyched's stats socket", Duration::from_secs(60), || {
+        t.check_alive(log)?;
+        Ok(stats.exists())
+    })?;
+    Ok(t)
+}
+
+/// Starts `tyche-init serve-nbd --socket nbd` in the initiator namespace, each initiator NIC
+/// paired with the target NIC of its node, with `args` and its stats socket at `stats`; returns
+/// once both sockets are there.
+fn start_initiator(
+    tyche_init: &Path,
+    tgt: &[VmNic],
+    ini: &[VmNic],
+    args: &[&str],
+    nbd: &Path,
+    stats: &Path,
+    log: &Path,
+) -> Result<Daemon> {
+    for p in [nbd, stats] {
+        let _ = fs::remove_file(p);
+    }
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", INI]).arg(tyche_init).arg("serve-nbd").arg("--socket").arg(nbd).args(args);
+    cmd.arg("--stats-socket").arg(stats);
+    for (i, t) in ini.iter().zip(tgt) {
+        ensure!(i.node == t.node, "NIC lists out of order");
+        cmd.args(["--iface", &i.name, "--target", &t.mac]);
+    }
+    cmd.env("TYCHE_LOG", "info").env("TYCHE_INIT_STATE_DIR", Path::new(WORK).join("state"));
+    let mut i = Daemon::spawn("tyche-init", &mut cmd, log)?;
+    wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
+        i.check_alive(log)?;
+        Ok(nbd.exists() && stats.exists())
+    })?;
+    Ok(i)
+}
+
 /// The NESUS paper's *Worst* placement, set up by options: `tyched --network-thread-node 0
 /// --channel-memory-node 0` (a RAM export) and `tyche-init serve-nbd --engine-thread-node 0
 /// --channel-memory-node 0` attached to it (no traffic): on both sides the node-1 NIC's thread
@@ -529,41 +578,15 @@ fn misplaced_by_options(
 ) -> Result<()> {
     let work = Path::new(WORK);
     let stats = work.join("tyched-misplaced.sock");
-    let log = work.join("tyched-misplaced.log");
-    let _ = fs::remove_file(&stats);
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", TGT]).arg(tyched).args(["serve", "--export", "w=ram:16M"]);
-    cmd.args(["--network-thread-node", "0", "--channel-memory-node", "0"]).arg("--stats-socket").arg(&stats);
-    for n in tgt {
-        cmd.args(["--iface", &n.name]);
-    }
-    cmd.env("TYCHE_LOG", "info");
-    let mut t = Daemon::spawn("tyched", &mut cmd, &log)?;
-    wait_for("tyched's stats socket", Duration::from_secs(60), || {
-        t.check_alive(&log)?;
-        Ok(stats.exists())
-    })?;
+    let targs: Vec<String> =
+        ["--export", "w=ram:16M", "--network-thread-node", "0", "--channel-memory-node", "0"].map(String::from).into();
+    let mut t = start_tyched(tyched, tgt, &targs, &stats, &work.join("tyched-misplaced.log"))?;
     let tr = json(&run_cmd(tyched, &["stats", "--json", "--socket", &stats.display().to_string()])?, "tyched stats")?;
     // The initiator in the same case: `tyche-init --engine-thread-node 0 --channel-memory-node 0`.
     let istats = work.join("tyche-init-misplaced.stats.sock");
+    let iargs = ["--export", "w", "--engine-thread-node", "0", "--channel-memory-node", "0"];
     let nbd = work.join("nbd-misplaced.sock");
-    let ilog = work.join("tyche-init-misplaced.log");
-    for p in [&istats, &nbd] {
-        let _ = fs::remove_file(p);
-    }
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", INI]).arg(tyche_init).arg("serve-nbd").arg("--socket").arg(&nbd);
-    cmd.args(["--export", "w", "--engine-thread-node", "0", "--channel-memory-node", "0"]);
-    cmd.arg("--stats-socket").arg(&istats);
-    for (i, t) in ini.iter().zip(tgt) {
-        cmd.args(["--iface", &i.name, "--target", &t.mac]);
-    }
-    cmd.env("TYCHE_LOG", "info").env("TYCHE_INIT_STATE_DIR", work.join("state"));
-    let mut i = Daemon::spawn("tyche-init", &mut cmd, &ilog)?;
-    wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
-        i.check_alive(&ilog)?;
-        Ok(nbd.exists() && istats.exists())
-    })?;
+    let mut i = start_initiator(tyche_init, tgt, ini, &iargs, &nbd, &istats, &work.join("tyche-init-misplaced.log"))?;
     let ir = json(&run_cmd(tyche_init, &["stats", &istats.display().to_string(), "--json"])?, "tyche-init stats")?;
     i.stop();
     t.stop();
@@ -603,47 +626,22 @@ fn run_scheduler(
     let tstats = work.join(format!("tyched-{scheduler}.sock"));
     let istats = work.join(format!("tyche-init-{scheduler}.stats.sock"));
     let nbd = work.join(format!("nbd-{scheduler}.sock"));
-    for p in [&tstats, &istats, &nbd] {
-        let _ = fs::remove_file(p);
-    }
     let tlog = work.join(format!("tyched-{scheduler}.log"));
     // A file export, so that storage jobs go to the storage threads (a RAM export's run on the
     // network thread).
     let image = work.join(format!("numa-{scheduler}.img"));
     fs::File::create(&image)?.set_len((EXPORT_MIB as u64) << 20)?;
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", TGT]).arg(tyched).arg("serve").arg("--export").arg(format!("numa={}", image.display()));
-    cmd.arg("--stats-socket").arg(&tstats);
-    for n in tgt {
-        cmd.args(["--iface", &n.name]);
-    }
+    let mut targs = vec!["--export".to_string(), format!("numa={}", image.display())];
     // Seed 002: the NICs' interrupts on their node, off the network thread's core (the
     // affinity run moves them; the other run reports where they are).
     let irq_auto = scheduler == "affinity";
     if irq_auto {
-        cmd.args(["--irq-affinity", "auto"]);
+        targs.extend(["--irq-affinity", "auto"].map(String::from));
     }
-    cmd.env("TYCHE_LOG", "info");
-    let mut t = Daemon::spawn("tyched", &mut cmd, &tlog)?;
-    wait_for("tyched's stats socket", Duration::from_secs(60), || {
-        t.check_alive(&tlog)?;
-        Ok(tstats.exists())
-    })?;
+    let mut t = start_tyched(tyched, tgt, &targs, &tstats, &tlog)?;
     let ilog = work.join(format!("tyche-init-{scheduler}.log"));
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", INI]).arg(tyche_init).arg("serve-nbd");
-    cmd.arg("--socket").arg(&nbd).args(["--export", "numa", "--scheduler", scheduler, "--nbd-nodes", "1"]);
-    cmd.arg("--stats-socket").arg(&istats);
-    for (i, t) in ini.iter().zip(tgt) {
-        ensure!(i.node == t.node, "NIC lists out of order");
-        cmd.args(["--iface", &i.name, "--target", &t.mac]);
-    }
-    cmd.env("TYCHE_LOG", "info").env("TYCHE_INIT_STATE_DIR", work.join("state"));
-    let mut i = Daemon::spawn("tyche-init", &mut cmd, &ilog)?;
-    wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
-        i.check_alive(&ilog)?;
-        Ok(nbd.exists() && istats.exists())
-    })?;
+    let iargs = ["--export", "numa", "--scheduler", scheduler, "--nbd-nodes", "1"];
+    let mut i = start_initiator(tyche_init, tgt, ini, &iargs, &nbd, &istats, &ilog)?;
     for (log, what) in [(&tlog, "tyched"), (&ilog, "tyche-init")] {
         let text = fs::read_to_string(log).unwrap_or_default();
         for l in text.lines().filter(|l| l.contains("AF_XDP") && (l.contains("mode") || l.contains("open"))) {
