@@ -132,6 +132,19 @@ async fn run_nbd(mode: SendMode, qd: usize, secs: u64) -> Option<(f64, f64)> {
     Some((iops, p50))
 }
 
+/// One summary line of the table: IOPS min/median/max and the median p50 over the runs.
+fn summary_row(label: &str, mode: SendMode, iops: &[f64], p50: &[f64]) -> String {
+    let mut v = iops.to_vec();
+    v.sort_by(f64::total_cmp);
+    format!(
+        "| {label} | {mode} | IOPS min/median/max {:.0}/{:.0}/{:.0} | p50 µs (median of runs) {:.1} |",
+        v[0],
+        median(&v),
+        v[v.len() - 1],
+        median(p50)
+    )
+}
+
 fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
@@ -161,15 +174,7 @@ async fn bench_send_mode() {
             }
         }
         for (m, mode) in modes.iter().enumerate() {
-            let mut v = iops[m].clone();
-            v.sort_by(f64::total_cmp);
-            summary.push(format!(
-                "| {qd} | {mode} | IOPS min/median/max {:.0}/{:.0}/{:.0} | p50 µs (median of runs) {:.1} |",
-                v[0],
-                median(&v),
-                v[v.len() - 1],
-                median(&p50[m])
-            ));
+            summary.push(summary_row(&qd.to_string(), *mode, &iops[m], &p50[m]));
         }
         ratios.push(median(&iops[0]) / median(&iops[1]));
     }
@@ -190,15 +195,7 @@ async fn bench_send_mode() {
             }
         }
         for (m, mode) in modes.iter().enumerate() {
-            let mut v = iops[m].clone();
-            v.sort_by(f64::total_cmp);
-            summary.push(format!(
-                "| NBD {qd} | {mode} | IOPS min/median/max {:.0}/{:.0}/{:.0} | p50 µs (median of runs) {:.1} |",
-                v[0],
-                median(&v),
-                v[v.len() - 1],
-                median(&p50[m])
-            ));
+            summary.push(summary_row(&format!("NBD {qd}"), *mode, &iops[m], &p50[m]));
         }
         nbd_ratios.push(median(&iops[0]) / median(&iops[1]));
     }
