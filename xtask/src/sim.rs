@@ -48,6 +48,10 @@ pub struct SimArgs {
     /// A keyed export that also encrypts (implies --keyed).
     #[arg(long)]
     encrypt: bool,
+    /// Parts each target session is held in (as by tyched's network threads): a copy of a
+    /// modifying request arriving on a part other than its home's is decided there by message.
+    #[arg(long, default_value_t = 1)]
+    shards: usize,
     /// Worker threads (default: every core).
     #[arg(long)]
     jobs: Option<usize>,
@@ -69,13 +73,16 @@ impl SimArgs {
             requests: 200,
             keyed: false,
             encrypt: false,
+            shards: 1,
             jobs: None,
         }
     }
 
-    /// The contract run of issue 18 (operators restart things), shortened to `seeds` seeds.
+    /// The contract run of issue 18 (operators restart things), shortened to `seeds` seeds, with
+    /// each target session in two parts (issue 16: a copy re-issued on the other path's part is
+    /// decided by its home's part, by message).
     pub fn restarts_contract(seeds: u64) -> Self {
-        SimArgs { restarts: true, ..SimArgs::contract(seeds, 0.05) }
+        SimArgs { restarts: true, shards: 2, ..SimArgs::contract(seeds, 0.05) }
     }
 
     /// Issue 14's: the restarts contract on an encrypted keyed export (every channel through
@@ -96,6 +103,9 @@ impl SimArgs {
         if self.restarts {
             s.push_str(" --restarts");
         }
+        if self.shards != 1 {
+            s.push_str(&format!(" --shards {}", self.shards));
+        }
         if self.encrypt {
             s.push_str(" --encrypt");
         } else if self.keyed {
@@ -114,6 +124,9 @@ pub fn run(args: SimArgs) -> Result<()> {
     if args.paths == 0 || args.paths > 16 {
         bail!("--paths must be between 1 and 16");
     }
+    if args.shards == 0 || args.shards > 16 {
+        bail!("--shards must be between 1 and 16");
+    }
     let cfg = SimConfig {
         paths: args.paths,
         loss: args.loss,
@@ -123,6 +136,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         restarts: args.restarts,
         keyed: (args.keyed || args.encrypt).then_some(args.encrypt),
         requests: args.requests,
+        shards: args.shards,
         ..SimConfig::default()
     };
     let (first, count) = match args.seed {
@@ -193,6 +207,12 @@ pub fn run(args: SimArgs) -> Result<()> {
             t.resumes,
             t.surfaced,
             t.durability_errors
+        );
+    }
+    if args.shards > 1 {
+        eprintln!(
+            "sim: sessions in {} parts: {} copies decided by their home's part, {} messages between parts, {} stray",
+            args.shards, t.forwarded, t.part_messages, t.stray_messages
         );
     }
     println!("sim: {} seeds, {} requests, {} mismatches, {} stuck", t.seeds, t.requests, t.mismatches, t.stuck);

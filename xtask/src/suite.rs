@@ -79,7 +79,9 @@ pub fn run(args: TestArgs) -> Result<()> {
     sim::run(SimArgs::contract(args.sim_seeds, 0.05))?;
     eprintln!("xtask test: simulator contract (loss 30%)");
     sim::run(SimArgs::contract(args.sim_seeds, 0.3))?;
-    eprintln!("xtask test: simulator contract (loss 5%, target restarts, partitions, engine restarts)");
+    eprintln!(
+        "xtask test: simulator contract (loss 5%, target restarts, partitions, engine restarts; sessions in 2 parts)"
+    );
     sim::run(SimArgs::restarts_contract(args.sim_seeds))?;
     eprintln!("xtask test: simulator contract (the same on an encrypted keyed export)");
     sim::run(SimArgs::keyed_contract(args.sim_seeds))?;

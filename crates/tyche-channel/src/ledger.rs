@@ -17,8 +17,15 @@ use std::collections::BTreeMap;
 
 use tyche_wire::Status;
 
-/// A copy of a request waiting for another copy's status: channel, `remq` slot, tag.
-pub(crate) type Waiter = (u16, u16, u64);
+/// A copy of a request waiting for another copy's status: the part of the session that holds
+/// its channel ([`crate::PartId`]), the channel, its `remq` slot, the tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Waiter {
+    pub(crate) part: crate::PartId,
+    pub(crate) channel: u16,
+    pub(crate) remq: u16,
+    pub(crate) tag: u64,
+}
 
 #[derive(Debug)]
 enum Entry {
@@ -76,7 +83,7 @@ impl Shard {
     /// Decides a copy of modifying request `waiter.2` (not stale). `room`: whether the session
     /// may hold one more record; without it a new tag is `None` (refuse it).
     pub(crate) fn admit(&mut self, waiter: Waiter, room: bool) -> Option<Admission> {
-        let tag = waiter.2;
+        let tag = waiter.tag;
         match self.entries.get_mut(&tag) {
             None if !room => None,
             None => {
@@ -151,35 +158,39 @@ impl Ledger {
 mod tests {
     use super::*;
 
+    fn w(channel: u16, remq: u16, tag: u64) -> Waiter {
+        Waiter { part: 0, channel, remq, tag }
+    }
+
     #[test]
     fn a_tag_executes_once_and_copies_wait_or_get_its_status() {
         let mut l = Ledger::default();
-        assert_eq!(l.with(1, |s, _| s.admit((1, 0, 10), true)), Some(Admission::Execute));
-        assert_eq!(l.with(1, |s, _| s.admit((2, 5, 10), true)), Some(Admission::Wait));
+        assert_eq!(l.with(1, |s, _| s.admit(w(1, 0, 10), true)), Some(Admission::Execute));
+        assert_eq!(l.with(1, |s, _| s.admit(w(2, 5, 10), true)), Some(Admission::Wait));
         assert_eq!(l.records(), 1);
-        assert_eq!(l.with(1, |s, _| s.record(10, Status::Ok)), vec![(2, 5, 10)]);
-        assert_eq!(l.with(1, |s, _| s.admit((3, 1, 10), true)), Some(Admission::Recorded(Status::Ok)));
+        assert_eq!(l.with(1, |s, _| s.record(10, Status::Ok)), vec![w(2, 5, 10)]);
+        assert_eq!(l.with(1, |s, _| s.admit(w(3, 1, 10), true)), Some(Admission::Recorded(Status::Ok)));
         // Another home knows nothing of it (the initiator names one home per tag and session).
-        assert_eq!(l.with(2, |s, _| s.admit((2, 1, 10), true)), Some(Admission::Execute));
+        assert_eq!(l.with(2, |s, _| s.admit(w(2, 1, 10), true)), Some(Admission::Execute));
         assert_eq!((l.records(), l.shards()), (2, 2));
     }
 
     #[test]
     fn aborted_is_not_recorded_and_a_full_ledger_refuses_new_tags() {
         let mut l = Ledger::default();
-        assert_eq!(l.with(0, |s, _| s.admit((0, 0, 7), true)), Some(Admission::Execute));
+        assert_eq!(l.with(0, |s, _| s.admit(w(0, 0, 7), true)), Some(Admission::Execute));
         assert!(l.with(0, |s, _| s.record(7, Status::Aborted)).is_empty());
         assert_eq!(l.records(), 0);
-        assert_eq!(l.with(0, |s, _| s.admit((0, 0, 7), true)), Some(Admission::Execute), "runs again");
-        assert_eq!(l.with(0, |s, _| s.admit((0, 1, 8), false)), None, "no room for a new tag");
-        assert_eq!(l.with(0, |s, _| s.admit((0, 2, 7), false)), Some(Admission::Wait), "a known tag needs none");
+        assert_eq!(l.with(0, |s, _| s.admit(w(0, 0, 7), true)), Some(Admission::Execute), "runs again");
+        assert_eq!(l.with(0, |s, _| s.admit(w(0, 1, 8), false)), None, "no room for a new tag");
+        assert_eq!(l.with(0, |s, _| s.admit(w(0, 2, 7), false)), Some(Admission::Wait), "a known tag needs none");
     }
 
     #[test]
     fn the_floor_forgets_done_records_below_it_but_keeps_executing_ones() {
         let mut l = Ledger::default();
         for tag in 1..=4 {
-            l.with(0, |s, _| s.admit((0, tag as u16, tag), true));
+            l.with(0, |s, _| s.admit(w(0, tag as u16, tag), true));
         }
         l.with(0, |s, _| {
             s.record(1, Status::Ok);
@@ -203,7 +214,7 @@ mod tests {
         let mut l = Ledger::default();
         for home in 0..3u16 {
             l.with(home, |s, _| {
-                s.admit((home, 0, u64::from(home) + 1), true);
+                s.admit(w(home, 0, u64::from(home) + 1), true);
                 s.record(u64::from(home) + 1, Status::Ok);
             });
         }

@@ -51,5 +51,5 @@ pub use initiator::{
 };
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
-pub use target::{ExportGeometry, TargetEvent, TargetInbound, TargetSession};
+pub use target::{Directory, ExportGeometry, PartId, PartMessage, TargetEvent, TargetInbound, TargetSession};
 pub use time::Instant;

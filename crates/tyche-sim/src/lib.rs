@@ -27,6 +27,7 @@
 
 pub mod model;
 pub mod net;
+mod sharded;
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::time::Duration;
@@ -34,7 +35,7 @@ use std::time::Duration;
 use tyche_channel::{
     Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt, ExportGeometry, ExportSpec,
     Failed, Inbound, Instant, IoError, IoRequest, KeyedConnect, LeastBytes, Opened, ReconnectPolicy, Reconnector,
-    TargetEvent, TargetInbound, TargetSession, Timers, Volume, VolumeConfig, VolumeEvent,
+    TargetEvent, TargetInbound, Timers, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
@@ -44,6 +45,7 @@ use tyche_wire::{
 
 use model::{FlushCover, Model};
 use net::{Delivery, Dir, Failure, NetConfig, Network};
+use sharded::ShardedSession;
 
 /// What to simulate. Everything else derives from the seed.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -71,6 +73,10 @@ pub struct SimConfig {
     /// A keyed export: every channel goes through the CHALLENGE round and seals its frames;
     /// `Some(true)` also encrypts them.
     pub keyed: Option<bool>,
+    /// Parts each target session is held in (tyched's network threads): path `k`'s channels
+    /// belong to part `k % shards`, and a copy of a modifying request arriving on a part other
+    /// than its home's is decided there by message, with seeded delays between parts.
+    pub shards: usize,
 }
 
 /// The pre-shared key of a keyed run.
@@ -88,6 +94,7 @@ impl Default for SimConfig {
             requests: 200,
             export_bytes: 16 << 20,
             keyed: None,
+            shards: 1,
         }
     }
 }
@@ -136,12 +143,19 @@ pub struct SeedReport {
     pub durability_errors: u64,
     /// Virtual time the run took.
     pub virtual_nanos: u64,
+    /// With [`SimConfig::shards`] above 1: copies of modifying requests that arrived on a part
+    /// other than their home's and were decided there by message.
+    pub forwarded: u64,
+    /// Messages between parts of a session.
+    pub part_messages: u64,
+    /// Messages that named no copy of the part they reached (a bug: fails the seed).
+    pub stray_messages: u64,
 }
 
 impl SeedReport {
     /// Whether the seed passed: nothing mismatched, nothing stuck, no error surfaced.
     pub fn ok(&self) -> bool {
-        self.mismatches == 0 && self.stuck == 0 && self.surfaced == 0
+        self.mismatches == 0 && self.stuck == 0 && self.surfaced == 0 && self.stray_messages == 0
     }
 }
 
@@ -279,7 +293,7 @@ struct World {
     /// Crashes of the target so far.
     crashes: u64,
     acceptor: Acceptor,
-    sessions: BTreeMap<u64, TargetSession>,
+    sessions: BTreeMap<u64, ShardedSession>,
     /// The path of every target channel.
     target_path: HashMap<(u64, u16), usize>,
     /// What reads see.
@@ -466,13 +480,17 @@ impl World {
         }
         // Quiesce: let stray frames (held ones included) arrive and their effects, if any, land.
         let quiesce = self.now + Duration::from_secs(2);
-        while let Some(next) = self.net.next_at().into_iter().chain(self.io.peek().map(|o| o.0.at)).min() {
+        loop {
+            let messages = self.sessions.values().filter_map(ShardedSession::next_message).min();
+            let io = self.io.peek().map(|o| o.0.at);
+            let Some(next) = self.net.next_at().into_iter().chain(io).chain(messages).min() else { break };
             if next > quiesce {
                 break;
             }
             self.now = self.now.max(next);
             self.deliver();
             self.storage_done();
+            self.part_messages();
             self.transmit();
         }
         self.report.stuck = self.app.len() as u64 + (self.cfg.requests - self.issued) as u64;
@@ -496,12 +514,22 @@ impl World {
                 self.report.retransmits += v.channel(i).map_or(0, |c| c.stats().retransmits);
             }
         }
-        for s in self.sessions.values() {
-            self.report.duplicates_suppressed += s.duplicates_suppressed();
-            for i in s.channel_indices() {
-                self.report.retransmits += s.channel(i).map_or(0, |c| c.stats().retransmits);
-            }
+        for s in std::mem::take(&mut self.sessions).into_values() {
+            self.account(&s);
         }
+    }
+
+    /// Adds what a session of the target counted to the report (when it goes: reclaimed, lost
+    /// with the target, or at the end).
+    fn account(&mut self, s: &ShardedSession) {
+        self.report.duplicates_suppressed += s.duplicates_suppressed();
+        for i in s.channel_indices() {
+            self.report.retransmits += s.channel(i).map_or(0, |c| c.stats().retransmits);
+        }
+        let (forwarded, messages) = s.forwarding();
+        self.report.forwarded += forwarded;
+        self.report.part_messages += messages;
+        self.report.stray_messages += s.stray_messages();
     }
 
     fn next_event(&self) -> Option<Instant> {
@@ -722,10 +750,11 @@ impl World {
                 Some(Accepted::Channel { session, channel, len, .. }) => {
                     let geometry = ExportGeometry { size: self.cfg.export_bytes, read_only: false, discard: true };
                     self.target_path.insert((session, channel.envelope().channel), k);
+                    let (parts, seed, now) = (self.cfg.shards, self.report.seed, self.now);
                     self.sessions
                         .entry(session)
-                        .or_insert_with(|| TargetSession::new(session, DEFAULT_ETHERTYPE, geometry))
-                        .add_channel(*channel);
+                        .or_insert_with(|| ShardedSession::new(session, DEFAULT_ETHERTYPE, geometry, parts, seed))
+                        .add_channel(now, k, *channel);
                     self.send(k, Dir::ToInitiator, &out[..len]);
                 }
                 None => {}
@@ -734,7 +763,7 @@ impl World {
         }
         let Some(s) = self.sessions.get_mut(&frame.session()) else { return };
         if let TargetInbound::Write { channel, damq, offset, payload, .. } =
-            s.handle_frame(self.now, bytes, &mut self.scratch)
+            s.handle_frame(self.now, k, bytes, &mut self.scratch)
         {
             let mem = self.damq_mem.entry((s.id(), channel, damq)).or_insert_with(|| vec![0; MAX_IO as usize]);
             mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
@@ -744,12 +773,13 @@ impl World {
 
     fn collect_target_events(&mut self) {
         let draining = self.target == TargetState::Draining;
+        let now = self.now;
         for (&sid, s) in self.sessions.iter_mut() {
             while let Some(ev) = s.poll_event() {
                 match ev {
                     TargetEvent::Execute { channel, request, .. } if draining => {
                         // Stopping: what has not started is given up, not executed.
-                        assert!(s.complete(channel, &request, Status::Aborted), "aborting a request handed out");
+                        assert!(s.complete(now, channel, &request, Status::Aborted), "aborting a request handed out");
                     }
                     TargetEvent::Execute { channel, request, .. } => {
                         let slow = self.rng.chance(0.01);
@@ -769,6 +799,16 @@ impl World {
                 }
             }
         }
+    }
+
+    /// Delivers the messages between parts of sessions that are due (the quiesce phase; in the
+    /// run, the sessions' timers do).
+    fn part_messages(&mut self) {
+        let now = self.now;
+        for s in self.sessions.values_mut() {
+            s.deliver_due(now);
+        }
+        self.collect_target_events();
     }
 
     fn mark_dirty(&mut self, start: usize, len: usize) {
@@ -827,7 +867,10 @@ impl World {
                 Status::Ok
             };
             if let Some(s) = self.sessions.get_mut(&op.session) {
-                assert!(s.complete(op.channel, &r, status), "completing a request the session did not hand out");
+                assert!(
+                    s.complete(self.now, op.channel, &r, status),
+                    "completing a request the session did not hand out"
+                );
             }
             self.collect_target_events();
         }
@@ -859,7 +902,9 @@ impl World {
             .map(|(&sid, _)| sid)
             .collect();
         for sid in reclaim {
-            self.sessions.remove(&sid);
+            if let Some(s) = self.sessions.remove(&sid) {
+                self.account(&s);
+            }
             self.acceptor.forget_session(sid);
             self.damq_mem.retain(|k, _| k.0 != sid);
             self.target_path.retain(|k, _| k.0 != sid);
@@ -869,7 +914,9 @@ impl World {
 
     /// The target process is gone (until it starts again).
     fn stop_target(&mut self) {
-        self.sessions.clear();
+        for s in std::mem::take(&mut self.sessions).into_values() {
+            self.account(&s);
+        }
         self.damq_mem.clear();
         self.target_path.clear();
         self.io.clear();
@@ -1195,6 +1242,12 @@ pub struct Totals {
     pub resumes: u64,
     /// FLUSHes failed because a crash may have lost unflushed writes.
     pub durability_errors: u64,
+    /// Copies decided by their home's part, by message ([`SeedReport::forwarded`]).
+    pub forwarded: u64,
+    /// Messages between parts of a session.
+    pub part_messages: u64,
+    /// Messages that named no copy of their part.
+    pub stray_messages: u64,
 }
 
 impl Totals {
@@ -1217,6 +1270,9 @@ impl Totals {
         self.engine_restarts += r.engine_restarts;
         self.resumes += r.resumes;
         self.durability_errors += r.durability_errors;
+        self.forwarded += r.forwarded;
+        self.part_messages += r.part_messages;
+        self.stray_messages += r.stray_messages;
     }
 }
 
@@ -1229,6 +1285,32 @@ mod tests {
         let r = run_seed(&SimConfig { requests: 100, ..SimConfig::default() }, 1);
         assert!(r.ok(), "{r:?}");
         assert_eq!(r.completed + r.failed, 100, "{r:?}");
+    }
+
+    #[test]
+    fn sessions_in_parts_decide_reissued_copies_at_home_and_stay_correct() {
+        let cfg = SimConfig {
+            loss: 0.05,
+            reorder: 0.1,
+            dup: 0.01,
+            fail_path: true,
+            requests: 120,
+            shards: 2,
+            ..SimConfig::default()
+        };
+        let (mut forwarded, mut messages) = (0, 0);
+        for seed in 0..12 {
+            let r = run_seed(&cfg, seed);
+            assert!(r.ok(), "seed {seed}: {r:?}");
+            assert_eq!(r.completed + r.failed, 120, "seed {seed}: {r:?}");
+            forwarded += r.forwarded;
+            messages += r.part_messages;
+        }
+        assert!(forwarded > 0 && messages >= 2 * forwarded, "no copy went to its home's part: {forwarded} {messages}");
+        assert_eq!(run_seed(&cfg, 3), run_seed(&cfg, 3), "the same seed replays the same run");
+        // One part: nothing is ever forwarded.
+        let r = run_seed(&SimConfig { shards: 1, ..cfg }, 3);
+        assert_eq!((r.forwarded, r.part_messages), (0, 0));
     }
 
     #[test]
