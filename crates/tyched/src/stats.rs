@@ -228,6 +228,14 @@ pub struct Snapshot {
     pub sessions_fenced: u64,
     /// Copies of executed modifying requests not executed again.
     pub duplicates_suppressed: u64,
+    /// Copies of modifying requests that arrived on one network thread's channel and were
+    /// decided (execute, wait, recorded status) by the thread holding their home channel's
+    /// records: re-issues after a path failed (docs/architecture.md, "The session in parts").
+    #[serde(default)]
+    pub decided_by_home: u64,
+    /// Messages between the parts of sessions held by different network threads.
+    #[serde(default)]
+    pub part_messages: u64,
     /// Per NIC.
     pub nics: Vec<NicStats>,
     /// Per export.
@@ -360,6 +368,13 @@ impl Snapshot {
             self.payload_copied_bytes,
             self.duplicates_suppressed
         );
+        if self.decided_by_home > 0 {
+            let _ = writeln!(
+                s,
+                "re-issued copies decided by their home channel's thread {}  messages between threads' parts {}",
+                self.decided_by_home, self.part_messages
+            );
+        }
         let p = &self.poll;
         let _ = writeln!(s, "{}", tyche_transport::poll::summary(p.mode, p.budget_us, &p.threads));
         let _ = writeln!(s, "\nNICs:");

@@ -88,6 +88,35 @@ fn many_sizes_over_two_nics_with(network_threads: NetworkThreads, threads: usize
     }
 }
 
+/// A write whose completion is lost on one NIC's channel is re-issued by the initiator on the
+/// other NIC's channel, which another network thread serves: that thread asks the thread holding
+/// the tag's home channel, which answers with the recorded status, and the write runs once.
+#[test]
+fn a_reissued_write_on_another_threads_channel_is_decided_by_its_home_thread() {
+    let cfg = Config { network_threads: NetworkThreads::PerNic, ..config(vec![ExportConfig::ram("ram", 8 << 20)]) };
+    let (target, ports) = common::start(cfg, 2);
+    assert_eq!(target.network_threads(), 2);
+    let mut ini = Initiator::new(ports);
+    ini.attach("ram", None).expect("attach");
+    // Everything the target sends on NIC 0 is lost from now on.
+    ini.deaf = Some(0);
+    let writes: Vec<(u64, Vec<u8>)> = (0..4u64).map(|i| (i << 16, pattern(i << 16, 8192, i as u8))).collect();
+    let ids: Vec<u64> = writes.iter().map(|(o, d)| ini.submit(Op::Write, *o, d.clone(), 8192, false)).collect();
+    for id in ids {
+        ini.wait(id).0.expect("the write completes (on the other channel if it must)");
+    }
+    ini.deaf = None;
+    for (o, d) in &writes {
+        assert_eq!(&ini.read(*o, d.len()), d, "read back at {o}");
+    }
+    let s = target.stats();
+    assert!(s.decided_by_home >= 1, "no copy was decided by its home's thread: {s:?}");
+    assert!(s.part_messages >= 2 * s.decided_by_home, "{s:?}");
+    assert_eq!(s.exports[0].requests.write, writes.len() as u64, "a re-issued write ran again: {s:?}");
+    assert!(s.duplicates_suppressed >= 1, "{s:?}");
+    assert!(s.human().contains("decided by their home channel's thread"), "{}", s.human());
+}
+
 /// Each poll mode serves I/O, and `stats` counts how the network threads waited.
 #[test]
 fn every_poll_mode_serves_requests_and_counts_its_waits() {

@@ -13,10 +13,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tyche_channel::auth::{self, ProofInput, Psk};
-use tyche_channel::{Accepted, Channel, ExportGeometry, Instant, KeyedConnect, TargetSession};
+use tyche_channel::{Accepted, Channel, ExportGeometry, Instant, KeyedConnect};
 use tyche_wire::{Challenge, Connect, Envelope, Frame, MacAddr, Message, Reject, RejectReason, Status};
 
-use super::sessions::SessionState;
+use super::sessions::{Parts, SessionState};
 use super::{Network, PEER_LOGS};
 
 /// How long a CHALLENGE may be answered.
@@ -379,6 +379,7 @@ impl Network {
         let ethertype = self.ethertype;
         let log = PEER_LOGS.allow();
         let created = !self.sessions.contains_key(&session);
+        let (groups, group) = (self.groups.wakes.len(), self.nics[k].group);
         if created {
             for &old in &fence {
                 self.fence(old, session);
@@ -390,7 +391,7 @@ impl Network {
                 tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
             }
             SessionState {
-                session: TargetSession::new(session, ethertype, geometry),
+                session: Parts::new(session, ethertype, geometry, groups),
                 export,
                 nic_of: BTreeMap::new(),
                 executing: BTreeMap::new(),
@@ -406,7 +407,7 @@ impl Network {
         if log {
             tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(), "channel open");
         }
-        st.session.add_channel(*channel);
+        st.session.add_channel(group, *channel);
         st.all_dead_since = None;
         if st.nic_of.insert(idx, k).is_some() {
             // A reconnect replaced the channel: its slot memory (and the frames it kept) goes

@@ -371,24 +371,25 @@ impl Network {
             tracing::trace!(src = %frame.src(), session = frame.session(), "frame for an unknown session");
             return lease;
         };
-        let (channel, damq, offset, payload, generation, tag) = match s.session.handle_frame(now, bytes, scratch) {
-            TargetInbound::Consumed => {
-                s.established = true;
-                return lease;
-            }
-            TargetInbound::Dropped(d) => {
-                match d {
-                    FrameDrop::Wire(_) => st.drops.malformed += 1,
-                    FrameDrop::NotOurs => st.drops.not_ours += 1,
-                    FrameDrop::Channel(r) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+        let (channel, damq, offset, payload, generation, tag) =
+            match s.session.handle_frame(now, frame.channel(), bytes, scratch) {
+                TargetInbound::Consumed => {
+                    s.established = true;
+                    return lease;
                 }
-                return lease;
-            }
-            TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
-                s.established = true;
-                (channel, damq, offset, payload, generation, tag)
-            }
-        };
+                TargetInbound::Dropped(d) => {
+                    match d {
+                        FrameDrop::Wire(_) => st.drops.malformed += 1,
+                        FrameDrop::NotOurs => st.drops.not_ours += 1,
+                        FrameDrop::Channel(r) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+                    }
+                    return lease;
+                }
+                TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
+                    s.established = true;
+                    (channel, damq, offset, payload, generation, tag)
+                }
+            };
         let key = (s.session.id(), channel, s.epoch(channel), damq);
         let lend = self.exports[s.export].lend;
         let node = self.nics[k].node;

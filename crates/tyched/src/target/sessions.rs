@@ -8,8 +8,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tyche_channel::{Instant, TargetSession};
-use tyche_wire::MacAddr;
+use tyche_channel::{
+    Channel, DeadReason, Directory, ExportGeometry, Instant, TargetEvent, TargetInbound, TargetSession, Transmit,
+};
+use tyche_wire::{DisconnectReason, MacAddr, Request, Status};
 
 use super::slots::SlotKey;
 use super::{Network, PEER_LOGS};
@@ -18,9 +20,167 @@ use super::{Network, PEER_LOGS};
 /// carried a frame after its handshake (`reclaim_after_ms` otherwise).
 const RECLAIM_GRACE: Duration = Duration::from_millis(500);
 
+/// A session held in parts, one per network thread (docs/architecture.md, "The session in
+/// parts"): each part holds the channels of its thread's NICs and the at-most-once records of
+/// the homes that joined there; a re-issued copy arriving on another thread's channel is decided
+/// by its home's part. Under today's engine lock the messages between parts are delivered at
+/// once, in order ([`Parts::pump`]); when the threads own their parts they become bounded
+/// queues. With one network thread there is one part and no message.
+#[derive(Debug)]
+pub(super) struct Parts {
+    /// By network thread (group).
+    parts: Vec<TargetSession>,
+    /// The part holding each channel index now.
+    part_of: BTreeMap<u16, usize>,
+    /// Messages between parts delivered.
+    messages: u64,
+}
+
+impl Parts {
+    pub(super) fn new(id: u64, ethertype: u16, geometry: ExportGeometry, groups: usize) -> Parts {
+        let directory = Directory::new();
+        let parts = (0..groups.max(1))
+            .map(|g| TargetSession::part(id, ethertype, geometry, g as u32, Arc::clone(&directory)))
+            .collect();
+        Parts { parts, part_of: BTreeMap::new(), messages: 0 }
+    }
+
+    pub(super) fn id(&self) -> u64 {
+        self.parts[0].id()
+    }
+
+    /// Channel `i`, if any (dead ones included).
+    pub(super) fn channel(&self, i: u16) -> Option<&Channel> {
+        self.parts[*self.part_of.get(&i)?].channel(i)
+    }
+
+    /// Indices of the channels, dead ones included.
+    pub(super) fn channel_indices(&self) -> impl Iterator<Item = u16> + '_ {
+        self.part_of.keys().copied()
+    }
+
+    pub(super) fn all_dead(&self) -> bool {
+        self.parts.iter().all(TargetSession::all_dead)
+    }
+
+    pub(super) fn duplicates_suppressed(&self) -> u64 {
+        self.parts.iter().map(TargetSession::duplicates_suppressed).sum()
+    }
+
+    /// Copies decided by their home's part, and messages between parts.
+    pub(super) fn forwarding(&self) -> (u64, u64) {
+        (self.parts.iter().map(TargetSession::forwarded).sum(), self.messages)
+    }
+
+    /// Adds a channel accepted on a NIC of network thread `group` to that thread's part. An
+    /// index that was held by another part leaves it (its records stay where it first joined).
+    pub(super) fn add_channel(&mut self, group: usize, channel: Channel) {
+        let g = group.min(self.parts.len() - 1);
+        let idx = channel.envelope().channel;
+        if let Some(old) = self.part_of.insert(idx, g).filter(|&old| old != g) {
+            self.parts[old].abort_channel(idx);
+        }
+        self.parts[g].add_channel(channel);
+        self.pump();
+    }
+
+    /// A received frame of channel `channel` (from its checked header): the channel's part
+    /// takes it, whichever thread received it.
+    pub(super) fn handle_frame<'a>(
+        &mut self,
+        now: Instant,
+        channel: u16,
+        bytes: &'a [u8],
+        scratch: &'a mut Vec<u8>,
+    ) -> TargetInbound<'a> {
+        let p = self.part_of.get(&channel).copied().unwrap_or(0);
+        let r = self.parts[p].handle_frame(now, bytes, scratch);
+        self.pump();
+        r
+    }
+
+    /// Completes a request handed out on `channel`: on the part holding the index now, or on
+    /// the one it left, which still has it.
+    pub(super) fn complete(&mut self, channel: u16, request: &Request, status: Status) -> bool {
+        let first = self.part_of.get(&channel).copied().unwrap_or(0);
+        let order = std::iter::once(first).chain((0..self.parts.len()).filter(|&p| p != first));
+        let mut done = false;
+        for p in order {
+            if self.parts[p].complete(channel, request, status) {
+                done = true;
+                break;
+            }
+        }
+        self.pump();
+        done
+    }
+
+    pub(super) fn poll_event(&mut self) -> Option<TargetEvent> {
+        self.parts.iter_mut().find_map(TargetSession::poll_event)
+    }
+
+    pub(super) fn close(&mut self, reason: DisconnectReason) {
+        for p in &mut self.parts {
+            p.close(reason);
+        }
+    }
+
+    pub(super) fn poll_transmit(&mut self, now: Instant, channel: u16, buf: &mut [u8]) -> Option<Transmit> {
+        let p = *self.part_of.get(&channel)?;
+        let t = self.parts[p].poll_transmit(now, channel, buf);
+        self.pump();
+        t
+    }
+
+    pub(super) fn seal(&mut self, channel: u16, buf: &mut [u8], len: usize) -> usize {
+        match self.part_of.get(&channel) {
+            Some(&p) => self.parts[p].seal(channel, buf, len),
+            None => len,
+        }
+    }
+
+    pub(super) fn wants_transmit(&self, channel: u16) -> bool {
+        self.part_of.get(&channel).is_some_and(|&p| self.parts[p].wants_transmit(channel))
+    }
+
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        self.parts.iter().filter_map(TargetSession::poll_timeout).min()
+    }
+
+    pub(super) fn handle_timeout(&mut self, now: Instant) {
+        for p in &mut self.parts {
+            if p.poll_timeout().is_some_and(|t| t <= now) {
+                p.handle_timeout(now);
+            }
+        }
+        self.pump();
+    }
+
+    /// Delivers the messages between parts until none is left (under the engine's lock: at
+    /// once, in the order sent). Each message settles one step of one request's decision, so
+    /// this ends.
+    fn pump(&mut self) {
+        loop {
+            let mut moved = false;
+            for from in 0..self.parts.len() {
+                while let Some((to, msg)) = self.parts[from].poll_message() {
+                    moved = true;
+                    self.messages += 1;
+                    if let Some(part) = self.parts.get_mut(to as usize) {
+                        part.handle_message(msg);
+                    }
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(super) struct SessionState {
-    pub(super) session: TargetSession,
+    pub(super) session: Parts,
     pub(super) export: usize,
     /// Channel index → NIC index.
     pub(super) nic_of: BTreeMap<u16, usize>,
@@ -87,7 +247,7 @@ impl Network {
     }
 
     /// A channel died: what only its slots need goes now (not when the session ends).
-    pub(super) fn channel_dead(&mut self, sid: u64, channel: u16, reason: tyche_channel::DeadReason) {
+    pub(super) fn channel_dead(&mut self, sid: u64, channel: u16, reason: DeadReason) {
         if PEER_LOGS.allow() {
             tracing::info!(session = format_args!("{sid:016x}"), channel, ?reason, "channel dead");
         }
@@ -112,6 +272,9 @@ impl Network {
     fn forget_session(&mut self, sid: u64) {
         let Some(s) = self.sessions.remove(&sid) else { return };
         self.counters.duplicates_from_reclaimed += s.session.duplicates_suppressed();
+        let (f, m) = s.session.forwarding();
+        self.counters.forwarding_from_reclaimed.0 += f;
+        self.counters.forwarding_from_reclaimed.1 += m;
         self.acceptor.forget_session(sid);
         self.storage.waiting.retain(|d| d.0 != sid);
         self.slots.drop_where(|key| key.0 == sid);
@@ -135,7 +298,7 @@ impl Network {
             let detached = s.session.channel_indices().all(|c| {
                 matches!(
                     s.session.channel(c).and_then(|c| c.dead()),
-                    Some(tyche_channel::DeadReason::PeerClosed(tyche_wire::DisconnectReason::Normal))
+                    Some(DeadReason::PeerClosed(DisconnectReason::Normal))
                 )
             });
             let grace = if s.established && !detached && !s.fenced.load(Ordering::Relaxed) {

@@ -32,6 +32,8 @@ pub(super) struct Counters {
     pub(super) reclaimed: u64,
     /// Duplicates suppressed by sessions that are gone.
     pub(super) duplicates_from_reclaimed: u64,
+    /// Of reclaimed sessions: copies decided by their home's part, messages between parts.
+    pub(super) forwarding_from_reclaimed: (u64, u64),
     /// Sessions fenced by a new attachment of the same initiator.
     pub(super) fenced: u64,
 }
@@ -135,9 +137,13 @@ impl Network {
             es.direct_bytes = e.backend.as_file().map_or(0, FileBackend::direct_bytes);
         }
         let mut dups = self.counters.duplicates_from_reclaimed;
+        let (mut decided_by_home, mut part_messages) = self.counters.forwarding_from_reclaimed;
         for s in self.sessions.values() {
             exports[s.export].sessions += 1;
             dups += s.session.duplicates_suppressed();
+            let (f, m) = s.session.forwarding();
+            decided_by_home += f;
+            part_messages += m;
         }
         let channels = self.channel_snapshots();
         let placement = self.placement(&channels);
@@ -154,6 +160,8 @@ impl Network {
             leases_held: self.slots.leases_held(),
             storage_inflight: storage.inflight,
             duplicates_suppressed: dups,
+            decided_by_home,
+            part_messages,
             nics: self.nics.iter().map(|n| n.stats.clone()).collect(),
             exports,
             channels,

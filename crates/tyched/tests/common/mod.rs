@@ -116,6 +116,8 @@ pub struct Initiator {
     pub captured: Vec<(usize, Vec<u8>)>,
     /// Feature bits asked for in CONNECT.
     pub features: u32,
+    /// When set, whatever arrives on this path is lost (the target's answers on it never come).
+    pub deaf: Option<usize>,
 }
 
 pub fn want() -> ChannelParams {
@@ -145,6 +147,7 @@ impl Initiator {
             host: None,
             captured: Vec::new(),
             features: 0,
+            deaf: None,
         }
     }
 
@@ -255,11 +258,15 @@ impl Initiator {
         let now = self.now();
         let mut moved = false;
         let vol = self.volume.as_mut().expect("attached");
-        for port in &mut self.ports {
+        for (k, port) in self.ports.iter_mut().enumerate() {
             let bufs = &mut self.bufs;
             let mut scratch = Vec::new();
+            let deaf = self.deaf == Some(k);
             let n = port
                 .recv(256, &mut |bytes| {
+                    if deaf {
+                        return;
+                    }
                     if let Inbound::Read { id, offset, payload } = vol.handle_frame(now, bytes, &mut scratch) {
                         let b = bufs.get_mut(&id).expect("read for an outstanding request");
                         b[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
