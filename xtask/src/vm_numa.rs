@@ -197,14 +197,8 @@ fn node_of(v: &Value) -> Option<u32> {
 fn node_cpus(n: u32) -> Result<Vec<u64>> {
     let text = fs::read_to_string(format!("/sys/devices/system/node/node{n}/cpulist"))
         .with_context(|| format!("reading node {n}'s cpulist"))?;
-    let mut cpus = Vec::new();
-    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => cpus.extend(a.parse::<u64>()?..=b.parse::<u64>()?),
-            None => cpus.push(part.parse()?),
-        }
-    }
-    Ok(cpus)
+    let cpus = tyche_numa::cpulist::parse_cpu_list(&text).map_err(|e| anyhow::anyhow!("node {n}'s cpulist: {e}"))?;
+    Ok(cpus.into_iter().map(u64::from).collect())
 }
 
 /// Checks that a `PageCounts` value has every page on its expected node (`need_pages`: and at
