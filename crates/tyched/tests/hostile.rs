@@ -28,19 +28,24 @@ fn config() -> Config {
 /// A target on two in-memory links whose target ends lend received frames and transmit chunks
 /// (the zero-copy paths AF_XDP takes): link 0 for the honest initiator, link 1 for the peer.
 fn start_two() -> (TargetHandle, Port, Port) {
+    let (handle, mut ports) = start_links(2, config());
+    let hostile = ports.pop().expect("two ports");
+    let honest = ports.pop().expect("two ports");
+    (handle, honest, hostile)
+}
+
+/// A target on `n` such links, and the initiator ends of them.
+fn start_links(n: usize, config: Config) -> (TargetHandle, Vec<Port>) {
     let mut ports = Vec::new();
     let mut nics = Vec::new();
-    for k in 0..2 {
+    for k in 0..n {
         let (a, mut b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
         b.set_lending(1024);
         b.set_tx_lending(1024);
         ports.push(Box::new(a) as Port);
         nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
     }
-    let handle = Target::start(config(), nics).expect("target starts");
-    let hostile = ports.pop().expect("two ports");
-    let honest = ports.pop().expect("two ports");
-    (handle, honest, hostile)
+    (Target::start(config, nics).expect("target starts"), ports)
 }
 
 /// The rule-breaking peer: a valid session on its link, then frames written by hand. It never
@@ -50,6 +55,10 @@ struct Peer {
     env: Envelope,
     next: u32,
     buf: Vec<u8>,
+    /// The `HOME` its requests name (its own channel unless told otherwise).
+    home: u16,
+    /// The `FLOOR` its requests carry.
+    floor: u64,
 }
 
 impl Peer {
@@ -66,7 +75,28 @@ impl Peer {
             channel: 0,
             session: c.session,
         };
-        Peer { port: ini.ports.pop().expect("its port"), env, next: 0, buf: vec![0; 9014] }
+        Peer { port: ini.ports.pop().expect("its port"), env, next: 0, buf: vec![0; 9014], home: 0, floor: 0 }
+    }
+
+    /// A session with a channel on each of two links (target links `links`): channel 0 on the
+    /// first, channel 1 on the second.
+    fn connect_two(ports: Vec<Port>, links: [usize; 2]) -> [Peer; 2] {
+        let mut ini = Initiator::new(ports);
+        ini.target_macs = links.iter().map(|&k| target_mac(k)).collect();
+        ini.host = Some([0xbc; 16]);
+        let c = ini.handshake(0, 0, "ram", None).1.expect("the peer gets a session");
+        ini.handshake(1, c.session, "ram", None).1.expect("its second channel joins");
+        let mut peers = ini.ports.drain(..).enumerate().map(|(k, port)| {
+            let env = Envelope {
+                dst: target_mac(links[k]),
+                src: init_mac(k),
+                ethertype: DEFAULT_ETHERTYPE,
+                channel: k as u16,
+                session: c.session,
+            };
+            Peer { port, env, next: 0, buf: vec![0; 9014], home: k as u16, floor: 0 }
+        });
+        [peers.next().expect("two"), peers.next().expect("two")]
     }
 
     fn seq(&mut self) -> Seq {
@@ -82,8 +112,8 @@ impl Peer {
 
     fn request(&mut self, op: Op, remq: u16, damq: u16, tag: u64, offset: u64, length: u32) {
         let seq = self.seq();
-        let home = self.env.channel;
-        self.send(Message::Request(Request { seq, op, fua: false, remq, damq, home, tag, floor: 0, offset, length }));
+        let (home, floor) = (self.home, self.floor);
+        self.send(Message::Request(Request { seq, op, fua: false, remq, damq, home, tag, floor, offset, length }));
     }
 
     fn data(&mut self, damq: u16, seg_index: u16, seg_count: u16, tag: u64, payload: &[u8]) {
@@ -107,6 +137,30 @@ impl Peer {
             })
             .expect("recv");
         out
+    }
+
+    /// Waits until the completion of `tag` in slot `remq` arrives (the target resends earlier
+    /// ones, never acknowledged); its status.
+    fn status_of(&mut self, remq: u16, tag: u64) -> tyche_wire::Status {
+        let deadline = std::time::Instant::now() + LIMIT;
+        loop {
+            let mut found = None;
+            self.port
+                .recv(4096, &mut |bytes| {
+                    let Ok(f) = Frame::new_checked(bytes, DEFAULT_ETHERTYPE) else { return };
+                    if let Ok(Message::Completion(c)) = f.parse() {
+                        if c.tag == tag && c.remq == remq {
+                            found = Some(c.status);
+                        }
+                    }
+                })
+                .expect("recv");
+            if let Some(s) = found {
+                return s;
+            }
+            assert!(std::time::Instant::now() < deadline, "no completion for tag {tag}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Waits until a frame of `kind` for `tag` arrives.
@@ -241,6 +295,61 @@ fn a_hostile_peer_that_goes_silent_is_reclaimed_and_frees_its_memory() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(target.stats().limits.slot_memory_bytes, 0, "no slot memory left behind");
+    assert_serving(&target);
+}
+
+/// A peer with a channel on each of two links, so on two network threads, whose requests name
+/// the other thread's channel as their home (as a re-issue after a failover does), copies of
+/// one tag on both, a home that never joined, and tags below a floor: every copy is decided by
+/// the home's thread, each tag's write runs once, nothing is left waiting, and the honest
+/// session is served throughout.
+#[test]
+fn copies_across_two_threads_naming_the_other_home_run_once() {
+    let cfg = Config { network_threads: tyched::config::NetworkThreads::PerNic, ..config() };
+    let (target, mut ports) = start_links(3, cfg);
+    let peer_ports = ports.split_off(1);
+    let mut honest = Honest::attach(ports.pop().expect("link 0"));
+    let [mut a, mut b] = Peer::connect_two(peer_ports, [1, 2]);
+    let writes_before = target.stats().exports[0].requests.write;
+    let at = 48u64 << 20;
+    let one = vec![0x61; SEG as usize];
+    // Tag 10 first on B (link 2) naming A's channel as its home: A's thread decides, B runs it.
+    b.home = 0;
+    b.request(Op::Write, 0, 0, 10, at, SEG);
+    b.data(0, 0, 1, 10, &one);
+    assert_eq!(b.status_of(0, 10), tyche_wire::Status::Ok);
+    // Its copy on A (its home): the recorded status, not run again (other data, never written).
+    a.request(Op::Write, 0, 0, 10, at, SEG);
+    a.data(0, 0, 1, 10, &vec![0x62; SEG as usize]);
+    assert_eq!(a.status_of(0, 10), tyche_wire::Status::Ok);
+    // Tag 11 first on A, then a copy on B naming A's channel: recorded there too.
+    a.request(Op::Write, 1, 1, 11, at + SEG as u64, SEG);
+    a.data(1, 0, 1, 11, &one);
+    assert_eq!(a.status_of(1, 11), tyche_wire::Status::Ok);
+    b.request(Op::Write, 1, 1, 11, at + SEG as u64, SEG);
+    b.data(1, 0, 1, 11, &vec![0x63; SEG as usize]);
+    assert_eq!(b.status_of(1, 11), tyche_wire::Status::Ok);
+    // A home that never joined: INVALID, not run.
+    b.home = 7;
+    b.request(Op::Write, 2, 2, 12, at, SEG);
+    b.data(2, 0, 1, 12, &vec![0x64; SEG as usize]);
+    assert_eq!(b.status_of(2, 12), tyche_wire::Status::Invalid);
+    // A floor past tag 10 (carried by a read of tag 25): a late copy of tag 10 on B (home A) is
+    // refused where it arrives.
+    b.home = 0;
+    b.floor = 20;
+    b.request(Op::Read, 4, 4, 25, at, SEG);
+    assert_eq!(b.status_of(4, 25), tyche_wire::Status::Ok);
+    b.floor = 0;
+    b.request(Op::Write, 3, 3, 10, at, SEG);
+    b.data(3, 0, 1, 10, &vec![0x65; SEG as usize]);
+    assert_eq!(b.status_of(3, 10), tyche_wire::Status::Aborted);
+    honest.check(1);
+    let held = honest.0.read(at, 2 * SEG as usize);
+    assert!(held == [one.clone(), one].concat(), "not each tag's first copy's data: {:x?}", &held[..8]);
+    let s = target.stats();
+    assert_eq!(s.exports[0].requests.write - writes_before, 2 + 1, "tags 10 and 11 once each, and check(1)'s write");
+    assert!(s.decided_by_home >= 2, "B's copies went to A's thread: {}", s.decided_by_home);
     assert_serving(&target);
 }
 
