@@ -379,7 +379,7 @@ impl Network {
         let ethertype = self.ethertype;
         let log = PEER_LOGS.allow();
         let created = !self.sessions.contains_key(&session);
-        let (groups, group) = (self.groups.wakes.len(), self.nics[k].group);
+        let (mail, group) = (Arc::clone(&self.mail), self.nics[k].group);
         if created {
             for &old in &fence {
                 self.fence(old, session);
@@ -391,7 +391,7 @@ impl Network {
                 tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
             }
             SessionState {
-                session: Parts::new(session, ethertype, geometry, groups),
+                session: Parts::new(session, ethertype, geometry, &mail),
                 export,
                 nic_of: BTreeMap::new(),
                 executing: BTreeMap::new(),

@@ -402,6 +402,8 @@ struct Network {
     exports: Vec<Export>,
     acceptor: Acceptor,
     sessions: BTreeMap<u64, SessionState>,
+    /// Messages between session parts not yet delivered, per network thread.
+    mail: sessions::Mail,
     /// All per-slot state: slot memory, kept frames, read data in transmit chunks.
     slots: SlotTable,
     /// Storage jobs: queues, io_uring, completions, deadlines, deferred requests.

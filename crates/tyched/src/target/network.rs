@@ -183,7 +183,7 @@ impl Network {
             }
             return Turn::exit();
         }
-        let mut busy = false;
+        let mut busy = self.deliver_mail(g);
         for (k, nic) in nics.iter_mut() {
             self.give_back(*k, nic);
             busy |= self.receive_on(now, *k, nic);
@@ -202,8 +202,11 @@ impl Network {
         }
         self.publish_if_requested(now);
         if let Some(since) = self.stopping {
-            let quiet =
-                self.storage.drained() && !self.any_wants_transmit() && now.since(since) > Duration::from_millis(50);
+            let mail = self.mail.iter().any(|m| m.load(Ordering::Relaxed) > 0);
+            let quiet = self.storage.drained()
+                && !mail
+                && !self.any_wants_transmit()
+                && now.since(since) > Duration::from_millis(50);
             if quiet || now.since(since) > DRAIN_LIMIT {
                 // DISCONNECT every channel; each thread sends its own NICs' and exits.
                 for s in self.sessions.values_mut() {
@@ -233,7 +236,8 @@ impl Network {
             if h == g || !self.groups.sleeping[h] || wake.contains(&h) {
                 continue;
             }
-            let wants = !n.control.is_empty()
+            let wants = self.mail[h].load(Ordering::Relaxed) > 0
+                || !n.control.is_empty()
                 || self
                     .sessions
                     .values()

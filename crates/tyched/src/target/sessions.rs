@@ -3,13 +3,14 @@
 //! (reclaimed once every channel is dead and nothing of theirs executes, or failed at once when
 //! handling them hit a bug).
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tyche_channel::{
-    Channel, DeadReason, Directory, ExportGeometry, Instant, TargetEvent, TargetInbound, TargetSession, Transmit,
+    Channel, DeadReason, Directory, ExportGeometry, Instant, PartMessage, TargetEvent, TargetInbound, TargetSession,
+    Transmit,
 };
 use tyche_wire::{DisconnectReason, MacAddr, Request, Status};
 
@@ -23,26 +24,67 @@ const RECLAIM_GRACE: Duration = Duration::from_millis(500);
 /// A session held in parts, one per network thread (docs/architecture.md, "The session in
 /// parts"): each part holds the channels of its thread's NICs and the at-most-once records of
 /// the homes that joined there; a re-issued copy arriving on another thread's channel is decided
-/// by its home's part. Under today's engine lock the messages between parts are delivered at
-/// once, in order ([`Parts::pump`]); when the threads own their parts they become bounded
-/// queues. With one network thread there is one part and no message.
+/// by its home's part. A message between parts waits in its part's inbox until that part's
+/// thread delivers it in its turn ([`Parts::deliver`]), as it will when the threads own their
+/// parts outright; the target-wide mail counters ([`Mail`]) say which thread has mail, so that a
+/// turn looks at the sessions only when there is some, and a sleeping thread is woken for it.
+/// With one network thread there is one part and no message.
 #[derive(Debug)]
 pub(super) struct Parts {
     /// By network thread (group).
     parts: Vec<TargetSession>,
     /// The part holding each channel index now.
     part_of: BTreeMap<u16, usize>,
-    /// Messages between parts delivered.
+    /// Messages for each part, in the order sent (so in order between any two parts). At most
+    /// one per request slot of the session's channels is in flight.
+    inbox: Vec<VecDeque<PartMessage>>,
+    /// The target-wide count of undelivered messages per thread.
+    mail: Mail,
+    /// Messages between parts sent.
     messages: u64,
 }
 
+/// Undelivered messages between session parts, per network thread, target-wide.
+pub(super) type Mail = Arc<Vec<AtomicUsize>>;
+
 impl Parts {
-    pub(super) fn new(id: u64, ethertype: u16, geometry: ExportGeometry, groups: usize) -> Parts {
+    pub(super) fn new(id: u64, ethertype: u16, geometry: ExportGeometry, mail: &Mail) -> Parts {
         let directory = Directory::new();
-        let parts = (0..groups.max(1))
+        let groups = mail.len().max(1);
+        let parts = (0..groups)
             .map(|g| TargetSession::part(id, ethertype, geometry, g as u32, Arc::clone(&directory)))
             .collect();
-        Parts { parts, part_of: BTreeMap::new(), messages: 0 }
+        let inbox = (0..groups).map(|_| VecDeque::new()).collect();
+        Parts { parts, part_of: BTreeMap::new(), inbox, mail: Arc::clone(mail), messages: 0 }
+    }
+
+    /// Delivers part `g`'s messages (network thread `g`'s turn); whether there were any.
+    pub(super) fn deliver(&mut self, g: usize) -> bool {
+        let Some(q) = self.inbox.get_mut(g) else { return false };
+        if q.is_empty() {
+            return false;
+        }
+        let mail = std::mem::take(q);
+        self.mail[g].fetch_sub(mail.len(), Ordering::Relaxed);
+        for m in mail {
+            self.parts[g].handle_message(m);
+        }
+        self.pump();
+        true
+    }
+
+    /// Drops the undelivered messages (the session is going), keeping the mail counts true.
+    fn drop_mail(&mut self) {
+        for (g, q) in self.inbox.iter_mut().enumerate() {
+            self.mail[g].fetch_sub(q.len(), Ordering::Relaxed);
+            q.clear();
+        }
+    }
+
+    /// Whether no message is undelivered and no copy waits for its home's decision (the
+    /// session may be reclaimed).
+    pub(super) fn settled(&self) -> bool {
+        self.inbox.iter().all(VecDeque::is_empty) && self.parts.iter().all(|p| p.awaiting_decision() == 0)
     }
 
     pub(super) fn id(&self) -> u64 {
@@ -156,23 +198,15 @@ impl Parts {
         self.pump();
     }
 
-    /// Delivers the messages between parts until none is left (under the engine's lock: at
-    /// once, in the order sent). Each message settles one step of one request's decision, so
-    /// this ends.
+    /// Puts the parts' new messages in their destinations' inboxes.
     fn pump(&mut self) {
-        loop {
-            let mut moved = false;
-            for from in 0..self.parts.len() {
-                while let Some((to, msg)) = self.parts[from].poll_message() {
-                    moved = true;
-                    self.messages += 1;
-                    if let Some(part) = self.parts.get_mut(to as usize) {
-                        part.handle_message(msg);
-                    }
-                }
-            }
-            if !moved {
-                return;
+        for from in 0..self.parts.len() {
+            while let Some((to, msg)) = self.parts[from].poll_message() {
+                // A part only names parts of its session (the directory's, all below `groups`).
+                let Some(q) = self.inbox.get_mut(to as usize) else { continue };
+                q.push_back(msg);
+                self.mail[to as usize].fetch_add(1, Ordering::Relaxed);
+                self.messages += 1;
             }
         }
     }
@@ -230,6 +264,26 @@ pub(super) fn slot_acked(sessions: &BTreeMap<u64, SessionState>, key: &SlotKey) 
 }
 
 impl Network {
+    /// Delivers the messages other threads' parts sent network thread `g`'s parts; whether
+    /// there were any. Looks at the sessions only when the mail count says there is some.
+    pub(super) fn deliver_mail(&mut self, g: usize) -> bool {
+        if self.mail.get(g).is_none_or(|m| m.load(Ordering::Relaxed) == 0) {
+            return false;
+        }
+        let mut any = false;
+        let mut failed = Vec::new();
+        for (&sid, s) in self.sessions.iter_mut() {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.session.deliver(g))) {
+                Ok(d) => any |= d,
+                Err(_) => failed.push(sid),
+            }
+        }
+        for sid in failed {
+            self.fail_session(sid, "delivering messages between its parts");
+        }
+        any
+    }
+
     /// Runs the sessions' due timers.
     pub(super) fn timers(&mut self, now: Instant) {
         let mut failed = Vec::new();
@@ -270,7 +324,8 @@ impl Network {
 
     /// Drops session `sid` and everything kept for it.
     fn forget_session(&mut self, sid: u64) {
-        let Some(s) = self.sessions.remove(&sid) else { return };
+        let Some(mut s) = self.sessions.remove(&sid) else { return };
+        s.session.drop_mail();
         self.counters.duplicates_from_reclaimed += s.session.duplicates_suppressed();
         let (f, m) = s.session.forwarding();
         self.counters.forwarding_from_reclaimed.0 += f;
@@ -289,7 +344,7 @@ impl Network {
                 continue;
             }
             let since = *s.all_dead_since.get_or_insert(now);
-            let busy = s.executing.values().any(|&n| n > 0);
+            let busy = s.executing.values().any(|&n| n > 0) || !s.session.settled();
             // A session that carried traffic is kept `reclaim_after_ms` so an initiator back in
             // time resumes it (its ledger too); one that never did (a CONNECT and nothing else,
             // as in a flood) goes at once.

@@ -101,6 +101,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         exports,
         acceptor,
         sessions: BTreeMap::new(),
+        mail: Arc::new((0..groups.len()).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect()),
         slots,
         storage,
         challenges: Challenges::new(l.challenges, l.challenges_per_mac),
