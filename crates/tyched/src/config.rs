@@ -167,6 +167,17 @@ pub struct Config {
     /// decides where its channels' threads go. None: no consumer.
     #[serde(default)]
     pub consumer_cpus: Option<String>,
+    /// How channels get NIC queues of their own (`crate::steer`): `none`, `queue-mac` (an
+    /// address and an ntuple rule per queue, installed on the NIC at start) or
+    /// `queue-mac-no-rules` (the addresses alone, for links that keep frames on their sender's
+    /// queue: veth).
+    #[serde(default)]
+    pub steer: crate::steer::Steer,
+    /// With `steer`: the queue addresses of an interface, one per queue (`channels_per_nic`),
+    /// locally administered unicast. An interface not listed derives them from its own address
+    /// (`crate::steer::derive_queue_mac`).
+    #[serde(default)]
+    pub queue_macs: std::collections::BTreeMap<String, Vec<String>>,
     /// The exports.
     #[serde(default, rename = "export")]
     pub exports: Vec<ExportConfig>,
@@ -377,6 +388,8 @@ impl Default for Config {
             network_thread_node: None,
             model_cache: None,
             consumer_cpus: None,
+            steer: crate::steer::Steer::None,
+            queue_macs: Default::default(),
             exports: Vec::new(),
         }
     }
@@ -551,6 +564,81 @@ impl Config {
         Ok(cpus)
     }
 
+    /// The queue addresses of interface `iface`, whose own address is `nic`, with `steer`: the
+    /// configured ones, or derived from `nic`. Empty without `steer`.
+    pub fn queue_macs_for(&self, iface: &str, nic: MacAddr) -> Result<Vec<MacAddr>, ConfigError> {
+        if !self.steer.addresses() {
+            return Ok(Vec::new());
+        }
+        let field = format!("queue_macs.{iface}");
+        let macs = match self.queue_macs.get(iface) {
+            Some(list) => list
+                .iter()
+                .map(|m| m.parse::<MacAddr>().map_err(|_| invalid(&field, format!("{m:?} is not a MAC address"))))
+                .collect::<Result<Vec<_>, _>>()?,
+            None => (0..self.channels_per_nic)
+                .map(|q| crate::steer::derive_queue_mac(nic, q))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    invalid(
+                        &field,
+                        format!(
+                            "derived addresses cover {} queues; list the {} queue addresses",
+                            crate::steer::MAX_DERIVED_QUEUES,
+                            self.channels_per_nic
+                        ),
+                    )
+                })?,
+        };
+        if macs.contains(&nic) {
+            return Err(invalid(&field, format!("{nic} is the interface's own address, not a queue's")));
+        }
+        Ok(macs)
+    }
+
+    /// The `steer` and `queue_macs` fields.
+    fn validate_steer(&self) -> Result<(), ConfigError> {
+        if !self.steer.addresses() {
+            if !self.queue_macs.is_empty() {
+                return Err(invalid("queue_macs", "given without steer (set steer = \"queue-mac\")"));
+            }
+            return Ok(());
+        }
+        if self.transport != TransportKind::Xdp {
+            return Err(invalid("steer", "steers AF_XDP queues: needs transport = \"xdp\""));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (iface, list) in &self.queue_macs {
+            let field = format!("queue_macs.{iface}");
+            if !self.ifaces.is_empty() && !self.ifaces.contains(iface) {
+                return Err(invalid(field, "not one of ifaces"));
+            }
+            if list.len() != self.channels_per_nic as usize {
+                return Err(invalid(
+                    field,
+                    format!("{} addresses for {} queues (channels_per_nic)", list.len(), self.channels_per_nic),
+                ));
+            }
+            for m in list {
+                let mac: MacAddr = m.parse().map_err(|_| invalid(&field, format!("{m:?} is not a MAC address")))?;
+                crate::steer::check_queue_mac(mac).map_err(|e| invalid(&field, e))?;
+                if !seen.insert(mac) {
+                    return Err(invalid(&field, format!("{mac} is given twice")));
+                }
+            }
+        }
+        if self.queue_macs.len() < self.ifaces.len() && self.channels_per_nic > crate::steer::MAX_DERIVED_QUEUES {
+            return Err(invalid(
+                "queue_macs",
+                format!(
+                    "derived queue addresses cover {} queues: list them for every interface",
+                    crate::steer::MAX_DERIVED_QUEUES
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.exports.is_empty() {
@@ -566,6 +654,7 @@ impl Config {
         if self.channels_per_nic == 0 || self.channels_per_nic > 64 {
             return Err(invalid("channels_per_nic", "must be 1 to 64"));
         }
+        self.validate_steer()?;
         if self.ethertype < 0x0600 {
             return Err(invalid("ethertype", "must be at least 0x0600 (an EtherType, not a length)"));
         }
