@@ -848,6 +848,53 @@ mod tests {
     }
 
     #[test]
+    fn steering_is_checked_so_that_nothing_is_half_configured() {
+        let base = "[[export]]\nname = \"a\"\nsize = \"1M\"\n";
+        let with = |extra: &str| Config::from_toml(&format!("{extra}\n{base}"));
+        use crate::steer::Steer;
+        assert_eq!(with("").unwrap().steer, Steer::None);
+        assert_eq!(with("steer = \"queue-mac\"").unwrap().steer, Steer::QueueMac);
+        assert_eq!(with("steer = \"queue-mac-no-rules\"").unwrap().steer, Steer::QueueMacNoRules);
+        let e = with("steer = \"queue-mac-rules\"").expect_err("unknown mode");
+        assert!(e.to_string().contains("steer"), "{e}");
+        // Queue addresses without steering would do nothing: refused.
+        let e = with("channels_per_nic = 2\n[queue_macs]\neth1 = [\"06:00:00:00:00:01\", \"0a:00:00:00:00:01\"]")
+            .expect_err("queue_macs without steer");
+        assert!(e.to_string().starts_with("queue_macs: given without steer"), "{e}");
+        let e = with("steer = \"queue-mac\"\ntransport = \"tcp\"").expect_err("not AF_XDP");
+        assert!(e.to_string().starts_with("steer:"), "{e}");
+        let ok = "steer = \"queue-mac\"\nchannels_per_nic = 2\nifaces = [\"eth1\"]\n[queue_macs]\n";
+        let c = with(&format!("{ok}eth1 = [\"06:00:00:00:00:01\", \"0a:00:00:00:00:01\"]")).expect("two addresses");
+        let nic = MacAddr([0x3c, 0xec, 0xef, 1, 2, 3]);
+        assert_eq!(
+            c.queue_macs_for("eth1", nic).unwrap(),
+            ["06:00:00:00:00:01".parse::<MacAddr>().unwrap(), "0a:00:00:00:00:01".parse().unwrap()]
+        );
+        // Derived for an interface not listed.
+        let derived = c.queue_macs_for("eth2", nic).unwrap();
+        assert_eq!(derived, (0..2).map(|q| crate::steer::derive_queue_mac(nic, q).unwrap()).collect::<Vec<_>>());
+        for (list, why) in [
+            ("[\"06:00:00:00:00:01\"]", "1 addresses for 2 queues"),
+            ("[\"06:00:00:00:00:01\", \"06:00:00:00:00:01\"]", "given twice"),
+            ("[\"06:00:00:00:00:01\", \"07:00:00:00:00:01\"]", "group"),
+            ("[\"06:00:00:00:00:01\", \"3c:00:00:00:00:01\"]", "not locally administered"),
+            ("[\"06:00:00:00:00:01\", \"00:00:00:00:00:00\"]", "all-zero"),
+            ("[\"06:00:00:00:00:01\", \"nope\"]", "not a MAC address"),
+        ] {
+            let e = with(&format!("{ok}eth1 = {list}")).expect_err(why);
+            assert!(e.to_string().starts_with("queue_macs.eth1:") && e.to_string().contains(why), "{e}");
+        }
+        let e = with(&format!("{ok}eth9 = [\"06:00:00:00:00:01\", \"0a:00:00:00:00:01\"]")).expect_err("no such iface");
+        assert!(e.to_string().starts_with("queue_macs.eth9: not one of ifaces"), "{e}");
+        // The interface's own address is no queue's.
+        let e = c.queue_macs_for("eth1", "06:00:00:00:00:01".parse().unwrap()).expect_err("own address");
+        assert!(e.to_string().contains("the interface's own address"), "{e}");
+        // 64 queues are more than derived addresses cover.
+        let e = with("steer = \"queue-mac\"\nchannels_per_nic = 64\nifaces = [\"eth1\"]").expect_err("64 queues");
+        assert!(e.to_string().starts_with("queue_macs: derived queue addresses cover 63 queues"), "{e}");
+    }
+
+    #[test]
     fn prometheus_listen_is_checked() {
         let base = "[[export]]\nname = \"a\"\nsize = \"1M\"\n";
         let with = |extra: &str| Config::from_toml(&format!("{extra}\n{base}"));
