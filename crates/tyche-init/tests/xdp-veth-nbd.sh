@@ -109,6 +109,8 @@ print("target socket and queue address per channel:",
       {k: (served.get(k), v) for k, v in named.items()})
 ok = named and all(served.get(k) and addr[served[k]] == v for k, v in named.items())
 ok = ok and set(named.values()) == set(addr.values())
+# The target's end of each channel sends from its socket's queue address.
+ok = ok and all(addr[c["nic"]] == c["addr"] for c in t["channels"] if not c["dead"])
 sys.exit(0 if ok else 1)
 PY
 fi

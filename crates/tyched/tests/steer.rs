@@ -175,8 +175,10 @@ fn channels_are_spread_over_queue_addresses_and_stay_on_their_queue() {
     assert!(seen[0][0] > 0 && seen[1][1] > 0, "both channels carried frames: {seen:?}");
     // The target serves channel q on transport q.
     let s = target.stats();
-    let on: Vec<(u16, String)> = s.channels.iter().map(|c| (c.channel, c.nic.clone())).collect();
-    assert!(on.contains(&(0, "mem/0".into())) && on.contains(&(1, "mem/1".into())), "{on:?}");
+    let on: Vec<(u16, String, String)> =
+        s.channels.iter().map(|c| (c.channel, c.nic.clone(), c.addr.clone())).collect();
+    assert!(on.contains(&(0, "mem/0".into(), queue(0).to_string())), "{on:?}");
+    assert!(on.contains(&(1, "mem/1".into(), queue(1).to_string())), "{on:?}");
     assert!(s.nics.iter().all(|n| n.frames_rx > 0), "{:?}", s.nics.iter().map(|n| n.frames_rx).collect::<Vec<_>>());
     target.shutdown();
 }
