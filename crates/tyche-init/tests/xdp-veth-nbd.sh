@@ -36,12 +36,12 @@ export TYCHE_INIT_STATE_DIR=$W/state TYCHE_LOG=${TYCHE_LOG:-info}
 M0=$(ip -n $NT -o link show tt0 | grep -o 'link/ether [0-9a-f:]*' | cut -d' ' -f2)
 M1=$(ip -n $NT -o link show tt1 | grep -o 'link/ether [0-9a-f:]*' | cut -d' ' -f2)
 if [ -n "${TYCHED:-}" ] && [ "$STEER" != none ]; then
-  # Flow rules on veth: no ntuple filters, so the start fails naming the step, and the queue
-  # addresses it added are gone again.
+  # Flow rules on veth: no ntuple filters, so the start fails naming the step (listing the
+  # rules, before anything is changed), and no queue address is left on the NIC.
   timeout 30 ip netns exec $NT $TYCHED serve --iface tt0 --export r=ram:1M --channels-per-nic $QUEUES \
     --steer queue-mac --stats-socket $W/refused.stats >/dev/null 2>$W/refused.log
   RC=$?
-  sed 's/\x1b\[[0-9;]*m//g' $W/refused.log | grep -m1 "ethtool -N tt0 flow-type ether dst" | tee $W/refused.err
+  sed 's/\x1b\[[0-9;]*m//g' $W/refused.log | grep -m1 "ethtool -n tt0" | tee $W/refused.err
   # Queue 0's address derived from tt0's: the first byte's upper six bits XOR 1, locally administered.
   Q0=$(python3 -c "import sys; b=bytes.fromhex(sys.argv[1].replace(':','')); print(':'.join(f'{x:02x}' for x in bytes([((((b[0]>>2)^1)&0x3f)<<2)|2])+b[1:]))" $M0)
   if [ $RC -ne 0 ] && grep -q "queue-mac-no-rules" $W/refused.err \

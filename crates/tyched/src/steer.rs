@@ -3,7 +3,7 @@
 //! Real NICs spread received frames over their queues by an RSS hash of the IP and L4 headers,
 //! which a Tyche frame (its own EtherType) does not have: every Tyche frame would land on one
 //! queue. With `steer = "queue-mac"` the target gives queue *q* of an interface an address of
-//! its own, `MAC_q`, adds it to the NIC's unicast filter (`bridge fdb add MAC dev IF self
+//! its own, `MAC_q`, adds it to the NIC's unicast filter (`bridge fdb replace MAC dev IF self
 //! permanent`), installs one flow rule per queue (`ethtool -N IF flow-type ether dst MAC_q
 //! action q`) and names `MAC_q` in the ACCEPT of every channel it serves on that queue
 //! (`CHANNEL_MAC`, docs/protocol.md). The initiator then addresses that channel's frames to
@@ -126,9 +126,10 @@ impl Tools for SystemTools {
     }
 }
 
-/// `bridge` arguments adding `mac` to `iface`'s unicast filter.
+/// `bridge` arguments adding `mac` to `iface`'s unicast filter (`replace`: an address a killed
+/// target left behind is taken over, not an error).
 pub fn fdb_add(iface: &str, mac: MacAddr) -> Vec<String> {
-    ["fdb", "add", &mac.to_string(), "dev", iface, "self", "permanent"].map(str::to_owned).to_vec()
+    ["fdb", "replace", &mac.to_string(), "dev", iface, "self", "permanent"].map(str::to_owned).to_vec()
 }
 
 /// `bridge` arguments removing `mac` from `iface`'s unicast filter.
@@ -139,6 +140,31 @@ pub fn fdb_del(iface: &str, mac: MacAddr) -> Vec<String> {
 /// `ethtool` arguments installing the rule that steers frames to `mac` to queue `q`.
 pub fn ntuple_add(iface: &str, mac: MacAddr, q: u16) -> Vec<String> {
     ["-N", iface, "flow-type", "ether", "dst", &mac.to_string(), "action", &q.to_string()].map(str::to_owned).to_vec()
+}
+
+/// `ethtool` arguments listing the flow rules.
+pub fn ntuple_list(iface: &str) -> Vec<String> {
+    ["-n", iface].map(str::to_owned).to_vec()
+}
+
+/// The ids of the rules in an `ethtool -n` listing whose destination MAC is one of `macs`:
+/// rules a killed target left behind.
+pub fn stale_rules(listing: &str, macs: &[MacAddr]) -> Vec<u32> {
+    let mut id = None;
+    let mut stale = Vec::new();
+    for line in listing.lines().map(str::trim) {
+        if let Some(n) = line.strip_prefix("Filter:") {
+            id = n.trim().parse::<u32>().ok();
+        } else if let Some(rest) = line.strip_prefix("Dest MAC addr:") {
+            let mac = rest.split_whitespace().next().and_then(|m| m.parse::<MacAddr>().ok());
+            if let (Some(id), Some(mac)) = (id, mac) {
+                if macs.contains(&mac) && !stale.contains(&id) {
+                    stale.push(id);
+                }
+            }
+        }
+    }
+    stale
 }
 
 /// `ethtool` arguments removing rule `id`.
@@ -210,10 +236,12 @@ impl Drop for Installed {
     }
 }
 
-/// Installs steering for `iface` with `macs[q]` the address of queue `q`: each address in the
-/// NIC's unicast filter, then one ntuple rule per queue. On any failure what was installed is
-/// removed again and the error names the step; a NIC without ntuple support (veth: "Operation
-/// not supported") is told to use `queue-mac-no-rules` only where the link keeps frames on their
+/// Installs steering for `iface` with `macs[q]` the address of queue `q`: first the NIC's flow
+/// rules are listed (a NIC without ntuple support, such as veth, fails here, before anything is
+/// changed) and rules for these addresses that a killed target left are removed; then each
+/// address goes into the NIC's unicast filter and one ntuple rule per queue is added. On any
+/// failure what was installed is removed again and the error names the step; a NIC without
+/// ntuple support is told to use `queue-mac-no-rules` only where the link keeps frames on their
 /// sender's queue.
 pub fn install(iface: &str, macs: &[MacAddr], mut tools: Box<dyn Tools + Send>) -> Result<Installed, SteerError> {
     let fail = |args: &[String], program: &str, why: String, hint: &str| SteerError {
@@ -222,6 +250,20 @@ pub fn install(iface: &str, macs: &[MacAddr], mut tools: Box<dyn Tools + Send>) 
         why,
         hint: hint.to_owned(),
     };
+    let hint = "; the NIC needs ntuple filters (`ethtool -k IF | grep ntuple`, `ethtool -K IF ntuple on`); \
+                on a link that keeps each frame on its sender's queue (veth) use steer = \"queue-mac-no-rules\"";
+    let args = ntuple_list(iface);
+    let listing = tools.run("ethtool", &args).map_err(|why| fail(&args, "ethtool", why, hint))?;
+    for id in stale_rules(&listing, macs) {
+        match tools.run("ethtool", &ntuple_del(iface, id)) {
+            Ok(_) => tracing::warn!(iface, rule = id, "removed a flow rule for a queue address left by an earlier run"),
+            Err(e) => tracing::warn!(
+                iface,
+                rule = id,
+                "a flow rule for a queue address is left from an earlier run and could not be removed: {e}"
+            ),
+        }
+    }
     // Tools run one at a time; the guard below removes what was installed if a later step fails.
     let mut done =
         Installed { iface: iface.to_owned(), tools: Box::new(NoTools), addresses: Vec::new(), rules: Vec::new() };
@@ -235,8 +277,6 @@ pub fn install(iface: &str, macs: &[MacAddr], mut tools: Box<dyn Tools + Send>) 
     }
     for (q, &mac) in macs.iter().enumerate() {
         let args = ntuple_add(iface, mac, q as u16);
-        let hint = "; the NIC needs ntuple filters (`ethtool -k IF | grep ntuple`, `ethtool -K IF ntuple on`); \
-                    on a link that keeps each frame on its sender's queue (veth) use steer = \"queue-mac-no-rules\"";
         match tools.run("ethtool", &args) {
             Ok(out) => match rule_id(&out) {
                 Some(id) => done.rules.push(id),
@@ -330,7 +370,8 @@ mod tests {
     #[test]
     fn commands_are_built_as_the_tools_expect() {
         let m: MacAddr = "06:54:00:00:74:00".parse().unwrap();
-        assert_eq!(fdb_add("eth1", m).join(" "), "fdb add 06:54:00:00:74:00 dev eth1 self permanent");
+        assert_eq!(fdb_add("eth1", m).join(" "), "fdb replace 06:54:00:00:74:00 dev eth1 self permanent");
+        assert_eq!(ntuple_list("eth1").join(" "), "-n eth1");
         assert_eq!(fdb_del("eth1", m).join(" "), "fdb del 06:54:00:00:74:00 dev eth1 self");
         assert_eq!(ntuple_add("eth1", m, 3).join(" "), "-N eth1 flow-type ether dst 06:54:00:00:74:00 action 3");
         assert_eq!(ntuple_del("eth1", 1022).join(" "), "-N eth1 delete 1022");
@@ -338,16 +379,21 @@ mod tests {
         assert_eq!(rule_id("something else"), None);
     }
 
-    /// Records every command; answers ethtool insertions from `ntuple`.
+    /// Records every command; answers ethtool listings and insertions from `ntuple`.
     struct Fake {
         log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
         ntuple: Result<(), &'static str>,
         next_id: u32,
+        listing: &'static str,
     }
 
     impl Tools for Fake {
         fn run(&mut self, program: &str, args: &[String]) -> Result<String, String> {
             self.log.lock().unwrap().push(format!("{program} {}", args.join(" ")));
+            if program == "ethtool" && args[0] == "-n" {
+                self.ntuple.map_err(str::to_owned)?;
+                return Ok(self.listing.to_owned());
+            }
             if program == "ethtool" && args.get(2).map(String::as_str) == Some("flow-type") {
                 self.ntuple.map_err(str::to_owned)?;
                 self.next_id -= 1;
@@ -357,6 +403,22 @@ mod tests {
         }
     }
 
+    /// An `ethtool -n` listing with one rule for queue 0's address left by an earlier run and
+    /// one of someone else's.
+    const LISTING: &str = "4 RX rings available\nTotal 2 rules\n\nFilter: 7\n\tFlow Type: Raw Ethernet\n\
+        \tSrc MAC addr: 00:00:00:00:00:00 mask: FF:FF:FF:FF:FF:FF\n\
+        \tDest MAC addr: 06:54:00:00:00:07 mask: 00:00:00:00:00:00\n\
+        \tEthertype: 0x0 mask: 0xFFFF\n\tAction: Direct to queue 0\n\n\
+        Filter: 9\n\tFlow Type: Raw Ethernet\n\
+        \tDest MAC addr: 3C:EC:EF:00:00:01 mask: 00:00:00:00:00:00\n\tAction: Direct to queue 3\n";
+
+    #[test]
+    fn rules_left_by_an_earlier_run_are_found() {
+        assert_eq!(stale_rules(LISTING, &macs()), [7]);
+        assert_eq!(stale_rules(LISTING, &[]), Vec::<u32>::new());
+        assert_eq!(stale_rules("Total 0 rules\n", &macs()), Vec::<u32>::new());
+    }
+
     fn macs() -> Vec<MacAddr> {
         (0..2).map(|q| derive_queue_mac(MacAddr::local(7), q).unwrap()).collect()
     }
@@ -364,7 +426,7 @@ mod tests {
     #[test]
     fn installs_addresses_and_rules_and_removes_them_when_dropped() {
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let fake = Fake { log: log.clone(), ntuple: Ok(()), next_id: 1024 };
+        let fake = Fake { log: log.clone(), ntuple: Ok(()), next_id: 1024, listing: LISTING };
         let done = install("eth1", &macs(), Box::new(fake)).expect("installed");
         assert_eq!(done.rules(), [1023, 1022]);
         drop(done);
@@ -372,8 +434,10 @@ mod tests {
         assert_eq!(
             log,
             [
-                "bridge fdb add 06:54:00:00:00:07 dev eth1 self permanent",
-                "bridge fdb add 0a:54:00:00:00:07 dev eth1 self permanent",
+                "ethtool -n eth1",
+                "ethtool -N eth1 delete 7",
+                "bridge fdb replace 06:54:00:00:00:07 dev eth1 self permanent",
+                "bridge fdb replace 0a:54:00:00:00:07 dev eth1 self permanent",
                 "ethtool -N eth1 flow-type ether dst 06:54:00:00:00:07 action 0",
                 "ethtool -N eth1 flow-type ether dst 0a:54:00:00:00:07 action 1",
                 "ethtool -N eth1 delete 1023",
@@ -387,14 +451,41 @@ mod tests {
     #[test]
     fn a_nic_without_ntuple_fails_clearly_and_keeps_nothing() {
         // What ethtool says on veth.
-        let veth = "rxclass: Cannot get RX class rule count: Operation not supported; Cannot insert classification rule (exit status: 1)";
+        let veth = "Cannot get RX rings: Operation not supported; rxclass: Cannot get RX class rule count: Operation not supported; RX classification rule retrieval failed (exit status: 1)";
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let fake = Fake { log: log.clone(), ntuple: Err(veth), next_id: 1024 };
+        let fake = Fake { log: log.clone(), ntuple: Err(veth), next_id: 1024, listing: "" };
         let err = install("tyt0", &macs(), Box::new(fake)).expect_err("no ntuple on veth");
         let text = err.to_string();
-        assert!(text.starts_with("tyt0: steer = \"queue-mac\": `ethtool -N tyt0 flow-type ether dst 06:54:00:00:00:07 action 0` failed: rxclass"), "{text}");
+        assert!(
+            text.starts_with("tyt0: steer = \"queue-mac\": `ethtool -n tyt0` failed: Cannot get RX rings"),
+            "{text}"
+        );
         assert!(text.contains("Operation not supported") && text.contains("queue-mac-no-rules"), "{text}");
-        // The addresses added before are removed again.
+        // Nothing was changed on the NIC.
+        assert_eq!(*log.lock().unwrap(), ["ethtool -n tyt0"]);
+    }
+
+    #[test]
+    fn a_refused_rule_removes_what_was_added() {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let full = "rmgr: Cannot insert RX class rule: No space left on device (exit status: 1)";
+        // The listing works, the insertion does not.
+        let fake = Fake { log: log.clone(), ntuple: Ok(()), next_id: 1024, listing: "Total 0 rules\n" };
+        struct Refuse(Fake, &'static str);
+        impl Tools for Refuse {
+            fn run(&mut self, program: &str, args: &[String]) -> Result<String, String> {
+                if args.get(2).map(String::as_str) == Some("flow-type") {
+                    self.0.log.lock().unwrap().push(format!("{program} {}", args.join(" ")));
+                    return Err(self.1.to_owned());
+                }
+                self.0.run(program, args)
+            }
+        }
+        let err = install("eth1", &macs(), Box::new(Refuse(fake, full))).expect_err("no room");
+        assert!(
+            err.to_string().contains("`ethtool -N eth1 flow-type ether dst 06:54:00:00:00:07 action 0` failed: rmgr"),
+            "{err}"
+        );
         let log = log.lock().unwrap().clone();
         assert_eq!(log.iter().filter(|l| l.starts_with("bridge fdb del")).count(), 2, "{log:?}");
     }
