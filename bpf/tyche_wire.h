@@ -8,7 +8,7 @@
 #define TYCHE_WIRE_H
 
 #define TYCHE_DEFAULT_ETHERTYPE    0x88b5 /* EtherType of Tyche frames unless configured otherwise */
-#define TYCHE_VERSION              2      /* protocol version (common header byte TYCHE_COMMON_VERSION) */
+#define TYCHE_VERSION              3      /* protocol version (common header byte TYCHE_COMMON_VERSION) */
 #define TYCHE_ETH_HEADER_LEN       14     /* Ethernet II header length; the Tyche header starts here */
 #define TYCHE_FLAG_SEALED          0x8000 /* common FLAGS: a 24-byte authentication trailer follows the message */
 #define TYCHE_COMMON_VERSION       0      /* u8 */

@@ -29,6 +29,7 @@
 //! block size       u32
 //! export flags     u16
 //! durability epoch 16 bytes: the ACCEPT's DURABILITY_EPOCH
+//! channel MAC      6 bytes: the ACCEPT's CHANNEL_MAC as sent (zeros: the address connected to)
 //! ```
 //!
 //! Every integer is big-endian. Nonces come from the operating system's random source.
@@ -145,6 +146,9 @@ pub struct Grant {
     /// The export's durability epoch: covered, so that nobody between the ends can make an
     /// initiator believe writes survived a target crash that lost them.
     pub durability_epoch: tyche_wire::DurabilityEpoch,
+    /// The ACCEPT's `CHANNEL_MAC` as sent: covered, so that nobody between the ends can move
+    /// the channel's frames to an address of their choosing.
+    pub channel_mac: MacAddr,
 }
 
 fn params_bytes(p: &ChannelParams) -> [u8; 16] {
@@ -180,6 +184,7 @@ fn mac_for(key: &[u8], role: ProofRole, input: &ProofInput<'_>, grant: Option<&G
         m.update(&g.block_size.to_be_bytes());
         m.update(&g.export_flags.to_be_bytes());
         m.update(&g.durability_epoch.0);
+        m.update(&g.channel_mac.octets());
     }
     m
 }
@@ -429,6 +434,7 @@ mod tests {
             block_size: 512,
             export_flags: 2,
             durability_epoch: tyche_wire::DurabilityEpoch(core::array::from_fn(|i| 0x10 + i as u8)),
+            channel_mac: MacAddr([0x06, 0x54, 0, 0, 0, 2]),
         }
     }
 
@@ -457,6 +463,8 @@ mod tests {
             Grant { export_flags: 0, ..grant() },
             Grant { export_size: 1, ..grant() },
             Grant { durability_epoch: tyche_wire::DurabilityEpoch::NONE, ..grant() },
+            Grant { channel_mac: MacAddr::ZERO, ..grant() },
+            Grant { channel_mac: MacAddr([0x06, 0x54, 0, 0, 0, 3]), ..grant() },
         ] {
             assert!(!verify_target(b"secret", &input(), &g, &t), "{g:?} must not verify");
         }
@@ -474,7 +482,7 @@ mod tests {
         );
         assert_eq!(
             hex(target_proof(key, &input(), &grant())),
-            "cb6a597e3a183532d04b5795bbb1958410152cf9ada5bb4ec395c5efb7153c06"
+            "216249c6efae38efcf629c1c6f8347d23511a52d3abe96167064c8353ec2d9ac"
         );
     }
 

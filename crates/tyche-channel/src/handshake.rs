@@ -30,6 +30,10 @@ pub struct Connected {
     /// The export's durability epoch: writes acknowledged on this session survive as long as
     /// the target presents it again ([`DurabilityEpoch`]).
     pub durability_epoch: DurabilityEpoch,
+    /// The channel's target address: where its frames go and whom they are accepted from. The
+    /// address the CONNECT went to unless the ACCEPT named another (`CHANNEL_MAC`: a target
+    /// that steers each channel to a NIC queue of its own by destination MAC).
+    pub channel_addr: MacAddr,
 }
 
 /// Why a channel could not be opened.
@@ -47,6 +51,9 @@ pub enum ConnectError {
     BadProof,
     /// Another initiator, with this MAC, has the export attached (REJECT IN_USE).
     InUse(MacAddr),
+    /// The ACCEPT named a group (multicast or broadcast) address as the channel's target
+    /// address (`CHANNEL_MAC`): a protocol error of this channel, which is not opened.
+    BadChannelAddress(MacAddr),
 }
 
 /// Opens one channel (initiator side): sends CONNECT until ACCEPT or REJECT arrives.
@@ -181,6 +188,7 @@ impl Connector {
                         block_size: a.block_size,
                         export_flags: a.export_flags,
                         durability_epoch: a.durability_epoch,
+                        channel_mac: a.channel_mac,
                     };
                     let ok = match (self.challenge, a.proof) {
                         (Some(tn), Some(proof)) => {
@@ -194,6 +202,15 @@ impl Connector {
                     };
                     self.target_proof = Some(proof);
                 }
+                // The ACCEPT came from the address the CONNECT went to (checked above); the
+                // channel's frames go to the address it names, which must be one station's.
+                let channel_addr = match a.channel_addr(self.env.dst) {
+                    Ok(addr) => addr,
+                    Err(bad) => {
+                        self.outcome = Some(Err(ConnectError::BadChannelAddress(bad)));
+                        return self.outcome;
+                    }
+                };
                 if within && params_supported(&p) && session != 0 && same_session {
                     Some(Ok(Connected {
                         session,
@@ -202,6 +219,7 @@ impl Connector {
                         block_size: a.block_size,
                         export_flags: a.export_flags,
                         durability_epoch: a.durability_epoch,
+                        channel_addr,
                     }))
                 } else {
                     Some(Err(ConnectError::BadGrant))
@@ -231,11 +249,12 @@ impl Connector {
         self.outcome
     }
 
-    /// Builds the initiator's channel from an ACCEPT: for a keyed export, with its keys
+    /// Builds the initiator's channel from an ACCEPT: addressed to the channel's target address
+    /// ([`Connected::channel_addr`]), for a keyed export with its keys
     /// ([`crate::auth::Sealer`]), and with the export's durability epoch (which the
     /// [`crate::Volume`] it joins compares across sessions).
     pub fn channel(&self, c: &Connected, timers: Timers, now: Instant) -> Channel {
-        let env = Envelope { session: c.session, ..self.env };
+        let env = Envelope { session: c.session, dst: c.channel_addr, ..self.env };
         let ch = Channel::new(Role::Initiator, env, c.params, timers, now).with_durability_epoch(c.durability_epoch);
         match (&self.key, &self.target_proof) {
             (Some(key), Some(proof)) => {
@@ -445,6 +464,28 @@ impl Acceptor {
         self.handle_keyed(now, local, src, env_in, msg, new_session_id, buf, None)
     }
 
+    /// As [`Acceptor::handle_keyed`] for a target that gives the channel a target address of its
+    /// own, `channel_addr` (a unicast address the NIC steers to the queue that serves the
+    /// channel): the ACCEPT still comes from `local` (where the CONNECT went) and names
+    /// `channel_addr` in `CHANNEL_MAC` (all zero when it is `local`), and the new channel sends
+    /// from `channel_addr`. Discovery and refusals are answered from `local`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_steered(
+        &mut self,
+        now: Instant,
+        local: MacAddr,
+        channel_addr: MacAddr,
+        src: MacAddr,
+        env_in: &Envelope,
+        msg: &Message<'_>,
+        new_session_id: &mut dyn FnMut() -> u64,
+        buf: &mut [u8],
+        keyed: Option<KeyedConnect<'_>>,
+    ) -> Option<Accepted> {
+        debug_assert!(!channel_addr.is_multicast() && channel_addr != MacAddr::ZERO, "{channel_addr}");
+        self.dispatch(now, local, channel_addr, src, env_in, msg, new_session_id, buf, keyed)
+    }
+
     /// Whether `c` from `src` repeats a CONNECT that was granted a channel which still exists:
     /// the same nonce, session, channel and proof. It gets the same ACCEPT again and nothing
     /// else changes; for a keyed export that is how a retry whose ACCEPT was lost is answered
@@ -476,6 +517,22 @@ impl Acceptor {
         buf: &mut [u8],
         keyed: Option<KeyedConnect<'_>>,
     ) -> Option<Accepted> {
+        self.dispatch(now, local, local, src, env_in, msg, new_session_id, buf, keyed)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &mut self,
+        now: Instant,
+        local: MacAddr,
+        channel_addr: MacAddr,
+        src: MacAddr,
+        env_in: &Envelope,
+        msg: &Message<'_>,
+        new_session_id: &mut dyn FnMut() -> u64,
+        buf: &mut [u8],
+        keyed: Option<KeyedConnect<'_>>,
+    ) -> Option<Accepted> {
         let reply_env =
             Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
         match msg {
@@ -494,7 +551,10 @@ impl Acceptor {
                 };
                 Some(Accepted::Reply(Message::DiscoverReply(r).emit(&reply_env, buf)))
             }
-            Message::Connect(c) => Some(self.connect(now, src, env_in, c, reply_env, new_session_id, buf, keyed)),
+            Message::Connect(c) => {
+                let channel_mac = if channel_addr == local { MacAddr::ZERO } else { channel_addr };
+                Some(self.connect(now, src, env_in, c, reply_env, channel_mac, new_session_id, buf, keyed))
+            }
             _ => None,
         }
     }
@@ -536,6 +596,7 @@ impl Acceptor {
         env_in: &Envelope,
         c: &Connect<'_>,
         reply_env: Envelope,
+        channel_mac: MacAddr,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
         keyed: Option<KeyedConnect<'_>>,
@@ -589,6 +650,7 @@ impl Acceptor {
             block_size: e.block_size,
             export_flags: e.flags,
             durability_epoch: e.durability_epoch,
+            channel_mac,
         };
         let sealing = keyed.filter(|_| needs_key).map(|k| {
             let input = crate::auth::ProofInput {
@@ -612,6 +674,7 @@ impl Acceptor {
             export_flags: e.flags,
             proof: sealing.map(|(_, p)| p),
             durability_epoch: e.durability_epoch,
+            channel_mac,
         };
         let record = self.sessions.get_mut(&sid).expect("inserted or checked");
         let granted = Granted { nonce: c.nonce, accept, proof: c.proof };
@@ -620,7 +683,12 @@ impl Acceptor {
         }
         let env = Envelope { session: sid, ..reply_env };
         let len = Message::Accept(accept).emit(&env, buf);
-        let mut channel = Channel::new(Role::Target, env, params, self.timers, now);
+        // The channel's frames go out from its own address when the ACCEPT named one.
+        let channel_env = match channel_mac {
+            MacAddr::ZERO => env,
+            addr => Envelope { src: addr, ..env },
+        };
+        let mut channel = Channel::new(Role::Target, channel_env, params, self.timers, now);
         if let Some((key, proof)) = sealing {
             let encrypt = e.flags & flags::EXPORT_ENCRYPTED != 0;
             channel = channel.with_sealer(crate::auth::Sealer::derive(key, &proof, Role::Target, encrypt));

@@ -265,6 +265,7 @@ fn handshake_channels_share_keys() {
             block_size: SECTOR_SIZE,
             export_flags: fl,
             durability_epoch: a.durability_epoch,
+            channel_mac: a.channel_mac,
         };
         assert!(auth::verify_target(KEY, &input, &grant, &a.proof.expect("target proof")));
         let outcome = c.handle(env.dst, session, &Message::Accept(a)).expect("outcome").expect("connected");
@@ -305,8 +306,8 @@ fn handshake_channels_share_keys() {
 /// bytes 0..=31 and Appendix A's ACK, sealed with counter 0 by the initiator.
 #[test]
 fn sealed_frame_fixtures() {
-    const AUTH: &str = "02540000000202540000000188b50220800000200003010203040506070800000022000000008000000000000005000000000000000072ffc549a8ee294478557ee0859f7c52";
-    const ENCRYPTED: &str = "02540000000202540000000188b5022080000020000301020304050607088bbb1ad3d4ebf45a2636dc7d33486ba10000000000000000fb6869c10d66f3acd92b0526cce1dcb4";
+    const AUTH: &str = "02540000000202540000000188b5032080000020000301020304050607080000002200000000800000000000000500000000000000006b87c33d4a17230b16fa4f85c34cff11";
+    const ENCRYPTED: &str = "02540000000202540000000188b5032080000020000301020304050607088bbb1ad3d4ebf45a2636dc7d33486ba10000000000000000e2106fb5ef9ff9e3b78434438a325ff7";
     let proof: [u8; 32] = std::array::from_fn(|i| i as u8);
     let env = Envelope {
         dst: tyche_wire::MacAddr::local(2),

@@ -272,6 +272,7 @@ fn grant_beyond_what_was_asked_is_bad_grant() {
             export_flags: 0,
             proof: None,
             durability_epoch: tyche_wire::DurabilityEpoch([7; 16]),
+            channel_mac: tyche_wire::MacAddr::ZERO,
         };
         util::frame_of(&env, &Message::Accept(a))
     };

@@ -221,6 +221,7 @@ pub fn run(data: &[u8]) {
             block_size: 512,
             export_flags: 0,
             durability_epoch: tyche_wire::DurabilityEpoch::NONE,
+            channel_addr: env.dst,
         };
         vol.add_channel(c.channel(&conn, Timers::default(), now), None, now);
         channels.insert(ch, Chan { next_seq: 0, rx_next: 0 });
@@ -448,6 +449,7 @@ impl World {
                         export_flags: 0,
                         proof: None,
                         durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
+                        channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
                     }),
                     1 => Message::Challenge(Challenge { nonce: a, target_nonce: b }),
                     2 => Message::Reject(Reject {

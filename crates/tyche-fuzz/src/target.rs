@@ -931,6 +931,7 @@ impl World {
                         export_flags: 0,
                         proof: None,
                         durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
+                        channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
                     }),
                     2 => Message::Challenge(tyche_wire::Challenge { nonce: a, target_nonce: b }),
                     3 => Message::Reject(tyche_wire::Reject {

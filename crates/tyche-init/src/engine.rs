@@ -785,6 +785,7 @@ impl Engine {
                             detail: match other {
                                 ChannelConnectError::BadProof => "the target did not prove the pre-shared key in its ACCEPT (a target without this export's key, or not the real target)".to_string(),
                                 ChannelConnectError::BadGrant => "the target granted channel parameters this initiator cannot use".to_string(),
+                                ChannelConnectError::BadChannelAddress(m) => format!("the target named a group address ({m}) as the channel's address in its ACCEPT"),
                                 other => format!("{other:?}"),
                             },
                         }),
@@ -1146,6 +1147,7 @@ impl Engine {
                 r.channels.push(ChannelReport {
                     channel: ch,
                     link: link.map_or_else(String::new, |k| self.links[k].name.clone()),
+                    target: c.envelope().dst.to_string(),
                     node: link.and_then(|k| self.links[k].node),
                     live: c.dead().is_none(),
                     payload_tx: cs.payload_tx,

@@ -15,6 +15,10 @@ pub struct ChannelReport {
     pub channel: u16,
     /// Link (NIC) it runs on.
     pub link: String,
+    /// The target address its frames go to: the one the ACCEPT named (a target steering each
+    /// channel to a NIC queue of its own), else the target's address on the link.
+    #[serde(default)]
+    pub target: String,
     /// NUMA node it was placed on: its NIC's node (`None`: unknown).
     pub node: Option<u32>,
     /// Whether it is alive.
@@ -169,8 +173,8 @@ impl Report {
         for c in &self.channels {
             let _ = writeln!(
                 s,
-                "  ch {:<3} {:<12} node {:<7} {}  payload tx {} B rx {} B  frames tx {} rx {}  retransmits {}  thread {} cpus {:?}",
-                c.channel, c.link, node(c.node), if c.live { "live" } else { "dead" }, c.payload_tx, c.payload_rx,
+                "  ch {:<3} {:<12} target {} node {:<7} {}  payload tx {} B rx {} B  frames tx {} rx {}  retransmits {}  thread {} cpus {:?}",
+                c.channel, c.link, c.target, node(c.node), if c.live { "live" } else { "dead" }, c.payload_tx, c.payload_rx,
                 c.frames_tx, c.frames_rx, c.retransmits, c.thread.name, c.thread.cpus
             );
         }

@@ -668,11 +668,12 @@ fn interop_with_tyched() {
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    for (script, queues, needles) in [
-        ("tcp-tyched.sh", "1", &["TCP NBDCOPY ROUND TRIP OK"][..]),
+    for (script, queues, steer, needles) in [
+        ("tcp-tyched.sh", "1", "none", &["TCP NBDCOPY ROUND TRIP OK"][..]),
         (
             "block-status.sh",
             "1",
+            "none",
             &[
                 "BLOCK STATUS NBDINFO MAP OK",
                 "BLOCK STATUS QEMU-IMG MAP OK",
@@ -683,12 +684,32 @@ fn interop_with_tyched() {
                 "BLOCK STATUS TASKS PATH OK",
             ][..],
         ),
-        ("xdp-veth-nbd.sh", "1", &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..]),
+        (
+            "xdp-veth-nbd.sh",
+            "1",
+            "none",
+            &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..],
+        ),
         // A queue and an AF_XDP socket per channel on both sides (two-queue veth).
         (
             "xdp-veth-nbd.sh",
             "2",
+            "none",
             &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP QUEUES OK", "XDP FAILOVER ROUND TRIP OK"][..],
+        ),
+        // The same with a queue address per target socket, named in ACCEPT (flow rules refused
+        // on veth, clearly).
+        (
+            "xdp-veth-nbd.sh",
+            "2",
+            "queue-mac-no-rules",
+            &[
+                "XDP STEER RULES REFUSED ON VETH OK",
+                "XDP NBDCOPY ROUND TRIP OK",
+                "XDP QUEUES OK",
+                "XDP STEER QUEUE ADDRESSES OK",
+                "XDP FAILOVER ROUND TRIP OK",
+            ][..],
         ),
     ] {
         let out = Command::new("bash")
@@ -697,6 +718,7 @@ fn interop_with_tyched() {
             .env("TYCHED", &tyched)
             .env("FIND_TARGET", "1")
             .env("QUEUES", queues)
+            .env("STEER", steer)
             .output()
             .expect("run the script");
         let text = String::from_utf8_lossy(&out.stdout);

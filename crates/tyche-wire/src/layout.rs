@@ -278,8 +278,15 @@ pub mod accept {
     /// acknowledged writes live in; writes acknowledged under an epoch survive as long as the
     /// target presents the same epoch again. All zero: no promise (never matches).
     pub const DURABILITY_EPOCH: Field = 88..104;
+    /// The channel's target address, 6 bytes: the MAC the initiator sends this channel's
+    /// frames to and accepts them from (a target that steers each channel to its own NIC queue
+    /// by destination MAC names that queue's address). All zero, or the ACCEPT's source: the
+    /// address the CONNECT went to.
+    pub const CHANNEL_MAC: Field = 104..110;
+    /// Reserved, zero.
+    pub const RESERVED1: Field = 110..112;
     /// End of the message.
-    pub const END: usize = 104;
+    pub const END: usize = 112;
 }
 
 /// REJECT: target refuses a CONNECT.

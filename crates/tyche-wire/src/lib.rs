@@ -30,7 +30,7 @@ pub use message::*;
 /// Tyche's EtherType when none is configured (IEEE 802 local experimental EtherType 1).
 pub const DEFAULT_ETHERTYPE: u16 = 0x88B5;
 /// The protocol version this crate speaks. A frame with another version is rejected.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Length of the Ethernet II header (destination, source, EtherType).
 pub const ETH_HEADER_LEN: usize = 14;
 /// Ethernet's minimum frame length without the FCS; shorter frames are padded with zeros.

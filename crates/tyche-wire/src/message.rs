@@ -695,6 +695,26 @@ pub struct Accept {
     pub proof: Option<[u8; 32]>,
     /// The export's durability epoch.
     pub durability_epoch: DurabilityEpoch,
+    /// The channel's target address (`CHANNEL_MAC`): where the initiator sends this channel's
+    /// frames and whom it accepts them from. [`MacAddr::ZERO`] (or the ACCEPT's source): the
+    /// address the CONNECT went to. Carried as received: the initiator checks it
+    /// ([`Accept::channel_addr`]).
+    pub channel_mac: MacAddr,
+}
+
+impl Accept {
+    /// The address a channel accepted by an ACCEPT from `connected` (the address its CONNECT
+    /// went to) uses for its frames: `connected` when `CHANNEL_MAC` is all zero or equal to it,
+    /// else the named address, which must be a unicast address (a group address cannot own a
+    /// channel: `Err` with the address named).
+    pub fn channel_addr(&self, connected: MacAddr) -> core::result::Result<MacAddr, MacAddr> {
+        match self.channel_mac {
+            MacAddr::ZERO => Ok(connected),
+            m if m == connected => Ok(connected),
+            m if m.is_multicast() => Err(m),
+            m => Ok(m),
+        }
+    }
 }
 
 /// REJECT.
@@ -992,6 +1012,7 @@ impl<'a> Message<'a> {
                     export_flags: get_u16(m, f::EXPORT_FLAGS),
                     proof: parse_proof(m, f::PROOF, flags & flags::PROOF != 0),
                     durability_epoch: DurabilityEpoch(m[f::DURABILITY_EPOCH].try_into().expect("16 bytes")),
+                    channel_mac: MacAddr(m[f::CHANNEL_MAC].try_into().expect("6 bytes")),
                 })
             }
             Kind::Reject => {
@@ -1137,6 +1158,7 @@ impl<'a> Message<'a> {
                 put_u16(m, f::EXPORT_FLAGS, a.export_flags);
                 emit_proof(m, f::PROOF, a.proof);
                 m[f::DURABILITY_EPOCH].copy_from_slice(&a.durability_epoch.0);
+                m[f::CHANNEL_MAC].copy_from_slice(&a.channel_mac.octets());
             }
             Message::Reject(r) => {
                 put_u64(m, layout::reject::NONCE, r.nonce);

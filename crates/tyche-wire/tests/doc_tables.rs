@@ -149,6 +149,8 @@ fn expected_fields() -> Vec<((String, String), Row)> {
         f("ACCEPT", "RESERVED0", accept::RESERVED0),
         f("ACCEPT", "PROOF", accept::PROOF),
         f("ACCEPT", "DURABILITY_EPOCH", accept::DURABILITY_EPOCH),
+        f("ACCEPT", "CHANNEL_MAC", accept::CHANNEL_MAC),
+        f("ACCEPT", "RESERVED1", accept::RESERVED1),
         f("REJECT", "NONCE", reject::NONCE),
         f("REJECT", "REASON", reject::REASON),
         f("REJECT", "HOLDER", reject::HOLDER),

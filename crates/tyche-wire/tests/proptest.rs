@@ -130,10 +130,12 @@ fn owned() -> impl Strategy<Value = Owned> {
             any::<u32>(),
             any::<u16>(),
             any::<Option<[u8; 32]>>(),
-            any::<[u8; 16]>()
+            any::<[u8; 16]>(),
+            any::<[u8; 6]>()
         )
-            .prop_map(|(nonce, params, export_size, block_size, export_flags, proof, epoch)| {
+            .prop_map(|(nonce, params, export_size, block_size, export_flags, proof, epoch, mac)| {
                 let durability_epoch = DurabilityEpoch(epoch);
+                let channel_mac = MacAddr(mac);
                 Message::Accept(Accept {
                     nonce,
                     params,
@@ -142,6 +144,7 @@ fn owned() -> impl Strategy<Value = Owned> {
                     export_flags,
                     proof,
                     durability_epoch,
+                    channel_mac,
                 })
             }),
         (any::<u64>(), pick(RejectReason::ALL), any::<Option<[u8; 6]>>()).prop_map(|(nonce, reason, holder)| {

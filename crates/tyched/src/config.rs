@@ -167,6 +167,17 @@ pub struct Config {
     /// decides where its channels' threads go. None: no consumer.
     #[serde(default)]
     pub consumer_cpus: Option<String>,
+    /// How channels get NIC queues of their own (`crate::steer`): `none`, `queue-mac` (an
+    /// address and an ntuple rule per queue, installed on the NIC at start) or
+    /// `queue-mac-no-rules` (the addresses alone, for links that keep frames on their sender's
+    /// queue: veth).
+    #[serde(default)]
+    pub steer: crate::steer::Steer,
+    /// With `steer`: the queue addresses of an interface, one per queue (`channels_per_nic`),
+    /// locally administered unicast. An interface not listed derives them from its own address
+    /// (`crate::steer::derive_queue_mac`).
+    #[serde(default)]
+    pub queue_macs: std::collections::BTreeMap<String, Vec<String>>,
     /// The exports.
     #[serde(default, rename = "export")]
     pub exports: Vec<ExportConfig>,
@@ -377,6 +388,8 @@ impl Default for Config {
             network_thread_node: None,
             model_cache: None,
             consumer_cpus: None,
+            steer: crate::steer::Steer::None,
+            queue_macs: Default::default(),
             exports: Vec::new(),
         }
     }
@@ -551,6 +564,81 @@ impl Config {
         Ok(cpus)
     }
 
+    /// The queue addresses of interface `iface`, whose own address is `nic`, with `steer`: the
+    /// configured ones, or derived from `nic`. Empty without `steer`.
+    pub fn queue_macs_for(&self, iface: &str, nic: MacAddr) -> Result<Vec<MacAddr>, ConfigError> {
+        if !self.steer.addresses() {
+            return Ok(Vec::new());
+        }
+        let field = format!("queue_macs.{iface}");
+        let macs = match self.queue_macs.get(iface) {
+            Some(list) => list
+                .iter()
+                .map(|m| m.parse::<MacAddr>().map_err(|_| invalid(&field, format!("{m:?} is not a MAC address"))))
+                .collect::<Result<Vec<_>, _>>()?,
+            None => (0..self.channels_per_nic)
+                .map(|q| crate::steer::derive_queue_mac(nic, q))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    invalid(
+                        &field,
+                        format!(
+                            "derived addresses cover {} queues; list the {} queue addresses",
+                            crate::steer::MAX_DERIVED_QUEUES,
+                            self.channels_per_nic
+                        ),
+                    )
+                })?,
+        };
+        if macs.contains(&nic) {
+            return Err(invalid(&field, format!("{nic} is the interface's own address, not a queue's")));
+        }
+        Ok(macs)
+    }
+
+    /// The `steer` and `queue_macs` fields.
+    fn validate_steer(&self) -> Result<(), ConfigError> {
+        if !self.steer.addresses() {
+            if !self.queue_macs.is_empty() {
+                return Err(invalid("queue_macs", "given without steer (set steer = \"queue-mac\")"));
+            }
+            return Ok(());
+        }
+        if self.transport != TransportKind::Xdp {
+            return Err(invalid("steer", "steers AF_XDP queues: needs transport = \"xdp\""));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (iface, list) in &self.queue_macs {
+            let field = format!("queue_macs.{iface}");
+            if !self.ifaces.is_empty() && !self.ifaces.contains(iface) {
+                return Err(invalid(field, "not one of ifaces"));
+            }
+            if list.len() != self.channels_per_nic as usize {
+                return Err(invalid(
+                    field,
+                    format!("{} addresses for {} queues (channels_per_nic)", list.len(), self.channels_per_nic),
+                ));
+            }
+            for m in list {
+                let mac: MacAddr = m.parse().map_err(|_| invalid(&field, format!("{m:?} is not a MAC address")))?;
+                crate::steer::check_queue_mac(mac).map_err(|e| invalid(&field, e))?;
+                if !seen.insert(mac) {
+                    return Err(invalid(&field, format!("{mac} is given twice")));
+                }
+            }
+        }
+        if self.queue_macs.len() < self.ifaces.len() && self.channels_per_nic > crate::steer::MAX_DERIVED_QUEUES {
+            return Err(invalid(
+                "queue_macs",
+                format!(
+                    "derived queue addresses cover {} queues: list them for every interface",
+                    crate::steer::MAX_DERIVED_QUEUES
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.exports.is_empty() {
@@ -566,6 +654,7 @@ impl Config {
         if self.channels_per_nic == 0 || self.channels_per_nic > 64 {
             return Err(invalid("channels_per_nic", "must be 1 to 64"));
         }
+        self.validate_steer()?;
         if self.ethertype < 0x0600 {
             return Err(invalid("ethertype", "must be at least 0x0600 (an EtherType, not a length)"));
         }
@@ -756,6 +845,53 @@ mod tests {
         assert!(e.to_string().starts_with("export[0].allow[0]:"), "{e}");
         let text = "[[export]]\nname = \"a\"\nsize = \"1M\"\nkey = \"short\"";
         assert!(Config::from_toml(text).expect_err("short key").to_string().starts_with("export[0].key:"));
+    }
+
+    #[test]
+    fn steering_is_checked_so_that_nothing_is_half_configured() {
+        let base = "[[export]]\nname = \"a\"\nsize = \"1M\"\n";
+        let with = |extra: &str| Config::from_toml(&format!("{extra}\n{base}"));
+        use crate::steer::Steer;
+        assert_eq!(with("").unwrap().steer, Steer::None);
+        assert_eq!(with("steer = \"queue-mac\"").unwrap().steer, Steer::QueueMac);
+        assert_eq!(with("steer = \"queue-mac-no-rules\"").unwrap().steer, Steer::QueueMacNoRules);
+        let e = with("steer = \"queue-mac-rules\"").expect_err("unknown mode");
+        assert!(e.to_string().contains("steer"), "{e}");
+        // Queue addresses without steering would do nothing: refused.
+        let e = with("channels_per_nic = 2\n[queue_macs]\neth1 = [\"06:00:00:00:00:01\", \"0a:00:00:00:00:01\"]")
+            .expect_err("queue_macs without steer");
+        assert!(e.to_string().starts_with("queue_macs: given without steer"), "{e}");
+        let e = with("steer = \"queue-mac\"\ntransport = \"tcp\"").expect_err("not AF_XDP");
+        assert!(e.to_string().starts_with("steer:"), "{e}");
+        let ok = "steer = \"queue-mac\"\nchannels_per_nic = 2\nifaces = [\"eth1\"]\n[queue_macs]\n";
+        let c = with(&format!("{ok}eth1 = [\"06:00:00:00:00:01\", \"0a:00:00:00:00:01\"]")).expect("two addresses");
+        let nic = MacAddr([0x3c, 0xec, 0xef, 1, 2, 3]);
+        assert_eq!(
+            c.queue_macs_for("eth1", nic).unwrap(),
+            ["06:00:00:00:00:01".parse::<MacAddr>().unwrap(), "0a:00:00:00:00:01".parse().unwrap()]
+        );
+        // Derived for an interface not listed.
+        let derived = c.queue_macs_for("eth2", nic).unwrap();
+        assert_eq!(derived, (0..2).map(|q| crate::steer::derive_queue_mac(nic, q).unwrap()).collect::<Vec<_>>());
+        for (list, why) in [
+            ("[\"06:00:00:00:00:01\"]", "1 addresses for 2 queues"),
+            ("[\"06:00:00:00:00:01\", \"06:00:00:00:00:01\"]", "given twice"),
+            ("[\"06:00:00:00:00:01\", \"07:00:00:00:00:01\"]", "group"),
+            ("[\"06:00:00:00:00:01\", \"3c:00:00:00:00:01\"]", "not locally administered"),
+            ("[\"06:00:00:00:00:01\", \"00:00:00:00:00:00\"]", "all-zero"),
+            ("[\"06:00:00:00:00:01\", \"nope\"]", "not a MAC address"),
+        ] {
+            let e = with(&format!("{ok}eth1 = {list}")).expect_err(why);
+            assert!(e.to_string().starts_with("queue_macs.eth1:") && e.to_string().contains(why), "{e}");
+        }
+        let e = with(&format!("{ok}eth9 = [\"06:00:00:00:00:01\", \"0a:00:00:00:00:01\"]")).expect_err("no such iface");
+        assert!(e.to_string().starts_with("queue_macs.eth9: not one of ifaces"), "{e}");
+        // The interface's own address is no queue's.
+        let e = c.queue_macs_for("eth1", "06:00:00:00:00:01".parse().unwrap()).expect_err("own address");
+        assert!(e.to_string().contains("the interface's own address"), "{e}");
+        // 64 queues are more than derived addresses cover.
+        let e = with("steer = \"queue-mac\"\nchannels_per_nic = 64\nifaces = [\"eth1\"]").expect_err("64 queues");
+        assert!(e.to_string().starts_with("queue_macs: derived queue addresses cover 63 queues"), "{e}");
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub mod packet;
 pub mod prometheus;
 pub mod stats;
 pub mod stats_server;
+pub mod steer;
 pub mod target;
 pub mod uring;
 pub mod workers;

@@ -56,6 +56,11 @@ struct ServeArgs {
     /// Channels per NIC.
     #[arg(long)]
     channels_per_nic: Option<u16>,
+    /// Channels on NIC queues of their own: none, queue-mac (an address and an ntuple flow
+    /// rule per queue, installed on the NIC; fails on a NIC without ntuple filters) or
+    /// queue-mac-no-rules (the addresses alone, for veth).
+    #[arg(long, value_name = "none|queue-mac|queue-mac-no-rules")]
+    steer: Option<tyched::steer::Steer>,
     /// Transport: xdp, tcp or packet.
     #[arg(long)]
     transport: Option<TransportKind>,
@@ -166,6 +171,9 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     if let Some(t) = args.transport {
         config.transport = t;
     }
+    if let Some(s) = args.steer {
+        config.steer = s;
+    }
     if let Some(a) = &args.tcp_listen {
         config.tcp_listen = Some(a.clone());
     }
@@ -253,13 +261,15 @@ fn serve(args: ServeArgs) -> Result<()> {
             "placement experiment: every network thread and its completion workers on node {n}, not on its NIC's (network_thread_node)"
         );
     }
-    let nics = open_nics(&config, &term)?;
+    let mut steering = Steering::default();
+    let nics = open_nics(&config, &term, &mut steering)?;
     if term.load(Ordering::SeqCst) {
         return Ok(());
     }
     let topo = tyche_numa::Topology::this_system().ok();
     let model = topo.as_ref().and_then(|t| bandwidth_model(&config, t, args.model_refresh));
-    let (placement, plan) = placement_for(&config, &nics, topo.as_ref(), model.as_ref());
+    let (mut placement, plan) = placement_for(&config, &nics, topo.as_ref(), model.as_ref());
+    placement.queue_addresses = std::mem::take(&mut steering.addresses);
     if let (Some(model), Some(plan)) = (&model, &plan) {
         for w in tyche_numa::model::plan_warnings(model, plan) {
             tracing::warn!("{w}");
@@ -290,6 +300,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         tracing::info!("signal received: shutting down");
     }
     let snap = handle.shutdown();
+    // The flow rules and queue addresses go once no channel uses them.
+    drop(steering);
     if died {
         bail!("the network thread stopped unexpectedly (see the log above)");
     }
@@ -297,8 +309,52 @@ fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// Queue addresses (`steer`): what is installed on the NICs (removed when dropped) and each
+/// transport's address.
+#[derive(Debug, Default)]
+struct Steering {
+    installed: Vec<tyched::steer::Installed>,
+    addresses: tyched::steer::QueueAddresses,
+}
+
+/// With `steer`, the queue addresses of interface number `i` (`name`) served by `ports` AF_XDP
+/// sockets on queues 0..ports: installed on the NIC with `queue-mac`, and recorded per
+/// transport.
+fn steer_iface(
+    config: &Config,
+    i: usize,
+    name: &str,
+    nic: tyche_wire::MacAddr,
+    ports: usize,
+    steering: &mut Steering,
+) -> Result<()> {
+    let a = &mut steering.addresses;
+    if !config.steer.addresses() {
+        a.of_nic.extend((0..ports).map(|_| None));
+        a.iface_of.extend((0..ports).map(|_| i));
+        return Ok(());
+    }
+    let mut macs = config.queue_macs_for(name, nic)?;
+    if ports < macs.len() {
+        tracing::warn!(iface = %name, queues = ports, "fewer queues than channels_per_nic: queue addresses for the queues opened only");
+        macs.truncate(ports);
+    }
+    if config.steer == tyched::steer::Steer::QueueMac {
+        let done = tyched::steer::install(name, &macs, Box::new(tyched::steer::SystemTools))?;
+        tracing::info!(iface = %name, addresses = ?done.addresses(), rules = ?done.rules(), "queue addresses and flow rules installed");
+        steering.installed.push(done);
+    } else {
+        tracing::info!(iface = %name, addresses = ?macs, "queue addresses (no flow rules: steer = \"queue-mac-no-rules\")");
+    }
+    let a = &mut steering.addresses;
+    a.spread = config.steer == tyched::steer::Steer::QueueMac;
+    a.of_nic.extend(macs.iter().map(|&m| Some(m)));
+    a.iface_of.extend((0..ports).map(|_| i));
+    Ok(())
+}
+
 /// One transport per interface (and per channel queue with AF_XDP).
-fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
+fn open_nics(config: &Config, term: &AtomicBool, steering: &mut Steering) -> Result<Vec<Nic>> {
     let mut nics = Vec::new();
     let listener = match config.transport {
         TransportKind::Tcp => {
@@ -310,7 +366,7 @@ fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
         }
         _ => None,
     };
-    for name in &config.ifaces {
+    for (i, name) in config.ifaces.iter().enumerate() {
         match config.transport {
             TransportKind::Packet => {
                 let t = tyched::packet::PacketTransport::open(name, config.ethertype)
@@ -330,6 +386,10 @@ fn open_nics(config: &Config, term: &AtomicBool) -> Result<Vec<Nic>> {
                 let queues = u32::from(config.channels_per_nic);
                 let ports = tyche_xdp::XdpPort::open_queues(name, queues, &pc)
                     .with_context(|| format!("{name} (queues 0..{queues}): AF_XDP"))?;
+                if let Some(first) = ports.first() {
+                    let nic = tyche_transport::FrameTransport::local_mac(first);
+                    steer_iface(config, i, name, nic, ports.len(), steering)?;
+                }
                 for (q, port) in ports.into_iter().enumerate() {
                     tracing::info!(iface = %name, queue = q, mode = %port.mode(), "AF_XDP port open");
                     let label = if config.channels_per_nic > 1 { format!("{name}/{q}") } else { name.clone() };

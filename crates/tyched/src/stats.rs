@@ -145,6 +145,9 @@ pub struct ChannelSnapshot {
     pub nic: String,
     /// Initiator MAC.
     pub peer: String,
+    /// The target's address for this channel: its queue's address with `steer`, else the NIC's.
+    #[serde(default)]
+    pub addr: String,
     /// Whether dead (waiting to be reclaimed).
     pub dead: bool,
     /// Frames sent.
@@ -452,8 +455,8 @@ impl Snapshot {
         for c in &self.channels {
             let _ = writeln!(
                 s,
-                "  session {:016x} ch {} {} on {} from {}{}  {}  tx {} frames {} B  rx {} frames {} B  retransmits {}  executing {}  drops {:?}",
-                c.session, c.channel, c.export, c.nic, c.peer, if c.dead { " (dead)" } else { "" }, c.protection, c.frames_tx,
+                "  session {:016x} ch {} {} on {} ({}) from {}{}  {}  tx {} frames {} B  rx {} frames {} B  retransmits {}  executing {}  drops {:?}",
+                c.session, c.channel, c.export, c.nic, c.addr, c.peer, if c.dead { " (dead)" } else { "" }, c.protection, c.frames_tx,
                 c.payload_tx, c.frames_rx, c.payload_rx, c.retransmits, c.executing, c.drops
             );
         }

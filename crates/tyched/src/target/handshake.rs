@@ -350,7 +350,24 @@ impl Network {
         let busy_before = self.acceptor.busy();
         let mut buf = vec![0u8; REPLY_BUF];
         let keyed = admission.keyed.as_ref().map(|(key, tn)| KeyedConnect { key, target_nonce: *tn });
-        match self.acceptor.handle_keyed(now, peer.local, peer.src, &peer.env_in, msg, &mut ids, &mut buf, keyed) {
+        // With queue addresses, the channel goes to a transport (NIC queue) of the interface
+        // and is named by its address; the ACCEPT still goes out where the CONNECT came in.
+        let (serve_on, channel_addr) = match msg {
+            Message::Connect(_) => self.queue_addresses.assign(peer.k, |j| self.channels_on(j)),
+            _ => (peer.k, None),
+        };
+        let channel_addr = channel_addr.unwrap_or(peer.local);
+        match self.acceptor.handle_steered(
+            now,
+            peer.local,
+            channel_addr,
+            peer.src,
+            &peer.env_in,
+            msg,
+            &mut ids,
+            &mut buf,
+            keyed,
+        ) {
             Some(Accepted::Reply(len)) => {
                 if self.acceptor.busy() != busy_before && PEER_LOGS.allow() {
                     tracing::warn!(src = %peer.src, busy = ?self.acceptor.busy(), "refused a CONNECT: a session or channel limit is full");
@@ -359,7 +376,7 @@ impl Network {
                 self.queue_control(peer.k, buf);
             }
             Some(Accepted::Channel { session, export, channel, len }) => {
-                self.open_channel(peer, session, export, channel, admission);
+                self.open_channel(peer, serve_on, session, export, channel, admission);
                 buf.truncate(len);
                 self.queue_control(peer.k, buf);
             }
@@ -370,8 +387,16 @@ impl Network {
     /// Adds an accepted channel to its session, creating the session (and fencing the older
     /// sessions of the same initiator) if it is new. A reconnect on the same index replaces the
     /// channel, and its slots go with it.
-    fn open_channel(&mut self, peer: &Peer, session: u64, export: usize, channel: Box<Channel>, admission: Admission) {
-        let (k, src) = (peer.k, peer.src);
+    fn open_channel(
+        &mut self,
+        peer: &Peer,
+        k: usize,
+        session: u64,
+        export: usize,
+        channel: Box<Channel>,
+        admission: Admission,
+    ) {
+        let src = peer.src;
         let e = &self.exports[export];
         let geometry = ExportGeometry { size: e.spec.size, read_only: e.read_only, discard: true };
         let Admission { identity, fence, .. } = admission;
@@ -405,7 +430,8 @@ impl Network {
             }
         });
         if log {
-            tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(), "channel open");
+            tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(),
+                nic = %self.nics[k].stats.name, addr = %channel.envelope().src, "channel open");
         }
         st.session.add_channel(group, *channel);
         st.all_dead_since = None;
@@ -417,6 +443,19 @@ impl Network {
             *epoch += 1;
             self.slots.drop_where(|key| key.0 == session && key.1 == idx && key.2 == old);
         }
+    }
+
+    /// Live channels served on transport `k`.
+    fn channels_on(&self, k: usize) -> usize {
+        self.sessions
+            .values()
+            .map(|s| {
+                s.nic_of
+                    .iter()
+                    .filter(|&(&c, &on)| on == k && s.session.channel(c).is_some_and(|ch| ch.dead().is_none()))
+                    .count()
+            })
+            .sum()
     }
 
     /// Fences session `old` for the new session `by` of the same initiator: its channels close,

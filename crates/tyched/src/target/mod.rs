@@ -111,6 +111,9 @@ pub struct Placement {
     /// that automatic NUMA balancing does not move the pages it touches towards the CPU it
     /// happens to run on (`tyche_numa::alloc::bind_thread_memory_to`).
     pub memory_nodes: Vec<u32>,
+    /// Channels on NIC queues of their own (`steer`): each transport's queue address, in the
+    /// order of the `nics` given; empty: every channel uses its NIC's address.
+    pub queue_addresses: crate::steer::QueueAddresses,
 }
 
 /// A transport with the name it is shown under.
@@ -427,6 +430,8 @@ struct Network {
     stopping: Option<Instant>,
     /// The plaintext of the last frame of an encrypting channel.
     rx_scratch: Vec<u8>,
+    /// Queue addresses: which transport serves a new channel and the address ACCEPT names.
+    queue_addresses: crate::steer::QueueAddresses,
 }
 
 impl Network {

@@ -112,6 +112,7 @@ impl Network {
                     export: self.exports[s.export].spec.name.clone(),
                     nic: self.nics[k].stats.name.clone(),
                     peer: c.envelope().dst.to_string(),
+                    addr: c.envelope().src.to_string(),
                     dead: c.dead().is_some(),
                     frames_tx: cs.frames_tx,
                     frames_rx: cs.frames_rx,

@@ -122,9 +122,32 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         shared: Arc::clone(&shared),
         stopping: None,
         rx_scratch: Vec::new(),
+        queue_addresses: queue_addresses(&placement.queue_addresses, n_nics)?,
     };
     tracing::info!(nics = n_nics, threads = groups.len(), "serving");
     Ok(Built { net, nics, groups, shared, workers })
+}
+
+/// The queue addresses of the placement, checked against the NICs given.
+fn queue_addresses(
+    q: &crate::steer::QueueAddresses,
+    n_nics: usize,
+) -> Result<crate::steer::QueueAddresses, StartError> {
+    if q.of_nic.is_empty() {
+        return Ok(crate::steer::QueueAddresses::default());
+    }
+    if q.of_nic.len() != n_nics || q.iface_of.len() != n_nics {
+        return Err(crate::config::ConfigError::Invalid {
+            field: "steer".into(),
+            message: format!("queue addresses for {} transports, {n_nics} given", q.of_nic.len()),
+        }
+        .into());
+    }
+    for m in q.of_nic.iter().flatten() {
+        crate::steer::check_queue_mac(*m)
+            .map_err(|message| crate::config::ConfigError::Invalid { field: "queue_macs".into(), message })?;
+    }
+    Ok(q.clone())
 }
 
 /// Opens every export of `config` (RAM exports on `node`).
