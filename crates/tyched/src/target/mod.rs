@@ -425,6 +425,8 @@ struct Network {
     stopping: Option<Instant>,
     /// The plaintext of the last frame of an encrypting channel.
     rx_scratch: Vec<u8>,
+    /// The last frame that arrived in pieces and had to be whole (a sealed or DIGEST channel's).
+    rx_gather: Vec<u8>,
 }
 
 impl Network {

@@ -121,6 +121,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         shared: Arc::clone(&shared),
         stopping: None,
         rx_scratch: Vec::new(),
+        rx_gather: Vec::new(),
     };
     tracing::info!(nics = n_nics, threads = groups.len(), "serving");
     Ok(Built { net, nics, groups, shared, workers })
