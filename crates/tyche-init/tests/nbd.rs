@@ -668,11 +668,12 @@ fn interop_with_tyched() {
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    for (script, queues, needles) in [
-        ("tcp-tyched.sh", "1", &["TCP NBDCOPY ROUND TRIP OK"][..]),
+    for (script, queues, mtu, needles) in [
+        ("tcp-tyched.sh", "1", "3000", &["TCP NBDCOPY ROUND TRIP OK"][..]),
         (
             "block-status.sh",
             "1",
+            "3000",
             &[
                 "BLOCK STATUS NBDINFO MAP OK",
                 "BLOCK STATUS QEMU-IMG MAP OK",
@@ -683,12 +684,31 @@ fn interop_with_tyched() {
                 "BLOCK STATUS TASKS PATH OK",
             ][..],
         ),
-        ("xdp-veth-nbd.sh", "1", &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..]),
+        (
+            "xdp-veth-nbd.sh",
+            "1",
+            "3000",
+            &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..],
+        ),
         // A queue and an AF_XDP socket per channel on both sides (two-queue veth).
         (
             "xdp-veth-nbd.sh",
             "2",
+            "3000",
             &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP QUEUES OK", "XDP FAILOVER ROUND TRIP OK"][..],
+        ),
+        // Jumbo frames: multi-buffer AF_XDP frames, 128 KiB blocks with no payload copied.
+        (
+            "xdp-veth-nbd.sh",
+            "1",
+            "9000",
+            &[
+                "XDP DISCOVER OK",
+                "XDP NBDCOPY ROUND TRIP OK",
+                "XDP FIO 128K VERIFY OK",
+                "XDP FIO 128K ZERO COPY OK",
+                "XDP FAILOVER ROUND TRIP OK",
+            ][..],
         ),
     ] {
         let out = Command::new("bash")
@@ -697,6 +717,7 @@ fn interop_with_tyched() {
             .env("TYCHED", &tyched)
             .env("FIND_TARGET", "1")
             .env("QUEUES", queues)
+            .env("MTU", mtu)
             .output()
             .expect("run the script");
         let text = String::from_utf8_lossy(&out.stdout);

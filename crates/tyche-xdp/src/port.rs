@@ -88,11 +88,13 @@ pub struct PortConfig {
     pub queue: u32,
     /// UMEM chunks, a power of two; half receive, half transmit.
     pub frame_count: u32,
-    /// Extra receive chunks, so that up to this many received frames can be lent to the receiver
-    /// ([`FrameTransport::recv_lend`]) while the fill ring stays full; 0: frames are never lent.
+    /// Extra receive chunks, so that received frames of up to this many chunks in all can be
+    /// lent to the receiver ([`FrameTransport::recv_lend`]) while the fill ring stays full (a
+    /// multi-buffer frame takes one per piece); 0: frames are never lent.
     pub lend_frames: u32,
     /// Extra chunks the sender may take for good ([`FrameTransport::lend_tx_chunks`]) to prepare
-    /// frames in ahead of time (read data stored straight into them); 0: none.
+    /// frames in ahead of time (read data stored straight into them; on a multi-buffer link in
+    /// groups of as many chunks as a frame spans); 0: none.
     pub tx_lend_frames: u32,
     /// Descriptors moved per ring operation.
     pub batch: usize,
@@ -201,6 +203,8 @@ pub struct XdpPort {
     rx_spare: Vec<FrameDesc>,
     /// Chunks lent to the receiver, by address.
     lent: HashMap<u64, FrameDesc>,
+    /// Frames lent to the receiver (a multi-buffer frame holds several of `lent`).
+    lent_frames: usize,
     /// Transmit chunks not lent yet ([`FrameTransport::lend_tx_chunks`]).
     tx_lendable: Vec<FrameDesc>,
     /// Transmit chunks (groups, on a multi-buffer link) lent for good, by the address of the
@@ -401,6 +405,7 @@ impl XdpPort {
             stats: PortStats::default(),
             rx_spare: spare.to_vec(),
             lent: HashMap::new(),
+            lent_frames: 0,
             tx_lendable: tx_lendable.to_vec(),
             tx_lent: HashMap::new(),
             tx_member: HashMap::new(),
@@ -609,6 +614,7 @@ impl XdpPort {
                                 self.lent.insert(d.addr() as u64, d);
                                 refill.push(self.rx_spare.pop().expect("checked above"));
                             }
+                            self.lent_frames += 1;
                             self.stats.lent += 1;
                         }
                         Some(lease) => {
@@ -632,6 +638,7 @@ impl XdpPort {
                     None => {
                         // Kept: a spare chunk takes its place on the fill ring.
                         self.lent.insert(desc.addr() as u64, *desc);
+                        self.lent_frames += 1;
                         self.stats.lent += 1;
                         refill.push(self.rx_spare.pop().expect("checked above"));
                     }
@@ -769,10 +776,11 @@ impl FrameTransport for XdpPort {
             let desc = self.lent.remove(&piece.id).expect("a lease this port lent and did not get back yet");
             self.rx_spare.push(desc);
         }
+        self.lent_frames -= 1;
     }
 
     fn leases_out(&self) -> usize {
-        self.lent.len()
+        self.lent_frames
     }
 
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {

@@ -529,6 +529,9 @@ impl Network {
     }
 }
 
+// A frame's pieces: what a transport lends at most is what the engine takes.
+const _: () = assert!(tyche_channel::MAX_PIECES == tyche_transport::MAX_PIECES);
+
 /// What one [`Network::transmit_on`] sent.
 #[derive(Default)]
 struct TxCount {
