@@ -196,6 +196,19 @@ pub(crate) fn deliver<'a, 'c>(
     }
     let idx = frame.channel();
     let ch = channel(idx).filter(|ch| ch.envelope().dst == frame.src()).ok_or(FrameDrop::NotOurs)?;
+    deliver_to(ch, idx, now, bytes, scratch, ethertype)
+}
+
+/// The part of [`deliver`] after the frame's channel `idx` was found: authentication,
+/// parsing, the channel.
+fn deliver_to<'a>(
+    ch: &mut Channel,
+    idx: u16,
+    now: Instant,
+    bytes: &'a [u8],
+    scratch: &'a mut Vec<u8>,
+    ethertype: u16,
+) -> Result<(u16, Received<'a>, &'a [u8]), FrameDrop> {
     let bytes = match ch.open(bytes, scratch) {
         Ok(b) => b,
         Err(r) => return Ok((idx, ch.drop_frame(r), bytes)),
@@ -203,6 +216,165 @@ pub(crate) fn deliver<'a, 'c>(
     let frame = tyche_wire::Frame::new_checked(bytes, ethertype).map_err(FrameDrop::Wire)?;
     let msg = frame.parse_borrowed().map_err(FrameDrop::Wire)?;
     Ok((idx, ch.handle(now, &msg), bytes))
+}
+
+/// Most pieces a received frame may come in: a multi-buffer frame of the largest MTU (9216)
+/// over AF_XDP chunks that carry 3646 bytes each is 3 (the same limit as
+/// `tyche_transport::MAX_PIECES`).
+pub const MAX_PIECES: usize = 4;
+
+/// Bytes in one piece or several: the payload of a DATA frame that arrived as a multi-buffer
+/// frame lies across its buffers. The pieces are held inline (no allocation per frame).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pieces<'a> {
+    parts: [&'a [u8]; MAX_PIECES],
+    count: u8,
+}
+
+impl<'a> Pieces<'a> {
+    /// Bytes in one piece.
+    pub fn one(bytes: &'a [u8]) -> Pieces<'a> {
+        let mut parts: [&'a [u8]; MAX_PIECES] = [&[]; MAX_PIECES];
+        parts[0] = bytes;
+        Pieces { parts, count: 1 }
+    }
+    /// Bytes `start..start + len` of a frame given in `pieces` (in order), or `None` when they
+    /// lie beyond its end or span more than [`MAX_PIECES`] pieces.
+    pub fn cut(pieces: &[&'a [u8]], start: usize, len: usize) -> Option<Pieces<'a>> {
+        let mut parts: [&'a [u8]; MAX_PIECES] = [&[]; MAX_PIECES];
+        let mut count = 0;
+        let (mut skip, mut left) = (start, len);
+        for p in pieces {
+            if left == 0 {
+                break;
+            }
+            if skip >= p.len() {
+                skip -= p.len();
+                continue;
+            }
+            let n = left.min(p.len() - skip);
+            *parts.get_mut(count)? = &p[skip..skip + n];
+            count += 1;
+            skip = 0;
+            left -= n;
+        }
+        (left == 0 && count > 0).then_some(Pieces { parts, count: count as u8 })
+    }
+    /// The pieces, in order.
+    pub fn parts(&self) -> &[&'a [u8]] {
+        &self.parts[..self.count as usize]
+    }
+    /// Bytes in all.
+    pub fn len(&self) -> usize {
+        self.parts().iter().map(|p| p.len()).sum()
+    }
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The bytes, when they are in one piece.
+    pub fn as_single(&self) -> Option<&'a [u8]> {
+        match self.parts() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+}
+
+/// Bytes of the copy [`data_head`] checks: a DATA frame's headers and one sector.
+pub const DATA_HEAD_COPY: usize = DATA_FRAME_OVERHEAD + tyche_wire::SECTOR_SIZE as usize;
+
+/// The headers of a DATA frame that arrived in pieces, from its first piece, checked by
+/// `tyche_wire`: a checked frame over a copy of the first piece's headers (62 bytes, never the
+/// payload) whose `LENGTH` is set to cover them and one sector, and the frame's real `LENGTH`.
+/// An error for a first piece too short for the headers, or a frame `tyche_wire` refuses, or
+/// one that is not DATA (no other message is ever longer than one buffer).
+pub fn data_head(
+    first: &[u8],
+    ethertype: u16,
+) -> Result<(tyche_wire::Frame<[u8; DATA_HEAD_COPY]>, usize), tyche_wire::WireError> {
+    use tyche_wire::{WireError, ETH_HEADER_LEN};
+    let length_at = ETH_HEADER_LEN + layout::common::LENGTH.start;
+    let head = first.get(..DATA_FRAME_OVERHEAD).ok_or(WireError::Truncated)?;
+    let mut copy = [0u8; DATA_HEAD_COPY];
+    copy[..DATA_FRAME_OVERHEAD].copy_from_slice(head);
+    let length = u16::from_be_bytes([copy[length_at], copy[length_at + 1]]) as usize;
+    let short = (DATA_HEAD_COPY - ETH_HEADER_LEN) as u16;
+    copy[length_at..length_at + 2].copy_from_slice(&short.to_be_bytes());
+    let frame = tyche_wire::Frame::new_checked(copy, ethertype)?;
+    if frame.kind() != tyche_wire::Kind::Data {
+        return Err(WireError::BadLength);
+    }
+    Ok((frame, length))
+}
+
+/// [`deliver`] for a frame that arrived in several pieces (a multi-buffer frame; at most
+/// [`MAX_PIECES`]). A DATA frame of a channel that neither seals its frames nor carries
+/// digests has its headers, all in the first piece, checked and parsed by `tyche_wire` from a
+/// copy of them (62 bytes, never the payload), and its payload is returned as the pieces it
+/// lies in. Any other frame (a sealed or DIGEST channel's, whose checks need the whole frame;
+/// a message that is not DATA; a first piece too short for the headers) is gathered into
+/// `gather` first and delivered as one piece: the one copy there is.
+pub(crate) fn deliver_pieces<'a, 'c>(
+    now: Instant,
+    pieces: &[&'a [u8]],
+    scratch: &'a mut Vec<u8>,
+    gather: &'a mut Vec<u8>,
+    ethertype: u16,
+    session: u64,
+    channel: impl FnOnce(u16) -> Option<&'c mut Channel>,
+) -> Result<(u16, Received<'a>, Pieces<'a>), FrameDrop> {
+    use tyche_wire::{WireError, ETH_HEADER_LEN, SECTOR_SIZE};
+    if pieces.len() > MAX_PIECES {
+        return Err(FrameDrop::Wire(WireError::BadLength));
+    }
+    let sector = SECTOR_SIZE as usize;
+    let head = pieces.first().and_then(|first| data_head(first, ethertype).ok());
+    let gathered = |gather: &'a mut Vec<u8>| -> &'a [u8] {
+        gather.clear();
+        for p in pieces {
+            gather.extend_from_slice(p);
+        }
+        gather
+    };
+    let Some((frame, length)) = head else {
+        let bytes = gathered(gather);
+        let (idx, received, bytes) = deliver(now, bytes, scratch, ethertype, session, channel)?;
+        let payload = match received {
+            Received::Placed(p) => Pieces::one(p.payload),
+            _ => Pieces::one(bytes),
+        };
+        return Ok((idx, received, payload));
+    };
+    if frame.session() != session {
+        return Err(FrameDrop::NotOurs);
+    }
+    let idx = frame.channel();
+    let ch = channel(idx).filter(|ch| ch.envelope().dst == frame.src()).ok_or(FrameDrop::NotOurs)?;
+    if ch.sealed() || ch.params.features & tyche_wire::flags::FEATURE_DIGEST != 0 {
+        let bytes = gathered(gather);
+        let (idx, received, bytes) = deliver_to(ch, idx, now, bytes, scratch, ethertype)?;
+        let payload = match received {
+            Received::Placed(p) => Pieces::one(p.payload),
+            _ => Pieces::one(bytes),
+        };
+        return Ok((idx, received, payload));
+    }
+    // The real LENGTH: the payload runs from the headers to its end, across the pieces.
+    let end = ETH_HEADER_LEN + length;
+    let total: usize = pieces.iter().map(|p| p.len()).sum();
+    if end > total || end < DATA_FRAME_OVERHEAD {
+        return Err(FrameDrop::Wire(WireError::Truncated));
+    }
+    let payload_len = end - DATA_FRAME_OVERHEAD;
+    // The checks tyche_wire makes of a DATA payload, on the real one.
+    if payload_len == 0 || payload_len % sector != 0 {
+        return Err(FrameDrop::Wire(WireError::Malformed));
+    }
+    let payload = Pieces::cut(pieces, DATA_FRAME_OVERHEAD, payload_len).ok_or(FrameDrop::Wire(WireError::Truncated))?;
+    let msg = frame.parse().map_err(FrameDrop::Wire)?;
+    let received = ch.handle_sized(now, &msg, payload_len);
+    Ok((idx, received, payload))
 }
 
 /// For a DATA frame: where its `DIGEST` field is, and its payload (up to `LENGTH`).
@@ -765,6 +937,21 @@ impl Channel {
 
     /// Hands the channel a message received for it (the caller matched session and channel).
     pub fn handle<'a>(&mut self, now: Instant, msg: &Message<'a>) -> Received<'a> {
+        let payload = match msg {
+            Message::Data(d) => d.payload,
+            _ => &[],
+        };
+        match self.handle_sized(now, msg, payload.len()) {
+            Received::Placed(p) => Received::Placed(Placement { payload, ..p }),
+            other => other,
+        }
+    }
+
+    /// [`Channel::handle`] where a DATA message's payload is `data_len` bytes whatever `msg`
+    /// holds (a multi-buffer frame's payload lies across pieces the caller keeps): the channel
+    /// looks at its length only, and a placement comes back with an empty `payload` for the
+    /// caller to fill in.
+    pub(crate) fn handle_sized(&mut self, now: Instant, msg: &Message<'_>, data_len: usize) -> Received<'static> {
         if self.dead.is_some() {
             return self.drop_frame(DropReason::Dead);
         }
@@ -859,7 +1046,7 @@ impl Channel {
         match *msg {
             Message::Request(r) => self.on_request(r),
             Message::Completion(c) => self.on_completion(c),
-            Message::Data(d) => self.on_data(d.header, d.payload),
+            Message::Data(d) => self.on_data(d.header, data_len),
             _ => unreachable!("only sequenced messages get here"),
         }
     }
@@ -989,12 +1176,14 @@ impl Channel {
         self.events.push_back(ChannelEvent::Completed { tag: sub.tag, status });
     }
 
-    fn on_data<'a>(&mut self, h: DataHeader, payload: &'a [u8]) -> Received<'a> {
+    fn on_data(&mut self, h: DataHeader, data_len: usize) -> Received<'static> {
         let seg = self.params.segment as u32;
         let Some(d) = self.damq.get_mut(h.damq as usize) else {
             return self.drop_frame(DropReason::BadSlot);
         };
-        let len = payload.len() as u32;
+        let Ok(len) = u32::try_from(data_len) else {
+            return self.drop_frame(DropReason::Inconsistent);
+        };
         let shape_ok = h.offset == h.seg_index as u32 * seg
             && len <= seg
             && h.seg_index < h.seg_count
@@ -1058,7 +1247,7 @@ impl Channel {
                 _ => {}
             }
         }
-        Received::Placed(Placement { damq: h.damq, tag: h.tag, offset: h.offset, payload, generation })
+        Received::Placed(Placement { damq: h.damq, tag: h.tag, offset: h.offset, payload: &[], generation })
     }
 
     // ------------------------------------------------------------------------------------------

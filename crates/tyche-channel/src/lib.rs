@@ -38,9 +38,10 @@ mod seq;
 mod target;
 mod time;
 
+pub use channel::data_head;
 pub use channel::{
-    Channel, ChannelEvent, ChannelStats, DeadReason, DropReason, FrameDrop, PayloadRef, Placement, ReadyRequest,
-    Received, Role, Submission, Transmit,
+    Channel, ChannelEvent, ChannelStats, DeadReason, DropReason, FrameDrop, PayloadRef, Pieces, Placement,
+    ReadyRequest, Received, Role, Submission, Transmit, DATA_HEAD_COPY, MAX_PIECES,
 };
 pub use config::Timers;
 pub use handshake::{
@@ -51,5 +52,7 @@ pub use initiator::{
 };
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
-pub use target::{Directory, ExportGeometry, PartId, PartMessage, TargetEvent, TargetInbound, TargetSession};
+pub use target::{
+    Directory, ExportGeometry, PartId, PartMessage, TargetEvent, TargetInbound, TargetInboundOf, TargetSession,
+};
 pub use time::Instant;

@@ -18,7 +18,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tyche_wire::{Op, Request, Status};
 
-use crate::channel::{deliver, Channel, ChannelEvent, DeadReason, FrameDrop, Received, Role, Transmit};
+use crate::channel::{
+    deliver, deliver_pieces, Channel, ChannelEvent, DeadReason, FrameDrop, Pieces, Received, Role, Transmit,
+};
 use crate::config::TAG_WINDOW;
 use crate::ledger::{Admission, Ledger, Waiter};
 use crate::time::{earliest, Instant};
@@ -58,9 +60,14 @@ pub enum TargetEvent {
     },
 }
 
-/// What [`TargetSession::handle_frame`] did with a frame.
+/// What [`TargetSession::handle_frame`] did with a frame: [`TargetInboundOf`] with write data in a
+/// slice, or, from [`TargetSession::handle_frame_pieces`], in [`Pieces`] (`P`).
+pub type TargetInbound<'a, P = &'a [u8]> = TargetInboundOf<P>;
+
+/// What the target session did with a frame, write data's payload being a `P`
+/// ([`TargetInbound`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TargetInbound<'a> {
+pub enum TargetInboundOf<P> {
     /// Used.
     Consumed,
     /// Write data: it belongs in `damq` slot `damq` of channel `channel` at byte `offset`.
@@ -73,7 +80,7 @@ pub enum TargetInbound<'a> {
         offset: u32,
         /// The bytes, borrowed from the frame (or, on an encrypting channel, from the caller's
         /// scratch buffer).
-        payload: &'a [u8],
+        payload: P,
         /// Generation of the slot's contents (see [`TargetEvent::Execute`]).
         generation: u32,
         /// Tag of the request the data belongs to.
@@ -341,6 +348,52 @@ impl TargetSession {
                 damq: p.damq,
                 offset: p.offset,
                 payload: p.payload,
+                generation: p.generation,
+                tag: p.tag,
+            },
+        };
+        self.drain(idx);
+        out
+    }
+
+    /// [`TargetSession::handle_frame`] for a frame in pieces (a multi-buffer frame, at most
+    /// [`crate::MAX_PIECES`], the headers in the first): the payload of write data comes back
+    /// as the pieces it lies in, never copied, unless the channel seals its frames or carries
+    /// digests (their checks need the whole frame: it is gathered into `gather` first).
+    pub fn handle_frame_pieces<'a>(
+        &mut self,
+        now: Instant,
+        pieces: &[&'a [u8]],
+        scratch: &'a mut Vec<u8>,
+        gather: &'a mut Vec<u8>,
+    ) -> TargetInbound<'a, Pieces<'a>> {
+        if let [bytes] = pieces {
+            return match self.handle_frame(now, bytes, scratch) {
+                TargetInbound::Consumed => TargetInbound::Consumed,
+                TargetInbound::Dropped(d) => TargetInbound::Dropped(d),
+                TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
+                    TargetInbound::Write { channel, damq, offset, payload: Pieces::one(payload), generation, tag }
+                }
+            };
+        }
+        let channels = &mut self.channels;
+        let lookup = move |i: u16| {
+            let channels = channels; // moved in: the closure is FnOnce and may return a borrow of it
+            channels.get_mut(&i)
+        };
+        let (idx, received, payload) =
+            match deliver_pieces(now, pieces, scratch, gather, self.ethertype, self.id, lookup) {
+                Ok(r) => r,
+                Err(d) => return TargetInbound::Dropped(d),
+            };
+        let out = match received {
+            Received::Consumed => TargetInbound::Consumed,
+            Received::Dropped(r) => TargetInbound::Dropped(FrameDrop::Channel(r)),
+            Received::Placed(p) => TargetInbound::Write {
+                channel: idx,
+                damq: p.damq,
+                offset: p.offset,
+                payload,
                 generation: p.generation,
                 tag: p.tag,
             },

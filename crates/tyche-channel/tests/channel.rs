@@ -30,6 +30,66 @@ fn write_then_read_round_trip_sizes() {
     }
 }
 
+/// Jumbo frames that arrive in pieces (a multi-buffer link: 8254-byte DATA frames over buffers
+/// of 3646 bytes) are placed from their pieces, without a copy on a plain channel, and gathered
+/// on a sealed one; the data is the same either way.
+#[test]
+fn frames_in_pieces_place_their_payload_from_the_pieces() {
+    for seal in [None, Some(false), Some(true)] {
+        let params =
+            ChannelParams { ring: 64, remq_slots: 16, damq_slots: 16, segment: 8192, max_io: 128 << 10, features: 0 };
+        let mut pair = Pair::with(PairConfig { params, pieces: Some(3646), seal, ..PairConfig::default() });
+        for (i, len) in [8192usize, 128 << 10, 5 * 8192 + 512].into_iter().enumerate() {
+            round_trip(&mut pair, i as u64 + 1, (i as u64) << 17, len);
+        }
+        assert!(pair.multi_piece_frames > 0, "{seal:?}: frames arrived in pieces");
+        if seal.is_none() {
+            assert!(pair.multi_piece_payloads > 0, "plain channels place payloads in pieces");
+        } else {
+            assert_eq!(pair.multi_piece_payloads, 0, "sealed channels gather first");
+        }
+        assert!(pair.target_drops.is_empty(), "{seal:?}: {:?}", pair.target_drops);
+    }
+}
+
+/// A frame in more pieces than the limit, or whose LENGTH runs past its pieces, or whose
+/// payload is not whole sectors, is dropped as malformed: never placed, never a panic.
+#[test]
+fn bad_frames_in_pieces_are_dropped() {
+    use tyche_channel::{FrameDrop, TargetInbound};
+    use tyche_wire::{DataHeader, Seq, WireError};
+    let params =
+        ChannelParams { ring: 64, remq_slots: 16, damq_slots: 16, segment: 8192, max_io: 128 << 10, features: 0 };
+    let mut pair = Pair::with(PairConfig { params, pieces: Some(3646), ..PairConfig::default() });
+    round_trip(&mut pair, 1, 0, 8192);
+    let payload = vec![7u8; 8192];
+    let h = DataHeader { seq: Seq { seq: 100, ack: 0 }, damq: 0, seg_index: 0, seg_count: 1, tag: 99, offset: 0 };
+    let good =
+        util::frame_of(&util::initiator_env(0), &Message::Data(tyche_wire::Data { header: h, payload: &payload }));
+    let (mut scratch, mut gather) = (Vec::new(), Vec::new());
+    // Five pieces: more than MAX_PIECES.
+    let five: Vec<&[u8]> = good.chunks(good.len().div_ceil(5)).collect();
+    assert_eq!(five.len(), 5);
+    let got = pair.target.handle_frame_pieces(pair.now, &five, &mut scratch, &mut gather);
+    assert_eq!(got, TargetInbound::Dropped(FrameDrop::Wire(WireError::BadLength)));
+    // LENGTH says more than the pieces hold: the last piece cut short.
+    let cut: Vec<&[u8]> = vec![&good[..3646], &good[3646..7292], &good[7292..good.len() - 512]];
+    let got = pair.target.handle_frame_pieces(pair.now, &cut, &mut scratch, &mut gather);
+    assert_eq!(got, TargetInbound::Dropped(FrameDrop::Wire(WireError::Truncated)));
+    // A payload that is not whole sectors (LENGTH lowered by 100 bytes).
+    let mut odd = good.clone();
+    let at = tyche_wire::ETH_HEADER_LEN + tyche_wire::layout::common::LENGTH.start;
+    let l = u16::from_be_bytes([odd[at], odd[at + 1]]) - 100;
+    odd[at..at + 2].copy_from_slice(&l.to_be_bytes());
+    let pieces: Vec<&[u8]> = odd.chunks(3646).collect();
+    let got = pair.target.handle_frame_pieces(pair.now, &pieces, &mut scratch, &mut gather);
+    assert_eq!(got, TargetInbound::Dropped(FrameDrop::Wire(WireError::Malformed)));
+    // A first piece shorter than the headers is gathered and handled whole.
+    let pieces: Vec<&[u8]> = vec![&good[..40], &good[40..]];
+    let got = pair.target.handle_frame_pieces(pair.now, &pieces, &mut scratch, &mut gather);
+    assert!(matches!(got, TargetInbound::Write { .. } | TargetInbound::Dropped(_)), "{got:?}");
+}
+
 #[test]
 fn credit_flow_control_bounds_unacked_frames() {
     let params =

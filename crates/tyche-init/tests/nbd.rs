@@ -668,12 +668,13 @@ fn interop_with_tyched() {
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    for (script, queues, steer, needles) in [
-        ("tcp-tyched.sh", "1", "none", &["TCP NBDCOPY ROUND TRIP OK"][..]),
+    for (script, queues, steer, mtu, needles) in [
+        ("tcp-tyched.sh", "1", "none", "3000", &["TCP NBDCOPY ROUND TRIP OK"][..]),
         (
             "block-status.sh",
             "1",
             "none",
+            "3000",
             &[
                 "BLOCK STATUS NBDINFO MAP OK",
                 "BLOCK STATUS QEMU-IMG MAP OK",
@@ -688,6 +689,7 @@ fn interop_with_tyched() {
             "xdp-veth-nbd.sh",
             "1",
             "none",
+            "3000",
             &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP FAILOVER ROUND TRIP OK"][..],
         ),
         // A queue and an AF_XDP socket per channel on both sides (two-queue veth).
@@ -695,6 +697,7 @@ fn interop_with_tyched() {
             "xdp-veth-nbd.sh",
             "2",
             "none",
+            "3000",
             &["XDP DISCOVER OK", "XDP NBDCOPY ROUND TRIP OK", "XDP QUEUES OK", "XDP FAILOVER ROUND TRIP OK"][..],
         ),
         // The same with a queue address per target socket, named in ACCEPT (flow rules refused
@@ -703,11 +706,26 @@ fn interop_with_tyched() {
             "xdp-veth-nbd.sh",
             "2",
             "queue-mac-no-rules",
+            "3000",
             &[
                 "XDP STEER RULES REFUSED ON VETH OK",
                 "XDP NBDCOPY ROUND TRIP OK",
                 "XDP QUEUES OK",
                 "XDP STEER QUEUE ADDRESSES OK",
+                "XDP FAILOVER ROUND TRIP OK",
+            ][..],
+        ),
+        // Jumbo frames: multi-buffer AF_XDP frames, 128 KiB blocks with no payload copied.
+        (
+            "xdp-veth-nbd.sh",
+            "1",
+            "none",
+            "9000",
+            &[
+                "XDP DISCOVER OK",
+                "XDP NBDCOPY ROUND TRIP OK",
+                "XDP FIO 128K VERIFY OK",
+                "XDP FIO 128K ZERO COPY OK",
                 "XDP FAILOVER ROUND TRIP OK",
             ][..],
         ),
@@ -719,6 +737,7 @@ fn interop_with_tyched() {
             .env("FIND_TARGET", "1")
             .env("QUEUES", queues)
             .env("STEER", steer)
+            .env("MTU", mtu)
             .output()
             .expect("run the script");
         let text = String::from_utf8_lossy(&out.stdout);

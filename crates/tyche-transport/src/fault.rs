@@ -133,7 +133,9 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
             }
             if rng.chance(rx.reorder) {
                 stats.reordered += 1;
-                held.push_back(frame.to_vec());
+                let mut copy = Vec::new();
+                crate::gather(frame, &mut copy);
+                held.push_back(copy);
                 return lease;
             }
             let back = on_frame(frame, lease);
@@ -144,14 +146,14 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
                 delivered += 1;
             }
             if let Some(late) = held.pop_front() {
-                on_frame(&late, None);
+                on_frame(&[&late], None);
                 delivered += 1;
             }
             back
         })?;
         if n == 0 {
             while let Some(late) = self.held.pop_front() {
-                on_frame(&late, None);
+                on_frame(&[&late], None);
                 delivered += 1;
             }
         }

@@ -21,6 +21,11 @@
 //!   stays where it is, unchanged, until [`FrameTransport::release`] gives it back. A transport
 //!   that cannot lend (or has no buffer to spare right now) offers no lease, and the receiver
 //!   copies.
+//! - A frame may come in several pieces (a multi-buffer AF_XDP frame over several UMEM chunks,
+//!   at most [`MAX_PIECES`]): [`FrameTransport::recv_lend`] hands the receiver the pieces in
+//!   order, the first holding at least the Ethernet header and the Tyche headers whenever the
+//!   frame is longer than [`MIN_FIRST_PIECE`]; its lease covers every piece. [`FrameTransport::recv`]
+//!   always hands over one contiguous frame (a transport gathers the pieces for it).
 //! - A sender may prepare frames in transmit memory the transport lends it for good
 //!   ([`FrameTransport::lend_tx_chunks`]): it writes payloads there ahead of time (a storage read
 //!   straight into them), and [`FrameTransport::send_with`] then sends such a chunk after writing
@@ -69,7 +74,7 @@ pub trait FrameTransport {
     /// The default offers no lease (transports whose frames are copies anyway: TCP, AF_PACKET).
     fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         self.recv(budget, &mut |bytes| {
-            on_frame(bytes, None);
+            on_frame(&[bytes], None);
         })
     }
 
@@ -102,9 +107,9 @@ pub trait FrameTransport {
         })
     }
 
-    /// Hands the caller up to `max` transmit chunks for good (none by default, nor where frames
-    /// span several buffers): memory it prepares frames in ahead of time and sends with
-    /// [`Sent::Chunk`].
+    /// Hands the caller up to `max` transmit chunks for good (none by default): memory it
+    /// prepares frames in ahead of time and sends with [`Sent::Chunk`]. Where frames span
+    /// several buffers, each chunk is a group of them ([`TxChunk::pieces`]).
     fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
         let _ = max;
         Vec::new()
@@ -139,9 +144,45 @@ pub trait FrameTransport {
     }
 }
 
-/// What [`FrameTransport::recv_lend`] calls with each frame: the bytes and, when the transport
-/// can lend the buffer, a lease on it; returns the lease unless it keeps the frame.
-pub type OnLentFrame<'a> = dyn FnMut(&[u8], Option<Lease>) -> Option<Lease> + 'a;
+/// What [`FrameTransport::recv_lend`] calls with each frame: its pieces (one for a frame in one
+/// buffer; at most [`MAX_PIECES`], in order) and, when the transport can lend the buffers, a
+/// lease on them; returns the lease unless it keeps the frame.
+pub type OnLentFrame<'a> = dyn FnMut(&[&[u8]], Option<Lease>) -> Option<Lease> + 'a;
+
+/// Most pieces one frame comes in or goes out in. A 9216-byte MTU frame (9230 bytes with its
+/// Ethernet header) over AF_XDP chunks that carry 3646 bytes each is 3 pieces; 4 leaves room for
+/// a smaller chunk payload. A transport drops (and counts) a frame in more pieces.
+pub const MAX_PIECES: usize = 4;
+
+/// Bytes the first piece of a multi-piece frame holds at least: the Ethernet header and the
+/// largest Tyche header in front of a payload (a DATA frame's, 62 bytes), rounded up.
+pub const MIN_FIRST_PIECE: usize = 256;
+
+/// The bytes of a frame given in pieces, as one buffer (for receivers that must have the frame
+/// in one piece: a sealed channel, a copy kept for later).
+pub fn gather(pieces: &[&[u8]], out: &mut Vec<u8>) {
+    out.clear();
+    for p in pieces {
+        out.extend_from_slice(p);
+    }
+}
+
+/// Total length of a frame given in pieces.
+pub fn pieces_len(pieces: &[&[u8]]) -> usize {
+    pieces.iter().map(|p| p.len()).sum()
+}
+
+/// One buffer of a lent frame ([`Lease::pieces`]): `len` bytes at `addr`, named `id` by the
+/// transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LeasePiece {
+    /// The transport's name for the buffer.
+    pub id: u64,
+    /// Address of the piece's first byte.
+    pub addr: usize,
+    /// Bytes of the frame in it.
+    pub len: usize,
+}
 
 /// A received frame's buffer, lent by the transport to the receiver that keeps the frame
 /// ([`FrameTransport::recv_lend`]).
@@ -151,10 +192,12 @@ pub type OnLentFrame<'a> = dyn FnMut(&[u8], Option<Lease>) -> Option<Lease> + 'a
 /// through [`FrameTransport::release`], and the lease holds a reference on the memory the buffer
 /// lies in, so the bytes stay mapped even if the transport is dropped first (a storage write
 /// still reading them, say). A lease is not `Clone`: it goes back once.
+///
+/// A frame in several pieces (a multi-buffer frame) is lent as one lease over all of them
+/// ([`Lease::pieces`], at most [`MAX_PIECES`], held inline: no allocation per frame).
 pub struct Lease {
-    id: u64,
-    addr: usize,
-    len: usize,
+    pieces: [LeasePiece; MAX_PIECES],
+    count: u8,
     memory: Arc<dyn Any + Send + Sync>,
 }
 
@@ -162,28 +205,49 @@ impl Lease {
     /// For transports: a lease named `id` (the transport's own name for the buffer) on `frame`,
     /// whose memory `memory` keeps alive.
     pub fn new(id: u64, frame: &[u8], memory: Arc<dyn Any + Send + Sync>) -> Lease {
-        Lease { id, addr: frame.as_ptr() as usize, len: frame.len(), memory }
+        let mut pieces = [LeasePiece::default(); MAX_PIECES];
+        pieces[0] = LeasePiece { id, addr: frame.as_ptr() as usize, len: frame.len() };
+        Lease { pieces, count: 1, memory }
     }
-    /// The transport's name for the buffer.
+    /// For transports: a lease on a frame in several buffers, `(id, bytes)` for each in order,
+    /// whose memory `memory` keeps alive. `None` when there are none or more than
+    /// [`MAX_PIECES`].
+    pub fn new_pieces<'b>(
+        parts: impl IntoIterator<Item = (u64, &'b [u8])>,
+        memory: Arc<dyn Any + Send + Sync>,
+    ) -> Option<Lease> {
+        let mut pieces = [LeasePiece::default(); MAX_PIECES];
+        let mut count = 0;
+        for (id, bytes) in parts {
+            *pieces.get_mut(count)? = LeasePiece { id, addr: bytes.as_ptr() as usize, len: bytes.len() };
+            count += 1;
+        }
+        (count > 0).then_some(Lease { pieces, count: count as u8, memory })
+    }
+    /// The transport's name for the (first) buffer.
     pub fn id(&self) -> u64 {
-        self.id
+        self.pieces[0].id
     }
     /// Address of the frame's first byte.
     pub fn addr(&self) -> usize {
-        self.addr
+        self.pieces[0].addr
     }
-    /// Length of the frame.
+    /// Length of the frame, all pieces together.
     pub fn len(&self) -> usize {
-        self.len
+        self.pieces().iter().map(|p| p.len).sum()
     }
     /// Whether the frame is empty (never, for a frame a transport delivered).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
-    /// Whether `bytes` lies within the lent frame.
+    /// The buffers of the frame, in order (one unless it is a multi-buffer frame).
+    pub fn pieces(&self) -> &[LeasePiece] {
+        &self.pieces[..self.count as usize]
+    }
+    /// Whether `bytes` lies within one piece of the lent frame.
     pub fn covers(&self, bytes: &[u8]) -> bool {
         let a = bytes.as_ptr() as usize;
-        a >= self.addr && a + bytes.len() <= self.addr + self.len
+        self.pieces().iter().any(|p| a >= p.addr && a + bytes.len() <= p.addr + p.len)
     }
     /// The memory the frame lies in (for transports: to check a lease is theirs).
     pub fn memory(&self) -> &Arc<dyn Any + Send + Sync> {
@@ -193,7 +257,7 @@ impl Lease {
 
 impl std::fmt::Debug for Lease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lease").field("id", &self.id).field("addr", &self.addr).field("len", &self.len).finish()
+        f.debug_struct("Lease").field("pieces", &self.pieces()).finish()
     }
 }
 
@@ -203,7 +267,9 @@ pub enum Sent {
     /// Send `len` bytes of the buffer (0: skip it, send nothing).
     Here(usize),
     /// Send lent chunk `id` instead: its frame is `len` bytes, of which the first `header` are
-    /// to be copied from the buffer (the rest, the payload, is already in the chunk).
+    /// to be copied from the buffer (the rest, the payload, is already in the chunk). A chunk
+    /// of several pieces ([`TxChunk::pieces`]) is sent as one multi-buffer frame: the frame
+    /// fills its pieces in order, each up to its capacity.
     Chunk {
         /// [`TxChunk::id`].
         id: u64,
@@ -214,14 +280,26 @@ pub enum Sent {
     },
 }
 
+/// One buffer of a [`TxChunk`]: room for `capacity` bytes of frame at `addr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TxPiece {
+    /// Address of the piece's first byte.
+    pub addr: usize,
+    /// Bytes of frame it holds.
+    pub capacity: usize,
+}
+
 /// Transmit memory lent for good to the sender ([`FrameTransport::lend_tx_chunks`]): a frame of
-/// up to `capacity` bytes starts at `frame_addr`. The sender writes it through raw pointers
-/// (the crate using it justifies that), only while the chunk is not in flight; the chunk holds
-/// a reference on its memory, so it stays mapped while the chunk lives.
+/// up to `capacity` bytes starts at `frame_addr`. Where one buffer cannot hold a whole frame (a
+/// multi-buffer link), a chunk is a group of buffers ([`TxChunk::pieces`], at most
+/// [`MAX_PIECES`]) that the frame fills in order and that goes out as one multi-buffer frame.
+/// The sender writes it through raw pointers (the crate using it justifies that), only while
+/// the chunk is not in flight; the chunk holds a reference on its memory, so it stays mapped
+/// while the chunk lives.
 pub struct TxChunk {
     id: u64,
-    frame_addr: usize,
-    capacity: usize,
+    pieces: [TxPiece; MAX_PIECES],
+    count: u8,
     memory: Arc<dyn Any + Send + Sync>,
 }
 
@@ -229,7 +307,19 @@ impl TxChunk {
     /// For transports: chunk `id` whose frame starts at `frame_addr` and holds `capacity`
     /// bytes, in memory `memory` keeps alive.
     pub fn new(id: u64, frame_addr: usize, capacity: usize, memory: Arc<dyn Any + Send + Sync>) -> TxChunk {
-        TxChunk { id, frame_addr, capacity, memory }
+        let mut pieces = [TxPiece::default(); MAX_PIECES];
+        pieces[0] = TxPiece { addr: frame_addr, capacity };
+        TxChunk { id, pieces, count: 1, memory }
+    }
+    /// For transports: chunk `id` made of several buffers, in frame order. `None` when there
+    /// are none or more than [`MAX_PIECES`].
+    pub fn new_pieces(id: u64, parts: &[TxPiece], memory: Arc<dyn Any + Send + Sync>) -> Option<TxChunk> {
+        if parts.is_empty() || parts.len() > MAX_PIECES {
+            return None;
+        }
+        let mut pieces = [TxPiece::default(); MAX_PIECES];
+        pieces[..parts.len()].copy_from_slice(parts);
+        Some(TxChunk { id, pieces, count: parts.len() as u8, memory })
     }
     /// The transport's name for the chunk.
     pub fn id(&self) -> u64 {
@@ -237,11 +327,15 @@ impl TxChunk {
     }
     /// Address of the frame's first byte.
     pub fn frame_addr(&self) -> usize {
-        self.frame_addr
+        self.pieces[0].addr
     }
-    /// Largest frame the chunk holds.
+    /// Largest frame the chunk holds (all pieces together).
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.pieces().iter().map(|p| p.capacity).sum()
+    }
+    /// The buffers the frame fills, in order (one unless frames span several).
+    pub fn pieces(&self) -> &[TxPiece] {
+        &self.pieces[..self.count as usize]
     }
     /// The memory the chunk lies in.
     pub fn memory(&self) -> &Arc<dyn Any + Send + Sync> {
@@ -251,7 +345,7 @@ impl TxChunk {
 
 impl std::fmt::Debug for TxChunk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TxChunk").field("id", &self.id).field("frame_addr", &self.frame_addr).finish()
+        f.debug_struct("TxChunk").field("id", &self.id).field("pieces", &self.pieces()).finish()
     }
 }
 

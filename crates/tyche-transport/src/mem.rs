@@ -6,7 +6,13 @@ use tyche_wire::MacAddr;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use crate::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk};
+use crate::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk, TxPiece, MAX_PIECES};
+
+/// Bytes of filler between the pieces of a frame a [`MemPort`] splits ([`MemPort::set_pieces`]),
+/// so that a receiver reading past a piece's end reads filler, not the next piece.
+const PIECE_GAP: usize = 64;
+/// The filler's byte.
+const FILLER: u8 = 0xEE;
 
 /// Memory of one transmit chunk a [`MemPort`] lends: bytes a holder may write through raw
 /// pointers (atomic bytes, so a write from another thread is never a data race on our side).
@@ -47,6 +53,8 @@ impl MemLink {
             next_lease: 0,
             tx_lend_limit: 0,
             tx_lent: HashMap::new(),
+            piece: None,
+            too_many_pieces: 0,
         };
         (port(macs.0, &ab, &ba), port(macs.1, &ba, &ab))
     }
@@ -71,6 +79,10 @@ pub struct MemPort {
     tx_lend_limit: usize,
     /// Transmit chunks lent, by id.
     tx_lent: HashMap<u64, ChunkMemory>,
+    /// Simulated multi-buffer frames ([`MemPort::set_pieces`]): bytes per piece.
+    piece: Option<usize>,
+    /// Frames dropped on receipt for needing more than [`MAX_PIECES`] pieces.
+    too_many_pieces: u64,
 }
 
 impl MemPort {
@@ -90,6 +102,23 @@ impl MemPort {
     /// is ever in flight.
     pub fn set_tx_lending(&mut self, chunks: usize) {
         self.tx_lend_limit = chunks;
+    }
+
+    /// Simulates a multi-buffer link whose buffers hold `piece` bytes of frame (a test option):
+    /// [`FrameTransport::recv_lend`] hands over a longer frame in pieces of `piece` bytes, laid
+    /// out apart from each other with filler between them (so a receiver that reads one piece
+    /// past its end reads filler), under one lease over all of them; a frame that needs more
+    /// than [`MAX_PIECES`] pieces is dropped and counted ([`MemPort::too_many_pieces`]). Transmit
+    /// chunks lent afterwards are groups of pieces of `piece` bytes, apart from each other, that
+    /// a frame fills in order. `recv` still hands over whole frames.
+    pub fn set_pieces(&mut self, piece: usize) {
+        assert!(piece >= crate::MIN_FIRST_PIECE, "the first piece holds the headers");
+        self.piece = Some(piece);
+    }
+
+    /// Frames dropped on receipt because they would need more than [`MAX_PIECES`] pieces.
+    pub fn too_many_pieces(&self) -> u64 {
+        self.too_many_pieces
     }
 }
 
@@ -125,8 +154,41 @@ impl FrameTransport for MemPort {
                 break;
             };
             n += 1;
+            let (frame, cuts) = match self.piece {
+                Some(piece) if len > piece => {
+                    let count = len.div_ceil(piece);
+                    if count > MAX_PIECES {
+                        self.too_many_pieces += 1;
+                        self.rx.lock().expect("lane poisoned").spare.push(frame);
+                        continue;
+                    }
+                    // Lay the pieces apart, filler between them (a simulation: the copy is the
+                    // link's, not the receiver's).
+                    let mut apart = self.rx.lock().expect("lane poisoned").spare.pop().unwrap_or_default();
+                    apart.clear();
+                    apart.resize(count * (piece + PIECE_GAP), FILLER);
+                    let mut cuts = [(0usize, 0usize); MAX_PIECES];
+                    for (i, part) in frame[..len].chunks(piece).enumerate() {
+                        let at = i * (piece + PIECE_GAP);
+                        apart[at..at + part.len()].copy_from_slice(part);
+                        cuts[i] = (at, part.len());
+                    }
+                    self.rx.lock().expect("lane poisoned").spare.push(frame);
+                    (apart, (cuts, count))
+                }
+                _ => {
+                    let mut cuts = [(0usize, 0usize); MAX_PIECES];
+                    cuts[0] = (0, len);
+                    (frame, (cuts, 1))
+                }
+            };
+            let (cuts, count) = cuts;
+            let mut parts: [&[u8]; MAX_PIECES] = [&[]; MAX_PIECES];
             if self.lent.len() >= self.lend_limit {
-                on_frame(&frame[..len], None);
+                for (p, &(at, l)) in parts.iter_mut().zip(&cuts[..count]) {
+                    *p = &frame[at..at + l];
+                }
+                on_frame(&parts[..count], None);
                 self.rx.lock().expect("lane poisoned").spare.push(frame);
                 continue;
             }
@@ -135,8 +197,12 @@ impl FrameTransport for MemPort {
             let frame = Arc::new(frame);
             let id = self.next_lease;
             self.next_lease += 1;
-            let lease = Lease::new(id, &frame[..len], Arc::clone(&frame) as _);
-            match on_frame(&frame[..len], Some(lease)) {
+            for (p, &(at, l)) in parts.iter_mut().zip(&cuts[..count]) {
+                *p = &frame[at..at + l];
+            }
+            let lease = Lease::new_pieces(parts[..count].iter().map(|p| (id, *p)), Arc::clone(&frame) as _)
+                .expect("1 to MAX_PIECES pieces");
+            match on_frame(&parts[..count], Some(lease)) {
                 None => {
                     self.lent.insert(id, frame);
                 }
@@ -162,16 +228,26 @@ impl FrameTransport for MemPort {
 
     fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
         let chunks = std::mem::take(&mut self.tx_lent);
+        let (piece, capacity) = (self.piece, self.frame_capacity);
         let r = self.send(budget, &mut |buf| match fill(buf)? {
             Sent::Here(len) => Some(len),
             Sent::Chunk { id, header, len } => {
                 let chunk = chunks.get(&id).expect("a chunk this port lent");
-                assert!(header <= len && len <= chunk.len(), "a frame within its chunk");
+                // Where each piece of the chunk starts, and how much it holds.
+                let (cap, stride) = match piece {
+                    Some(p) => (p, p + PIECE_GAP),
+                    None => (chunk.len(), chunk.len()),
+                };
+                assert!(header <= len && header <= cap && len <= capacity, "a frame within its chunk");
                 for (c, b) in chunk[..header].iter().zip(&buf[..header]) {
                     c.store(*b, Ordering::Relaxed);
                 }
-                for (b, c) in buf[..len].iter_mut().zip(chunk.iter()) {
-                    *b = c.load(Ordering::Relaxed);
+                for (i, out) in buf[..len].chunks_mut(cap).enumerate() {
+                    let at = i * stride;
+                    let n = out.len();
+                    for (b, c) in out.iter_mut().zip(&chunk[at..at + n]) {
+                        *b = c.load(Ordering::Relaxed);
+                    }
                 }
                 Some(len)
             }
@@ -182,14 +258,24 @@ impl FrameTransport for MemPort {
 
     fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
         let n = max.min(self.tx_lend_limit.saturating_sub(self.tx_lent.len()));
+        let (cap, count) = match self.piece {
+            Some(p) if p < self.frame_capacity => (p, self.frame_capacity.div_ceil(p)),
+            _ => (self.frame_capacity, 1),
+        };
+        if count > MAX_PIECES {
+            return Vec::new();
+        }
         (0..n)
             .map(|_| {
                 let id = self.next_lease;
                 self.next_lease += 1;
-                let mem: ChunkMemory = Arc::new((0..self.frame_capacity).map(|_| AtomicU8::new(0)).collect());
+                let stride = if count > 1 { cap + PIECE_GAP } else { cap };
+                let mem: ChunkMemory = Arc::new((0..count * stride).map(|_| AtomicU8::new(FILLER)).collect());
                 let addr = mem.as_ptr() as usize;
                 self.tx_lent.insert(id, Arc::clone(&mem));
-                TxChunk::new(id, addr, self.frame_capacity, mem as _)
+                let pieces: Vec<TxPiece> =
+                    (0..count).map(|i| TxPiece { addr: addr + i * stride, capacity: cap }).collect();
+                TxChunk::new_pieces(id, &pieces, mem as _).expect("1 to MAX_PIECES pieces")
             })
             .collect()
     }
@@ -275,6 +361,7 @@ mod tests {
         let mut kept = Vec::new();
         let mut offered = 0;
         b.recv_lend(10, &mut |f, lease| {
+            let f = f[0];
             offered += usize::from(lease.is_some());
             match lease {
                 Some(l) if f[0] != 2 => {
@@ -293,5 +380,97 @@ mod tests {
             b.release(l);
         }
         assert_eq!(b.leases_out(), 0);
+    }
+
+    #[test]
+    fn split_frames_come_in_pieces_apart_under_one_lease_and_too_many_are_dropped() {
+        let (mut a, mut b) = MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 9000, 9014, 16);
+        b.set_lending(4);
+        b.set_pieces(3646);
+        for len in [100usize, 9014, 8254] {
+            a.send(1, &mut |buf| {
+                for (i, x) in buf[..len].iter_mut().enumerate() {
+                    *x = (i % 251) as u8;
+                }
+                Some(len)
+            })
+            .unwrap();
+        }
+        let mut kept = Vec::new();
+        let mut seen = Vec::new();
+        b.recv_lend(10, &mut |pieces, lease| {
+            let lease = lease.expect("lending");
+            assert_eq!(lease.pieces().len(), pieces.len());
+            assert_eq!(lease.len(), crate::pieces_len(pieces));
+            let buf = lease.memory().downcast_ref::<Vec<u8>>().expect("a MemPort buffer");
+            for p in pieces {
+                assert!(lease.covers(p));
+                // Past a piece's end lies filler, never the next piece.
+                let end = p.as_ptr() as usize + p.len() - buf.as_ptr() as usize;
+                if pieces.len() > 1 {
+                    assert_eq!(buf[end], FILLER);
+                }
+            }
+            let mut whole = Vec::new();
+            crate::gather(pieces, &mut whole);
+            assert!(whole.iter().enumerate().all(|(i, x)| *x == (i % 251) as u8), "content in order");
+            seen.push(pieces.iter().map(|p| p.len()).collect::<Vec<_>>());
+            kept.push(lease);
+            None
+        })
+        .unwrap();
+        assert_eq!(seen, [vec![100], vec![3646, 3646, 1722], vec![3646, 3646, 962]]);
+        assert_eq!(b.leases_out(), 3);
+        for l in kept {
+            b.release(l);
+        }
+        assert_eq!(b.leases_out(), 0);
+        // A link whose pieces are too small for a frame in MAX_PIECES drops it and counts it.
+        b.set_pieces(2048);
+        a.send(1, &mut |_| Some(9014)).unwrap();
+        assert_eq!(b.recv_lend(10, &mut |_, _| panic!("dropped")).unwrap(), 1);
+        assert_eq!(b.too_many_pieces(), 1);
+    }
+
+    #[test]
+    fn chunk_groups_send_one_frame_from_their_pieces() {
+        let (mut a, mut b) = MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 9000, 9014, 16);
+        a.set_pieces(3646);
+        a.set_tx_lending(2);
+        let chunks = a.lend_tx_chunks(8);
+        assert_eq!(chunks.len(), 2);
+        let c = &chunks[0];
+        assert_eq!(c.pieces().len(), 3);
+        assert!(c.capacity() >= 9014);
+        // Fill a payload after 62 header bytes across the pieces, as a storage read would.
+        let len = 62 + 8192;
+        let mem = c.memory().downcast_ref::<Box<[AtomicU8]>>().expect("a MemPort chunk");
+        let base = mem.as_ptr() as usize;
+        let mut at = 0usize;
+        for p in c.pieces() {
+            for i in 0..p.capacity {
+                let pos = at + i;
+                if (62..len).contains(&pos) {
+                    mem[p.addr - base + i].store((pos % 253) as u8, Ordering::Relaxed);
+                }
+            }
+            at += p.capacity;
+        }
+        let id = c.id();
+        let mut once = false;
+        a.send_with(4, &mut |buf| {
+            if once {
+                return None;
+            }
+            once = true;
+            buf[..62].fill(0xAB);
+            Some(Sent::Chunk { id, header: 62, len })
+        })
+        .unwrap();
+        let mut got = Vec::new();
+        b.recv(4, &mut |f| got = f.to_vec()).unwrap();
+        assert_eq!(got.len(), len);
+        assert!(got[..62].iter().all(|&x| x == 0xAB));
+        assert!(got[62..].iter().enumerate().all(|(i, &x)| x == ((i + 62) % 253) as u8));
     }
 }

@@ -567,9 +567,11 @@ impl FrameTransport for ReplayPort {
         match self.phase() {
             LIVE => {
                 let mut seen = Vec::new();
-                let n = self.inner.recv_lend(budget, &mut |bytes, lease| {
-                    seen.push(bytes.to_vec());
-                    on_frame(bytes, lease)
+                let n = self.inner.recv_lend(budget, &mut |pieces, lease| {
+                    let mut copy = Vec::new();
+                    crate::gather(pieces, &mut copy);
+                    seen.push(copy);
+                    on_frame(pieces, lease)
                 })?;
                 for f in seen {
                     self.record_peer(&f);
@@ -579,7 +581,7 @@ impl FrameTransport for ReplayPort {
             HOLD => Ok(0),
             // Replayed frames are never lent: they are rewritten for the next request.
             _ => Ok(self.deliver(budget, &mut |bytes| {
-                on_frame(bytes, None);
+                on_frame(&[bytes], None);
             })),
         }
     }

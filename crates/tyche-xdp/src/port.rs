@@ -6,7 +6,7 @@ use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 
-use tyche_transport::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk};
+use tyche_transport::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk, TxPiece, MAX_PIECES};
 use tyche_wire::MacAddr;
 use xsk_rs::config::{BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, SocketConfig, UmemConfig};
 use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
@@ -26,6 +26,8 @@ pub const XDP_HEADROOM: usize = 256;
 pub const FRAME_HEADROOM: usize = 512 - XDP_HEADROOM - tyche_wire::DATA_FRAME_OVERHEAD;
 /// Bytes of frame one UMEM chunk carries (Ethernet header included).
 pub const BUFFER_CAPACITY: usize = CHUNK_SIZE - XDP_HEADROOM - FRAME_HEADROOM;
+/// `XDP_PKT_CONTD` (linux/if_xdp.h): on a descriptor, more buffers of the same frame follow.
+const XDP_PKT_CONTD: u32 = 1;
 /// Longest frame accepted in multi-buffer mode (a 9216-byte jumbo MTU plus Ethernet header).
 pub const MAX_SG_FRAME: usize = 9216 + tyche_wire::ETH_HEADER_LEN;
 
@@ -86,11 +88,13 @@ pub struct PortConfig {
     pub queue: u32,
     /// UMEM chunks, a power of two; half receive, half transmit.
     pub frame_count: u32,
-    /// Extra receive chunks, so that up to this many received frames can be lent to the receiver
-    /// ([`FrameTransport::recv_lend`]) while the fill ring stays full; 0: frames are never lent.
+    /// Extra receive chunks, so that received frames of up to this many chunks in all can be
+    /// lent to the receiver ([`FrameTransport::recv_lend`]) while the fill ring stays full (a
+    /// multi-buffer frame takes one per piece); 0: frames are never lent.
     pub lend_frames: u32,
     /// Extra chunks the sender may take for good ([`FrameTransport::lend_tx_chunks`]) to prepare
-    /// frames in ahead of time (read data stored straight into them); 0: none.
+    /// frames in ahead of time (read data stored straight into them; on a multi-buffer link in
+    /// groups of as many chunks as a frame spans); 0: none.
     pub tx_lend_frames: u32,
     /// Descriptors moved per ring operation.
     pub batch: usize,
@@ -135,6 +139,8 @@ pub struct PortStats {
     pub tx_frames: u64,
     /// Multi-buffer frames discarded for exceeding the frame capacity.
     pub rx_oversized: u64,
+    /// Multi-buffer frames discarded for coming in more than [`MAX_PIECES`] buffers.
+    pub rx_too_many_pieces: u64,
     /// Kernel: frames dropped for lack of room (`rx_dropped`).
     pub kernel_rx_dropped: u64,
     /// Kernel: frames dropped because the RX ring was full.
@@ -157,8 +163,10 @@ pub struct PortStats {
 /// are handed to `recv`'s callback in place, then returned to the fill ring. The second half are
 /// transmit buffers: `send` hands a free one to its callback to write a frame in place, puts it
 /// on the TX ring, and gets it back from the completion ring. No frame bytes are copied in user
-/// space, except for multi-buffer frames (longer than one chunk), which are gathered on receive
-/// and scattered on transmit through one reusable buffer.
+/// space, except for multi-buffer frames (longer than one chunk) handed to `recv` (gathered
+/// through one reusable buffer) or written by a `send` callback (scattered through another):
+/// `recv_lend` hands a multi-buffer frame over in its pieces, and a lent transmit chunk group
+/// ([`FrameTransport::lend_tx_chunks`]) goes out as one multi-buffer frame from where it is.
 ///
 /// With [`PortConfig::lend_frames`], `lend_frames` more chunks are spare receive buffers: when
 /// the receiver keeps a frame ([`FrameTransport::recv_lend`]), a spare chunk goes on the fill
@@ -195,10 +203,17 @@ pub struct XdpPort {
     rx_spare: Vec<FrameDesc>,
     /// Chunks lent to the receiver, by address.
     lent: HashMap<u64, FrameDesc>,
+    /// Frames lent to the receiver (a multi-buffer frame holds several of `lent`).
+    lent_frames: usize,
     /// Transmit chunks not lent yet ([`FrameTransport::lend_tx_chunks`]).
     tx_lendable: Vec<FrameDesc>,
-    /// Transmit chunks lent for good, by address, and whether the kernel has them now.
-    tx_lent: HashMap<u64, (FrameDesc, bool)>,
+    /// Transmit chunks (groups, on a multi-buffer link) lent for good, by the address of the
+    /// first, and how many of their buffers the kernel has now.
+    tx_lent: HashMap<u64, TxGroup>,
+    /// The group each buffer of a lent transmit chunk group belongs to, by address.
+    tx_member: HashMap<u64, u64>,
+    /// The buffers received so far of a multi-buffer frame whose last buffer has not come yet.
+    rx_partial: Vec<FrameDesc>,
     /// The ids of `tx_lent` the kernel has now (few: a scan of `tx_lent` would cost a pass over
     /// every lent chunk per transmit turn).
     tx_lent_busy: std::collections::HashSet<u64>,
@@ -208,6 +223,19 @@ pub struct XdpPort {
     /// Start and length of the UMEM mapping.
     umem_area: (usize, usize),
 }
+
+/// A lent transmit chunk: its buffers (one, or a group on a multi-buffer link) and how many of
+/// them the kernel still has.
+#[derive(Debug, Clone, Copy)]
+struct TxGroup {
+    descs: [FrameDesc; MAX_PIECES],
+    count: usize,
+    in_flight: usize,
+}
+
+/// Most buffers of one received frame held while waiting for its last one: more than the
+/// kernel's fragment limit (`MAX_SKB_FRAGS` + 1), so only a broken ring reaches it.
+const RX_PARTIAL_LIMIT: usize = 64;
 
 fn xsk_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Xsk { what: what.to_string(), detail: e.to_string() }
@@ -377,8 +405,11 @@ impl XdpPort {
             stats: PortStats::default(),
             rx_spare: spare.to_vec(),
             lent: HashMap::new(),
+            lent_frames: 0,
             tx_lendable: tx_lendable.to_vec(),
             tx_lent: HashMap::new(),
+            tx_member: HashMap::new(),
+            rx_partial: Vec::with_capacity(MAX_PIECES),
             tx_lent_busy: std::collections::HashSet::new(),
             umem_keep,
             numa_node,
@@ -459,10 +490,13 @@ impl XdpPort {
         // SAFETY: the completion ring only returns descriptors of this UMEM's transmit half.
         let n = unsafe { self.cq.consume(&mut self.comp_descs) };
         for desc in &self.comp_descs[..n] {
-            match self.tx_lent.get_mut(&(desc.addr() as u64)) {
-                Some((_, in_flight)) => {
-                    *in_flight = false;
-                    self.tx_lent_busy.remove(&(desc.addr() as u64));
+            let group = self.tx_member.get(&(desc.addr() as u64)).copied();
+            match group.and_then(|id| Some((id, self.tx_lent.get_mut(&id)?))) {
+                Some((id, g)) => {
+                    g.in_flight = g.in_flight.saturating_sub(1);
+                    if g.in_flight == 0 {
+                        self.tx_lent_busy.remove(&id);
+                    }
                 }
                 None => self.tx_free.push(*desc),
             }
@@ -523,19 +557,71 @@ impl XdpPort {
                 // when a lent chunk is released), and no mutable reference to it exists.
                 let data = unsafe { self.umem.data(desc) };
                 let bytes = data.contents();
-                if self.plan.multi_buffer && (desc.has_more_frames() || !self.gather.is_empty()) {
-                    self.gather.extend_from_slice(bytes);
-                    refill.push(*desc);
+                if self.plan.multi_buffer && (desc.has_more_frames() || !self.rx_partial.is_empty()) {
+                    self.rx_partial.push(*desc);
                     if desc.has_more_frames() {
+                        if self.rx_partial.len() >= RX_PARTIAL_LIMIT {
+                            // Never more buffers than the kernel's fragment limit: a broken
+                            // ring. Give them back and count the frame.
+                            self.stats.rx_too_many_pieces += 1;
+                            refill.append(&mut self.rx_partial);
+                        }
                         continue;
                     }
-                    if self.gather.len() <= self.plan.frame_capacity {
-                        on_frame(&self.gather, None);
-                        delivered += 1;
-                    } else {
-                        self.stats.rx_oversized += 1;
+                    // The last buffer of the frame: hand it over in its pieces.
+                    let total: usize = self.rx_partial.iter().map(|d| d.lengths().data()).sum();
+                    let count = self.rx_partial.len();
+                    if count > MAX_PIECES {
+                        self.stats.rx_too_many_pieces += 1;
+                        refill.append(&mut self.rx_partial);
+                        continue;
                     }
-                    self.gather.clear();
+                    if total > self.plan.frame_capacity {
+                        self.stats.rx_oversized += 1;
+                        refill.append(&mut self.rx_partial);
+                        continue;
+                    }
+                    delivered += 1;
+                    let mut pieces: [&[u8]; MAX_PIECES] = [&[]; MAX_PIECES];
+                    for (p, d) in pieces.iter_mut().zip(&self.rx_partial) {
+                        // SAFETY: as above: each buffer of the frame was taken off the RX ring
+                        // and is in no ring until it goes back on the fill ring.
+                        *p = unsafe { self.umem.data(d) }.contents();
+                    }
+                    let pieces = &pieces[..count];
+                    if !lend {
+                        // `recv` hands over whole frames: gather them.
+                        tyche_transport::gather(pieces, &mut self.gather);
+                        on_frame(&[&self.gather], None);
+                        refill.append(&mut self.rx_partial);
+                        continue;
+                    }
+                    if self.rx_spare.len() < count {
+                        self.stats.lend_exhausted += 1;
+                        on_frame(pieces, None);
+                        refill.append(&mut self.rx_partial);
+                        continue;
+                    }
+                    let lease = Lease::new_pieces(
+                        self.rx_partial.iter().zip(pieces).map(|(d, p)| (d.addr() as u64, *p)),
+                        Arc::clone(&self.umem_keep),
+                    )
+                    .expect("1 to MAX_PIECES pieces");
+                    match on_frame(pieces, Some(lease)) {
+                        None => {
+                            // Kept: as many spare chunks take their places on the fill ring.
+                            for d in self.rx_partial.drain(..) {
+                                self.lent.insert(d.addr() as u64, d);
+                                refill.push(self.rx_spare.pop().expect("checked above"));
+                            }
+                            self.lent_frames += 1;
+                            self.stats.lent += 1;
+                        }
+                        Some(lease) => {
+                            drop(lease);
+                            refill.append(&mut self.rx_partial);
+                        }
+                    }
                     continue;
                 }
                 delivered += 1;
@@ -543,15 +629,16 @@ impl XdpPort {
                     if lend {
                         self.stats.lend_exhausted += 1;
                     }
-                    on_frame(bytes, None);
+                    on_frame(&[bytes], None);
                     refill.push(*desc);
                     continue;
                 }
                 let lease = Lease::new(desc.addr() as u64, bytes, Arc::clone(&self.umem_keep));
-                match on_frame(bytes, Some(lease)) {
+                match on_frame(&[bytes], Some(lease)) {
                     None => {
                         // Kept: a spare chunk takes its place on the fill ring.
                         self.lent.insert(desc.addr() as u64, *desc);
+                        self.lent_frames += 1;
                         self.stats.lent += 1;
                         refill.push(self.rx_spare.pop().expect("checked above"));
                     }
@@ -574,6 +661,38 @@ impl XdpPort {
         self.stats.rx_frames += delivered as u64;
         self.refill()?;
         Ok(delivered)
+    }
+
+    /// Stages lent transmit chunk `id` (a group of buffers on a multi-buffer link) as a frame of
+    /// `len` bytes, `head` (the frame's first `header` bytes) written in front of the payload
+    /// already there: one descriptor per buffer the frame fills, `XDP_PKT_CONTD` on all but the
+    /// last.
+    fn stage_lent(&mut self, id: u64, head: &[u8], header: usize, len: usize) {
+        assert!(head.len() == header && header <= len && header <= BUFFER_CAPACITY, "bad lent frame");
+        let group = self.tx_lent.get_mut(&id).expect("a transmit chunk this port lent");
+        assert!(group.in_flight == 0, "a lent chunk is sent again only once the kernel is done with it");
+        assert!(len <= group.count * BUFFER_CAPACITY, "a frame within its chunk");
+        let used = len.div_ceil(BUFFER_CAPACITY).max(1);
+        let mut left = len;
+        for i in 0..used {
+            let mut d = group.descs[i];
+            let n = left.min(BUFFER_CAPACITY);
+            left -= n;
+            // SAFETY: a buffer of this UMEM lent to the caller and not in flight, so no ring
+            // holds it; the caller only writes it (its payload) while it is not being sent,
+            // never during this call, so this is the only reference.
+            let mut data = unsafe { self.umem.data_mut(&mut d) };
+            let full = data.cursor().buf_len();
+            data.cursor().set_pos(full);
+            if i == 0 {
+                data.contents_mut()[..header].copy_from_slice(head);
+            }
+            data.cursor().set_pos(n);
+            d.set_options(if i + 1 < used { XDP_PKT_CONTD } else { 0 });
+            self.tx_staged.push(d);
+        }
+        group.in_flight = used;
+        self.tx_lent_busy.insert(id);
     }
 
     /// Kicks the kernel to transmit what is on the TX ring (one `sendto`; the kernel sends a
@@ -638,8 +757,11 @@ impl FrameTransport for XdpPort {
     }
 
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
-        self.receive(budget, false, &mut |bytes, lease| {
-            on_frame(bytes);
+        self.receive(budget, false, &mut |pieces, lease| {
+            // Whole frames only here: `receive` gathers multi-buffer frames when not lending.
+            if let [bytes] = pieces {
+                on_frame(bytes);
+            }
             lease
         })
     }
@@ -650,12 +772,15 @@ impl FrameTransport for XdpPort {
 
     fn release(&mut self, lease: Lease) {
         assert!(Arc::ptr_eq(lease.memory(), &self.umem_keep), "a lease goes back to the port that lent it");
-        let desc = self.lent.remove(&lease.id()).expect("a lease this port lent and did not get back yet");
-        self.rx_spare.push(desc);
+        for piece in lease.pieces() {
+            let desc = self.lent.remove(&piece.id).expect("a lease this port lent and did not get back yet");
+            self.rx_spare.push(desc);
+        }
+        self.lent_frames -= 1;
     }
 
     fn leases_out(&self) -> usize {
-        self.lent.len()
+        self.lent_frames
     }
 
     fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
@@ -663,19 +788,27 @@ impl FrameTransport for XdpPort {
     }
 
     fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
-        if self.plan.multi_buffer {
-            // A frame longer than one chunk cannot be prepared in one.
+        // On a multi-buffer link a chunk is a group of buffers that one frame fills in order.
+        let per = if self.plan.multi_buffer { self.plan.frame_capacity.div_ceil(BUFFER_CAPACITY) } else { 1 };
+        if per > MAX_PIECES {
             return Vec::new();
         }
-        let n = max.min(self.tx_lendable.len());
+        let n = max.min(self.tx_lendable.len() / per);
         let base = self.umem_area.0;
-        self.tx_lendable
-            .split_off(self.tx_lendable.len() - n)
-            .into_iter()
-            .map(|desc| {
-                let id = desc.addr() as u64;
-                self.tx_lent.insert(id, (desc, false));
-                TxChunk::new(id, base + desc.addr(), BUFFER_CAPACITY, Arc::clone(&self.umem_keep))
+        let taken = self.tx_lendable.split_off(self.tx_lendable.len() - n * per);
+        taken
+            .chunks(per)
+            .map(|group| {
+                let id = group[0].addr() as u64;
+                let mut descs = [FrameDesc::default(); MAX_PIECES];
+                let mut pieces = [TxPiece::default(); MAX_PIECES];
+                for (i, d) in group.iter().enumerate() {
+                    descs[i] = *d;
+                    pieces[i] = TxPiece { addr: base + d.addr(), capacity: BUFFER_CAPACITY };
+                    self.tx_member.insert(d.addr() as u64, id);
+                }
+                self.tx_lent.insert(id, TxGroup { descs, count: per, in_flight: 0 });
+                TxChunk::new_pieces(id, &pieces[..per], Arc::clone(&self.umem_keep)).expect("1 to MAX_PIECES pieces")
             })
             .collect()
     }
@@ -702,7 +835,15 @@ impl FrameTransport for XdpPort {
                 let len = match fill(&mut self.scatter[..capacity]) {
                     None => break,
                     Some(Sent::Here(len)) => len,
-                    Some(Sent::Chunk { .. }) => panic!("no transmit chunk is lent in multi-buffer mode"),
+                    Some(Sent::Chunk { id, header, len }) => {
+                        // Headers into the group's first buffer; the group goes out as is.
+                        let mut head = [0u8; 256];
+                        assert!(header <= head.len() && header <= len && len <= capacity, "bad lent frame");
+                        head[..header].copy_from_slice(&self.scatter[..header]);
+                        self.stage_lent(id, &head[..header], header, len);
+                        queued += 1;
+                        continue;
+                    }
                 };
                 assert!(len <= capacity, "frame of {len} bytes overran its buffer");
                 if len == 0 {
@@ -716,7 +857,7 @@ impl FrameTransport for XdpPort {
                     let mut cur = data.cursor();
                     cur.set_pos(0);
                     std::io::Write::write_all(&mut cur, piece).expect("piece fits a chunk");
-                    desc.set_options(if i + 1 < pieces { 1 } else { 0 });
+                    desc.set_options(if i + 1 < pieces { XDP_PKT_CONTD } else { 0 });
                     self.tx_staged.push(desc);
                 }
                 queued += 1;
@@ -748,21 +889,7 @@ impl FrameTransport for XdpPort {
                     assert!(header <= head.len() && header <= len && len <= capacity, "bad lent frame");
                     head[..header].copy_from_slice(&data.contents()[..header]);
                     self.tx_free.push(desc);
-                    let (chunk, in_flight) = self.tx_lent.get_mut(&id).expect("a transmit chunk this port lent");
-                    assert!(!*in_flight, "a lent chunk is sent again only once the kernel is done with it");
-                    let mut chunk = *chunk;
-                    // SAFETY: a chunk of this UMEM lent to the caller and not in flight, so no
-                    // ring holds it; the caller only writes it (its payload) while it is not
-                    // being sent, never during this call, so this is the only reference.
-                    let mut cdata = unsafe { self.umem.data_mut(&mut chunk) };
-                    let full = cdata.cursor().buf_len();
-                    cdata.cursor().set_pos(full);
-                    cdata.contents_mut()[..header].copy_from_slice(&head[..header]);
-                    cdata.cursor().set_pos(len);
-                    chunk.set_options(0);
-                    *in_flight = true;
-                    self.tx_lent_busy.insert(id);
-                    self.tx_staged.push(chunk);
+                    self.stage_lent(id, &head[..header], header, len);
                     queued += 1;
                 }
                 None => {

@@ -297,27 +297,66 @@ fn umem_and_rings_are_on_the_asked_node_page_by_page() {
 /// chunks lent for good are sent with only their headers written, and come back idle.
 #[test]
 fn lent_frames_and_lent_transmit_chunks() {
-    let Some(lab) = lab("lend", 1500) else { return };
+    lend_on("lend", 1500);
+}
+
+/// The same at MTU 9000, where every DATA frame spans three UMEM chunks: received frames come
+/// in their pieces under one lease over all of them, and a lent transmit chunk is a group of
+/// three buffers sent as one multi-buffer frame (`XDP_PKT_CONTD`), without a copy either way.
+#[test]
+fn lent_multi_buffer_frames_and_chunk_groups() {
+    lend_on("lendj", 9000);
+}
+
+/// Copies `src` into the pieces of a lent transmit chunk, starting `at` bytes into its frame.
+fn write_into(c: &tyche_transport::TxChunk, mut at: usize, mut src: &[u8]) {
+    for p in c.pieces() {
+        if at >= p.capacity {
+            at -= p.capacity;
+            continue;
+        }
+        let n = src.len().min(p.capacity - at);
+        // SAFETY: a chunk lent to this test, not in flight; `at + n` stays within the piece.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), (p.addr + at) as *mut u8, n) };
+        src = &src[n..];
+        at = 0;
+        if src.is_empty() {
+            break;
+        }
+    }
+    assert!(src.is_empty(), "the frame fits its chunk");
+}
+
+fn lend_on(tag: &'static str, mtu: u32) {
+    let Some(lab) = lab(tag, mtu) else { return };
     let ready = Arc::new(Barrier::new(2));
     let (ra, rb) = (Arc::clone(&ready), Arc::clone(&ready));
     const LEND: u32 = 8;
+    // Chunks a frame spans: 1 at MTU 1500, 3 at MTU 9000.
+    let per = (mtu as usize + 14).div_ceil(tyche_xdp::BUFFER_CAPACITY);
     let a = in_ns(&lab.a, move || {
-        let config = PortConfig { lend_frames: LEND, tx_lend_frames: 4, ..PortConfig::default() };
+        let config =
+            PortConfig { lend_frames: LEND * per as u32, tx_lend_frames: 4 * per as u32, ..PortConfig::default() };
         let mut port = XdpPort::open("tya", &config).expect("open AF_XDP port");
         let segment = port.plan().segment_size as usize;
         ra.wait();
         // B sends 20 DATA frames; keep every one offered with a lease.
         let mut kept = Vec::new();
-        let (mut got, mut without) = (0u32, 0u32);
+        let mut got = 0;
+        let mut without = 0;
         let deadline = Instant::now() + Duration::from_secs(20);
+        let mut whole = Vec::new();
         while got < 20 {
             assert!(Instant::now() < deadline, "stalled at {got}");
-            port.recv_lend(64, &mut |buf, lease| {
-                assert_eq!(check_data(buf, segment), got);
+            port.recv_lend(64, &mut |pieces, lease| {
+                assert_eq!(pieces.len(), per, "one piece per chunk the frame spans");
+                tyche_transport::gather(pieces, &mut whole);
+                assert_eq!(check_data(&whole, segment), got);
                 got += 1;
                 match lease {
                     Some(l) => {
-                        assert!(l.covers(buf));
+                        assert_eq!(l.pieces().len(), per);
+                        assert!(pieces.iter().all(|p| l.covers(p)));
                         kept.push((got - 1, l));
                         None
                     }
@@ -331,13 +370,16 @@ fn lent_frames_and_lent_transmit_chunks() {
             std::thread::sleep(Duration::from_micros(200));
         }
         assert_eq!((kept.len(), without), (LEND as usize, 20 - LEND), "the spares bound what is kept");
-        assert_eq!(port.leases_out(), LEND as usize);
+        assert_eq!(port.leases_out(), LEND as usize, "frames, whatever their pieces");
         assert!(port.stats().lend_exhausted > 0 && port.stats().lent == u64::from(LEND));
         // Kept frames are unchanged while more arrive.
         for (seq, l) in &kept {
-            // SAFETY: the lease keeps the frame's bytes in place and unwritten.
-            let bytes = unsafe { std::slice::from_raw_parts(l.addr() as *const u8, l.len()) };
-            assert_eq!(check_data(bytes, segment), *seq);
+            let mut bytes = Vec::new();
+            for p in l.pieces() {
+                // SAFETY: the lease keeps the frame's bytes in place and unwritten.
+                bytes.extend_from_slice(unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len) });
+            }
+            assert_eq!(check_data(&bytes, segment), *seq);
         }
         for (_, l) in kept {
             port.release(l);
@@ -346,18 +388,12 @@ fn lent_frames_and_lent_transmit_chunks() {
         // Transmit chunks: payload written ahead, headers at send time.
         let chunks = port.lend_tx_chunks(16);
         assert_eq!(chunks.len(), 4, "as many as configured");
+        assert!(chunks.iter().all(|c| c.pieces().len() == per && c.capacity() >= DATA_FRAME_OVERHEAD + segment));
         let env = env(MAC_A, MAC_B);
         for (i, c) in chunks.iter().enumerate() {
             let mut frame = vec![0u8; DATA_FRAME_OVERHEAD + segment];
             data_frame(&env, 100 + i as u32, segment, &mut frame);
-            // SAFETY: a chunk lent to this test, not in flight; the frame fits its capacity.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    frame[DATA_FRAME_OVERHEAD..].as_ptr(),
-                    (c.frame_addr() + DATA_FRAME_OVERHEAD) as *mut u8,
-                    segment,
-                )
-            };
+            write_into(c, DATA_FRAME_OVERHEAD, &frame[DATA_FRAME_OVERHEAD..]);
         }
         let mut next = 0;
         let sent = port

@@ -44,13 +44,15 @@ pub use target::{Nic, Placement, StartError, Target, TargetHandle};
 
 /// Spare UMEM chunks each AF_XDP port of `tyched serve` gets so that received write data can
 /// stay in its frames until storage has written it (16 MiB per port): up to this many DATA
-/// frames per port are kept at once; beyond that, write data is copied into slot memory (and
+/// frames per port are kept at once (a third as many at MTU 9000, where a frame spans three
+/// chunks); beyond that, write data is copied into slot memory (and
 /// counted in `payload_copied_bytes`).
 pub const LEND_FRAMES: u32 = 4096;
 
 /// UMEM chunks each AF_XDP port of `tyched serve` lends the target for good to store read data
 /// in, one segment per chunk behind room for the DATA frame's headers, and send it from there
-/// (16 MiB per port). A read finding too few free ones goes through slot memory and is copied
+/// (16 MiB per port; at MTU 9000 in groups of three, one group per 8 KiB segment). A read
+/// finding too few free ones goes through slot memory and is copied
 /// into the transmit buffers (counted in `payload_copied_bytes`).
 pub const TX_LEND_FRAMES: u32 = 4096;
 

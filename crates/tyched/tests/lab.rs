@@ -33,6 +33,11 @@ fn ip(args: &[&str]) {
 
 impl Lab {
     fn new(tag: &str) -> Option<Lab> {
+        Lab::with_mtu(tag, 1500)
+    }
+
+    /// A lab whose links have MTU `mtu`.
+    fn with_mtu(tag: &str, mtu: u32) -> Option<Lab> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 || Command::new("ip").arg("-V").output().is_err() {
             eprintln!("skipping: the veth lab needs root and iproute2");
@@ -47,8 +52,9 @@ impl Lab {
             let (a, b) = (format!("tydi{k}"), format!("tydt{k}"));
             ip(&["link", "add", &a, "netns", &lab.ns_i, "type", "veth", "peer", "name", &b, "netns", &lab.ns_t]);
             let (ma, mb) = (common::init_mac(k as usize).to_string(), common::target_mac(k as usize).to_string());
-            ip(&["-n", &lab.ns_i, "link", "set", &a, "address", &ma, "up"]);
-            ip(&["-n", &lab.ns_t, "link", "set", &b, "address", &mb, "up"]);
+            let mtu = mtu.to_string();
+            ip(&["-n", &lab.ns_i, "link", "set", &a, "address", &ma, "mtu", &mtu, "up"]);
+            ip(&["-n", &lab.ns_t, "link", "set", &b, "address", &mb, "mtu", &mtu, "up"]);
         }
         Some(lab)
     }
@@ -330,9 +336,22 @@ fn run_lab(transport: &str) {
 /// frame goes back to its port.
 #[test]
 fn in_process_target_over_af_xdp_keeps_write_data_in_the_umem() {
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    zero_copy_over_af_xdp("zc", 1500);
+}
+
+/// The same at MTU 9000: every DATA frame (8 KiB segments) is a multi-buffer frame over three
+/// UMEM chunks. Write data stays in all three, storage writes from the pieces, and read data is
+/// read into groups of three transmit chunks sent as one frame each: no payload copied.
+#[test]
+fn in_process_target_over_af_xdp_at_mtu_9000_copies_nothing() {
+    zero_copy_over_af_xdp("zj", 9000);
+}
+
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn zero_copy_over_af_xdp(tag: &str, mtu: u32) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(lab) = Lab::new("zc") else { return };
+    let Some(lab) = Lab::with_mtu(tag, mtu) else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("disk.img");
     let mut exports =
@@ -399,8 +418,10 @@ fn in_process_target_over_af_xdp_keeps_write_data_in_the_umem() {
         assert!(s.nics.iter().all(|n| n.frames_kept > 0), "both NICs kept frames: {:?}", s.nics);
         assert_eq!(s.payload_copied_write_bytes, 0, "{export}: no write payload copied in user space: {s:?}");
         assert_eq!(s.payload_copied_bytes, 0, "{export}: no payload copied in user space: {s:?}");
-        if export == "blk" {
-            // Written once, read twice, every byte through O_DIRECT.
+        if export == "blk" && mtu <= 3632 {
+            // Written once, read twice, every byte through O_DIRECT. (A multi-buffer frame's
+            // pieces after the first start 450 bytes into their chunks: not sector-aligned, so
+            // at MTU 9000 those transfers go through the page cache, still without a copy.)
             let moved = 3 * sizes.iter().sum::<usize>() as u64;
             assert!(s.exports[e].direct_bytes >= moved, "{export}: O_DIRECT for all of it: {:?}", s.exports[e]);
         }
@@ -410,11 +431,13 @@ fn in_process_target_over_af_xdp_keeps_write_data_in_the_umem() {
             s.nics
         );
         eprintln!(
-            "{export}: payload_copied_bytes = {} (write path {}), frames kept {}, sent in place {}",
+            "MTU {mtu} {export}: payload_copied_bytes = {} (write path {}), frames kept {}, sent in place {}, \
+             direct {}",
             s.payload_copied_bytes,
             s.payload_copied_write_bytes,
             s.nics.iter().map(|n| n.frames_kept).sum::<u64>(),
-            s.nics.iter().map(|n| n.frames_sent_in_place).sum::<u64>()
+            s.nics.iter().map(|n| n.frames_sent_in_place).sum::<u64>(),
+            s.exports[e].direct_bytes
         );
         drop(ini);
     }

@@ -125,6 +125,9 @@ pub struct PairConfig {
     /// The durability epoch the target's ACCEPTs carry: initiator channels opened from now on
     /// get it ([`Channel::with_durability_epoch`]).
     pub epoch: DurabilityEpoch,
+    /// Frames to the target longer than this many bytes arrive in pieces of it, each in a
+    /// buffer of its own (a multi-buffer link), through `TargetSession::handle_frame_pieces`.
+    pub pieces: Option<usize>,
 }
 
 /// Timers scaled to a 10 µs link.
@@ -164,6 +167,7 @@ impl Default for PairConfig {
             max_requests: 64,
             seal: None,
             epoch: DurabilityEpoch::NONE,
+            pieces: None,
         }
     }
 }
@@ -244,6 +248,10 @@ pub struct Pair {
     pub last_rx: HashMap<Dir, Instant>,
     buf: Vec<u8>,
     scratch: Vec<u8>,
+    gather: Vec<u8>,
+    /// Frames the target got in more than one piece, and write payloads it got in more than one.
+    pub multi_piece_frames: u64,
+    pub multi_piece_payloads: u64,
     /// Channels opened so far (each keyed one gets keys of its own).
     opened: u8,
 }
@@ -328,6 +336,9 @@ impl Pair {
             last_rx: HashMap::new(),
             buf: vec![0; 16384],
             scratch: Vec::new(),
+            gather: Vec::new(),
+            multi_piece_frames: 0,
+            multi_piece_payloads: 0,
         }
     }
 
@@ -665,6 +676,26 @@ impl Pair {
             self.note_ack(&p);
             self.last_rx.insert(p.dir, self.now);
             match p.dir {
+                Dir::ToTarget if self.cfg.pieces.is_some_and(|n| p.bytes.len() > n) => {
+                    let n = self.cfg.pieces.expect("checked");
+                    // Each piece in a buffer of its own.
+                    let owned: Vec<Vec<u8>> = p.bytes.chunks(n).map(<[u8]>::to_vec).collect();
+                    let pieces: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+                    self.multi_piece_frames += 1;
+                    match self.target.handle_frame_pieces(self.now, &pieces, &mut self.scratch, &mut self.gather) {
+                        TargetInbound::Write { channel, damq, offset, payload, .. } => {
+                            self.multi_piece_payloads += u64::from(payload.parts().len() > 1);
+                            let mem = self.damq_mem.entry((channel, damq)).or_insert_with(|| vec![0; max_io]);
+                            let mut at = offset as usize;
+                            for part in payload.parts() {
+                                mem[at..at + part.len()].copy_from_slice(part);
+                                at += part.len();
+                            }
+                        }
+                        TargetInbound::Dropped(d) => self.target_drops.push(d),
+                        TargetInbound::Consumed => {}
+                    }
+                }
                 Dir::ToTarget => match self.target.handle_frame(self.now, &p.bytes, &mut self.scratch) {
                     TargetInbound::Write { channel, damq, offset, payload, .. } => {
                         let mem = self.damq_mem.entry((channel, damq)).or_insert_with(|| vec![0; max_io]);

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use tyche_channel::{Instant, TargetEvent};
+use tyche_channel::{Instant, Pieces, TargetEvent, MAX_PIECES};
 use tyche_transport::{Lease, TxChunk};
 use tyche_wire::{flags, layout, Op, Request, Status, DATA_FRAME_OVERHEAD};
 
@@ -61,16 +61,35 @@ pub(crate) struct Region {
     pub(crate) tag: u64,
 }
 
-/// Write data left in the received frame it arrived in: the `len` bytes at `addr` are bytes
-/// `offset..offset + len` of the request's data. The lease keeps them there, unchanged.
+/// Write data left in the received frame it arrived in: its pieces (one, or one per buffer of
+/// a multi-buffer frame: `(addr, len)`, in order) are bytes `offset..offset + len` of the
+/// request's data. The lease keeps them there, unchanged.
 #[derive(Debug)]
 pub(crate) struct LentSegment {
     pub(crate) offset: u32,
     pub(crate) len: u32,
-    pub(crate) addr: usize,
+    parts: [(usize, u32); MAX_PIECES],
+    count: u8,
     /// The NIC whose transport lent the frame (it gets the lease back).
     pub(crate) nic: usize,
     pub(crate) lease: Lease,
+}
+
+impl LentSegment {
+    /// The payload `payload` (at `offset` of the request's data) kept in the frame `lease`
+    /// names, lent by NIC `nic`'s transport. The caller checked that the lease covers it.
+    pub(crate) fn new(offset: u32, payload: &Pieces<'_>, nic: usize, lease: Lease) -> LentSegment {
+        let mut parts = [(0usize, 0u32); MAX_PIECES];
+        for (slot, p) in parts.iter_mut().zip(payload.parts()) {
+            *slot = (p.as_ptr() as usize, p.len() as u32);
+        }
+        LentSegment { offset, len: payload.len() as u32, parts, count: payload.parts().len() as u8, nic, lease }
+    }
+
+    /// The pieces of the payload: `(addr, len)`, in order.
+    pub(crate) fn parts(&self) -> &[(usize, u32)] {
+        &self.parts[..self.count as usize]
+    }
 }
 
 impl Job {
@@ -80,7 +99,7 @@ impl Job {
     pub(crate) fn write_pieces(&self) -> Option<Vec<&[u8]>> {
         let len = self.request.length as usize;
         let mem = self.buf.as_ref().map(Memory::as_slice);
-        let mut out = Vec::with_capacity(self.lent.len() + 1);
+        let mut out = Vec::with_capacity(self.lent.len() + 2);
         let mut at = 0usize;
         for seg in &self.lent {
             let (o, l) = (seg.offset as usize, seg.len as usize);
@@ -90,10 +109,13 @@ impl Job {
             if o > at {
                 out.push(mem?.get(at..o)?);
             }
-            // SAFETY: `addr..addr + len` lies within the frame the lease names (checked with
-            // `Lease::covers` when the frame was kept), and while the lease lives the transport
-            // neither reuses nor unmaps that memory; `self` holds the lease for the borrow.
-            out.push(unsafe { std::slice::from_raw_parts(seg.addr as *const u8, l) });
+            for &(addr, n) in seg.parts() {
+                // SAFETY: `addr..addr + n` lies within a buffer of the frame the lease names
+                // (checked with `Lease::covers` when the frame was kept), and while the lease
+                // lives the transport neither reuses nor unmaps that memory; `self` holds the
+                // lease for the borrow.
+                out.push(unsafe { std::slice::from_raw_parts(addr as *const u8, n as usize) });
+            }
             at = o + l;
         }
         if at < len {
@@ -120,28 +142,40 @@ impl Job {
         }
     }
 
-    /// Where the read data goes when it goes straight into transmit chunks: one place per
-    /// segment, right after the room for the DATA frame's headers.
+    /// Where the read data goes when it goes straight into transmit chunks: segment `i` in
+    /// chunk `i`, right after the room for the DATA frame's headers, in one place, or, where a
+    /// chunk is a group of buffers (a multi-buffer link), in one place per buffer it fills.
     pub(crate) fn read_places(&mut self) -> Vec<&mut [u8]> {
         let len = self.request.length as usize;
         let region = self.region.as_ref().expect("a read region");
         let seg = region.seg as usize;
         assert_eq!(region.chunks.len(), len.div_ceil(seg), "one chunk per segment");
-        region
-            .chunks
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let n = seg.min(len - i * seg);
-                assert!(DATA_FRAME_OVERHEAD + n <= c.capacity(), "a segment and its headers fit a chunk");
-                // SAFETY: the chunk was lent to this target for good and lies in memory it keeps
-                // mapped; while this job holds the region no frame is sent from it and the kernel
-                // has none of it in flight (regions are handed out only when idle), so this is
-                // the only reference to these bytes, and the places of distinct chunks are
-                // disjoint.
-                unsafe { std::slice::from_raw_parts_mut((c.frame_addr() + DATA_FRAME_OVERHEAD) as *mut u8, n) }
-            })
-            .collect()
+        let mut places = Vec::with_capacity(region.chunks.len());
+        for (i, c) in region.chunks.iter().enumerate() {
+            let n = seg.min(len - i * seg);
+            assert!(DATA_FRAME_OVERHEAD + n <= c.capacity(), "a segment and its headers fit a chunk");
+            // The frame fills the chunk's pieces in order; the payload starts after the headers.
+            let (mut skip, mut left) = (DATA_FRAME_OVERHEAD, n);
+            for p in c.pieces() {
+                if left == 0 {
+                    break;
+                }
+                if skip >= p.capacity {
+                    skip -= p.capacity;
+                    continue;
+                }
+                let m = left.min(p.capacity - skip);
+                // SAFETY: the chunk was lent to this target for good and lies in memory it
+                // keeps mapped; while this job holds the region no frame is sent from it and the
+                // kernel has none of it in flight (regions are handed out only when idle), so
+                // this is the only reference to these bytes; `skip + m` stays within the piece,
+                // and the places of distinct pieces and chunks are disjoint.
+                places.push(unsafe { std::slice::from_raw_parts_mut((p.addr + skip) as *mut u8, m) });
+                left -= m;
+                skip = 0;
+            }
+        }
+        places
     }
 }
 

@@ -432,6 +432,8 @@ struct Network {
     rx_scratch: Vec<u8>,
     /// Queue addresses: which transport serves a new channel and the address ACCEPT names.
     queue_addresses: crate::steer::QueueAddresses,
+    /// The last frame that arrived in pieces and had to be whole (a sealed or DIGEST channel's).
+    rx_gather: Vec<u8>,
 }
 
 impl Network {

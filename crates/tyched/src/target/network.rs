@@ -299,7 +299,7 @@ impl Network {
             return false;
         }
         let local = nic.transport.local_mac();
-        match nic.transport.recv_lend(RX_BUDGET, &mut |bytes, lease| self.on_frame(now, k, local, bytes, lease)) {
+        match nic.transport.recv_lend(RX_BUDGET, &mut |pieces, lease| self.on_frame(now, k, local, pieces, lease)) {
             Ok(n) => n > 0,
             Err(e) => {
                 let n = &mut self.nics[k];
@@ -316,40 +316,68 @@ impl Network {
         }
     }
 
-    /// Handles one received frame. Its header is checked here, once, and the checked view
-    /// goes on. Write data is kept in the frame when the transport lends it (`lease`) and the
-    /// export writes from frames; else it is copied into slot memory. Returns the lease when the
-    /// frame is not kept. A panic while handling it (a bug a peer's frame reached) ends that
-    /// frame's session alone ([`Network::fail_session`]).
+    /// Handles one received frame, in one piece or several (a multi-buffer frame: a DATA frame
+    /// whose headers are all in the first). Its header is checked here, once, and the checked
+    /// view goes on. Write data is kept in the frame (all its pieces) when the transport lends
+    /// it (`lease`) and the export writes from frames; else it is copied into slot memory.
+    /// Returns the lease when the frame is not kept. A panic while handling it (a bug a peer's
+    /// frame reached) ends that frame's session alone ([`Network::fail_session`]).
     fn on_frame(
         &mut self,
         now: Instant,
         k: usize,
         local: MacAddr,
-        bytes: &[u8],
+        pieces: &[&[u8]],
         lease: Option<Lease>,
     ) -> Option<Lease> {
         let st = &mut self.nics[k].stats;
         st.frames_rx += 1;
-        st.bytes_rx += bytes.len() as u64;
-        let Ok(frame) = Frame::new_checked(bytes, self.ethertype) else {
-            st.drops.malformed += 1;
-            return lease;
-        };
-        let sid = frame.session();
-        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
-                // The one parse of a handshake frame's message; the handshake gets both views.
-                match frame.parse() {
-                    Ok(msg) => self.on_handshake(now, k, local, &frame, &msg),
-                    Err(_) => self.nics[k].stats.drops.malformed += 1,
+        st.bytes_rx += tyche_transport::pieces_len(pieces) as u64;
+        let (sid, src, channel_idx) = match pieces {
+            [bytes] => {
+                let Ok(frame) = Frame::new_checked(*bytes, self.ethertype) else {
+                    st.drops.malformed += 1;
+                    return lease;
+                };
+                if matches!(frame.kind(), Kind::Connect | Kind::Discover) {
+                    let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        // The one parse of a handshake frame's message; the handshake gets both views.
+                        match frame.parse() {
+                            Ok(msg) => self.on_handshake(now, k, local, &frame, &msg),
+                            Err(_) => self.nics[k].stats.drops.malformed += 1,
+                        }
+                    }));
+                    if handled.is_err() {
+                        self.fail_session(frame.session(), "handling a frame");
+                    }
+                    return lease;
                 }
+                (frame.session(), frame.src(), frame.channel())
+            }
+            // Only DATA frames are longer than one buffer; more pieces than a lease holds are
+            // refused too (the transports drop such frames before they get here).
+            [first, ..] if pieces.len() <= tyche_channel::MAX_PIECES => {
+                match tyche_channel::data_head(first, self.ethertype) {
+                    Ok((frame, _)) => (frame.session(), frame.src(), frame.channel()),
+                    Err(_) => {
+                        st.drops.malformed += 1;
+                        return lease;
+                    }
+                }
+            }
+            _ => {
+                st.drops.malformed += 1;
                 return lease;
             }
-            // The plaintext of an encrypting channel's frame goes here (kept, not reallocated).
+        };
+        let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // The plaintext of an encrypting channel's frame goes here (kept, not reallocated),
+            // and a frame in pieces that must be whole (sealed, DIGEST) is gathered there.
             let mut scratch = std::mem::take(&mut self.rx_scratch);
-            let kept = self.on_session_frame(now, k, &frame, lease, &mut scratch);
+            let mut gather = std::mem::take(&mut self.rx_gather);
+            let kept = self.on_session_frame(now, k, (sid, src, channel_idx), pieces, lease, &mut scratch, &mut gather);
             self.rx_scratch = scratch;
+            self.rx_gather = gather;
             kept
         }));
         handled.unwrap_or_else(|_| {
@@ -358,25 +386,27 @@ impl Network {
         })
     }
 
-    /// A checked frame for a session: the session's channel takes it, and the payload of a DATA
-    /// frame it places goes into the slot table.
+    /// A frame for channel `channel_idx` of session `sid` from `src`: the session's channel takes
+    /// it, and the payload of a DATA frame it places goes into the slot table.
+    #[allow(clippy::too_many_arguments)]
     fn on_session_frame(
         &mut self,
         now: Instant,
         k: usize,
-        frame: &Frame<&[u8]>,
+        (sid, src, channel_idx): (u64, MacAddr, u16),
+        pieces: &[&[u8]],
         lease: Option<Lease>,
         scratch: &mut Vec<u8>,
+        gather: &mut Vec<u8>,
     ) -> Option<Lease> {
-        let bytes = frame.as_bytes();
         let st = &mut self.nics[k].stats;
-        let Some(s) = self.sessions.get_mut(&frame.session()) else {
+        let Some(s) = self.sessions.get_mut(&sid) else {
             st.drops.unknown_session += 1;
-            tracing::trace!(src = %frame.src(), session = frame.session(), "frame for an unknown session");
+            tracing::trace!(%src, session = sid, "frame for an unknown session");
             return lease;
         };
         let (channel, damq, offset, payload, generation, tag) =
-            match s.session.handle_frame(now, frame.channel(), bytes, scratch) {
+            match s.session.handle_frame_pieces(now, channel_idx, pieces, scratch, gather) {
                 TargetInbound::Consumed => {
                     s.established = true;
                     return lease;
@@ -399,7 +429,7 @@ impl Network {
         let node = self.nics[k].node;
         let sessions = &self.sessions;
         let (placed, lease) =
-            self.slots.place_write(key, k, (tag, generation), offset, payload, lease, lend, node, |key| {
+            self.slots.place_write(key, k, (tag, generation), offset, &payload, lease, lend, node, |key| {
                 slot_idle(sessions, key)
             });
         let st = &mut self.nics[k].stats;
@@ -502,6 +532,9 @@ impl Network {
         tx.frames > 0
     }
 }
+
+// A frame's pieces: what a transport lends at most is what the engine takes.
+const _: () = assert!(tyche_channel::MAX_PIECES == tyche_transport::MAX_PIECES);
 
 /// What one [`Network::transmit_on`] sent.
 #[derive(Default)]

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tyche_channel::{
-    Channel, DeadReason, Directory, ExportGeometry, Instant, PartMessage, TargetEvent, TargetInbound, TargetSession,
-    Transmit,
+    Channel, DeadReason, Directory, ExportGeometry, Instant, PartMessage, Pieces, TargetEvent, TargetInbound,
+    TargetSession, Transmit,
 };
 use tyche_wire::{DisconnectReason, MacAddr, Request, Status};
 
@@ -126,17 +126,19 @@ impl Parts {
         self.pump();
     }
 
-    /// A received frame of channel `channel` (from its checked header): the channel's part
-    /// takes it, whichever thread received it.
-    pub(super) fn handle_frame<'a>(
+    /// A received frame of channel `channel` (from its checked header), in pieces (one, or the
+    /// buffers of a multi-buffer frame, the headers in the first): the channel's part takes it,
+    /// whichever thread received it; write data comes back as the pieces it lies in.
+    pub(super) fn handle_frame_pieces<'a>(
         &mut self,
         now: Instant,
         channel: u16,
-        bytes: &'a [u8],
+        pieces: &[&'a [u8]],
         scratch: &'a mut Vec<u8>,
-    ) -> TargetInbound<'a> {
+        gather: &'a mut Vec<u8>,
+    ) -> TargetInbound<'a, Pieces<'a>> {
         let p = self.part_of.get(&channel).copied().unwrap_or(0);
-        let r = self.parts[p].handle_frame(now, bytes, scratch);
+        let r = self.parts[p].handle_frame_pieces(now, pieces, scratch, gather);
         self.pump();
         r
     }

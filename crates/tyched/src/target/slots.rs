@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use tyche_channel::Pieces;
 use tyche_transport::{FrameTransport, Lease, TxChunk};
 use tyche_wire::Request;
 
@@ -190,8 +191,9 @@ impl SlotTable {
     // Receive: write data.
 
     /// Places a DATA payload of write `tag` (slot generation `generation`) at `offset` of slot
-    /// `key`, received on NIC `k`. Kept in its frame when the transport lent it (`lease`), it
-    /// covers the payload and the export writes from frames (`lend`); else copied into the
+    /// `key`, received on NIC `k`, in one piece or across the pieces of a multi-buffer frame.
+    /// Kept in its frame when the transport lent it (`lease`), the lease covers every piece of
+    /// the payload and the export writes from frames (`lend`); else copied into the
     /// slot's memory (allocated on `node` if the slot has none, `idle` naming slots whose memory
     /// may be taken back). Segments kept for another tag or slot generation (a write that never
     /// executed, early data of a refused request) or at this offset go back first. Returns how
@@ -203,7 +205,7 @@ impl SlotTable {
         k: usize,
         (tag, generation): (u64, u32),
         offset: u32,
-        payload: &[u8],
+        payload: &Pieces<'_>,
         lease: Option<Lease>,
         lend: bool,
         node: Option<u32>,
@@ -223,10 +225,9 @@ impl SlotTable {
             self.release(seg);
         }
         let lease = match lease {
-            Some(lease) if lend && lease.covers(payload) => {
+            Some(lease) if lend && payload.parts().iter().all(|p| lease.covers(p)) => {
                 let ls = self.lent.entry(key).or_insert_with(|| LentSlot { tag, generation, segs: BTreeMap::new() });
-                let seg =
-                    LentSegment { offset, len: payload.len() as u32, addr: payload.as_ptr() as usize, nic: k, lease };
+                let seg = LentSegment::new(offset, payload, k, lease);
                 ls.segs.insert(offset, seg);
                 self.leases_held += 1;
                 return (Placed::Kept, None);
@@ -256,7 +257,13 @@ impl SlotTable {
         let Some(Some(mem)) = self.memory.get_mut(&key) else { return (Placed::Short, lease) };
         let o = offset as usize;
         match mem.as_mut_slice().get_mut(o..o + payload.len()) {
-            Some(place) => place.copy_from_slice(payload),
+            Some(place) => {
+                let mut at = 0;
+                for part in payload.parts() {
+                    place[at..at + part.len()].copy_from_slice(part);
+                    at += part.len();
+                }
+            }
             None => {
                 self.short.insert(key, generation);
                 return (Placed::Short, lease);
@@ -501,19 +508,22 @@ mod tests {
         let mut t = SlotTable::new(1, LEN, 2 * LEN as u64);
         let never = |_: &SlotKey| false;
         for damq in 0..2 {
-            let (placed, _) = t.place_write((1, 0, 0, damq), 0, (7, 1), 0, &[1; 512], None, false, None, never);
+            let (placed, _) =
+                t.place_write((1, 0, 0, damq), 0, (7, 1), 0, &Pieces::one(&[1; 512]), None, false, None, never);
             assert_eq!(placed, Placed::Copied(512));
         }
         assert_eq!(t.bytes(), 2 * LEN as u64);
         // A third slot finds the budget spent and no idle slot: that write falls short.
-        let (placed, _) = t.place_write((1, 0, 0, 2), 0, (8, 1), 0, &[1; 512], None, false, None, never);
+        let (placed, _) = t.place_write((1, 0, 0, 2), 0, (8, 1), 0, &Pieces::one(&[1; 512]), None, false, None, never);
         assert_eq!(placed, Placed::Short);
         assert_eq!(t.memory_waits(), 1);
         let (_, short) = t.reuse((1, 0, 0, 2), &write(8, 2, 512), 1);
         assert!(short, "the write whose data was not kept fails");
         // An idle slot's memory is taken back for a new one, within the budget.
         let (placed, _) =
-            t.place_write((1, 0, 0, 3), 0, (9, 1), 0, &[1; 512], None, false, None, |k: &SlotKey| k.3 == 0);
+            t.place_write((1, 0, 0, 3), 0, (9, 1), 0, &Pieces::one(&[1; 512]), None, false, None, |k: &SlotKey| {
+                k.3 == 0
+            });
         assert_eq!(placed, Placed::Copied(512));
         assert_eq!(t.bytes(), 2 * LEN as u64);
         // The session goes: all of it is free again.
@@ -526,7 +536,8 @@ mod tests {
     fn copied_data_outside_the_slot_is_short_never_written() {
         let mut t = SlotTable::new(1, LEN, 4 * LEN as u64);
         let key = (1, 0, 0, 0);
-        let (placed, _) = t.place_write(key, 0, (7, 3), LEN as u32 - 10, &[1; 20], None, false, None, |_| false);
+        let (placed, _) =
+            t.place_write(key, 0, (7, 3), LEN as u32 - 10, &Pieces::one(&[1; 20]), None, false, None, |_| false);
         assert_eq!(placed, Placed::Short);
         // Another generation of the slot is not affected.
         let (_, short) = t.reuse(key, &write(7, 0, 512), 4);
@@ -541,7 +552,9 @@ mod tests {
         for (i, nic) in [(0u32, 0usize), (1, 1), (2, 0)] {
             let (mem, lease) = frame(i as u64, vec![0xab; 1024]);
             let (placed, back) =
-                t.place_write(key, nic, (11, 2), i * 512, &mem[..512], Some(lease), true, None, |_| false);
+                t.place_write(key, nic, (11, 2), i * 512, &Pieces::one(&mem[..512]), Some(lease), true, None, |_| {
+                    false
+                });
             assert_eq!(placed, Placed::Kept);
             assert!(back.is_none());
             frames.push(mem);
@@ -549,7 +562,8 @@ mod tests {
         assert_eq!(t.leases_held(), 3);
         // The same offset again replaces the segment there: the old frame goes back first.
         let (mem, lease) = frame(9, vec![0xcd; 1024]);
-        let (placed, _) = t.place_write(key, 0, (11, 2), 512, &mem[..512], Some(lease), true, None, |_| false);
+        let (placed, _) =
+            t.place_write(key, 0, (11, 2), 512, &Pieces::one(&mem[..512]), Some(lease), true, None, |_| false);
         assert_eq!(placed, Placed::Kept);
         assert_eq!(t.leases_held(), 3);
         assert_eq!(t.nics[1].release.len(), 1);
@@ -560,7 +574,8 @@ mod tests {
         assert_eq!(t.nics[0].release.len() + t.nics[1].release.len(), 4);
         // A payload the lease does not cover is copied, and the frame comes straight back.
         let (_, lease) = frame(10, vec![0; 16]);
-        let (placed, back) = t.place_write(key, 0, (12, 1), 0, &[3; 64], Some(lease), true, None, |_| false);
+        let (placed, back) =
+            t.place_write(key, 0, (12, 1), 0, &Pieces::one(&[3; 64]), Some(lease), true, None, |_| false);
         assert_eq!(placed, Placed::Copied(64));
         assert!(back.is_some());
         t.drop_where(|k| k.0 == 5);

@@ -123,6 +123,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         stopping: None,
         rx_scratch: Vec::new(),
         queue_addresses: queue_addresses(&placement.queue_addresses, n_nics)?,
+        rx_gather: Vec::new(),
     };
     tracing::info!(nics = n_nics, threads = groups.len(), "serving");
     Ok(Built { net, nics, groups, shared, workers })

@@ -73,6 +73,24 @@ pub fn start_lending_tx(config: Config, paths: usize, lend: usize) -> (TargetHan
     (handle, ports)
 }
 
+/// As [`start_lending_tx`], over links that behave as AF_XDP multi-buffer links at MTU 9000
+/// (`MemPort::set_pieces(3646)`): every DATA frame the target receives comes in three pieces,
+/// each in a buffer of its own, and each transmit chunk it is lent is a group of three.
+pub fn start_lending_pieces(config: Config, paths: usize, lend: usize) -> (TargetHandle, Vec<Port>) {
+    let mut ports = Vec::new();
+    let mut nics = Vec::new();
+    for k in 0..paths {
+        let (a, mut b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
+        b.set_lending(lend);
+        b.set_tx_lending(lend);
+        b.set_pieces(3646);
+        ports.push(Box::new(a) as Port);
+        nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
+    }
+    let handle = Target::start(config, nics).expect("target starts");
+    (handle, ports)
+}
+
 /// Waits until the target holds no kept frame and every transport has all its frames back.
 pub fn wait_leases_back(target: &TargetHandle) -> tyched::Snapshot {
     let deadline = std::time::Instant::now() + LIMIT;
