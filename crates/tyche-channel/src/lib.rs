@@ -32,6 +32,7 @@ pub mod config;
 mod handshake;
 mod initiator;
 mod ledger;
+mod parts;
 mod reconnect;
 mod scheduler;
 mod seq;
@@ -50,6 +51,7 @@ pub use handshake::{
 pub use initiator::{
     DurabilityDebt, Inbound, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent,
 };
+pub use parts::{Courier, SessionParts};
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
 pub use target::{

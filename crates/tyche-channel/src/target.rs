@@ -340,6 +340,16 @@ impl TargetSession {
             Ok((idx, received, _)) => (idx, received),
             Err(d) => return TargetInbound::Dropped(d),
         };
+        let payload = match &received {
+            Received::Placed(p) => p.payload,
+            _ => &[],
+        };
+        self.inbound(idx, received, payload)
+    }
+
+    /// What a delivered frame of channel `idx` comes to, write data's payload being `payload`;
+    /// the requests it made ready are admitted.
+    fn inbound<P>(&mut self, idx: u16, received: Received<'_>, payload: P) -> TargetInbound<'static, P> {
         let out = match received {
             Received::Consumed => TargetInbound::Consumed,
             Received::Dropped(r) => TargetInbound::Dropped(FrameDrop::Channel(r)),
@@ -347,7 +357,7 @@ impl TargetSession {
                 channel: idx,
                 damq: p.damq,
                 offset: p.offset,
-                payload: p.payload,
+                payload,
                 generation: p.generation,
                 tag: p.tag,
             },
@@ -381,25 +391,10 @@ impl TargetSession {
             let channels = channels; // moved in: the closure is FnOnce and may return a borrow of it
             channels.get_mut(&i)
         };
-        let (idx, received, payload) =
-            match deliver_pieces(now, pieces, scratch, gather, self.ethertype, self.id, lookup) {
-                Ok(r) => r,
-                Err(d) => return TargetInbound::Dropped(d),
-            };
-        let out = match received {
-            Received::Consumed => TargetInbound::Consumed,
-            Received::Dropped(r) => TargetInbound::Dropped(FrameDrop::Channel(r)),
-            Received::Placed(p) => TargetInbound::Write {
-                channel: idx,
-                damq: p.damq,
-                offset: p.offset,
-                payload,
-                generation: p.generation,
-                tag: p.tag,
-            },
-        };
-        self.drain(idx);
-        out
+        match deliver_pieces(now, pieces, scratch, gather, self.ethertype, self.id, lookup) {
+            Ok((idx, received, payload)) => self.inbound(idx, received, payload),
+            Err(d) => TargetInbound::Dropped(d),
+        }
     }
 
     fn drain(&mut self, idx: u16) {

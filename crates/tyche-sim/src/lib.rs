@@ -45,7 +45,7 @@ use tyche_wire::{
 
 use model::{FlushCover, Model};
 use net::{Delivery, Dir, Failure, NetConfig, Network};
-use sharded::ShardedSession;
+use sharded::{new_session, Sharded, ShardedSession};
 
 /// What to simulate. Everything else derives from the seed.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -481,7 +481,7 @@ impl World {
         // Quiesce: let stray frames (held ones included) arrive and their effects, if any, land.
         let quiesce = self.now + Duration::from_secs(2);
         loop {
-            let messages = self.sessions.values().filter_map(ShardedSession::next_message).min();
+            let messages = self.sessions.values().filter_map(|s| s.next_message()).min();
             let io = self.io.peek().map(|o| o.0.at);
             let Some(next) = self.net.next_at().into_iter().chain(io).chain(messages).min() else { break };
             if next > quiesce {
@@ -543,6 +543,7 @@ impl World {
         consider(self.volume.as_ref().and_then(Volume::poll_timeout));
         for s in self.sessions.values() {
             consider(s.poll_timeout());
+            consider(s.next_message());
         }
         for (_, c) in self.connectors.values() {
             consider(c.poll_timeout());
@@ -753,8 +754,8 @@ impl World {
                     let (parts, seed, now) = (self.cfg.shards, self.report.seed, self.now);
                     self.sessions
                         .entry(session)
-                        .or_insert_with(|| ShardedSession::new(session, DEFAULT_ETHERTYPE, geometry, parts, seed))
-                        .add_channel(now, k, *channel);
+                        .or_insert_with(|| new_session(session, DEFAULT_ETHERTYPE, geometry, parts, seed))
+                        .join_on_path(now, k, *channel);
                     self.send(k, Dir::ToInitiator, &out[..len]);
                 }
                 None => {}
@@ -763,7 +764,7 @@ impl World {
         }
         let Some(s) = self.sessions.get_mut(&frame.session()) else { return };
         if let TargetInbound::Write { channel, damq, offset, payload, .. } =
-            s.handle_frame(self.now, k, bytes, &mut self.scratch)
+            s.frame_on_path(self.now, k, bytes, &mut self.scratch)
         {
             let mem = self.damq_mem.entry((s.id(), channel, damq)).or_insert_with(|| vec![0; MAX_IO as usize]);
             mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
@@ -779,7 +780,8 @@ impl World {
                 match ev {
                     TargetEvent::Execute { channel, request, .. } if draining => {
                         // Stopping: what has not started is given up, not executed.
-                        assert!(s.complete(now, channel, &request, Status::Aborted), "aborting a request handed out");
+                        s.at(now);
+                        assert!(s.complete(channel, &request, Status::Aborted), "aborting a request handed out");
                     }
                     TargetEvent::Execute { channel, request, .. } => {
                         let slow = self.rng.chance(0.01);
@@ -867,10 +869,8 @@ impl World {
                 Status::Ok
             };
             if let Some(s) = self.sessions.get_mut(&op.session) {
-                assert!(
-                    s.complete(self.now, op.channel, &r, status),
-                    "completing a request the session did not hand out"
-                );
+                s.at(self.now);
+                assert!(s.complete(op.channel, &r, status), "completing a request the session did not hand out");
             }
             self.collect_target_events();
         }
@@ -936,6 +936,7 @@ impl World {
             if s.poll_timeout().is_some_and(|t| t <= now) {
                 s.handle_timeout(now);
             }
+            s.deliver_due(now);
         }
         self.collect_target_events();
         let mut failed = Vec::new();

@@ -16,7 +16,7 @@ use tyche_channel::auth::{self, ProofInput, Psk};
 use tyche_channel::{Accepted, Channel, ExportGeometry, Instant, KeyedConnect};
 use tyche_wire::{Challenge, Connect, Envelope, Frame, MacAddr, Message, Reject, RejectReason, Status};
 
-use super::sessions::{Parts, SessionState};
+use super::sessions::{new_parts, SessionState};
 use super::{Network, PEER_LOGS};
 
 /// How long a CHALLENGE may be answered.
@@ -416,7 +416,7 @@ impl Network {
                 tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
             }
             SessionState {
-                session: Parts::new(session, ethertype, geometry, &mail),
+                session: new_parts(session, ethertype, geometry, &mail),
                 export,
                 nic_of: BTreeMap::new(),
                 executing: BTreeMap::new(),

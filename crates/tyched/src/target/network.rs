@@ -405,25 +405,30 @@ impl Network {
             tracing::trace!(%src, session = sid, "frame for an unknown session");
             return lease;
         };
-        let (channel, damq, offset, payload, generation, tag) =
-            match s.session.handle_frame_pieces(now, channel_idx, pieces, scratch, gather) {
-                TargetInbound::Consumed => {
-                    s.established = true;
-                    return lease;
+        let (channel, damq, offset, payload, generation, tag) = match s.session.handle_frame_pieces(
+            now,
+            s.session.part_of(channel_idx).unwrap_or(0),
+            pieces,
+            scratch,
+            gather,
+        ) {
+            TargetInbound::Consumed => {
+                s.established = true;
+                return lease;
+            }
+            TargetInbound::Dropped(d) => {
+                match d {
+                    FrameDrop::Wire(_) => st.drops.malformed += 1,
+                    FrameDrop::NotOurs => st.drops.not_ours += 1,
+                    FrameDrop::Channel(r) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
                 }
-                TargetInbound::Dropped(d) => {
-                    match d {
-                        FrameDrop::Wire(_) => st.drops.malformed += 1,
-                        FrameDrop::NotOurs => st.drops.not_ours += 1,
-                        FrameDrop::Channel(r) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
-                    }
-                    return lease;
-                }
-                TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
-                    s.established = true;
-                    (channel, damq, offset, payload, generation, tag)
-                }
-            };
+                return lease;
+            }
+            TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
+                s.established = true;
+                (channel, damq, offset, payload, generation, tag)
+            }
+        };
         let key = (s.session.id(), channel, s.epoch(channel), damq);
         let lend = self.exports[s.export].lend;
         let node = self.nics[k].node;

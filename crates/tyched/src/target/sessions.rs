@@ -8,11 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tyche_channel::{
-    Channel, DeadReason, Directory, ExportGeometry, Instant, PartMessage, Pieces, TargetEvent, TargetInbound,
-    TargetSession, Transmit,
-};
-use tyche_wire::{DisconnectReason, MacAddr, Request, Status};
+use tyche_channel::{Courier, DeadReason, ExportGeometry, Instant, PartMessage, SessionParts};
+use tyche_wire::{DisconnectReason, MacAddr};
 
 use super::slots::SlotKey;
 use super::{Network, PEER_LOGS};
@@ -24,194 +21,71 @@ const RECLAIM_GRACE: Duration = Duration::from_millis(500);
 /// A session held in parts, one per network thread (docs/architecture.md, "The session in
 /// parts"): each part holds the channels of its thread's NICs and the at-most-once records of
 /// the homes that joined there; a re-issued copy arriving on another thread's channel is decided
-/// by its home's part. A message between parts waits in its part's inbox until that part's
-/// thread delivers it in its turn ([`Parts::deliver`]), as it will when the threads own their
-/// parts outright; the target-wide mail counters ([`Mail`]) say which thread has mail, so that a
-/// turn looks at the sessions only when there is some, and a sleeping thread is woken for it.
-/// With one network thread there is one part and no message.
-#[derive(Debug)]
-pub(super) struct Parts {
-    /// By network thread (group).
-    parts: Vec<TargetSession>,
-    /// The part holding each channel index now.
-    part_of: BTreeMap<u16, usize>,
-    /// Messages for each part, in the order sent (so in order between any two parts). At most
-    /// one per request slot of the session's channels is in flight.
-    inbox: Vec<VecDeque<PartMessage>>,
-    /// The target-wide count of undelivered messages per thread.
-    mail: Mail,
-    /// Messages between parts sent.
-    messages: u64,
-}
+/// by its home's part. A message between parts waits in its part's inbox ([`Inboxes`]) until
+/// that part's thread delivers it in its turn ([`deliver`]), as it will when the threads own
+/// their parts outright; the target-wide mail counts ([`Mail`]) say which thread has mail, so
+/// that a turn looks at the sessions only when there is some, and a sleeping thread is woken
+/// for it. With one network thread there is one part and no message.
+pub(super) type Parts = SessionParts<Inboxes>;
 
 /// Undelivered messages between session parts, per network thread, target-wide.
 pub(super) type Mail = Arc<Vec<AtomicUsize>>;
 
-impl Parts {
-    pub(super) fn new(id: u64, ethertype: u16, geometry: ExportGeometry, mail: &Mail) -> Parts {
-        let directory = Directory::new();
-        let groups = mail.len().max(1);
-        let parts = (0..groups)
-            .map(|g| TargetSession::part(id, ethertype, geometry, g as u32, Arc::clone(&directory)))
-            .collect();
-        let inbox = (0..groups).map(|_| VecDeque::new()).collect();
-        Parts { parts, part_of: BTreeMap::new(), inbox, mail: Arc::clone(mail), messages: 0 }
-    }
+/// The messages waiting for each part of one session, in the order sent (so in order between
+/// any two parts). At most one per request slot of the session's channels is in flight.
+#[derive(Debug)]
+pub(super) struct Inboxes {
+    inbox: Vec<VecDeque<PartMessage>>,
+    mail: Mail,
+}
 
-    /// Delivers part `g`'s messages (network thread `g`'s turn); whether there were any.
-    pub(super) fn deliver(&mut self, g: usize) -> bool {
-        let Some(q) = self.inbox.get_mut(g) else { return false };
-        if q.is_empty() {
-            return false;
-        }
+impl Courier for Inboxes {
+    fn post(&mut self, _now: Instant, _from: usize, to: usize, msg: PartMessage) {
+        // A part only names parts of its session (all below the thread count).
+        let Some(q) = self.inbox.get_mut(to) else { return };
+        q.push_back(msg);
+        self.mail[to].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Inboxes {
+    /// Takes part `g`'s messages.
+    fn take(&mut self, g: usize) -> VecDeque<PartMessage> {
+        let Some(q) = self.inbox.get_mut(g) else { return VecDeque::new() };
         let mail = std::mem::take(q);
         self.mail[g].fetch_sub(mail.len(), Ordering::Relaxed);
-        for m in mail {
-            self.parts[g].handle_message(m);
-        }
-        self.pump();
-        true
+        mail
     }
+}
 
-    /// Drops the undelivered messages (the session is going), keeping the mail counts true.
-    fn drop_mail(&mut self) {
-        for (g, q) in self.inbox.iter_mut().enumerate() {
-            self.mail[g].fetch_sub(q.len(), Ordering::Relaxed);
-            q.clear();
-        }
-    }
+/// Session `id` in one part per network thread (as many as `mail` counts).
+pub(super) fn new_parts(id: u64, ethertype: u16, geometry: ExportGeometry, mail: &Mail) -> Parts {
+    let groups = mail.len().max(1);
+    let inboxes = Inboxes { inbox: (0..groups).map(|_| VecDeque::new()).collect(), mail: Arc::clone(mail) };
+    SessionParts::new(id, ethertype, geometry, groups, inboxes)
+}
 
-    /// Whether no message is undelivered and no copy waits for its home's decision (the
-    /// session may be reclaimed).
-    pub(super) fn settled(&self) -> bool {
-        self.inbox.iter().all(VecDeque::is_empty) && self.parts.iter().all(|p| p.awaiting_decision() == 0)
+/// Delivers part `g`'s messages (network thread `g`'s turn); whether there were any.
+pub(super) fn deliver(parts: &mut Parts, g: usize) -> bool {
+    let mail = parts.courier_mut().take(g);
+    if mail.is_empty() {
+        return false;
     }
+    parts.deliver(g, mail);
+    true
+}
 
-    pub(super) fn id(&self) -> u64 {
-        self.parts[0].id()
+/// Drops the undelivered messages (the session is going), keeping the mail counts true.
+fn drop_mail(parts: &mut Parts) {
+    for g in 0..parts.part_count() {
+        parts.courier_mut().take(g);
     }
+}
 
-    /// Channel `i`, if any (dead ones included).
-    pub(super) fn channel(&self, i: u16) -> Option<&Channel> {
-        self.parts[*self.part_of.get(&i)?].channel(i)
-    }
-
-    /// Indices of the channels, dead ones included.
-    pub(super) fn channel_indices(&self) -> impl Iterator<Item = u16> + '_ {
-        self.part_of.keys().copied()
-    }
-
-    pub(super) fn all_dead(&self) -> bool {
-        self.parts.iter().all(TargetSession::all_dead)
-    }
-
-    pub(super) fn duplicates_suppressed(&self) -> u64 {
-        self.parts.iter().map(TargetSession::duplicates_suppressed).sum()
-    }
-
-    /// Copies decided by their home's part, and messages between parts.
-    pub(super) fn forwarding(&self) -> (u64, u64) {
-        (self.parts.iter().map(TargetSession::forwarded).sum(), self.messages)
-    }
-
-    /// Adds a channel accepted on a NIC of network thread `group` to that thread's part. An
-    /// index that was held by another part leaves it (its records stay where it first joined).
-    pub(super) fn add_channel(&mut self, group: usize, channel: Channel) {
-        let g = group.min(self.parts.len() - 1);
-        let idx = channel.envelope().channel;
-        if let Some(old) = self.part_of.insert(idx, g).filter(|&old| old != g) {
-            self.parts[old].abort_channel(idx);
-        }
-        self.parts[g].add_channel(channel);
-        self.pump();
-    }
-
-    /// A received frame of channel `channel` (from its checked header), in pieces (one, or the
-    /// buffers of a multi-buffer frame, the headers in the first): the channel's part takes it,
-    /// whichever thread received it; write data comes back as the pieces it lies in.
-    pub(super) fn handle_frame_pieces<'a>(
-        &mut self,
-        now: Instant,
-        channel: u16,
-        pieces: &[&'a [u8]],
-        scratch: &'a mut Vec<u8>,
-        gather: &'a mut Vec<u8>,
-    ) -> TargetInbound<'a, Pieces<'a>> {
-        let p = self.part_of.get(&channel).copied().unwrap_or(0);
-        let r = self.parts[p].handle_frame_pieces(now, pieces, scratch, gather);
-        self.pump();
-        r
-    }
-
-    /// Completes a request handed out on `channel`: on the part holding the index now, or on
-    /// the one it left, which still has it.
-    pub(super) fn complete(&mut self, channel: u16, request: &Request, status: Status) -> bool {
-        let first = self.part_of.get(&channel).copied().unwrap_or(0);
-        let order = std::iter::once(first).chain((0..self.parts.len()).filter(|&p| p != first));
-        let mut done = false;
-        for p in order {
-            if self.parts[p].complete(channel, request, status) {
-                done = true;
-                break;
-            }
-        }
-        self.pump();
-        done
-    }
-
-    pub(super) fn poll_event(&mut self) -> Option<TargetEvent> {
-        self.parts.iter_mut().find_map(TargetSession::poll_event)
-    }
-
-    pub(super) fn close(&mut self, reason: DisconnectReason) {
-        for p in &mut self.parts {
-            p.close(reason);
-        }
-    }
-
-    pub(super) fn poll_transmit(&mut self, now: Instant, channel: u16, buf: &mut [u8]) -> Option<Transmit> {
-        let p = *self.part_of.get(&channel)?;
-        let t = self.parts[p].poll_transmit(now, channel, buf);
-        self.pump();
-        t
-    }
-
-    pub(super) fn seal(&mut self, channel: u16, buf: &mut [u8], len: usize) -> usize {
-        match self.part_of.get(&channel) {
-            Some(&p) => self.parts[p].seal(channel, buf, len),
-            None => len,
-        }
-    }
-
-    pub(super) fn wants_transmit(&self, channel: u16) -> bool {
-        self.part_of.get(&channel).is_some_and(|&p| self.parts[p].wants_transmit(channel))
-    }
-
-    pub(super) fn poll_timeout(&self) -> Option<Instant> {
-        self.parts.iter().filter_map(TargetSession::poll_timeout).min()
-    }
-
-    pub(super) fn handle_timeout(&mut self, now: Instant) {
-        for p in &mut self.parts {
-            if p.poll_timeout().is_some_and(|t| t <= now) {
-                p.handle_timeout(now);
-            }
-        }
-        self.pump();
-    }
-
-    /// Puts the parts' new messages in their destinations' inboxes.
-    fn pump(&mut self) {
-        for from in 0..self.parts.len() {
-            while let Some((to, msg)) = self.parts[from].poll_message() {
-                // A part only names parts of its session (the directory's, all below `groups`).
-                let Some(q) = self.inbox.get_mut(to as usize) else { continue };
-                q.push_back(msg);
-                self.mail[to as usize].fetch_add(1, Ordering::Relaxed);
-                self.messages += 1;
-            }
-        }
-    }
+/// Whether no message is undelivered and no copy waits for its home's decision (the session
+/// may be reclaimed).
+fn settled(parts: &Parts) -> bool {
+    parts.courier().inbox.iter().all(VecDeque::is_empty) && parts.awaiting_decision() == 0
 }
 
 #[derive(Debug)]
@@ -275,7 +149,7 @@ impl Network {
         let mut any = false;
         let mut failed = Vec::new();
         for (&sid, s) in self.sessions.iter_mut() {
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.session.deliver(g))) {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| deliver(&mut s.session, g))) {
                 Ok(d) => any |= d,
                 Err(_) => failed.push(sid),
             }
@@ -327,7 +201,7 @@ impl Network {
     /// Drops session `sid` and everything kept for it.
     fn forget_session(&mut self, sid: u64) {
         let Some(mut s) = self.sessions.remove(&sid) else { return };
-        s.session.drop_mail();
+        drop_mail(&mut s.session);
         self.counters.duplicates_from_reclaimed += s.session.duplicates_suppressed();
         let (f, m) = s.session.forwarding();
         self.counters.forwarding_from_reclaimed.0 += f;
@@ -346,7 +220,7 @@ impl Network {
                 continue;
             }
             let since = *s.all_dead_since.get_or_insert(now);
-            let busy = s.executing.values().any(|&n| n > 0) || !s.session.settled();
+            let busy = s.executing.values().any(|&n| n > 0) || !settled(&s.session);
             // A session that carried traffic is kept `reclaim_after_ms` so an initiator back in
             // time resumes it (its ledger too); one that never did (a CONNECT and nothing else,
             // as in a flood) goes at once.
