@@ -9,7 +9,9 @@
 //! turn session events into jobs ([`Network::prepare_job`]: slot memory, kept frames, transmit
 //! chunks from the slot table) and finish them.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
+
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
@@ -269,13 +271,13 @@ pub(super) struct Storage {
     /// Requests waiting for slot memory, or for the sessions they fenced.
     pub(super) waiting: VecDeque<Deferred>,
     /// Storage requests handed out and not finished, by job id.
-    running: HashMap<u64, Running>,
+    running: FxHashMap<u64, Running>,
     /// Running jobs by start time (`storage_deadline_ms`): (start, job id).
     deadlines: BTreeSet<(Instant, u64)>,
     /// `storage_deadline_ms` (zero: none).
     pub(super) deadline: Duration,
     /// Jobs answered with an I/O error at their deadline; their late end is not answered again.
-    timed_out: HashSet<u64>,
+    timed_out: FxHashSet<u64>,
     /// Requests answered at their deadline.
     pub(super) timeouts: u64,
     next_job: u64,
@@ -298,10 +300,10 @@ impl Storage {
             queue_stats,
             inflight: 0,
             waiting: VecDeque::new(),
-            running: HashMap::new(),
+            running: FxHashMap::default(),
             deadlines: BTreeSet::new(),
             deadline,
-            timed_out: HashSet::new(),
+            timed_out: FxHashSet::default(),
             timeouts: 0,
             next_job: 0,
         }

@@ -10,12 +10,13 @@
 //! placement) and per thread ([`Groups`]: eventfds, sleep and polling state, shutdown) is what
 //! a shared-nothing target would hand to each thread.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rustc_hash::FxHashSet;
 use tyche_channel::{DropReason, FrameDrop, Instant, PayloadRef, TargetInbound};
 use tyche_transport::poll::{Next, PollConfig, PollStats, Poller, SchedStat};
 use tyche_transport::wake::WakeFd;
@@ -56,6 +57,10 @@ pub(super) struct NicState {
     pub(super) thread: Option<tyche_numa::report::ThreadPlacement>,
     /// The network thread (group) that serves it.
     pub(super) group: usize,
+    /// Scratch of each transmit turn: its transmit chunks the kernel still holds, and those
+    /// the turn has used.
+    pub(super) tx_busy: FxHashSet<u64>,
+    pub(super) tx_used: FxHashSet<u64>,
 }
 
 /// The network threads (groups) as the engine sees them.
@@ -476,13 +481,16 @@ impl Network {
         }
         let mut cursor = 0;
         let mut tx = TxCount::default();
-        // Chunks the kernel still sends cannot be rewritten or sent again yet.
-        let busy: HashSet<u64> = if self.slots.has_regions(k) {
-            nic.transport.tx_chunks_in_flight().into_iter().collect()
-        } else {
-            HashSet::new()
-        };
-        let mut used = HashSet::new();
+        // Chunks the kernel still sends cannot be rewritten or sent again yet. (The two sets are
+        // kept per NIC between turns, so a turn allocates and rehashes nothing; their keys are
+        // the transport's own chunk ids, never a peer's.)
+        let (mut busy, mut used) =
+            (std::mem::take(&mut self.nics[k].tx_busy), std::mem::take(&mut self.nics[k].tx_used));
+        busy.clear();
+        used.clear();
+        if self.slots.has_regions(k) {
+            busy.extend(nic.transport.tx_chunks_in_flight());
+        }
         let control = &mut self.nics[k].control;
         let sessions = &mut self.sessions;
         let slots = &self.slots;
@@ -520,6 +528,7 @@ impl Network {
             None
         });
         let n = &mut self.nics[k];
+        (n.tx_busy, n.tx_used) = (busy, used);
         n.stats.frames_sent_in_place += tx.in_place;
         n.stats.resends_deferred += tx.deferred;
         if let Err(e) = r {
@@ -566,8 +575,8 @@ fn fill_payload(
     p: &PayloadRef,
     len: usize,
     buf: &mut [u8],
-    busy: &HashSet<u64>,
-    used: &mut HashSet<u64>,
+    busy: &FxHashSet<u64>,
+    used: &mut FxHashSet<u64>,
     tx: &mut TxCount,
 ) -> Sent {
     if let Some(region) = slots.region(&key, p.tag) {

@@ -12,7 +12,9 @@
 //! The table knows nothing of sessions: where it must know whether a slot is idle or its read
 //! data acknowledged, the caller says so with a predicate over keys.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use tyche_channel::Pieces;
 use tyche_transport::{FrameTransport, Lease, TxChunk};
@@ -61,19 +63,24 @@ pub(super) enum Placed {
 }
 
 /// All per-slot state of the target (see the module documentation).
+///
+/// The maps use the Fx hash, not the default keyed SipHash: they are looked up for every frame,
+/// and a peer cannot aim collisions at them (every key holds the session id, which the target
+/// draws at random, and a peer reaches only its own sessions' slots, bounded by its channels'
+/// `damq` slots).
 #[derive(Debug)]
 pub(super) struct SlotTable {
     /// Slot memory: `None` while a storage job holds it.
-    memory: HashMap<SlotKey, Option<Memory>>,
+    memory: FxHashMap<SlotKey, Option<Memory>>,
     /// Write data kept in frames, per slot (beside or instead of the slot memory).
-    lent: HashMap<SlotKey, LentSlot>,
+    lent: FxHashMap<SlotKey, LentSlot>,
     /// Read data held in transmit chunks, per slot, until all of it is acknowledged.
-    regions: HashMap<SlotKey, Region>,
+    regions: FxHashMap<SlotKey, Region>,
     /// Slots whose current read data went into a region (never sent from stale slot memory).
-    in_region: HashSet<SlotKey>,
+    in_region: FxHashSet<SlotKey>,
     /// Slots whose copied write data of this generation could not be kept (no slot memory):
     /// that write fails instead of running with holes.
-    short: HashMap<SlotKey, u32>,
+    short: FxHashMap<SlotKey, u32>,
     /// Per NIC: leases to give back, transmit chunks free and draining.
     nics: Vec<NicLending>,
     /// Bytes of one slot's memory (`limits.max_io`).
@@ -92,11 +99,11 @@ impl SlotTable {
     /// An empty table for `nics` NICs, slots of `slot_len` bytes, at most `budget` bytes.
     pub(super) fn new(nics: usize, slot_len: usize, budget: u64) -> SlotTable {
         SlotTable {
-            memory: HashMap::new(),
-            lent: HashMap::new(),
-            regions: HashMap::new(),
-            in_region: HashSet::new(),
-            short: HashMap::new(),
+            memory: FxHashMap::default(),
+            lent: FxHashMap::default(),
+            regions: FxHashMap::default(),
+            in_region: FxHashSet::default(),
+            short: FxHashMap::default(),
             nics: (0..nics).map(|_| NicLending::default()).collect(),
             slot_len,
             budget,
@@ -445,7 +452,7 @@ impl SlotTable {
         }
         let nic = &mut self.nics[k];
         if !nic.tx_draining.is_empty() {
-            let busy: HashSet<u64> = transport.tx_chunks_in_flight().into_iter().collect();
+            let busy: FxHashSet<u64> = transport.tx_chunks_in_flight().into_iter().collect();
             let (idle, busy): (Vec<TxChunk>, Vec<TxChunk>) =
                 nic.tx_draining.drain(..).partition(|c| !busy.contains(&c.id()));
             nic.tx_free.extend(idle);

@@ -94,6 +94,8 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
             areas: n.transport.memory_areas(),
             thread: None,
             group: group_of[k],
+            tx_busy: Default::default(),
+            tx_used: Default::default(),
         })
         .collect();
     let net = Network {
