@@ -8,9 +8,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tyche_transport::{FrameTransport, MemLink};
+use tyche_transport::FrameTransport;
 use tyche_wire::{Data, DataHeader, Envelope, Frame, Kind, Message, Op, Request, Seq, DEFAULT_ETHERTYPE, NO_SLOT};
-use tyched::{Config, ExportConfig, Nic, Target, TargetHandle};
+use tyched::{Config, ExportConfig, TargetHandle};
 
 /// Segment size on these links (MTU 9000).
 const SEG: u32 = 8192;
@@ -36,16 +36,7 @@ fn start_two() -> (TargetHandle, Port, Port) {
 
 /// A target on `n` such links, and the initiator ends of them.
 fn start_links(n: usize, config: Config) -> (TargetHandle, Vec<Port>) {
-    let mut ports = Vec::new();
-    let mut nics = Vec::new();
-    for k in 0..n {
-        let (a, mut b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
-        b.set_lending(1024);
-        b.set_tx_lending(1024);
-        ports.push(Box::new(a) as Port);
-        nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
-    }
-    (Target::start(config, nics).expect("target starts"), ports)
+    common::start_lending_tx(config, n, 1024)
 }
 
 /// The rule-breaking peer: a valid session on its link, then frames written by hand. It never

@@ -524,10 +524,7 @@ fn write_data_stays_in_lent_frames_with_loss_and_duplicates() {
         let s = target.shutdown();
         assert_eq!(s.leases_held, 0, "{export}: nothing kept after shutdown");
         if export == "file" {
-            let disk = std::fs::read(&file).expect("file");
-            for (off, data) in &written {
-                assert!(disk[*off as usize..*off as usize + data.len()] == data[..], "file holds the write at {off}");
-            }
+            assert_file_holds(&file, &written);
         }
     }
 }
@@ -568,10 +565,7 @@ fn multi_buffer_frames_move_data_without_copies() {
         let s = target.shutdown();
         assert_eq!(s.leases_held, 0, "{export}: nothing kept after shutdown");
         if export == "file" {
-            let disk = std::fs::read(&file).expect("file");
-            for (off, data) in &written {
-                assert!(disk[*off as usize..*off as usize + data.len()] == data[..], "file holds the write at {off}");
-            }
+            assert_file_holds(&file, &written);
         }
     }
 }
@@ -744,4 +738,12 @@ fn block_status_reports_holes_of_ram_and_file_exports() {
     let id = ini.submit(Op::BlockStatus, 0, vec![0; 512], 4096, false);
     assert_eq!(ini.wait(id).0, Err(IoError::Target(Status::Unsupported)));
     assert_eq!(target.shutdown().exports[0].requests.block_status, 0);
+}
+
+/// The file holds every `(offset, data)` written.
+fn assert_file_holds(file: &std::path::Path, written: &[(u64, Vec<u8>)]) {
+    let disk = std::fs::read(file).expect("file");
+    for (off, data) in written {
+        assert!(disk[*off as usize..*off as usize + data.len()] == data[..], "file holds the write at {off}");
+    }
 }

@@ -25,10 +25,20 @@ pub fn target_mac(k: usize) -> MacAddr {
 
 /// Starts a target serving `config` on `paths` in-memory NICs; returns the initiator's ports.
 pub fn start(config: Config, paths: usize) -> (TargetHandle, Vec<Port>) {
+    start_links(config, paths, |_| {})
+}
+
+/// As [`start`], with `setup` applied to the target's end of each link (lending, pieces).
+pub fn start_links(
+    config: Config,
+    paths: usize,
+    setup: impl Fn(&mut tyche_transport::MemPort),
+) -> (TargetHandle, Vec<Port>) {
     let mut ports = Vec::new();
     let mut nics = Vec::new();
     for k in 0..paths {
-        let (a, b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
+        let (a, mut b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
+        setup(&mut b);
         ports.push(Box::new(a) as Port);
         nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
     }
@@ -60,35 +70,21 @@ pub fn start_lending(
 /// As [`start`], with the target's ends lending received frames and transmit chunks (up to
 /// `lend` of each): the zero-copy paths AF_XDP takes.
 pub fn start_lending_tx(config: Config, paths: usize, lend: usize) -> (TargetHandle, Vec<Port>) {
-    let mut ports = Vec::new();
-    let mut nics = Vec::new();
-    for k in 0..paths {
-        let (a, mut b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
+    start_links(config, paths, |b| {
         b.set_lending(lend);
         b.set_tx_lending(lend);
-        ports.push(Box::new(a) as Port);
-        nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
-    }
-    let handle = Target::start(config, nics).expect("target starts");
-    (handle, ports)
+    })
 }
 
 /// As [`start_lending_tx`], over links that behave as AF_XDP multi-buffer links at MTU 9000
 /// (`MemPort::set_pieces(3646)`): every DATA frame the target receives comes in three pieces,
 /// each in a buffer of its own, and each transmit chunk it is lent is a group of three.
 pub fn start_lending_pieces(config: Config, paths: usize, lend: usize) -> (TargetHandle, Vec<Port>) {
-    let mut ports = Vec::new();
-    let mut nics = Vec::new();
-    for k in 0..paths {
-        let (a, mut b) = MemLink::pair((init_mac(k), target_mac(k)), 9000, 9014, 8192);
+    start_links(config, paths, |b| {
         b.set_lending(lend);
         b.set_tx_lending(lend);
         b.set_pieces(3646);
-        ports.push(Box::new(a) as Port);
-        nics.push(Nic { name: format!("mem{k}"), transport: Box::new(b) });
-    }
-    let handle = Target::start(config, nics).expect("target starts");
-    (handle, ports)
+    })
 }
 
 /// Waits until the target holds no kept frame and every transport has all its frames back.
