@@ -114,7 +114,9 @@ impl Directory {
     }
 
     /// Records that `home` joined on `part` unless it joined before; the part holding its ledger.
-    fn register(&self, home: u16, part: PartId) -> PartId {
+    /// (A caller that decides where a channel goes before the part adds it, as tyched's control
+    /// does, records it here first, so that no part ever meets that home unknown.)
+    pub fn register(&self, home: u16, part: PartId) -> PartId {
         *self.homes.lock().unwrap_or_else(PoisonError::into_inner).entry(home).or_insert(part)
     }
 

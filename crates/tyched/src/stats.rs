@@ -85,6 +85,16 @@ pub struct OpCounts {
 }
 
 impl OpCounts {
+    /// Adds `other`'s counts.
+    pub(crate) fn add(&mut self, other: &OpCounts) {
+        self.read += other.read;
+        self.write += other.write;
+        self.flush += other.flush;
+        self.discard += other.discard;
+        self.write_zeroes += other.write_zeroes;
+        self.block_status += other.block_status;
+    }
+
     pub(crate) fn bump(&mut self, op: tyche_wire::Op) {
         use tyche_wire::Op;
         *match op {

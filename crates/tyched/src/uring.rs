@@ -98,6 +98,12 @@ pub(crate) struct UringQueue {
 }
 
 impl UringQueue {
+    /// Another network thread's end of the same ring (the ring's thread exits once every end
+    /// is dropped).
+    pub(crate) fn share(&self) -> UringQueue {
+        UringQueue { tx: self.tx.clone(), wake: Arc::clone(&self.wake), fallocate: self.fallocate }
+    }
+
     /// Queues a job (never blocks; the engine bounds what it submits, not what it holds).
     /// Gives the job back if the engine's thread is gone (it panicked).
     #[allow(clippy::result_large_err)] // the job goes back whole, rarely: no box per request

@@ -268,6 +268,15 @@ impl JobQueues {
         (q, rx)
     }
 
+    /// Another network thread's end of the same queues (its own jobs waiting for room).
+    pub(crate) fn share(&self) -> JobQueues {
+        JobQueues {
+            tx: self.tx.clone(),
+            overflow: self.tx.iter().map(|_| VecDeque::new()).collect(),
+            nic_queue: self.nic_queue.clone(),
+        }
+    }
+
     /// The queue of a job's channel's NIC (queue 0 for a job with no NIC).
     pub(crate) fn queue_of(&self, nic: Option<usize>) -> usize {
         nic.and_then(|k| self.nic_queue.get(k).copied()).filter(|&q| q < self.tx.len()).unwrap_or(0)

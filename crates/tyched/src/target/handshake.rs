@@ -1,23 +1,29 @@
 //! The handshake: DISCOVER and CONNECT frames, answered on the NIC they came in on.
 //!
 //! In front of the channel engine's [`tyche_channel::Acceptor`] the target checks a CONNECT
-//! itself ([`Network::on_handshake`]): the export's MAC allow-list, its key (a CHALLENGE round,
+//! itself ([`Control::on_handshake`], under the control's lock): the export's MAC allow-list, its key (a CHALLENGE round,
 //! the initiator's proof checked against a pending challenge, [`Challenges`]), who may join an
 //! existing session, and who holds an export that is not `shared`. A CONNECT that creates a
-//! session fences the older sessions of the same initiator ([`Network::fence`]). Replies wait
-//! in their NIC's control queue (`limits.control_queue`).
+//! session fences the older sessions of the same initiator ([`Control::fence`]). What the
+//! handshake gives the thread that received the frame ([`Answer`]: replies for its NIC's
+//! control queue, `limits.control_queue`; drop counts; a channel for one of its own NICs) is
+//! applied by that thread after the lock; a channel for another thread's NIC goes to that
+//! thread as a message.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tyche_channel::PartId;
+
 use tyche_channel::auth::{self, ProofInput, Psk};
 use tyche_channel::{Accepted, Channel, ExportGeometry, Instant, KeyedConnect};
-use tyche_wire::{Challenge, Connect, Envelope, Frame, MacAddr, Message, Reject, RejectReason, Status};
+use tyche_wire::{Challenge, Connect, Envelope, Frame, MacAddr, Message, Reject, RejectReason};
 
-use super::sessions::{new_parts, SessionState};
-use super::{Network, PEER_LOGS};
+use super::control::{ChannelEntry, Control, Entry, Opening, ShardMsg};
+use super::PEER_LOGS;
+use crate::stats::Drops;
 
 /// How long a CHALLENGE may be answered.
 const CHALLENGE_LIFETIME: Duration = Duration::from_secs(5);
@@ -153,6 +159,17 @@ struct Peer {
     reply: Envelope,
 }
 
+/// What a handshake frame gives the thread that received it.
+#[derive(Debug, Default)]
+pub(super) struct Answer {
+    /// Replies to send on the NIC it came in on.
+    pub(super) replies: Vec<Vec<u8>>,
+    /// Drop counts of that NIC (`denied_mac`, `denied_key`, `shutting_down`).
+    pub(super) drops: Drops,
+    /// A channel accepted for one of the thread's own NICs, to install.
+    pub(super) open: Option<Box<Opening>>,
+}
+
 /// What the target's own checks of a CONNECT let through to the acceptor.
 #[derive(Default)]
 struct Admission {
@@ -164,64 +181,76 @@ struct Admission {
     fence: Vec<u64>,
 }
 
-impl Network {
+impl Control {
     /// Handles a DISCOVER or CONNECT (`msg`, parsed from `frame`) received on NIC `k`, whose
-    /// MAC is `local`.
+    /// MAC is `local`, by network thread `g` (`stopping`: it no longer takes channels).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn on_handshake(
         &mut self,
         now: Instant,
+        g: usize,
         k: usize,
         local: MacAddr,
         frame: &Frame<&[u8]>,
         msg: &Message<'_>,
-    ) {
+        stopping: bool,
+    ) -> Answer {
+        let mut out = Answer::default();
         let src = frame.src();
         let env_in = Envelope::of(frame);
         let reply = Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
         let peer = Peer { k, local, src, env_in, reply };
         let admission = match msg {
-            Message::Connect(c) => match self.admit(now, &peer, c, msg) {
+            Message::Connect(_) if stopping => {
+                out.drops.shutting_down += 1;
+                return out;
+            }
+            Message::Connect(c) => match self.admit(now, &peer, c, msg, &mut out) {
                 Some(a) => a,
-                None => return, // answered, or dropped
+                None => return out, // answered, or dropped
             },
             _ => Admission::default(),
         };
-        self.accept(now, &peer, msg, admission);
+        self.accept(now, g, &peer, msg, admission, &mut out);
+        out
     }
 
     /// The target's checks of a CONNECT before the acceptor sees it. `None` when it was
     /// answered here (a REJECT, a CHALLENGE, the ACCEPT of a granted retry) or dropped.
-    fn admit(&mut self, now: Instant, peer: &Peer, c: &Connect<'_>, msg: &Message<'_>) -> Option<Admission> {
+    fn admit(
+        &mut self,
+        now: Instant,
+        peer: &Peer,
+        c: &Connect<'_>,
+        msg: &Message<'_>,
+        out: &mut Answer,
+    ) -> Option<Admission> {
         let (k, src) = (peer.k, peer.src);
-        if self.stopping.is_some() {
-            self.nics[k].stats.drops.shutting_down += 1;
-            return None;
-        }
         let Some(i) = self.exports.iter().position(|e| e.spec.name == c.export) else {
             return Some(Admission::default()); // the acceptor refuses it
         };
         let e = &self.exports[i];
         if !e.allow.is_empty() && !e.allow.contains(&src) {
             if PEER_LOGS.allow() {
-                tracing::warn!(%src, export = %c.export, nic = %self.nics[k].stats.name, "refused: MAC not allowed");
+                tracing::warn!(%src, export = %c.export, nic = %self.nic_names[k], "refused: MAC not allowed");
             }
-            self.nics[k].stats.drops.denied_mac += 1;
-            self.refuse(peer, i, c.nonce, RejectReason::NotAllowed, None);
+            out.drops.denied_mac += 1;
+            self.refuse(peer, i, c.nonce, RejectReason::NotAllowed, None, out);
             return None;
         }
         let keyed = match e.key.clone() {
-            Some(key) => Some((self.check_key(now, peer, c, msg, i, &key)?, key)),
+            Some(key) => Some((self.check_key(now, peer, c, msg, i, &key, out)?, key)),
             None => None,
         };
         // One initiator at a time (unless shared); the same initiator again fences its old
         // sessions. Only for a CONNECT that creates a session (not a retransmitted one), and
         // only once it passed the MAC and key checks.
         let identity = c.host.unwrap_or_else(|| mac_identity(src));
-        if !self.may_join(peer, c, i) {
+        if !self.may_join(peer, c, i, out) {
             return None;
         }
         let fence = if peer.env_in.session == 0 && self.acceptor.created_by(src, c.nonce).is_none() {
-            self.exclusive(peer, c, i, identity)?
+            self.exclusive(peer, c, i, identity, out)?
         } else {
             Vec::new()
         };
@@ -232,6 +261,7 @@ impl Network {
     /// retry of a granted CONNECT gets the same ACCEPT again; else its proof must answer a live
     /// challenge. Returns the challenge's target nonce when the proof checked out, `None` when
     /// the CONNECT was answered here.
+    #[allow(clippy::too_many_arguments)]
     fn check_key(
         &mut self,
         now: Instant,
@@ -240,8 +270,9 @@ impl Network {
         msg: &Message<'_>,
         i: usize,
         key: &Psk,
+        out: &mut Answer,
     ) -> Option<u64> {
-        let (k, src, env_in) = (peer.k, peer.src, &peer.env_in);
+        let (src, env_in) = (peer.src, &peer.env_in);
         let Some(proof) = c.proof else {
             let tn = match self.challenges.live(now, src, c.nonce) {
                 Some(tn) => tn,
@@ -254,7 +285,7 @@ impl Network {
                 }
             };
             let env = Envelope { session: env_in.session, ..peer.reply };
-            self.reply(k, &env, &Message::Challenge(Challenge { nonce: c.nonce, target_nonce: tn }));
+            reply(&env, &Message::Challenge(Challenge { nonce: c.nonce, target_nonce: tn }), out);
             return None;
         };
         // A retry of a CONNECT that was granted (its ACCEPT lost): the same ACCEPT, nothing
@@ -266,7 +297,7 @@ impl Network {
                 self.acceptor.handle_keyed(now, peer.local, src, env_in, msg, &mut ids, &mut buf, None)
             {
                 buf.truncate(len);
-                self.queue_control(k, buf);
+                out.replies.push(buf);
             }
             return None;
         }
@@ -290,8 +321,8 @@ impl Network {
             if PEER_LOGS.allow() {
                 tracing::warn!(%src, export = %c.export, "refused: wrong or replayed key proof");
             }
-            self.nics[k].stats.drops.denied_key += 1;
-            self.refuse(peer, i, c.nonce, RejectReason::AuthFailed, None);
+            out.drops.denied_key += 1;
+            self.refuse(peer, i, c.nonce, RejectReason::AuthFailed, None, out);
         }
         ok
     }
@@ -300,12 +331,12 @@ impl Network {
     /// with a host id takes channels only from that host, and a live channel is replaced only
     /// from its own MAC (a reconnect); another peer that read the session id off the wire
     /// cannot take it over. Refused here otherwise.
-    fn may_join(&mut self, peer: &Peer, c: &Connect<'_>, i: usize) -> bool {
+    fn may_join(&mut self, peer: &Peer, c: &Connect<'_>, i: usize, out: &mut Answer) -> bool {
         let (src, env_in) = (peer.src, &peer.env_in);
-        let Some(s) = self.sessions.get(&env_in.session) else { return true };
+        let Some(s) = self.registry.get(&env_in.session) else { return true };
         let wrong_host = !s.identity.starts_with(b"mac:") && c.host != Some(s.identity);
         let live_elsewhere =
-            s.session.channel(env_in.channel).is_some_and(|ch| ch.dead().is_none() && ch.envelope().dst != src);
+            s.channels.get(&env_in.channel).is_some_and(|ch| !ch.dead.load(Ordering::Relaxed) && ch.peer != src);
         if !(wrong_host || live_elsewhere) {
             return true;
         }
@@ -313,31 +344,38 @@ impl Network {
             tracing::warn!(%src, export = %c.export, session = format_args!("{:016x}", env_in.session),
                 channel = env_in.channel, "refused: a join from another host, or a takeover of a live channel");
         }
-        self.nics[peer.k].stats.drops.denied_mac += 1;
-        self.refuse(peer, i, c.nonce, RejectReason::NotAllowed, None);
+        out.drops.denied_mac += 1;
+        self.refuse(peer, i, c.nonce, RejectReason::NotAllowed, None, out);
         false
     }
 
     /// A CONNECT creating a session of export `i` for initiator `identity`: refused IN_USE
     /// (`None`) when another initiator holds the export and it is not `shared`; else the
     /// sessions of the same initiator it fences.
-    fn exclusive(&mut self, peer: &Peer, c: &Connect<'_>, i: usize, identity: [u8; 16]) -> Option<Vec<u64>> {
+    fn exclusive(
+        &mut self,
+        peer: &Peer,
+        c: &Connect<'_>,
+        i: usize,
+        identity: [u8; 16],
+        out: &mut Answer,
+    ) -> Option<Vec<u64>> {
         let holder = self
-            .sessions
+            .registry
             .values()
-            .find(|s| s.export == i && s.identity != identity && !s.fenced.load(Ordering::Relaxed))
+            .find(|s| s.meta.export == i && s.identity != identity && !s.meta.fenced.load(Ordering::Relaxed))
             .map(|s| s.mac);
         if let (false, Some(holder)) = (self.exports[i].shared, holder) {
             if PEER_LOGS.allow() {
                 tracing::warn!(src = %peer.src, export = %c.export, %holder, "refused: the export is attached by another initiator");
             }
-            self.refuse(peer, i, c.nonce, RejectReason::InUse, Some(holder));
+            self.refuse(peer, i, c.nonce, RejectReason::InUse, Some(holder), out);
             return None;
         }
         Some(
-            self.sessions
+            self.registry
                 .iter()
-                .filter(|(_, s)| s.export == i && s.identity == identity && !s.fenced.load(Ordering::Relaxed))
+                .filter(|(_, s)| s.meta.export == i && s.identity == identity && !s.meta.fenced.load(Ordering::Relaxed))
                 .map(|(&sid, _)| sid)
                 .collect(),
         )
@@ -345,7 +383,15 @@ impl Network {
 
     /// The acceptor's answer to a DISCOVER or an admitted CONNECT: a reply, or a new channel
     /// (and perhaps session) and its ACCEPT.
-    fn accept(&mut self, now: Instant, peer: &Peer, msg: &Message<'_>, admission: Admission) {
+    fn accept(
+        &mut self,
+        now: Instant,
+        g: usize,
+        peer: &Peer,
+        msg: &Message<'_>,
+        admission: Admission,
+        out: &mut Answer,
+    ) {
         let mut ids = auth::random_u64;
         let busy_before = self.acceptor.busy();
         let mut buf = vec![0u8; REPLY_BUF];
@@ -373,100 +419,93 @@ impl Network {
                     tracing::warn!(src = %peer.src, busy = ?self.acceptor.busy(), "refused a CONNECT: a session or channel limit is full");
                 }
                 buf.truncate(len);
-                self.queue_control(peer.k, buf);
+                out.replies.push(buf);
             }
             Some(Accepted::Channel { session, export, channel, len }) => {
-                self.open_channel(peer, serve_on, session, export, channel, admission);
+                let at = Joining { g, k: serve_on, session, export };
+                self.open_channel(now, peer, at, channel, admission, out);
                 buf.truncate(len);
-                self.queue_control(peer.k, buf);
+                out.replies.push(buf);
             }
             None => {}
         }
     }
 
     /// Adds an accepted channel to its session, creating the session (and fencing the older
-    /// sessions of the same initiator) if it is new. A reconnect on the same index replaces the
-    /// channel, and its slots go with it.
+    /// sessions of the same initiator) if it is new: the channel goes to the part held by the
+    /// thread serving its NIC (`at.k`), at once when that is the thread handling the CONNECT
+    /// (`at.g`, through `out`), else as a message. Its home is recorded in the session's
+    /// directory before the ACCEPT goes out. A reconnect on the same index replaces the
+    /// channel, and one that moves to another thread leaves its old thread's part.
     fn open_channel(
         &mut self,
+        now: Instant,
         peer: &Peer,
-        k: usize,
-        session: u64,
-        export: usize,
+        at: Joining,
         channel: Box<Channel>,
         admission: Admission,
+        out: &mut Answer,
     ) {
+        let Joining { g, k, session, export } = at;
         let src = peer.src;
-        let e = &self.exports[export];
-        let geometry = ExportGeometry { size: e.spec.size, read_only: e.read_only, discard: true };
-        let Admission { identity, fence, .. } = admission;
         let idx = channel.envelope().channel;
-        let ethertype = self.ethertype;
+        let Admission { identity, fence, .. } = admission;
+        let h = self.group_of.get(k).copied().unwrap_or(g);
         let log = PEER_LOGS.allow();
-        let created = !self.sessions.contains_key(&session);
-        let (mail, group) = (Arc::clone(&self.mail), self.nics[k].group);
-        if created {
+        if !self.registry.contains_key(&session) {
             for &old in &fence {
                 self.fence(old, session);
             }
-        }
-        let e = &self.exports[export];
-        let st = self.sessions.entry(session).or_insert_with(|| {
+            let e = &self.exports[export];
+            let geometry = ExportGeometry { size: e.spec.size, read_only: e.read_only, discard: true };
             if log {
                 tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
             }
-            SessionState {
-                session: new_parts(session, ethertype, geometry, &mail),
-                export,
-                nic_of: BTreeMap::new(),
-                executing: BTreeMap::new(),
-                epochs: BTreeMap::new(),
-                all_dead_since: None,
-                established: false,
+            let waits_for =
+                fence.iter().filter_map(|old| self.registry.get(old)).map(|o| Arc::downgrade(&o.meta)).collect();
+            let entry = Entry {
+                meta: self.new_meta(session, export, geometry),
                 identity: identity.unwrap_or_else(|| mac_identity(src)),
                 mac: src,
-                fenced: Arc::new(AtomicBool::new(false)),
-                waits_for: fence,
-            }
-        });
+                waits_for,
+                channels: BTreeMap::new(),
+                posted: vec![0; self.threads()],
+                last_join: now,
+            };
+            self.registry.insert(session, entry);
+        }
+        let Some(e) = self.registry.get_mut(&session) else { return };
         if log {
             tracing::info!(%src, session = format_args!("{session:016x}"), channel = idx, params = ?channel.params(),
-                nic = %self.nics[k].stats.name, addr = %channel.envelope().src, "channel open");
+                nic = %self.nic_names[k], addr = %channel.envelope().src, "channel open");
         }
-        st.session.add_channel(group, *channel);
-        st.all_dead_since = None;
-        if st.nic_of.insert(idx, k).is_some() {
-            // A reconnect replaced the channel: its slot memory (and the frames it kept) goes
-            // with it.
-            let epoch = st.epochs.entry(idx).or_default();
-            let old = *epoch;
-            *epoch += 1;
-            self.slots.drop_where(|key| key.0 == session && key.1 == idx && key.2 == old);
+        // The home's records stay with the part where the index first joined.
+        e.meta.directory.register(idx, h as PartId);
+        let dead = Arc::new(AtomicBool::new(false));
+        let entry = ChannelEntry { thread: h, nic: k, peer: src, dead: Arc::clone(&dead) };
+        if let Some(old) = e.channels.insert(idx, entry).filter(|old| old.thread != h) {
+            self.post.send(old.thread, ShardMsg::Leave { sid: session, channel: idx });
+        }
+        e.posted[h] += 1;
+        e.last_join = now;
+        let opening =
+            Box::new(Opening { meta: Arc::clone(&e.meta), nic: k, channel, dead, waits_for: e.waits_for.clone() });
+        if h == g {
+            out.open = Some(opening);
+        } else {
+            self.post.send(h, ShardMsg::Open(opening));
         }
     }
 
-    /// Live channels served on transport `k`.
-    fn channels_on(&self, k: usize) -> usize {
-        self.sessions
-            .values()
-            .map(|s| {
-                s.nic_of
-                    .iter()
-                    .filter(|&(&c, &on)| on == k && s.session.channel(c).is_some_and(|ch| ch.dead().is_none()))
-                    .count()
-            })
-            .sum()
-    }
-
-    /// Fences session `old` for the new session `by` of the same initiator: its channels close,
-    /// its storage requests not started are not run (ABORTED), its reads waiting for memory are
-    /// answered ABORTED, and `by` runs nothing until every request of `old` already in storage
-    /// has ended, so no write of the old session lands after one of the new.
+    /// Fences session `old` for the new session `by` of the same initiator: its storage jobs
+    /// not started are not run, and each thread holding a part of it closes its channels,
+    /// answers its reads waiting for memory ABORTED and marks its queued jobs not to run; `by`
+    /// runs nothing until every storage job of `old` has ended, so no write of the old session
+    /// lands after one of the new.
     pub(super) fn fence(&mut self, old: u64, by: u64) {
-        let Some(s) = self.sessions.get_mut(&old) else { return };
-        s.fenced.store(true, Ordering::Release);
-        s.session.close(tyche_wire::DisconnectReason::Normal);
-        self.counters.fenced += 1;
+        let Some(e) = self.registry.get(&old) else { return };
+        e.meta.fenced.store(true, Ordering::SeqCst);
+        self.fenced += 1;
         if PEER_LOGS.allow() {
             tracing::warn!(
                 session = format_args!("{old:016x}"),
@@ -474,35 +513,41 @@ impl Network {
                 "session fenced: the same initiator attached again"
             );
         }
-        self.storage.abort_queued(old);
-        for (_, channel, request, _) in self.storage.take_waiting(old) {
-            s.session.complete(channel, &request, Status::Aborted);
+        for (h, _) in e.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
+            self.post.send(h, ShardMsg::Fence { old });
         }
     }
 
     /// Refuses a CONNECT of export `i` with `reason` (counted as denied).
-    fn refuse(&mut self, peer: &Peer, i: usize, nonce: u64, reason: RejectReason, holder: Option<MacAddr>) {
-        self.counters.exports[i].denied += 1;
-        self.reply(peer.k, &peer.reply, &Message::Reject(Reject { nonce, reason, holder }));
+    fn refuse(
+        &mut self,
+        peer: &Peer,
+        i: usize,
+        nonce: u64,
+        reason: RejectReason,
+        holder: Option<MacAddr>,
+        out: &mut Answer,
+    ) {
+        self.denied[i] += 1;
+        reply(&peer.reply, &Message::Reject(Reject { nonce, reason, holder }), out);
     }
+}
 
-    /// Queues `msg` on NIC `k`, addressed by `env`.
-    fn reply(&mut self, k: usize, env: &Envelope, msg: &Message<'_>) {
-        let mut buf = vec![0u8; REPLY_BUF];
-        let len = msg.emit(env, &mut buf);
-        buf.truncate(len);
-        self.queue_control(k, buf);
-    }
+/// Where an accepted channel goes: the thread handling its CONNECT, the NIC that serves it,
+/// its session and export.
+struct Joining {
+    g: usize,
+    k: usize,
+    session: u64,
+    export: usize,
+}
 
-    /// Queues a control reply on NIC `k`, or drops it when `limits.control_queue` are waiting
-    /// (the initiator retries its CONNECT or DISCOVER).
-    fn queue_control(&mut self, k: usize, frame: Vec<u8>) {
-        if self.nics[k].control.len() >= self.limits.control_queue {
-            self.counters.limits.control_dropped += 1;
-            return;
-        }
-        self.nics[k].control.push_back(frame);
-    }
+/// Queues `msg`, addressed by `env`, as a reply.
+fn reply(env: &Envelope, msg: &Message<'_>, out: &mut Answer) {
+    let mut buf = vec![0u8; REPLY_BUF];
+    let len = msg.emit(env, &mut buf);
+    buf.truncate(len);
+    out.replies.push(buf);
 }
 
 #[cfg(test)]

@@ -260,8 +260,8 @@ pub(super) struct Storage {
     /// The io_uring engine of each storage queue, when file and block exports use it (empty:
     /// they use the workers).
     uring: Vec<crate::uring::UringQueue>,
-    /// Each network thread's finished jobs (those of its NICs' channels).
-    done_rx: Vec<mpsc::Receiver<Done>>,
+    /// This network thread's finished jobs (those of its NICs' channels).
+    done_rx: mpsc::Receiver<Done>,
     /// The storage threads (workers, io_uring threads) and what they did.
     pub(super) threads: Vec<Arc<ThreadStat>>,
     /// Each storage queue's node and NICs (jobs filled in by the snapshot).
@@ -287,7 +287,7 @@ impl Storage {
     pub(super) fn new(
         queues: JobQueues,
         uring: Vec<crate::uring::UringQueue>,
-        done_rx: Vec<mpsc::Receiver<Done>>,
+        done_rx: mpsc::Receiver<Done>,
         threads: Vec<Arc<ThreadStat>>,
         queue_stats: Vec<StorageQueueStats>,
         deadline: Duration,
@@ -447,7 +447,8 @@ impl Network {
         if s.waits_for.is_empty() {
             return false;
         }
-        let busy = |old: &u64| self.sessions.get(old).is_some_and(|o| o.executing.values().any(|&n| n > 0));
+        // A fenced session's jobs may run on any thread: each publishes its count.
+        let busy = |old: &std::sync::Weak<super::control::SessionMeta>| old.upgrade().is_some_and(|o| o.busy());
         if s.waits_for.iter().any(busy) {
             return true;
         }
@@ -471,7 +472,7 @@ impl Network {
             return None;
         }
         let s = self.sessions.get(&sid)?;
-        let fence = Some(Arc::clone(&s.fenced));
+        let fence = Some(Arc::clone(&s.meta.fenced));
         let epoch = s.epoch(channel);
         let ch = s.session.channel(channel);
         let dead = ch.is_none_or(|c| c.dead().is_some());
@@ -488,6 +489,7 @@ impl Network {
             Places::default()
         };
         *self.sessions.get_mut(&sid)?.executing.entry(channel).or_default() += 1;
+        self.executing_changed(sid);
         let now = self.now();
         let id = self.storage.start(sid, channel, request, export, now);
         Some(Job {
@@ -570,10 +572,10 @@ impl Network {
         }
     }
 
-    /// Finishes the jobs storage handed back to network thread `g` (its NICs' channels').
-    pub(super) fn completions(&mut self, g: usize) -> bool {
+    /// Finishes the jobs storage handed back to this network thread (its NICs' channels').
+    pub(super) fn completions(&mut self) -> bool {
         let mut any = false;
-        while let Some(d) = self.storage.done_rx.get(g).and_then(|rx| rx.try_recv().ok()) {
+        while let Ok(d) = self.storage.done_rx.try_recv() {
             any = true;
             self.finish_job(d);
         }
@@ -590,6 +592,7 @@ impl Network {
             if let Some(n) = self.sessions.get_mut(&d.session).and_then(|s| s.executing.get_mut(&d.channel)) {
                 *n -= 1;
             }
+            self.executing_changed(d.session);
             if PEER_LOGS.allow() {
                 tracing::warn!(op = ?d.request.op, offset = d.request.offset, ?status, "a storage request ended after its deadline");
             }
@@ -617,6 +620,7 @@ impl Network {
         if let Some(n) = s.executing.get_mut(&d.channel) {
             *n -= 1;
         }
+        s.meta.executing.set(self.g, s.executing.values().sum());
         let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.session.complete(d.channel, &r, status)));
         if done.is_err() {
             self.fail_session(d.session, "completing a request");

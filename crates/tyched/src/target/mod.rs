@@ -30,13 +30,14 @@
 //! - `snapshot`: counters (`Counters`), snapshots, the placement report, limit counters.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tyche_channel::auth::Psk;
-use tyche_channel::{Acceptor, ExportSpec, Instant};
+use tyche_channel::{ExportSpec, Instant};
+use tyche_transport::poll::{PollConfig, PollStats};
 use tyche_transport::wake::WakeFd;
 use tyche_transport::FrameTransport;
 use tyche_wire::MacAddr;
@@ -46,6 +47,7 @@ use crate::config::{Config, NetworkThreads};
 use crate::stats::Snapshot;
 use crate::workers::StoragePlan;
 
+mod control;
 mod handshake;
 mod jobs;
 mod network;
@@ -58,12 +60,12 @@ mod start;
 pub(crate) use jobs::execute;
 pub(crate) use jobs::{execute_contained, Done, Job};
 
-use handshake::Challenges;
+use control::{Control, Postal, ShardMsg};
 use jobs::Storage;
-use network::{Groups, NicState};
+use network::NicState;
 use sessions::SessionState;
 use slots::SlotTable;
-use snapshot::Counters;
+use snapshot::{Counters, Piece};
 use start::{build, spawn_network, Built};
 
 /// Errors starting a target.
@@ -131,7 +133,7 @@ impl std::fmt::Debug for Nic {
 }
 
 #[derive(Debug)]
-struct Export {
+pub(super) struct Export {
     spec: ExportSpec,
     backend: Arc<dyn Backend>,
     /// Whether its storage requests go to the io_uring engine (else the pool, or inline for RAM).
@@ -145,18 +147,71 @@ struct Export {
     shared: bool,
 }
 
+/// What the network threads and the handle share: flags, doorbells, the pieces of snapshots.
 #[derive(Debug)]
 struct Shared {
     stop: AtomicBool,
-    wake: WakeFd,
+    /// Each network thread's doorbell.
+    wakes: Vec<Arc<WakeFd>>,
+    /// Snapshots asked for (a generation number).
     stats_requested: AtomicU64,
-    snapshot: Mutex<(u64, Snapshot)>,
+    /// Each thread's latest piece of a snapshot and its generation.
+    pieces: Mutex<Vec<Option<(u64, Piece)>>>,
     published: Condvar,
+    /// The last snapshot, made by the last thread to exit.
+    last: Mutex<Option<Snapshot>>,
+    /// Per thread: stopping, with nothing left to do.
+    quiet: Vec<AtomicBool>,
+    /// Every thread is quiet (or the drain limit passed): DISCONNECT and exit.
+    closing: AtomicBool,
+    /// Threads that have exited.
+    exited: AtomicUsize,
+    /// For the snapshot: the control, the polling, the clock's start.
+    control: Arc<Mutex<Control>>,
+    poll: PollConfig,
+    start: std::time::Instant,
 }
 
 impl Shared {
+    /// Rings every network thread's doorbell.
     fn wake(&self) {
-        self.wake.wake();
+        for w in &self.wakes {
+            w.wake();
+        }
+    }
+
+    /// Asks every thread for its piece of a new snapshot and waits (at most a second, and not
+    /// for threads that have exited) until they all gave it: the snapshot of those pieces.
+    fn stats(&self, alive: impl Fn() -> bool) -> Snapshot {
+        let want = self.stats_requested.fetch_add(1, Ordering::SeqCst) + 1;
+        self.wake();
+        let guard = self.pieces.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let fresh = |p: &Vec<Option<(u64, Piece)>>| p.iter().all(|p| p.as_ref().is_some_and(|(g, _)| *g >= want));
+        let (guard, _) = self
+            .published
+            .wait_timeout_while(guard, Duration::from_secs(1), |p| !fresh(p) && alive())
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        drop(guard);
+        if let Some(last) = self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone() {
+            return last;
+        }
+        self.merged(self.now())
+    }
+
+    /// The snapshot of the pieces the threads last published, at `now`.
+    fn merged(&self, now: Instant) -> Snapshot {
+        let pieces: Vec<Piece> = self
+            .pieces
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter_map(|p| p.as_ref().map(|(_, p)| p.clone()))
+            .collect();
+        snapshot::merge(&control::lock(&self.control), &pieces, self.poll, now)
+    }
+
+    fn now(&self) -> Instant {
+        Instant(self.start.elapsed().as_nanos() as u64 + 1)
     }
 }
 
@@ -221,11 +276,10 @@ impl Target {
 
     /// As [`Target::start`], placing memory and threads as `placement` says.
     pub fn start_placed(config: Config, nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
-        let Built { net, nics, groups, shared, workers } = build(config, nics, &placement)?;
-        let engine = Arc::new(Mutex::new(net));
+        let Built { shards, nics, groups, shared, workers } = build(config, nics, &placement)?;
         let mut slots: Vec<Option<Nic>> = nics.into_iter().map(Some).collect();
         let mut network = Vec::new();
-        for (g, members) in groups.iter().enumerate() {
+        for (members, net) in groups.iter().zip(shards) {
             let mine: Vec<(usize, Nic)> =
                 members.iter().map(|&k| (k, slots[k].take().expect("each NIC in one group"))).collect();
             let cpus = match members[..] {
@@ -234,17 +288,10 @@ impl Target {
             };
             // A thread serving NICs on several nodes binds its memory policy to them.
             let memory_nodes = if members.len() > 1 { placement.memory_nodes.clone() } else { Vec::new() };
-            network.push(spawn_network(g, groups.len(), mine, cpus, memory_nodes, &engine, &shared)?);
+            network.push(spawn_network(net, groups.len(), mine, cpus, memory_nodes)?);
         }
         Ok(TargetHandle { shared, network, workers })
     }
-}
-
-/// Locks the engine. A panic on a network thread is contained per session (see
-/// [`Network::fail_session`]), so the lock is taken even if an earlier holder panicked: the
-/// state is still consistent for every other session.
-fn lock_engine(engine: &Mutex<Network>) -> std::sync::MutexGuard<'_, Network> {
-    engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Pins the calling thread (the `what`, for the warning when it cannot) to `cpus`; none: not
@@ -258,34 +305,15 @@ pub(crate) fn pin(cpus: &[u32], what: &str) {
 }
 
 impl TargetHandle {
-    /// A fresh snapshot of the counters (waits up to a second for the network thread).
+    /// A fresh snapshot of the counters (waits up to a second for the network threads).
     pub fn stats(&self) -> Snapshot {
-        let want = self.shared.stats_requested.fetch_add(1, Ordering::SeqCst) + 1;
-        self.shared.wake();
-        let guard = self.shared.snapshot.lock().expect("snapshot lock");
-        let (guard, _) = self
-            .shared
-            .published
-            .wait_timeout_while(guard, Duration::from_secs(1), |(gen, _)| {
-                *gen < want && self.network.iter().any(|h| !h.is_finished())
-            })
-            .expect("snapshot lock");
-        guard.1.clone()
+        self.shared.stats(|| self.network.iter().all(|h| !h.is_finished()))
     }
 
     /// A function that returns a fresh snapshot, for a stats server thread.
     pub fn stats_source(&self) -> impl Fn() -> Snapshot + Send + Sync + 'static {
         let shared = Arc::clone(&self.shared);
-        move || {
-            let want = shared.stats_requested.fetch_add(1, Ordering::SeqCst) + 1;
-            shared.wake();
-            let guard = shared.snapshot.lock().expect("snapshot lock");
-            let (guard, _) = shared
-                .published
-                .wait_timeout_while(guard, Duration::from_secs(1), |(gen, _)| *gen < want)
-                .expect("snapshot lock");
-            guard.1.clone()
-        }
+        move || shared.stats(|| shared.exited.load(Ordering::SeqCst) == 0)
     }
 
     /// Asks the target to stop (from a signal handler thread, say); [`TargetHandle::join`] waits.
@@ -325,7 +353,8 @@ impl TargetHandle {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
-        self.shared.snapshot.lock().expect("snapshot lock").1.clone()
+        let last = self.shared.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        last.unwrap_or_else(|| self.shared.merged(self.shared.now()))
     }
 }
 
@@ -359,13 +388,14 @@ impl Harness {
     /// Opens the exports of `config` and serves them on `nics` (one group, on this thread).
     pub fn new(mut config: Config, nics: Vec<Nic>) -> Result<Harness, StartError> {
         config.network_threads = NetworkThreads::One;
-        let Built { net, nics, workers, .. } = build(config, nics, &Placement::default())?;
+        let Built { mut shards, nics, workers, .. } = build(config, nics, &Placement::default())?;
+        let net = shards.pop().expect("one network thread");
         Ok(Harness { net, nics: nics.into_iter().enumerate().collect(), _workers: workers })
     }
 
     /// One turn of the network loop over every NIC; whether anything happened.
     pub fn turn(&mut self) -> bool {
-        let t = self.net.turn(0, &mut self.nics);
+        let t = self.net.turn(&mut self.nics);
         for (_, nic) in self.nics.iter_mut() {
             let _ = nic.transport.flush();
         }
@@ -379,7 +409,8 @@ impl Harness {
 
     /// The counters now.
     pub fn snapshot(&self) -> Snapshot {
-        self.net.snapshot(self.net.now())
+        let now = self.net.now();
+        snapshot::merge(&control::lock(&self.net.control), &[self.net.piece(now)], self.net.poll, now)
     }
 }
 
@@ -397,41 +428,50 @@ impl Default for Clock {
     }
 }
 
-/// The engine state every network thread works on, under one lock (see docs/architecture.md,
-/// "Network threads"), grouped by job: each part is owned by its module (see the module
-/// documentation), so that a later step can hand each thread its own.
+/// What one network thread owns (see docs/architecture.md, "Network threads"): its NICs'
+/// state, its parts of sessions, its slot table, its storage jobs, its counters. Nothing here is
+/// shared with another network thread: what crosses goes by the control ([`Control`], off the
+/// per-frame path) and by messages in each thread's queue. Grouped by job, each part owned by
+/// its module (see the module documentation).
 struct Network {
+    /// This thread's number (its parts of sessions are numbered so).
+    g: usize,
     ethertype: u16,
-    exports: Vec<Export>,
-    acceptor: Acceptor,
+    exports: Arc<[Export]>,
+    /// Sessions by id: this thread's part of each.
     sessions: BTreeMap<u64, SessionState>,
-    /// Messages between session parts not yet delivered, per network thread.
-    mail: sessions::Mail,
-    /// All per-slot state: slot memory, kept frames, read data in transmit chunks.
+    /// Slot memory, kept frames, read data in transmit chunks of this thread's channels.
     slots: SlotTable,
-    /// Storage jobs: queues, io_uring, completions, deadlines, deferred requests.
+    /// Storage jobs of this thread's channels: queues, io_uring, completions, deadlines,
+    /// deferred requests.
     storage: Storage,
-    /// Key challenges pending.
-    challenges: Challenges,
-    /// Per NIC: counters, control queue, link state, memory placement, serving thread.
+    /// Per NIC (all of the target's; those of this thread, `group == g`, are used): counters,
+    /// control queue, link state, memory placement, serving thread.
     nics: Vec<NicState>,
-    /// Per network thread: eventfds, sleeping, polling, shutdown.
-    groups: Groups,
-    /// Target-wide counters.
+    /// What the threads share, behind its lock (handshakes, reclaim, failures).
+    control: Arc<Mutex<Control>>,
+    /// Every thread's queue and doorbell.
+    post: Postal,
+    /// This thread's queue.
+    inbox: mpsc::Receiver<ShardMsg>,
+    /// How the network threads wait for work, and this one's counters.
+    poll: PollConfig,
+    poll_stats: PollStats,
+    /// This thread's counters.
     counters: Counters,
     /// Where RAM and slot memory go when a channel's NIC names no node.
     node: Option<u32>,
     /// The limits in force.
     limits: crate::config::Limits,
-    /// How long a session whose channels are all dead is kept (`reclaim_after_ms`).
-    reclaim_after: Duration,
     clock: Clock,
     shared: Arc<Shared>,
     stopping: Option<Instant>,
+    /// The last snapshot generation this thread published its piece for.
+    published: u64,
+    /// When this thread next may ask the control to reclaim sessions.
+    next_reclaim_check: Instant,
     /// The plaintext of the last frame of an encrypting channel.
     rx_scratch: Vec<u8>,
-    /// Queue addresses: which transport serves a new channel and the address ACCEPT names.
-    queue_addresses: crate::steer::QueueAddresses,
     /// The last frame that arrived in pieces and had to be whole (a sealed or DIGEST channel's).
     rx_gather: Vec<u8>,
 }

@@ -13,21 +13,22 @@
 use std::collections::VecDeque;
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rustc_hash::FxHashSet;
 use tyche_channel::{DropReason, FrameDrop, Instant, PayloadRef, TargetInbound};
-use tyche_transport::poll::{Next, PollConfig, PollStats, Poller, SchedStat};
+use tyche_transport::poll::{Next, Poller, SchedStat};
 use tyche_transport::wake::WakeFd;
 use tyche_transport::{Lease, Sent};
-use tyche_wire::{Frame, Kind, MacAddr, DATA_FRAME_OVERHEAD};
+use tyche_wire::{Frame, Kind, MacAddr, Message, DATA_FRAME_OVERHEAD};
 
 use crate::stats::NicStats;
 
+use super::control::lock;
 use super::sessions::{slot_acked, slot_idle};
 use super::slots::{Placed, SlotKey, SlotTable};
-use super::{lock_engine, Network, Nic, Shared};
+use super::{Network, Nic, Shared};
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
@@ -63,31 +64,12 @@ pub(super) struct NicState {
     pub(super) tx_used: FxHashSet<u64>,
 }
 
-/// The network threads (groups) as the engine sees them.
-#[derive(Debug)]
-pub(super) struct Groups {
-    /// Each network thread's eventfd.
-    pub(super) wakes: Vec<Arc<WakeFd>>,
-    /// Network threads that ended their last turn with nothing to do (and sleep or will).
-    pub(super) sleeping: Vec<bool>,
-    /// How the network threads wait for work.
-    pub(super) poll: PollConfig,
-    /// Each network thread's polling counters, as of its last turn.
-    pub(super) poll_stats: Vec<PollStats>,
-    /// Shutdown: every channel was told DISCONNECT; each thread sends its NICs' and exits.
-    pub(super) closing: bool,
-    /// Network threads that have exited; the last one flushes and publishes the final counters.
-    pub(super) exited: usize,
-}
-
 /// What one turn of a network thread left to do.
 pub(super) struct Turn {
     /// Something happened: go round again without sleeping.
     pub(super) busy: bool,
     /// How long to sleep at most when not busy.
     timeout: Duration,
-    /// Other network threads (groups) that now have frames to send.
-    wake: Vec<usize>,
     /// The target has stopped: exit.
     exit: bool,
     /// Per NIC of the thread: whether to poll it (false once its transport failed for good).
@@ -96,35 +78,25 @@ pub(super) struct Turn {
 
 impl Turn {
     fn exit() -> Turn {
-        Turn { busy: false, timeout: Duration::ZERO, wake: Vec::new(), exit: true, live: Vec::new() }
+        Turn { busy: false, timeout: Duration::ZERO, exit: true, live: Vec::new() }
     }
 }
 
-/// The loop of the network thread serving the NICs `nics` (group `g`): a turn of the engine
-/// under its lock, then, outside it, the transports' flush (the AF_XDP kick) and, when the
-/// poller says so ([`Poller`]: after a while without work), the sleep.
-pub(super) fn serve_group(
-    g: usize,
-    mut nics: Vec<(usize, Nic)>,
-    engine: &Mutex<Network>,
-    wakes: &[Arc<WakeFd>],
-    shared: &Shared,
-) {
-    let mut poller = Poller::new(lock_engine(engine).groups.poll);
+/// The loop of network thread `net.g`, serving the NICs `nics` with what it owns (`net`): a
+/// turn, then the transports' flush (the AF_XDP kick) and, when the poller says so
+/// ([`Poller`]: after a while without work), the sleep. No lock is taken for a frame of an
+/// established channel.
+pub(super) fn serve_group(mut net: Network, mut nics: Vec<(usize, Nic)>) {
+    let mut poller = Poller::new(net.poll);
     let run_queue = SchedStat::of_this_thread();
+    let (wake, shared) = (Arc::clone(&net.post.wakes()[net.g]), Arc::clone(&net.shared));
     loop {
-        let turn = {
-            let mut net = lock_engine(engine);
-            net.groups.poll_stats[g] = poller.stats();
-            net.turn(g, &mut nics)
-        };
+        net.poll_stats = poller.stats();
+        let turn = net.turn(&mut nics);
         for (_, nic) in nics.iter_mut() {
             if let Err(e) = nic.transport.flush() {
                 tracing::warn!(nic = %nic.name, "flush failed: {e}");
             }
-        }
-        for &h in &turn.wake {
-            wakes[h].wake();
         }
         if turn.exit {
             return;
@@ -135,13 +107,13 @@ pub(super) fn serve_group(
             // Polling with nothing to do: let a thread that shares the core run.
             Next::Poll if !turn.busy => std::thread::yield_now(),
             Next::Poll => {}
-            Next::Sleep => sleep(&nics, &turn.live, turn.timeout, &wakes[g], shared),
+            Next::Sleep => sleep(&nics, &turn.live, turn.timeout, &wake, &shared),
         }
     }
 }
 
-/// Sleeps in `poll(2)` on the transports' descriptors, this thread's eventfd and the shared one
-/// (storage completions, stats requests, stop), at most `timeout`.
+/// Sleeps in `poll(2)` on the transports' descriptors and this thread's eventfd (messages,
+/// storage completions, stats requests, stop), at most `timeout`.
 fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &WakeFd, shared: &Shared) {
     use nix::poll::{PollFd, PollFlags, PollTimeout};
     let mut fds: Vec<PollFd<'_>> = nics
@@ -152,13 +124,11 @@ fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &WakeFd,
         .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
         .collect();
     fds.push(PollFd::new(wake.as_fd(), PollFlags::POLLIN));
-    fds.push(PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN));
     let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128);
-    if ms > 0 {
+    if ms > 0 && !shared.stop.load(Ordering::SeqCst) {
         let _ = nix::poll::poll(&mut fds, PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX));
     }
     wake.drain();
-    shared.wake.drain();
 }
 
 /// Whether a transport error means the link is gone for good.
@@ -168,32 +138,28 @@ fn permanent(e: &std::io::Error) -> bool {
 }
 
 impl Network {
-    /// One turn of network thread `g` over its NICs.
-    pub(super) fn turn(&mut self, g: usize, nics: &mut [(usize, Nic)]) -> Turn {
-        self.groups.sleeping[g] = false;
+    /// One turn of this network thread over its NICs.
+    pub(super) fn turn(&mut self, nics: &mut [(usize, Nic)]) -> Turn {
         let now = self.now();
         let stop = self.shared.stop.load(Ordering::SeqCst);
         if stop && self.stopping.is_none() {
-            tracing::info!(inflight = self.storage.inflight, "stopping: no new channels, finishing in-flight requests");
+            tracing::info!(
+                thread = self.g,
+                inflight = self.storage.inflight,
+                "stopping: no new channels, finishing in-flight requests"
+            );
             self.stopping = Some(now);
         }
-        if self.groups.closing {
-            for (k, nic) in nics.iter_mut() {
-                self.transmit_on(now, *k, nic);
-                self.give_back(*k, nic);
-            }
-            self.groups.exited += 1;
-            if self.groups.exited == self.groups.wakes.len() {
-                self.finish(now);
-            }
-            return Turn::exit();
+        if self.shared.closing.load(Ordering::SeqCst) {
+            return self.close(now, nics);
         }
-        let mut busy = self.deliver_mail(g);
+        let mut busy = self.deliver_mail();
+        let mail = busy;
         for (k, nic) in nics.iter_mut() {
             self.give_back(*k, nic);
             busy |= self.receive_on(now, *k, nic);
         }
-        busy |= self.completions(g);
+        busy |= self.completions();
         self.storage_deadlines(now);
         self.timers(now);
         self.collect_events();
@@ -201,73 +167,59 @@ impl Network {
         for (k, nic) in nics.iter_mut() {
             busy |= self.transmit_on(now, *k, nic);
         }
+        self.post_part_messages();
         self.reclaim(now);
         for (k, nic) in nics.iter_mut() {
             self.give_back(*k, nic);
         }
         self.publish_if_requested(now);
         if let Some(since) = self.stopping {
-            let mail = self.mail.iter().any(|m| m.load(Ordering::Relaxed) > 0);
+            // Each thread says when it is quiet; once all are (or the drain limit passed), every
+            // thread DISCONNECTs its channels and exits.
             let quiet = self.storage.drained()
                 && !mail
                 && !self.any_wants_transmit()
                 && now.since(since) > Duration::from_millis(50);
-            if quiet || now.since(since) > DRAIN_LIMIT {
-                // DISCONNECT every channel; each thread sends its own NICs' and exits.
-                for s in self.sessions.values_mut() {
-                    s.session.close(tyche_wire::DisconnectReason::Shutdown);
+            self.shared.quiet[self.g].store(quiet, Ordering::SeqCst);
+            let all = self.shared.quiet.iter().all(|q| q.load(Ordering::SeqCst));
+            if all || now.since(since) > DRAIN_LIMIT {
+                self.shared.closing.store(true, Ordering::SeqCst);
+                for w in self.post.wakes() {
+                    w.wake();
                 }
-                self.groups.closing = true;
-                let wake = (0..self.groups.wakes.len()).filter(|&h| h != g).collect();
-                return Turn { busy: true, timeout: Duration::ZERO, wake, exit: false, live: Vec::new() };
+                return Turn { busy: true, timeout: Duration::ZERO, exit: false, live: Vec::new() };
             }
         }
-        let wake = self.others_to_wake(g);
-        let timeout = self.sleep_limit(g, nics, now);
-        if !busy {
-            self.groups.sleeping[g] = true;
-        }
+        let timeout = self.sleep_limit(nics, now);
         let live = nics.iter().map(|(k, _)| !self.nics[*k].down).collect();
-        Turn { busy, timeout, wake, exit: false, live }
+        Turn { busy, timeout, exit: false, live }
     }
 
-    /// The sleeping network threads other than `g` that work of this turn (completions, a
-    /// copy of a request that waited on another channel's execution, timers) gave frames to
-    /// send.
-    fn others_to_wake(&self, g: usize) -> Vec<usize> {
-        let mut wake = Vec::new();
-        for (k, n) in self.nics.iter().enumerate() {
-            let h = n.group;
-            if h == g || !self.groups.sleeping[h] || wake.contains(&h) {
-                continue;
-            }
-            let wants = self.mail[h].load(Ordering::Relaxed) > 0
-                || !n.control.is_empty()
-                || self
-                    .sessions
-                    .values()
-                    .any(|s| s.nic_of.iter().any(|(&c, &on)| on == k && s.session.wants_transmit(c)));
-            if wants {
-                wake.push(h);
-            }
+    /// The end of this thread, once every thread is quiet: its channels DISCONNECT, it sends
+    /// what they have, publishes its last piece of the counters, and the last thread to end
+    /// flushes every export and publishes the last snapshot.
+    fn close(&mut self, now: Instant, nics: &mut [(usize, Nic)]) -> Turn {
+        for s in self.sessions.values_mut() {
+            s.session.close(tyche_wire::DisconnectReason::Shutdown);
         }
-        wake
+        for (k, nic) in nics.iter_mut() {
+            self.transmit_on(now, *k, nic);
+            self.give_back(*k, nic);
+        }
+        self.publish(now, u64::MAX);
+        let exited = self.shared.exited.fetch_add(1, Ordering::SeqCst) + 1;
+        if exited == self.shared.quiet.len() {
+            self.finish(now);
+        }
+        Turn::exit()
     }
 
-    /// How long network thread `g` may sleep: until its sessions' next timer, the next
-    /// storage deadline, a short while when stopping, and never long on transports it cannot
-    /// wait on.
-    fn sleep_limit(&self, g: usize, nics: &[(usize, Nic)], now: Instant) -> Duration {
-        let mine = |k: &usize| self.nics[*k].group == g;
+    /// How long this thread may sleep: until its sessions' next timer, the next storage
+    /// deadline, a short while when stopping, and never long on transports it cannot wait on.
+    fn sleep_limit(&self, nics: &[(usize, Nic)], now: Instant) -> Duration {
         let mut timeout =
             if nics.iter().all(|(_, n)| n.transport.readiness_fd().is_some()) { POLL_CAP } else { POLL_CAP_NO_FD };
-        let next = self
-            .sessions
-            .values()
-            .filter(|s| s.nic_of.values().any(mine))
-            .filter_map(|s| s.session.poll_timeout())
-            .min();
-        if let Some(t) = next {
+        if let Some(t) = self.sessions.values().filter_map(|s| s.session.poll_timeout()).min() {
             timeout = timeout.min(t.since(now));
         }
         if self.stopping.is_some() {
@@ -284,15 +236,17 @@ impl Network {
             || self.sessions.values().any(|s| s.nic_of.keys().any(|&c| s.session.wants_transmit(c)))
     }
 
-    /// The orderly end, once every channel was told DISCONNECT: flush every export, publish the
-    /// last counters.
+    /// The orderly end, once every thread has sent its DISCONNECTs and published its last
+    /// piece: flush every export, publish the last snapshot.
     fn finish(&mut self, now: Instant) {
-        for e in &self.exports {
+        for e in self.exports.iter() {
             if let Err(err) = e.backend.flush() {
                 tracing::error!(export = %e.spec.name, "flush at shutdown failed: {err}");
             }
         }
-        self.publish(now, u64::MAX);
+        let snap = self.shared.merged(now);
+        *self.shared.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(snap);
+        self.shared.published.notify_all();
         tracing::info!("stopped");
     }
 
@@ -319,6 +273,32 @@ impl Network {
                 false
             }
         }
+    }
+
+    /// A DISCOVER or CONNECT received on NIC `k` (whose MAC is `local`): handled by the control,
+    /// under its lock; its replies go out on `k`, and a channel it accepted for one of this
+    /// thread's NICs is installed here.
+    fn on_handshake(&mut self, now: Instant, k: usize, local: MacAddr, frame: &Frame<&[u8]>, msg: &Message<'_>) {
+        let control = Arc::clone(&self.control);
+        let stopping = self.stopping.is_some();
+        let answer = lock(&control).on_handshake(now, self.g, k, local, frame, msg, stopping);
+        self.nics[k].stats.drops.add(&answer.drops);
+        for r in answer.replies {
+            self.queue_control(k, r);
+        }
+        if let Some(o) = answer.open {
+            self.install(*o);
+        }
+    }
+
+    /// Queues a control reply on NIC `k`, or drops it when `limits.control_queue` are waiting
+    /// (the initiator retries its CONNECT or DISCOVER).
+    fn queue_control(&mut self, k: usize, frame: Vec<u8>) {
+        if self.nics[k].control.len() >= self.limits.control_queue {
+            self.counters.limits.control_dropped += 1;
+            return;
+        }
+        self.nics[k].control.push_back(frame);
     }
 
     /// Handles one received frame, in one piece or several (a multi-buffer frame: a DATA frame
@@ -410,30 +390,26 @@ impl Network {
             tracing::trace!(%src, session = sid, "frame for an unknown session");
             return lease;
         };
-        let (channel, damq, offset, payload, generation, tag) = match s.session.handle_frame_pieces(
-            now,
-            s.session.part_of(channel_idx).unwrap_or(0),
-            pieces,
-            scratch,
-            gather,
-        ) {
-            TargetInbound::Consumed => {
-                s.established = true;
-                return lease;
-            }
-            TargetInbound::Dropped(d) => {
-                match d {
-                    FrameDrop::Wire(_) => st.drops.malformed += 1,
-                    FrameDrop::NotOurs => st.drops.not_ours += 1,
-                    FrameDrop::Channel(r) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+        let _ = channel_idx;
+        let (channel, damq, offset, payload, generation, tag) =
+            match s.session.handle_frame_pieces(now, pieces, scratch, gather) {
+                TargetInbound::Consumed => {
+                    s.established = true;
+                    return lease;
                 }
-                return lease;
-            }
-            TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
-                s.established = true;
-                (channel, damq, offset, payload, generation, tag)
-            }
-        };
+                TargetInbound::Dropped(d) => {
+                    match d {
+                        FrameDrop::Wire(_) => st.drops.malformed += 1,
+                        FrameDrop::NotOurs => st.drops.not_ours += 1,
+                        FrameDrop::Channel(r) => *st.drops.channel.entry(drop_name(r)).or_default() += 1,
+                    }
+                    return lease;
+                }
+                TargetInbound::Write { channel, damq, offset, payload, generation, tag } => {
+                    s.established = true;
+                    (channel, damq, offset, payload, generation, tag)
+                }
+            };
         let key = (s.session.id(), channel, s.epoch(channel), damq);
         let lend = self.exports[s.export].lend;
         let node = self.nics[k].node;

@@ -1,96 +1,31 @@
-//! Sessions on the target: what it keeps per session beside the channel engine's
-//! [`TargetSession`] ([`SessionState`]), their timers, channels dying, and sessions ending
-//! (reclaimed once every channel is dead and nothing of theirs executes, or failed at once when
-//! handling them hit a bug).
+//! A network thread's parts of sessions: what it keeps per session beside the channel engine's
+//! [`TargetSession`] part ([`SessionState`]), the messages it takes from other threads and the
+//! control ([`ShardMsg`]), timers, channels dying, and parts ending (reclaimed once every part
+//! of the session has been dead long enough, which the control decides from each thread's
+//! report, or failed at once when handling them hit a bug).
+//!
+//! A session is held in one part per network thread that serves one of its channels
+//! (docs/architecture.md, "The session in parts"): each part holds its thread's channels and the
+//! at-most-once records of the homes that first joined there; a re-issued copy arriving on
+//! another thread's channel is decided by its home's part, by messages between the threads.
 
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 
-use tyche_channel::{Courier, DeadReason, ExportGeometry, Instant, PartMessage, SessionParts};
-use tyche_wire::{DisconnectReason, MacAddr};
+use tyche_channel::{DeadReason, Instant, TargetSession};
+use tyche_wire::DisconnectReason;
 
+use super::control::{lock, report, Opening, SessionMeta, ShardMsg, RECLAIM_CHECK, RECLAIM_GRACE};
 use super::slots::SlotKey;
 use super::{Network, PEER_LOGS};
 
-/// A session whose channels are all dead is dropped after this grace period when it never
-/// carried a frame after its handshake (`reclaim_after_ms` otherwise).
-const RECLAIM_GRACE: Duration = Duration::from_millis(500);
-
-/// A session held in parts, one per network thread (docs/architecture.md, "The session in
-/// parts"): each part holds the channels of its thread's NICs and the at-most-once records of
-/// the homes that joined there; a re-issued copy arriving on another thread's channel is decided
-/// by its home's part. A message between parts waits in its part's inbox ([`Inboxes`]) until
-/// that part's thread delivers it in its turn ([`deliver`]), as it will when the threads own
-/// their parts outright; the target-wide mail counts ([`Mail`]) say which thread has mail, so
-/// that a turn looks at the sessions only when there is some, and a sleeping thread is woken
-/// for it. With one network thread there is one part and no message.
-pub(super) type Parts = SessionParts<Inboxes>;
-
-/// Undelivered messages between session parts, per network thread, target-wide.
-pub(super) type Mail = Arc<Vec<AtomicUsize>>;
-
-/// The messages waiting for each part of one session, in the order sent (so in order between
-/// any two parts). At most one per request slot of the session's channels is in flight.
-#[derive(Debug)]
-pub(super) struct Inboxes {
-    inbox: Vec<VecDeque<PartMessage>>,
-    mail: Mail,
-}
-
-impl Courier for Inboxes {
-    fn post(&mut self, _now: Instant, _from: usize, to: usize, msg: PartMessage) {
-        // A part only names parts of its session (all below the thread count).
-        let Some(q) = self.inbox.get_mut(to) else { return };
-        q.push_back(msg);
-        self.mail[to].fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-impl Inboxes {
-    /// Takes part `g`'s messages.
-    fn take(&mut self, g: usize) -> VecDeque<PartMessage> {
-        let Some(q) = self.inbox.get_mut(g) else { return VecDeque::new() };
-        let mail = std::mem::take(q);
-        self.mail[g].fetch_sub(mail.len(), Ordering::Relaxed);
-        mail
-    }
-}
-
-/// Session `id` in one part per network thread (as many as `mail` counts).
-pub(super) fn new_parts(id: u64, ethertype: u16, geometry: ExportGeometry, mail: &Mail) -> Parts {
-    let groups = mail.len().max(1);
-    let inboxes = Inboxes { inbox: (0..groups).map(|_| VecDeque::new()).collect(), mail: Arc::clone(mail) };
-    SessionParts::new(id, ethertype, geometry, groups, inboxes)
-}
-
-/// Delivers part `g`'s messages (network thread `g`'s turn); whether there were any.
-pub(super) fn deliver(parts: &mut Parts, g: usize) -> bool {
-    let mail = parts.courier_mut().take(g);
-    if mail.is_empty() {
-        return false;
-    }
-    parts.deliver(g, mail);
-    true
-}
-
-/// Drops the undelivered messages (the session is going), keeping the mail counts true.
-fn drop_mail(parts: &mut Parts) {
-    for g in 0..parts.part_count() {
-        parts.courier_mut().take(g);
-    }
-}
-
-/// Whether no message is undelivered and no copy waits for its home's decision (the session
-/// may be reclaimed).
-fn settled(parts: &Parts) -> bool {
-    parts.courier().inbox.iter().all(VecDeque::is_empty) && parts.awaiting_decision() == 0
-}
-
+/// A network thread's part of one session.
 #[derive(Debug)]
 pub(super) struct SessionState {
-    pub(super) session: Parts,
+    pub(super) session: TargetSession,
+    /// What the parts share.
+    pub(super) meta: Arc<SessionMeta>,
     pub(super) export: usize,
     /// Channel index → NIC index.
     pub(super) nic_of: BTreeMap<u16, usize>,
@@ -99,23 +34,27 @@ pub(super) struct SessionState {
     /// Instance of each channel index (bumped when a reconnect replaces a channel), so that slot
     /// memory of a replaced channel's requests still executing is never mixed with the new one's.
     pub(super) epochs: BTreeMap<u16, u64>,
-    pub(super) all_dead_since: Option<Instant>,
+    /// Each channel's flag the control reads (set when it dies).
+    dead_flags: BTreeMap<u16, Arc<AtomicBool>>,
+    /// Since when the part has had no live channel, storage job or undecided copy.
+    all_dead_since: Option<Instant>,
     /// Whether any channel of it carried a frame after its handshake (reclaim grace).
     pub(super) established: bool,
-    /// Who attached: the host id the initiator sent, else one made from its MAC.
-    pub(super) identity: [u8; 16],
-    /// The MAC that created it (named to another initiator refused IN_USE).
-    pub(super) mac: MacAddr,
-    /// Set when a new attachment of the same initiator fenced this session.
-    pub(super) fenced: Arc<AtomicBool>,
-    /// Fenced sessions whose storage requests must all end before this one's first runs.
-    pub(super) waits_for: Vec<u64>,
+    /// Fenced sessions whose storage jobs must all end before this one's first runs.
+    pub(super) waits_for: Vec<Weak<SessionMeta>>,
+    /// The reclaim report last given the control.
+    reported: u64,
 }
 
 impl SessionState {
     /// The instance of channel index `channel` now.
     pub(super) fn epoch(&self, channel: u16) -> u64 {
         self.epochs.get(&channel).copied().unwrap_or(0)
+    }
+
+    /// Storage jobs outstanding in this part.
+    fn executing_total(&self) -> u64 {
+        self.executing.values().sum()
     }
 }
 
@@ -140,24 +79,95 @@ pub(super) fn slot_acked(sessions: &BTreeMap<u64, SessionState>, key: &SlotKey) 
 }
 
 impl Network {
-    /// Delivers the messages other threads' parts sent network thread `g`'s parts; whether
-    /// there were any. Looks at the sessions only when the mail count says there is some.
-    pub(super) fn deliver_mail(&mut self, g: usize) -> bool {
-        if self.mail.get(g).is_none_or(|m| m.load(Ordering::Relaxed) == 0) {
-            return false;
-        }
+    /// Takes the messages other threads and the control sent this one; whether there were any.
+    pub(super) fn deliver_mail(&mut self) -> bool {
         let mut any = false;
-        let mut failed = Vec::new();
-        for (&sid, s) in self.sessions.iter_mut() {
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| deliver(&mut s.session, g))) {
-                Ok(d) => any |= d,
-                Err(_) => failed.push(sid),
+        while let Ok(msg) = self.inbox.try_recv() {
+            any = true;
+            match msg {
+                ShardMsg::Open(o) => self.install(*o),
+                ShardMsg::Leave { sid, channel } => self.leave(sid, channel),
+                ShardMsg::Fence { old } => self.fence_local(old),
+                ShardMsg::Forget { sid } => self.forget_local(sid),
+                ShardMsg::Part { sid, msg } => {
+                    // A part that is gone (the session failed, or was reclaimed) takes nothing.
+                    let Some(s) = self.sessions.get_mut(&sid) else { continue };
+                    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.session.handle_message(msg)));
+                    if run.is_err() {
+                        self.fail_session(sid, "taking a message between its parts");
+                    }
+                }
             }
         }
-        for sid in failed {
-            self.fail_session(sid, "delivering messages between its parts");
-        }
         any
+    }
+
+    /// Installs a channel accepted for one of this thread's NICs in its part of the session
+    /// (made now if this is the part's first channel). A reconnect on the same index replaces
+    /// the channel, and its slots go with it.
+    pub(super) fn install(&mut self, o: Opening) {
+        let Opening { meta, nic, channel, dead, waits_for } = o;
+        let (sid, g) = (meta.id, self.g);
+        let idx = channel.envelope().channel;
+        let ethertype = self.ethertype;
+        let st = self.sessions.entry(sid).or_insert_with(|| SessionState {
+            session: TargetSession::part(sid, ethertype, meta.geometry, g as u32, Arc::clone(&meta.directory)),
+            meta: Arc::clone(&meta),
+            export: meta.export,
+            nic_of: BTreeMap::new(),
+            executing: BTreeMap::new(),
+            epochs: BTreeMap::new(),
+            dead_flags: BTreeMap::new(),
+            all_dead_since: None,
+            established: false,
+            waits_for,
+            reported: 0,
+        });
+        st.session.add_channel(*channel);
+        st.dead_flags.insert(idx, dead);
+        st.all_dead_since = None;
+        // Live again before the control counts the install (it reads them in that order).
+        st.reported = 0;
+        meta.report.set(g, 0);
+        meta.installed.set(g, meta.installed.get(g) + 1);
+        if st.nic_of.insert(idx, nic).is_some() {
+            let old = bump_epoch(st, idx);
+            self.slots.drop_where(|key| key.0 == sid && key.1 == idx && key.2 == old);
+        }
+    }
+
+    /// Channel index `channel` of session `sid` joined again on another thread: the channel
+    /// here is aborted (requests it still executes complete into nothing), and its slots go.
+    fn leave(&mut self, sid: u64, channel: u16) {
+        let Some(st) = self.sessions.get_mut(&sid) else { return };
+        st.session.abort_channel(channel);
+        st.dead_flags.remove(&channel);
+        if st.nic_of.remove(&channel).is_some() {
+            let old = bump_epoch(st, channel);
+            self.slots.drop_where(|key| key.0 == sid && key.1 == channel && key.2 == old);
+        }
+    }
+
+    /// Session `old` was fenced: its channels here close, its queued storage jobs are marked
+    /// not to run (the shared flag stops those already queued elsewhere), and its reads waiting
+    /// for memory are answered ABORTED.
+    fn fence_local(&mut self, old: u64) {
+        let Some(s) = self.sessions.get_mut(&old) else { return };
+        s.session.close(DisconnectReason::Normal);
+        self.storage.abort_queued(old);
+        for (_, channel, request, _) in self.storage.take_waiting(old) {
+            s.session.complete(channel, &request, tyche_wire::Status::Aborted);
+        }
+    }
+
+    /// Hands the messages this thread's parts wrote for other threads' parts to those threads.
+    pub(super) fn post_part_messages(&mut self) {
+        for (&sid, s) in self.sessions.iter_mut() {
+            while let Some((to, msg)) = s.session.poll_message() {
+                self.counters.part_messages += 1;
+                self.post.send(to as usize, ShardMsg::Part { sid, msg });
+            }
+        }
     }
 
     /// Runs the sessions' due timers.
@@ -176,77 +186,107 @@ impl Network {
         }
     }
 
-    /// A channel died: what only its slots need goes now (not when the session ends).
+    /// A channel died: what only its slots need goes now (not when the session ends), and the
+    /// control learns it.
     pub(super) fn channel_dead(&mut self, sid: u64, channel: u16, reason: DeadReason) {
         if PEER_LOGS.allow() {
             tracing::info!(session = format_args!("{sid:016x}"), channel, ?reason, "channel dead");
         }
         let Some(s) = self.sessions.get(&sid) else { return };
+        if let Some(f) = s.dead_flags.get(&channel) {
+            f.store(true, Ordering::Relaxed);
+        }
         let epoch = s.epoch(channel);
         self.slots.drop_where(|key| key.0 == sid && key.1 == channel && key.2 == epoch);
     }
 
     /// Ends session `sid` at once because handling it hit a bug (a panic): every other session
-    /// goes on. Its channels send nothing more (the initiator finds them dead and reconnects).
+    /// goes on. Its part here goes now, and the control drops the session and tells the other
+    /// parts' threads; its channels send nothing more (the initiator finds them dead and
+    /// reconnects).
     pub(super) fn fail_session(&mut self, sid: u64, doing: &str) {
         self.counters.limits.sessions_failed += 1;
         if PEER_LOGS.allow() {
             tracing::error!(session = format_args!("{sid:016x}"), "session ended: a bug was hit while {doing}");
         }
         if self.sessions.contains_key(&sid) {
-            self.forget_session(sid);
+            self.forget_local(sid);
+            let control = Arc::clone(&self.control);
+            lock(&control).forget(sid);
         }
     }
 
-    /// Drops session `sid` and everything kept for it.
-    fn forget_session(&mut self, sid: u64) {
+    /// Drops this thread's part of session `sid` and everything kept for it.
+    fn forget_local(&mut self, sid: u64) {
         let Some(mut s) = self.sessions.remove(&sid) else { return };
-        drop_mail(&mut s.session);
+        while s.session.poll_message().is_some() {}
+        s.meta.executing.set(self.g, 0);
         self.counters.duplicates_from_reclaimed += s.session.duplicates_suppressed();
-        let (f, m) = s.session.forwarding();
-        self.counters.forwarding_from_reclaimed.0 += f;
-        self.counters.forwarding_from_reclaimed.1 += m;
-        self.acceptor.forget_session(sid);
+        self.counters.decided_from_reclaimed += s.session.forwarded();
         self.storage.waiting.retain(|d| d.0 != sid);
         self.slots.drop_where(|key| key.0 == sid);
     }
 
-    /// Drops sessions whose channels are all dead once nothing of theirs executes.
+    /// Tells the control how this thread's parts stand for reclaim (only what changed), and
+    /// asks it, at most every [`RECLAIM_CHECK`], to reclaim the sessions whose part here has
+    /// been dead for [`RECLAIM_GRACE`]: the control drops a session once every part of it has
+    /// been dead its grace period ([`super::control::Control::reclaim`]).
     pub(super) fn reclaim(&mut self, now: Instant) {
-        let mut gone = Vec::new();
+        let g = self.g;
+        let mut candidates = Vec::new();
         for (&sid, s) in self.sessions.iter_mut() {
-            if !s.session.all_dead() {
+            let dead = s.session.all_dead() && s.executing_total() == 0 && s.session.awaiting_decision() == 0;
+            if !dead {
                 s.all_dead_since = None;
+                if s.reported != 0 {
+                    s.reported = 0;
+                    s.meta.report.set(g, 0);
+                }
                 continue;
             }
             let since = *s.all_dead_since.get_or_insert(now);
-            let busy = s.executing.values().any(|&n| n > 0) || !settled(&s.session);
-            // A session that carried traffic is kept `reclaim_after_ms` so an initiator back in
-            // time resumes it (its ledger too); one that never did (a CONNECT and nothing else,
-            // as in a flood) goes at once.
-            // An initiator that said goodbye on every channel (DISCONNECT NORMAL: a detach) does
-            // not come back for this session.
             let detached = s.session.channel_indices().all(|c| {
                 matches!(
                     s.session.channel(c).and_then(|c| c.dead()),
                     Some(DeadReason::PeerClosed(DisconnectReason::Normal))
                 )
             });
-            let grace = if s.established && !detached && !s.fenced.load(Ordering::Relaxed) {
-                self.reclaim_after.max(RECLAIM_GRACE)
-            } else {
-                RECLAIM_GRACE
-            };
-            if !busy && now.since(since) >= grace {
-                gone.push(sid);
+            let mut r = since.0.max(1) & report::SINCE;
+            if s.established {
+                r |= report::ESTABLISHED;
+            }
+            if detached {
+                r |= report::DETACHED;
+            }
+            if r != s.reported {
+                s.reported = r;
+                s.meta.report.set(g, r);
+            }
+            if now.since(since) >= RECLAIM_GRACE {
+                candidates.push(sid);
             }
         }
-        for sid in gone {
-            self.forget_session(sid);
-            self.counters.reclaimed += 1;
-            if PEER_LOGS.allow() {
-                tracing::info!(session = format_args!("{sid:016x}"), "session reclaimed");
-            }
+        if candidates.is_empty() || now < self.next_reclaim_check {
+            return;
+        }
+        self.next_reclaim_check = now + RECLAIM_CHECK;
+        let control = Arc::clone(&self.control);
+        lock(&control).reclaim(now, &candidates);
+    }
+
+    /// Publishes this part's storage jobs outstanding of session `sid` (a new session of the
+    /// same initiator waits for them all to end).
+    pub(super) fn executing_changed(&mut self, sid: u64) {
+        if let Some(s) = self.sessions.get(&sid) {
+            s.meta.executing.set(self.g, s.executing_total());
         }
     }
+}
+
+/// Moves channel index `idx` of `st` to its next instance; the old one.
+fn bump_epoch(st: &mut SessionState, idx: u16) -> u64 {
+    let epoch = st.epochs.entry(idx).or_default();
+    let old = *epoch;
+    *epoch += 1;
+    old
 }

@@ -1,67 +1,136 @@
-//! Snapshots and counters: the target-wide counters the engine keeps ([`Counters`]), the
-//! [`Snapshot`] it publishes when asked (and at shutdown), with each channel's state, the
-//! placement report (where each NIC's memory and slot memory are, and which thread serves it)
-//! and what the limits refused or held back.
+//! Snapshots and counters: each network thread's counters ([`Counters`]) and the piece of a
+//! [`Snapshot`] it publishes when asked and when it exits ([`Piece`]: its NICs, its channels,
+//! its storage and slot memory), and the snapshot made of every thread's piece and the
+//! control's counters ([`merge`]), with the placement report (where each NIC's memory and slot
+//! memory are, and which thread serves it) and what the limits refused or held back.
 
 use std::sync::atomic::Ordering;
 
 use tyche_channel::{DropReason, Instant};
+use tyche_transport::poll::{PollConfig, PollStats};
 
 use crate::backend::FileBackend;
 use crate::stats::{
-    ChannelSnapshot, Drops, ExportStats, LimitStats, NicPlacement, PollReport, Snapshot, StorageQueueStats,
+    ChannelSnapshot, Drops, ExportStats, LimitStats, NicPlacement, NicStats, PollReport, Snapshot, StorageQueueStats,
+    StorageThreadStats,
 };
 
+use super::control::Control;
 use super::network::drop_name;
 use super::{Network, PEER_LOGS};
 
-/// Target-wide counters (the per-NIC ones are in each NIC's state, those of the slot table,
-/// the challenges and storage with them).
+/// A network thread's counters (the per-NIC ones are in each NIC's state, those of the slot
+/// table and storage with them).
 #[derive(Debug, Default)]
 pub(super) struct Counters {
-    /// Per export.
+    /// Per export: requests, bytes and errors of this thread's channels.
     pub(super) exports: Vec<ExportStats>,
-    /// What the limits refused or held back (the slot table's and the challenges' own counts
-    /// are added in [`Network::limit_snapshot`]).
+    /// What the limits refused or held back here (`control_dropped`, `sessions_failed`).
     pub(super) limits: LimitStats,
     /// Payload bytes copied in user space.
     pub(super) payload_copied: u64,
     /// The part of `payload_copied` on the write path.
     pub(super) payload_copied_write: u64,
-    /// Sessions reclaimed.
-    pub(super) reclaimed: u64,
-    /// Duplicates suppressed by sessions that are gone.
+    /// Duplicates suppressed by parts that are gone.
     pub(super) duplicates_from_reclaimed: u64,
-    /// Of reclaimed sessions: copies decided by their home's part, messages between parts.
-    pub(super) forwarding_from_reclaimed: (u64, u64),
-    /// Sessions fenced by a new attachment of the same initiator.
-    pub(super) fenced: u64,
+    /// Copies decided by their home's part, of parts that are gone.
+    pub(super) decided_from_reclaimed: u64,
+    /// Messages this thread's parts sent other threads' parts.
+    pub(super) part_messages: u64,
+}
+
+/// What one network thread contributes to a snapshot.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Piece {
+    /// Its NICs: (index, counters, placement).
+    nics: Vec<(usize, NicStats, NicPlacement)>,
+    channels: Vec<ChannelSnapshot>,
+    /// Per export: requests, bytes, errors.
+    exports: Vec<ExportStats>,
+    payload_copied: u64,
+    payload_copied_write: u64,
+    leases_held: u64,
+    storage_inflight: u64,
+    storage_timeouts: u64,
+    duplicates: u64,
+    decided_by_home: u64,
+    part_messages: u64,
+    limits: LimitStats,
+    poll: PollStats,
+    stopping: bool,
+    storage_threads: Vec<StorageThreadStats>,
+    storage_queues: Vec<StorageQueueStats>,
 }
 
 impl Network {
-    /// Publishes a snapshot if one was asked for since the last.
+    /// Publishes this thread's piece if a snapshot was asked for since its last.
     pub(super) fn publish_if_requested(&mut self, now: Instant) {
         let want = self.shared.stats_requested.load(Ordering::SeqCst);
-        if self.shared.snapshot.lock().expect("snapshot lock").0 >= want {
-            return;
+        if want > self.published {
+            self.publish(now, want);
         }
-        self.publish(now, want);
     }
 
-    /// Publishes a snapshot as generation `generation` (`u64::MAX`: the last one).
-    pub(super) fn publish(&self, now: Instant, generation: u64) {
-        let snap = self.snapshot(now);
-        let mut g = self.shared.snapshot.lock().expect("snapshot lock");
-        g.0 = generation;
-        g.1 = snap;
+    /// Publishes this thread's piece as generation `generation` (`u64::MAX`: its last).
+    pub(super) fn publish(&mut self, now: Instant, generation: u64) {
+        let piece = self.piece(now);
+        let mut pieces = self.shared.pieces.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        pieces[self.g] = Some((generation, piece));
+        self.published = generation;
         self.shared.published.notify_all();
     }
 
-    /// Where each NIC's memory is and which CPUs this (the serving) thread may use.
-    fn placement(&self, channels: &[ChannelSnapshot]) -> Vec<NicPlacement> {
+    /// This thread's piece of a snapshot.
+    pub(super) fn piece(&self, now: Instant) -> Piece {
+        let mut dups = self.counters.duplicates_from_reclaimed;
+        let mut decided_by_home = self.counters.decided_from_reclaimed;
+        for s in self.sessions.values() {
+            dups += s.session.duplicates_suppressed();
+            decided_by_home += s.session.forwarded();
+        }
+        let channels = self.channel_snapshots();
+        let storage = &self.storage;
+        let _ = now;
+        Piece {
+            nics: self.placement(&channels),
+            channels,
+            exports: self.counters.exports.clone(),
+            payload_copied: self.counters.payload_copied,
+            payload_copied_write: self.counters.payload_copied_write,
+            leases_held: self.slots.leases_held(),
+            storage_inflight: storage.inflight,
+            storage_timeouts: storage.timeouts,
+            duplicates: dups,
+            decided_by_home,
+            part_messages: self.counters.part_messages,
+            limits: LimitStats {
+                slot_memory_bytes: self.slots.bytes(),
+                slot_memory_waits: self.slots.memory_waits(),
+                ..self.counters.limits
+            },
+            poll: self.poll_stats,
+            stopping: self.stopping.is_some(),
+            storage_threads: storage.threads.iter().map(|t| t.snapshot()).collect(),
+            storage_queues: storage
+                .queue_stats
+                .iter()
+                .enumerate()
+                .map(|(q, sq)| StorageQueueStats {
+                    workers: storage.threads.iter().filter(|t| t.queue == q && t.kind == "worker").count() as u64,
+                    jobs: storage.threads.iter().filter(|t| t.queue == q).map(|t| t.jobs()).sum(),
+                    ..sq.clone()
+                })
+                .collect(),
+        }
+    }
+
+    /// This thread's NICs: counters, where their memory is, and which CPUs this (the serving)
+    /// thread may use.
+    fn placement(&self, channels: &[ChannelSnapshot]) -> Vec<(usize, NicStats, NicPlacement)> {
         self.nics
             .iter()
             .enumerate()
+            .filter(|(_, n)| n.group == self.g)
             .map(|(k, n)| {
                 let node = n.node;
                 let mut p = NicPlacement {
@@ -82,7 +151,7 @@ impl Network {
                 for c in channels.iter().filter(|c| c.nic == p.nic) {
                     p.slots.add(&c.slots);
                 }
-                p
+                (k, n.stats.clone(), p)
             })
             .collect()
     }
@@ -92,7 +161,7 @@ impl Network {
         self.nics.get(k).and_then(|n| n.thread.clone()).unwrap_or_else(tyche_numa::report::this_thread)
     }
 
-    /// Every channel of every session, as the snapshot shows it.
+    /// Every channel of this thread's parts, as the snapshot shows it.
     fn channel_snapshots(&self) -> Vec<ChannelSnapshot> {
         let mut channels = Vec::new();
         for (&sid, s) in &self.sessions {
@@ -130,81 +199,97 @@ impl Network {
         }
         channels
     }
+}
 
-    /// The counters now.
-    pub(super) fn snapshot(&self, now: Instant) -> Snapshot {
-        let mut exports = self.counters.exports.clone();
-        for (es, e) in exports.iter_mut().zip(&self.exports) {
-            es.direct_bytes = e.backend.as_file().map_or(0, FileBackend::direct_bytes);
-        }
-        let mut dups = self.counters.duplicates_from_reclaimed;
-        let (mut decided_by_home, mut part_messages) = self.counters.forwarding_from_reclaimed;
-        for s in self.sessions.values() {
-            exports[s.export].sessions += 1;
-            dups += s.session.duplicates_suppressed();
-            let (f, m) = s.session.forwarding();
-            decided_by_home += f;
-            part_messages += m;
-        }
-        let channels = self.channel_snapshots();
-        let placement = self.placement(&channels);
-        let storage = &self.storage;
-        Snapshot {
-            uptime_ms: now.as_nanos() / 1_000_000,
-            stopping: self.stopping.is_some(),
-            sessions: self.sessions.len() as u64,
-            sessions_reclaimed: self.counters.reclaimed,
-            payload_copied_bytes: self.counters.payload_copied,
-            storage_timeouts: storage.timeouts,
-            sessions_fenced: self.counters.fenced,
-            payload_copied_write_bytes: self.counters.payload_copied_write,
-            leases_held: self.slots.leases_held(),
-            storage_inflight: storage.inflight,
-            duplicates_suppressed: dups,
-            decided_by_home,
-            part_messages,
-            nics: self.nics.iter().map(|n| n.stats.clone()).collect(),
-            exports,
-            channels,
-            placement,
-            // Read by the daemon's stats source (tyched's main), not the engine.
-            irqs: Vec::new(),
-            limits: self.limit_snapshot(),
-            storage_threads: storage.threads.iter().map(|t| t.snapshot()).collect(),
-            storage_queues: storage
-                .queue_stats
-                .iter()
-                .enumerate()
-                .map(|(q, sq)| StorageQueueStats {
-                    workers: storage.threads.iter().filter(|t| t.queue == q && t.kind == "worker").count() as u64,
-                    jobs: storage.threads.iter().filter(|t| t.queue == q).map(|t| t.jobs()).sum(),
-                    ..sq.clone()
-                })
-                .collect(),
-            poll: PollReport {
-                mode: self.groups.poll.mode,
-                budget_us: self.groups.poll.budget.as_micros() as u64,
-                threads: self.groups.poll_stats.clone(),
-            },
+/// The snapshot made of the threads' pieces (those there are) and the control's counters, at
+/// `now`, the threads polling as `poll` says.
+pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Instant) -> Snapshot {
+    let mut nics: Vec<(usize, NicStats, NicPlacement)> = pieces.iter().flat_map(|p| p.nics.iter().cloned()).collect();
+    nics.sort_by_key(|n| n.0);
+    let mut exports: Vec<ExportStats> = ctl
+        .exports
+        .iter()
+        .enumerate()
+        .map(|(i, e)| ExportStats {
+            name: e.spec.name.clone(),
+            backend: e.backend.kind().into(),
+            size: e.spec.size,
+            read_only: e.read_only,
+            keyed: e.key.is_some(),
+            io: if e.uring {
+                "io_uring"
+            } else if e.backend.kind() == "ram" {
+                "inline"
+            } else {
+                "threads"
+            }
+            .into(),
+            denied: ctl.denied.get(i).copied().unwrap_or(0),
+            direct_bytes: e.backend.as_file().map_or(0, FileBackend::direct_bytes),
+            ..ExportStats::default()
+        })
+        .collect();
+    for p in pieces {
+        for (es, pe) in exports.iter_mut().zip(&p.exports) {
+            es.requests.add(&pe.requests);
+            es.bytes_read += pe.bytes_read;
+            es.bytes_written += pe.bytes_written;
+            es.errors += pe.errors;
         }
     }
-
-    /// What the limits refused or held back, and the slot memory held.
-    fn limit_snapshot(&self) -> LimitStats {
-        let busy = self.acceptor.busy();
-        LimitStats {
-            busy_sessions: busy.sessions,
-            busy_sessions_per_export: busy.sessions_per_export,
-            busy_sessions_per_mac: busy.sessions_per_mac,
-            busy_channels_per_session: busy.channels_per_session,
-            busy_channels: busy.channels,
-            challenges_evicted: self.challenges.evicted,
-            challenges_refused: self.challenges.refused,
-            slot_memory_bytes: self.slots.bytes(),
-            slot_memory_waits: self.slots.memory_waits(),
-            warnings_suppressed: PEER_LOGS.suppressed(),
-            ..self.counters.limits
+    for e in ctl.registry.values() {
+        if let Some(es) = exports.get_mut(e.meta.export) {
+            es.sessions += 1;
         }
+    }
+    let sum = |f: fn(&Piece) -> u64| pieces.iter().map(f).sum::<u64>();
+    let busy = ctl.acceptor.busy();
+    let mut limits = LimitStats {
+        busy_sessions: busy.sessions,
+        busy_sessions_per_export: busy.sessions_per_export,
+        busy_sessions_per_mac: busy.sessions_per_mac,
+        busy_channels_per_session: busy.channels_per_session,
+        busy_channels: busy.channels,
+        challenges_evicted: ctl.challenges.evicted,
+        challenges_refused: ctl.challenges.refused,
+        warnings_suppressed: PEER_LOGS.suppressed(),
+        ..LimitStats::default()
+    };
+    for p in pieces {
+        limits.control_dropped += p.limits.control_dropped;
+        limits.sessions_failed += p.limits.sessions_failed;
+        limits.slot_memory_bytes += p.limits.slot_memory_bytes;
+        limits.slot_memory_waits += p.limits.slot_memory_waits;
+    }
+    let first = pieces.first();
+    Snapshot {
+        uptime_ms: now.as_nanos() / 1_000_000,
+        stopping: pieces.iter().any(|p| p.stopping),
+        sessions: ctl.registry.len() as u64,
+        sessions_reclaimed: ctl.reclaimed,
+        payload_copied_bytes: sum(|p| p.payload_copied),
+        storage_timeouts: sum(|p| p.storage_timeouts),
+        sessions_fenced: ctl.fenced,
+        payload_copied_write_bytes: sum(|p| p.payload_copied_write),
+        leases_held: sum(|p| p.leases_held),
+        storage_inflight: sum(|p| p.storage_inflight),
+        duplicates_suppressed: sum(|p| p.duplicates),
+        decided_by_home: sum(|p| p.decided_by_home),
+        part_messages: sum(|p| p.part_messages),
+        placement: nics.iter().map(|n| n.2.clone()).collect(),
+        nics: nics.into_iter().map(|n| n.1).collect(),
+        exports,
+        channels: pieces.iter().flat_map(|p| p.channels.iter().cloned()).collect(),
+        // Read by the daemon's stats source (tyched's main), not the engine.
+        irqs: Vec::new(),
+        limits,
+        storage_threads: first.map(|p| p.storage_threads.clone()).unwrap_or_default(),
+        storage_queues: first.map(|p| p.storage_queues.clone()).unwrap_or_default(),
+        poll: PollReport {
+            mode: poll.mode,
+            budget_us: poll.budget.as_micros() as u64,
+            threads: pieces.iter().map(|p| p.poll).collect(),
+        },
     }
 }
 
@@ -212,5 +297,19 @@ impl Drops {
     /// Sum of the channel drop counters.
     pub fn channel_total(&self) -> u64 {
         self.channel.values().sum()
+    }
+
+    /// Adds `other`'s counts.
+    pub(crate) fn add(&mut self, other: &Drops) {
+        self.malformed += other.malformed;
+        self.unknown_session += other.unknown_session;
+        self.not_ours += other.not_ours;
+        for (k, v) in &other.channel {
+            *self.channel.entry(k.clone()).or_default() += v;
+        }
+        self.slot_busy += other.slot_busy;
+        self.denied_mac += other.denied_mac;
+        self.denied_key += other.denied_key;
+        self.shutting_down += other.shutting_down;
     }
 }

@@ -4,31 +4,35 @@
 //! turns the engine on its caller's thread.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tyche_channel::auth::Psk;
-use tyche_channel::{Acceptor, ExportSpec};
+use tyche_channel::{Acceptor, ExportSpec, Instant};
+use tyche_transport::poll::PollStats;
 use tyche_transport::wake::WakeFd;
 use tyche_wire::{flags, ChannelParams, SECTOR_SIZE};
 
 use crate::backend::{Backend, FileBackend, RamBackend};
 use crate::config::{Config, NetworkThreads};
-use crate::stats::{ExportStats, NicStats, Snapshot, StorageQueueStats};
+use crate::stats::{ExportStats, NicStats, StorageQueueStats};
 use crate::workers::{DoneRoute, JobQueues, StoragePlan, ThreadStat, JOB_QUEUE};
 
+use super::control::{Control, Postal};
 use super::handshake::Challenges;
 use super::jobs::{Done, Storage};
-use super::network::{serve_group, Groups, NicState};
+use super::network::{serve_group, NicState};
 use super::slots::SlotTable;
 use super::snapshot::Counters;
-use super::{lock_engine, pin, Clock, Export, Network, Nic, Placement, Shared, StartError};
+use super::{pin, Clock, Export, Network, Nic, Placement, Shared, StartError};
 
-/// A target's engine, its NICs and its storage threads, before any network thread runs.
+/// A target's network threads' state, its NICs and its storage threads, before any network
+/// thread runs.
 pub(super) struct Built {
-    pub(super) net: Network,
+    /// What each network thread owns, in order.
+    pub(super) shards: Vec<Network>,
     pub(super) nics: Vec<Nic>,
     /// NIC indices served by each network thread.
     pub(super) groups: Vec<Vec<usize>>,
@@ -36,7 +40,8 @@ pub(super) struct Built {
     pub(super) workers: Vec<JoinHandle<()>>,
 }
 
-/// Opens the exports, starts the storage threads and builds the engine state.
+/// Opens the exports, starts the storage threads and builds the control and each network
+/// thread's state.
 pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -> Result<Built, StartError> {
     config.validate()?;
     if nics.is_empty() {
@@ -50,13 +55,6 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         config.timers(),
     )
     .with_limits(config.limits.acceptor());
-    let shared = Arc::new(Shared {
-        stop: AtomicBool::new(false),
-        wake: WakeFd::new()?,
-        stats_requested: AtomicU64::new(0),
-        snapshot: Mutex::new((0, Snapshot::default())),
-        published: Condvar::new(),
-    });
     let n_nics = nics.len();
     let groups: Vec<Vec<usize>> = match config.network_threads {
         NetworkThreads::One => vec![(0..n_nics).collect()],
@@ -70,65 +68,106 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
     }
     let group_wakes = groups.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
     let (storage, workers) = start_storage(&config, placement, &mut exports, &nics, &group_of, &group_wakes)?;
-    let export_stats = export_stats(&exports);
     let l = config.limits;
-    let mut slots = SlotTable::new(n_nics, l.max_io as usize, l.slot_memory.0);
+    // The slot memory budget is shared out between the threads (each has at least one slot).
+    let budget = (l.slot_memory.0 / groups.len() as u64).max(l.max_io as u64);
+    let mut slots: Vec<SlotTable> = groups.iter().map(|_| SlotTable::new(n_nics, l.max_io as usize, budget)).collect();
     // Read data goes straight into transmit chunks the transports lend, where the exports
     // can read into them.
     if exports.iter().any(|e| e.lend) {
         for (k, n) in nics.iter_mut().enumerate() {
-            slots.lend_tx(k, n.transport.lend_tx_chunks(usize::MAX));
+            slots[group_of[k]].lend_tx(k, n.transport.lend_tx_chunks(usize::MAX));
         }
     }
     // Slot memory of a channel goes on its NIC's node (where the transport put its UMEM),
     // else where the placement says. The transports' memory does not move: where it is is
     // read once here, for the placement report.
-    let nic_states = nics
-        .iter()
+    let nic_states = || -> Vec<NicState> {
+        nics.iter()
+            .enumerate()
+            .map(|(k, n)| NicState {
+                stats: NicStats {
+                    name: n.name.clone(),
+                    mac: n.transport.local_mac().to_string(),
+                    ..NicStats::default()
+                },
+                control: Default::default(),
+                down: false,
+                node: n.transport.numa_node().or(placement.node),
+                areas: n.transport.memory_areas(),
+                thread: None,
+                group: group_of[k],
+                tx_busy: Default::default(),
+                tx_used: Default::default(),
+            })
+            .collect()
+    };
+    let exports: Arc<[Export]> = exports.into();
+    let (post, inboxes) = Postal::new(group_wakes.clone());
+    let control = Arc::new(Mutex::new(Control {
+        ethertype: config.ethertype,
+        exports: Arc::clone(&exports),
+        acceptor,
+        challenges: Challenges::new(l.challenges, l.challenges_per_mac),
+        registry: BTreeMap::new(),
+        queue_addresses: queue_addresses(&placement.queue_addresses, n_nics)?,
+        group_of: group_of.clone(),
+        nic_names: nics.iter().map(|n| n.name.clone()).collect(),
+        post: post.clone(),
+        denied: vec![0; exports.len()],
+        fenced: 0,
+        reclaimed: 0,
+        reclaim_after: Duration::from_millis(config.reclaim_after_ms),
+    }));
+    let poll = config.poll_config()?;
+    let clock = Clock::default();
+    let shared = Arc::new(Shared {
+        stop: AtomicBool::new(false),
+        wakes: group_wakes.clone(),
+        stats_requested: AtomicU64::new(0),
+        pieces: Mutex::new(vec![None; groups.len()]),
+        published: Condvar::new(),
+        last: Mutex::new(None),
+        quiet: groups.iter().map(|_| AtomicBool::new(false)).collect(),
+        closing: AtomicBool::new(false),
+        exited: AtomicUsize::new(0),
+        control: Arc::clone(&control),
+        poll,
+        start: clock.start,
+    });
+    let export_counters: Vec<ExportStats> = exports.iter().map(|_| ExportStats::default()).collect();
+    let shards = storage
+        .into_iter()
+        .zip(slots)
+        .zip(inboxes)
         .enumerate()
-        .map(|(k, n)| NicState {
-            stats: NicStats { name: n.name.clone(), mac: n.transport.local_mac().to_string(), ..NicStats::default() },
-            control: Default::default(),
-            down: false,
-            node: n.transport.numa_node().or(placement.node),
-            areas: n.transport.memory_areas(),
-            thread: None,
-            group: group_of[k],
-            tx_busy: Default::default(),
-            tx_used: Default::default(),
+        .map(|(g, ((storage, slots), inbox))| Network {
+            g,
+            ethertype: config.ethertype,
+            exports: Arc::clone(&exports),
+            sessions: BTreeMap::new(),
+            slots,
+            storage,
+            nics: nic_states(),
+            control: Arc::clone(&control),
+            post: post.clone(),
+            inbox,
+            poll,
+            poll_stats: PollStats::default(),
+            counters: Counters { exports: export_counters.clone(), ..Counters::default() },
+            node: placement.node,
+            limits: l,
+            clock: Clock { start: clock.start, skew: Duration::ZERO },
+            shared: Arc::clone(&shared),
+            stopping: None,
+            published: 0,
+            next_reclaim_check: Instant(0),
+            rx_scratch: Vec::new(),
+            rx_gather: Vec::new(),
         })
         .collect();
-    let net = Network {
-        ethertype: config.ethertype,
-        exports,
-        acceptor,
-        sessions: BTreeMap::new(),
-        mail: Arc::new((0..groups.len()).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect()),
-        slots,
-        storage,
-        challenges: Challenges::new(l.challenges, l.challenges_per_mac),
-        nics: nic_states,
-        groups: Groups {
-            wakes: group_wakes,
-            sleeping: vec![false; groups.len()],
-            poll: config.poll_config()?,
-            poll_stats: vec![Default::default(); groups.len()],
-            closing: false,
-            exited: 0,
-        },
-        counters: Counters { exports: export_stats, ..Counters::default() },
-        node: placement.node,
-        limits: l,
-        reclaim_after: Duration::from_millis(config.reclaim_after_ms),
-        clock: Clock::default(),
-        shared: Arc::clone(&shared),
-        stopping: None,
-        rx_scratch: Vec::new(),
-        queue_addresses: queue_addresses(&placement.queue_addresses, n_nics)?,
-        rx_gather: Vec::new(),
-    };
     tracing::info!(nics = n_nics, threads = groups.len(), "serving");
-    Ok(Built { net, nics, groups, shared, workers })
+    Ok(Built { shards, nics, groups, shared, workers })
 }
 
 /// The queue addresses of the placement, checked against the NICs given.
@@ -243,7 +282,7 @@ fn start_storage(
     nics: &[Nic],
     group_of: &[usize],
     group_wakes: &[Arc<WakeFd>],
-) -> Result<(Storage, Vec<JoinHandle<()>>), StartError> {
+) -> Result<(Vec<Storage>, Vec<JoinHandle<()>>), StartError> {
     let n_nics = nics.len();
     let groups = group_wakes.len();
     let backends: Vec<Arc<dyn Backend>> = exports.iter().map(|e| Arc::clone(&e.backend)).collect();
@@ -278,7 +317,7 @@ fn start_storage(
         Vec::new()
     };
     drop(route);
-    let queue_stats = storage
+    let queue_stats: Vec<StorageQueueStats> = storage
         .nodes
         .iter()
         .enumerate()
@@ -290,7 +329,15 @@ fn start_storage(
         })
         .collect();
     let deadline = Duration::from_millis(config.storage_deadline_ms);
-    Ok((Storage::new(jobs, uring, done_rx, threads, queue_stats, deadline), workers))
+    // Each network thread hands out its own jobs and gets its own completions back.
+    let per_thread = done_rx
+        .into_iter()
+        .map(|rx| {
+            let uring = uring.iter().map(crate::uring::UringQueue::share).collect();
+            Storage::new(jobs.share(), uring, rx, threads.clone(), queue_stats.clone(), deadline)
+        })
+        .collect();
+    Ok((per_thread, workers))
 }
 
 /// File and block exports use io_uring where the kernel allows it (a ring per storage queue,
@@ -344,43 +391,17 @@ fn start_uring(
     Ok(uring)
 }
 
-/// The counters of each export, as the snapshot starts them.
-fn export_stats(exports: &[Export]) -> Vec<ExportStats> {
-    exports
-        .iter()
-        .map(|e| ExportStats {
-            name: e.spec.name.clone(),
-            backend: e.backend.kind().into(),
-            size: e.spec.size,
-            read_only: e.read_only,
-            keyed: e.key.is_some(),
-            io: if e.uring {
-                "io_uring"
-            } else if e.backend.kind() == "ram" {
-                "inline"
-            } else {
-                "threads"
-            }
-            .into(),
-            ..ExportStats::default()
-        })
-        .collect()
-}
-
-/// Starts the network thread of group `g`, serving `mine` (NIC index and NIC) on `cpus`, with
-/// its memory policy bound to `memory_nodes` if any.
+/// Starts network thread `net.g` (of `groups`), serving `mine` (NIC index and NIC) on `cpus`,
+/// with its memory policy bound to `memory_nodes` if any.
 pub(super) fn spawn_network(
-    g: usize,
+    mut net: Network,
     groups: usize,
     mine: Vec<(usize, Nic)>,
     cpus: Vec<u32>,
     memory_nodes: Vec<u32>,
-    engine: &Arc<Mutex<Network>>,
-    shared: &Arc<Shared>,
 ) -> std::io::Result<JoinHandle<()>> {
+    let g = net.g;
     let name = if groups == 1 { "tyched-net".to_owned() } else { format!("tyched-net{g}") };
-    let engine = Arc::clone(engine);
-    let shared = Arc::clone(shared);
     std::thread::Builder::new().name(name).spawn(move || {
         pin(&cpus, "network thread");
         if !memory_nodes.is_empty() {
@@ -388,15 +409,11 @@ pub(super) fn spawn_network(
                 tracing::warn!(nodes = ?memory_nodes, "cannot bind the network thread's memory policy: {e}");
             }
         }
-        {
-            // The placement report shows each NIC's serving thread as it sees itself.
-            let me = tyche_numa::report::this_thread();
-            let mut net = lock_engine(&engine);
-            for (k, _) in &mine {
-                net.nics[*k].thread = Some(me.clone());
-            }
+        // The placement report shows each NIC's serving thread as it sees itself.
+        let me = tyche_numa::report::this_thread();
+        for (k, _) in &mine {
+            net.nics[*k].thread = Some(me.clone());
         }
-        let wakes = lock_engine(&engine).groups.wakes.clone();
-        serve_group(g, mine, &engine, &wakes, &shared);
+        serve_group(net, mine);
     })
 }

@@ -1,0 +1,335 @@
+//! The control: what the network threads share, reached off the per-frame path.
+//!
+//! Each network thread owns its NICs and everything of the channels they serve (its
+//! [`super::Network`]: session parts, slot table, storage jobs, counters), and takes no lock
+//! for a frame of an established channel. What belongs to no one thread is here, behind one
+//! mutex that a thread takes only for a DISCOVER or CONNECT frame, for a session it decides to
+//! reclaim (at most every [`RECLAIM_CHECK`]), and for a session that hit a bug:
+//! - the [`Acceptor`], the key challenges, the export allow-lists;
+//! - the session registry ([`Entry`]): each session's export, initiator identity, fencing,
+//!   channels (which thread and NIC serve each, and whether it died), and the [`SessionMeta`]
+//!   its parts share.
+//!
+//! Everything that crosses threads goes as a [`ShardMsg`] in the destination thread's queue,
+//! with a ring of its doorbell ([`Postal`]): a channel accepted on another thread's NIC, a
+//! channel index that moved to another thread, a fence, a reclaimed session, and the messages
+//! between the parts of a session ([`PartMessage`]). The queues are unbounded channels whose
+//! contents are bounded by what sends them: at most one part message per request slot of a
+//! session's channels, one opening per channel the acceptor admits (`limits.channels`), one
+//! fence or forget per session (`limits.sessions`).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tyche_channel::{Acceptor, Channel, Directory, ExportGeometry, Instant, PartMessage};
+use tyche_transport::wake::WakeFd;
+use tyche_wire::MacAddr;
+
+use super::handshake::Challenges;
+use super::{Export, PEER_LOGS};
+
+/// A session whose channels are all dead is dropped after this grace period when it never
+/// carried a frame after its handshake (`reclaim_after_ms` otherwise).
+pub(super) const RECLAIM_GRACE: Duration = Duration::from_millis(500);
+
+/// How often at most a network thread asks the control to reclaim sessions whose part it holds
+/// has been dead for [`RECLAIM_GRACE`].
+pub(super) const RECLAIM_CHECK: Duration = Duration::from_millis(50);
+
+/// Locks the control. A panic under it (a bug) is contained like one on a network thread: the
+/// state is still consistent for every other session.
+pub(super) fn lock(control: &Mutex<Control>) -> std::sync::MutexGuard<'_, Control> {
+    control.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A value on a cache line of its own.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct Padded(AtomicU64);
+
+/// One value per network thread, each on its own cache line, written by that thread alone and
+/// read by the control.
+#[derive(Debug)]
+pub(super) struct PerThread(Box<[Padded]>);
+
+impl PerThread {
+    fn new(threads: usize) -> PerThread {
+        PerThread((0..threads.max(1)).map(|_| Padded::default()).collect())
+    }
+
+    /// Thread `g`'s value.
+    pub(super) fn get(&self, g: usize) -> u64 {
+        self.0.get(g).map_or(0, |p| p.0.load(Ordering::SeqCst))
+    }
+
+    /// Sets thread `g`'s value.
+    pub(super) fn set(&self, g: usize, v: u64) {
+        if let Some(p) = self.0.get(g) {
+            p.0.store(v, Ordering::SeqCst);
+        }
+    }
+
+    /// The sum over the threads.
+    pub(super) fn sum(&self) -> u64 {
+        self.0.iter().map(|p| p.0.load(Ordering::SeqCst)).sum()
+    }
+}
+
+/// A thread's reclaim report for its part of a session ([`SessionMeta::report`]): 0 while the
+/// part has a live channel, storage jobs, or copies awaiting a decision; else the instant since
+/// when it has had none, with these flags.
+pub(super) mod report {
+    /// The instant's bits.
+    pub(in super::super) const SINCE: u64 = (1 << 61) - 1;
+    /// A channel of the part carried a frame after its handshake.
+    pub(in super::super) const ESTABLISHED: u64 = 1 << 61;
+    /// Every channel of the part ended with a DISCONNECT NORMAL from the initiator (a detach).
+    pub(in super::super) const DETACHED: u64 = 1 << 62;
+}
+
+/// What every part of a session shares: made by the control with the session, handed to each
+/// thread that holds a part.
+#[derive(Debug)]
+pub(super) struct SessionMeta {
+    /// Session id.
+    pub(super) id: u64,
+    /// The export.
+    pub(super) export: usize,
+    /// Its geometry as the parts check requests against it.
+    pub(super) geometry: ExportGeometry,
+    /// Set when a new attachment of the same initiator fenced this session: storage jobs not
+    /// started by then are not run.
+    pub(super) fenced: Arc<AtomicBool>,
+    /// Which part holds each home channel's at-most-once records.
+    pub(super) directory: Arc<Directory>,
+    /// Per thread: its part's storage jobs outstanding (a new session of the same initiator
+    /// runs nothing while any is).
+    pub(super) executing: PerThread,
+    /// Per thread: its part's reclaim report ([`report`]).
+    pub(super) report: PerThread,
+    /// Per thread: channels it installed (against [`Entry::posted`]: none still on its way).
+    pub(super) installed: PerThread,
+}
+
+impl SessionMeta {
+    /// Whether any part has a storage job outstanding.
+    pub(super) fn busy(&self) -> bool {
+        self.executing.sum() > 0
+    }
+}
+
+/// A channel accepted for a thread's NIC, to be installed in that thread's part of its session.
+#[derive(Debug)]
+pub(super) struct Opening {
+    pub(super) meta: Arc<SessionMeta>,
+    /// The NIC (transport) serving it.
+    pub(super) nic: usize,
+    pub(super) channel: Box<Channel>,
+    /// Set by the serving thread when the channel dies (the control reads it).
+    pub(super) dead: Arc<AtomicBool>,
+    /// The fenced sessions whose storage jobs must all end before this session's first runs.
+    pub(super) waits_for: Vec<Weak<SessionMeta>>,
+}
+
+/// A message to a network thread.
+#[derive(Debug)]
+pub(super) enum ShardMsg {
+    /// Install a channel.
+    Open(Box<Opening>),
+    /// Channel index `channel` of session `sid` joined again on another thread: abort it here.
+    Leave { sid: u64, channel: u16 },
+    /// Session `old` was fenced: close its channels, abort what it has not started.
+    Fence { old: u64 },
+    /// Session `sid` is gone (reclaimed, or failed): drop the part.
+    Forget { sid: u64 },
+    /// A message from another part of session `sid`.
+    Part { sid: u64, msg: PartMessage },
+}
+
+/// Every network thread's queue and doorbell.
+#[derive(Debug, Clone)]
+pub(super) struct Postal {
+    tx: Vec<mpsc::Sender<ShardMsg>>,
+    wakes: Vec<Arc<WakeFd>>,
+}
+
+impl Postal {
+    /// The queues of `wakes.len()` threads, and each thread's receiving end.
+    pub(super) fn new(wakes: Vec<Arc<WakeFd>>) -> (Postal, Vec<mpsc::Receiver<ShardMsg>>) {
+        let (tx, rx) = wakes.iter().map(|_| mpsc::channel()).unzip();
+        (Postal { tx, wakes }, rx)
+    }
+
+    /// Sends thread `h` a message and rings its doorbell. (A thread that has exited, at
+    /// shutdown, takes nothing more: the message goes with it.)
+    pub(super) fn send(&self, h: usize, msg: ShardMsg) {
+        if let Some(tx) = self.tx.get(h) {
+            let _ = tx.send(msg);
+            self.wakes[h].wake();
+        }
+    }
+
+    /// Every thread's doorbell.
+    pub(super) fn wakes(&self) -> &[Arc<WakeFd>] {
+        &self.wakes
+    }
+}
+
+/// One channel of a session as the control knows it.
+#[derive(Debug)]
+pub(super) struct ChannelEntry {
+    /// The thread serving it.
+    pub(super) thread: usize,
+    /// Its NIC (transport).
+    pub(super) nic: usize,
+    /// The initiator's MAC.
+    pub(super) peer: MacAddr,
+    /// Set when it died.
+    pub(super) dead: Arc<AtomicBool>,
+}
+
+/// A session as the control knows it.
+#[derive(Debug)]
+pub(super) struct Entry {
+    pub(super) meta: Arc<SessionMeta>,
+    /// Who attached: the host id the initiator sent, else one made from its MAC.
+    pub(super) identity: [u8; 16],
+    /// The MAC that created it (named to another initiator refused IN_USE).
+    pub(super) mac: MacAddr,
+    /// The sessions it fenced (their jobs end before its first runs).
+    pub(super) waits_for: Vec<Weak<SessionMeta>>,
+    /// By channel index.
+    pub(super) channels: BTreeMap<u16, ChannelEntry>,
+    /// Per thread: channels sent to it to install.
+    pub(super) posted: Vec<u64>,
+    /// When a channel last joined.
+    pub(super) last_join: Instant,
+}
+
+/// The control (see the module documentation).
+#[derive(Debug)]
+pub(super) struct Control {
+    pub(super) ethertype: u16,
+    pub(super) exports: Arc<[Export]>,
+    pub(super) acceptor: Acceptor,
+    /// Key challenges pending.
+    pub(super) challenges: Challenges,
+    /// Sessions by id.
+    pub(super) registry: BTreeMap<u64, Entry>,
+    /// Queue addresses: which transport serves a new channel and the address ACCEPT names.
+    pub(super) queue_addresses: crate::steer::QueueAddresses,
+    /// The network thread serving each NIC.
+    pub(super) group_of: Vec<usize>,
+    /// Each NIC's name (for log lines).
+    pub(super) nic_names: Vec<String>,
+    pub(super) post: Postal,
+    /// CONNECTs refused, per export.
+    pub(super) denied: Vec<u64>,
+    /// Sessions fenced by a new attachment of the same initiator.
+    pub(super) fenced: u64,
+    /// Sessions reclaimed.
+    pub(super) reclaimed: u64,
+    /// How long a session whose channels are all dead is kept (`reclaim_after_ms`).
+    pub(super) reclaim_after: Duration,
+}
+
+impl Control {
+    /// Network threads.
+    pub(super) fn threads(&self) -> usize {
+        self.post.wakes.len()
+    }
+
+    /// Session `sid` is gone: the acceptor forgets it, and every thread holding a part drops
+    /// it.
+    pub(super) fn forget(&mut self, sid: u64) {
+        let Some(e) = self.registry.remove(&sid) else { return };
+        self.acceptor.forget_session(sid);
+        for (h, _) in e.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
+            self.post.send(h, ShardMsg::Forget { sid });
+        }
+    }
+
+    /// Reclaims those of `candidates` (sessions a thread found its part of dead) whose every
+    /// part has had no live channel, storage job or undecided copy for their grace period, and
+    /// to which no channel is on its way.
+    pub(super) fn reclaim(&mut self, now: Instant, candidates: &[u64]) {
+        for &sid in candidates {
+            let Some(e) = self.registry.get(&sid) else { continue };
+            let m = &e.meta;
+            let (mut since, mut established, mut detached) = (e.last_join, false, true);
+            let mut ready = true;
+            for (h, &posted) in e.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
+                // Installed first: a report read after it is no older than the install.
+                let installed = m.installed.get(h);
+                let r = m.report.get(h);
+                if installed != posted || r == 0 {
+                    ready = false;
+                    break;
+                }
+                since = since.max(Instant(r & report::SINCE));
+                established |= r & report::ESTABLISHED != 0;
+                detached &= r & report::DETACHED != 0;
+            }
+            if !ready {
+                continue;
+            }
+            // A session that carried traffic is kept `reclaim_after_ms` so an initiator back in
+            // time resumes it (its ledger too); one that never did (a CONNECT and nothing else,
+            // as in a flood) goes at once. An initiator that said goodbye on every channel
+            // (DISCONNECT NORMAL: a detach) does not come back for this session.
+            let grace = if established && !detached && !m.fenced.load(Ordering::Relaxed) {
+                self.reclaim_after.max(RECLAIM_GRACE)
+            } else {
+                RECLAIM_GRACE
+            };
+            if now.since(since) >= grace {
+                self.forget(sid);
+                self.reclaimed += 1;
+                if PEER_LOGS.allow() {
+                    tracing::info!(session = format_args!("{sid:016x}"), "session reclaimed");
+                }
+            }
+        }
+    }
+
+    /// Live channels served on transport `k`.
+    pub(super) fn channels_on(&self, k: usize) -> usize {
+        self.registry
+            .values()
+            .flat_map(|e| e.channels.values())
+            .filter(|c| c.nic == k && !c.dead.load(Ordering::Relaxed))
+            .count()
+    }
+
+    /// A new session's shared state, for `threads` network threads.
+    pub(super) fn new_meta(&self, id: u64, export: usize, geometry: ExportGeometry) -> Arc<SessionMeta> {
+        let n = self.threads();
+        Arc::new(SessionMeta {
+            id,
+            export,
+            geometry,
+            fenced: Arc::new(AtomicBool::new(false)),
+            directory: Directory::new(),
+            executing: PerThread::new(n),
+            report: PerThread::new(n),
+            installed: PerThread::new(n),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_thread_values_sit_on_their_own_cache_lines() {
+        assert!(std::mem::align_of::<Padded>() >= 64);
+        let p = PerThread::new(3);
+        p.set(1, 5);
+        p.set(2, 7);
+        p.set(9, 1); // no such thread: ignored
+        assert_eq!((p.get(0), p.get(1), p.sum()), (0, 5, 12));
+    }
+}
