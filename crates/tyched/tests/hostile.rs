@@ -342,6 +342,20 @@ fn copies_across_two_threads_naming_the_other_home_run_once() {
     assert_eq!(s.exports[0].requests.write - writes_before, 2 + 1, "tags 10 and 11 once each, and check(1)'s write");
     assert!(s.decided_by_home >= 2, "B's copies went to A's thread: {}", s.decided_by_home);
     assert_serving(&target);
+    // The peer goes silent on both threads: its session goes once both parts are dead (each
+    // thread reports its own part, the control decides), and none of its memory stays.
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        honest.check(1);
+        let s = target.stats();
+        if s.sessions == 1 {
+            assert_eq!(s.sessions_reclaimed, 1, "{s:?}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the two-part session was never reclaimed: {} live", s.sessions);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_serving(&target);
 }
 
 /// Waits until link `k`'s transport has every kept frame back.

@@ -99,9 +99,10 @@ pub(super) struct SessionMeta {
     pub(super) export: usize,
     /// Its geometry as the parts check requests against it.
     pub(super) geometry: ExportGeometry,
-    /// Set when a new attachment of the same initiator fenced this session: storage jobs not
-    /// started by then are not run.
-    pub(super) fenced: Arc<AtomicBool>,
+    /// Per thread, set (all together) when a new attachment of the same initiator fenced this
+    /// session: storage jobs not started by then are not run. One flag per thread, so that the
+    /// reference each job holds counts on a cache line of its thread's own.
+    fences: Box<[Arc<AtomicBool>]>,
     /// Which part holds each home channel's at-most-once records.
     pub(super) directory: Arc<Directory>,
     /// Per thread: its part's storage jobs outstanding (a new session of the same initiator
@@ -114,6 +115,23 @@ pub(super) struct SessionMeta {
 }
 
 impl SessionMeta {
+    /// Fences the session: from now on no storage job of it starts.
+    pub(super) fn fence(&self) {
+        for f in self.fences.iter() {
+            f.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether the session was fenced.
+    pub(super) fn is_fenced(&self) -> bool {
+        self.fences.first().is_some_and(|f| f.load(Ordering::SeqCst))
+    }
+
+    /// The fence flag thread `g`'s storage jobs check.
+    pub(super) fn fence_of(&self, g: usize) -> &Arc<AtomicBool> {
+        &self.fences[g.min(self.fences.len() - 1)]
+    }
+
     /// Whether any part has a storage job outstanding.
     pub(super) fn busy(&self) -> bool {
         self.executing.sum() > 0
@@ -208,6 +226,29 @@ pub(super) struct Entry {
     pub(super) last_join: Instant,
 }
 
+impl Entry {
+    /// Whether every part of the session is dead (no live channel, storage job or undecided
+    /// copy) and no channel is on its way to a thread: since when (the latest of the parts'
+    /// reports and the last join), whether any part carried traffic, and whether every part
+    /// was detached.
+    fn parts_dead(&self) -> Option<(Instant, bool, bool)> {
+        let m = &self.meta;
+        let (mut since, mut established, mut detached) = (self.last_join, false, true);
+        for (h, &posted) in self.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
+            // Installed first: a report read after it is no older than the install.
+            let installed = m.installed.get(h);
+            let r = m.report.get(h);
+            if installed != posted || r == 0 {
+                return None;
+            }
+            since = since.max(Instant(r & report::SINCE));
+            established |= r & report::ESTABLISHED != 0;
+            detached &= r & report::DETACHED != 0;
+        }
+        Some((since, established, detached))
+    }
+}
+
 /// The control (see the module documentation).
 #[derive(Debug)]
 pub(super) struct Control {
@@ -257,29 +298,13 @@ impl Control {
     pub(super) fn reclaim(&mut self, now: Instant, candidates: &[u64]) {
         for &sid in candidates {
             let Some(e) = self.registry.get(&sid) else { continue };
+            let Some((since, established, detached)) = e.parts_dead() else { continue };
             let m = &e.meta;
-            let (mut since, mut established, mut detached) = (e.last_join, false, true);
-            let mut ready = true;
-            for (h, &posted) in e.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
-                // Installed first: a report read after it is no older than the install.
-                let installed = m.installed.get(h);
-                let r = m.report.get(h);
-                if installed != posted || r == 0 {
-                    ready = false;
-                    break;
-                }
-                since = since.max(Instant(r & report::SINCE));
-                established |= r & report::ESTABLISHED != 0;
-                detached &= r & report::DETACHED != 0;
-            }
-            if !ready {
-                continue;
-            }
             // A session that carried traffic is kept `reclaim_after_ms` so an initiator back in
             // time resumes it (its ledger too); one that never did (a CONNECT and nothing else,
             // as in a flood) goes at once. An initiator that said goodbye on every channel
             // (DISCONNECT NORMAL: a detach) does not come back for this session.
-            let grace = if established && !detached && !m.fenced.load(Ordering::Relaxed) {
+            let grace = if established && !detached && !m.is_fenced() {
                 self.reclaim_after.max(RECLAIM_GRACE)
             } else {
                 RECLAIM_GRACE
@@ -303,18 +328,24 @@ impl Control {
             .count()
     }
 
-    /// A new session's shared state, for `threads` network threads.
+    /// A new session's shared state.
     pub(super) fn new_meta(&self, id: u64, export: usize, geometry: ExportGeometry) -> Arc<SessionMeta> {
-        let n = self.threads();
+        SessionMeta::new(id, export, geometry, self.threads())
+    }
+}
+
+impl SessionMeta {
+    /// Session `id` of export `export`, for `threads` network threads.
+    fn new(id: u64, export: usize, geometry: ExportGeometry, threads: usize) -> Arc<SessionMeta> {
         Arc::new(SessionMeta {
             id,
             export,
             geometry,
-            fenced: Arc::new(AtomicBool::new(false)),
+            fences: (0..threads.max(1)).map(|_| Arc::new(AtomicBool::new(false))).collect(),
             directory: Directory::new(),
-            executing: PerThread::new(n),
-            report: PerThread::new(n),
-            installed: PerThread::new(n),
+            executing: PerThread::new(threads),
+            report: PerThread::new(threads),
+            installed: PerThread::new(threads),
         })
     }
 }
@@ -331,5 +362,37 @@ mod tests {
         p.set(2, 7);
         p.set(9, 1); // no such thread: ignored
         assert_eq!((p.get(0), p.get(1), p.sum()), (0, 5, 12));
+    }
+
+    #[test]
+    fn a_session_is_dead_only_when_every_part_is_and_no_channel_is_on_its_way() {
+        let geometry = ExportGeometry { size: 1 << 20, read_only: false, discard: true };
+        let mut e = Entry {
+            meta: SessionMeta::new(1, 0, geometry, 3),
+            identity: [0; 16],
+            mac: MacAddr::local(1),
+            waits_for: Vec::new(),
+            channels: BTreeMap::new(),
+            // Threads 0 and 1 were each sent a channel; thread 2 holds no part.
+            posted: vec![1, 1, 0],
+            last_join: Instant(50),
+        };
+        let m = Arc::clone(&e.meta);
+        m.installed.set(0, 1);
+        m.report.set(0, 100 | report::ESTABLISHED);
+        assert_eq!(e.parts_dead(), None, "thread 1 has not installed its channel yet");
+        m.report.set(1, 300 | report::DETACHED);
+        assert_eq!(e.parts_dead(), None, "a report from before thread 1's install does not count");
+        m.installed.set(1, 1);
+        m.report.set(1, 0);
+        assert_eq!(e.parts_dead(), None, "thread 1's part is live");
+        m.report.set(1, 200 | report::DETACHED);
+        assert_eq!(e.parts_dead(), Some((Instant(200), true, false)), "since the later part died");
+        // Another channel on its way to thread 1: not dead until it is installed and dies.
+        e.posted[1] = 2;
+        assert_eq!(e.parts_dead(), None);
+        m.installed.set(1, 2);
+        e.last_join = Instant(400);
+        assert_eq!(e.parts_dead(), Some((Instant(400), true, false)), "not before its last join");
     }
 }

@@ -363,7 +363,7 @@ impl Control {
         let holder = self
             .registry
             .values()
-            .find(|s| s.meta.export == i && s.identity != identity && !s.meta.fenced.load(Ordering::Relaxed))
+            .find(|s| s.meta.export == i && s.identity != identity && !s.meta.is_fenced())
             .map(|s| s.mac);
         if let (false, Some(holder)) = (self.exports[i].shared, holder) {
             if PEER_LOGS.allow() {
@@ -375,7 +375,7 @@ impl Control {
         Some(
             self.registry
                 .iter()
-                .filter(|(_, s)| s.meta.export == i && s.identity == identity && !s.meta.fenced.load(Ordering::Relaxed))
+                .filter(|(_, s)| s.meta.export == i && s.identity == identity && !s.meta.is_fenced())
                 .map(|(&sid, _)| sid)
                 .collect(),
         )
@@ -504,7 +504,7 @@ impl Control {
     /// lands after one of the new.
     pub(super) fn fence(&mut self, old: u64, by: u64) {
         let Some(e) = self.registry.get(&old) else { return };
-        e.meta.fenced.store(true, Ordering::SeqCst);
+        e.meta.fence();
         self.fenced += 1;
         if PEER_LOGS.allow() {
             tracing::warn!(

@@ -423,16 +423,17 @@ impl Network {
                 jobs.push(j);
             }
         }
+        // The exports, for this batch: one count written per turn with jobs, not one per job.
+        let exports = Arc::clone(&self.exports);
         for mut j in jobs {
             self.storage.inflight += 1;
             // A RAM operation is a memcpy of about a microsecond: handing it to a worker thread
             // and back costs more than doing it here (two context switches per request).
-            let backend = Arc::clone(&self.exports[j.export].backend);
-            let uring = self.exports[j.export].uring;
-            if backend.kind() == "ram" {
-                let status = execute_contained(&*backend, &mut j);
+            let e = &exports[j.export];
+            if e.backend.kind() == "ram" {
+                let status = execute_contained(&*e.backend, &mut j);
                 self.finish_job(Done { job: j, status });
-            } else if let Err(j) = self.storage.hand_out(j, uring, &*backend) {
+            } else if let Err(j) = self.storage.hand_out(j, e.uring, &*e.backend) {
                 tracing::error!("the io_uring thread is gone; request failed");
                 self.finish_job(Done { job: j, status: Status::IoError });
             }
@@ -472,7 +473,7 @@ impl Network {
             return None;
         }
         let s = self.sessions.get(&sid)?;
-        let fence = Some(Arc::clone(&s.meta.fenced));
+        let fence = Some(Arc::clone(s.meta.fence_of(self.g)));
         let epoch = s.epoch(channel);
         let ch = s.session.channel(channel);
         let dead = ch.is_none_or(|c| c.dead().is_some());

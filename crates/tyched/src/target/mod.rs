@@ -1,33 +1,43 @@
-//! The target runtime: network threads that share the channel engine and own the transports,
-//! and storage workers in a bounded queue per NUMA node.
+//! The target runtime: network threads that each own their NICs and the channels on them, a
+//! control they share off the per-frame path, and storage workers in a bounded queue per NUMA
+//! node.
 //!
 //! ```text
-//!  transports ──recv──▶ network thread ──jobs (bounded, per node)──▶ node's storage workers ──▶ backend
-//!      ▲                 (Acceptor, TargetSessions,                        │
-//!      └────send──────── slot memory, timers)  ◀──completions (per network thread)+wake──┘
+//!  transports ──recv──▶ network thread g ──jobs (bounded, per node)──▶ node's storage workers ──▶ backend
+//!      ▲                 (its session parts,                                │
+//!      └────send──────── slot table, timers)  ◀──completions (thread g's own queue)+wake──┘
+//!                          │  ▲
+//!      handshakes, reclaim │  │ channels, fences, forgets, messages between session parts
+//!                          ▼  │ (each thread's queue + eventfd)
+//!                   control (acceptor, challenges, session registry: one mutex)
 //! ```
 //!
-//! A network thread polls the transports it was given, answers DISCOVER/CONNECT (with the
-//! MAC allow-list and the key proof in front of the [`Acceptor`]), places write data into the
-//! request's `damq` slot memory, hands executable requests to the workers of its channel's
-//! node (`crate::workers`) together with that slot memory, and sends completions and read data
-//! when the workers hand them back to it (each network thread has its own done queue). When
-//! nothing is due it sleeps in `poll(2)` on the transports' readiness descriptors and an eventfd
-//! the workers signal, until the engine's next timer.
+//! A network thread polls the transports it was given, hands DISCOVER/CONNECT to the control
+//! (the MAC allow-list and the key proof in front of the [`tyche_channel::Acceptor`], under the
+//! control's lock), places write data into the request's `damq` slot memory, hands executable
+//! requests to the workers of its channel's node (`crate::workers`) together with that slot
+//! memory, and sends completions and read data when the workers hand them back to it (each
+//! network thread has its own done queue). When nothing is due it sleeps in `poll(2)` on the
+//! transports' readiness descriptors and its eventfd, until its next timer. Nothing a thread
+//! touches for a frame of an established channel is touched by another network thread.
 //!
-//! The engine state ([`Network`]) is grouped by job, one module each:
-//! - `start`: opening exports, starting storage threads, building the engine, spawning the
-//!   network threads.
-//! - `network`: the per-thread loop (turns, receive, transmit, sleep), per-NIC state
-//!   (`NicState`) and per-thread state (`Groups`).
+//! What a thread owns (`Network`) and the control are grouped by job, one module each:
+//! - `start`: opening exports, starting storage threads, building the control and each thread's
+//!   state, spawning the network threads.
+//! - `control`: the control (acceptor, challenges, session registry, reclaim decisions), what
+//!   a session's parts share (`SessionMeta`), the threads' queues (`Postal`, `ShardMsg`).
+//! - `network`: the per-thread loop (turns, receive, transmit, sleep, shutdown) and per-NIC
+//!   state (`NicState`).
 //! - `handshake`: DISCOVER/CONNECT checks in front of the acceptor, key challenges
-//!   (`Challenges`), fencing, control replies.
-//! - `sessions`: per-session state beside the channel engine, timers, dead channels, reclaim.
+//!   (`Challenges`), fencing, where a new channel goes.
+//! - `sessions`: a thread's part of a session beside the channel engine's, the messages it
+//!   takes, timers, dead channels, reclaim reports.
 //! - `slots`: the `SlotTable`, the one owner of all per-`damq`-slot state (slot memory, write
 //!   data kept in frames, read data in transmit chunks, short writes) and its accounting.
 //! - `jobs`: storage jobs ([`Job`]) from preparation to completion, and `Storage` (queues,
-//!   io_uring, done queues, deadlines).
-//! - `snapshot`: counters (`Counters`), snapshots, the placement report, limit counters.
+//!   io_uring, done queue, deadlines).
+//! - `snapshot`: a thread's counters (`Counters`) and its piece of a snapshot, the merge, the
+//!   placement report, limit counters.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

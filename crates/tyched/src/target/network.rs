@@ -1,14 +1,14 @@
 //! The per-thread loop: each network thread serves its group of NICs ([`serve_group`]) with
-//! turns of the engine ([`Network::turn`]: receive, completions, deadlines, timers, events,
-//! transmit, reclaim), flushes its transports outside the engine's lock, and sleeps in
+//! turns ([`Network::turn`]: its queue, receive, completions, deadlines, timers, events,
+//! transmit, messages to other threads, reclaim reports), flushes its transports, and sleeps in
 //! `poll(2)` when its [`Poller`] says so. Receiving checks each frame once and hands the
-//! checked view on: handshake frames are parsed once and go to `handshake`, the others to their
-//! session, whose write data the slot table places. Transmitting fills the frames the channels
-//! write with read data from transmit chunks or slot memory.
+//! checked view on: handshake frames are parsed once and go to the control, the others to
+//! their session's part, whose write data the slot table places. Transmitting fills the frames
+//! the channels write with read data from transmit chunks or slot memory. Shutdown: each thread
+//! says when it is quiet, and once all are, each DISCONNECTs its channels and exits.
 //!
-//! What this module owns per NIC ([`NicState`]: counters, control queue, link state, memory
-//! placement) and per thread ([`Groups`]: eventfds, sleep and polling state, shutdown) is what
-//! a shared-nothing target would hand to each thread.
+//! Per NIC this module owns [`NicState`] (counters, control queue, link state, memory
+//! placement), kept by the thread serving the NIC.
 
 use std::collections::VecDeque;
 use std::os::fd::AsFd;
@@ -378,7 +378,7 @@ impl Network {
         &mut self,
         now: Instant,
         k: usize,
-        (sid, src, channel_idx): (u64, MacAddr, u16),
+        (sid, src, _channel): (u64, MacAddr, u16),
         pieces: &[&[u8]],
         lease: Option<Lease>,
         scratch: &mut Vec<u8>,
@@ -390,7 +390,6 @@ impl Network {
             tracing::trace!(%src, session = sid, "frame for an unknown session");
             return lease;
         };
-        let _ = channel_idx;
         let (channel, damq, offset, payload, generation, tag) =
             match s.session.handle_frame_pieces(now, pieces, scratch, gather) {
                 TargetInbound::Consumed => {
