@@ -7,7 +7,8 @@ use tyche_wire::flags::FEATURE_BLOCK_STATUS;
 use tyche_wire::{DisconnectReason, DurabilityEpoch, Op, Status, SECTOR_SIZE};
 
 use crate::channel::{
-    deliver, Channel, ChannelEvent, DeadReason, DropReason, FrameDrop, Received, Role, Submission, Transmit,
+    deliver, deliver_pieces, Channel, ChannelEvent, DeadReason, DropReason, FrameDrop, Pieces, Received, Role,
+    Submission, Transmit,
 };
 use crate::config::TAG_WINDOW;
 use crate::scheduler::{ChannelView, Scheduler};
@@ -135,9 +136,13 @@ impl DurabilityDebt {
     }
 }
 
-/// What [`Volume::handle_frame`] did with a frame.
+/// What [`Volume::handle_frame`] did with a frame: [`InboundOf`] with read data in a slice, or,
+/// from [`Volume::handle_frame_pieces`], in [`Pieces`] (`P`).
+pub type Inbound<'a, P = &'a [u8]> = InboundOf<P>;
+
+/// What the volume did with a frame, read data's payload being a `P` ([`Inbound`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Inbound<'a> {
+pub enum InboundOf<P> {
     /// Used; nothing more to do.
     Consumed,
     /// Read data: copy `payload` into request `id`'s buffer at byte `offset`.
@@ -147,7 +152,7 @@ pub enum Inbound<'a> {
         /// Byte offset within the request.
         offset: u64,
         /// The bytes, borrowed from the frame.
-        payload: &'a [u8],
+        payload: P,
     },
     /// Not used.
     Dropped(FrameDrop),
@@ -610,23 +615,75 @@ impl Volume {
             Err(d) => return Inbound::Dropped(d),
         };
         let out = match received {
-            Received::Consumed => Inbound::Consumed,
-            Received::Dropped(r) => Inbound::Dropped(FrameDrop::Channel(r)),
-            Received::Placed(p) => match self.parts.get(&p.tag) {
-                // Read data goes into a read, inside it: a target's DATA for a write (whose
-                // buffer is the caller's data) or past the part's length is dropped.
-                Some(part) if part.channel == Some(idx) && part.op.has_read_data() => {
-                    if p.offset as u64 + p.payload.len() as u64 <= part.op.data_len(part.length) as u64 {
-                        Inbound::Read { id: part.id, offset: part.req_offset + p.offset as u64, payload: p.payload }
-                    } else {
-                        Inbound::Dropped(FrameDrop::Channel(DropReason::Inconsistent))
-                    }
-                }
-                _ => Inbound::Dropped(FrameDrop::Channel(DropReason::Stale)),
-            },
+            Received::Placed(p) => self.read_data(idx, p.tag, p.offset, p.payload.len(), p.payload),
+            other => self.not_data(other),
         };
         self.drain(idx, now);
         out
+    }
+
+    /// [`Volume::handle_frame`] for a frame in pieces (a multi-buffer frame, at most
+    /// [`crate::MAX_PIECES`], the headers in the first): read data comes back as the pieces it
+    /// lies in, never gathered, unless the channel seals its frames or carries digests (their
+    /// checks need the whole frame: it is gathered into `gather` first). Only DATA frames are
+    /// longer than one buffer, so a frame in pieces is never the DISCONNECT a target sends at
+    /// shutdown.
+    pub fn handle_frame_pieces<'a>(
+        &mut self,
+        now: Instant,
+        pieces: &[&'a [u8]],
+        scratch: &'a mut Vec<u8>,
+        gather: &'a mut Vec<u8>,
+    ) -> Inbound<'a, Pieces<'a>> {
+        if let [bytes] = pieces {
+            return match self.handle_frame(now, bytes, scratch) {
+                InboundOf::Consumed => InboundOf::Consumed,
+                InboundOf::Dropped(d) => InboundOf::Dropped(d),
+                InboundOf::Read { id, offset, payload } => {
+                    InboundOf::Read { id, offset, payload: Pieces::one(payload) }
+                }
+            };
+        }
+        let members = &mut self.members;
+        let lookup = move |i: u16| {
+            let members = members; // moved in: the closure is FnOnce and may return a borrow of it
+            members.get_mut(i as usize)?.as_mut().map(|m| &mut m.channel)
+        };
+        let (idx, received, payload) =
+            match deliver_pieces(now, pieces, scratch, gather, self.ethertype, self.session, lookup) {
+                Ok(r) => r,
+                Err(d) => return InboundOf::Dropped(d),
+            };
+        let out = match received {
+            Received::Placed(p) => self.read_data(idx, p.tag, p.offset, payload.len(), payload),
+            other => self.not_data(other),
+        };
+        self.drain(idx, now);
+        out
+    }
+
+    /// A DATA payload of `len` bytes placed at `offset` of the part `tag` on channel `idx`: read
+    /// data goes into a read, inside it; a target's DATA for a write (whose buffer is the
+    /// caller's data) or past the part's length is dropped.
+    fn read_data<P>(&self, idx: u16, tag: u64, offset: u32, len: usize, payload: P) -> InboundOf<P> {
+        match self.parts.get(&tag) {
+            Some(part) if part.channel == Some(idx) && part.op.has_read_data() => {
+                if offset as u64 + len as u64 <= part.op.data_len(part.length) as u64 {
+                    InboundOf::Read { id: part.id, offset: part.req_offset + offset as u64, payload }
+                } else {
+                    InboundOf::Dropped(FrameDrop::Channel(DropReason::Inconsistent))
+                }
+            }
+            _ => InboundOf::Dropped(FrameDrop::Channel(DropReason::Stale)),
+        }
+    }
+
+    /// What a frame that placed no data came to.
+    fn not_data<P>(&self, received: Received<'_>) -> InboundOf<P> {
+        match received {
+            Received::Dropped(r) => InboundOf::Dropped(FrameDrop::Channel(r)),
+            _ => InboundOf::Consumed,
+        }
     }
 
     /// A DISCONNECT SHUTDOWN of this session, on any channel (one this end already closed

@@ -49,7 +49,7 @@ pub use handshake::{
     Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec, KeyedConnect,
 };
 pub use initiator::{
-    DurabilityDebt, Inbound, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent,
+    DurabilityDebt, Inbound, InboundOf, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent,
 };
 pub use parts::{Courier, SessionParts};
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};

@@ -22,7 +22,7 @@ use nix::sys::time::TimeSpec;
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 use tyche_channel::{
-    ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, Failed, Inbound, Instant,
+    ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, Failed, InboundOf, Instant,
     IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler, SubmitError, Volume, VolumeConfig,
     VolumeEvent,
 };
@@ -223,6 +223,8 @@ pub(crate) struct Engine {
     backlog: VecDeque<IoCmd>,
     /// The plaintext of the last frame of an encrypting channel.
     rx_scratch: Vec<u8>,
+    /// The last frame that arrived in pieces and had to be whole (a sealed or DIGEST channel's).
+    rx_gather: Vec<u8>,
     last_timeout_run: Instant,
     stats: Stats,
     closing: Option<(Instant, Vec<oneshot::Sender<()>>)>,
@@ -534,6 +536,7 @@ impl Engine {
             inflight: HashMap::new(),
             backlog: VecDeque::new(),
             rx_scratch: Vec::new(),
+            rx_gather: Vec::new(),
             last_timeout_run: Instant::ZERO,
             stats: Stats::default(),
             closing: None,
@@ -619,29 +622,39 @@ impl Engine {
         let mut n = 0;
         let ethertype = self.cfg.ethertype;
         for (k, transport) in io.iter_mut() {
-            let Engine { links, connectors, volume, inflight, stats, rx_scratch, .. } = self;
+            let Engine { links, connectors, volume, inflight, stats, rx_scratch, rx_gather, .. } = self;
             let link = &links[*k];
-            let res = transport.recv(RX_BUDGET, &mut |bytes| {
-                if let Ok(frame) = Frame::new_checked(bytes, ethertype) {
-                    if matches!(frame.kind(), Kind::Accept | Kind::Reject | Kind::Challenge) {
-                        let ch = frame.channel();
-                        if let (Some(p), Ok(msg)) = (connectors.get_mut(&ch), frame.parse()) {
-                            if let Some(outcome) = p.connector.handle(frame.src(), frame.session(), &msg) {
-                                outcomes.push((ch, outcome));
+            // A multi-buffer DATA frame (a jumbo link) comes in its pieces: its read data is
+            // copied from them straight into the request's buffer, never gathered first.
+            let res = transport.recv_pieces(RX_BUDGET, &mut |pieces| {
+                if let [bytes] = pieces {
+                    if let Ok(frame) = Frame::new_checked(bytes, ethertype) {
+                        if matches!(frame.kind(), Kind::Accept | Kind::Reject | Kind::Challenge) {
+                            let ch = frame.channel();
+                            if let (Some(p), Ok(msg)) = (connectors.get_mut(&ch), frame.parse()) {
+                                if let Some(outcome) = p.connector.handle(frame.src(), frame.session(), &msg) {
+                                    outcomes.push((ch, outcome));
+                                }
                             }
+                            return;
                         }
-                        return;
                     }
                 }
                 let Some(v) = volume.as_mut() else { return };
-                if let Inbound::Read { id, offset, payload } = v.handle_frame(now, bytes, rx_scratch) {
+                if let InboundOf::Read { id, offset, payload } =
+                    v.handle_frame_pieces(now, pieces, rx_scratch, rx_gather)
+                {
                     let at = offset as usize;
                     // The volume only places data inside the request; a range outside it would be
                     // an engine bug, and is dropped rather than trusted.
                     if let Some(dst) =
                         inflight.get_mut(&id).and_then(|r| r.buf.as_mut_slice().get_mut(at..at + payload.len()))
                     {
-                        dst.copy_from_slice(payload);
+                        let mut o = 0;
+                        for part in payload.parts() {
+                            dst[o..o + part.len()].copy_from_slice(part);
+                            o += part.len();
+                        }
                         stats.bytes_read += payload.len() as u64;
                     }
                 }

@@ -78,6 +78,14 @@ pub trait FrameTransport {
         })
     }
 
+    /// As [`FrameTransport::recv`], handing a frame that arrived in several buffers (a
+    /// multi-buffer frame, at most [`MAX_PIECES`]) over in its pieces, in order, without
+    /// gathering them and without a lease (a receiver that copies the payload out anyway saves
+    /// the gather's copy). The default hands each frame whole, as one piece.
+    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
+        self.recv(budget, &mut |bytes| on_frame(&[bytes]))
+    }
+
     /// Gives back the buffer of a frame kept from [`FrameTransport::recv_lend`] of this
     /// transport, to be reused for receiving.
     fn release(&mut self, lease: Lease) {
@@ -375,6 +383,9 @@ impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
     }
     fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         (**self).recv_lend(budget, on_frame)
+    }
+    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
+        (**self).recv_pieces(budget, on_frame)
     }
     fn release(&mut self, lease: Lease) {
         (**self).release(lease)

@@ -147,6 +147,14 @@ impl FrameTransport for MemPort {
         Ok(n)
     }
 
+    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
+        // The pieces as lent (when [`MemPort::set_pieces`] cuts frames), every lease given back.
+        self.recv_lend(budget, &mut |pieces, lease| {
+            on_frame(pieces);
+            lease
+        })
+    }
+
     fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let mut n = 0;
         while n < budget {

@@ -263,6 +263,17 @@ fn set_sockopt_int(fd: i32, level: libc::c_int, opt: libc::c_int, value: u32) ->
     Ok(())
 }
 
+/// How [`XdpPort`]'s receive hands frames over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rx {
+    /// Whole: a multi-buffer frame gathered into one buffer (`recv`).
+    Whole,
+    /// Lent when a spare buffer can take the frame's place (`recv_lend`).
+    Lend,
+    /// In its pieces, never lent (`recv_pieces`).
+    Pieces,
+}
+
 impl XdpPort {
     /// Opens a port on `ifname` (in the calling thread's network namespace), loading and
     /// attaching the steering program for it.
@@ -539,7 +550,8 @@ impl XdpPort {
     }
 
     /// Receives frames, offering leases when `lend` (and a spare chunk is left).
-    fn receive(&mut self, budget: usize, lend: bool, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+    fn receive(&mut self, budget: usize, mode: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        let lend = mode == Rx::Lend;
         let mut delivered = 0;
         let mut refill = Vec::with_capacity(self.batch);
         while delivered < budget {
@@ -589,6 +601,11 @@ impl XdpPort {
                         *p = unsafe { self.umem.data(d) }.contents();
                     }
                     let pieces = &pieces[..count];
+                    if mode == Rx::Pieces {
+                        on_frame(pieces, None);
+                        refill.append(&mut self.rx_partial);
+                        continue;
+                    }
                     if !lend {
                         // `recv` hands over whole frames: gather them.
                         tyche_transport::gather(pieces, &mut self.gather);
@@ -757,7 +774,7 @@ impl FrameTransport for XdpPort {
     }
 
     fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
-        self.receive(budget, false, &mut |pieces, lease| {
+        self.receive(budget, Rx::Whole, &mut |pieces, lease| {
             // Whole frames only here: `receive` gathers multi-buffer frames when not lending.
             if let [bytes] = pieces {
                 on_frame(bytes);
@@ -767,7 +784,14 @@ impl FrameTransport for XdpPort {
     }
 
     fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
-        self.receive(budget, true, on_frame)
+        self.receive(budget, Rx::Lend, on_frame)
+    }
+
+    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
+        self.receive(budget, Rx::Pieces, &mut |pieces, lease| {
+            on_frame(pieces);
+            lease
+        })
     }
 
     fn release(&mut self, lease: Lease) {
