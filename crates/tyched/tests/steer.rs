@@ -13,7 +13,7 @@ use tyche_channel::{
     Connected, Connector, Inbound, Instant, IoRequest, LeastBytes, Timers, Volume, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::{FrameTransport, MemLink};
-use tyche_wire::{Envelope, Frame, MacAddr, Op, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
+use tyche_wire::{Envelope, Frame, Kind, MacAddr, Op, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
 use tyched::steer::QueueAddresses;
 use tyched::{Config, ExportConfig, Nic, Placement, Target};
 
@@ -40,7 +40,10 @@ fn clock() -> Instant {
 /// One handshake for channel `ch`, its CONNECT sent to the interface's address (so queue 0).
 fn handshake(ports: &mut [Port], ch: u16, session: u64) -> (Connector, Connected) {
     let env = Envelope { dst: NIC, src: INIT, ethertype: DEFAULT_ETHERTYPE, channel: ch, session };
-    let mut c = Connector::new(env, "disk", want(), 0x5157_0000 + ch as u64, Duration::from_millis(100), 20, clock());
+    // A fresh nonce per handshake: the same one again is a retransmission of the first.
+    static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0x5157_0000);
+    let nonce = NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut c = Connector::new(env, "disk", want(), nonce, Duration::from_millis(100), 20, clock());
     let deadline = std::time::Instant::now() + LIMIT;
     let mut buf = vec![0u8; 9014];
     loop {
@@ -52,6 +55,9 @@ fn handshake(ports: &mut [Port], ch: u16, session: u64) -> (Connector, Connected
         for (q, port) in ports.iter_mut().enumerate() {
             port.recv(16, &mut |bytes| {
                 let f = Frame::new_checked(bytes, DEFAULT_ETHERTYPE).unwrap();
+                if !matches!(f.kind(), Kind::Accept | Kind::Reject | Kind::Challenge) {
+                    return; // a frame of a channel already open
+                }
                 // The ACCEPT comes from the interface's address, on the queue the CONNECT took.
                 assert_eq!((q, f.src()), (0, NIC), "ACCEPT on queue {q} from {}", f.src());
                 if let Some(r) = c.handle(f.src(), f.session(), &f.parse().unwrap()) {
@@ -180,5 +186,24 @@ fn channels_are_spread_over_queue_addresses_and_stay_on_their_queue() {
     assert!(on.contains(&(0, "mem/0".into(), queue(0).to_string())), "{on:?}");
     assert!(on.contains(&(1, "mem/1".into(), queue(1).to_string())), "{on:?}");
     assert!(s.nics.iter().all(|n| n.frames_rx > 0), "{:?}", s.nics.iter().map(|n| n.frames_rx).collect::<Vec<_>>());
+    // Channel index 1 joins again (a reconnect from the same initiator): with one channel on
+    // each queue it goes to queue 0, the CONNECT's own, so the index moves from the network
+    // thread of queue 1 to that of queue 0. The old channel leaves its part on queue 1's thread
+    // (aborted there, its slots gone), and the target shows the index once, live, on queue 0.
+    let (_c1, a1) = handshake(&mut ports, 1, a0.session);
+    assert_eq!((a1.session, a1.channel_addr), (a0.session, queue(0)));
+    let q = 0;
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        let s = target.stats();
+        let ones: Vec<(String, String, bool)> =
+            s.channels.iter().filter(|c| c.channel == 1).map(|c| (c.nic.clone(), c.addr.clone(), c.dead)).collect();
+        if ones == [(format!("mem/{q}"), queue(q as u16).to_string(), false)] {
+            assert_eq!(s.sessions, 1);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "channel 1 after its move: {ones:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     target.shutdown();
 }
