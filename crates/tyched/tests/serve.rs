@@ -682,6 +682,41 @@ fn an_export_is_attached_by_one_initiator_and_a_reattach_fences_the_old_session(
     assert!(b.handshake(0, 0, "both", None).1.is_ok(), "a shared export takes a second host");
 }
 
+/// A reattach of the same host fences its old session on every network thread: the old
+/// session had a channel on each of two NICs (two threads), and both close; the new session
+/// reads what the old one wrote.
+#[test]
+fn a_reattach_fences_the_old_session_on_every_thread() {
+    // Channels never die of silence within the test: only the fence closes them.
+    let cfg = Config { dead_after_ms: 120_000, ..config(vec![ExportConfig::ram("solo", 8 << 20)]) };
+    let (target, ports) = common::start(cfg, 2);
+    let mut a = Initiator::new(ports);
+    a.host = Some([0xaa; 16]);
+    let first = a.attach("solo", None).expect("the first initiator attaches");
+    a.write(0, &pattern(0, 1 << 20, 1));
+    let s = target.stats();
+    let nics: std::collections::BTreeSet<String> =
+        s.channels.iter().filter(|c| c.session == first.session).map(|c| c.nic.clone()).collect();
+    assert_eq!(nics.len(), 2, "the old session spans both NICs' threads: {nics:?}");
+    let mut a2 = Initiator::new(a.ports.drain(..).collect());
+    a2.host = Some([0xaa; 16]);
+    let second = a2.attach("solo", None).expect("the same host attaches again");
+    assert_ne!(second.session, first.session);
+    assert_eq!(a2.read(0, 1 << 20), pattern(0, 1 << 20, 1));
+    let deadline = std::time::Instant::now() + common::LIMIT;
+    loop {
+        let s = target.stats();
+        let old: Vec<(String, bool)> =
+            s.channels.iter().filter(|c| c.session == first.session).map(|c| (c.nic.clone(), c.dead)).collect();
+        if old.iter().all(|(_, dead)| *dead) {
+            assert_eq!(s.sessions_fenced, 1);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the old session's channels stay open: {old:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// BLOCK_STATUS on RAM and file exports (through io_uring's engine and the thread pool): the
 /// list comes back into the request's buffer, holes where nothing was written; a volume not
 /// granted the feature never sends it and answers UNSUPPORTED.
