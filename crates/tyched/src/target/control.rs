@@ -156,8 +156,9 @@ pub(super) struct Opening {
 pub(super) enum ShardMsg {
     /// Install a channel.
     Open(Box<Opening>),
-    /// Channel index `channel` of session `sid` joined again on another thread: abort it here.
-    Leave { sid: u64, channel: u16 },
+    /// Channel index `channel` of session `sid` joined again on another thread: abort it here,
+    /// if it is still the instance whose flag `dead` is (not one that joined here since).
+    Leave { sid: u64, channel: u16, dead: Arc<AtomicBool> },
     /// Session `old` was fenced: close its channels, abort what it has not started.
     Fence { old: u64 },
     /// Session `sid` is gone (reclaimed, or failed): drop the part.

@@ -484,7 +484,7 @@ impl Control {
         let dead = Arc::new(AtomicBool::new(false));
         let entry = ChannelEntry { thread: h, nic: k, peer: src, dead: Arc::clone(&dead) };
         if let Some(old) = e.channels.insert(idx, entry).filter(|old| old.thread != h) {
-            self.post.send(old.thread, ShardMsg::Leave { sid: session, channel: idx });
+            self.post.send(old.thread, ShardMsg::Leave { sid: session, channel: idx, dead: old.dead });
         }
         e.posted[h] += 1;
         e.last_join = now;

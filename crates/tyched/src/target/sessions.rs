@@ -86,7 +86,7 @@ impl Network {
             any = true;
             match msg {
                 ShardMsg::Open(o) => self.install(*o),
-                ShardMsg::Leave { sid, channel } => self.leave(sid, channel),
+                ShardMsg::Leave { sid, channel, dead } => self.leave(sid, channel, &dead),
                 ShardMsg::Fence { old } => self.fence_local(old),
                 ShardMsg::Forget { sid } => self.forget_local(sid),
                 ShardMsg::Part { sid, msg } => {
@@ -137,9 +137,14 @@ impl Network {
     }
 
     /// Channel index `channel` of session `sid` joined again on another thread: the channel
-    /// here is aborted (requests it still executes complete into nothing), and its slots go.
-    fn leave(&mut self, sid: u64, channel: u16) {
+    /// here is aborted (requests it still executes complete into nothing), and its slots go;
+    /// unless the channel here is not the instance that left (`dead` is the flag of that one):
+    /// the index came back here meanwhile.
+    fn leave(&mut self, sid: u64, channel: u16, dead: &Arc<AtomicBool>) {
         let Some(st) = self.sessions.get_mut(&sid) else { return };
+        if !st.dead_flags.get(&channel).is_some_and(|f| Arc::ptr_eq(f, dead)) {
+            return;
+        }
         st.session.abort_channel(channel);
         st.dead_flags.remove(&channel);
         if st.nic_of.remove(&channel).is_some() {
