@@ -1,6 +1,7 @@
 //! The target side: tyched's network loop with RAM exports, an honest session and a hostile one.
 //!
-//! One input is a fresh [`Harness`] (two in-memory NICs, two small RAM exports, small limits):
+//! One input is a fresh [`Harness`] (two in-memory NICs, two small RAM exports, small limits;
+//! for half the inputs, by the first byte's top bit, a network thread per NIC, turned in order):
 //!
 //! 1. the honest initiator (a [`Volume`] on NIC 0, export `honest`) attaches and writes a
 //!    pattern;
@@ -27,7 +28,7 @@ use tyche_wire::{
     Ack, ChannelParams, Completion, Connect, Data, DataHeader, Disconnect, DisconnectReason, Envelope, Frame,
     Keepalive, Kind, MacAddr, Message, Nack, Op, Request, Seq, Status, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE, NO_SLOT,
 };
-use tyched::config::Limits;
+use tyched::config::{Limits, NetworkThreads};
 use tyched::target::Harness;
 use tyched::{Config, ExportConfig, Nic};
 
@@ -304,7 +305,10 @@ pub fn run(data: &[u8]) {
     let u = Unstructured::new(data);
     let Ok(input) = Input::arbitrary_take_rest(u) else { return };
     crate::count_input();
-    let mut w = World::new(input.keyed);
+    // Half the inputs run a network thread per NIC (the honest and the hostile session on
+    // different threads, each handshake through the shared control), turned in order here.
+    let per_nic = data.first().is_some_and(|b| b & 0x80 != 0);
+    let mut w = World::new(input.keyed, per_nic);
     w.honest_attach();
     w.honest_write();
     w.hostile_attach(input.want, 0);
@@ -393,7 +397,7 @@ struct World {
 }
 
 impl World {
-    fn new(keyed: Keyed) -> World {
+    fn new(keyed: Keyed, per_nic: bool) -> World {
         let (a0, b0) = MemLink::pair((init_mac(0), target_mac(0)), MTU, FRAME, 4096);
         let (a1, mut b1) = MemLink::pair((init_mac(1), target_mac(1)), MTU, FRAME, 4096);
         b1.set_lending(LEND);
@@ -411,13 +415,14 @@ impl World {
                 .collect(),
             // The hostile's session must be gone within the 10 s `hostile_gone` waits.
             reclaim_after_ms: 1000,
+            network_threads: if per_nic { NetworkThreads::PerNic } else { NetworkThreads::One },
             ..Config::default()
         };
         let nics = vec![
             Nic { name: "mem0".into(), transport: Box::new(b0) },
             Nic { name: "mem1".into(), transport: Box::new(b1) },
         ];
-        let h = Harness::new(config, nics).expect("the harness starts");
+        let h = Harness::with_threads(config, nics).expect("the harness starts");
         World {
             h,
             clock: Clock { base: std::time::Instant::now(), skew: Duration::ZERO },

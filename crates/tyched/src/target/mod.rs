@@ -380,17 +380,18 @@ impl Drop for TargetHandle {
 /// A target driven on the caller's thread, for fuzzing and deterministic tests: every NIC is
 /// served by [`Harness::turn`], no network thread runs, and the clock is real time plus whatever
 /// [`Harness::advance`] added. RAM exports execute inside the turn; file exports use the storage
-/// threads as in a daemon.
+/// threads as in a daemon. With [`Harness::with_threads`], what would be each network thread's
+/// state is turned in order on the caller's thread, messages between them included.
 #[doc(hidden)]
 pub struct Harness {
-    net: Network,
-    nics: Vec<(usize, Nic)>,
+    /// Each network thread's state and its NICs.
+    shards: Vec<(Network, Vec<(usize, Nic)>)>,
     _workers: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Harness {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Harness").field("nics", &self.nics.len()).finish_non_exhaustive()
+        f.debug_struct("Harness").field("threads", &self.shards.len()).finish_non_exhaustive()
     }
 }
 
@@ -398,29 +399,50 @@ impl Harness {
     /// Opens the exports of `config` and serves them on `nics` (one group, on this thread).
     pub fn new(mut config: Config, nics: Vec<Nic>) -> Result<Harness, StartError> {
         config.network_threads = NetworkThreads::One;
-        let Built { mut shards, nics, workers, .. } = build(config, nics, &Placement::default())?;
-        let net = shards.pop().expect("one network thread");
-        Ok(Harness { net, nics: nics.into_iter().enumerate().collect(), _workers: workers })
+        Harness::with_threads(config, nics)
     }
 
-    /// One turn of the network loop over every NIC; whether anything happened.
+    /// As [`Harness::new`], with the network threads `config` asks for (`per-nic`: one per
+    /// NIC), all driven by [`Harness::turn`] on this thread.
+    pub fn with_threads(config: Config, nics: Vec<Nic>) -> Result<Harness, StartError> {
+        let Built { shards, nics, groups, workers, .. } = build(config, nics, &Placement::default())?;
+        let mut slots: Vec<Option<Nic>> = nics.into_iter().map(Some).collect();
+        let shards = shards
+            .into_iter()
+            .zip(groups)
+            .map(|(net, members)| {
+                let mine = members.iter().map(|&k| (k, slots[k].take().expect("each NIC in one group"))).collect();
+                (net, mine)
+            })
+            .collect();
+        Ok(Harness { shards, _workers: workers })
+    }
+
+    /// One turn of every network thread's loop over its NICs; whether anything happened.
     pub fn turn(&mut self) -> bool {
-        let t = self.net.turn(&mut self.nics);
-        for (_, nic) in self.nics.iter_mut() {
-            let _ = nic.transport.flush();
+        let mut busy = false;
+        for (net, nics) in self.shards.iter_mut() {
+            busy |= net.turn(nics).busy;
+            for (_, nic) in nics.iter_mut() {
+                let _ = nic.transport.flush();
+            }
         }
-        t.busy
+        busy
     }
 
     /// Moves the target's clock forward (timers, dead channels, reclaim).
     pub fn advance(&mut self, by: Duration) {
-        self.net.clock.skew += by;
+        for (net, _) in self.shards.iter_mut() {
+            net.clock.skew += by;
+        }
     }
 
     /// The counters now.
     pub fn snapshot(&self) -> Snapshot {
-        let now = self.net.now();
-        snapshot::merge(&control::lock(&self.net.control), &[self.net.piece(now)], self.net.poll, now)
+        let net = &self.shards[0].0;
+        let now = net.now();
+        let pieces: Vec<Piece> = self.shards.iter().map(|(n, _)| n.piece(now)).collect();
+        snapshot::merge(&control::lock(&net.control), &pieces, net.poll, now)
     }
 }
 
