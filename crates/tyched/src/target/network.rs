@@ -28,7 +28,7 @@ use crate::stats::NicStats;
 use super::control::lock;
 use super::sessions::{slot_acked, slot_idle};
 use super::slots::{Placed, SlotKey, SlotTable};
-use super::{Network, Nic, Shared};
+use super::{Network, Nic};
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
@@ -89,7 +89,7 @@ impl Turn {
 pub(super) fn serve_group(mut net: Network, mut nics: Vec<(usize, Nic)>) {
     let mut poller = Poller::new(net.poll);
     let run_queue = SchedStat::of_this_thread();
-    let (wake, shared) = (Arc::clone(&net.post.wakes()[net.g]), Arc::clone(&net.shared));
+    let wake = Arc::clone(&net.post.wakes()[net.g]);
     loop {
         net.poll_stats = poller.stats();
         let turn = net.turn(&mut nics);
@@ -107,14 +107,14 @@ pub(super) fn serve_group(mut net: Network, mut nics: Vec<(usize, Nic)>) {
             // Polling with nothing to do: let a thread that shares the core run.
             Next::Poll if !turn.busy => std::thread::yield_now(),
             Next::Poll => {}
-            Next::Sleep => sleep(&nics, &turn.live, turn.timeout, &wake, &shared),
+            Next::Sleep => sleep(&nics, &turn.live, turn.timeout, &wake),
         }
     }
 }
 
 /// Sleeps in `poll(2)` on the transports' descriptors and this thread's eventfd (messages,
 /// storage completions, stats requests, stop), at most `timeout`.
-fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &WakeFd, shared: &Shared) {
+fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &WakeFd) {
     use nix::poll::{PollFd, PollFlags, PollTimeout};
     let mut fds: Vec<PollFd<'_>> = nics
         .iter()
@@ -125,7 +125,7 @@ fn sleep(nics: &[(usize, Nic)], live: &[bool], timeout: Duration, wake: &WakeFd,
         .collect();
     fds.push(PollFd::new(wake.as_fd(), PollFlags::POLLIN));
     let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128);
-    if ms > 0 && !shared.stop.load(Ordering::SeqCst) {
+    if ms > 0 {
         let _ = nix::poll::poll(&mut fds, PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX));
     }
     wake.drain();
