@@ -423,7 +423,8 @@ impl Network {
                 jobs.push(j);
             }
         }
-        // The exports, for this batch: one count written per turn with jobs, not one per job.
+        // The exports, for this batch: one count (of this thread's own table) written per turn
+        // with jobs, not one per job.
         let exports = Arc::clone(&self.exports);
         for mut j in jobs {
             self.storage.inflight += 1;
@@ -482,7 +483,7 @@ impl Network {
         // CRC32C, as each goes out: their read data is sent from slot memory, never from
         // transmit chunks that hold it once (the frame's checks need the payload in hand).
         let protected = ch.is_some_and(|c| c.sealed() || c.params().features & flags::FEATURE_DIGEST != 0);
-        let (export, nic) = (s.export, s.nic_of.get(&channel).copied());
+        let (export, nic) = (s.meta.export, s.nic_of.get(&channel).copied());
         let key = (sid, channel, epoch, request.damq);
         let places = if request.op.uses_damq() && !dead && !stopping {
             self.data_places(deferred, key, export, nic, seg, protected)?

@@ -142,7 +142,7 @@ impl std::fmt::Debug for Nic {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Export {
     spec: ExportSpec,
     backend: Arc<dyn Backend>,

@@ -318,7 +318,7 @@ impl Network {
         let st = &mut self.nics[k].stats;
         st.frames_rx += 1;
         st.bytes_rx += tyche_transport::pieces_len(pieces) as u64;
-        let (sid, src, channel_idx) = match pieces {
+        let (sid, src) = match pieces {
             [bytes] => {
                 let Ok(frame) = Frame::new_checked(*bytes, self.ethertype) else {
                     st.drops.malformed += 1;
@@ -337,13 +337,13 @@ impl Network {
                     }
                     return lease;
                 }
-                (frame.session(), frame.src(), frame.channel())
+                (frame.session(), frame.src())
             }
             // Only DATA frames are longer than one buffer; more pieces than a lease holds are
             // refused too (the transports drop such frames before they get here).
             [first, ..] if pieces.len() <= tyche_channel::MAX_PIECES => {
                 match tyche_channel::data_head(first, self.ethertype) {
-                    Ok((frame, _)) => (frame.session(), frame.src(), frame.channel()),
+                    Ok((frame, _)) => (frame.session(), frame.src()),
                     Err(_) => {
                         st.drops.malformed += 1;
                         return lease;
@@ -360,7 +360,7 @@ impl Network {
             // and a frame in pieces that must be whole (sealed, DIGEST) is gathered there.
             let mut scratch = std::mem::take(&mut self.rx_scratch);
             let mut gather = std::mem::take(&mut self.rx_gather);
-            let kept = self.on_session_frame(now, k, (sid, src, channel_idx), pieces, lease, &mut scratch, &mut gather);
+            let kept = self.on_session_frame(now, k, (sid, src), pieces, lease, &mut scratch, &mut gather);
             self.rx_scratch = scratch;
             self.rx_gather = gather;
             kept
@@ -371,14 +371,14 @@ impl Network {
         })
     }
 
-    /// A frame for channel `channel_idx` of session `sid` from `src`: the session's channel takes
-    /// it, and the payload of a DATA frame it places goes into the slot table.
+    /// A frame of session `sid` from `src`: this thread's part of the session takes it, and the
+    /// payload of a DATA frame it places goes into the slot table.
     #[allow(clippy::too_many_arguments)]
     fn on_session_frame(
         &mut self,
         now: Instant,
         k: usize,
-        (sid, src, _channel): (u64, MacAddr, u16),
+        (sid, src): (u64, MacAddr),
         pieces: &[&[u8]],
         lease: Option<Lease>,
         scratch: &mut Vec<u8>,
@@ -410,7 +410,7 @@ impl Network {
                 }
             };
         let key = (s.session.id(), channel, s.epoch(channel), damq);
-        let lend = self.exports[s.export].lend;
+        let lend = self.exports[s.meta.export].lend;
         let node = self.nics[k].node;
         let sessions = &self.sessions;
         let (placed, lease) =

@@ -26,7 +26,6 @@ pub(super) struct SessionState {
     pub(super) session: TargetSession,
     /// What the parts share.
     pub(super) meta: Arc<SessionMeta>,
-    pub(super) export: usize,
     /// Channel index → NIC index.
     pub(super) nic_of: BTreeMap<u16, usize>,
     /// Storage jobs outstanding per channel.
@@ -113,7 +112,6 @@ impl Network {
         let st = self.sessions.entry(sid).or_insert_with(|| SessionState {
             session: TargetSession::part(sid, ethertype, meta.geometry, g as u32, Arc::clone(&meta.directory)),
             meta: Arc::clone(&meta),
-            export: meta.export,
             nic_of: BTreeMap::new(),
             executing: BTreeMap::new(),
             epochs: BTreeMap::new(),

@@ -178,7 +178,7 @@ impl Network {
                 channels.push(ChannelSnapshot {
                     session: sid,
                     channel: ch,
-                    export: self.exports[s.export].spec.name.clone(),
+                    export: self.exports[s.meta.export].spec.name.clone(),
                     nic: self.nics[k].stats.name.clone(),
                     peer: c.envelope().dst.to_string(),
                     addr: c.envelope().src.to_string(),

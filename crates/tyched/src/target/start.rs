@@ -144,7 +144,9 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         .map(|(g, ((storage, slots), inbox))| Network {
             g,
             ethertype: config.ethertype,
-            exports: Arc::clone(&exports),
+            // Each thread its own copy of the table (the backends stay shared): the count a
+            // thread writes when it holds the table for a batch of jobs is on its own line.
+            exports: exports.iter().cloned().collect(),
             sessions: BTreeMap::new(),
             slots,
             storage,
