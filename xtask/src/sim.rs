@@ -52,6 +52,10 @@ pub struct SimArgs {
     /// modifying request arriving on a part other than its home's is decided there by message.
     #[arg(long, default_value_t = 1)]
     shards: usize,
+    /// Parts the initiator's volume is held in (as by tyche-init's engine threads, one per
+    /// node): tags from each part's residue class, floors shared on a timer read late.
+    #[arg(long, default_value_t = 1)]
+    init_parts: usize,
     /// Worker threads (default: every core).
     #[arg(long)]
     jobs: Option<usize>,
@@ -74,15 +78,17 @@ impl SimArgs {
             keyed: false,
             encrypt: false,
             shards: 1,
+            init_parts: 1,
             jobs: None,
         }
     }
 
     /// The contract run of issue 18 (operators restart things), shortened to `seeds` seeds, with
     /// each target session in two parts (issue 16: a copy re-issued on the other path's part is
-    /// decided by its home's part, by message).
+    /// decided by its home's part, by message) and the initiator's volume in two parts (tags by
+    /// residue class, floors read late, a failed path's requests handed to the other part).
     pub fn restarts_contract(seeds: u64) -> Self {
-        SimArgs { restarts: true, shards: 2, ..SimArgs::contract(seeds, 0.05) }
+        SimArgs { restarts: true, shards: 2, init_parts: 2, ..SimArgs::contract(seeds, 0.05) }
     }
 
     /// Issue 14's: the restarts contract on an encrypted keyed export (every channel through
@@ -106,6 +112,9 @@ impl SimArgs {
         if self.shards != 1 {
             s.push_str(&format!(" --shards {}", self.shards));
         }
+        if self.init_parts != 1 {
+            s.push_str(&format!(" --init-parts {}", self.init_parts));
+        }
         if self.encrypt {
             s.push_str(" --encrypt");
         } else if self.keyed {
@@ -127,6 +136,9 @@ pub fn run(args: SimArgs) -> Result<()> {
     if args.shards == 0 || args.shards > 16 {
         bail!("--shards must be between 1 and 16");
     }
+    if args.init_parts == 0 || args.init_parts > 16 {
+        bail!("--init-parts must be between 1 and 16");
+    }
     let cfg = SimConfig {
         paths: args.paths,
         loss: args.loss,
@@ -137,6 +149,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         keyed: (args.keyed || args.encrypt).then_some(args.encrypt),
         requests: args.requests,
         shards: args.shards,
+        init_parts: args.init_parts,
         ..SimConfig::default()
     };
     let (first, count) = match args.seed {
@@ -208,6 +221,9 @@ pub fn run(args: SimArgs) -> Result<()> {
             t.surfaced,
             t.durability_errors
         );
+    }
+    if args.init_parts > 1 {
+        eprintln!("sim: volumes in {} parts: {} requests handed from one part to another", args.init_parts, t.handoffs);
     }
     if args.shards > 1 {
         eprintln!(

@@ -11,6 +11,11 @@ pub const MAX_IO: u32 = 16 << 20;
 /// Most tags an initiator may have between its floor and its newest tag; bounds the target's
 /// executed-tag ledger.
 pub const TAG_WINDOW: u64 = 1 << 16;
+/// How often each part of an initiator volume held in parts publishes its own floor and reads
+/// the others' ([`crate::Volume::refresh`]): a floor read this late still holds, and with
+/// [`TAG_WINDOW`] tags between floor and newest tag a part allocating millions of tags a second
+/// does not run into the window between two refreshes.
+pub const FLOOR_REFRESH: Duration = Duration::from_millis(1);
 /// Frames a channel queues for a ring position from its slots: one data message per `damq`
 /// slot plus one request or completion per `remq` slot (a target's slot is busy until its
 /// completion has been sent once; an initiator drops what it still had queued of a request the

@@ -1,16 +1,18 @@
 //! The initiator's view of an attached export: a volume bundling every channel of a session.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tyche_wire::flags::FEATURE_BLOCK_STATUS;
 use tyche_wire::{DisconnectReason, DurabilityEpoch, Op, Status, SECTOR_SIZE};
 
+use crate::board::VolumeBoard;
 use crate::channel::{
     deliver, deliver_pieces, Channel, ChannelEvent, DeadReason, DropReason, FrameDrop, Pieces, Received, Role,
     Submission, Transmit,
 };
-use crate::config::TAG_WINDOW;
+use crate::config::{FLOOR_REFRESH, TAG_WINDOW};
 use crate::scheduler::{ChannelView, Scheduler};
 use crate::time::{earliest, Instant};
 
@@ -169,7 +171,7 @@ pub struct OutFrame {
     pub payload: Option<(u64, u64, u32)>,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Part {
     id: u64,
     op: Op,
@@ -184,6 +186,39 @@ struct Part {
     home: Option<u16>,
     /// ABORTED answers in the current session.
     aborts: u8,
+    /// Adopted from this part of the volume ([`Volume::adopt`]): its request is that part's.
+    origin: Option<usize>,
+    /// Handed to another part ([`Volume::take_stranded`]), which reports back.
+    away: bool,
+}
+
+/// A part of a request handed from one part of a volume to another ([`Volume::take_stranded`],
+/// [`Volume::adopt`]): it keeps its tag and `HOME`, so the target decides a copy of it as any
+/// re-issue. Its request (and buffer) stays the origin's: read data names the origin's id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handoff {
+    /// The session it was handed over in.
+    pub session: u64,
+    tag: u64,
+    /// As the origin holds it (its `channel`, `origin` and `away` are not used).
+    part: Part,
+}
+
+/// What became of an adopted part, for its origin ([`Volume::poll_handback`],
+/// [`Volume::handed_back`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handback {
+    /// The session it was adopted in.
+    pub session: u64,
+    tag: u64,
+    /// `None`: not done (the adopter lost its channels, or moved sessions): the origin takes it
+    /// back into its queue.
+    result: Option<Result<(), IoError>>,
+    /// Its `HOME` and ABORTED count as the adopter left them: a part the adopter issued keeps
+    /// the home it was issued under (else a copy under another home would be decided by another
+    /// ledger, and could run twice).
+    home: Option<u16>,
+    aborts: u8,
 }
 
 #[derive(Debug)]
@@ -192,14 +227,11 @@ struct Outstanding {
     error: Option<IoError>,
     op: Op,
     fua: bool,
-    /// For a FLUSH: the modifications completed before it was submitted ([`Volume::done_writes`]).
-    covers: u64,
-    /// A FLUSH outstanding when the session was lost with writes no FLUSH had covered, and
-    /// the new session's durability epoch differed: it fails whatever the new session answers.
-    doubtful: bool,
-    /// A FLUSH outstanding when the session was lost with writes no FLUSH had covered, while
-    /// the new session's epoch is not known yet ([`Volume::resume`]): doubtful if it differs.
-    undecided: bool,
+    /// For a FLUSH: the modifications each part had completed when it was submitted.
+    covers: Vec<u64>,
+    /// For a FLUSH: its number in the volume's order of FLUSH submissions (what decides
+    /// whether it was outstanding when a session was lost: [`crate::board::Durable::doomed`]).
+    flush_no: u64,
 }
 
 #[derive(Debug)]
@@ -234,6 +266,15 @@ pub struct Volume {
     ethertype: u16,
     members: Vec<Option<Member>>,
     scheduler: Box<dyn Scheduler>,
+    /// What the parts of this volume share (a board of its own for a volume of one part).
+    board: Arc<VolumeBoard>,
+    /// Which part this is, of `stride`.
+    part: usize,
+    stride: u64,
+    /// The lowest floor the other parts published, as last read (`u64::MAX` with one part).
+    others_floor: u64,
+    /// When this part next publishes its floor and reads the others' ([`Volume::refresh`]).
+    next_refresh: Instant,
     next_tag: u64,
     parts: BTreeMap<u64, Part>,
     pending: VecDeque<u64>,
@@ -247,27 +288,12 @@ pub struct Volume {
     aborted: u64,
     /// Sessions this volume moved to after the first ([`Volume::resume`]).
     resumes: u64,
-    /// Modifications (without FUA) completed successfully so far.
-    done_writes: u64,
-    /// Of which a completed FLUSH covered the first `flushed`.
-    flushed: u64,
-    /// A channel of the current session heard DISCONNECT SHUTDOWN: the target flushed
-    /// everything before it stopped.
-    shutdown_seen: bool,
-    /// The next FLUSH to complete fails: a session was lost with unflushed writes, and no FLUSH
-    /// has reported it yet.
-    owed_flush_error: bool,
-    /// FLUSHes failed because a lost session may have lost unflushed writes.
+    /// FLUSHes this part failed because a lost session may have lost unflushed writes.
     durability_errors: u64,
-    /// The durability epoch of the current session, once a channel of it joined the volume.
-    epoch: Option<DurabilityEpoch>,
-    /// Writes no FLUSH covered were acknowledged under this epoch by a session (or an earlier
-    /// volume) since lost, and the current session's epoch is not known yet: when its first
-    /// channel joins, they are kept (same epoch) or owed (another, or this is
-    /// [`DurabilityEpoch::NONE`]).
-    undecided: Option<DurabilityEpoch>,
     /// Channels refused because their ACCEPT carried another epoch than the session's first.
     epoch_conflicts: u64,
+    /// What became of adopted parts, by the origin part to tell.
+    handbacks: VecDeque<(usize, Handback)>,
 }
 
 impl Volume {
@@ -279,13 +305,39 @@ impl Volume {
         scheduler: Box<dyn Scheduler>,
         now: Instant,
     ) -> Self {
+        Volume::part(config, session, ethertype, scheduler, now, VolumeBoard::new(1, session), 0)
+    }
+
+    /// Part `part` of a volume held in parts sharing `board` (made for `session`): it owns the
+    /// channels added to it and the requests submitted to it, allocates tags from its own
+    /// residue class, and shares the floor and the durability state with the other parts
+    /// through the board (see [`VolumeBoard`]). Its holder calls [`Volume::refresh`] at
+    /// [`Volume::refresh_at`], and calls [`Volume::resume`] on every part when the session is
+    /// resumed.
+    pub fn part(
+        config: VolumeConfig,
+        session: u64,
+        ethertype: u16,
+        scheduler: Box<dyn Scheduler>,
+        now: Instant,
+        board: Arc<VolumeBoard>,
+        part: usize,
+    ) -> Self {
+        assert!(part < board.parts(), "part {part} of a board of {}", board.parts());
+        let stride = board.parts() as u64;
         Volume {
             config,
             session,
             ethertype,
             members: Vec::new(),
             scheduler,
-            next_tag: 1,
+            board,
+            part,
+            stride,
+            // No other part's floor read yet: the lowest there is.
+            others_floor: if stride > 1 { 1 } else { u64::MAX },
+            next_refresh: now,
+            next_tag: part as u64 + 1,
             parts: BTreeMap::new(),
             pending: VecDeque::new(),
             requests: HashMap::new(),
@@ -295,14 +347,9 @@ impl Volume {
             last_max_io: SECTOR_SIZE,
             aborted: 0,
             resumes: 0,
-            done_writes: 0,
-            flushed: 0,
-            shutdown_seen: false,
-            owed_flush_error: false,
             durability_errors: 0,
-            epoch: None,
-            undecided: None,
             epoch_conflicts: 0,
+            handbacks: VecDeque::new(),
         }
     }
 
@@ -325,12 +372,18 @@ impl Volume {
             self.fail_over(idx as u16, DeadReason::Closed, now);
         }
         let epoch = channel.durability_epoch();
-        let conflict = match self.epoch {
-            Some(e) => e != epoch,
-            None => {
-                self.epoch = Some(epoch);
-                self.settle(epoch);
-                false
+        let conflict = {
+            let mut d = self.board.durable();
+            match d.epoch {
+                // A part not yet moved to the session the others are on: its channels are of a
+                // lost session, and go when it moves.
+                _ if d.session != self.session => false,
+                Some(e) => e != epoch,
+                None => {
+                    d.epoch = Some(epoch);
+                    self.settle(&mut d, epoch);
+                    false
+                }
             }
         };
         if conflict {
@@ -347,26 +400,24 @@ impl Volume {
         self.pump(now);
     }
 
-    /// The current session's epoch is now known: what a lost session left undecided is kept
-    /// or owed.
-    fn settle(&mut self, epoch: DurabilityEpoch) {
-        let Some(old) = self.undecided.take() else { return };
-        let kept = old.keeps(&epoch);
-        if !kept {
+    /// The current session's epoch is now known (`d` held): what a lost session left
+    /// undecided is kept or owed.
+    fn settle(&self, d: &mut crate::board::Durable, epoch: DurabilityEpoch) {
+        let Some(old) = d.undecided.take() else { return };
+        if !old.keeps(&epoch) {
             // Gone: the FLUSHes outstanding at the loss, and the first to complete whenever it
             // was submitted, report it (as Linux reports a lost write-back at the next fsync).
-            self.flushed = self.done_writes;
-            self.owed_flush_error = true;
+            self.board.all_reported(d);
+            d.owed = true;
+            d.doubtful_below = d.doubtful_below.max(d.undecided_below);
         }
-        for r in self.requests.values_mut().filter(|r| r.undecided) {
-            r.undecided = false;
-            r.doubtful |= !kept;
-        }
+        d.undecided_below = 0;
     }
 
     /// The durability epoch of the current session, once one of its channels joined.
     pub fn durability_epoch(&self) -> Option<DurabilityEpoch> {
-        self.epoch
+        let d = self.board.durable();
+        d.epoch.filter(|_| d.session == self.session)
     }
 
     /// Channels closed because their ACCEPT carried another durability epoch than their
@@ -405,22 +456,32 @@ impl Volume {
         self.members.clear();
         self.session = session;
         self.resumes += 1;
-        // Writes the old session completed and no FLUSH covered are kept if the target said it
-        // was shutting down (it flushes before it stops), or if the new session presents the
-        // durability epoch they were acknowledged under; else they may be gone. The new
-        // session's epoch comes with its first channel ([`Volume::add_channel`] settles it):
-        // until then the FLUSHes outstanding now are undecided. An earlier loss still
-        // undecided (the session being left never had a channel, so it acknowledged nothing)
-        // stays as it was; a report already owed stays owed.
-        if !std::mem::take(&mut self.shutdown_seen) && self.done_writes > self.flushed && self.undecided.is_none() {
-            self.undecided = Some(self.epoch.unwrap_or(DurabilityEpoch::NONE));
-            for r in self.requests.values_mut().filter(|r| r.op == Op::Flush) {
-                r.undecided = true;
+        {
+            // The first part to move to the new session moves the shared state.
+            let mut d = self.board.durable();
+            if d.session != session {
+                d.session = session;
+                // Writes the old session completed and no FLUSH covered are kept if the target
+                // said it was shutting down (it flushes before it stops), or if the new session
+                // presents the durability epoch they were acknowledged under; else they may be
+                // gone. The new session's epoch comes with its first channel
+                // ([`Volume::add_channel`] settles it): until then the FLUSHes outstanding now
+                // are undecided. An earlier loss still undecided (the session being left never
+                // had a channel, so it acknowledged nothing) stays as it was; a report already
+                // owed stays owed.
+                if !std::mem::take(&mut d.shutdown_seen) && self.board.unflushed(&d) && d.undecided.is_none() {
+                    d.undecided = Some(d.epoch.unwrap_or(DurabilityEpoch::NONE));
+                    d.undecided_below = d.flushes;
+                }
+                d.epoch = None;
             }
         }
-        self.epoch = None;
         self.pending.clear();
+        // Adopted parts go: their origins take them back as they move to the new session too.
+        self.parts.retain(|_, p| p.origin.is_none());
+        self.handbacks.clear();
         for (&tag, part) in self.parts.iter_mut() {
+            part.away = false;
             part.channel = None;
             // The new session's ledger has seen no tag: its first issue there names its home.
             part.home = None;
@@ -430,6 +491,79 @@ impl Volume {
         if had_path || self.no_path_since.is_none() {
             self.no_path_since = Some(now);
         }
+    }
+
+    /// For a volume in parts: while this part has no usable channel, the parts of requests
+    /// waiting in its queue, to be handed to a part that has one ([`Volume::adopt`]; the holder
+    /// chooses which). Its own stay counted here (its floor, its requests) until the adopter
+    /// reports back ([`Volume::handed_back`]); parts it had adopted go back to their origins
+    /// ([`Volume::poll_handback`]) to be handed on from there.
+    pub fn take_stranded(&mut self) -> Vec<Handoff> {
+        if self.live_channels() > 0 {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for tag in std::mem::take(&mut self.pending) {
+            let part = self.parts.get_mut(&tag).expect("pending part");
+            if let Some(origin) = part.origin {
+                let back = Handback { session: self.session, tag, result: None, home: part.home, aborts: part.aborts };
+                self.parts.remove(&tag);
+                self.handbacks.push_back((origin, back));
+                continue;
+            }
+            part.away = true;
+            out.push(Handoff { session: self.session, tag, part: *part });
+        }
+        out
+    }
+
+    /// Takes over a part of a request that part `from` handed over ([`Volume::take_stranded`]):
+    /// it is queued here under its tag and `HOME`, and what becomes of it goes back to `from`
+    /// ([`Volume::poll_handback`]). One of another session goes straight back.
+    pub fn adopt(&mut self, now: Instant, from: usize, h: Handoff) {
+        if h.session != self.session || self.parts.contains_key(&h.tag) {
+            let back =
+                Handback { session: h.session, tag: h.tag, result: None, home: h.part.home, aborts: h.part.aborts };
+            self.handbacks.push_back((from, back));
+            return;
+        }
+        let part = Part { channel: None, origin: Some(from), away: false, ..h.part };
+        self.parts.insert(h.tag, part);
+        let at = self.pending.partition_point(|&t| t < h.tag);
+        self.pending.insert(at, h.tag);
+        self.pump(now);
+    }
+
+    /// What became of a part this part adopted, for the part it came from
+    /// ([`Volume::handed_back`]).
+    pub fn poll_handback(&mut self) -> Option<(usize, Handback)> {
+        self.handbacks.pop_front()
+    }
+
+    /// What became of a part this part handed over: done (its request completes as if it had
+    /// completed here), or back into this part's queue. One of another session, or for a part
+    /// no longer away, is ignored (it was queued again when this part moved sessions).
+    pub fn handed_back(&mut self, now: Instant, back: Handback) {
+        if back.session != self.session || !self.parts.get(&back.tag).is_some_and(|p| p.away) {
+            return;
+        }
+        let part = self.parts.get_mut(&back.tag).expect("checked");
+        part.away = false;
+        if part.home.is_none() {
+            part.home = back.home;
+        }
+        part.aborts = part.aborts.max(back.aborts);
+        match back.result {
+            Some(result) => self.part_done(back.tag, None, result),
+            None => {
+                let at = self.pending.partition_point(|&t| t < back.tag);
+                self.pending.insert(at, back.tag);
+                if self.live_channels() == 0 && self.no_path_since.is_none() {
+                    self.no_path_since = Some(now);
+                }
+            }
+        }
+        self.pump(now);
     }
 
     /// Sessions the volume moved to by [`Volume::resume`].
@@ -466,8 +600,47 @@ impl Volume {
         live.or_else(|| all.map(|m| m.channel.params().max_io).min()).unwrap_or(self.last_max_io)
     }
 
+    /// This part's own floor: every tag of its below it has completed and will never be sent
+    /// again, and every tag it allocates from now on is at least this. It never decreases.
+    fn own_floor(&self) -> u64 {
+        let own = self.parts.iter().find(|(_, p)| p.origin.is_none()).map(|(&t, _)| t);
+        own.unwrap_or(self.next_tag).min(self.next_tag)
+    }
+
+    /// The floor REQUESTs carry: the lowest of this part's tags (adopted ones included), its
+    /// next tag and the other parts' floors as last read ([`Volume::refresh`]).
     fn floor(&self) -> u64 {
-        self.parts.keys().next().copied().unwrap_or(self.next_tag)
+        let lowest = self.parts.keys().next().copied().unwrap_or(u64::MAX);
+        lowest.min(self.next_tag).min(self.others_floor)
+    }
+
+    /// When the holder of a volume in parts should next call [`Volume::refresh`] (never for a
+    /// volume of one part).
+    pub fn refresh_at(&self) -> Option<Instant> {
+        (self.stride > 1).then_some(self.next_refresh)
+    }
+
+    /// For a volume in parts: publishes this part's own floor and next tag on the board, reads
+    /// the other parts' (the floor its requests carry from now on), and moves its next tag up to
+    /// the highest next tag published, so that a part with little to do does not hold the
+    /// session's floor down. Cheap (a few atomics on lines of their own); meant for a timer
+    /// ([`crate::config::FLOOR_REFRESH`]), never for every frame.
+    pub fn refresh(&mut self, now: Instant) {
+        self.next_refresh = now + FLOOR_REFRESH;
+        let Some((floor, next)) = self.board.others(self.part) else { return };
+        if next > self.next_tag {
+            // The first tag of this part's residue class at or above `next`.
+            let first = self.part as u64 + 1;
+            self.next_tag = first + (next - first).div_ceil(self.stride) * self.stride;
+        }
+        self.board.publish(self.part, self.own_floor(), self.next_tag);
+        self.others_floor = floor;
+        self.pump(now);
+    }
+
+    /// Which part of its volume this is, and of how many.
+    pub fn part_of(&self) -> (usize, usize) {
+        (self.part, self.stride as usize)
     }
 
     /// Queues a request. Large requests are split into parts no larger than the channels'
@@ -495,25 +668,25 @@ impl Volume {
             return Err(SubmitError::Unaligned);
         }
         let nparts = if req.op == Op::Flush { 1 } else { req.length.div_ceil(chunk) };
-        if self.requests.len() >= self.config.max_requests || self.next_tag + nparts > self.floor() + TAG_WINDOW {
+        if self.requests.len() >= self.config.max_requests
+            || self.next_tag + nparts * self.stride > self.floor() + TAG_WINDOW
+        {
             return Err(SubmitError::Busy);
         }
-        let doubtful = false;
-        let out = Outstanding {
-            parts_left: nparts as u32,
-            error: None,
-            op: req.op,
-            fua: req.fua,
-            covers: self.done_writes,
-            doubtful,
-            undecided: false,
+        let (covers, flush_no) = if req.op == Op::Flush {
+            let mut d = self.board.durable();
+            d.flushes += 1;
+            (self.board.done(), d.flushes - 1)
+        } else {
+            (Vec::new(), 0)
         };
+        let out = Outstanding { parts_left: nparts as u32, error: None, op: req.op, fua: req.fua, covers, flush_no };
         self.requests.insert(req.id, out);
         for i in 0..nparts {
             let req_offset = i * chunk;
             let length = if req.op == Op::Flush { 0 } else { chunk.min(req.length - req_offset) as u32 };
             let tag = self.next_tag;
-            self.next_tag += 1;
+            self.next_tag += self.stride;
             let part = Part {
                 id: req.id,
                 op: req.op,
@@ -525,6 +698,8 @@ impl Volume {
                 channel: None,
                 home: None,
                 aborts: 0,
+                origin: None,
+                away: false,
             };
             self.parts.insert(tag, part);
             self.pending.push_back(tag);
@@ -696,8 +871,16 @@ impl Volume {
         }
         if let Ok(tyche_wire::Message::Disconnect(d)) = frame.parse() {
             if d.reason == DisconnectReason::Shutdown {
-                self.shutdown_seen = true;
+                self.shutdown_noted();
             }
+        }
+    }
+
+    /// The target of the current session said it flushed everything before it stopped.
+    fn shutdown_noted(&self) {
+        let mut d = self.board.durable();
+        if d.session == self.session {
+            d.shutdown_seen = true;
         }
     }
 
@@ -759,6 +942,12 @@ impl Volume {
             return; // a completion from a channel the part has since left
         }
         let part = self.parts.remove(&tag).expect("present");
+        if let Some(origin) = part.origin {
+            let back =
+                Handback { session: self.session, tag, result: Some(result), home: part.home, aborts: part.aborts };
+            self.handbacks.push_back((origin, back));
+            return;
+        }
         let req = self.requests.get_mut(&part.id).expect("part of an outstanding request");
         if let Err(e) = result {
             req.error.get_or_insert(e);
@@ -768,14 +957,20 @@ impl Volume {
             let req = self.requests.remove(&part.id).expect("present");
             let mut result = req.error.map_or(Ok(()), Err);
             match req.op {
-                // Undecided: it completes without a channel of the new session (no path), so
-                // it fails anyway; say why as for a loss.
-                Op::Flush if req.doubtful || req.undecided || std::mem::take(&mut self.owed_flush_error) => {
-                    self.durability_errors += 1;
-                    result = Err(IoError::Target(Status::IoError));
+                Op::Flush => {
+                    let mut d = self.board.durable();
+                    // Undecided: it completes without a channel of the new session (no path),
+                    // so it fails anyway; say why as for a loss.
+                    if d.doomed(req.flush_no) || std::mem::take(&mut d.owed) {
+                        self.durability_errors += 1;
+                        result = Err(IoError::Target(Status::IoError));
+                    } else if result.is_ok() {
+                        for (f, &c) in d.flushed.iter_mut().zip(&req.covers) {
+                            *f = (*f).max(c);
+                        }
+                    }
                 }
-                Op::Flush if result.is_ok() => self.flushed = self.flushed.max(req.covers),
-                op if op.modifies() && result.is_ok() && !req.fua => self.done_writes += 1,
+                op if op.modifies() && result.is_ok() && !req.fua => self.board.write_done(self.part),
                 _ => {}
             }
             self.events.push_back(VolumeEvent::Completed { id: part.id, result });
@@ -789,10 +984,11 @@ impl Volume {
     /// [`Volume::assume_writes_lost`]; otherwise a second replacement before the next FLUSH
     /// would forget the report, and a FLUSH would succeed after acknowledged writes were lost.
     pub fn unflushed_writes(&self) -> bool {
-        self.done_writes > self.flushed
-            || self.owed_flush_error
-            || self.undecided.is_some()
-            || self.requests.values().any(|r| r.op == Op::Flush && (r.doubtful || r.undecided))
+        let d = self.board.durable();
+        self.board.unflushed(&d)
+            || d.owed
+            || d.undecided.is_some()
+            || self.requests.values().any(|r| r.op == Op::Flush && d.doomed(r.flush_no))
     }
 
     /// What this volume owes its user about the writes it completed, for a volume that
@@ -802,12 +998,13 @@ impl Volume {
     /// writes were acknowledged under, else [`DurabilityDebt::Clear`].
     pub fn durability_debt(&self) -> DurabilityDebt {
         let at_risk = |e: DurabilityEpoch| if e.is_none() { DurabilityDebt::Owed } else { DurabilityDebt::AtRisk(e) };
-        if self.owed_flush_error || self.requests.values().any(|r| r.op == Op::Flush && r.doubtful) {
+        let d = self.board.durable();
+        if d.owed || self.requests.values().any(|r| r.op == Op::Flush && d.doubtful(r.flush_no)) {
             DurabilityDebt::Owed
-        } else if let Some(e) = self.undecided {
+        } else if let Some(e) = d.undecided {
             at_risk(e)
-        } else if self.done_writes > self.flushed {
-            at_risk(self.epoch.unwrap_or(DurabilityEpoch::NONE))
+        } else if self.board.unflushed(&d) {
+            at_risk(d.epoch.unwrap_or(DurabilityEpoch::NONE))
         } else {
             DurabilityDebt::Clear
         }
@@ -820,23 +1017,29 @@ impl Volume {
     /// earlier volume's unflushed writes count as this volume's own until a FLUSH submitted
     /// from now on covers them: a loss before that is reported like a loss of its own.
     pub fn inherit_debt(&mut self, debt: DurabilityDebt) {
+        let mut d = self.board.durable();
         match debt {
             DurabilityDebt::Clear => {}
-            DurabilityDebt::Owed => self.owed_flush_error = true,
+            DurabilityDebt::Owed => d.owed = true,
             DurabilityDebt::AtRisk(e) => {
                 // The earlier volume's unflushed writes, as one write done before any FLUSH
                 // submitted from now on.
-                self.done_writes += 1;
-                match self.epoch {
+                self.board.write_done(self.part);
+                match d.epoch {
                     Some(current) if e.keeps(&current) => {}
                     Some(_) => {
-                        self.flushed = self.done_writes;
-                        self.owed_flush_error = true;
+                        self.board.all_reported(&mut d);
+                        d.owed = true;
                     }
                     None => {
-                        self.undecided = Some(match self.undecided {
+                        d.undecided = Some(match d.undecided {
                             Some(u) if !u.keeps(&e) => DurabilityEpoch::NONE,
-                            _ => e,
+                            Some(_) => e,
+                            None => {
+                                // No FLUSH outstanding now waits for this decision.
+                                d.undecided_below = 0;
+                                e
+                            }
                         });
                     }
                 }
@@ -849,7 +1052,7 @@ impl Volume {
     /// flushed, and this volume cannot tell whether the target kept them).
     /// [`Volume::inherit_debt`] says more when the earlier volume's debt is known.
     pub fn assume_writes_lost(&mut self) {
-        self.owed_flush_error = true;
+        self.board.durable().owed = true;
     }
 
     /// FLUSHes failed with an I/O error because the target forgot the session without saying
@@ -860,7 +1063,7 @@ impl Volume {
 
     fn fail_over(&mut self, idx: u16, reason: DeadReason, now: Instant) {
         if reason == DeadReason::PeerClosed(DisconnectReason::Shutdown) {
-            self.shutdown_seen = true;
+            self.shutdown_noted();
         }
         let Some(member) = self.members[idx as usize].as_mut() else { return };
         let subs = if member.channel.dead().is_some() { member.channel.take_in_flight() } else { Vec::new() };
@@ -967,5 +1170,114 @@ impl Volume {
         for m in self.members.iter_mut().flatten() {
             m.channel.close(tyche_wire::DisconnectReason::Normal);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::LeastBytes;
+
+    const CONFIG: VolumeConfig = VolumeConfig {
+        export_size: 1 << 20,
+        read_only: false,
+        no_path_timeout: Duration::from_secs(60),
+        max_requests: 64,
+    };
+
+    fn parts(n: usize) -> Vec<Volume> {
+        let board = VolumeBoard::new(n, 7);
+        (0..n)
+            .map(|p| Volume::part(CONFIG, 7, 0x88b5, Box::<LeastBytes>::default(), Instant(1), Arc::clone(&board), p))
+            .collect()
+    }
+
+    fn read(id: u64) -> IoRequest {
+        IoRequest { id, op: Op::Read, fua: false, offset: 0, length: 512, node: None }
+    }
+
+    #[test]
+    fn parts_allocate_tags_from_their_residue_classes_and_share_the_floor() {
+        let mut v = parts(2);
+        for id in 0..3 {
+            v[0].submit(Instant(1), read(id)).unwrap();
+        }
+        v[1].submit(Instant(1), read(10)).unwrap();
+        assert_eq!(v[0].parts.keys().copied().collect::<Vec<_>>(), [1, 3, 5]);
+        assert_eq!(v[1].parts.keys().copied().collect::<Vec<_>>(), [2]);
+        // Before any refresh a part assumes the lowest floor there is.
+        assert_eq!(v[1].floor(), 1);
+        v[0].refresh(Instant(1));
+        v[1].refresh(Instant(1));
+        assert_eq!(v[1].floor(), 1, "part 0's tag 1 is outstanding");
+        assert_eq!(v[0].floor(), 1);
+        // Part 0's tags complete: its own floor moves to its next tag once published.
+        for tag in [1, 3, 5] {
+            v[0].pending.retain(|&t| t != tag);
+            v[0].part_done(tag, None, Ok(()));
+        }
+        v[0].refresh(Instant(2));
+        v[1].refresh(Instant(2));
+        assert_eq!(v[1].floor(), 2, "part 1's own tag 2 holds it");
+        // Each part moved its next tag up to the other's as published (7 -> 8 in part 1's
+        // class, 8 -> 9 in part 0's, 9 -> 10 in part 1's): tags need not be dense.
+        assert_eq!(v[0].next_tag, 9);
+        assert_eq!(v[1].next_tag, 10);
+        // An idle part moves its next tag up to the highest published, in its own class.
+        for id in 20..40 {
+            v[1].submit(Instant(3), read(id)).unwrap();
+            if v[1].outstanding() > 30 {
+                break;
+            }
+        }
+        v[1].refresh(Instant(3));
+        v[0].refresh(Instant(3));
+        assert!(v[0].next_tag >= v[1].next_tag && v[0].next_tag % 2 == 1, "{} {}", v[0].next_tag, v[1].next_tag);
+        assert!(v[0].own_floor() >= v[1].next_tag);
+    }
+
+    #[test]
+    fn a_part_without_channels_hands_its_queue_over_and_gets_each_back() {
+        let mut v = parts(2);
+        v[0].submit(Instant(1), read(1)).unwrap();
+        v[0].submit(Instant(1), read(2)).unwrap();
+        let handed = v[0].take_stranded();
+        assert_eq!(handed.len(), 2);
+        assert_eq!(v[0].queued_parts(), 0);
+        assert_eq!(v[0].outstanding(), 2, "the requests stay the origin's");
+        assert_eq!(v[0].own_floor(), 1, "handed tags still hold the origin's floor");
+        for h in handed {
+            v[1].adopt(Instant(2), 0, h);
+        }
+        assert_eq!(v[1].queued_parts(), 2);
+        assert_eq!(v[1].own_floor(), 2, "adopted tags are not the adopter's own");
+        assert_eq!(v[1].floor(), 1, "but its requests' floor stays below them");
+        // The adopter has no channel either: its adopted parts go back to the origin, with the
+        // home the adopter issued one under.
+        v[1].parts.get_mut(&1).unwrap().home = Some(5);
+        assert!(v[1].take_stranded().is_empty());
+        let mut backs = Vec::new();
+        while let Some((to, b)) = v[1].poll_handback() {
+            assert_eq!(to, 0);
+            backs.push(b);
+        }
+        assert_eq!(backs.len(), 2);
+        v[0].handed_back(Instant(3), backs[0]);
+        assert_eq!(v[0].queued_parts(), 1);
+        assert_eq!(v[0].parts[&1].home, Some(5), "a copy under another home could run twice");
+        // One done elsewhere completes the origin's request.
+        let h = v[0].take_stranded().pop().unwrap();
+        v[1].adopt(Instant(4), 0, h);
+        v[1].pending.clear();
+        v[1].part_done(1, None, Ok(()));
+        let (to, back) = v[1].poll_handback().unwrap();
+        assert_eq!(to, 0);
+        v[0].handed_back(Instant(5), back);
+        assert_eq!(v[0].poll_event(), Some(VolumeEvent::Completed { id: 1, result: Ok(()) }));
+        // A hand-back from another session is ignored (the part was queued again on resume).
+        v[0].resume(8, Instant(6));
+        v[0].handed_back(Instant(6), backs[1]);
+        assert_eq!(v[0].outstanding(), 1);
+        assert_eq!(v[0].queued_parts(), 1);
     }
 }

@@ -26,6 +26,7 @@
 
 /// Pre-shared key proofs for the CHALLENGE round.
 pub mod auth;
+mod board;
 mod channel;
 /// Limits and timer settings.
 pub mod config;
@@ -39,6 +40,7 @@ mod seq;
 mod target;
 mod time;
 
+pub use board::VolumeBoard;
 pub use channel::data_head;
 pub use channel::{
     Channel, ChannelEvent, ChannelStats, DeadReason, DropReason, FrameDrop, PayloadRef, Pieces, Placement,
@@ -49,7 +51,8 @@ pub use handshake::{
     Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec, KeyedConnect,
 };
 pub use initiator::{
-    DurabilityDebt, Inbound, InboundOf, IoError, IoRequest, OutFrame, SubmitError, Volume, VolumeConfig, VolumeEvent,
+    DurabilityDebt, Handback, Handoff, Inbound, InboundOf, IoError, IoRequest, OutFrame, SubmitError, Volume,
+    VolumeConfig, VolumeEvent,
 };
 pub use parts::{Courier, SessionParts};
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};

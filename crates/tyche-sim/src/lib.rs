@@ -27,6 +27,7 @@
 
 pub mod model;
 pub mod net;
+mod parted;
 mod sharded;
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -34,8 +35,8 @@ use std::time::Duration;
 
 use tyche_channel::{
     Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt, ExportGeometry, ExportSpec,
-    Failed, Inbound, Instant, IoError, IoRequest, KeyedConnect, LeastBytes, Opened, ReconnectPolicy, Reconnector,
-    TargetEvent, TargetInbound, Timers, Volume, VolumeConfig, VolumeEvent,
+    Failed, Inbound, Instant, IoError, IoRequest, KeyedConnect, Opened, ReconnectPolicy, Reconnector, TargetEvent,
+    TargetInbound, Timers, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
@@ -45,6 +46,7 @@ use tyche_wire::{
 
 use model::{FlushCover, Model};
 use net::{Delivery, Dir, Failure, NetConfig, Network};
+use parted::PartedVolume;
 use sharded::{new_session, Sharded, ShardedSession};
 
 /// What to simulate. Everything else derives from the seed.
@@ -77,6 +79,11 @@ pub struct SimConfig {
     /// belong to part `k % shards`, and a copy of a modifying request arriving on a part other
     /// than its home's is decided there by message, with seeded delays between parts.
     pub shards: usize,
+    /// Parts the initiator's volume is held in (tyche-init's engine threads): path `k`'s
+    /// channels belong to part `k % init_parts`, a request to part `id % init_parts` (or the
+    /// next with a live channel), tags from each part's residue class, and each part reads the
+    /// others' floors late by a seeded delay.
+    pub init_parts: usize,
 }
 
 /// The pre-shared key of a keyed run.
@@ -95,6 +102,7 @@ impl Default for SimConfig {
             export_bytes: 16 << 20,
             keyed: None,
             shards: 1,
+            init_parts: 1,
         }
     }
 }
@@ -150,6 +158,9 @@ pub struct SeedReport {
     pub part_messages: u64,
     /// Messages that named no copy of the part they reached (a bug: fails the seed).
     pub stray_messages: u64,
+    /// With [`SimConfig::init_parts`] above 1: parts of requests one part of the volume handed
+    /// to another (its paths were down).
+    pub handoffs: u64,
 }
 
 impl SeedReport {
@@ -275,7 +286,7 @@ struct World {
     connectors: BTreeMap<u16, (usize, Connector)>,
     /// The path of every initiator channel index.
     chan_path: HashMap<u16, usize>,
-    volume: Option<Volume>,
+    volume: Option<PartedVolume>,
     export_size: u64,
     app: BTreeMap<u64, AppRequest>,
     next_id: u64,
@@ -508,10 +519,13 @@ impl World {
         self.report.lost = ns.lost;
         self.report.virtual_nanos = self.now.as_nanos();
         if let Some(v) = &self.volume {
+            self.report.handoffs += v.handoffs;
             self.report.resumes += v.resumes();
             self.report.durability_errors += v.durability_errors();
-            for i in v.channel_indices() {
-                self.report.retransmits += v.channel(i).map_or(0, |c| c.stats().retransmits);
+            for part in v.parts() {
+                for i in part.channel_indices() {
+                    self.report.retransmits += part.channel(i).map_or(0, |c| c.stats().retransmits);
+                }
             }
         }
         for s in std::mem::take(&mut self.sessions).into_values() {
@@ -540,7 +554,7 @@ impl World {
             }
         };
         consider(self.io.peek().map(|o| o.0.at));
-        consider(self.volume.as_ref().and_then(Volume::poll_timeout));
+        consider(self.volume.as_ref().and_then(PartedVolume::poll_timeout));
         for s in self.sessions.values() {
             consider(s.poll_timeout());
             consider(s.next_message());
@@ -604,16 +618,18 @@ impl World {
                                 },
                                 max_requests: 64,
                             };
-                            let v = Volume::new(
+                            let v = PartedVolume::new(
                                 cfg,
                                 connected.session,
                                 DEFAULT_ETHERTYPE,
-                                Box::<LeastBytes>::default(),
                                 now,
+                                self.cfg.init_parts,
+                                seed,
                             );
                             self.volume = Some(v);
                         }
-                        self.volume.as_mut().expect("created").add_channel(channel, None, now);
+                        let path = self.chan_path[&ch];
+                        self.volume.as_mut().expect("created").add_channel(path, channel, now);
                         if std::mem::take(&mut self.recovering) {
                             // The new engine takes the application's requests over (re-issued
                             // FLUSHes then run on a target that may have crashed since).
@@ -643,12 +659,16 @@ impl World {
                     }
                     Opened::Resumed => {
                         assert_eq!(connected.export_size, self.export_size, "seed {seed}: the export changed size");
+                        let path = self.chan_path[&ch];
                         let vol = self.volume.as_mut().expect("a volume resumes");
                         vol.resume(connected.session, now);
                         self.model.resumed();
-                        vol.add_channel(channel, None, now);
+                        vol.add_channel(path, channel, now);
                     }
-                    Opened::Joined => self.volume.as_mut().expect("joined a volume").add_channel(channel, None, now),
+                    Opened::Joined => {
+                        let path = self.chan_path[&ch];
+                        self.volume.as_mut().expect("joined a volume").add_channel(path, channel, now)
+                    }
                     Opened::Stale | Opened::Probe => self.disconnect(channel),
                 }
             }
@@ -973,16 +993,15 @@ impl World {
             }
         }
         if let Some(vol) = self.volume.as_mut() {
-            let indices: Vec<u16> = vol.channel_indices().collect();
-            for ch in indices {
+            for (p, ch) in vol.channels() {
                 let k = self.chan_path[&ch];
-                while let Some(out) = vol.poll_transmit(now, ch, &mut buf) {
+                while let Some(out) = vol.poll_transmit(p, now, ch, &mut buf) {
                     if let Some((id, offset, len)) = out.payload {
                         let r = &self.app[&id];
                         buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len as usize]
                             .copy_from_slice(&r.buf[offset as usize..offset as usize + len as usize]);
                     }
-                    let len = vol.seal(ch, &mut buf, out.len);
+                    let len = vol.seal(p, ch, &mut buf, out.len);
                     let mut b = self.net.buffer(len);
                     b.copy_from_slice(&buf[..len]);
                     self.net.send(now, k, Dir::ToTarget, b);
@@ -1055,6 +1074,7 @@ impl World {
                 let late = Duration::from_millis(self.rng.range(1, 400));
                 self.net.delay_in_flight(Dir::ToTarget, late);
                 let previous = self.volume.take().map_or(0, |v| {
+                    self.report.handoffs += v.handoffs;
                     self.report.resumes += v.resumes();
                     self.report.durability_errors += v.durability_errors();
                     self.debt_handed_on = self.debt_handed_on.merge(v.durability_debt());
@@ -1070,7 +1090,7 @@ impl World {
 
     fn app_step(&mut self) {
         let now = self.now;
-        while let Some(ev) = self.volume.as_mut().and_then(Volume::poll_event) {
+        while let Some(ev) = self.volume.as_mut().and_then(PartedVolume::poll_event) {
             match ev {
                 VolumeEvent::Completed { id, result } => self.app_done(id, result),
                 VolumeEvent::ChannelDead { channel, reason, .. } => {
@@ -1249,6 +1269,8 @@ pub struct Totals {
     pub part_messages: u64,
     /// Messages that named no copy of their part.
     pub stray_messages: u64,
+    /// Parts of requests handed between parts of a volume.
+    pub handoffs: u64,
 }
 
 impl Totals {
@@ -1274,6 +1296,7 @@ impl Totals {
         self.forwarded += r.forwarded;
         self.part_messages += r.part_messages;
         self.stray_messages += r.stray_messages;
+        self.handoffs += r.handoffs;
     }
 }
 
@@ -1312,6 +1335,30 @@ mod tests {
         // One part: nothing is ever forwarded.
         let r = run_seed(&SimConfig { shards: 1, ..cfg }, 3);
         assert_eq!((r.forwarded, r.part_messages), (0, 0));
+    }
+
+    #[test]
+    fn volumes_in_parts_hand_a_failed_paths_requests_over_and_stay_correct() {
+        let cfg = SimConfig {
+            loss: 0.05,
+            reorder: 0.1,
+            dup: 0.01,
+            fail_path: true,
+            requests: 120,
+            init_parts: 2,
+            ..SimConfig::default()
+        };
+        let mut handoffs = 0;
+        for seed in 0..12 {
+            let r = run_seed(&cfg, seed);
+            assert!(r.ok(), "seed {seed}: {r:?}");
+            assert_eq!(r.completed + r.failed, 120, "seed {seed}: {r:?}");
+            handoffs += r.handoffs;
+        }
+        assert!(handoffs > 0, "no part handed its requests over");
+        assert_eq!(run_seed(&cfg, 3), run_seed(&cfg, 3), "the same seed replays the same run");
+        let r = run_seed(&SimConfig { init_parts: 1, ..cfg }, 3);
+        assert_eq!(r.handoffs, 0);
     }
 
     #[test]

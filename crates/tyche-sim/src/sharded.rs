@@ -26,14 +26,27 @@ impl Courier for Delays {
     /// Mostly a few microseconds (a busy thread's next turn), sometimes up to a millisecond (a
     /// thread that slept or was preempted).
     fn post(&mut self, now: Instant, from: usize, to: usize, msg: PartMessage) {
-        let delay =
-            if self.rng.chance(0.9) { self.rng.range(1_000, 20_000) } else { self.rng.range(50_000, 1_000_000) };
-        let last = self.last_due.entry((from, to)).or_insert(now);
-        let due = (now + Duration::from_nanos(delay)).max(*last);
-        *last = due;
+        let due = due(&mut self.rng, &mut self.last_due, now, from, to);
         self.sent += 1;
         self.in_flight.insert((due, self.sent), (to, msg));
     }
+}
+
+/// When a message from part `from` to part `to` posted at `now` is due: mostly a few
+/// microseconds later (a busy thread's next turn), sometimes up to a millisecond (a thread that
+/// slept or was preempted), never before the last one between the same two parts (`last_due`).
+pub(crate) fn due(
+    rng: &mut SplitMix64,
+    last_due: &mut HashMap<(usize, usize), Instant>,
+    now: Instant,
+    from: usize,
+    to: usize,
+) -> Instant {
+    let delay = if rng.chance(0.9) { rng.range(1_000, 20_000) } else { rng.range(50_000, 1_000_000) };
+    let last = last_due.entry((from, to)).or_insert(now);
+    let due = (now + Duration::from_nanos(delay)).max(*last);
+    *last = due;
+    due
 }
 
 /// One session of the simulated target, in parts.
