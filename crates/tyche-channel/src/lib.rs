@@ -39,6 +39,7 @@ mod scheduler;
 mod seq;
 mod target;
 mod time;
+mod volume_parts;
 
 pub use board::VolumeBoard;
 pub use channel::data_head;
@@ -61,3 +62,4 @@ pub use target::{
     Directory, ExportGeometry, PartId, PartMessage, TargetEvent, TargetInbound, TargetInboundOf, TargetSession,
 };
 pub use time::Instant;
+pub use volume_parts::{AtOnce, HandCourier, HandMessage, VolumeParts};

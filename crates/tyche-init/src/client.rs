@@ -70,6 +70,9 @@ pub struct Stats {
     /// Inline sends after which an engine thread whose links cannot wake it on arrival
     /// (in-memory links) was rung to look for the reply.
     pub inline_wakes: u64,
+    /// Parts of requests one engine thread's part of the volume handed to another's (its links
+    /// were all down): see docs/architecture.md, "The initiator: a volume in parts".
+    pub handoffs: u64,
     /// The durability epoch of the current session, once a channel of it is open.
     pub durability_epoch: Option<tyche_wire::DurabilityEpoch>,
     /// What the volume owes about the writes it completed (`Volume::durability_debt`):

@@ -23,9 +23,11 @@ use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 use tyche_channel::{
     ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, Failed, InboundOf, Instant,
-    IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler, SubmitError, Volume, VolumeConfig,
-    VolumeEvent,
+    IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler, SubmitError, VolumeConfig, VolumeEvent,
 };
+
+/// The session's volume: one part per engine thread, its hand-offs delivered under the lock.
+type VolumeParts = tyche_channel::VolumeParts<tyche_channel::AtOnce>;
 use tyche_transport::poll::{Next, PollStats, Poller, SchedStat};
 use tyche_transport::wake::WakeFd;
 use tyche_transport::{FrameTransport, MemoryArea};
@@ -216,7 +218,9 @@ pub(crate) struct Engine {
     reconnector: Reconnector,
     slot_count: usize,
     connectors: HashMap<u16, Pending>,
-    volume: Option<Volume>,
+    /// The session's volume, in one part per engine thread (part `g` holds the channels of
+    /// thread `g`'s links).
+    volume: Option<VolumeParts>,
     connected: Option<Connected>,
     next_id: u64,
     inflight: HashMap<u64, InFlight>,
@@ -429,7 +433,7 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     };
     info!(
         export = %info.export, session = format_args!("{:#x}", info.session), size = info.size,
-        channels = engine.volume.as_ref().map_or(0, Volume::live_channels),
+        channels = engine.volume.as_ref().map_or(0, VolumeParts::live_channels),
         engine_threads = groups,
         "session open"
     );
@@ -624,6 +628,7 @@ impl Engine {
         for (k, transport) in io.iter_mut() {
             let Engine { links, connectors, volume, inflight, stats, rx_scratch, rx_gather, .. } = self;
             let link = &links[*k];
+            let group = link.group;
             // A multi-buffer DATA frame (a jumbo link) comes in its pieces: its read data is
             // copied from them straight into the request's buffer, never gathered first.
             let res = transport.recv_pieces(RX_BUDGET, &mut |pieces| {
@@ -642,7 +647,7 @@ impl Engine {
                 }
                 let Some(v) = volume.as_mut() else { return };
                 if let InboundOf::Read { id, offset, payload } =
-                    v.handle_frame_pieces(now, pieces, rx_scratch, rx_gather)
+                    v.part(group).handle_frame_pieces(now, pieces, rx_scratch, rx_gather)
                 {
                     let at = offset as usize;
                     // The volume only places data inside the request; a range outside it would be
@@ -688,12 +693,22 @@ impl Engine {
                             max_requests: self.cfg.max_requests,
                         };
                         let nodes: Vec<u32> = self.links.iter().filter_map(|l| l.node).collect();
-                        let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::with_order(
-                            self.cfg.scheduler,
-                            &nodes,
-                            self.cfg.node_order.as_ref(),
-                        ));
-                        let mut vol = Volume::new(cfg, c.session, self.cfg.ethertype, scheduler, now);
+                        let scheduler = || -> Box<dyn Scheduler> {
+                            Box::new(NumaScheduler::with_order(
+                                self.cfg.scheduler,
+                                &nodes,
+                                self.cfg.node_order.as_ref(),
+                            ))
+                        };
+                        let mut vol = VolumeParts::new(
+                            cfg,
+                            c.session,
+                            self.cfg.ethertype,
+                            now,
+                            self.bells.len(),
+                            scheduler,
+                            tyche_channel::AtOnce::default(),
+                        );
                         // An earlier process's unflushed writes: kept if this session presents
                         // the epoch they were acknowledged under, else the next FLUSH fails.
                         vol.inherit_debt(self.cfg.prior_writes);
@@ -747,7 +762,8 @@ impl Engine {
                     }
                 }
                 let vol = self.volume.as_mut().expect("created");
-                vol.add_channel(channel, self.links[link].node, now);
+                vol.part(self.links[link].group).add_channel(channel, self.links[link].node, now);
+                vol.settle(now);
                 self.channel_link.insert(ch, link);
             }
             Err(e) => {
@@ -825,6 +841,8 @@ impl Engine {
     /// Completions and channel deaths.
     fn events(&mut self, now: Instant) -> bool {
         let Some(vol) = self.volume.as_mut() else { return false };
+        // Parts whose channels all died hand their queues over; adopters report back.
+        vol.settle(now);
         let mut work = false;
         let mut dead = Vec::new();
         let mut no_path = 0usize;
@@ -920,7 +938,7 @@ impl Engine {
                 let r = t.send(1, &mut |buf| p.connector.poll_transmit(now, buf));
                 sent += r.unwrap_or(0);
             }
-            if let Some(vol) = volume.as_mut() {
+            if let Some(vol) = volume.as_mut().map(|v| v.part(link.group)) {
                 let channels: Vec<u16> = (0..*slot_count)
                     .filter(|&s| reconnector.link(s) == k)
                     .filter_map(|s| reconnector.channel(s))
@@ -966,13 +984,16 @@ impl Engine {
     fn timers(&mut self, now: Instant) -> bool {
         let mut work = false;
         if let Some(vol) = self.volume.as_mut() {
-            let due = vol.poll_timeout().is_some_and(|t| t <= now);
+            let due = vol.poll_timers().is_some_and(|t| t <= now);
             // The no-path clock starts inside handle_timeout: run it regularly too.
             if due || now.since(self.last_timeout_run) >= Duration::from_millis(1) {
                 vol.handle_timeout(now);
+                vol.settle(now);
                 self.last_timeout_run = now;
                 work |= due;
             }
+            // The parts' floors (each reads the others' on its own timer while busy).
+            vol.refresh_due(now);
         }
         // Connectors that ran out of attempts.
         let timed_out: Vec<u16> = self
@@ -1055,10 +1076,17 @@ impl Engine {
     // (boxing it would cost an allocation per request).
     #[allow(clippy::result_large_err)]
     fn try_submit(&mut self, io: IoCmd, now: Instant) -> Result<(), IoCmd> {
-        let vol = self.volume.as_mut().expect("engine runs with a volume");
+        // The part of the engine thread serving the buffers' node (its first link there), or for
+        // buffers on no link's node, the parts in turn.
         let id = self.next_id;
+        let preferred = match self.links.iter().find(|l| l.node == io.node && io.node.is_some()) {
+            Some(l) => l.group,
+            None => (id % self.bells.len() as u64) as usize,
+        };
+        let vol = self.volume.as_mut().expect("engine runs with a volume");
         let req = IoRequest { id, op: io.op, fua: io.fua, offset: io.offset, length: io.length, node: io.node };
-        match vol.submit(now, req) {
+        let part = vol.submit_part(preferred);
+        match vol.part(part).submit(now, req) {
             Ok(()) => {
                 self.next_id += 1;
                 // Read data lands in the buffer the caller allocated (on its thread's node),
@@ -1113,6 +1141,7 @@ impl Engine {
             s.unauthenticated = dropped(tyche_channel::DropReason::Unauthenticated);
             s.replayed = dropped(tyche_channel::DropReason::Replayed);
             s.bad_digest = dropped(tyche_channel::DropReason::BadDigest);
+            s.handoffs = v.handoffs();
             s.durability_epoch = v.durability_epoch();
             s.durability_debt = v.durability_debt();
         }
@@ -1197,6 +1226,7 @@ impl Engine {
             return true;
         }
         let Some(vol) = &self.volume else { return false };
+        let vol = &vol.parts()[g];
         (0..self.slot_count).any(|s| {
             self.links[r.link(s)].group == g && r.channel(s).is_some_and(|channel| vol.wants_transmit(channel))
         })
@@ -1405,7 +1435,7 @@ fn serve(shared: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver
             (true, true) => BUSY_SLEEP_FD,
             (false, _) => IDLE_SLEEP,
         };
-        if let Some(t) = e.volume.as_ref().and_then(Volume::poll_timeout) {
+        if let Some(t) = e.volume.as_ref().and_then(|v| v.poll_timers().into_iter().chain(v.refresh_at()).min()) {
             wait = wait.min(t.since(now));
         }
         if let Some(t) = e.reconnector.poll_timeout().filter(|_| e.closing.is_none()) {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tokio::task::JoinSet;
 use tyche_init::loopback::{initiator_timers, mem_links, set_link_down, RamExport, Restart};
-use tyche_init::{connect, Client, ConnectError, Error, InitiatorConfig, SchedulerKind, SendMode};
+use tyche_init::{connect, Client, ConnectError, EngineThreads, Error, InitiatorConfig, Link, SchedulerKind, SendMode};
 use tyche_transport::{FrameTransport, MemLink};
 use tyche_wire::MacAddr;
 
@@ -250,11 +250,34 @@ fn inline_send_mode_close_while_submitting_and_after() {
     assert!(rt.block_on(client.stats()).is_err(), "the engine threads are gone");
 }
 
+/// Two links on two nodes, an engine thread and a part of the volume each (the volume in parts).
+fn links_on_two_nodes(links: &mut [Link], cfg: &mut InitiatorConfig) {
+    for (k, l) in links.iter_mut().enumerate() {
+        l.node = Some(k as u32);
+    }
+    cfg.engine_threads = EngineThreads::PerNode;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_when_one_of_two_links_goes_down() {
-    let (links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    failover_when_one_of_two_links_goes_down_with(false).await;
+}
+
+/// With an engine thread per link, each holding its part of the volume: the part whose link
+/// went down hands its requests to the other part, and every write lands once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_between_parts_of_the_volume_when_one_nodes_link_goes_down() {
+    let s = failover_when_one_of_two_links_goes_down_with(true).await;
+    assert!(s.handoffs > 0, "the part of the dead link handed nothing over: {s:?}");
+}
+
+async fn failover_when_one_of_two_links_goes_down_with(parts: bool) -> tyche_init::Stats {
+    let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
     let mut cfg = config();
     cfg.reconnect_attempts = 2;
+    if parts {
+        links_on_two_nodes(&mut links, &mut cfg);
+    }
     let client = connect(cfg, links).await.expect("connect");
     let len = 128 << 10;
     let mut set = JoinSet::new();
@@ -279,6 +302,7 @@ async fn failover_when_one_of_two_links_goes_down() {
     let s = client.stats().await.unwrap();
     assert_eq!(s.live_channels, 1, "{s:?}");
     assert!(target.snapshot(0, len) == pattern(0, len));
+    s
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -313,8 +337,23 @@ async fn dead_link_reconnects_when_it_comes_back() {
 /// application sees no error, and everything it wrote reads back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn target_restarts_are_invisible_to_the_application() {
-    let (links, _sw, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
-    let client = bounded("connect", connect(config(), links)).await.expect("connect");
+    target_restarts_are_invisible_with(false).await;
+}
+
+/// The same with the volume in two parts (an engine thread per link): both parts move to the
+/// new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_restarts_are_invisible_to_a_volume_in_parts() {
+    target_restarts_are_invisible_with(true).await;
+}
+
+async fn target_restarts_are_invisible_with(parts: bool) {
+    let (mut links, _sw, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let mut cfg = config();
+    if parts {
+        links_on_two_nodes(&mut links, &mut cfg);
+    }
+    let client = bounded("connect", connect(cfg, links)).await.expect("connect");
     let first = client.report().await.expect("report").session;
     let len = 64 << 10;
     for (round, how) in [Restart::Crash, Restart::Graceful].into_iter().enumerate() {

@@ -519,7 +519,8 @@ impl World {
         self.report.lost = ns.lost;
         self.report.virtual_nanos = self.now.as_nanos();
         if let Some(v) = &self.volume {
-            self.report.handoffs += v.handoffs;
+            let v = v.parts();
+            self.report.handoffs += v.handoffs();
             self.report.resumes += v.resumes();
             self.report.durability_errors += v.durability_errors();
             for part in v.parts() {
@@ -1074,7 +1075,8 @@ impl World {
                 let late = Duration::from_millis(self.rng.range(1, 400));
                 self.net.delay_in_flight(Dir::ToTarget, late);
                 let previous = self.volume.take().map_or(0, |v| {
-                    self.report.handoffs += v.handoffs;
+                    let v = v.parts();
+                    self.report.handoffs += v.handoffs();
                     self.report.resumes += v.resumes();
                     self.report.durability_errors += v.durability_errors();
                     self.debt_handed_on = self.debt_handed_on.merge(v.durability_debt());
