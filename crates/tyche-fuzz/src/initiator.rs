@@ -6,6 +6,10 @@
 //! past the request's length, segments out of range, forged and stale acknowledgements, NACKs,
 //! KEEPALIVE, DISCONNECT, handshake replies mid-session, raw, replayed and corrupted frames.
 //!
+//! Half the two-channel inputs (an odd export size) hold the volume in two parts, a channel each
+//! ([`VolumeParts`], hand-offs delivered at once): the hostile target killing one channel makes
+//! its part hand its requests to the other, whose answers go back to the origin.
+//!
 //! Invariants: no panic; read data is placed only inside the buffer of an outstanding read;
 //! every request completes at most once; once the target goes quiet every request completes
 //! (the channels die and the volume gives up after its no-path timeout).
@@ -15,8 +19,8 @@ use std::time::Duration;
 
 use arbitrary::{Arbitrary, Unstructured};
 use tyche_channel::{
-    config::params_supported, Connected, Connector, Inbound, Instant, IoRequest, LeastBytes, Timers, Volume,
-    VolumeConfig, VolumeEvent,
+    config::params_supported, AtOnce, Connected, Connector, Inbound, Instant, IoRequest, LeastBytes, Timers,
+    VolumeConfig, VolumeEvent, VolumeParts,
 };
 use tyche_wire::{
     Accept, Ack, Challenge, ChannelParams, Completion, Data, DataHeader, Disconnect, DisconnectReason, Envelope, Frame,
@@ -175,7 +179,8 @@ struct Chan {
 }
 
 struct World {
-    vol: Volume,
+    /// One part, or two (channel `k` in part `k`).
+    vol: VolumeParts<AtOnce>,
     now: Instant,
     params: ChannelParams,
     channels: HashMap<u16, Chan>,
@@ -203,7 +208,9 @@ pub fn run(data: &[u8]) {
     let size = (input.sectors as u64 + 1) * 512;
     let cfg =
         VolumeConfig { export_size: size, read_only: input.read_only, no_path_timeout: NO_PATH, max_requests: 32 };
-    let mut vol = Volume::new(cfg, SESSION, DEFAULT_ETHERTYPE, Box::<LeastBytes>::default(), now);
+    let parts = if input.two_channels && input.sectors % 2 == 1 { 2 } else { 1 };
+    let scheduler = || -> Box<dyn tyche_channel::Scheduler> { Box::<LeastBytes>::default() };
+    let mut vol = VolumeParts::new(cfg, SESSION, DEFAULT_ETHERTYPE, now, parts, scheduler, AtOnce::default());
     let mut channels = HashMap::new();
     for ch in 0..1 + input.two_channels as u16 {
         let env = Envelope {
@@ -223,7 +230,7 @@ pub fn run(data: &[u8]) {
             durability_epoch: tyche_wire::DurabilityEpoch::NONE,
             channel_addr: env.dst,
         };
-        vol.add_channel(c.channel(&conn, Timers::default(), now), None, now);
+        vol.part(ch as usize % parts).add_channel(c.channel(&conn, Timers::default(), now), None, now);
         channels.insert(ch, Chan { next_seq: 0, rx_next: 0 });
     }
     let mut w = World {
@@ -260,7 +267,11 @@ impl World {
         }
         self.sent.push_back(frame.to_vec());
         let mut scratch = Vec::new();
-        if let Inbound::Read { id, offset, payload } = self.vol.handle_frame(self.now, frame, &mut scratch) {
+        let part = match Frame::new_checked(frame, DEFAULT_ETHERTYPE) {
+            Ok(f) => f.channel() as usize % self.vol.parts().len(),
+            Err(_) => 0,
+        };
+        if let Inbound::Read { id, offset, payload } = self.vol.part(part).handle_frame(self.now, frame, &mut scratch) {
             let Some(&(op, len)) = self.outstanding.get(&id) else {
                 panic!("read data placed for request {id}, which is not outstanding");
             };
@@ -275,6 +286,7 @@ impl World {
     }
 
     fn events(&mut self) {
+        self.vol.settle(self.now);
         while let Some(ev) = self.vol.poll_event() {
             if let VolumeEvent::Completed { id, .. } = ev {
                 assert!(self.outstanding.remove(&id).is_some(), "request {id} completed but was not outstanding");
@@ -296,7 +308,8 @@ impl World {
         let mut buf = vec![0u8; FRAME];
         for ch in indices {
             for _ in 0..512 {
-                let Some(out) = self.vol.poll_transmit(self.now, ch, &mut buf) else { break };
+                let part = ch as usize % self.vol.parts().len();
+                let Some(out) = self.vol.part(part).poll_transmit(self.now, ch, &mut buf) else { break };
                 let Ok(f) = Frame::new_checked(&buf[..out.len], DEFAULT_ETHERTYPE) else {
                     panic!("the volume sent a malformed frame");
                 };
@@ -380,7 +393,8 @@ impl World {
                 let id = self.next_id;
                 self.next_id += 1;
                 let req = IoRequest { id, op, fua, offset, length, node: None };
-                if self.vol.submit(self.now, req).is_ok() {
+                let part = self.vol.submit_part(id as usize);
+                if self.vol.part(part).submit(self.now, req).is_ok() {
                     self.outstanding.insert(id, (op, length));
                 }
                 self.events();
@@ -512,8 +526,10 @@ impl World {
 
     fn advance(&mut self, by: Duration) {
         self.now = Instant(self.now.0 + by.as_nanos() as u64);
-        if self.vol.poll_timeout().is_some_and(|t| t <= self.now) {
+        let due = self.vol.poll_timers().into_iter().chain(self.vol.refresh_at()).min();
+        if due.is_some_and(|t| t <= self.now) {
             self.vol.handle_timeout(self.now);
+            self.vol.refresh_due(self.now);
         }
         self.events();
         self.transmit();
