@@ -98,12 +98,32 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
     let log = cache.join("console.log");
     let deadline = Duration::from_secs(args.timeout);
     let accel = if !args.tcg && kvm_usable() { "kvm" } else { "tcg" };
-    let mut outcome = boot(&kernel, &initrd, &log, accel, deadline)?;
+    let mut outcome = boot_once_more(&kernel, &initrd, &log, accel, deadline)?;
     if accel == "kvm" && !outcome.booted {
         eprintln!("vm-test: the guest did not boot under KVM; trying TCG");
-        outcome = boot(&kernel, &initrd, &log, "tcg", deadline)?;
+        outcome = boot_once_more(&kernel, &initrd, &log, "tcg", deadline)?;
     }
     verdict(&log, &tests, &outcome)
+}
+
+/// [`boot`], once more if qemu itself died before the guest booted: Debian 12's qemu under TCG
+/// sometimes aborts on an assertion of its own (`iotlb_to_section: Assertion `section_index <
+/// d->map.sections_nb' failed`, seen once in a CI run whose other boot of the same guest
+/// passed). A second crash, or any failure after the guest booted, is an error.
+fn boot_once_more(
+    kernel: &Kernel,
+    initrd: &Path,
+    log: &Path,
+    accel: &'static str,
+    deadline: Duration,
+) -> Result<Outcome> {
+    match boot(kernel, initrd, log, accel, deadline) {
+        Err(e) if format!("{e}").contains(CRASHED_BEFORE_BOOT) => {
+            eprintln!("vm-test: {e:#}; booting once more");
+            boot(kernel, initrd, log, accel, deadline)
+        }
+        r => r,
+    }
 }
 
 /// How the qemu run ended.
@@ -564,6 +584,9 @@ sync
 poweroff -f
 "#;
 
+/// What [`boot`]'s error says when qemu died before the guest printed anything.
+const CRASHED_BEFORE_BOOT: &str = "before the guest booted";
+
 fn kvm_usable() -> bool {
     fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok()
 }
@@ -637,6 +660,8 @@ fn boot(kernel: &Kernel, initrd: &Path, log: &Path, accel: &'static str, deadlin
             if accel == "kvm" && !booted {
                 let why = err.lines().rev().find(|l| l.contains("error")).unwrap_or(err.trim());
                 eprintln!("vm-test: qemu with KVM failed: {why}");
+            } else if !booted {
+                bail!("qemu failed ({st}) {CRASHED_BEFORE_BOOT}: {}", err.trim());
             } else {
                 bail!("qemu failed ({st}): {}", err.trim());
             }
