@@ -36,7 +36,7 @@ use tyche_wire::{
 };
 
 use crate::client::{Client, ExportInfo, Stats};
-use crate::config::{EngineThreads, InitiatorConfig, Link};
+use crate::config::{EngineThreads, InitiatorConfig, Link, SchedulerKind};
 use crate::error::{ConnectError, Error};
 use crate::front::{Front, FrontIo, Token, WaitFd};
 use crate::sched::NumaScheduler;
@@ -1076,12 +1076,15 @@ impl Engine {
     // (boxing it would cost an allocation per request).
     #[allow(clippy::result_large_err)]
     fn try_submit(&mut self, io: IoCmd, now: Instant) -> Result<(), IoCmd> {
-        // The part of the engine thread serving the buffers' node (its first link there), or for
-        // buffers on no link's node, the parts in turn.
+        // With the affinity scheduler, the part of the engine thread serving the buffers' node
+        // (its first link there); with round-robin, or for buffers on no link's node, the parts
+        // in turn (each part's scheduler then picks among its own channels).
         let id = self.next_id;
-        let preferred = match self.links.iter().find(|l| l.node == io.node && io.node.is_some()) {
+        let groups = self.bells.len();
+        let by_node = groups > 1 && io.node.is_some() && self.cfg.scheduler == SchedulerKind::Affinity;
+        let preferred = match self.links.iter().find(|l| by_node && l.node == io.node) {
             Some(l) => l.group,
-            None => (id % self.bells.len() as u64) as usize,
+            None => (id % groups as u64) as usize,
         };
         let vol = self.volume.as_mut().expect("engine runs with a volume");
         let req = IoRequest { id, op: io.op, fua: io.fua, offset: io.offset, length: io.length, node: io.node };

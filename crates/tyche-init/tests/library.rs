@@ -490,6 +490,38 @@ async fn one_engine_thread_per_node_shares_the_session() {
     assert_eq!(n1.read(0, 512).await, Err(Error::Closed));
 }
 
+/// With the round-robin scheduler and the volume in parts (links on two nodes), requests whose
+/// buffers are all on node 1 still go to every channel in turn, not only to node 1's part (the
+/// VM's NUMA check caught this: node 1's channel carried everything).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_spreads_one_nodes_requests_over_every_part() {
+    let (mut links, _sw, _target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let mut cfg = config();
+    links_on_two_nodes(&mut links, &mut cfg);
+    cfg.scheduler = SchedulerKind::RoundRobin;
+    let client = bounded("connect", connect(cfg, links)).await.expect("connect");
+    let n1 = client.on_node(Some(1));
+    let len = 64 << 10;
+    for i in 0..64u64 {
+        n1.write_owned(i * len, pattern(i, len as usize), false).await.expect("node-1 write");
+    }
+    let r = client.report().await.expect("report");
+    let tx: Vec<u64> = ["mem0", "mem1"]
+        .iter()
+        .map(|l| r.channels.iter().filter(|c| c.link == *l).map(|c| c.payload_tx).sum())
+        .collect();
+    let total = (tx[0] + tx[1]) as f64;
+    assert!(total >= (64 * len) as f64, "{}", r.human());
+    let share = tx[1] as f64 / total;
+    assert!(
+        (0.4..=0.6).contains(&share),
+        "node 1's channel carried {:.1}% of the payload: {}",
+        share * 100.0,
+        r.human()
+    );
+    bounded("close", client.close()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_poll_mode_serves_requests_and_counts_its_waits() {
     use tyche_transport::poll::{PollConfig, PollMode};
