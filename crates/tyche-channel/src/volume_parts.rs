@@ -129,6 +129,9 @@ impl<C: HandCourier> VolumeParts<C> {
     /// there for a path).
     pub fn submit_part(&self, preferred: usize) -> usize {
         let n = self.parts.len();
+        if n == 1 {
+            return 0;
+        }
         let preferred = preferred % n;
         (0..n).map(|i| (preferred + i) % n).find(|&p| self.parts[p].live_channels() > 0).unwrap_or(preferred)
     }
