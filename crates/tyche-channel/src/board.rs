@@ -147,6 +147,11 @@ impl VolumeBoard {
         self.slots[p].next.store(next, Ordering::Release);
     }
 
+    /// Whether some part published a floor below its next tag (it has requests outstanding).
+    pub fn busy(&self) -> bool {
+        self.slots.iter().any(|s| s.floor.load(Ordering::Acquire) < s.next.load(Ordering::Acquire))
+    }
+
     /// The lowest published floor of the parts other than `p`, and the highest published next
     /// tag of all (`None` for a volume of one part).
     pub(crate) fn others(&self, p: usize) -> Option<(u64, u64)> {

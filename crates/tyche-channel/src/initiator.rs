@@ -219,6 +219,59 @@ pub struct Handback {
     /// ledger, and could run twice).
     home: Option<u16>,
     aborts: u8,
+    /// The part's request and where in it the part starts (the origin's, as in the
+    /// [`Handoff`]): where read data an adopter carries back goes.
+    id: u64,
+    req_offset: u64,
+}
+
+impl Handoff {
+    fn back(&self, result: Option<Result<(), IoError>>) -> Handback {
+        Handback::of(self.session, self.tag, &self.part, result)
+    }
+    /// The origin's request the part belongs to.
+    pub fn id(&self) -> u64 {
+        self.part.id
+    }
+    /// The request's operation.
+    pub fn op(&self) -> Op {
+        self.part.op
+    }
+    /// Where in its request the part starts, in bytes.
+    pub fn req_offset(&self) -> u64 {
+        self.part.req_offset
+    }
+    /// The part's length in bytes.
+    pub fn length(&self) -> u32 {
+        self.part.length
+    }
+}
+
+impl Handback {
+    fn of(session: u64, tag: u64, part: &Part, result: Option<Result<(), IoError>>) -> Handback {
+        Handback {
+            session,
+            tag,
+            result,
+            home: part.home,
+            aborts: part.aborts,
+            id: part.id,
+            req_offset: part.req_offset,
+        }
+    }
+    /// The origin's request the part belongs to.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// Where in its request the part starts, in bytes.
+    pub fn req_offset(&self) -> u64 {
+        self.req_offset
+    }
+    /// Whether the part was done successfully (then a read's data is the adopter's to carry
+    /// back).
+    pub fn succeeded(&self) -> bool {
+        matches!(self.result, Some(Ok(())))
+    }
 }
 
 #[derive(Debug)]
@@ -506,7 +559,7 @@ impl Volume {
         for tag in std::mem::take(&mut self.pending) {
             let part = self.parts.get_mut(&tag).expect("pending part");
             if let Some(origin) = part.origin {
-                let back = Handback { session: self.session, tag, result: None, home: part.home, aborts: part.aborts };
+                let back = Handback::of(self.session, tag, part, None);
                 self.parts.remove(&tag);
                 self.handbacks.push_back((origin, back));
                 continue;
@@ -522,9 +575,7 @@ impl Volume {
     /// ([`Volume::poll_handback`]). One of another session goes straight back.
     pub fn adopt(&mut self, now: Instant, from: usize, h: Handoff) {
         if h.session != self.session || self.parts.contains_key(&h.tag) {
-            let back =
-                Handback { session: h.session, tag: h.tag, result: None, home: h.part.home, aborts: h.part.aborts };
-            self.handbacks.push_back((from, back));
+            self.handbacks.push_back((from, h.back(None)));
             return;
         }
         let part = Part { channel: None, origin: Some(from), away: false, ..h.part };
@@ -590,6 +641,17 @@ impl Volume {
     /// Parts waiting for a channel.
     pub fn queued_parts(&self) -> usize {
         self.pending.len()
+    }
+    /// Parts of other parts' requests this part holds ([`Volume::adopt`]) and has not reported
+    /// back yet.
+    pub fn adopted_parts(&self) -> usize {
+        self.parts.values().filter(|p| p.origin.is_some()).count()
+    }
+    /// For a volume in parts: whether some part has requests outstanding, as the parts last
+    /// published on their board (only then must an idle part keep reading the board:
+    /// [`Volume::refresh`]).
+    pub fn volume_busy(&self) -> bool {
+        self.board.busy()
     }
 
     /// The part size: the smallest `max_io` of the live channels, or of every channel the volume
@@ -943,8 +1005,7 @@ impl Volume {
         }
         let part = self.parts.remove(&tag).expect("present");
         if let Some(origin) = part.origin {
-            let back =
-                Handback { session: self.session, tag, result: Some(result), home: part.home, aborts: part.aborts };
+            let back = Handback::of(self.session, tag, &part, Some(result));
             self.handbacks.push_back((origin, back));
             return;
         }

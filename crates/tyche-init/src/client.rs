@@ -296,7 +296,7 @@ impl Client {
         let g = engine_for(&self.inner.node_engine, self.node);
         let (engine, bell) = &self.inner.engines[g];
         front.start(self.inner.mode, bell)?;
-        if let Err(std::sync::mpsc::SendError(Cmd::Front(_, front))) = engine.send(Cmd::Front(g, front)) {
+        if let Err(std::sync::mpsc::SendError(Cmd::Front(front))) = engine.send(Cmd::Front(front)) {
             // The session is over: the front end's reader thread (if any) stops.
             front.close(true);
             return Err(std::io::Error::other(Error::Closed.to_string()));

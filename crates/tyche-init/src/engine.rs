@@ -1,17 +1,24 @@
 //! The engine threads: one per NUMA node of the links (see [`EngineThreads`]), each serving the
-//! transports of its node's links and pinned to that node's CPUs. They share the session (the
-//! [`Volume`], the request buffers, the connectors) under one lock, and each loops receive →
-//! handle → events → transmit → timers → reconnects over its own links. A thread that leaves
-//! work for another one's links (a request scheduled on a channel of another node, a
-//! retransmission, a reconnect) rings that thread's bell.
+//! transports of its node's links and pinned to that node's CPUs. Each thread owns its part of
+//! the session's volume ([`Volume::part`]: the channels of its links and the requests submitted
+//! to it, with their buffers), its transports, its connectors and its front ends, in a
+//! [`Group`] behind a lock that only it takes on its frame path (an inline submitter of its
+//! node takes it too: [`Shared::submit_inline`]). No lock another engine thread takes per frame:
 //!
-//! Each engine group's transports sit behind a lock of their own in [`Shared`] (lock order: the
-//! engine, then one group's transports; never the reverse), so that in inline send mode the
-//! thread that submits a request sends its frames itself ([`Shared::submit_inline`]).
+//! - what threads hand each other goes by [`Mail`] into the receiver's mailbox, with its bell
+//!   rung: a request for another thread's part (round-robin, buffers of no link's node), the
+//!   outcome of one for a front end of another thread, and the failover hand-offs of a part
+//!   whose channels are all down (with a write's data) and their hand-backs (with a read's);
+//! - the session's identity and its reconnection policy sit in [`Control`] under a mutex taken
+//!   on handshake frames, channel deaths, reconnect timers and stats, never per frame; what it
+//!   has for a thread (its part of a new volume, a new session to move to, a connector) the
+//!   thread takes when the control's generation moves;
+//! - the floors and durability state the parts share are the volume's board (atomics on lines
+//!   of their own, and a mutex taken only on FLUSH and session moves).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -22,12 +29,10 @@ use nix::sys::time::TimeSpec;
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 use tyche_channel::{
-    ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, Failed, InboundOf, Instant,
-    IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler, SubmitError, VolumeConfig, VolumeEvent,
+    ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, DurabilityDebt, Failed,
+    Handback, Handoff, InboundOf, Instant, IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler,
+    SubmitError, Volume, VolumeBoard, VolumeConfig, VolumeEvent,
 };
-
-/// The session's volume: one part per engine thread, its hand-offs delivered under the lock.
-type VolumeParts = tyche_channel::VolumeParts<tyche_channel::AtOnce>;
 use tyche_transport::poll::{Next, PollStats, Poller, SchedStat};
 use tyche_transport::wake::WakeFd;
 use tyche_transport::{FrameTransport, MemoryArea};
@@ -146,11 +151,11 @@ pub(crate) type Outcome = Result<(Op, Buf), Error>;
 pub(crate) enum Completion {
     /// A [`Client`] call waits for it.
     Client(oneshot::Sender<Result<Vec<u8>, Error>>),
-    /// A front end served by the engine (its key) turns it into a reply.
-    Front(u64, Token),
+    /// A front end served by engine thread `group` (its key) turns it into a reply.
+    Front { group: usize, key: u64, token: Token },
 }
 
-/// What the client sends the engine.
+/// What the client sends an engine thread.
 #[derive(Debug)]
 pub(crate) enum Cmd {
     /// Requests a queue-mode submitter thread hands over.
@@ -158,8 +163,8 @@ pub(crate) enum Cmd {
     Stats(oneshot::Sender<Stats>),
     Report(oneshot::Sender<crate::report::Report>),
     Close(oneshot::Sender<()>),
-    /// A front end for engine thread `.0` (the one that receives it) to serve.
-    Front(usize, Box<dyn Front>),
+    /// A front end for the engine thread that receives it to serve.
+    Front(Box<dyn Front>),
 }
 
 #[derive(Debug)]
@@ -167,13 +172,6 @@ struct InFlight {
     op: Op,
     buf: Buf,
     reply: Completion,
-}
-
-/// A front end and the engine thread that serves it.
-#[derive(Debug)]
-struct Served {
-    group: usize,
-    front: Box<dyn Front>,
 }
 
 #[derive(Debug)]
@@ -187,9 +185,6 @@ struct Pending {
 
 /// A link's transport, owned by the engine thread that serves the link.
 type Transport = Box<dyn FrameTransport + Send>;
-
-/// The transports one engine thread serves, with their link indices.
-type Io = [(usize, Transport)];
 
 /// What the engine keeps of a link once its transport has moved to the thread that serves it.
 #[derive(Debug)]
@@ -209,151 +204,1290 @@ struct LinkMeta {
     group: usize,
 }
 
-pub(crate) struct Engine {
-    cfg: InitiatorConfig,
-    clock: std::time::Instant,
-    links: Vec<LinkMeta>,
+/// What one engine thread hands another (see the module docs). A mailbox holds at most what
+/// the volume's limits allow to be in flight: requests (`max_requests` per part, and each
+/// front end's own bound), their parts, and one outcome per request.
+#[derive(Debug)]
+enum Mail {
+    /// A request for the receiver's part.
+    Submit(IoCmd),
+    /// The outcome of a request of one of the receiver's front ends.
+    Complete(Completion, Outcome),
+    /// A part of a request of part `from`, whose channels are all down, with its write data.
+    Handoff { from: usize, handoff: Handoff, data: Option<Vec<u8>> },
+    /// What became of a part the receiver handed over, with its read data when it was read.
+    Handback { back: Handback, data: Option<Vec<u8>> },
+}
+
+/// An engine thread's mailbox: a flag read on every pass (an atomic on a line of its own,
+/// written only when mail comes), the mail under a lock taken only to post and to take it.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct Mailbox {
+    full: AtomicBool,
+    mail: Mutex<VecDeque<Mail>>,
+}
+
+impl Mailbox {
+    fn post(&self, m: Mail) {
+        self.mail.lock().unwrap_or_else(|p| p.into_inner()).push_back(m);
+        self.full.store(true, Ordering::SeqCst);
+    }
+
+    fn has_mail(&self) -> bool {
+        self.full.load(Ordering::SeqCst)
+    }
+
+    fn take(&self) -> VecDeque<Mail> {
+        if !self.full.swap(false, Ordering::SeqCst) {
+            return VecDeque::new();
+        }
+        std::mem::take(&mut *self.mail.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// A counter an engine thread publishes for the others, on a line of its own.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct Published(AtomicUsize);
+
+/// The session as a whole: its identity, the reconnection policy, what opening it found. Taken
+/// on handshake outcomes, channel deaths, reconnect timers, stats and reports; never per frame.
+#[derive(Debug)]
+struct Control {
     /// Which channel each slot (link × channels per link) should have, in which session, and
     /// when to try again (never giving up).
     reconnector: Reconnector,
-    slot_count: usize,
-    connectors: HashMap<u16, Pending>,
-    /// The session's volume, in one part per engine thread (part `g` holds the channels of
-    /// thread `g`'s links).
-    volume: Option<VolumeParts>,
     connected: Option<Connected>,
+    /// The volume's parts not yet taken by their threads (made when the first session opened).
+    parts: Vec<Option<Volume>>,
+    /// Whether the first session opened (the volume exists).
+    opened: bool,
+    /// Sessions moved to: each thread's part follows ([`Group::sync`]).
+    resumes: u64,
+    /// Connectors started for each thread's links, not yet taken by it.
+    connects: Vec<Vec<(u16, Pending)>>,
+    /// The first fatal connection error (initial phase only).
+    fatal: Option<ConnectError>,
+    /// Links on which the initial channel timed out.
+    initial_timeouts: usize,
+    reconnects: u64,
+    /// Who waits for the last engine thread to exit.
+    closers: Vec<oneshot::Sender<()>>,
+    /// The link of every channel index ever opened.
+    channel_link: HashMap<u16, usize>,
+}
+
+/// One engine thread's share of the session: its part of the volume, its transports, its
+/// connectors, the requests submitted to its part and their buffers, its front ends.
+pub(crate) struct Group {
+    g: usize,
+    io: Vec<(usize, Transport)>,
+    part: Option<Volume>,
+    /// The control's resumes this part has followed.
+    resumes: u64,
+    /// The control's generation last synced with.
+    seen: u64,
+    connectors: HashMap<u16, Pending>,
+    /// The link of each channel of this part.
+    channel_link: HashMap<u16, usize>,
+    /// Request ids of this thread: `g + 1`, then steps of the number of threads (so an id
+    /// names its request across threads).
     next_id: u64,
     inflight: HashMap<u64, InFlight>,
+    /// Data of parts adopted from other parts, by (request id, offset of the part in it): write
+    /// data to send, or a buffer read data lands in (`true`) until it goes back.
+    adopted: BTreeMap<(u64, u64), (Vec<u8>, bool)>,
     backlog: VecDeque<IoCmd>,
     /// The plaintext of the last frame of an encrypting channel.
     rx_scratch: Vec<u8>,
     /// The last frame that arrived in pieces and had to be whole (a sealed or DIGEST channel's).
     rx_gather: Vec<u8>,
     last_timeout_run: Instant,
+    /// This thread's counters (summed over the threads for [`Stats`]).
     stats: Stats,
-    closing: Option<(Instant, Vec<oneshot::Sender<()>>)>,
-    /// The first fatal connection error (initial phase only).
-    fatal: Option<ConnectError>,
-    /// Links on which the initial channel timed out.
-    initial_timeouts: usize,
-    /// One bell per engine thread.
-    bells: Vec<Arc<Bell>>,
-    /// Each engine thread as it sees itself once placed (for reports).
-    threads: Vec<Option<tyche_numa::report::ThreadPlacement>>,
-    /// Each engine thread's polling counters, as of its last turn.
-    poll_stats: Vec<PollStats>,
-    /// The session is over: every engine thread sends what is left on its links and exits.
-    finished: bool,
-    /// Engine threads that have exited.
-    exited: usize,
-    /// Who waits for the last engine thread to exit.
-    closers: Vec<oneshot::Sender<()>>,
-    /// Front ends the engine threads serve, by key.
-    fronts: HashMap<u64, Served>,
+    /// Front ends this thread serves, by key.
+    fronts: HashMap<u64, Box<dyn Front>>,
     /// Requests the front ends handed over in a pass (kept to spare an allocation per pass).
     front_ios: Vec<FrontIo>,
     /// For `front_ios`, in order: each front end's key, node, whether it is queued, and how many
     /// requests it handed over.
     front_runs: Vec<(u64, Option<u32>, bool, usize)>,
-    /// The link of every channel index ever opened.
-    channel_link: HashMap<u16, usize>,
+    /// The thread as it saw itself once placed (for reports).
+    thread: Option<tyche_numa::report::ThreadPlacement>,
+    /// Its polling counters, as of its last turn.
+    poll: PollStats,
+    /// It saw the session close: its backlog failed, nothing new is taken.
+    closing: bool,
+    /// It sent its DISCONNECTs and is gone.
+    finished: bool,
 }
 
-impl std::fmt::Debug for Engine {
+impl std::fmt::Debug for Group {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine")
-            .field("links", &self.links)
-            .field("reconnector", &self.reconnector)
-            .finish_non_exhaustive()
+        f.debug_struct("Group").field("g", &self.g).field("inflight", &self.inflight.len()).finish_non_exhaustive()
     }
 }
 
 /// What the engine threads (and, in inline send mode, the submitting threads) share.
 ///
-/// Lock order: `engine` first, then one group's `io`; never `io` and then `engine`, and never
-/// two groups' `io` at once. An engine thread holds both for its turn and neither while it
-/// sleeps, so a submitting thread that holds `engine` normally finds every `io` free.
+/// Lock order: a group, then the control (or the control alone); never two groups at once,
+/// and never a group while holding the control. Mailboxes and the volume's board are leaves.
 pub(crate) struct Shared {
-    engine: Mutex<Engine>,
-    /// Each engine group's transports (the links that group's thread receives on).
-    io: Vec<Mutex<Vec<(usize, Transport)>>>,
+    cfg: InitiatorConfig,
+    clock: std::time::Instant,
+    links: Vec<LinkMeta>,
+    slot_count: usize,
+    control: Mutex<Control>,
+    /// Moves when the control has something for the threads (parts, a session, connectors).
+    generation: AtomicU64,
+    /// When the control's reconnect timer is next due (nanoseconds of the clock; `u64::MAX`:
+    /// never).
+    control_due: AtomicU64,
+    groups: Vec<Mutex<Group>>,
+    mail: Vec<Mailbox>,
+    bells: Vec<Arc<Bell>>,
     /// Whether every transport of a group wakes its thread on arrival (a readiness descriptor).
     wakes: Vec<bool>,
+    /// Live channels of each thread's part, as of its last pass.
+    live: Vec<Published>,
+    /// Requests and adopted parts each thread holds, as of its last pass (closing waits for all
+    /// to be done).
+    busy: Vec<Published>,
+    /// When closing gives up on requests in flight (nanoseconds of the clock; 0: not closing).
+    closing_at: AtomicU64,
+    /// Engine threads that have exited.
+    exited: AtomicUsize,
+    /// The next thread for requests spread over the threads in turn.
+    turn: AtomicUsize,
 }
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared").field("groups", &self.io.len()).finish_non_exhaustive()
+        f.debug_struct("Shared").field("groups", &self.groups.len()).finish_non_exhaustive()
     }
 }
 
+fn nanos(t: Instant) -> u64 {
+    t.0
+}
+
 impl Shared {
-    /// The engine, also when another thread panicked while holding it (its state is still
-    /// consistent enough to fail requests and close).
-    fn lock(&self) -> MutexGuard<'_, Engine> {
-        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    fn now(&self) -> Instant {
+        Instant(self.clock.elapsed().as_nanos() as u64 + 1)
     }
 
-    /// Group `g`'s transports (the caller holds the engine lock: see the lock order above).
-    fn io(&self, g: usize) -> MutexGuard<'_, Vec<(usize, Transport)>> {
-        self.io[g].lock().unwrap_or_else(|p| p.into_inner())
+    /// Group `g`, also when a thread panicked while holding it (its state is still consistent
+    /// enough to fail requests and close).
+    fn group(&self, g: usize) -> MutexGuard<'_, Group> {
+        self.groups[g].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Inline send mode (the papers' "inline" path): the calling thread serialises on the
-    /// session (the engine lock), submits `io` into the volume, and sends the frames it put on
-    /// the channels itself, on each link's transport under its group's lock; no hand-off to an
+    /// The control; its reconnect timer is published again when it is let go of.
+    fn control(&self) -> ControlGuard<'_> {
+        ControlGuard { guard: self.control.lock().unwrap_or_else(|p| p.into_inner()), shared: self }
+    }
+
+    fn post(&self, to: usize, m: Mail) {
+        self.mail[to].post(m);
+        self.bells[to].ring();
+    }
+
+    /// Tells every thread that the control has something for it.
+    fn bump(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        for b in &self.bells {
+            b.ring();
+        }
+    }
+
+    fn closing(&self) -> bool {
+        self.closing_at.load(Ordering::Acquire) != 0
+    }
+
+    /// Starts closing the session (`done` is told when every engine thread has exited).
+    fn close(&self, done: Option<oneshot::Sender<()>>, now: Instant) {
+        let mut c = self.control();
+        if let Some(d) = done {
+            c.closers.push(d);
+        }
+        if self.closing_at.compare_exchange(0, nanos(now + CLOSE_GRACE), Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            info!("closing the session");
+        }
+        drop(c);
+        for b in &self.bells {
+            b.force();
+        }
+    }
+
+    /// The thread whose part a request goes to: with the affinity scheduler, the one serving
+    /// its buffers' node (its first link there); with round-robin, or for buffers on no link's
+    /// node, the threads in turn (each part's scheduler then picks among its own channels).
+    fn group_for(&self, node: Option<u32>) -> usize {
+        let n = self.groups.len();
+        if n == 1 {
+            return 0;
+        }
+        if self.cfg.scheduler == SchedulerKind::Affinity && node.is_some() {
+            if let Some(l) = self.links.iter().find(|l| l.node == node) {
+                return l.group;
+            }
+        }
+        self.turn.fetch_add(1, Ordering::Relaxed) % n
+    }
+
+    /// Inline send mode (the papers' "inline" path): the calling thread takes the part of its
+    /// buffers' node (that engine thread's lock, contended by no other engine thread), submits
+    /// `io` into it, and sends the frames it put on the channels itself; no hand-off to an
     /// engine thread and no wake-up. The engine threads keep receiving, timers,
     /// retransmissions and completions.
     ///
     /// Falls back to leaving the frames to the engine thread (its bell rung, the request
     /// counted in [`Stats::inline_fallbacks`]) when the request has to wait in the backlog (the
-    /// volume is full) or a group's transports are busy. A group whose transports cannot wake
-    /// its thread on arrival (in-memory links) is rung after an inline send all the same, so
-    /// that it looks for the reply (counted in [`Stats::inline_wakes`]).
+    /// part is full). A thread whose transports cannot wake it on arrival (in-memory links) is
+    /// rung after an inline send all the same, so that it looks for the reply (counted in
+    /// [`Stats::inline_wakes`]).
     pub(crate) fn submit_inline(&self, io: IoCmd) {
-        let mut e = self.lock();
-        let now = e.now();
-        if e.finished || e.closing.is_some() || e.volume.is_none() {
-            e.complete(io.reply, Err(Error::Closed), now);
+        let g = self.group_for(io.node);
+        let mut grp = self.group(g);
+        let now = self.now();
+        if grp.finished || grp.closing || self.closing() || grp.part.is_none() {
+            grp.complete(self, io.reply, Err(Error::Closed));
             return;
         }
-        let waits = !e.backlog.is_empty();
-        e.submit(io, now);
-        if waits || !e.backlog.is_empty() {
-            e.stats.inline_fallbacks += 1;
-            for bell in &e.bells {
-                bell.ring();
-            }
+        let waits = !grp.backlog.is_empty();
+        grp.submit_here(self, io, now);
+        if waits || !grp.backlog.is_empty() {
+            grp.stats.inline_fallbacks += 1;
+            self.bells[g].ring();
             return;
         }
-        let mut all_sent = true;
-        for g in 0..self.io.len() {
-            if !e.group_wants_transmit(g) {
-                continue;
-            }
-            match self.io[g].try_lock() {
-                Ok(mut io) => {
-                    e.transmit(now, &mut io);
-                }
-                Err(std::sync::TryLockError::Poisoned(p)) => {
-                    e.transmit(now, &mut p.into_inner());
-                }
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    all_sent = false;
-                    e.bells[g].ring();
-                    continue;
-                }
-            }
-            if !self.wakes[g] && e.bells[g].sleeping.load(Ordering::Acquire) {
-                e.stats.inline_wakes += 1;
-                e.bells[g].ring();
+        grp.transmit(self, now);
+        grp.stats.sent_inline += 1;
+        if !self.wakes[g] && self.bells[g].sleeping.load(Ordering::Acquire) {
+            grp.stats.inline_wakes += 1;
+            self.bells[g].ring();
+        }
+    }
+
+    /// The session's counters: every thread's, then the control's.
+    fn snapshot(&self) -> Stats {
+        let mut s = Stats::default();
+        let mut debt = DurabilityDebt::Clear;
+        for g in 0..self.groups.len() {
+            let grp = self.group(g);
+            let p = &grp.stats;
+            s.completed += p.completed;
+            s.failed += p.failed;
+            s.bytes_read += p.bytes_read;
+            s.bytes_written += p.bytes_written;
+            s.sent_inline += p.sent_inline;
+            s.handed_over += p.handed_over;
+            s.inline_fallbacks += p.inline_fallbacks;
+            s.inline_wakes += p.inline_wakes;
+            s.handoffs += p.handoffs;
+            s.outstanding += grp.inflight.len();
+            s.queued += grp.backlog.len();
+            if let Some(v) = &grp.part {
+                s.live_channels += v.live_channels();
+                let channels = || v.channel_indices().filter_map(|i| v.channel(i));
+                s.retransmits += channels().map(|c| c.stats().retransmits).sum::<u64>();
+                let dropped =
+                    |r: tyche_channel::DropReason| -> u64 { channels().map(|c| c.stats().dropped[r as usize]).sum() };
+                s.unauthenticated += dropped(tyche_channel::DropReason::Unauthenticated);
+                s.replayed += dropped(tyche_channel::DropReason::Replayed);
+                s.bad_digest += dropped(tyche_channel::DropReason::BadDigest);
+                s.durability_epoch = s.durability_epoch.or(v.durability_epoch());
+                debt = debt.merge(v.durability_debt());
             }
         }
-        if all_sent {
-            e.stats.sent_inline += 1;
+        s.durability_debt = debt;
+        s.channels = self.slot_count;
+        s.reconnects = self.control().reconnects;
+        s
+    }
+
+    /// Counters and placement; each link's thread as that engine thread saw itself once placed.
+    fn report(&self) -> crate::report::Report {
+        use crate::report::{ChannelReport, LinkReport, Report};
+        let s = self.snapshot();
+        let here = tyche_numa::report::this_thread();
+        let mut threads = Vec::with_capacity(self.groups.len());
+        let mut poll = Vec::with_capacity(self.groups.len());
+        let mut channels = Vec::new();
+        let (session, channel_link) = {
+            let c = self.control();
+            (c.connected.as_ref().map_or(0, |c| c.session), c.channel_link.clone())
+        };
+        for g in 0..self.groups.len() {
+            let grp = self.group(g);
+            let thread = grp.thread.clone().unwrap_or_else(|| here.clone());
+            threads.push(grp.thread.clone());
+            poll.push(grp.poll);
+            let Some(v) = &grp.part else { continue };
+            for ch in v.channel_indices() {
+                let Some(c) = v.channel(ch) else { continue };
+                let link = channel_link.get(&ch).copied();
+                let cs = c.stats();
+                channels.push(ChannelReport {
+                    channel: ch,
+                    link: link.map_or_else(String::new, |k| self.links[k].name.clone()),
+                    target: c.envelope().dst.to_string(),
+                    node: link.and_then(|k| self.links[k].node),
+                    live: c.dead().is_none(),
+                    payload_tx: cs.payload_tx,
+                    payload_rx: cs.payload_rx,
+                    frames_tx: cs.frames_tx,
+                    frames_rx: cs.frames_rx,
+                    retransmits: cs.retransmits,
+                    thread: thread.clone(),
+                });
+            }
+        }
+        channels.sort_by_key(|c| c.channel);
+        let thread_of = |k: usize| threads[self.links[k].group].clone().unwrap_or_else(|| here.clone());
+        let mut r = Report {
+            export: self.cfg.export.clone(),
+            session,
+            scheduler: self.cfg.scheduler.to_string(),
+            live_channels: s.live_channels,
+            completed: s.completed,
+            failed: s.failed,
+            bytes_read: s.bytes_read,
+            bytes_written: s.bytes_written,
+            reconnects: s.reconnects,
+            refused: crate::report::Refused {
+                unauthenticated: s.unauthenticated,
+                replayed: s.replayed,
+                bad_digest: s.bad_digest,
+            },
+            poll_mode: self.cfg.poll.mode,
+            poll_budget_us: self.cfg.poll.budget.as_micros() as u64,
+            poll,
+            send: crate::report::SendCounters {
+                mode: self.cfg.send_mode.to_string(),
+                inline: s.sent_inline,
+                handed_over: s.handed_over,
+                inline_fallbacks: s.inline_fallbacks,
+                inline_wakes: s.inline_wakes,
+            },
+            channels,
+            ..Report::default()
+        };
+        for (k, l) in self.links.iter().enumerate() {
+            let node = l.memory_node.or(l.node);
+            let empty = tyche_numa::PageCounts { expected_node: node, ..Default::default() };
+            let mut lr =
+                LinkReport { name: l.name.clone(), node, umem: empty.clone(), rings: empty, thread: thread_of(k) };
+            for a in &l.areas {
+                let Ok(c) = tyche_numa::report::count_area(a.addr, a.len, node) else { continue };
+                match a.what {
+                    "umem" => lr.umem.add(&c),
+                    _ => lr.rings.add(&c),
+                }
+            }
+            r.links.push(lr);
+        }
+        r
+    }
+
+    fn want(&self, link: usize) -> ChannelParams {
+        let l = &self.links[link];
+        let segment = tyche_wire::segment_size_for(l.mtu, l.frame_capacity).unwrap_or(512);
+        ChannelParams {
+            ring: self.cfg.ring,
+            remq_slots: self.cfg.slots,
+            damq_slots: self.cfg.slots,
+            segment: segment.min(u16::MAX as u32 / 2 + 1) as u16,
+            max_io: self.cfg.max_io,
+            features: tyche_wire::flags::FEATURE_BLOCK_STATUS
+                | if self.cfg.digest { tyche_wire::flags::FEATURE_DIGEST } else { 0 },
+        }
+    }
+
+    /// Runs the reconnect timer when it is due: connection attempts (the first ones,
+    /// reconnections, a new session) go to the threads of their links.
+    fn control_timers(&self, now: Instant) -> bool {
+        if now.0 < self.control_due.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut c = self.control();
+        let opening = !c.opened && c.fatal.is_none();
+        let mut started = false;
+        if (c.opened || opening) && !self.closing() {
+            while let Some(plan) = c.reconnector.poll_connect(now) {
+                self.start_connector(&mut c, plan, now);
+                started = true;
+            }
+            drop(c);
         } else {
-            e.stats.inline_fallbacks += 1;
+            // Nothing will be started (closing, or opening failed): no thread needs to look.
+            drop(c);
+            self.control_due.store(u64::MAX, Ordering::Release);
         }
+        if started {
+            self.bump();
+        }
+        started
+    }
+
+    /// Makes the connector `plan` asks for, for its link's thread to take.
+    fn start_connector(&self, c: &mut Control, plan: ConnectPlan, now: Instant) {
+        let link = c.reconnector.link(plan.slot);
+        let env = Envelope {
+            dst: self.links[link].target,
+            src: self.links[link].local_mac,
+            ethertype: self.cfg.ethertype,
+            channel: plan.channel,
+            session: plan.session,
+        };
+        let want = self.want(link);
+        let nonce = tyche_channel::auth::random_u64();
+        let mut connector =
+            Connector::new(env, &self.cfg.export, want, nonce, self.cfg.connect_retry, self.cfg.connect_attempts, now);
+        if let Some(key) = &self.cfg.key {
+            connector = connector.with_key(key);
+        }
+        if let Some(host) = self.cfg.host_id {
+            connector = connector.with_host(host);
+        }
+        let name = &self.links[link].name;
+        if plan.session == 0 && c.opened {
+            info!(link = %name, "opening a new session on export {}", self.cfg.export);
+        } else if plan.session == 0 {
+            debug!(link = %name, "opening session");
+        } else if plan.failures > 0 && plan.failures <= self.cfg.reconnect_attempts {
+            info!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
+        } else if plan.failures > 0 {
+            debug!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
+        }
+        let pending = Pending { slot: plan.slot, connector, failures: plan.failures };
+        c.connects[self.links[link].group].push((plan.channel, pending));
+    }
+
+    /// An engine thread is done; the last one wakes the closers.
+    fn exit_thread(&self) {
+        if self.exited.fetch_add(1, Ordering::AcqRel) + 1 == self.groups.len() {
+            for w in self.control().closers.drain(..) {
+                let _ = w.send(());
+            }
+            info!("session closed");
+        }
+    }
+}
+
+/// The control, held; its reconnect timer is published again when it is let go of.
+struct ControlGuard<'a> {
+    guard: MutexGuard<'a, Control>,
+    shared: &'a Shared,
+}
+
+impl std::ops::Deref for ControlGuard<'_> {
+    type Target = Control;
+    fn deref(&self) -> &Control {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for ControlGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Control {
+        &mut self.guard
+    }
+}
+
+impl Drop for ControlGuard<'_> {
+    fn drop(&mut self) {
+        let due = self.guard.reconnector.poll_timeout().map_or(u64::MAX, nanos);
+        self.shared.control_due.store(due, Ordering::Release);
+    }
+}
+
+/// Where in the data of adopted parts the bytes `offset..offset + len` of request `id` are.
+fn adopted_range(
+    adopted: &mut BTreeMap<(u64, u64), (Vec<u8>, bool)>,
+    id: u64,
+    offset: u64,
+    len: usize,
+) -> Option<&mut [u8]> {
+    let ((_, base), (data, _)) = adopted.range_mut(..=(id, offset)).next_back().filter(|((i, _), _)| *i == id)?;
+    let at = usize::try_from(offset - *base).ok()?;
+    data.get_mut(at..at.checked_add(len)?)
+}
+
+impl Group {
+    fn new(g: usize, io: Vec<(usize, Transport)>) -> Self {
+        Group {
+            g,
+            io,
+            part: None,
+            resumes: 0,
+            seen: 0,
+            connectors: HashMap::new(),
+            channel_link: HashMap::new(),
+            next_id: g as u64 + 1,
+            inflight: HashMap::new(),
+            adopted: BTreeMap::new(),
+            backlog: VecDeque::new(),
+            rx_scratch: Vec::new(),
+            rx_gather: Vec::new(),
+            last_timeout_run: Instant::ZERO,
+            stats: Stats::default(),
+            fronts: HashMap::new(),
+            front_ios: Vec::new(),
+            front_runs: Vec::new(),
+            thread: None,
+            poll: PollStats::default(),
+            closing: false,
+            finished: false,
+        }
+    }
+
+    /// One pass over this thread's share: mail, what the control has for it, front ends'
+    /// requests, the backlog, receive → events → transmit → timers → events, front ends'
+    /// replies. Returns whether anything happened.
+    fn pass(&mut self, sh: &Shared, now: Instant) -> bool {
+        if sh.closing() && !self.closing {
+            self.closing = true;
+            for io in std::mem::take(&mut self.backlog) {
+                self.complete(sh, io.reply, Err(Error::Closed));
+            }
+        }
+        let mut work = self.sync(sh, now);
+        work |= self.take_mail(sh, now);
+        work |= self.fronts_receive(sh, now);
+        work |= self.drain_backlog(sh, now);
+        work |= self.receive(sh, now);
+        work |= self.events(sh, now);
+        work |= self.transmit(sh, now);
+        work |= self.timers(sh, now);
+        work |= self.events(sh, now);
+        work |= self.fronts_send();
+        self.publish(sh);
+        work
+    }
+
+    /// Takes what the control has for this thread once its generation moved: its part of a new
+    /// volume, a new session to move to, connectors for its links.
+    fn sync(&mut self, sh: &Shared, now: Instant) -> bool {
+        let generation = sh.generation.load(Ordering::Acquire);
+        if generation == self.seen {
+            return false;
+        }
+        self.seen = generation;
+        let mut c = sh.control();
+        self.take_part(&mut c);
+        self.follow(&c, now);
+        let connects = std::mem::take(&mut c.connects[self.g]);
+        drop(c);
+        self.connectors.extend(connects);
+        self.exchange(sh);
+        true
+    }
+
+    fn take_part(&mut self, c: &mut Control) {
+        if self.part.is_none() {
+            self.part = c.parts.get_mut(self.g).and_then(Option::take);
+        }
+    }
+
+    /// Moves this thread's part to the control's session if the session moved since.
+    fn follow(&mut self, c: &Control, now: Instant) {
+        if self.resumes >= c.resumes {
+            return;
+        }
+        let (Some(v), Some(conn)) = (self.part.as_mut(), c.connected) else { return };
+        self.resumes = c.resumes;
+        if v.session() != conn.session {
+            v.resume(conn.session, now);
+        }
+        // Parts adopted in the old session went back with it (their origins issue them again).
+        self.adopted.clear();
+        self.channel_link.retain(|&ch, _| v.channel(ch).is_some());
+    }
+
+    /// Publishes what the other threads read of this one: its live channels (where hand-offs
+    /// go) and what it holds (what closing waits for).
+    fn publish(&self, sh: &Shared) {
+        let live = self.part.as_ref().map_or(0, Volume::live_channels);
+        let busy =
+            if self.finished { 0 } else { self.inflight.len() + self.part.as_ref().map_or(0, Volume::adopted_parts) };
+        for (slot, v) in [(&sh.live[self.g], live), (&sh.busy[self.g], busy)] {
+            if slot.0.load(Ordering::Relaxed) != v {
+                slot.0.store(v, Ordering::Release);
+            }
+        }
+    }
+
+    fn take_mail(&mut self, sh: &Shared, now: Instant) -> bool {
+        if !sh.mail[self.g].has_mail() {
+            return false;
+        }
+        for m in sh.mail[self.g].take() {
+            match m {
+                Mail::Submit(io) => self.submit_here(sh, io, now),
+                Mail::Complete(c, outcome) => self.complete(sh, c, outcome),
+                Mail::Handoff { from, handoff, data } => {
+                    let Some(v) = self.part.as_mut() else { continue };
+                    let key = (handoff.id(), handoff.req_offset());
+                    match data {
+                        Some(d) => {
+                            self.adopted.insert(key, (d, false));
+                        }
+                        None if handoff.op().has_read_data() => {
+                            self.adopted.insert(key, (vec![0; handoff.length() as usize], true));
+                        }
+                        None => {}
+                    }
+                    v.adopt(now, from, handoff);
+                }
+                Mail::Handback { back, data } => {
+                    let Some(v) = self.part.as_mut() else { continue };
+                    if let Some(d) = data.filter(|_| back.session == v.session()) {
+                        let at = back.req_offset() as usize;
+                        if let Some(dst) = self
+                            .inflight
+                            .get_mut(&back.id())
+                            .and_then(|r| r.buf.as_mut_slice().get_mut(at..at + d.len()))
+                        {
+                            dst.copy_from_slice(&d);
+                        }
+                    }
+                    v.handed_back(now, back);
+                }
+            }
+        }
+        self.exchange(sh);
+        true
+    }
+
+    /// Hands the queued parts of this thread's part, while it has no live channel, to the next
+    /// thread whose part has one (with their write data), and what this part adopted and is
+    /// done with (or cannot do) back to their origins (with read data).
+    fn exchange(&mut self, sh: &Shared) {
+        let n = sh.groups.len();
+        if n == 1 {
+            return;
+        }
+        let g = self.g;
+        let Some(v) = self.part.as_mut() else { return };
+        if v.live_channels() == 0 && v.queued_parts() > 0 {
+            if let Some(to) = (1..n).map(|i| (g + i) % n).find(|&q| sh.live[q].0.load(Ordering::Acquire) > 0) {
+                for handoff in v.take_stranded() {
+                    let data = handoff.op().has_write_data().then(|| {
+                        let at = handoff.req_offset() as usize;
+                        let len = handoff.length() as usize;
+                        self.inflight
+                            .get(&handoff.id())
+                            .and_then(|r| r.buf.as_slice().get(at..at + len))
+                            .map(<[u8]>::to_vec)
+                            .unwrap_or_default()
+                    });
+                    self.stats.handoffs += 1;
+                    sh.post(to, Mail::Handoff { from: g, handoff, data });
+                }
+            }
+        }
+        while let Some((to, back)) = v.poll_handback() {
+            let data = self
+                .adopted
+                .remove(&(back.id(), back.req_offset()))
+                .and_then(|(d, read)| (read && back.succeeded()).then_some(d));
+            sh.post(to, Mail::Handback { back, data });
+        }
+    }
+
+    /// Routes a request to the part it belongs in ([`Shared::group_for`]).
+    fn submit(&mut self, sh: &Shared, io: IoCmd, now: Instant) {
+        let to = sh.group_for(io.node);
+        if to == self.g {
+            self.submit_here(sh, io, now);
+        } else {
+            sh.post(to, Mail::Submit(io));
+        }
+    }
+
+    /// Submits a request into this thread's part (or its backlog while the part is full).
+    fn submit_here(&mut self, sh: &Shared, io: IoCmd, now: Instant) {
+        if self.closing || self.finished || self.part.is_none() {
+            self.complete(sh, io.reply, Err(Error::Closed));
+            return;
+        }
+        if !self.backlog.is_empty() {
+            self.backlog.push_back(io);
+            return;
+        }
+        if let Err(io) = self.try_submit(sh, io, now) {
+            self.backlog.push_back(io);
+        }
+    }
+
+    /// Submits `io`, or gives it back when the part is busy.
+    // The request itself comes back when the part is full: it goes to the backlog as it is
+    // (boxing it would cost an allocation per request).
+    #[allow(clippy::result_large_err)]
+    fn try_submit(&mut self, sh: &Shared, io: IoCmd, now: Instant) -> Result<(), IoCmd> {
+        let id = self.next_id;
+        let Some(vol) = self.part.as_mut() else {
+            self.complete(sh, io.reply, Err(Error::Closed));
+            return Ok(());
+        };
+        let req = IoRequest { id, op: io.op, fua: io.fua, offset: io.offset, length: io.length, node: io.node };
+        match vol.submit(now, req) {
+            Ok(()) => {
+                self.next_id += sh.groups.len() as u64;
+                // Read data lands in the buffer the caller allocated (on its thread's node),
+                // when it gave one.
+                let buf = if io.op == Op::Read && io.data.len() != io.length as usize {
+                    // Touched here, on the submitting thread (a front end's node), not
+                    // first by whichever thread receives the data.
+                    let mut buf = vec![0; io.length as usize];
+                    for i in (0..buf.len()).step_by(4096) {
+                        buf[i] = std::hint::black_box(0);
+                    }
+                    Buf::Heap(buf)
+                } else {
+                    io.data
+                };
+                self.inflight.insert(id, InFlight { op: io.op, buf, reply: io.reply });
+                Ok(())
+            }
+            Err(SubmitError::Busy) => Err(io),
+            Err(e) => {
+                self.complete(sh, io.reply, Err(e.into()));
+                Ok(())
+            }
+        }
+    }
+
+    fn drain_backlog(&mut self, sh: &Shared, now: Instant) -> bool {
+        let mut work = false;
+        while let Some(io) = self.backlog.pop_front() {
+            match self.try_submit(sh, io, now) {
+                Ok(()) => work = true,
+                Err(io) => {
+                    self.backlog.push_front(io);
+                    break;
+                }
+            }
+        }
+        work
+    }
+
+    fn receive(&mut self, sh: &Shared, now: Instant) -> bool {
+        let mut outcomes = Vec::new();
+        let mut n = 0;
+        let ethertype = sh.cfg.ethertype;
+        let Group { io, connectors, part, inflight, adopted, stats, rx_scratch, rx_gather, .. } = self;
+        for (k, transport) in io.iter_mut() {
+            let link = &sh.links[*k];
+            // A multi-buffer DATA frame (a jumbo link) comes in its pieces: its read data is
+            // copied from them straight into the request's buffer, never gathered first.
+            let res = transport.recv_pieces(RX_BUDGET, &mut |pieces| {
+                if let [bytes] = pieces {
+                    if let Ok(frame) = Frame::new_checked(bytes, ethertype) {
+                        if matches!(frame.kind(), Kind::Accept | Kind::Reject | Kind::Challenge) {
+                            let ch = frame.channel();
+                            if let (Some(p), Ok(msg)) = (connectors.get_mut(&ch), frame.parse()) {
+                                if let Some(outcome) = p.connector.handle(frame.src(), frame.session(), &msg) {
+                                    outcomes.push((ch, outcome));
+                                }
+                            }
+                            return;
+                        }
+                    }
+                }
+                let Some(v) = part.as_mut() else { return };
+                if let InboundOf::Read { id, offset, payload } =
+                    v.handle_frame_pieces(now, pieces, rx_scratch, rx_gather)
+                {
+                    let (at, len) = (offset as usize, payload.len());
+                    // The volume only places data inside the request; a range outside it would be
+                    // an engine bug, and is dropped rather than trusted.
+                    let dst = match inflight.get_mut(&id) {
+                        Some(r) => r.buf.as_mut_slice().get_mut(at..at + len),
+                        // A part adopted from another thread's part: its own buffer.
+                        None => adopted_range(adopted, id, offset, len),
+                    };
+                    if let Some(dst) = dst {
+                        let mut o = 0;
+                        for piece in payload.parts() {
+                            dst[o..o + piece.len()].copy_from_slice(piece);
+                            o += piece.len();
+                        }
+                        stats.bytes_read += len as u64;
+                    }
+                }
+            });
+            match res {
+                Ok(got) => n += got,
+                Err(e) => warn!(link = %link.name, "receive failed: {e}"),
+            }
+        }
+        for (ch, outcome) in outcomes {
+            self.connector_done(sh, ch, outcome, now);
+        }
+        n > 0
+    }
+
+    fn connector_done(&mut self, sh: &Shared, ch: u16, outcome: Result<Connected, ChannelConnectError>, now: Instant) {
+        let Some(p) = self.connectors.remove(&ch) else { return };
+        let mut c = sh.control();
+        let slot = p.slot;
+        let link = c.reconnector.link(slot);
+        let name = sh.links[link].name.clone();
+        let target = sh.links[link].target.to_string();
+        let export = &sh.cfg.export;
+        match outcome {
+            Ok(conn) => {
+                let channel = p.connector.channel(&conn, sh.cfg.timers, now);
+                let mut moved = false;
+                match c.reconnector.connected(slot, ch, conn.session, now) {
+                    Opened::First => {
+                        let cfg = VolumeConfig {
+                            export_size: conn.export_size,
+                            read_only: conn.export_flags & flags::EXPORT_READ_ONLY != 0,
+                            no_path_timeout: sh.cfg.no_path_timeout,
+                            max_requests: sh.cfg.max_requests,
+                        };
+                        let nodes: Vec<u32> = sh.links.iter().filter_map(|l| l.node).collect();
+                        let board = VolumeBoard::new(sh.groups.len(), conn.session);
+                        let mut parts: Vec<Option<Volume>> = (0..sh.groups.len())
+                            .map(|q| {
+                                let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::with_order(
+                                    sh.cfg.scheduler,
+                                    &nodes,
+                                    sh.cfg.node_order.as_ref(),
+                                ));
+                                let board = Arc::clone(&board);
+                                Some(Volume::part(cfg, conn.session, sh.cfg.ethertype, scheduler, now, board, q))
+                            })
+                            .collect();
+                        let mut mine = parts[self.g].take().expect("made");
+                        // An earlier process's unflushed writes: kept if this session presents
+                        // the epoch they were acknowledged under, else the next FLUSH fails.
+                        mine.inherit_debt(sh.cfg.prior_writes);
+                        self.part = Some(mine);
+                        c.parts = parts;
+                        c.opened = true;
+                        c.connected = Some(conn);
+                        moved = true;
+                        debug!(link = %name, channel = ch, segment = conn.params.segment, max_io = conn.params.max_io, "channel open");
+                    }
+                    Opened::Resumed => {
+                        let old = c.connected.expect("a session was open");
+                        if conn.export_size != old.export_size || conn.export_flags != old.export_flags {
+                            warn!(
+                                link = %name,
+                                "export {export} changed across the target's restart (size {} -> {}, flags {:#x} -> {:#x}); \
+                                 the device keeps its size",
+                                old.export_size, conn.export_size, old.export_flags, conn.export_flags
+                            );
+                        }
+                        self.take_part(&mut c);
+                        let Some(vol) = self.part.as_ref() else { return };
+                        let waiting = vol.outstanding();
+                        let (was, unflushed) = (vol.durability_epoch(), vol.unflushed_writes());
+                        c.connected = Some(Connected { session: conn.session, ..old });
+                        c.resumes += 1;
+                        self.follow(&c, now);
+                        match was {
+                            Some(e) if unflushed && !e.keeps(&conn.durability_epoch) => warn!(
+                                link = %name, "the target's durability epoch changed ({e} -> {}): writes not flushed \
+                                 may be lost, and the next FLUSH fails", conn.durability_epoch
+                            ),
+                            Some(_) if unflushed => {
+                                info!(link = %name, "same durability epoch: the writes not flushed are still there")
+                            }
+                            _ => {}
+                        }
+                        c.reconnects += 1;
+                        moved = true;
+                        info!(
+                            link = %name, session = format_args!("{:#x}", conn.session), reissued = waiting,
+                            "new session open; requests not completed are issued again"
+                        );
+                    }
+                    Opened::Joined => {
+                        if p.failures > 0 || c.channel_link.values().any(|&l| l == link) {
+                            c.reconnects += 1;
+                            info!(link = %name, channel = ch, "channel reconnected after {} attempt(s)", p.failures + 1);
+                        } else {
+                            debug!(link = %name, channel = ch, segment = conn.params.segment, max_io = conn.params.max_io, "channel open");
+                        }
+                        self.take_part(&mut c);
+                        self.follow(&c, now);
+                    }
+                    Opened::Stale | Opened::Probe => {
+                        // Opened for a session since abandoned: not used (the target reclaims it).
+                        debug!(link = %name, channel = ch, "dropping a channel of an abandoned session");
+                        return;
+                    }
+                }
+                let Some(vol) = self.part.as_mut() else { return };
+                vol.add_channel(channel, sh.links[link].node, now);
+                c.channel_link.insert(ch, link);
+                self.channel_link.insert(ch, link);
+                drop(c);
+                if moved {
+                    sh.bump();
+                }
+                self.publish(sh);
+                self.exchange(sh);
+            }
+            Err(e) => {
+                if !c.opened {
+                    // The initial channel: a refusal is final, a timeout tries the next link.
+                    let export = export.clone();
+                    c.fatal = match e {
+                        ChannelConnectError::Rejected(RejectReason::UnknownExport) => {
+                            Some(ConnectError::UnknownExport { target, export })
+                        }
+                        ChannelConnectError::Rejected(
+                            reason @ (RejectReason::AuthRequired | RejectReason::AuthFailed),
+                        ) => Some(ConnectError::Auth { target, export, link: name, reason }),
+                        ChannelConnectError::ChallengeUnsupported => {
+                            Some(ConnectError::Auth { target, export, link: name, reason: RejectReason::AuthRequired })
+                        }
+                        ChannelConnectError::InUse(holder) => {
+                            Some(ConnectError::InUse { target, export, link: name, holder: holder.to_string() })
+                        }
+                        ChannelConnectError::Rejected(reason) => {
+                            Some(ConnectError::Refused { target, export, link: name, reason })
+                        }
+                        ChannelConnectError::Timeout => {
+                            warn!(link = %name, "no answer from target {target}");
+                            c.initial_timeouts += 1;
+                            // The policy tries the next link at once.
+                            c.reconnector.failed(slot, ch, e, now);
+                            if c.initial_timeouts < sh.links.len() {
+                                None
+                            } else {
+                                Some(ConnectError::Timeout {
+                                    target,
+                                    export,
+                                    links: sh.links.iter().map(|l| l.name.as_str()).collect::<Vec<_>>().join(", "),
+                                })
+                            }
+                        }
+                        // BadGrant, and whatever else a newer handshake may report.
+                        other => Some(ConnectError::Handshake {
+                            target,
+                            export,
+                            link: name,
+                            detail: match other {
+                                ChannelConnectError::BadProof => "the target did not prove the pre-shared key in its ACCEPT (a target without this export's key, or not the real target)".to_string(),
+                                ChannelConnectError::BadGrant => "the target granted channel parameters this initiator cannot use".to_string(),
+                                ChannelConnectError::BadChannelAddress(m) => format!("the target named a group address ({m}) as the channel's address in its ACCEPT"),
+                                other => format!("{other:?}"),
+                            },
+                        }),
+                    };
+                    return;
+                }
+                match c.reconnector.failed(slot, ch, e, now) {
+                    Failed::SessionLost => warn!(
+                        link = %name,
+                        "target {target} no longer knows session {:#x} (it restarted, or reclaimed the session): \
+                         opening a new session on export {export}",
+                        c.connected.map_or(0, |c| c.session)
+                    ),
+                    Failed::Retry if p.failures < sh.cfg.reconnect_attempts => {
+                        warn!(link = %name, channel = ch, "channel could not be opened: {e:?}; trying again")
+                    }
+                    Failed::Retry => debug!(link = %name, channel = ch, "channel could not be opened: {e:?}"),
+                    Failed::Stale => {}
+                }
+            }
+        }
+    }
+
+    /// Completions and channel deaths of this thread's part.
+    fn events(&mut self, sh: &Shared, now: Instant) -> bool {
+        // A part whose channels all died hands its queue over; adopters report back.
+        self.exchange(sh);
+        let Some(vol) = self.part.as_mut() else { return false };
+        let mut work = false;
+        let mut dead = Vec::new();
+        let mut no_path = 0usize;
+        let mut completed = Vec::new();
+        while let Some(ev) = vol.poll_event() {
+            work = true;
+            match ev {
+                VolumeEvent::Completed { id, result } => {
+                    let Some(r) = self.inflight.remove(&id) else { continue };
+                    let result = match result {
+                        Ok(()) => {
+                            self.stats.completed += 1;
+                            if r.op == Op::Write {
+                                self.stats.bytes_written += r.buf.len() as u64;
+                            }
+                            Ok((r.op, r.buf))
+                        }
+                        Err(e) => {
+                            self.stats.failed += 1;
+                            no_path += usize::from(e == IoError::NoPath);
+                            Err(match e {
+                                IoError::NoPath => Error::NoPath,
+                                IoError::Target(s) => Error::Target(s),
+                            })
+                        }
+                    };
+                    completed.push((r.reply, result));
+                }
+                VolumeEvent::ChannelAborted { channel } => {
+                    info!(
+                        channel,
+                        "the target aborted a request (it is stopping): the request waits for another channel"
+                    );
+                }
+                VolumeEvent::ChannelDead { channel, reason, reissued } => {
+                    dead.push((channel, reason));
+                    let name = self.channel_link.get(&channel).map_or("?", |&l| sh.links[l].name.as_str());
+                    warn!(
+                        link = %name, channel, ?reason, reissued,
+                        live = vol.live_channels(),
+                        "channel dead; its requests go to the other channels"
+                    );
+                    if vol.live_channels() == 0
+                        && sh.live.iter().enumerate().all(|(q, l)| q == self.g || l.0.load(Ordering::Acquire) == 0)
+                    {
+                        warn!(
+                            "every channel is down: requests wait up to {:?} for a reconnect, then fail",
+                            sh.cfg.no_path_timeout
+                        );
+                    }
+                }
+            }
+        }
+        if no_path > 0 {
+            error!(
+                "{no_path} request(s) failed with an I/O error: no channel for {:?} (no-path timeout)",
+                sh.cfg.no_path_timeout
+            );
+        }
+        if !dead.is_empty() {
+            self.publish(sh);
+            let mut c = sh.control();
+            for (channel, reason) in dead {
+                if reason == DeadReason::PeerClosed(DisconnectReason::Shutdown) {
+                    info!(channel, "the target is shutting down: reconnecting at once");
+                }
+                c.reconnector.channel_dead(channel, reason, now);
+            }
+        }
+        for (c, result) in completed {
+            self.complete(sh, c, result);
+        }
+        work
+    }
+
+    /// Hands a request's outcome to whoever waits for it (a front end of another thread by
+    /// that thread's mailbox).
+    fn complete(&mut self, sh: &Shared, c: Completion, result: Outcome) {
+        match c {
+            Completion::Client(reply) => {
+                let _ =
+                    reply.send(result.map(|(op, buf)| if op.has_read_data() { buf.into_vec() } else { Vec::new() }));
+            }
+            Completion::Front { group, key, token } if group == self.g => {
+                if let Some(f) = self.fronts.get_mut(&key) {
+                    f.complete(token, result);
+                }
+            }
+            c @ Completion::Front { group, .. } => sh.post(group, Mail::Complete(c, result)),
+        }
+    }
+
+    fn transmit(&mut self, sh: &Shared, now: Instant) -> bool {
+        let mut sent = 0;
+        let per = sh.cfg.channels_per_link.max(1);
+        let Group { io, connectors, part, inflight, adopted, channel_link, .. } = self;
+        for (k, t) in io.iter_mut() {
+            let (k, link) = (*k, &sh.links[*k]);
+            for p in connectors.values_mut().filter(|p| p.slot / per == k) {
+                let r = t.send(1, &mut |buf| p.connector.poll_transmit(now, buf));
+                sent += r.unwrap_or(0);
+            }
+            if let Some(vol) = part.as_mut() {
+                for (&ch, _) in channel_link.iter().filter(|(_, &l)| l == k) {
+                    if !vol.wants_transmit(ch) {
+                        continue;
+                    }
+                    loop {
+                        let r = t.send(TX_BUDGET, &mut |buf| {
+                            let out = vol.poll_transmit(now, ch, buf)?;
+                            if let Some((id, offset, len)) = out.payload {
+                                let (at, len) = (offset as usize, len as usize);
+                                let src = match inflight.get(&id) {
+                                    Some(r) => r.buf.as_slice().get(at..at + len),
+                                    // A part adopted from another thread's part: the data it
+                                    // came with.
+                                    None => adopted_range(adopted, id, offset, len).map(|s| &*s),
+                                };
+                                if let Some(src) = src {
+                                    buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len].copy_from_slice(src);
+                                }
+                            }
+                            Some(vol.seal(ch, buf, out.len))
+                        });
+                        match r {
+                            Ok(n) => {
+                                sent += n;
+                                if n < TX_BUDGET {
+                                    break;
+                                }
+                            }
+                            Err(e) => {
+                                warn!(link = %link.name, "send failed: {e}");
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            if let Err(e) = t.flush() {
+                warn!(link = %link.name, "flush failed: {e}");
+            }
+        }
+        sent > 0
+    }
+
+    fn timers(&mut self, sh: &Shared, now: Instant) -> bool {
+        let mut work = false;
+        let reads_board = self.reads_board();
+        if let Some(vol) = self.part.as_mut() {
+            let due = vol.poll_timeout().is_some_and(|t| t <= now);
+            // The no-path clock starts inside handle_timeout: run it regularly too.
+            if due || now.since(self.last_timeout_run) >= Duration::from_millis(1) {
+                vol.handle_timeout(now);
+                self.last_timeout_run = now;
+                work |= due;
+            }
+            // The floors: each part reads the others' on its own timer while the volume is busy.
+            if reads_board && vol.refresh_at().is_some_and(|t| t <= now) {
+                vol.refresh(now);
+            }
+        }
+        self.exchange(sh);
+        // Connectors that ran out of attempts.
+        let timed_out: Vec<u16> = self
+            .connectors
+            .iter_mut()
+            .filter_map(|(&ch, p)| {
+                p.connector.handle_timeout(now);
+                matches!(p.connector.outcome(), Some(Err(_))).then_some(ch)
+            })
+            .collect();
+        for ch in timed_out {
+            let outcome = self.connectors[&ch].connector.outcome().expect("checked");
+            self.connector_done(sh, ch, outcome, now);
+            work = true;
+        }
+        work |= sh.control_timers(now);
+        work
+    }
+
+    /// Whether this thread's part must keep reading the board: it holds requests, or another
+    /// part does (an idle part's next tag would hold the session's floor down).
+    fn reads_board(&self) -> bool {
+        self.part.as_ref().is_some_and(|v| v.outstanding() > 0 || v.adopted_parts() > 0 || v.volume_busy())
+    }
+
+    /// Takes and submits the requests of this thread's front ends.
+    fn fronts_receive(&mut self, sh: &Shared, now: Instant) -> bool {
+        if self.fronts.is_empty() {
+            return false;
+        }
+        let mut ios = std::mem::take(&mut self.front_ios);
+        let mut runs = std::mem::take(&mut self.front_runs);
+        for (&key, f) in self.fronts.iter_mut() {
+            let before = ios.len();
+            f.receive(&mut ios);
+            if ios.len() > before {
+                runs.push((key, f.node(), f.queued(), ios.len() - before));
+            }
+        }
+        let work = !ios.is_empty();
+        let mut drain = ios.drain(..);
+        for &(key, node, queued, n) in &runs {
+            if queued {
+                self.stats.handed_over += n as u64;
+            } else {
+                self.stats.sent_inline += n as u64;
+            }
+            for io in drain.by_ref().take(n) {
+                let reply = Completion::Front { group: self.g, key, token: io.token };
+                let FrontIo { op, fua, offset, length, data, .. } = io;
+                self.submit(sh, IoCmd { op, fua, offset, length, data, node, reply }, now);
+            }
+        }
+        drop(drain);
+        runs.clear();
+        self.front_ios = ios;
+        self.front_runs = runs;
+        work
+    }
+
+    /// Lets this thread's front ends write their replies, and ends those that are over.
+    fn fronts_send(&mut self) -> bool {
+        if self.fronts.is_empty() {
+            return false;
+        }
+        let mut work = false;
+        let mut over = false;
+        for f in self.fronts.values_mut() {
+            work |= f.send();
+            over |= f.finished();
+        }
+        if over {
+            let done: Vec<u64> = self.fronts.iter().filter(|(_, f)| f.finished()).map(|(&k, _)| k).collect();
+            for key in done {
+                if let Some(f) = self.fronts.remove(&key) {
+                    f.close(false);
+                }
+            }
+        }
+        work
+    }
+
+    /// Whether a front end has requests its reader thread handed over.
+    fn fronts_handed_waiting(&self) -> bool {
+        self.fronts.values().any(|f| f.handed_waiting())
+    }
+
+    /// What this thread polls its front ends for while it sleeps.
+    fn fronts_poll_set(&self) -> Vec<(WaitFd, PollFlags)> {
+        self.fronts.values().filter_map(|f| f.wait_for()).collect()
+    }
+
+    /// Whether a closing thread may finish: no thread holds requests or adopted parts any
+    /// more, or the grace is over.
+    fn may_finish(&self, sh: &Shared, now: Instant) -> bool {
+        self.closing
+            && (sh.busy.iter().all(|b| b.0.load(Ordering::Acquire) == 0)
+                || now.0 >= sh.closing_at.load(Ordering::Acquire))
+    }
+
+    /// Fails what is left, closes the front ends, and sends DISCONNECT on every channel of
+    /// this thread's part.
+    fn finish(&mut self, sh: &Shared, now: Instant) {
+        let inflight: Vec<InFlight> = self.inflight.drain().map(|(_, r)| r).collect();
+        for r in inflight {
+            self.complete(sh, r.reply, Err(Error::Closed));
+        }
+        for io in std::mem::take(&mut self.backlog) {
+            self.complete(sh, io.reply, Err(Error::Closed));
+        }
+        for (_, mut f) in self.fronts.drain() {
+            f.send();
+            f.close(true);
+        }
+        if let Some(v) = self.part.as_mut() {
+            v.close();
+        }
+        self.transmit(sh, now);
+        self.finished = true;
+        self.publish(sh);
     }
 }
 
@@ -391,7 +1525,7 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         .map(|_| Bell::new().map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(|e| ConnectError::Config(format!("cannot create an eventfd: {e}")))?;
-    let mut io: Vec<(usize, Transport)> = Vec::with_capacity(links.len());
+    let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
     let mut metas = Vec::with_capacity(links.len());
     for (k, l) in links.into_iter().enumerate() {
         let t = &l.transport;
@@ -406,46 +1540,10 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
             areas: t.memory_areas(),
             group: group[k],
         });
-        io.push((k, l.transport));
-    }
-    let mut engine = Engine::new(cfg, metas, bells.clone());
-    // The session opens on this thread, over every link. Bounded: every connector gives up
-    // after `connect_attempts * connect_retry`.
-    loop {
-        engine.step(&mut io);
-        if let Some(e) = engine.fatal.take() {
-            return Err(e);
-        }
-        if engine.volume.is_some() && engine.connectors.is_empty() {
-            break;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    let c = engine.connected.expect("volume exists");
-    let info = ExportInfo {
-        export: engine.cfg.export.clone(),
-        size: c.export_size,
-        block_size: c.block_size,
-        read_only: c.export_flags & flags::EXPORT_READ_ONLY != 0,
-        discard: c.export_flags & flags::EXPORT_DISCARD != 0,
-        session: c.session,
-        max_io: c.params.max_io,
-    };
-    info!(
-        export = %info.export, session = format_args!("{:#x}", info.session), size = info.size,
-        channels = engine.volume.as_ref().map_or(0, VolumeParts::live_channels),
-        engine_threads = groups,
-        "session open"
-    );
-    let send_mode = engine.cfg.send_mode;
-    // The placement experiment: every engine thread on one given node.
-    let thread_node = engine.cfg.engine_thread_node;
-    let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
-    for (k, t) in io {
-        by_group[group[k]].push((k, t));
+        by_group[group[k]].push((k, l.transport));
     }
     // What each engine thread sleeps on besides its bell: duplicates of its transports'
-    // readiness descriptors, so that it sleeps without holding its group's transports.
+    // readiness descriptors, so that it sleeps without holding its group.
     let mut sleep_fds: Vec<Vec<std::os::fd::OwnedFd>> = Vec::with_capacity(groups);
     let mut wakes = Vec::with_capacity(groups);
     for mine in &by_group {
@@ -461,15 +1559,86 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         wakes.push(fds.len() == mine.len());
         sleep_fds.push(fds);
     }
-    let metas: Vec<Vec<usize>> = by_group.iter().map(|m| m.iter().map(|(k, _)| *k).collect()).collect();
-    let shared =
-        Arc::new(Shared { engine: Mutex::new(engine), io: by_group.into_iter().map(Mutex::new).collect(), wakes });
+    let mine: Vec<Vec<usize>> = by_group.iter().map(|m| m.iter().map(|(k, _)| *k).collect()).collect();
+    let per = cfg.channels_per_link;
+    let slot_count = metas.len() * per;
+    let slot_links: Vec<usize> = (0..slot_count).map(|i| i / per).collect();
+    let policy = ReconnectPolicy { min: cfg.reconnect_delay, max: cfg.reconnect_max_delay.max(cfg.reconnect_delay) };
+    // The first attempt (on the first link) is due at once.
+    let control = Control {
+        reconnector: Reconnector::new(slot_links, policy, Instant::ZERO),
+        connected: None,
+        parts: Vec::new(),
+        opened: false,
+        resumes: 0,
+        connects: (0..groups).map(|_| Vec::new()).collect(),
+        fatal: None,
+        initial_timeouts: 0,
+        reconnects: 0,
+        closers: Vec::new(),
+        channel_link: HashMap::new(),
+    };
+    let shared = Arc::new(Shared {
+        cfg,
+        clock: std::time::Instant::now(),
+        links: metas,
+        slot_count,
+        control: Mutex::new(control),
+        generation: AtomicU64::new(0),
+        control_due: AtomicU64::new(0),
+        groups: by_group.into_iter().enumerate().map(|(g, io)| Mutex::new(Group::new(g, io))).collect(),
+        mail: (0..groups).map(|_| Mailbox::default()).collect(),
+        bells: bells.clone(),
+        wakes,
+        live: (0..groups).map(|_| Published::default()).collect(),
+        busy: (0..groups).map(|_| Published::default()).collect(),
+        closing_at: AtomicU64::new(0),
+        exited: AtomicUsize::new(0),
+        turn: AtomicUsize::new(0),
+    });
+    // The session opens on this thread, over every link. Bounded: every connector gives up
+    // after `connect_attempts * connect_retry`.
+    loop {
+        let now = shared.now();
+        for g in 0..groups {
+            shared.group(g).pass(&shared, now);
+        }
+        let mut c = shared.control();
+        if let Some(e) = c.fatal.take() {
+            return Err(e);
+        }
+        let placed = c.opened && c.parts.iter().all(Option::is_none) && c.connects.iter().all(Vec::is_empty);
+        drop(c);
+        if placed && (0..groups).all(|g| shared.group(g).connectors.is_empty()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let c = shared.control().connected.expect("volume exists");
+    let info = ExportInfo {
+        export: shared.cfg.export.clone(),
+        size: c.export_size,
+        block_size: c.block_size,
+        read_only: c.export_flags & flags::EXPORT_READ_ONLY != 0,
+        discard: c.export_flags & flags::EXPORT_DISCARD != 0,
+        session: c.session,
+        max_io: c.params.max_io,
+    };
+    info!(
+        export = %info.export, session = format_args!("{:#x}", info.session), size = info.size,
+        channels = (0..groups).map(|g| shared.group(g).part.as_ref().map_or(0, Volume::live_channels)).sum::<usize>(),
+        engine_threads = groups,
+        "session open"
+    );
+    let send_mode = shared.cfg.send_mode;
+    // The placement experiment: every engine thread on one given node.
+    let thread_node = shared.cfg.engine_thread_node;
     let mut queues: Vec<(Sender<Cmd>, Arc<Bell>)> = Vec::with_capacity(groups);
     let mut node_group: Vec<(Option<u32>, usize)> = Vec::new();
     let mut all_nodes: Vec<u32> = nodes.iter().flatten().copied().collect();
     all_nodes.sort_unstable();
     all_nodes.dedup();
-    for (g, ((mine, fds), bell)) in metas.into_iter().zip(sleep_fds).zip(&bells).enumerate() {
+    for (g, ((mine, fds), bell)) in mine.into_iter().zip(sleep_fds).zip(&bells).enumerate() {
         let mut spread: Vec<u32> = mine.iter().filter_map(|k| nodes[*k]).collect();
         spread.sort_unstable();
         spread.dedup();
@@ -516,948 +1685,138 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     Ok(Client::new(queues, node_group, info, send_mode, &nodes, shared))
 }
 
-impl Engine {
-    fn new(cfg: InitiatorConfig, links: Vec<LinkMeta>, bells: Vec<Arc<Bell>>) -> Self {
-        let per = cfg.channels_per_link;
-        let links_len = links.len();
-        let slot_links: Vec<usize> = (0..links.len() * per).map(|i| i / per).collect();
-        let policy =
-            ReconnectPolicy { min: cfg.reconnect_delay, max: cfg.reconnect_max_delay.max(cfg.reconnect_delay) };
-        // The first attempt (on the first link) is due at once.
-        let reconnector = Reconnector::new(slot_links, policy, Instant::ZERO);
-        let threads = vec![None; bells.len()];
-        let poll_stats = vec![PollStats::default(); bells.len()];
-        Engine {
-            cfg,
-            clock: std::time::Instant::now(),
-            links,
-            slot_count: links_len * per,
-            reconnector,
-            connectors: HashMap::new(),
-            volume: None,
-            connected: None,
-            next_id: 1,
-            inflight: HashMap::new(),
-            backlog: VecDeque::new(),
-            rx_scratch: Vec::new(),
-            rx_gather: Vec::new(),
-            last_timeout_run: Instant::ZERO,
-            stats: Stats::default(),
-            closing: None,
-            fatal: None,
-            initial_timeouts: 0,
-            bells,
-            threads,
-            poll_stats,
-            finished: false,
-            exited: 0,
-            closers: Vec::new(),
-            fronts: HashMap::new(),
-            front_ios: Vec::new(),
-            front_runs: Vec::new(),
-            channel_link: HashMap::new(),
-        }
-    }
-
-    fn now(&self) -> Instant {
-        Instant(self.clock.elapsed().as_nanos() as u64 + 1)
-    }
-
-    fn want(&self, link: usize) -> ChannelParams {
-        let l = &self.links[link];
-        let segment = tyche_wire::segment_size_for(l.mtu, l.frame_capacity).unwrap_or(512);
-        ChannelParams {
-            ring: self.cfg.ring,
-            remq_slots: self.cfg.slots,
-            damq_slots: self.cfg.slots,
-            segment: segment.min(u16::MAX as u32 / 2 + 1) as u16,
-            max_io: self.cfg.max_io,
-            features: tyche_wire::flags::FEATURE_BLOCK_STATUS
-                | if self.cfg.digest { tyche_wire::flags::FEATURE_DIGEST } else { 0 },
-        }
-    }
-
-    /// Starts the connector `plan` asks for.
-    fn start_connector(&mut self, plan: ConnectPlan, now: Instant) {
-        let link = self.reconnector.link(plan.slot);
-        let env = Envelope {
-            dst: self.links[link].target,
-            src: self.links[link].local_mac,
-            ethertype: self.cfg.ethertype,
-            channel: plan.channel,
-            session: plan.session,
-        };
-        let want = self.want(link);
-        let nonce = tyche_channel::auth::random_u64();
-        let mut connector =
-            Connector::new(env, &self.cfg.export, want, nonce, self.cfg.connect_retry, self.cfg.connect_attempts, now);
-        if let Some(key) = &self.cfg.key {
-            connector = connector.with_key(key);
-        }
-        if let Some(host) = self.cfg.host_id {
-            connector = connector.with_host(host);
-        }
-        let name = &self.links[link].name;
-        if plan.session == 0 && self.volume.is_some() {
-            info!(link = %name, "opening a new session on export {}", self.cfg.export);
-        } else if plan.session == 0 {
-            debug!(link = %name, "opening session");
-        } else if plan.failures > 0 && plan.failures <= self.cfg.reconnect_attempts {
-            info!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
-        } else if plan.failures > 0 {
-            debug!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
-        }
-        self.connectors.insert(plan.channel, Pending { slot: plan.slot, connector, failures: plan.failures });
-    }
-
-    /// One pass of the loop over the links in `io`. Returns whether anything happened.
-    fn step(&mut self, io: &mut Io) -> bool {
-        let now = self.now();
-        let mut work = self.receive(now, io);
-        work |= self.events(now);
-        work |= self.transmit(now, io);
-        work |= self.timers(now);
-        work |= self.events(now);
-        work
-    }
-
-    fn receive(&mut self, now: Instant, io: &mut Io) -> bool {
-        let mut outcomes = Vec::new();
-        let mut n = 0;
-        let ethertype = self.cfg.ethertype;
-        for (k, transport) in io.iter_mut() {
-            let Engine { links, connectors, volume, inflight, stats, rx_scratch, rx_gather, .. } = self;
-            let link = &links[*k];
-            let group = link.group;
-            // A multi-buffer DATA frame (a jumbo link) comes in its pieces: its read data is
-            // copied from them straight into the request's buffer, never gathered first.
-            let res = transport.recv_pieces(RX_BUDGET, &mut |pieces| {
-                if let [bytes] = pieces {
-                    if let Ok(frame) = Frame::new_checked(bytes, ethertype) {
-                        if matches!(frame.kind(), Kind::Accept | Kind::Reject | Kind::Challenge) {
-                            let ch = frame.channel();
-                            if let (Some(p), Ok(msg)) = (connectors.get_mut(&ch), frame.parse()) {
-                                if let Some(outcome) = p.connector.handle(frame.src(), frame.session(), &msg) {
-                                    outcomes.push((ch, outcome));
-                                }
-                            }
-                            return;
-                        }
-                    }
-                }
-                let Some(v) = volume.as_mut() else { return };
-                if let InboundOf::Read { id, offset, payload } =
-                    v.part(group).handle_frame_pieces(now, pieces, rx_scratch, rx_gather)
-                {
-                    let at = offset as usize;
-                    // The volume only places data inside the request; a range outside it would be
-                    // an engine bug, and is dropped rather than trusted.
-                    if let Some(dst) =
-                        inflight.get_mut(&id).and_then(|r| r.buf.as_mut_slice().get_mut(at..at + payload.len()))
-                    {
-                        let mut o = 0;
-                        for part in payload.parts() {
-                            dst[o..o + part.len()].copy_from_slice(part);
-                            o += part.len();
-                        }
-                        stats.bytes_read += payload.len() as u64;
-                    }
-                }
-            });
-            match res {
-                Ok(got) => n += got,
-                Err(e) => warn!(link = %link.name, "receive failed: {e}"),
-            }
-        }
-        for (ch, outcome) in outcomes {
-            self.connector_done(ch, outcome, now);
-        }
-        n > 0
-    }
-
-    fn connector_done(&mut self, ch: u16, outcome: Result<Connected, ChannelConnectError>, now: Instant) {
-        let Some(p) = self.connectors.remove(&ch) else { return };
-        let slot = p.slot;
-        let link = self.reconnector.link(slot);
-        let name = self.links[link].name.clone();
-        let target = self.links[link].target.to_string();
-        match outcome {
-            Ok(c) => {
-                let channel = p.connector.channel(&c, self.cfg.timers, now);
-                match self.reconnector.connected(slot, ch, c.session, now) {
-                    Opened::First => {
-                        let cfg = VolumeConfig {
-                            export_size: c.export_size,
-                            read_only: c.export_flags & flags::EXPORT_READ_ONLY != 0,
-                            no_path_timeout: self.cfg.no_path_timeout,
-                            max_requests: self.cfg.max_requests,
-                        };
-                        let nodes: Vec<u32> = self.links.iter().filter_map(|l| l.node).collect();
-                        let scheduler = || -> Box<dyn Scheduler> {
-                            Box::new(NumaScheduler::with_order(
-                                self.cfg.scheduler,
-                                &nodes,
-                                self.cfg.node_order.as_ref(),
-                            ))
-                        };
-                        let mut vol = VolumeParts::new(
-                            cfg,
-                            c.session,
-                            self.cfg.ethertype,
-                            now,
-                            self.bells.len(),
-                            scheduler,
-                            tyche_channel::AtOnce::default(),
-                        );
-                        // An earlier process's unflushed writes: kept if this session presents
-                        // the epoch they were acknowledged under, else the next FLUSH fails.
-                        vol.inherit_debt(self.cfg.prior_writes);
-                        self.volume = Some(vol);
-                        self.connected = Some(c);
-                        debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");
-                    }
-                    Opened::Resumed => {
-                        let old = self.connected.expect("a session was open");
-                        if c.export_size != old.export_size || c.export_flags != old.export_flags {
-                            warn!(
-                                link = %name,
-                                "export {} changed across the target's restart (size {} -> {}, flags {:#x} -> {:#x}); \
-                                 the device keeps its size",
-                                self.cfg.export, old.export_size, c.export_size, old.export_flags, c.export_flags
-                            );
-                        }
-                        let vol = self.volume.as_mut().expect("a session was open");
-                        let waiting = vol.outstanding();
-                        let (was, unflushed) = (vol.durability_epoch(), vol.unflushed_writes());
-                        vol.resume(c.session, now);
-                        match was {
-                            Some(e) if unflushed && !e.keeps(&c.durability_epoch) => warn!(
-                                link = %name, "the target's durability epoch changed ({e} -> {}): writes not flushed \
-                                 may be lost, and the next FLUSH fails", c.durability_epoch
-                            ),
-                            Some(_) if unflushed => {
-                                info!(link = %name, "same durability epoch: the writes not flushed are still there")
-                            }
-                            _ => {}
-                        }
-                        self.connected = Some(Connected { session: c.session, ..old });
-                        self.stats.reconnects += 1;
-                        info!(
-                            link = %name, session = format_args!("{:#x}", c.session), reissued = waiting,
-                            "new session open; requests not completed are issued again"
-                        );
-                    }
-                    Opened::Joined => {
-                        if p.failures > 0 || self.channel_link.values().any(|&l| l == link) {
-                            self.stats.reconnects += 1;
-                            info!(link = %name, channel = ch, "channel reconnected after {} attempt(s)", p.failures + 1);
-                        } else {
-                            debug!(link = %name, channel = ch, segment = c.params.segment, max_io = c.params.max_io, "channel open");
-                        }
-                    }
-                    Opened::Stale | Opened::Probe => {
-                        // Opened for a session since abandoned: not used (the target reclaims it).
-                        debug!(link = %name, channel = ch, "dropping a channel of an abandoned session");
-                        return;
-                    }
-                }
-                let vol = self.volume.as_mut().expect("created");
-                vol.part(self.links[link].group).add_channel(channel, self.links[link].node, now);
-                vol.settle(now);
-                self.channel_link.insert(ch, link);
-            }
-            Err(e) => {
-                if self.volume.is_none() {
-                    // The initial channel: a refusal is final, a timeout tries the next link.
-                    self.fatal = match e {
-                        ChannelConnectError::Rejected(RejectReason::UnknownExport) => {
-                            Some(ConnectError::UnknownExport { target, export: self.cfg.export.clone() })
-                        }
-                        ChannelConnectError::Rejected(
-                            reason @ (RejectReason::AuthRequired | RejectReason::AuthFailed),
-                        ) => Some(ConnectError::Auth { target, export: self.cfg.export.clone(), link: name, reason }),
-                        ChannelConnectError::ChallengeUnsupported => Some(ConnectError::Auth {
-                            target,
-                            export: self.cfg.export.clone(),
-                            link: name,
-                            reason: RejectReason::AuthRequired,
-                        }),
-                        ChannelConnectError::InUse(holder) => Some(ConnectError::InUse {
-                            target,
-                            export: self.cfg.export.clone(),
-                            link: name,
-                            holder: holder.to_string(),
-                        }),
-                        ChannelConnectError::Rejected(reason) => {
-                            Some(ConnectError::Refused { target, export: self.cfg.export.clone(), link: name, reason })
-                        }
-                        ChannelConnectError::Timeout => {
-                            warn!(link = %name, "no answer from target {target}");
-                            self.initial_timeouts += 1;
-                            // The policy tries the next link at once.
-                            self.reconnector.failed(slot, ch, e, now);
-                            if self.initial_timeouts < self.links.len() {
-                                None
-                            } else {
-                                Some(ConnectError::Timeout {
-                                    target,
-                                    export: self.cfg.export.clone(),
-                                    links: self.links.iter().map(|l| l.name.as_str()).collect::<Vec<_>>().join(", "),
-                                })
-                            }
-                        }
-                        // BadGrant, and whatever else a newer handshake may report.
-                        other => Some(ConnectError::Handshake {
-                            target,
-                            export: self.cfg.export.clone(),
-                            link: name,
-                            detail: match other {
-                                ChannelConnectError::BadProof => "the target did not prove the pre-shared key in its ACCEPT (a target without this export's key, or not the real target)".to_string(),
-                                ChannelConnectError::BadGrant => "the target granted channel parameters this initiator cannot use".to_string(),
-                                ChannelConnectError::BadChannelAddress(m) => format!("the target named a group address ({m}) as the channel's address in its ACCEPT"),
-                                other => format!("{other:?}"),
-                            },
-                        }),
-                    };
-                    return;
-                }
-                match self.reconnector.failed(slot, ch, e, now) {
-                    Failed::SessionLost => warn!(
-                        link = %name,
-                        "target {target} no longer knows session {:#x} (it restarted, or reclaimed the session): \
-                         opening a new session on export {}",
-                        self.connected.map_or(0, |c| c.session), self.cfg.export
-                    ),
-                    Failed::Retry if p.failures < self.cfg.reconnect_attempts => {
-                        warn!(link = %name, channel = ch, "channel could not be opened: {e:?}; trying again")
-                    }
-                    Failed::Retry => debug!(link = %name, channel = ch, "channel could not be opened: {e:?}"),
-                    Failed::Stale => {}
-                }
-            }
-        }
-    }
-
-    /// Completions and channel deaths.
-    fn events(&mut self, now: Instant) -> bool {
-        let Some(vol) = self.volume.as_mut() else { return false };
-        // Parts whose channels all died hand their queues over; adopters report back.
-        vol.settle(now);
-        let mut work = false;
-        let mut dead = Vec::new();
-        let mut no_path = 0usize;
-        let mut completed = Vec::new();
-        while let Some(ev) = vol.poll_event() {
-            work = true;
-            match ev {
-                VolumeEvent::Completed { id, result } => {
-                    let Some(r) = self.inflight.remove(&id) else { continue };
-                    let result = match result {
-                        Ok(()) => {
-                            self.stats.completed += 1;
-                            if r.op == Op::Write {
-                                self.stats.bytes_written += r.buf.len() as u64;
-                            }
-                            Ok((r.op, r.buf))
-                        }
-                        Err(e) => {
-                            self.stats.failed += 1;
-                            no_path += usize::from(e == IoError::NoPath);
-                            Err(match e {
-                                IoError::NoPath => Error::NoPath,
-                                IoError::Target(s) => Error::Target(s),
-                            })
-                        }
-                    };
-                    completed.push((r.reply, result));
-                }
-                VolumeEvent::ChannelAborted { channel } => {
-                    info!(
-                        channel,
-                        "the target aborted a request (it is stopping): the request waits for another channel"
-                    );
-                }
-                VolumeEvent::ChannelDead { channel, reason, reissued } => {
-                    dead.push((channel, reason));
-                    let name = self.channel_link.get(&channel).map_or("?", |&l| self.links[l].name.as_str());
-                    warn!(
-                        link = %name, channel, ?reason, reissued,
-                        live = vol.live_channels(),
-                        "channel dead; its requests go to the other channels"
-                    );
-                    if vol.live_channels() == 0 {
-                        warn!(
-                            "every channel is down: requests wait up to {:?} for a reconnect, then fail",
-                            self.cfg.no_path_timeout
-                        );
-                    }
-                }
-            }
-        }
-        if no_path > 0 {
-            error!(
-                "{no_path} request(s) failed with an I/O error: no channel for {:?} (no-path timeout)",
-                self.cfg.no_path_timeout
-            );
-        }
-        for (channel, reason) in dead {
-            if reason == DeadReason::PeerClosed(DisconnectReason::Shutdown) {
-                info!(channel, "the target is shutting down: reconnecting at once");
-            }
-            self.reconnector.channel_dead(channel, reason, now);
-        }
-        for (c, result) in completed {
-            self.complete(c, result, now);
-        }
-        work
-    }
-
-    /// Hands a request's outcome to whoever waits for it. (`_now`: the callers' clock, kept in
-    /// the signature they share; a completion starts no request since front ends make their own
-    /// follow-ups.)
-    fn complete(&mut self, c: Completion, result: Outcome, _now: Instant) {
-        match c {
-            Completion::Client(reply) => {
-                let _ =
-                    reply.send(result.map(|(op, buf)| if op.has_read_data() { buf.into_vec() } else { Vec::new() }));
-            }
-            Completion::Front(key, token) => {
-                if let Some(s) = self.fronts.get_mut(&key) {
-                    s.front.complete(token, result);
-                }
-            }
-        }
-    }
-
-    fn transmit(&mut self, now: Instant, io: &mut Io) -> bool {
-        let mut sent = 0;
-        let Engine { links, connectors, volume, inflight, reconnector, slot_count, .. } = self;
-        for (k, t) in io.iter_mut() {
-            let (k, link) = (*k, &links[*k]);
-            for p in connectors.values_mut().filter(|p| reconnector.link(p.slot) == k) {
-                let r = t.send(1, &mut |buf| p.connector.poll_transmit(now, buf));
-                sent += r.unwrap_or(0);
-            }
-            if let Some(vol) = volume.as_mut().map(|v| v.part(link.group)) {
-                let channels: Vec<u16> = (0..*slot_count)
-                    .filter(|&s| reconnector.link(s) == k)
-                    .filter_map(|s| reconnector.channel(s))
-                    .collect();
-                for ch in channels {
-                    if !vol.wants_transmit(ch) {
-                        continue;
-                    }
-                    loop {
-                        let r = t.send(TX_BUDGET, &mut |buf| {
-                            let out = vol.poll_transmit(now, ch, buf)?;
-                            if let Some((id, offset, len)) = out.payload {
-                                if let Some(r) = inflight.get(&id) {
-                                    let (at, len) = (offset as usize, len as usize);
-                                    buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len]
-                                        .copy_from_slice(&r.buf.as_slice()[at..at + len]);
-                                }
-                            }
-                            Some(vol.seal(ch, buf, out.len))
-                        });
-                        match r {
-                            Ok(n) => {
-                                sent += n;
-                                if n < TX_BUDGET {
-                                    break;
-                                }
-                            }
-                            Err(e) => {
-                                warn!(link = %link.name, "send failed: {e}");
-                                break;
-                            }
-                        }
-                    }
-                }
-            }
-            if let Err(e) = t.flush() {
-                warn!(link = %link.name, "flush failed: {e}");
-            }
-        }
-        sent > 0
-    }
-
-    fn timers(&mut self, now: Instant) -> bool {
-        let mut work = false;
-        if let Some(vol) = self.volume.as_mut() {
-            let due = vol.poll_timers().is_some_and(|t| t <= now);
-            // The no-path clock starts inside handle_timeout: run it regularly too.
-            if due || now.since(self.last_timeout_run) >= Duration::from_millis(1) {
-                vol.handle_timeout(now);
-                vol.settle(now);
-                self.last_timeout_run = now;
-                work |= due;
-            }
-            // The parts' floors (each reads the others' on its own timer while busy).
-            vol.refresh_due(now);
-        }
-        // Connectors that ran out of attempts.
-        let timed_out: Vec<u16> = self
-            .connectors
-            .iter_mut()
-            .filter_map(|(&ch, p)| {
-                p.connector.handle_timeout(now);
-                matches!(p.connector.outcome(), Some(Err(_))).then_some(ch)
-            })
-            .collect();
-        for ch in timed_out {
-            let outcome = self.connectors[&ch].connector.outcome().expect("checked");
-            self.connector_done(ch, outcome, now);
-            work = true;
-        }
-        // Connection attempts that are due (the first ones, reconnections, a new session).
-        let opening = self.volume.is_none() && self.fatal.is_none();
-        if (self.volume.is_some() || opening) && self.closing.is_none() {
-            while let Some(plan) = self.reconnector.poll_connect(now) {
-                self.start_connector(plan, now);
-                work = true;
-            }
-        }
-        work
-    }
-
-    fn command(&mut self, cmd: Cmd, now: Instant) {
-        match cmd {
-            Cmd::Batch(ios) => {
-                self.stats.handed_over += ios.len() as u64;
-                for io in ios {
-                    self.submit(io, now);
-                }
-            }
-            Cmd::Stats(reply) => {
-                let _ = reply.send(self.snapshot());
-            }
-            Cmd::Report(reply) => {
-                let _ = reply.send(self.report());
-            }
-            Cmd::Front(group, front) => {
-                front.placed(self.threads.get(group).cloned().flatten());
-                if self.closing.is_some() {
-                    front.close(true);
-                } else {
-                    self.fronts.insert(front.key(), Served { group, front });
-                }
-            }
-            Cmd::Close(done) => {
-                if self.closing.is_none() {
-                    info!("closing the session");
-                }
-                for io in std::mem::take(&mut self.backlog) {
-                    self.complete(io.reply, Err(Error::Closed), now);
-                }
-                match &mut self.closing {
-                    Some((_, waiters)) => waiters.push(done),
-                    None => self.closing = Some((now + CLOSE_GRACE, vec![done])),
-                }
-            }
-        }
-    }
-
-    fn submit(&mut self, io: IoCmd, now: Instant) {
-        if self.closing.is_some() {
-            self.complete(io.reply, Err(Error::Closed), now);
-            return;
-        }
-        if !self.backlog.is_empty() {
-            self.backlog.push_back(io);
-            return;
-        }
-        if let Err(io) = self.try_submit(io, now) {
-            self.backlog.push_back(io);
-        }
-    }
-
-    /// Submits `io`, or gives it back when the volume is busy.
-    // The request itself comes back when the volume is full: it goes to the backlog as it is
-    // (boxing it would cost an allocation per request).
-    #[allow(clippy::result_large_err)]
-    fn try_submit(&mut self, io: IoCmd, now: Instant) -> Result<(), IoCmd> {
-        // With the affinity scheduler, the part of the engine thread serving the buffers' node
-        // (its first link there); with round-robin, or for buffers on no link's node, the parts
-        // in turn (each part's scheduler then picks among its own channels).
-        let id = self.next_id;
-        let groups = self.bells.len();
-        let by_node = groups > 1 && io.node.is_some() && self.cfg.scheduler == SchedulerKind::Affinity;
-        let preferred = match self.links.iter().find(|l| by_node && l.node == io.node) {
-            Some(l) => l.group,
-            None => (id % groups as u64) as usize,
-        };
-        let vol = self.volume.as_mut().expect("engine runs with a volume");
-        let req = IoRequest { id, op: io.op, fua: io.fua, offset: io.offset, length: io.length, node: io.node };
-        let part = vol.submit_part(preferred);
-        match vol.part(part).submit(now, req) {
-            Ok(()) => {
-                self.next_id += 1;
-                // Read data lands in the buffer the caller allocated (on its thread's node),
-                // when it gave one.
-                let buf = if io.op == Op::Read && io.data.len() != io.length as usize {
-                    // Touched here, on the submitting thread (a front end's node), not
-                    // first by whichever thread receives the data.
-                    let mut buf = vec![0; io.length as usize];
-                    for i in (0..buf.len()).step_by(4096) {
-                        buf[i] = std::hint::black_box(0);
-                    }
-                    Buf::Heap(buf)
-                } else {
-                    io.data
-                };
-                self.inflight.insert(id, InFlight { op: io.op, buf, reply: io.reply });
-                Ok(())
-            }
-            Err(SubmitError::Busy) => Err(io),
-            Err(e) => {
-                self.complete(io.reply, Err(e.into()), now);
-                Ok(())
-            }
-        }
-    }
-
-    fn drain_backlog(&mut self, now: Instant) -> bool {
-        let mut work = false;
-        while let Some(io) = self.backlog.pop_front() {
-            match self.try_submit(io, now) {
-                Ok(()) => work = true,
-                Err(io) => {
-                    self.backlog.push_front(io);
-                    break;
-                }
-            }
-        }
-        work
-    }
-
-    fn snapshot(&self) -> Stats {
-        let mut s = self.stats;
-        if let Some(v) = &self.volume {
-            s.live_channels = v.live_channels();
-            s.channels = self.slot_count;
-            s.outstanding = self.inflight.len();
-            s.queued = self.backlog.len();
-            s.retransmits = v.channel_indices().filter_map(|i| v.channel(i)).map(|c| c.stats().retransmits).sum();
-            let dropped = |r: tyche_channel::DropReason| -> u64 {
-                v.channel_indices().filter_map(|i| v.channel(i)).map(|c| c.stats().dropped[r as usize]).sum()
-            };
-            s.unauthenticated = dropped(tyche_channel::DropReason::Unauthenticated);
-            s.replayed = dropped(tyche_channel::DropReason::Replayed);
-            s.bad_digest = dropped(tyche_channel::DropReason::BadDigest);
-            s.handoffs = v.handoffs();
-            s.durability_epoch = v.durability_epoch();
-            s.durability_debt = v.durability_debt();
-        }
-        s
-    }
-
-    /// Counters and placement; each link's thread as that engine thread saw itself once placed.
-    fn report(&self) -> crate::report::Report {
-        use crate::report::{ChannelReport, LinkReport, Report};
-        let s = self.snapshot();
-        let here = tyche_numa::report::this_thread();
-        let thread_of = |k: usize| self.threads[self.links[k].group].clone().unwrap_or_else(|| here.clone());
-        let mut r = Report {
-            export: self.cfg.export.clone(),
-            session: self.connected.as_ref().map_or(0, |c| c.session),
-            scheduler: self.cfg.scheduler.to_string(),
-            live_channels: s.live_channels,
-            completed: s.completed,
-            failed: s.failed,
-            bytes_read: s.bytes_read,
-            bytes_written: s.bytes_written,
-            reconnects: s.reconnects,
-            refused: crate::report::Refused {
-                unauthenticated: s.unauthenticated,
-                replayed: s.replayed,
-                bad_digest: s.bad_digest,
-            },
-            poll_mode: self.cfg.poll.mode,
-            poll_budget_us: self.cfg.poll.budget.as_micros() as u64,
-            poll: self.poll_stats.clone(),
-            send: crate::report::SendCounters {
-                mode: self.cfg.send_mode.to_string(),
-                inline: s.sent_inline,
-                handed_over: s.handed_over,
-                inline_fallbacks: s.inline_fallbacks,
-                inline_wakes: s.inline_wakes,
-            },
-            ..Report::default()
-        };
-        if let Some(v) = &self.volume {
-            for ch in v.channel_indices() {
-                let Some(c) = v.channel(ch) else { continue };
-                let link = self.channel_link.get(&ch).copied();
-                let cs = c.stats();
-                r.channels.push(ChannelReport {
-                    channel: ch,
-                    link: link.map_or_else(String::new, |k| self.links[k].name.clone()),
-                    target: c.envelope().dst.to_string(),
-                    node: link.and_then(|k| self.links[k].node),
-                    live: c.dead().is_none(),
-                    payload_tx: cs.payload_tx,
-                    payload_rx: cs.payload_rx,
-                    frames_tx: cs.frames_tx,
-                    frames_rx: cs.frames_rx,
-                    retransmits: cs.retransmits,
-                    thread: link.map_or_else(|| here.clone(), thread_of),
-                });
-            }
-        }
-        for (k, l) in self.links.iter().enumerate() {
-            let node = l.memory_node.or(l.node);
-            let empty = tyche_numa::PageCounts { expected_node: node, ..Default::default() };
-            let mut lr =
-                LinkReport { name: l.name.clone(), node, umem: empty.clone(), rings: empty, thread: thread_of(k) };
-            for a in &l.areas {
-                let Ok(c) = tyche_numa::report::count_area(a.addr, a.len, node) else { continue };
-                match a.what {
-                    "umem" => lr.umem.add(&c),
-                    _ => lr.rings.add(&c),
-                }
-            }
-            r.links.push(lr);
-        }
-        r
-    }
-
-    /// Whether engine thread `g` has frames to send on its links (a request scheduled on one of
-    /// its channels, a retransmission, a connector).
-    fn group_wants_transmit(&self, g: usize) -> bool {
-        let r = &self.reconnector;
-        if self.connectors.values().any(|p| self.links[r.link(p.slot)].group == g) {
-            return true;
-        }
-        let Some(vol) = &self.volume else { return false };
-        let vol = &vol.parts()[g];
-        (0..self.slot_count).any(|s| {
-            self.links[r.link(s)].group == g && r.channel(s).is_some_and(|channel| vol.wants_transmit(channel))
-        })
-    }
-
-    /// Rings the other engine threads that have something to send (frames, or front ends'
-    /// replies) or requests handed over to take.
-    fn wake_others(&self, me: usize) {
-        if self.bells.len() < 2 {
-            return;
-        }
-        for (g, bell) in self.bells.iter().enumerate() {
-            if g != me
-                && (self.group_wants_transmit(g)
-                    || self.fronts.values().any(|s| s.group == g && (s.front.wants_send() || s.front.handed_waiting())))
-            {
-                bell.ring();
-            }
-        }
-    }
-
-    /// Whether a front end of engine thread `g` has requests its reader thread handed over.
-    fn fronts_handed_waiting(&self, g: usize) -> bool {
-        self.fronts.values().any(|s| s.group == g && s.front.handed_waiting())
-    }
-
-    /// Takes and submits the requests of engine thread `g`'s front ends.
-    fn fronts_receive(&mut self, g: usize, now: Instant) -> bool {
-        if self.fronts.is_empty() {
-            return false;
-        }
-        let mut ios = std::mem::take(&mut self.front_ios);
-        let mut runs = std::mem::take(&mut self.front_runs);
-        for (&key, s) in self.fronts.iter_mut().filter(|(_, s)| s.group == g) {
-            let before = ios.len();
-            s.front.receive(&mut ios);
-            if ios.len() > before {
-                runs.push((key, s.front.node(), s.front.queued(), ios.len() - before));
-            }
-        }
-        let work = !ios.is_empty();
-        let mut drain = ios.drain(..);
-        for &(key, node, queued, n) in &runs {
-            if queued {
-                self.stats.handed_over += n as u64;
-            } else {
-                self.stats.sent_inline += n as u64;
-            }
-            for io in drain.by_ref().take(n) {
-                let reply = Completion::Front(key, io.token);
-                let FrontIo { op, fua, offset, length, data, .. } = io;
-                self.submit(IoCmd { op, fua, offset, length, data, node, reply }, now);
-            }
-        }
-        drop(drain);
-        runs.clear();
-        self.front_ios = ios;
-        self.front_runs = runs;
-        work
-    }
-
-    /// Lets engine thread `g`'s front ends write their replies, and ends those that are over.
-    fn fronts_send(&mut self, g: usize) -> bool {
-        if self.fronts.is_empty() {
-            return false;
-        }
-        let mut work = false;
-        let mut over = false;
-        for s in self.fronts.values_mut().filter(|s| s.group == g) {
-            work |= s.front.send();
-            over |= s.front.finished();
-        }
-        if over {
-            let done: Vec<u64> =
-                self.fronts.iter().filter(|(_, s)| s.group == g && s.front.finished()).map(|(&k, _)| k).collect();
-            for key in done {
-                if let Some(s) = self.fronts.remove(&key) {
-                    s.front.close(false);
-                }
-            }
-        }
-        work
-    }
-
-    /// What engine thread `g` polls its front ends for while it sleeps.
-    fn fronts_poll_set(&self, g: usize) -> Vec<(WaitFd, PollFlags)> {
-        self.fronts.values().filter(|s| s.group == g).filter_map(|s| s.front.wait_for()).collect()
-    }
-
-    /// Fails what is left, sends DISCONNECT on every channel of `io`'s links, and tells the
-    /// other engine threads to send theirs and exit.
-    fn finish(&mut self, now: Instant, io: &mut Io) {
-        let inflight: Vec<InFlight> = self.inflight.drain().map(|(_, r)| r).collect();
-        for r in inflight {
-            self.complete(r.reply, Err(Error::Closed), now);
-        }
-        for io in std::mem::take(&mut self.backlog) {
-            self.complete(io.reply, Err(Error::Closed), now);
-        }
-        for (_, mut s) in self.fronts.drain() {
-            s.front.send();
-            s.front.close(true);
-        }
-        if let Some(v) = self.volume.as_mut() {
-            v.close();
-        }
-        self.transmit(now, io);
-        if let Some((_, waiters)) = self.closing.take() {
-            self.closers.extend(waiters);
-        }
-        self.finished = true;
-        for bell in &self.bells {
-            bell.force();
-        }
-    }
-
-    /// An engine thread is done; the last one wakes the closers.
-    fn exit_thread(&mut self) {
-        self.exited += 1;
-        if self.exited == self.bells.len() {
-            for w in self.closers.drain(..) {
-                let _ = w.send(());
-            }
-            info!("session closed");
-        }
-    }
-}
-
-/// An engine thread's loop over its group's links (`shared.io[g]`); `fds` are duplicates of
-/// their readiness descriptors. Returns when the session is closed (after every client is gone
-/// or one asked).
-fn serve(shared: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd>) {
-    let bell = Arc::clone(&shared.lock().bells[g]);
-    shared.lock().threads[g] = Some(tyche_numa::report::this_thread());
+/// An engine thread's loop over its group (`shared.groups[g]`); `fds` are duplicates of its
+/// transports' readiness descriptors. Returns when the session is closed (after every client is
+/// gone or one asked) and this thread has sent its DISCONNECTs.
+fn serve(sh: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd>) {
+    let bell = Arc::clone(&sh.bells[g]);
+    let placed = tyche_numa::report::this_thread();
+    sh.group(g).thread = Some(placed.clone());
     // Links without a readiness descriptor (in-memory ones) are polled: sleep briefly.
-    let all_fds = shared.wakes[g];
-    let mut poller = Poller::new(shared.lock().cfg.poll);
+    let all_fds = sh.wakes[g];
+    let mut poller = Poller::new(sh.cfg.poll);
     let run_queue = SchedStat::of_this_thread();
     let mut disconnected = false;
     let mut next: Option<Cmd> = None;
-    loop {
-        // Lock order: the engine, then this group's transports.
-        let mut e = shared.lock();
-        let mut io = shared.io(g);
-        let now = e.now();
-        if e.finished {
-            // Another thread closed the session: DISCONNECT on this thread's channels.
-            e.transmit(now, &mut io);
-            e.exit_thread();
-            drop(e);
-            // The transports go with the thread, as they did when they lived on its stack.
-            drop(std::mem::take(&mut *io));
-            return;
+    // Stats and reports read every thread's group: answered without holding this one's.
+    let mut asked: Vec<Cmd> = Vec::new();
+    let answer = |asked: &mut Vec<Cmd>| {
+        for cmd in asked.drain(..) {
+            match cmd {
+                Cmd::Stats(reply) => {
+                    let _ = reply.send(sh.snapshot());
+                }
+                Cmd::Report(reply) => {
+                    let _ = reply.send(sh.report());
+                }
+                _ => {}
+            }
         }
+    };
+    loop {
+        let mut grp = sh.group(g);
+        let now = sh.now();
         let mut work = false;
+        let mut command = |grp: &mut Group, cmd: Cmd| match cmd {
+            Cmd::Batch(ios) => {
+                grp.stats.handed_over += ios.len() as u64;
+                for io in ios {
+                    grp.submit(sh, io, now);
+                }
+            }
+            Cmd::Stats(_) | Cmd::Report(_) => asked.push(cmd),
+            Cmd::Close(done) => sh.close(Some(done), now),
+            Cmd::Front(front) => {
+                front.placed(Some(placed.clone()));
+                if grp.closing || sh.closing() {
+                    front.close(true);
+                } else {
+                    grp.fronts.insert(front.key(), front);
+                }
+            }
+        };
         if let Some(cmd) = next.take() {
-            e.command(cmd, now);
+            command(&mut grp, cmd);
             work = true;
         }
         loop {
             match rx.try_recv() {
                 Ok(cmd) => {
-                    e.command(cmd, now);
+                    command(&mut grp, cmd);
                     work = true;
                 }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     if !disconnected {
                         disconnected = true;
-                        let (tx, _rx) = oneshot::channel();
-                        e.command(Cmd::Close(tx), now);
+                        sh.close(None, now);
                     }
                     break;
                 }
             }
         }
-        work |= e.fronts_receive(g, now);
-        work |= e.drain_backlog(now);
-        work |= e.step(&mut io);
-        work |= e.fronts_send(g);
-        if let Some((deadline, _)) = &e.closing {
-            if e.inflight.is_empty() || now >= *deadline {
-                e.finish(now, &mut io);
-                e.exit_thread();
-                drop(e);
-                drop(std::mem::take(&mut *io));
-                return;
-            }
+        work |= grp.pass(sh, now);
+        if grp.may_finish(sh, now) {
+            grp.finish(sh, now);
+            // The transports go with the thread.
+            drop(std::mem::take(&mut grp.io));
+            drop(grp);
+            answer(&mut asked);
+            sh.exit_thread();
+            return;
         }
-        e.wake_others(g);
-        e.poll_stats[g] = poller.stats();
+        grp.poll = poller.stats();
         let at = std::time::Instant::now();
         run_queue.feed(&mut poller, at);
         if poller.turn(at, work) == Next::Poll {
-            drop(io);
-            drop(e);
+            drop(grp);
+            answer(&mut asked);
             if !work {
                 // Polling with nothing to do: let a thread that shares the core run.
                 std::thread::yield_now();
             }
             continue;
         }
-        let busy = !e.inflight.is_empty() || !e.connectors.is_empty();
+        let busy = !grp.inflight.is_empty()
+            || !grp.connectors.is_empty()
+            || grp.part.as_ref().is_some_and(|v| v.adopted_parts() > 0);
         let mut wait = match (busy, all_fds) {
             (true, false) => BUSY_SLEEP,
             (true, true) => BUSY_SLEEP_FD,
             (false, _) => IDLE_SLEEP,
         };
-        if let Some(t) = e.volume.as_ref().and_then(|v| v.poll_timers().into_iter().chain(v.refresh_at()).min()) {
-            wait = wait.min(t.since(now));
+        if let Some(v) = &grp.part {
+            if let Some(t) = v.poll_timeout() {
+                wait = wait.min(t.since(now));
+            }
+            if let Some(t) = v.refresh_at().filter(|_| grp.reads_board()) {
+                wait = wait.min(t.since(now));
+            }
         }
-        if let Some(t) = e.reconnector.poll_timeout().filter(|_| e.closing.is_none()) {
-            wait = wait.min(t.since(now));
+        if !sh.closing() {
+            let due = sh.control_due.load(Ordering::Acquire);
+            if due != u64::MAX {
+                wait = wait.min(Instant(due).since(now));
+            }
+        } else if grp.closing {
+            // Closing waits for the other threads' requests too: look again soon.
+            wait = wait.min(BUSY_SLEEP_FD);
         }
-        let sockets = e.fronts_poll_set(g);
-        // Say so before letting go of the lock: a thread that then leaves work for this one
-        // (a command, frames on its links, an inline request it must receive the reply of, a
-        // front end's reader thread's request) rings, and the sleep below returns at once.
-        bell.sleeping.store(!disconnected, Ordering::Release);
-        if e.fronts_handed_waiting(g) {
-            // Requests a reader thread handed over before it could see this thread sleep.
+        let sockets = grp.fronts_poll_set();
+        // Say so before letting go of the group: a thread that then leaves work for this one
+        // (a command, mail, frames on its links, an inline request it must receive the reply
+        // of, a front end's reader thread's request) rings, and the sleep below returns at once.
+        bell.sleeping.store(!disconnected, Ordering::SeqCst);
+        if grp.fronts_handed_waiting() || sh.mail[g].has_mail() || sh.generation.load(Ordering::Acquire) != grp.seen {
+            // Requests a reader thread handed over, or mail, before it could see this thread
+            // sleep.
             bell.sleeping.store(false, Ordering::Release);
-            drop(io);
-            drop(e);
+            drop(grp);
+            answer(&mut asked);
             continue;
         }
-        drop(io);
-        drop(e);
+        drop(grp);
+        answer(&mut asked);
         if disconnected {
             std::thread::sleep(wait);
             continue;

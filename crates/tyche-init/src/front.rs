@@ -81,10 +81,6 @@ pub(crate) trait Front: Send + std::fmt::Debug {
     /// Writes what it can of its replies without blocking; whether anything was written.
     fn send(&mut self) -> bool;
 
-    /// Whether it has replies to write or requests of its own making to hand out: the engine
-    /// must not sleep on it (its descriptor is polled for writing).
-    fn wants_send(&self) -> bool;
-
     /// Whether its reader thread (queue send mode) handed over requests it can take now: the
     /// engine thread must not go to sleep.
     fn handed_waiting(&self) -> bool;

@@ -271,6 +271,37 @@ async fn failover_between_parts_of_the_volume_when_one_nodes_link_goes_down() {
     assert!(s.handoffs > 0, "the part of the dead link handed nothing over: {s:?}");
 }
 
+/// Reads in flight on the part whose link goes down: the other part reads for it, and the data
+/// comes back with the hand-back, into the caller's buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_handed_between_parts_bring_their_data_back() {
+    let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let mut cfg = config();
+    cfg.reconnect_attempts = 2;
+    links_on_two_nodes(&mut links, &mut cfg);
+    let client = connect(cfg, links).await.expect("connect");
+    let len = 128 << 10;
+    for i in 0..128u64 {
+        client.write_owned(i * len as u64, pattern(i, len), false).await.expect("write");
+    }
+    let n0 = client.on_node(Some(0));
+    let mut set = JoinSet::new();
+    for i in 0..128u64 {
+        let c = n0.clone();
+        set.spawn(async move { c.read(i * len as u64, len).await.map(|d| (i, d)) });
+        if i == 16 {
+            set_link_down(&switches[0], true);
+        }
+    }
+    while let Some(r) = bounded("reads across a failover", set.join_next()).await {
+        let (i, data) = r.expect("task").expect("every read completes on the surviving link");
+        assert!(data == pattern(i, len), "read {i} came back wrong across the failover");
+    }
+    let s = client.stats().await.unwrap();
+    assert!(s.handoffs > 0, "node 0's part handed nothing over: {s:?}");
+    assert!(target.snapshot(0, len) == pattern(0, len));
+}
+
 async fn failover_when_one_of_two_links_goes_down_with(parts: bool) -> tyche_init::Stats {
     let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
     let mut cfg = config();

@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tyche_init::loopback::{initiator_timers, mem_links, RamExport, RamTarget};
 use tyche_init::nbd::{codec, NbdOptions};
-use tyche_init::{connect, InitiatorConfig, SendMode};
+use tyche_init::{connect, EngineThreads, InitiatorConfig, SchedulerKind, SendMode};
 
 const MIB: u64 = 1 << 20;
 
@@ -80,12 +80,25 @@ async fn server_full(size: u64, opts: NbdOptions, mode: SendMode) -> Server {
 
 /// A server of `export` (named "ram").
 async fn server_export(export: RamExport, opts: NbdOptions, mode: SendMode) -> Server {
+    server_links(export, opts, mode, None).await
+}
+
+/// With `two_nodes` (a scheduler), the two links on two nodes: an engine thread and a part of
+/// the volume each.
+async fn server_links(export: RamExport, opts: NbdOptions, mode: SendMode, two_nodes: Option<SchedulerKind>) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("nbd.sock");
-    let (links, _sw, target) = mem_links(export, 2);
+    let (mut links, _sw, target) = mem_links(export, 2);
     let mut cfg = InitiatorConfig::new("ram");
     cfg.timers = initiator_timers();
     cfg.send_mode = mode;
+    if let Some(scheduler) = two_nodes {
+        for (k, l) in links.iter_mut().enumerate() {
+            l.node = Some(k as u32);
+        }
+        cfg.engine_threads = EngineThreads::PerNode;
+        cfg.scheduler = scheduler;
+    }
     let client = connect(cfg, links).await.expect("connect");
     let s = socket.clone();
     let session = client.clone();
@@ -129,10 +142,44 @@ async fn nbdinfo_sees_size_and_flags() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nbdcopy_round_trip_over_several_connections() {
+    nbdcopy_round_trip(None).await;
+}
+
+/// The volume in two parts, one per engine thread: with round-robin each connection's requests
+/// go to both parts in turn, by the other thread's mailbox, and their outcomes come back to the
+/// connection's thread the same way; with affinity they stay in the part of their buffers' node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdcopy_round_trip_with_the_volume_in_parts() {
     if !have("nbdcopy") {
         return;
     }
-    let s = server(32 * MIB).await;
+    for scheduler in [SchedulerKind::RoundRobin, SchedulerKind::Affinity] {
+        let s = nbdcopy_round_trip(Some(scheduler)).await;
+        let r = s.client.report().await.expect("report");
+        let tx: Vec<u64> = ["mem0", "mem1"]
+            .iter()
+            .map(|l| r.channels.iter().filter(|c| c.link == *l).map(|c| c.payload_tx).sum())
+            .collect();
+        match scheduler {
+            // Both parts, each about half.
+            SchedulerKind::RoundRobin => assert!(tx.iter().all(|&t| t >= 8 * MIB), "{tx:?}: {}", r.human()),
+            // The connections' buffers are on one node (this machine's): that node's part only.
+            SchedulerKind::Affinity => assert!(tx.contains(&0), "{tx:?}: {}", r.human()),
+        }
+    }
+}
+
+async fn nbdcopy_round_trip(two_nodes: Option<SchedulerKind>) -> Server {
+    let s = server_links(
+        RamExport::new("ram", 32 * MIB),
+        NbdOptions { engine_io: true, ..NbdOptions::new("ram") },
+        SendMode::Inline,
+        two_nodes,
+    )
+    .await;
+    if !have("nbdcopy") {
+        return s;
+    }
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("in");
     let output = dir.path().join("out");
@@ -156,6 +203,7 @@ async fn nbdcopy_round_trip_over_several_connections() {
     .unwrap();
     let back = std::fs::read(&output).unwrap();
     assert!(back == data, "nbdcopy out differs from what nbdcopy wrote in");
+    s
 }
 
 /// A raw client: handshake with NBD_OPT_GO, then out-of-order replies and error mapping, with

@@ -1040,10 +1040,6 @@ impl Front for DirectConn {
         self.write_replies()
     }
 
-    fn wants_send(&self) -> bool {
-        self.wants_write()
-    }
-
     fn handed_waiting(&self) -> bool {
         self.wants_read() && self.handoff.as_ref().is_some_and(|h| !h.is_empty())
     }
