@@ -395,7 +395,11 @@ fn initiator_run(channels: usize, requests: u64) -> Result<Run, String> {
     for c in &ctls {
         c.replay(ReplayPlan { requests, window: 1, first_tag: 0, tag_stride: 1, span: EXPORT });
     }
-    let outcome = wait_for(&ctls, || ctls.iter().map(|c| c.completed()).sum::<u64>() >= requests);
+    let outcome = wait_for(&ctls, || ctls.iter().map(|c| c.completed()).sum::<u64>() >= requests).map_err(|e| {
+        // What the initiator saw, for a run that did not end.
+        let stats = block_on(client.stats()).map_or_else(|e| e.to_string(), |s| format!("{s:?}"));
+        format!("{e}; initiator: {stats}")
+    });
     let end = ctls.iter().filter_map(|c| c.finished_at()).max();
     let threads = thread_cpus("tyche-engine");
     let mut ok = 0u64;
