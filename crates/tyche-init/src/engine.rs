@@ -220,18 +220,29 @@ enum Mail {
 }
 
 /// An engine thread's mailbox: a flag read on every pass (an atomic on a line of its own,
-/// written only when mail comes), the mail under a lock taken only to post and to take it.
+/// written only when mail comes), the mail under a lock taken only to post and to take it. Once
+/// its thread has finished, the mailbox refuses mail (the sender deals with it).
 #[derive(Debug, Default)]
 #[repr(align(64))]
 struct Mailbox {
     full: AtomicBool,
-    mail: Mutex<VecDeque<Mail>>,
+    /// The mail, and whether the thread has finished.
+    mail: Mutex<(VecDeque<Mail>, bool)>,
 }
 
 impl Mailbox {
-    fn post(&self, m: Mail) {
-        self.mail.lock().unwrap_or_else(|p| p.into_inner()).push_back(m);
+    fn lock(&self) -> MutexGuard<'_, (VecDeque<Mail>, bool)> {
+        self.mail.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn post(&self, m: Mail) -> Result<(), Mail> {
+        let mut mail = self.lock();
+        if mail.1 {
+            return Err(m);
+        }
+        mail.0.push_back(m);
         self.full.store(true, Ordering::SeqCst);
+        Ok(())
     }
 
     fn has_mail(&self) -> bool {
@@ -242,7 +253,15 @@ impl Mailbox {
         if !self.full.swap(false, Ordering::SeqCst) {
             return VecDeque::new();
         }
-        std::mem::take(&mut *self.mail.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut self.lock().0)
+    }
+
+    /// Refuses mail from now on; what came before is returned.
+    fn close(&self) -> VecDeque<Mail> {
+        let mut mail = self.lock();
+        mail.1 = true;
+        self.full.store(false, Ordering::SeqCst);
+        std::mem::take(&mut mail.0)
     }
 }
 
@@ -388,9 +407,11 @@ impl Shared {
         ControlGuard { guard: self.control.lock().unwrap_or_else(|p| p.into_inner()), shared: self }
     }
 
-    fn post(&self, to: usize, m: Mail) {
-        self.mail[to].post(m);
+    /// Mails `m` to thread `to` and rings it; gives `m` back if that thread has finished.
+    fn post(&self, to: usize, m: Mail) -> Result<(), Mail> {
+        self.mail[to].post(m)?;
         self.bells[to].ring();
+        Ok(())
     }
 
     /// Tells every thread that the control has something for it.
@@ -870,6 +891,7 @@ impl Group {
         }
         let g = self.g;
         let Some(v) = self.part.as_mut() else { return };
+        let mut out = Vec::new();
         if v.live_channels() == 0 && v.queued_parts() > 0 {
             if let Some(to) = (1..n).map(|i| (g + i) % n).find(|&q| sh.live[q].0.load(Ordering::Acquire) > 0) {
                 for handoff in v.take_stranded() {
@@ -883,7 +905,7 @@ impl Group {
                             .unwrap_or_default()
                     });
                     self.stats.handoffs += 1;
-                    sh.post(to, Mail::Handoff { from: g, handoff, data });
+                    out.push((to, Mail::Handoff { from: g, handoff, data }));
                 }
             }
         }
@@ -892,17 +914,35 @@ impl Group {
                 .adopted
                 .remove(&(back.id(), back.req_offset()))
                 .and_then(|(d, read)| (read && back.succeeded()).then_some(d));
-            sh.post(to, Mail::Handback { back, data });
+            out.push((to, Mail::Handback { back, data }));
+        }
+        for (to, m) in out {
+            self.post(sh, to, m);
+        }
+    }
+
+    /// Mails `m` to thread `to`. A thread that has finished (the session is closing) takes no
+    /// more: a request is failed here, anything else is dropped (its request is failed by the
+    /// thread that holds it, and a front end's outcome has no front end left to go to).
+    fn post(&mut self, sh: &Shared, to: usize, m: Mail) {
+        if let Err(m) = sh.post(to, m) {
+            self.refused(sh, m);
+        }
+    }
+
+    fn refused(&mut self, sh: &Shared, m: Mail) {
+        if let Mail::Submit(io) = m {
+            self.complete(sh, io.reply, Err(Error::Closed));
         }
     }
 
     /// Routes a request to the part it belongs in ([`Shared::group_for`]).
     fn submit(&mut self, sh: &Shared, io: IoCmd, now: Instant) {
         let to = sh.group_for(io.node);
-        if to == self.g {
+        if to == self.g || self.closing {
             self.submit_here(sh, io, now);
         } else {
-            sh.post(to, Mail::Submit(io));
+            self.post(sh, to, Mail::Submit(io));
         }
     }
 
@@ -1294,7 +1334,7 @@ impl Group {
                     f.complete(token, result);
                 }
             }
-            c @ Completion::Front { group, .. } => sh.post(group, Mail::Complete(c, result)),
+            c @ Completion::Front { group, .. } => self.post(sh, group, Mail::Complete(c, result)),
         }
     }
 
@@ -1481,6 +1521,10 @@ impl Group {
         for (_, mut f) in self.fronts.drain() {
             f.send();
             f.close(true);
+        }
+        // Mail from now on goes back to its sender; what came before is failed or dropped.
+        for m in sh.mail[self.g].close() {
+            self.refused(sh, m);
         }
         if let Some(v) = self.part.as_mut() {
             v.close();
@@ -1860,6 +1904,36 @@ mod tests {
         assert_eq!(groups_of(EngineThreads::One, &nodes), [0; 5]);
         assert_eq!(groups_of(EngineThreads::PerNode, &[None, None]), [0, 0]);
         assert_eq!(groups_of(EngineThreads::PerNode, &[Some(3)]), [0]);
+    }
+
+    fn request() -> (Mail, oneshot::Receiver<Result<Vec<u8>, Error>>) {
+        let (tx, rx) = oneshot::channel();
+        let io = IoCmd {
+            op: Op::Read,
+            fua: false,
+            offset: 0,
+            length: 512,
+            data: Buf::Heap(Vec::new()),
+            node: None,
+            reply: Completion::Client(tx),
+        };
+        (Mail::Submit(io), rx)
+    }
+
+    #[test]
+    fn a_finished_threads_mailbox_gives_mail_back() {
+        let m = Mailbox::default();
+        assert!(!m.has_mail() && m.take().is_empty());
+        let (first, _rx1) = request();
+        assert!(m.post(first).is_ok());
+        assert!(m.has_mail());
+        // Closing hands back what came before, and refuses what comes after (the sender fails
+        // a request itself rather than leave it where no thread will look).
+        assert_eq!(m.close().len(), 1);
+        assert!(!m.has_mail());
+        let (second, _rx2) = request();
+        assert!(matches!(m.post(second), Err(Mail::Submit(_))));
+        assert!(m.take().is_empty());
     }
 
     #[test]
