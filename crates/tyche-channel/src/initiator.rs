@@ -330,6 +330,8 @@ pub struct Volume {
     next_refresh: Instant,
     next_tag: u64,
     parts: BTreeMap<u64, Part>,
+    /// How many of `parts` were adopted from other parts (`origin` set).
+    adopted: usize,
     pending: VecDeque<u64>,
     requests: HashMap<u64, Outstanding>,
     events: VecDeque<VolumeEvent>,
@@ -392,6 +394,7 @@ impl Volume {
             next_refresh: now,
             next_tag: part as u64 + 1,
             parts: BTreeMap::new(),
+            adopted: 0,
             pending: VecDeque::new(),
             requests: HashMap::new(),
             events: VecDeque::new(),
@@ -532,6 +535,7 @@ impl Volume {
         self.pending.clear();
         // Adopted parts go: their origins take them back as they move to the new session too.
         self.parts.retain(|_, p| p.origin.is_none());
+        self.adopted = 0;
         self.handbacks.clear();
         for (&tag, part) in self.parts.iter_mut() {
             part.away = false;
@@ -561,6 +565,7 @@ impl Volume {
             if let Some(origin) = part.origin {
                 let back = Handback::of(self.session, tag, part, None);
                 self.parts.remove(&tag);
+                self.adopted -= 1;
                 self.handbacks.push_back((origin, back));
                 continue;
             }
@@ -580,6 +585,7 @@ impl Volume {
         }
         let part = Part { channel: None, origin: Some(from), away: false, ..h.part };
         self.parts.insert(h.tag, part);
+        self.adopted += 1;
         let at = self.pending.partition_point(|&t| t < h.tag);
         self.pending.insert(at, h.tag);
         self.pump(now);
@@ -645,7 +651,8 @@ impl Volume {
     /// Parts of other parts' requests this part holds ([`Volume::adopt`]) and has not reported
     /// back yet.
     pub fn adopted_parts(&self) -> usize {
-        self.parts.values().filter(|p| p.origin.is_some()).count()
+        debug_assert_eq!(self.adopted, self.parts.values().filter(|p| p.origin.is_some()).count());
+        self.adopted
     }
     /// For a volume in parts: whether some part has requests outstanding, as the parts last
     /// published on their board (only then must an idle part keep reading the board:
@@ -1005,6 +1012,7 @@ impl Volume {
         }
         let part = self.parts.remove(&tag).expect("present");
         if let Some(origin) = part.origin {
+            self.adopted -= 1;
             let back = Handback::of(self.session, tag, &part, Some(result));
             self.handbacks.push_back((origin, back));
             return;

@@ -228,6 +228,9 @@ impl<C: HandCourier> VolumeParts<C> {
             return;
         }
         for p in 0..n {
+            // Checks the part's count of adopted parts against its parts (debug builds: the
+            // simulator and the fuzz targets).
+            let _ = self.parts[p].adopted_parts();
             if self.parts[p].live_channels() == 0 && self.parts[p].queued_parts() > 0 {
                 if let Some(to) = (1..n).map(|i| (p + i) % n).find(|&q| self.parts[q].live_channels() > 0) {
                     for handoff in self.parts[p].take_stranded() {
