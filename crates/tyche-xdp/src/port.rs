@@ -1,6 +1,5 @@
 //! [`XdpPort`]: one AF_XDP socket on one NIC queue, with its own UMEM, as a [`FrameTransport`].
 
-use std::collections::HashMap;
 use std::io;
 use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -201,22 +200,25 @@ pub struct XdpPort {
     stats: PortStats,
     /// Receive chunks in no ring and lent to nobody, to replace kept frames on the fill ring.
     rx_spare: Vec<FrameDesc>,
-    /// Chunks lent to the receiver, by address.
-    lent: HashMap<u64, FrameDesc>,
+    /// Per receive chunk (by [`chunk_index`]): lent to the receiver, with its descriptor.
+    /// Empty when the port lends nothing.
+    lent: Vec<Option<FrameDesc>>,
     /// Frames lent to the receiver (a multi-buffer frame holds several of `lent`).
     lent_frames: usize,
     /// Transmit chunks not lent yet ([`FrameTransport::lend_tx_chunks`]).
     tx_lendable: Vec<FrameDesc>,
-    /// Transmit chunks (groups, on a multi-buffer link) lent for good, by the address of the
-    /// first, and how many of their buffers the kernel has now.
-    tx_lent: HashMap<u64, TxGroup>,
-    /// The group each buffer of a lent transmit chunk group belongs to, by address.
-    tx_member: HashMap<u64, u64>,
+    /// Transmit chunks (groups, on a multi-buffer link) lent for good, and how many of their
+    /// buffers the kernel has now; a group's number is its place here.
+    tx_lent: Vec<TxGroup>,
+    /// Per UMEM chunk (by [`chunk_index`]): the number of the lent transmit group it belongs
+    /// to, or [`NO_GROUP`]. Empty when the port lends no transmit chunks. One array lookup per
+    /// completed frame, where a hash of its address was.
+    tx_member: Vec<u32>,
     /// The buffers received so far of a multi-buffer frame whose last buffer has not come yet.
     rx_partial: Vec<FrameDesc>,
-    /// The ids of `tx_lent` the kernel has now (few: a scan of `tx_lent` would cost a pass over
-    /// every lent chunk per transmit turn).
-    tx_lent_busy: std::collections::HashSet<u64>,
+    /// The ids of the groups of `tx_lent` the kernel has now (few: a scan of `tx_lent` would
+    /// cost a pass over every lent chunk per transmit turn); each group knows its place here.
+    tx_lent_busy: Vec<u64>,
     /// A handle on the UMEM that every lease shares, so lent bytes stay mapped.
     umem_keep: Arc<dyn std::any::Any + Send + Sync>,
     numa_node: Option<u32>,
@@ -231,6 +233,16 @@ struct TxGroup {
     descs: [FrameDesc; MAX_PIECES],
     count: usize,
     in_flight: usize,
+    /// Its place in `tx_lent_busy` while the kernel has it, else [`NO_GROUP`].
+    busy_at: u32,
+}
+
+/// No lent transmit group (in `tx_member`), not busy (in [`TxGroup::busy_at`]).
+const NO_GROUP: u32 = u32::MAX;
+
+/// The number of the UMEM chunk an address (of a descriptor, or a lease's piece) lies in.
+fn chunk_index(addr: u64) -> usize {
+    (addr / CHUNK_SIZE as u64) as usize
 }
 
 /// Most buffers of one received frame held while waiting for its last one: more than the
@@ -415,13 +427,18 @@ impl XdpPort {
             scatter: if plan.multi_buffer { vec![0; plan.frame_capacity] } else { Vec::new() },
             stats: PortStats::default(),
             rx_spare: spare.to_vec(),
-            lent: HashMap::new(),
+            // Receive chunks are the first half and the spares: below `frame_count + lend_frames`.
+            lent: if config.lend_frames > 0 {
+                vec![None; (config.frame_count + config.lend_frames) as usize]
+            } else {
+                Vec::new()
+            },
             lent_frames: 0,
             tx_lendable: tx_lendable.to_vec(),
-            tx_lent: HashMap::new(),
-            tx_member: HashMap::new(),
+            tx_lent: Vec::new(),
+            tx_member: if config.tx_lend_frames > 0 { vec![NO_GROUP; frame_count.get() as usize] } else { Vec::new() },
             rx_partial: Vec::with_capacity(MAX_PIECES),
-            tx_lent_busy: std::collections::HashSet::new(),
+            tx_lent_busy: Vec::new(),
             umem_keep,
             numa_node,
             umem_area: (umem_base, umem_len),
@@ -500,16 +517,33 @@ impl XdpPort {
     fn reclaim(&mut self) {
         // SAFETY: the completion ring only returns descriptors of this UMEM's transmit half.
         let n = unsafe { self.cq.consume(&mut self.comp_descs) };
-        for desc in &self.comp_descs[..n] {
-            let group = self.tx_member.get(&(desc.addr() as u64)).copied();
-            match group.and_then(|id| Some((id, self.tx_lent.get_mut(&id)?))) {
-                Some((id, g)) => {
-                    g.in_flight = g.in_flight.saturating_sub(1);
-                    if g.in_flight == 0 {
-                        self.tx_lent_busy.remove(&id);
+        for i in 0..n {
+            let desc = self.comp_descs[i];
+            match self.tx_member.get(chunk_index(desc.addr() as u64)).copied().unwrap_or(NO_GROUP) {
+                NO_GROUP => self.tx_free.push(desc),
+                g => {
+                    let group = &mut self.tx_lent[g as usize];
+                    group.in_flight = group.in_flight.saturating_sub(1);
+                    if group.in_flight == 0 {
+                        let at = std::mem::replace(&mut group.busy_at, NO_GROUP);
+                        self.unbusy(at);
                     }
                 }
-                None => self.tx_free.push(*desc),
+            }
+        }
+    }
+
+    /// Takes the group at place `at` of `tx_lent_busy` out of it (the kernel is done with it).
+    fn unbusy(&mut self, at: u32) {
+        let at = at as usize;
+        if at >= self.tx_lent_busy.len() {
+            return;
+        }
+        self.tx_lent_busy.swap_remove(at);
+        // The group moved into the freed place learns its new place.
+        if let Some(&moved) = self.tx_lent_busy.get(at) {
+            if let Some(&g) = self.tx_member.get(chunk_index(moved)) {
+                self.tx_lent[g as usize].busy_at = at as u32;
             }
         }
     }
@@ -628,7 +662,7 @@ impl XdpPort {
                         None => {
                             // Kept: as many spare chunks take their places on the fill ring.
                             for d in self.rx_partial.drain(..) {
-                                self.lent.insert(d.addr() as u64, d);
+                                self.lent[chunk_index(d.addr() as u64)] = Some(d);
                                 refill.push(self.rx_spare.pop().expect("checked above"));
                             }
                             self.lent_frames += 1;
@@ -654,7 +688,7 @@ impl XdpPort {
                 match on_frame(&[bytes], Some(lease)) {
                     None => {
                         // Kept: a spare chunk takes its place on the fill ring.
-                        self.lent.insert(desc.addr() as u64, *desc);
+                        self.lent[chunk_index(desc.addr() as u64)] = Some(*desc);
                         self.lent_frames += 1;
                         self.stats.lent += 1;
                         refill.push(self.rx_spare.pop().expect("checked above"));
@@ -686,7 +720,10 @@ impl XdpPort {
     /// last.
     fn stage_lent(&mut self, id: u64, head: &[u8], header: usize, len: usize) {
         assert!(head.len() == header && header <= len && header <= BUFFER_CAPACITY, "bad lent frame");
-        let group = self.tx_lent.get_mut(&id).expect("a transmit chunk this port lent");
+        let g = self.tx_member.get(chunk_index(id)).copied().unwrap_or(NO_GROUP);
+        assert!(g != NO_GROUP, "a transmit chunk this port lent");
+        let busy_at = self.tx_lent_busy.len() as u32;
+        let group = &mut self.tx_lent[g as usize];
         assert!(group.in_flight == 0, "a lent chunk is sent again only once the kernel is done with it");
         assert!(len <= group.count * BUFFER_CAPACITY, "a frame within its chunk");
         let used = len.div_ceil(BUFFER_CAPACITY).max(1);
@@ -709,7 +746,8 @@ impl XdpPort {
             self.tx_staged.push(d);
         }
         group.in_flight = used;
-        self.tx_lent_busy.insert(id);
+        group.busy_at = busy_at;
+        self.tx_lent_busy.push(id);
     }
 
     /// Kicks the kernel to transmit what is on the TX ring (one `sendto`; the kernel sends a
@@ -797,7 +835,11 @@ impl FrameTransport for XdpPort {
     fn release(&mut self, lease: Lease) {
         assert!(Arc::ptr_eq(lease.memory(), &self.umem_keep), "a lease goes back to the port that lent it");
         for piece in lease.pieces() {
-            let desc = self.lent.remove(&piece.id).expect("a lease this port lent and did not get back yet");
+            let desc = self
+                .lent
+                .get_mut(chunk_index(piece.id))
+                .and_then(Option::take)
+                .expect("a lease this port lent and did not get back yet");
             self.rx_spare.push(desc);
         }
         self.lent_frames -= 1;
@@ -824,14 +866,15 @@ impl FrameTransport for XdpPort {
             .chunks(per)
             .map(|group| {
                 let id = group[0].addr() as u64;
+                let g = self.tx_lent.len() as u32;
                 let mut descs = [FrameDesc::default(); MAX_PIECES];
                 let mut pieces = [TxPiece::default(); MAX_PIECES];
                 for (i, d) in group.iter().enumerate() {
                     descs[i] = *d;
                     pieces[i] = TxPiece { addr: base + d.addr(), capacity: BUFFER_CAPACITY };
-                    self.tx_member.insert(d.addr() as u64, id);
+                    self.tx_member[chunk_index(d.addr() as u64)] = g;
                 }
-                self.tx_lent.insert(id, TxGroup { descs, count: per, in_flight: 0 });
+                self.tx_lent.push(TxGroup { descs, count: per, in_flight: 0, busy_at: NO_GROUP });
                 TxChunk::new_pieces(id, &pieces[..per], Arc::clone(&self.umem_keep)).expect("1 to MAX_PIECES pieces")
             })
             .collect()
@@ -839,7 +882,7 @@ impl FrameTransport for XdpPort {
 
     fn tx_chunks_in_flight(&mut self) -> Vec<u64> {
         self.reclaim();
-        self.tx_lent_busy.iter().copied().collect()
+        self.tx_lent_busy.clone()
     }
 
     fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {

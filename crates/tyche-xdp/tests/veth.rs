@@ -390,32 +390,36 @@ fn lend_on(tag: &'static str, mtu: u32) {
         assert_eq!(chunks.len(), 4, "as many as configured");
         assert!(chunks.iter().all(|c| c.pieces().len() == per && c.capacity() >= DATA_FRAME_OVERHEAD + segment));
         let env = env(MAC_A, MAC_B);
-        for (i, c) in chunks.iter().enumerate() {
-            let mut frame = vec![0u8; DATA_FRAME_OVERHEAD + segment];
-            data_frame(&env, 100 + i as u32, segment, &mut frame);
-            write_into(c, DATA_FRAME_OVERHEAD, &frame[DATA_FRAME_OVERHEAD..]);
-        }
-        let mut next = 0;
-        let sent = port
-            .send_with(8, &mut |buf| {
-                if next == chunks.len() {
-                    return None;
-                }
-                let len = data_frame(&env, 100 + next as u32, segment, buf);
-                buf[DATA_FRAME_OVERHEAD..len].fill(0xEE); // must not be what goes out
-                next += 1;
-                Some(tyche_transport::Sent::Chunk { id: chunks[next - 1].id(), header: DATA_FRAME_OVERHEAD, len })
-            })
-            .expect("send chunks");
-        assert_eq!(sent, 4);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            port.flush().expect("flush");
-            if port.tx_chunks_in_flight().is_empty() {
-                break;
+        // Twice: the chunks go out again once the kernel is done with them, the second time in
+        // reverse order (the port's record of which chunks the kernel has follows both).
+        for round in 0..2u32 {
+            let order: Vec<usize> = if round == 0 { (0..4).collect() } else { (0..4).rev().collect() };
+            let seq = |i: usize| 100 + 4 * round + i as u32;
+            for (i, c) in chunks.iter().enumerate() {
+                let mut frame = vec![0u8; DATA_FRAME_OVERHEAD + segment];
+                data_frame(&env, seq(i), segment, &mut frame);
+                write_into(c, DATA_FRAME_OVERHEAD, &frame[DATA_FRAME_OVERHEAD..]);
             }
-            assert!(Instant::now() < deadline, "lent chunks never completed");
-            std::thread::sleep(Duration::from_millis(1));
+            let mut next = 0;
+            let sent = port
+                .send_with(8, &mut |buf| {
+                    let &i = order.get(next)?;
+                    let len = data_frame(&env, seq(i), segment, buf);
+                    buf[DATA_FRAME_OVERHEAD..len].fill(0xEE); // must not be what goes out
+                    next += 1;
+                    Some(tyche_transport::Sent::Chunk { id: chunks[i].id(), header: DATA_FRAME_OVERHEAD, len })
+                })
+                .expect("send chunks");
+            assert_eq!(sent, 4);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                port.flush().expect("flush");
+                if port.tx_chunks_in_flight().is_empty() {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "lent chunks never completed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
         ra.wait();
     });
@@ -438,12 +442,12 @@ fn lend_on(tag: &'static str, mtu: u32) {
         }
         let mut got = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(20);
-        while got.len() < 4 {
+        while got.len() < 8 {
             assert!(Instant::now() < deadline, "chunks never arrived: {got:?}");
             port.recv(64, &mut |buf| got.push(check_data(buf, segment))).expect("recv");
             std::thread::sleep(Duration::from_micros(200));
         }
-        assert_eq!(got, [100, 101, 102, 103], "payloads from the chunks, headers from send time");
+        assert_eq!(got, [100, 101, 102, 103, 107, 106, 105, 104], "payloads from the chunks, headers from send time");
         rb.wait();
     });
     a.join().expect("side a");
