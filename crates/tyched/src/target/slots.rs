@@ -444,19 +444,26 @@ impl SlotTable {
         for lease in self.nics[k].release.drain(..) {
             transport.release(lease);
         }
-        let done: Vec<SlotKey> =
-            self.regions.iter().filter(|(key, r)| r.nic == k && acked(key)).map(|(key, _)| *key).collect();
-        for key in done {
-            let region = self.regions.remove(&key).expect("listed");
-            self.nics[k].tx_draining.extend(region.chunks);
-        }
+        // Every turn: no allocation here (regions done move their chunks in place).
         let nic = &mut self.nics[k];
+        self.regions.retain(|key, r| {
+            if r.nic != k || !acked(key) {
+                return true;
+            }
+            nic.tx_draining.append(&mut r.chunks);
+            false
+        });
         if !nic.tx_draining.is_empty() {
-            let busy: FxHashSet<u64> = transport.tx_chunks_in_flight().into_iter().collect();
-            let (idle, busy): (Vec<TxChunk>, Vec<TxChunk>) =
-                nic.tx_draining.drain(..).partition(|c| !busy.contains(&c.id()));
-            nic.tx_free.extend(idle);
-            nic.tx_draining = busy;
+            // The chunks the kernel still has: few (a transmit ring's worth at most).
+            let busy = transport.tx_chunks_in_flight();
+            let mut i = 0;
+            while i < nic.tx_draining.len() {
+                if busy.contains(&nic.tx_draining[i].id()) {
+                    i += 1;
+                } else {
+                    nic.tx_free.push(nic.tx_draining.swap_remove(i));
+                }
+            }
         }
         nic.tx_free.len()
     }
