@@ -104,8 +104,9 @@ impl FromStr for SendMode {
 pub enum EngineThreads {
     /// One engine thread per NUMA node of the links' NICs, pinned to that node's CPUs, each
     /// serving the links on its node (one thread when every link is on one node or none is
-    /// known). The session's state is shared under one lock, as tyched's per-NIC threads share
-    /// theirs.
+    /// known). Each thread owns its part of the session's volume (its links' channels and the
+    /// requests submitted to it), as each of tyched's per-NIC network threads owns its channels:
+    /// no lock another engine thread takes on its frame path.
     #[default]
     PerNode,
     /// One engine thread for every link (unpinned when the links span several nodes).

@@ -26,8 +26,8 @@ use crate::engine::{Bell, Buf, Outcome};
 /// engine.
 pub(crate) type Token = u64;
 
-/// A descriptor an engine thread sleeps on (shared, so that it outlives the engine lock the
-/// front end lives under).
+/// A descriptor an engine thread sleeps on (shared, so that it outlives the engine thread's
+/// group lock the front end lives under: the thread sleeps without holding it).
 pub(crate) type WaitFd = Arc<dyn AsFd + Send + Sync>;
 
 /// A request a front end hands the engine.
