@@ -37,6 +37,9 @@ const MTU: usize = 9000;
 const FRAME: usize = 9014;
 /// Frames the target may hold lent from the hostile's link at once.
 const LEND: usize = 64;
+/// Transmit chunks the target may take for good on each link: its reads go straight into them
+/// and stay there until the peer acknowledges them (a hostile that never does holds them).
+const TX_LEND: usize = 64;
 /// Size of each RAM export.
 const EXPORT: u64 = 1 << 20;
 /// Bytes of the honest pattern.
@@ -398,9 +401,11 @@ struct World {
 
 impl World {
     fn new(keyed: Keyed, per_nic: bool) -> World {
-        let (a0, b0) = MemLink::pair((init_mac(0), target_mac(0)), MTU, FRAME, 4096);
+        let (a0, mut b0) = MemLink::pair((init_mac(0), target_mac(0)), MTU, FRAME, 4096);
         let (a1, mut b1) = MemLink::pair((init_mac(1), target_mac(1)), MTU, FRAME, 4096);
         b1.set_lending(LEND);
+        b0.set_tx_lending(TX_LEND);
+        b1.set_tx_lending(TX_LEND);
         let config = Config {
             workers: 1,
             io_uring: false,
