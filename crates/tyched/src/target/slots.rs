@@ -444,7 +444,9 @@ impl SlotTable {
         for lease in self.nics[k].release.drain(..) {
             transport.release(lease);
         }
-        // Every turn: no allocation here (regions done move their chunks in place).
+        // Every turn: regions done move their chunks in place (no list of keys is built); the
+        // only allocation left is the transport's list of busy chunks, asked only while some
+        // chunks are draining.
         let nic = &mut self.nics[k];
         self.regions.retain(|key, r| {
             if r.nic != k || !acked(key) {
