@@ -197,7 +197,7 @@ fn node_of(v: &Value) -> Option<u32> {
 fn node_cpus(n: u32) -> Result<Vec<u64>> {
     let text = fs::read_to_string(format!("/sys/devices/system/node/node{n}/cpulist"))
         .with_context(|| format!("reading node {n}'s cpulist"))?;
-    let cpus = tyche_numa::cpulist::parse_cpu_list(&text).map_err(|e| anyhow::anyhow!("node {n}'s cpulist: {e}"))?;
+    let cpus = tyche_cpulist::parse_cpu_list(&text).map_err(|e| anyhow::anyhow!("node {n}'s cpulist: {e}"))?;
     Ok(cpus.into_iter().map(u64::from).collect())
 }
 

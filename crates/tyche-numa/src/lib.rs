@@ -30,7 +30,7 @@
 //!   goes through nix).
 
 pub mod alloc;
-pub mod cpulist;
+pub use tyche_cpulist as cpulist;
 mod error;
 pub mod irq;
 pub mod model;
