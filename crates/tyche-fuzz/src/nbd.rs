@@ -499,7 +499,7 @@ fn transmission(input: &Input, size: u64) {
                     length &= u32::MAX as u64;
                 }
                 // With extended headers a WRITE carries PAYLOAD_LEN unless the flags ask to leave it
-                // out (bit 15: a WRITE without it, for the server to refuse).
+                // out (bit 15: a WRITE without it, as qemu sends them; its payload follows all the same).
                 let mut flags = flags;
                 if input.extended && command == cmd::WRITE && flags & 0x8000 == 0 {
                     flags |= codec::cflag::PAYLOAD_LEN;

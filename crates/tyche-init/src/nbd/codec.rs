@@ -320,10 +320,16 @@ pub struct Request {
 }
 
 impl Request {
-    /// Bytes of payload that follow the header: a compact WRITE's length; with extended
-    /// headers, the length of any request flagged [`cflag::PAYLOAD_LEN`].
+    /// Bytes of payload that follow the header: a WRITE's length, whatever its flags; with
+    /// extended headers, also the length of any other request flagged [`cflag::PAYLOAD_LEN`].
+    ///
+    /// The NBD protocol says a client with extended headers MUST flag every WRITE with
+    /// NBD_CMD_FLAG_PAYLOAD_LEN, but qemu's client (8.2 and later, which negotiate extended
+    /// headers) never does, and qemu's own server and nbdkit take such a WRITE's length as its
+    /// payload. Reading a WRITE's payload only when the flag was set left qemu's data in the
+    /// stream to be read as the next request header (`bad request magic 0xabababab`).
     pub fn payload(&self, extended: bool) -> Option<u64> {
-        let has = if extended { self.flags & cflag::PAYLOAD_LEN != 0 } else { self.command == cmd::WRITE };
+        let has = self.command == cmd::WRITE || extended && self.flags & cflag::PAYLOAD_LEN != 0;
         has.then_some(self.length)
     }
 }
@@ -485,8 +491,9 @@ pub enum Action {
 /// The one NBD request validator: what to do with a whole request (its payload read), or the NBD
 /// error to answer it with, without going to the volume. In this order:
 ///
-/// 1. NBD_CMD_FLAG_PAYLOAD_LEN without extended headers, or with extended headers a WRITE without
-///    it or another command with it: EINVAL.
+/// 1. NBD_CMD_FLAG_PAYLOAD_LEN without extended headers, or with extended headers on a command
+///    other than WRITE: EINVAL (its payload was read: [`Request::payload`]). A WRITE with extended
+///    headers and without the flag is taken, as qemu sends it.
 /// 2. An unknown command: EINVAL. FLUSH ignores its range.
 /// 3. A range past the end of the export (or whose end overflows): EINVAL, ENOSPC for a WRITE.
 /// 4. A READ longer than `nbd::MAX_REQUEST`, a TRIM or WRITE_ZEROES longer than
@@ -503,7 +510,7 @@ pub fn check_request(req: &Request, rules: &Rules) -> Result<Action, u32> {
     const SECTOR: u64 = super::SECTOR;
     let (off, len) = (req.offset, req.length);
     let payload = req.flags & cflag::PAYLOAD_LEN != 0;
-    if payload && !rules.extended || rules.extended && payload != (req.command == cmd::WRITE) {
+    if payload && (!rules.extended || req.command != cmd::WRITE) {
         return Err(errno::EINVAL);
     }
     match req.command {
@@ -909,7 +916,7 @@ mod tests {
         assert_eq!(check(&RW, pl, cmd::READ, 0, 512), Err(errno::EINVAL));
         let ext = Rules { extended: true, ..RW };
         assert_eq!(check(&ext, pl, cmd::WRITE, 0, 4096), Ok(Action::Write));
-        assert_eq!(check(&ext, 0, cmd::WRITE, 0, 4096), Err(errno::EINVAL), "an extended WRITE without PAYLOAD_LEN");
+        assert_eq!(check(&ext, 0, cmd::WRITE, 0, 4096), Ok(Action::Write), "an extended WRITE without it (qemu's)");
         assert_eq!(check(&ext, pl, cmd::READ, 0, 4096), Err(errno::EINVAL), "a READ with a payload");
         assert_eq!(check(&ext, pl, cmd::FLUSH, 0, 8), Err(errno::EINVAL), "before FLUSH's range is ignored");
         assert_eq!(check(&ext, pl, cmd::CACHE, 0, 512), Err(errno::EINVAL));
@@ -1057,7 +1064,13 @@ mod tests {
         assert_eq!(check_payload(&req(true, pl, cmd::WRITE, max), true), Ok(Some(max)));
         assert_eq!(check_payload(&req(true, pl, cmd::READ, 512), true), Ok(Some(512)), "read, then refused");
         assert_eq!(check_payload(&req(true, pl, cmd::TRIM, 1 << 40), true), Err(BadRequest::PayloadTooLarge(1 << 40)));
-        assert_eq!(check_payload(&req(true, 0, cmd::WRITE, 1 << 40), true), Ok(None), "no payload flag: none");
+        assert_eq!(check_payload(&req(true, 0, cmd::WRITE, max), true), Ok(Some(max)), "a WRITE without the flag");
+        assert_eq!(
+            check_payload(&req(true, 0, cmd::WRITE, 1 << 40), true),
+            Err(BadRequest::PayloadTooLarge(1 << 40)),
+            "a WRITE's length is its payload, flagged or not"
+        );
+        assert_eq!(check_payload(&req(true, 0, cmd::READ, 1 << 40), true), Ok(None), "no payload flag: none");
         assert_eq!(
             BadRequest::PayloadTooLarge(max + 1).to_string(),
             format!("a request payload of {} bytes, over the maximum of {max}", max + 1)
