@@ -14,6 +14,7 @@ mod faults;
 mod flood;
 mod fuzz;
 mod lab;
+mod nbd_clients;
 mod sim;
 mod stack;
 mod suite;
@@ -73,6 +74,9 @@ enum Command {
     },
     /// ext4 over an NBD Unix socket (nbdfuse, loop): mkfs, write, fsck, remount, verify (root).
     FsCheck(disk::FsCheckArgs),
+    /// qemu-img, qemu-io (qemu 10 and 7.2) and libnbd against tyche-init's NBD server: both NBD
+    /// I/O paths, tyched over AF_XDP and the in-process target (root).
+    NbdClients(nbd_clients::NbdClientsArgs),
     /// Boots a VM (Debian 6.12 kernel, 2 NUMA nodes): /dev/ublkbN with ext4, NUMA placement (root).
     VmTest(vm::VmTestArgs),
     /// Inside the VM only: runs one guest test and prints its `VMTEST` verdict line.
@@ -131,6 +135,10 @@ fn main() -> Result<()> {
         Command::Bench { what: BenchCommand::Scale(args) } => bench_scale::bench_scale(&root(), &args),
         Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
         Command::FsCheck(a) => disk::fs_check(a),
+        Command::NbdClients(a) => {
+            println!("{}", nbd_clients::nbd_clients(&root(), &a)?);
+            Ok(())
+        }
         Command::VmTest(a) => {
             ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
             vm::vm_test(&root(), &a)

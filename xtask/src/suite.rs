@@ -57,6 +57,9 @@ pub fn run(args: TestArgs) -> Result<()> {
     if is_root() {
         // ext4 over nbdfuse over tyche-init's NBD server; AF_XDP over veth with a failing link.
         step("tyche-init root tests", cargo().args(["test", "-p", "tyche-init", "--test", "nbd", "--", "--ignored"]))?;
+        eprintln!("xtask test: nbd-clients (qemu-img, qemu-io and libnbd on both NBD I/O paths and both targets)");
+        let line = crate::nbd_clients::nbd_clients(&crate::root(), &crate::nbd_clients::NbdClientsArgs::standard())?;
+        eprintln!("xtask test: {line}");
         eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
         crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
         eprintln!("xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage, ublk recovery in the VM)");

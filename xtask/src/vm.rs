@@ -510,7 +510,7 @@ impl Initramfs {
     }
 }
 
-fn which(name: &str) -> Result<PathBuf> {
+pub fn which(name: &str) -> Result<PathBuf> {
     let path = run(Command::new("sh").args(["-c", &format!("command -v {name}")]))
         .with_context(|| format!("{name} not found"))?;
     ensure!(!path.is_empty(), "{name} not found");
