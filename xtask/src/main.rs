@@ -19,6 +19,7 @@ mod sim;
 mod stack;
 mod suite;
 mod vm;
+mod vm_nbd;
 mod vm_numa;
 mod vm_ublk;
 mod xdp;

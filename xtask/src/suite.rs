@@ -68,9 +68,14 @@ pub fn run(args: TestArgs) -> Result<()> {
         crate::flood::flood(&crate::root(), &crate::flood::FloodArgs::standard())?;
         eprintln!("xtask test: attack (a third namespace on the segment attacks a keyed session)");
         crate::attack::attack(&crate::root(), &crate::attack::AttackArgs::standard())?;
-        eprintln!("xtask test: vm-test (NUMA placement in a VM with two NUMA nodes)");
+        eprintln!(
+            "xtask test: vm-test (NUMA placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients)"
+        );
         // The VM's ublk test (with its kill -9 and recovery) ran as the last fault scenario.
-        crate::vm::vm_test(&crate::root(), &crate::vm::VmTestArgs::only(&[crate::vm::GuestTest::Numa]))?;
+        crate::vm::vm_test(
+            &crate::root(),
+            &crate::vm::VmTestArgs::only(&[crate::vm::GuestTest::Numa, crate::vm::GuestTest::Nbd]),
+        )?;
     } else {
         eprintln!(
             "xtask test: SKIPPING tyche-init root tests (nbdfuse, ext4, AF_XDP over veth), e2e, flood, attack and vm-test"

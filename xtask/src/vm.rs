@@ -33,6 +33,8 @@ pub enum GuestTest {
     Ublk,
     /// Placement on a 2-node topology with a NIC per node on each side.
     Numa,
+    /// The kernel's NBD client (nbd-client) and qemu's (virtio disks) on `tyche-init serve-nbd`.
+    Nbd,
 }
 
 impl GuestTest {
@@ -40,6 +42,7 @@ impl GuestTest {
         match self {
             GuestTest::Ublk => "ublk",
             GuestTest::Numa => "numa",
+            GuestTest::Nbd => "nbd",
         }
     }
 }
@@ -90,7 +93,7 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
     let kernel = fetch_kernel(&cache)?;
     eprintln!("vm-test: kernel {}", kernel.version);
     let tests: Vec<GuestTest> = if args.only.is_empty() {
-        vec![GuestTest::Ublk, GuestTest::Numa]
+        vec![GuestTest::Ublk, GuestTest::Numa, GuestTest::Nbd]
     } else {
         args.only.iter().copied().collect::<BTreeSet<_>>().into_iter().collect()
     };
@@ -98,12 +101,23 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
     let log = cache.join("console.log");
     let deadline = Duration::from_secs(args.timeout);
     let accel = if !args.tcg && kvm_usable() { "kvm" } else { "tcg" };
-    let mut outcome = boot_once_more(&kernel, &initrd, &log, accel, deadline)?;
+    // The nbd test's virtio disks: exports of `tyche-init serve-nbd` processes on this host, which
+    // run for the whole boot and are stopped when `servers` drops.
+    let mut servers = if tests.contains(&GuestTest::Nbd) {
+        Some(crate::vm_nbd::HostServers::start(root, &cache).context("the nbd test's host NBD servers")?)
+    } else {
+        None
+    };
+    let extra = servers.as_ref().map(|s| s.qemu_args.clone()).unwrap_or_default();
+    let mut outcome = boot_once_more(&kernel, &initrd, &log, accel, deadline, &extra)?;
     if accel == "kvm" && !outcome.booted {
         eprintln!("vm-test: the guest did not boot under KVM; trying TCG");
-        outcome = boot_once_more(&kernel, &initrd, &log, "tcg", deadline)?;
+        outcome = boot_once_more(&kernel, &initrd, &log, "tcg", deadline, &extra)?;
     }
-    verdict(&log, &tests, &outcome)
+    let alive = servers.as_mut().map_or(Ok(()), |s| s.check_alive());
+    drop(servers);
+    verdict(&log, &tests, &outcome)?;
+    alive.context("a host NBD server behind the nbd test's virtio disks died")
 }
 
 /// [`boot`], once more if the guest never booted because of qemu or its emulation: Debian 12's
@@ -119,11 +133,12 @@ fn boot_once_more(
     log: &Path,
     accel: &'static str,
     deadline: Duration,
+    extra: &[String],
 ) -> Result<Outcome> {
-    match boot(kernel, initrd, log, accel, deadline) {
+    match boot(kernel, initrd, log, accel, deadline, extra) {
         Err(e) if format!("{e}").contains(CRASHED_BEFORE_BOOT) => {
             eprintln!("vm-test: {e:#}; booting once more");
-            boot(kernel, initrd, log, accel, deadline)
+            boot(kernel, initrd, log, accel, deadline, extra)
         }
         r => r,
     }
@@ -173,6 +188,9 @@ fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<()> {
     }
     if let Some(s) = part(GuestTest::Numa) {
         line.push(format!("numa ok ({s})"));
+    }
+    if let Some(s) = part(GuestTest::Nbd) {
+        line.push(format!("nbd ok ({s})"));
     }
     println!("vm-test: {}", line.join(", "));
     Ok(())
@@ -536,11 +554,21 @@ fn build_initramfs(root: &Path, cache: &Path, kernel: &Kernel, tests: &[GuestTes
     {
         fs_.program(&which(prog)?, &Path::new("/usr/local/bin").join(name))?;
     }
+    if tests.contains(&GuestTest::Nbd) {
+        // The nbd test's NBD client and verifier (fio brings ~80 MiB of libraries: only then).
+        for prog in ["nbd-client", "fio"] {
+            fs_.program(&which(prog)?, &Path::new("/usr/local/bin").join(prog))?;
+        }
+    }
     if Path::new("/etc/mke2fs.conf").exists() {
         fs_.copy(Path::new("/etc/mke2fs.conf"), Path::new("/etc/mke2fs.conf"), 0o644)?;
     }
     let mut names = Vec::new();
-    for m in module_order(kernel, &["ublk_drv", "veth", "virtio_net"])? {
+    let mut wanted = vec!["ublk_drv", "veth", "virtio_net"];
+    if tests.contains(&GuestTest::Nbd) {
+        wanted.extend(["nbd", "virtio_blk"]);
+    }
+    for m in module_order(kernel, &wanted)? {
         let name = format!("{}.ko", m.name);
         fs_.write(&format!("/lib/modules/{name}"), "", 0o644)?;
         fs::write(fs_.path(&Path::new("/lib/modules").join(&name)), &m.object)?;
@@ -598,8 +626,15 @@ fn kvm_usable() -> bool {
     fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok()
 }
 
-/// Boots the guest and waits for it to power off (or the deadline).
-fn boot(kernel: &Kernel, initrd: &Path, log: &Path, accel: &'static str, deadline: Duration) -> Result<Outcome> {
+/// Boots the guest, with `extra` qemu arguments, and waits for it to power off (or the deadline).
+fn boot(
+    kernel: &Kernel,
+    initrd: &Path,
+    log: &Path,
+    accel: &'static str,
+    deadline: Duration,
+    extra: &[String],
+) -> Result<Outcome> {
     let _ = fs::remove_file(log);
     let mut cmd = Command::new("qemu-system-x86_64");
     cmd.args(["-machine", "pc", "-accel", accel, "-cpu", if accel == "kvm" { "host" } else { "max" }]);
@@ -621,6 +656,7 @@ fn boot(kernel: &Kernel, initrd: &Path, log: &Path, accel: &'static str, deadlin
             ]);
         }
     }
+    cmd.args(extra);
     cmd.arg("-kernel").arg(&kernel.vmlinuz).arg("-initrd").arg(initrd);
     cmd.args(["-append", "console=ttyS0 rdinit=/init panic=-1 oops=panic quiet loglevel=4"]);
     cmd.args(["-nodefaults", "-display", "none", "-no-reboot"]);
@@ -691,6 +727,7 @@ pub fn guest(test: GuestTest) -> Result<()> {
     let result = match test {
         GuestTest::Ublk => crate::vm_ublk::guest(),
         GuestTest::Numa => crate::vm_numa::guest(),
+        GuestTest::Nbd => crate::vm_nbd::guest(),
     };
     let mut out = std::io::stdout().lock();
     match &result {

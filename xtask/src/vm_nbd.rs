@@ -1,0 +1,278 @@
+//! `vm-test`'s NBD clients test (issue #29): the NBD clients users run against `tyche-init
+//! serve-nbd`, each where only a VM can run it.
+//!
+//! 1. **The kernel's NBD client**, inside the guest. `tyched` serves a file export (on the
+//!    guest's tmpfs) over AF_XDP on a 2-NIC veth lab, as in the ublk test; `tyche-init
+//!    serve-nbd` serves it on a Unix socket, once with `--nbd-io engine` and once with
+//!    `--nbd-io tasks`; Debian's `nbd-client` 3.24 hands the socket to the kernel (`/dev/nbdN`).
+//!    The kernel's client negotiates with NBD_OPT_EXPORT_NAME and takes simple replies only: the
+//!    server path qemu and libnbd no longer use. On the device: mkfs.ext4, mount, a tree of files
+//!    with known contents, `fio --verify=crc32c`; then `tyche-init serve-nbd` is killed with
+//!    SIGKILL and started again on the same socket, `nbd-client -persist` must reconnect and the
+//!    mounted filesystem must keep working: fio verifies again, the tree is verified, unmount,
+//!    `e2fsck -fn` clean, `nbd-client -d`.
+//! 2. **qemu's NBD client**: the host runs `tyche-init serve-nbd --loopback-mib 64` (its
+//!    in-process RAM target) twice, one per NBD I/O path, and qemu gets each export as a virtio
+//!    disk (`-drive file=nbd+unix:///qemu?socket=...`) with serial `tyche-<path>`. qemu 10
+//!    negotiates extended headers, so every guest write reaches tyche-init as qemu sends it. In
+//!    the guest: mkfs.ext4 on each, a tree of files, unmount, drop caches, `e2fsck -fn` clean,
+//!    remount, every byte verified.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+
+use crate::disk::{run, BlockFs, Tree};
+use crate::lab::Lab;
+use crate::stack::{self, wait_for, Daemon, Link};
+
+/// The two ways `tyche-init serve-nbd` serves NBD requests (`--nbd-io`).
+pub const NBD_IO: [&str; 2] = ["engine", "tasks"];
+/// Export name of the host's loopback servers (qemu's disks).
+const QEMU_EXPORT: &str = "qemu";
+/// Size of every export, MiB.
+const EXPORT_MIB: u64 = 64;
+/// Export name of the guest's `tyched`.
+const EXPORT: &str = "knbd";
+/// Work directory in the guest (the VM's `/init` prints `/tmp/*/*.log` when a test fails).
+const WORK: &str = "/tmp/nbd-test";
+
+/// The virtio serial number of the disk served with `--nbd-io io`.
+fn serial(io: &str) -> String {
+    format!("tyche-{io}")
+}
+
+/// On the host: the `tyche-init serve-nbd --loopback-mib` processes whose exports the guest
+/// gets as virtio disks. Dropping it stops them.
+pub struct HostServers {
+    servers: Vec<(Daemon, PathBuf)>,
+    /// The qemu arguments that attach the exports.
+    pub qemu_args: Vec<String>,
+}
+
+impl HostServers {
+    /// Starts one server per NBD I/O path, sockets and logs in `dir`.
+    pub fn start(root: &Path, dir: &Path) -> Result<HostServers> {
+        let mut servers = Vec::new();
+        let mut qemu_args = Vec::new();
+        for io in NBD_IO {
+            let socket = dir.join(format!("nbd-{io}.sock"));
+            let log = dir.join(format!("nbd-{io}.log"));
+            let _ = fs::remove_file(&socket);
+            let mut cmd = Command::new(stack::bin(root, "tyche-init"));
+            cmd.args(["serve-nbd", "--loopback-mib", &EXPORT_MIB.to_string(), "--export", QEMU_EXPORT]);
+            cmd.arg("--socket").arg(&socket).args(["--nbd-io", io]).env("TYCHE_LOG", "info");
+            let mut d = Daemon::spawn("tyche-init serve-nbd --loopback-mib", &mut cmd, &log)?;
+            wait_for("the loopback NBD socket", Duration::from_secs(30), || {
+                d.check_alive(&log)?;
+                Ok(socket.exists())
+            })?;
+            let path = socket.to_str().context("socket path is not UTF-8")?;
+            ensure!(!path.contains(','), "qemu cannot take a socket path with a comma: {path}");
+            qemu_args.push("-drive".to_string());
+            qemu_args
+                .push(format!("file=nbd+unix:///{QEMU_EXPORT}?socket={path},format=raw,if=none,id=nbd{io},cache=none"));
+            qemu_args.push("-device".to_string());
+            qemu_args.push(format!("virtio-blk-pci,drive=nbd{io},serial={}", serial(io)));
+            servers.push((d, log));
+        }
+        Ok(HostServers { servers, qemu_args })
+    }
+
+    /// Fails if a server died while the VM ran.
+    pub fn check_alive(&mut self) -> Result<()> {
+        for (d, log) in &mut self.servers {
+            d.check_alive(log)?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs the test in the guest; returns the summary for the verdict line.
+pub fn guest() -> Result<String> {
+    let work = PathBuf::from(WORK);
+    fs::create_dir_all(&work)?;
+    let r = parts(&work);
+    if r.is_err() {
+        // The kernel's side of a failure, for the console (the VM's /init prints the logs).
+        if let Ok(text) = run(&mut Command::new("dmesg")) {
+            let tail: Vec<&str> = text.lines().rev().take(40).collect();
+            let _ = fs::write(work.join("dmesg.log"), tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        }
+    }
+    r
+}
+
+fn parts(work: &Path) -> Result<String> {
+    let root = Path::new("/");
+    let mut done = Vec::new();
+    {
+        let lab = Lab::create("nbt", "nbi", 2, 1500)?;
+        let image = work.join("export.img");
+        fs::File::create(&image)?.set_len(EXPORT_MIB << 20)?;
+        let stats = work.join("tyched.sock");
+        let export = format!("{EXPORT}={}", image.display());
+        let mut target = stack::start_tyched(root, &lab, Link::Xdp, &export, &stats, work.join("tyched.log"))?;
+        for (k, io) in NBD_IO.iter().enumerate() {
+            let s = kernel_nbd(root, &lab, work, io, k).with_context(|| format!("kernel NBD client, --nbd-io {io}"))?;
+            target.check_alive()?;
+            done.push(format!("kernel-nbd {io}: {s}"));
+        }
+    }
+    for io in NBD_IO {
+        let s = qemu_disk(work, io).with_context(|| format!("qemu's NBD client (virtio disk), --nbd-io {io}"))?;
+        done.push(format!("qemu-vm-disk {io}: {s}"));
+    }
+    Ok(done.join("; "))
+}
+
+/// Starts `tyche-init serve-nbd --nbd-io io` in the lab's initiator namespace over both links,
+/// logging each NBD connection (debug), and waits for its socket.
+fn start_initiator(root: &Path, lab: &Lab, socket: &Path, io: &str, log: &Path) -> Result<Daemon> {
+    let _ = fs::remove_file(socket);
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &lab.initiator_ns]).arg(stack::bin(root, "tyche-init")).arg("serve-nbd");
+    cmd.arg("--socket").arg(socket).args(["--export", EXPORT, "--nbd-io", io]);
+    for p in &lab.pairs {
+        cmd.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
+    }
+    cmd.env("TYCHE_LOG", "info,tyche_init::nbd=debug");
+    let mut d = Daemon::spawn("tyche-init serve-nbd", &mut cmd, log)?;
+    wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
+        d.check_alive(log)?;
+        Ok(socket.exists())
+    })?;
+    Ok(d)
+}
+
+/// NBD connections `tyche-init` logged having accepted (its debug line `NBD connection conn=N`).
+fn connections(log: &Path) -> usize {
+    fs::read_to_string(log).unwrap_or_default().lines().filter(|l| l.contains("NBD connection conn=")).count()
+}
+
+/// Whether `/dev/nbdN` is connected (the driver shows the pid of its client).
+fn connected(dev: &str) -> bool {
+    let name = dev.trim_start_matches("/dev/");
+    Path::new(&format!("/sys/block/{name}/pid")).exists()
+}
+
+/// `fio` on a file of the mounted filesystem: writes 8 MiB with CRC32C headers in every block and
+/// reads them back (`verify_only`: only the read and check, of what an earlier run wrote).
+fn fio(file: &Path, verify_only: bool) -> Result<()> {
+    let mut cmd = Command::new("fio");
+    cmd.args(["--name=tyche", "--thread", "--ioengine=psync", "--direct=1", "--rw=write", "--bs=64k", "--size=8M"]);
+    cmd.args(["--verify=crc32c", "--verify_fatal=1", "--do_verify=1"]).arg(format!("--filename={}", file.display()));
+    if verify_only {
+        cmd.arg("--verify_only=1");
+    }
+    run(&mut cmd).with_context(|| format!("fio --verify=crc32c{}", if verify_only { " --verify_only" } else { "" }))?;
+    Ok(())
+}
+
+/// The kernel's NBD client on `/dev/nbd<k>`, served by `tyche-init serve-nbd --nbd-io io`.
+fn kernel_nbd(root: &Path, lab: &Lab, work: &Path, io: &str, k: usize) -> Result<String> {
+    let socket = work.join(format!("nbd-{io}.sock"));
+    let log = work.join(format!("tyche-init-{io}.log"));
+    let mut server = start_initiator(root, lab, &socket, io, &log)?;
+    let dev = format!("/dev/nbd{k}");
+    // nbd-client 3.24: `-unix` makes the host argument a socket path; `-N` names the export (our
+    // server has no default export); `-b 4096` ext4's block size; `-nonetlink` the ioctl
+    // interface, whose client process stays in NBD_DO_IT and is the one that can reconnect
+    // (`-persist`); `-nofork` keeps it our child, with its messages in its log.
+    let clog = work.join(format!("nbd-client-{io}.log"));
+    let mut cmd = Command::new("nbd-client");
+    cmd.arg("-unix").arg(&socket).arg(&dev).args(["-N", EXPORT, "-b", "4096", "-nonetlink", "-persist", "-nofork"]);
+    let mut client = Daemon::spawn("nbd-client", &mut cmd, &clog)?;
+    wait_for(&format!("{dev} connected"), Duration::from_secs(30), || {
+        client.check_alive(&clog)?;
+        Ok(connected(&dev))
+    })?;
+    let mut disk = BlockFs::new(&dev, work);
+    wait_for(&format!("{dev}'s size"), Duration::from_secs(10), || Ok(disk.size().unwrap_or(0) > 0))?;
+    let size = disk.size()?;
+    ensure!(size == EXPORT_MIB << 20, "{dev} is {size} bytes, the export {EXPORT_MIB} MiB");
+    let tree = Tree::new(0x6e62_6400 + k as u64, 40, 8 << 20);
+    disk.mkfs()?;
+    let mnt = disk.mount()?;
+    tree.write(&mnt.join("tree"), &mut |_| {})?;
+    let data = mnt.join("fio.dat");
+    fio(&data, false)?;
+    run(&mut Command::new("sync"))?;
+    println!("nbd: {dev} (--nbd-io {io}): ext4, {} KiB tree and fio crc32c verified", tree.bytes() >> 10);
+
+    // Restart: SIGKILL the server with ext4 mounted (idle, synced), start it on the same socket.
+    let before = connections(&log);
+    ensure!(before >= 1, "tyche-init logged no NBD connection for nbd-client's");
+    let status = server.kill()?;
+    let killed = Instant::now();
+    let log2 = work.join(format!("tyche-init-{io}-2.log"));
+    let mut server = start_initiator(root, lab, &socket, io, &log2)?;
+    let up = killed.elapsed();
+    let reconnect = wait_for("nbd-client to reconnect", Duration::from_secs(30), || {
+        client.check_alive(&clog)?;
+        Ok(connections(&log2) >= 1 && connected(&dev))
+    });
+    if let Err(e) = reconnect {
+        let said = fs::read_to_string(&clog).unwrap_or_default();
+        bail!("{e:#}; nbd-client's log:\n{}", said.trim());
+    }
+    let resumed = killed.elapsed();
+    println!(
+        "nbd: tyche-init killed ({status}), serving again in {:.1} s, nbd-client reconnected {:.1} s after the kill",
+        up.as_secs_f64(),
+        resumed.as_secs_f64()
+    );
+    fio(&data, true).context("after the restart")?;
+    tree.verify(&mnt.join("tree"), &mut |_| {}).context("after the restart")?;
+    // New writes after the restart, then everything from the device.
+    let again = Tree::new(0x6e62_6480 + k as u64, 20, 4 << 20);
+    again.write(&mnt.join("again"), &mut |_| {}).context("writing after the restart")?;
+    disk.umount()?;
+    disk.drop_caches()?;
+    disk.fsck()?;
+    let mnt = disk.mount()?;
+    tree.verify(&mnt.join("tree"), &mut |_| {})?;
+    again.verify(&mnt.join("again"), &mut |_| {})?;
+    fio(&data, true)?;
+    disk.umount()?;
+    server.check_alive(&log2)?;
+    run(Command::new("nbd-client").args(["-d", &dev]))?;
+    let status = client.wait(Duration::from_secs(20)).context("nbd-client did not exit after nbd-client -d")?;
+    ensure!(!connected(&dev), "{dev} still connected after nbd-client -d");
+    println!("nbd: {dev} verified after the restart, fsck clean, disconnected (nbd-client {status})");
+    Ok(format!(
+        "ext4+fio verify+restart ok (kill -9, nbd-client -persist reconnected in {:.1} s)",
+        resumed.as_secs_f64()
+    ))
+}
+
+/// The virtio disk with serial `tyche-<io>`, qemu's NBD client behind it.
+fn qemu_disk(work: &Path, io: &str) -> Result<String> {
+    let want = serial(io);
+    let mut dev = None;
+    for e in fs::read_dir("/sys/block")?.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with("vd") && fs::read_to_string(e.path().join("serial")).is_ok_and(|s| s.trim() == want) {
+            dev = Some(format!("/dev/{name}"));
+        }
+    }
+    let dev = dev.with_context(|| format!("no virtio disk with serial {want} (is virtio_blk loaded?)"))?;
+    let mut disk = BlockFs::new(&dev, &work.join(format!("vd-{io}")));
+    let size = disk.size()?;
+    ensure!(size == EXPORT_MIB << 20, "{dev} is {size} bytes, the export {EXPORT_MIB} MiB");
+    let tree = Tree::new(0x7165_6d75 ^ io.len() as u64, 60, 16 << 20);
+    disk.mkfs()?;
+    let mnt = disk.mount()?;
+    tree.write(&mnt, &mut |_| {})?;
+    disk.umount()?;
+    disk.drop_caches()?;
+    disk.fsck()?;
+    let mnt = disk.mount()?;
+    tree.verify(&mnt, &mut |_| {})?;
+    disk.umount()?;
+    println!("nbd: {dev} ({want}): ext4, {} KiB written, caches dropped, fsck clean, verified", tree.bytes() >> 10);
+    Ok(format!("ext4 ok ({dev}, {} MiB verified)", tree.bytes() >> 20))
+}
