@@ -4,9 +4,11 @@
 //! cloud kernel (`ublk_drv`, `veth` and `virtio_net` as modules, which we load) with an initramfs
 //! holding busybox, the release `tyched` and `tyche-init`, iproute2, e2fsprogs and this xtask
 //! binary itself, and two NUMA nodes, each with a PCI expander bridge carrying two virtio-net NICs
-//! joined by a qemu hub. The guest's `/init` runs `xtask vm-guest TEST` for each test; each prints
-//! a `VMTEST <name> ok|FAIL ...` line on the console, and the host reads the verdict from the
-//! console log (qemu exits 0 whatever happens inside).
+//! joined by a qemu hub. For the nbd test the initramfs also holds `nbd-client` and `fio`, the
+//! guest loads `nbd` and `virtio_blk`, and two virtio disks are exports of `tyche-init serve-nbd`
+//! processes on this host. The guest's `/init` runs `xtask vm-guest TEST` for each test; each
+//! prints a `VMTEST <name> ok|FAIL ...` line on the console, and the host reads the verdict from
+//! the console log (qemu exits 0 whatever happens inside).
 //!
 //! Everything downloaded (the kernel package) is cached under `target/vm/` and reused offline.
 
