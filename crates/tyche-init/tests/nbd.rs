@@ -897,11 +897,12 @@ async fn raw_extended(engine_io: bool, mode: SendMode) {
     w.extend([0x5a; 8192]);
     c.write_all(&w).await.unwrap();
     assert_eq!(ext_chunk(&mut c).await, (ch::FLAG_DONE, ch::NONE, 1, 65536, vec![]));
-    // A write without PAYLOAD_LEN, as qemu sends every write: its length is still its payload.
-    let mut w = ext_request(cmd::WRITE, 0, 2, 0, 4096);
-    w.extend([0x6b; 4096]);
+    // A write without PAYLOAD_LEN, as qemu sends every write: its length is still its payload
+    // (the same bytes over the first write's first half, so the map below stays as it was).
+    let mut w = ext_request(cmd::WRITE, 0, 2, 65536, 4096);
+    w.extend([0x5a; 4096]);
     c.write_all(&w).await.unwrap();
-    assert_eq!(ext_chunk(&mut c).await, (ch::FLAG_DONE, ch::NONE, 2, 0, vec![]));
+    assert_eq!(ext_chunk(&mut c).await, (ch::FLAG_DONE, ch::NONE, 2, 65536, vec![]));
     // A read with a payload: the payload is read and dropped, EINVAL.
     let mut r = ext_request(cmd::READ, pl, 3, 0, 512);
     r.extend([0xee; 512]);
@@ -1220,5 +1221,195 @@ async fn queue_send_mode_holds_back_a_pipelining_client() {
             SendMode::Queue => (send.handed_over, send.inline),
         };
         assert!(mine > 2 * n && other == 0, "{mode}: {send:?}");
+    }
+}
+
+/// What a connection negotiated, for [`framing_conformance`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// Simple replies only (the kernel's NBD client).
+    Simple,
+    /// Structured replies (libnbd 1.14, qemu 7.2).
+    Structured,
+    /// Extended headers (qemu 8.2 and later).
+    Extended,
+}
+
+/// One request of the conformance stream: what its reply may carry.
+struct Sent {
+    command: u16,
+    length: u64,
+}
+
+/// The NBD framing rules on a raw socket, on both I/O paths and every reply style: every
+/// command (and two unknown ones) with every combination of the six command flags, lengths of
+/// zero, a sector, unaligned and over the maximum, WRITEs with and without
+/// NBD_CMD_FLAG_PAYLOAD_LEN (qemu's), payloads on commands that have none; all pipelined in one
+/// stream written in pieces of 1 to 97 bytes (headers split anywhere). Every request gets exactly
+/// one final reply with a known NBD error, and afterwards the stream still parses: data written
+/// before the storm reads back. Then a payload over the maximum ends the connection (the hard
+/// disconnect the protocol allows; it cannot be framed) and a new connection is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framing_conformance() {
+    use codec::{cflag, cmd, errno};
+    for engine_io in [true, false] {
+        let s = server_with(16 * MIB, engine_io).await;
+        for framing in [Framing::Simple, Framing::Structured, Framing::Extended] {
+            let on = format!("engine_io {engine_io}, {framing:?}");
+            let extended = framing == Framing::Extended;
+            let (c, _) = negotiate(&s.socket, extended, framing == Framing::Structured).await;
+            let header = |command: u16, flags: u16, cookie: u64, off: u64, len: u64| {
+                if extended {
+                    ext_request(command, flags, cookie, off, len)
+                } else {
+                    request(command, flags, cookie, off, len as u32)
+                }
+            };
+            let mut stream = Vec::new();
+            let mut sent = Vec::new();
+            // A known block first, read back after the storm.
+            let mut w = header(cmd::WRITE, if extended { cflag::PAYLOAD_LEN } else { 0 }, 0, 8 * MIB, 4096);
+            w.extend([0xc3; 4096]);
+            stream.extend(w);
+            sent.push(Sent { command: cmd::WRITE, length: 4096 });
+            let commands =
+                [cmd::READ, cmd::WRITE, cmd::FLUSH, cmd::TRIM, cmd::CACHE, cmd::WRITE_ZEROES, cmd::BLOCK_STATUS, 8, 99];
+            let lengths = [0u64, 512, 100, 4096 + 512, 33 * MIB];
+            for &command in &commands {
+                for flags in 0..64u16 {
+                    for &length in &lengths {
+                        let payload_flag = flags & cflag::PAYLOAD_LEN != 0;
+                        // A payload over the maximum ends the connection: that case comes last.
+                        let payload = command == cmd::WRITE || extended && payload_flag;
+                        if payload && length > 4 * MIB {
+                            continue;
+                        }
+                        let cookie = sent.len() as u64;
+                        // Offsets below 8 MiB: the known block stays as it was.
+                        let off = (cookie * 4096) % (4 * MIB);
+                        let mut r = header(command, flags, cookie, off, length);
+                        if payload {
+                            r.extend(std::iter::repeat_n(cookie as u8, length as usize));
+                        }
+                        stream.extend(r);
+                        sent.push(Sent { command, length });
+                    }
+                }
+            }
+            // Flags no command has (bits 6 and 15) on a READ and a WRITE.
+            for (command, flags) in [(cmd::READ, 1u16 << 6), (cmd::WRITE, 1 << 15)] {
+                let cookie = sent.len() as u64;
+                let mut r = header(command, flags, cookie, 0, 512);
+                if command == cmd::WRITE {
+                    r.extend([0u8; 512]);
+                }
+                stream.extend(r);
+                sent.push(Sent { command, length: 512 });
+            }
+            let last = sent.len() as u64;
+            stream.extend(header(cmd::READ, 0, last, 8 * MIB, 4096));
+            sent.push(Sent { command: cmd::READ, length: 4096 });
+
+            let (mut rd, mut wr) = c.into_split();
+            let writer = tokio::spawn(async move {
+                let mut x = 0x2545_f491_4f6c_dd1du64;
+                let mut at = 0;
+                while at < stream.len() {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let n = (1 + x % 97) as usize;
+                    let end = (at + n).min(stream.len());
+                    wr.write_all(&stream[at..end]).await.unwrap();
+                    at = end;
+                }
+                wr
+            });
+            let mut done = vec![false; sent.len()];
+            let mut left = sent.len();
+            let known = [
+                0,
+                errno::EPERM,
+                errno::EIO,
+                errno::ENOMEM,
+                errno::EINVAL,
+                errno::ENOSPC,
+                errno::EOVERFLOW,
+                errno::ENOTSUP,
+            ];
+            let mut errors = std::collections::BTreeMap::new();
+            while left > 0 {
+                let (cookie, error, final_) = tokio::time::timeout(Duration::from_secs(30), async {
+                    let magic = rd.read_u32().await.unwrap();
+                    match magic {
+                        codec::SIMPLE_REPLY_MAGIC => {
+                            assert_ne!(framing, Framing::Extended, "{on}: a simple reply with extended headers");
+                            let error = rd.read_u32().await.unwrap();
+                            let cookie = rd.read_u64().await.unwrap();
+                            let req = &sent[cookie as usize];
+                            if error == 0 && req.command == cmd::READ {
+                                assert_eq!(framing, Framing::Simple, "{on}: a READ's data in a simple reply");
+                                let mut d = vec![0u8; req.length as usize];
+                                rd.read_exact(&mut d).await.unwrap();
+                                if cookie == last {
+                                    assert!(d.iter().all(|&b| b == 0xc3), "{on}: the known block");
+                                }
+                            }
+                            (cookie, error, true)
+                        }
+                        codec::STRUCTURED_REPLY_MAGIC | codec::EXTENDED_REPLY_MAGIC => {
+                            let ext = magic == codec::EXTENDED_REPLY_MAGIC;
+                            assert_eq!(ext, extended, "{on}: reply magic {magic:#x}");
+                            let flags = rd.read_u16().await.unwrap();
+                            let kind = rd.read_u16().await.unwrap();
+                            let cookie = rd.read_u64().await.unwrap();
+                            let len = if ext {
+                                rd.read_u64().await.unwrap(); // offset
+                                rd.read_u64().await.unwrap()
+                            } else {
+                                rd.read_u32().await.unwrap() as u64
+                            };
+                            assert!(len <= 33 * MIB, "{on}: a chunk of {len} bytes");
+                            let mut p = vec![0u8; len as usize];
+                            rd.read_exact(&mut p).await.unwrap();
+                            let error =
+                                if kind & 0x8000 != 0 { u32::from_be_bytes(p[..4].try_into().unwrap()) } else { 0 };
+                            if cookie == last && kind == codec::chunk::OFFSET_DATA {
+                                assert!(p[8..].iter().all(|&b| b == 0xc3), "{on}: the known block");
+                            }
+                            (cookie, error, flags & codec::chunk::FLAG_DONE != 0)
+                        }
+                        m => panic!("{on}: reply magic {m:#x}: the stream lost its framing"),
+                    }
+                })
+                .await
+                .unwrap_or_else(|_| panic!("{on}: no reply in 30 s, {left} requests unanswered"));
+                let k = cookie as usize;
+                assert!(k < sent.len() && !done[k], "{on}: a reply to cookie {cookie}, unknown or answered");
+                assert!(known.contains(&error), "{on}: error {error} to command {}", sent[k].command);
+                *errors.entry(error).or_insert(0u32) += 1;
+                if final_ {
+                    done[k] = true;
+                    left -= 1;
+                }
+            }
+            assert!(done[last as usize], "{on}: the read after the storm");
+            assert!(errors.get(&0).is_some_and(|&n| n > 100), "{on}: few successes: {errors:?}");
+            assert!(errors.get(&errno::EINVAL).is_some_and(|&n| n > 100), "{on}: few refusals: {errors:?}");
+            // A payload over the maximum: the connection ends (it cannot be framed).
+            let mut wr = writer.await.unwrap();
+            let big = 33 * MIB;
+            wr.write_all(&header(cmd::WRITE, if extended { cflag::PAYLOAD_LEN } else { 0 }, last + 1, 0, big))
+                .await
+                .unwrap();
+            let mut c = rd.reunite(wr).unwrap();
+            assert!(closed(&mut c).await, "{on}: a payload over the maximum ends the connection");
+        }
+        // And the server goes on serving.
+        let (mut c, _) = negotiate(&s.socket, false, false).await;
+        c.write_all(&request(cmd::READ, 0, 1, 8 * MIB, 512)).await.unwrap();
+        let mut h = [0u8; 16];
+        c.read_exact(&mut h).await.unwrap();
+        assert_eq!(h, codec::simple_reply(0, 1));
     }
 }
