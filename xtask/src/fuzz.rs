@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 /// Every fuzz target (the binaries of `fuzz/` and the folders of `fuzz/regressions/`).
-pub const TARGETS: &[&str] = &["target", "initiator", "nbd"];
+pub const TARGETS: &[&str] = &["target", "initiator", "nbd", "nbd-stream"];
 
 /// Coverage instrumentation for libFuzzer, on stable rustc.
 const RUSTFLAGS: &str = "-Cpasses=sancov-module \

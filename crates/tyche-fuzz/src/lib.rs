@@ -55,7 +55,8 @@ pub type Target = (&'static str, fn(&[u8]));
 
 /// Every fuzz target, by name (the names of the binaries in `fuzz/` and of the folders under
 /// `fuzz/regressions/`).
-pub const TARGETS: &[Target] = &[("target", target::run), ("initiator", initiator::run), ("nbd", nbd::run)];
+pub const TARGETS: &[Target] =
+    &[("target", target::run), ("initiator", initiator::run), ("nbd", nbd::run), ("nbd-stream", nbd::run_stream)];
 
 /// The line the libFuzzer binaries print at exit (parsed by `cargo xtask fuzz`).
 pub fn stats_line() -> String {

@@ -442,7 +442,90 @@ fn check_chunk(c: &[u8], head: usize, ext: bool, asked: Asked, state: &mut (u64,
     done
 }
 
+/// The `nbd-stream` target: a mode byte, a pacing byte, then a client's transmission bytes as
+/// they go on the wire, served as they come. The committed seeds (`fuzz/seeds/nbd-stream/`) are
+/// the byte streams qemu 10 (extended headers), qemu 7.2 (structured replies) and the kernel's
+/// client (simple replies) sent, so the fuzzer mutates real clients' traffic rather than only
+/// the requests [`Input`] composes.
+///
+/// Mode bits: 0-1 the negotiation (0 simple replies, 1 structured replies, 2 and 3 extended
+/// headers), 2 a read-only export, 3 an export that does not discard, 4 hole-aware reads. The
+/// export is 8 MiB. Invariants: those of [`run`]; and when the client's own framing of the stream
+/// ([`frame_stream`], by the NBD protocol) reads it whole, every request before the end (or
+/// before NBD_CMD_DISC) is answered exactly once.
+pub fn run_stream(data: &[u8]) {
+    let [mode, pace, stream @ ..] = data else { return };
+    if stream.len() > MAX_CLIENT_BYTES {
+        return;
+    }
+    crate::count_input();
+    let framing = mode & 3;
+    let pace = u16::from(*pace) + 1;
+    let input = Input {
+        sectors: 16_384,
+        read_only: mode & 4 != 0,
+        discard: mode & 8 == 0,
+        max_inflight: 63,
+        structured: framing >= 1,
+        extended: framing >= 2,
+        hole_reads: mode & 16 != 0,
+        client_flags: 0,
+        options: Vec::new(),
+        // Requests arrive split at varying points while the volume completes some of them.
+        items: (0..32u16)
+            .flat_map(|i| {
+                [
+                    Item::Trickle(1 + pace.wrapping_mul(i + 1) % 977),
+                    Item::Serve { complete: 3, fail: None, newest_first: i % 2 == 0 },
+                ]
+            })
+            .collect(),
+    };
+    transmission_with(&input, input.sectors as u64 * 512, Some(stream));
+}
+
+/// The client's own framing of a raw request stream, written from the NBD protocol (not from the
+/// server's code): each header, then for a WRITE (or with extended headers any request flagged
+/// NBD_CMD_FLAG_PAYLOAD_LEN) `length` bytes of payload. Each framed request's cookie is rewritten
+/// in `s` to one of its own (clients reuse a cookie once its reply came, as qemu does; here every
+/// request is sent before any reply is read). Returns the requests up to the first that cannot be
+/// framed (a bad magic, a payload over the maximum, a stream cut short) or NBD_CMD_DISC, and
+/// whether the stream was framed whole.
+fn frame_stream(s: &mut [u8], extended: bool) -> (Vec<(u64, Asked)>, bool) {
+    let (head, magic) = if extended { (32, codec::EXTENDED_REQUEST_MAGIC) } else { (28, codec::REQUEST_MAGIC) };
+    let mut out = Vec::new();
+    let mut at = 0;
+    while s.len() - at >= head {
+        let h = &s[at..at + head];
+        let be16 = |i: usize| u16::from_be_bytes([h[i], h[i + 1]]);
+        let be64 = |i: usize| u64::from_be_bytes(h[i..i + 8].try_into().expect("8"));
+        if u32::from_be_bytes(h[..4].try_into().expect("4")) != magic {
+            return (out, false);
+        }
+        let (flags, command, offset) = (be16(4), be16(6), be64(16));
+        let length = if extended { be64(24) } else { u32::from_be_bytes(h[24..28].try_into().expect("4")) as u64 };
+        if command == cmd::DISC {
+            return (out, true);
+        }
+        let payload = command == cmd::WRITE || extended && flags & codec::cflag::PAYLOAD_LEN != 0;
+        let body = if payload { length } else { 0 };
+        if body > fuzzing::MAX_REQUEST as u64 || body > (s.len() - at - head) as u64 {
+            return (out, false);
+        }
+        let cookie = (1 << 62) + out.len() as u64;
+        s[at + 8..at + 16].copy_from_slice(&cookie.to_be_bytes());
+        out.push((cookie, Asked { command, flags, offset, length }));
+        at += head + body as usize;
+    }
+    (out, at == s.len())
+}
+
 fn transmission(input: &Input, size: u64) {
+    transmission_with(input, size, None)
+}
+
+/// The transmission phase of `input`, after `stream` (raw client bytes) when there is one.
+fn transmission_with(input: &Input, size: u64, stream: Option<&[u8]>) {
     let Ok((server, client)) = UnixStream::pair() else { return };
     let max = input.max_inflight as usize % 64 + 1;
     let hole_min = input.hole_reads.then_some(4096);
@@ -468,6 +551,16 @@ fn transmission(input: &Input, size: u64) {
     let max_inflight = input.max_inflight as usize % 64 + 1;
     let mut next_cookie = 1u64 << 63;
     let mut queued = 0usize;
+    let mut framed = Vec::new();
+    let mut whole = false;
+    if let Some(s) = stream {
+        let mut s = s.to_vec();
+        (framed, whole) = frame_stream(&mut s, input.extended);
+        crate::count_frames(framed.len() as u64);
+        c.asked.extend(framed.iter().copied());
+        queued += s.len();
+        c.pending.extend(s);
+    }
     for item in input.items.iter().take(MAX_ITEMS) {
         match *item {
             Item::Request { command, flags, offset, length, payload, bad_magic } => {
@@ -594,6 +687,16 @@ fn transmission(input: &Input, size: u64) {
     }
     assert!(conn.finished(), "the client closed, nothing is in flight, yet the connection is not finished");
     conn.close();
+    if whole && !c.lost {
+        for (cookie, a) in &framed {
+            assert!(
+                c.answered.contains_key(cookie),
+                "request {cookie:#x} (command {}, {} bytes) of a stream framed whole was never answered",
+                a.command,
+                a.length
+            );
+        }
+    }
 }
 
 /// The server reads requests; each one for the volume is checked and held.
