@@ -377,14 +377,21 @@ fn check(ret: libc::c_int) -> io::Result<()> {
 
 impl FileBackend {
     /// Opens `path`: a block device (size from the device; O_DIRECT when `direct`), or a regular
-    /// file (created if missing, and grown to `size` when given).
+    /// file (grown to `size` when given; created, mode 0600, only when a size is given: a missing
+    /// file without one is an error that leaves nothing behind).
     pub fn open(path: &Path, size: Option<u64>, read_only: bool, direct: bool) -> Result<Self, BackendError> {
         let meta = std::fs::metadata(path);
         let block = meta.as_ref().is_ok_and(|m| m.file_type().is_block_device());
+        if meta.is_err() && (size.is_none() || read_only) {
+            return Err(BackendError::Size(format!(
+                "{}: no such file, and no size to create it with (NAME=PATH:SIZE, or size = in the config)",
+                path.display()
+            )));
+        }
         let mut opts = OpenOptions::new();
         opts.read(true).write(!read_only);
-        if !block && !read_only {
-            opts.create(true);
+        if !block && !read_only && size.is_some() {
+            opts.create(true).mode(0o600);
         }
         let file = opts.open(path).map_err(open_err(path))?;
         if block {

@@ -450,6 +450,57 @@ pub fn read_key_file(path: &std::path::Path) -> Result<zeroize::Zeroizing<Vec<u8
     Ok(key)
 }
 
+impl Config {
+    /// What the machine must hold for `serve` to start with this configuration, checked without
+    /// opening or creating anything (what `serve --check` reports, and `serve` checks first):
+    /// at least one interface and each one present, each file export's file present or, with a
+    /// size, its directory present (`serve` creates the file), and each key file readable by its
+    /// owner alone and long enough. The error names the field.
+    pub fn preflight(&self) -> Result<(), ConfigError> {
+        if self.ifaces.is_empty() {
+            return Err(invalid("ifaces", "no interface to serve on (--iface IF)"));
+        }
+        for (i, name) in self.ifaces.iter().enumerate() {
+            // The interface in this process's network namespace (sysfs may show another's).
+            let ok = std::ffi::CString::new(name.as_str()).is_ok_and(|c| {
+                // SAFETY: `c` is a NUL-terminated string that outlives the call.
+                unsafe { libc::if_nametoindex(c.as_ptr()) != 0 }
+            });
+            if !ok {
+                return Err(invalid(format!("ifaces[{i}]"), format!("no network interface {name:?} on this host")));
+            }
+        }
+        for (i, e) in self.exports.iter().enumerate() {
+            let field = |f: &str| format!("export[{i}].{f}");
+            if let Some(path) = &e.path {
+                match std::fs::metadata(path) {
+                    Ok(_) => {}
+                    Err(_) if e.size.is_none() || e.read_only => {
+                        return Err(invalid(
+                            field("path"),
+                            format!("{}: no such file, and no size to create it with", path.display()),
+                        ))
+                    }
+                    Err(_) => {
+                        let dir =
+                            path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+                        if !dir.is_dir() {
+                            return Err(invalid(
+                                field("path"),
+                                format!("{}: its directory {} does not exist", path.display(), dir.display()),
+                            ));
+                        }
+                    }
+                }
+            }
+            if let Some(k) = &e.key_file {
+                read_key_file(k).map_err(|m| invalid(field("key_file"), m))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl ExportConfig {
     /// The export's pre-shared key, if it has one: from `key_file`, or the deprecated inline
     /// `key`.
@@ -487,15 +538,20 @@ impl ExportConfig {
         ExportConfig { path: Some(path.into()), size: size.map(Size), ..ExportConfig::ram(name, 0) }
     }
 
-    /// Parses a `--export NAME=PATH` or `--export NAME=ram:SIZE` flag.
+    /// Parses a `--export NAME=PATH`, `--export NAME=PATH:SIZE` (the file created, mode 0600, or
+    /// grown to SIZE) or `--export NAME=ram:SIZE` flag. A PATH ending in `:` and something that is
+    /// not a size is a path.
     pub fn from_flag(s: &str) -> Result<Self, ConfigError> {
-        let (name, what) =
-            s.split_once('=').ok_or_else(|| invalid("--export", "expected NAME=PATH or NAME=ram:SIZE"))?;
+        let (name, what) = s
+            .split_once('=')
+            .ok_or_else(|| invalid("--export", "expected NAME=PATH, NAME=PATH:SIZE or NAME=ram:SIZE"))?;
         if let Some(size) = what.strip_prefix("ram:") {
             let size: Size = size.parse().map_err(|e: String| invalid("--export", e))?;
-            Ok(ExportConfig::ram(name, size.0))
-        } else {
-            Ok(ExportConfig::file(name, what, None))
+            return Ok(ExportConfig::ram(name, size.0));
+        }
+        match what.rsplit_once(':').map(|(p, z)| (p, z.parse::<Size>())) {
+            Some((path, Ok(size))) if !path.is_empty() => Ok(ExportConfig::file(name, path, Some(size.0))),
+            _ => Ok(ExportConfig::file(name, what, None)),
         }
     }
 
@@ -942,6 +998,13 @@ mod tests {
 
     #[test]
     fn export_flags_parse() {
+        let e = ExportConfig::from_flag("disk0=/var/lib/tyched/disk0.img:8G").expect("file flag with a size");
+        assert_eq!(
+            (e.path.as_deref(), e.size.map(|s| s.0)),
+            (Some(std::path::Path::new("/var/lib/tyched/disk0.img")), Some(8 << 30))
+        );
+        let e = ExportConfig::from_flag("disk0=/srv/a:b.img").expect("a colon in the path");
+        assert_eq!((e.path.as_deref(), e.size), (Some(std::path::Path::new("/srv/a:b.img")), None));
         let e = ExportConfig::from_flag("disk=ram:16M").expect("ram flag");
         assert_eq!(e.size, Some(Size(16 << 20)));
         assert!(e.path.is_none());

@@ -1,7 +1,7 @@
 //! `tyched`: the Tyche target daemon.
 //!
 //! Subcommands:
-//! - `tyched serve [--config FILE] [--export NAME=PATH|NAME=ram:SIZE]... [--iface IF]... ...`:
+//! - `tyched serve [--config FILE] [--export NAME=PATH[:SIZE]|NAME=ram:SIZE]... [--iface IF]... ...`:
 //!   serve exports until SIGTERM/SIGINT.
 //! - `tyched stats [--socket PATH] [--json]`: the counters of a running daemon (also served as
 //!   Prometheus text on `GET /metrics` with `tyched serve --prometheus-listen ADDR`).
@@ -47,8 +47,10 @@ struct ServeArgs {
     /// Configuration file (TOML); flags below override or extend it.
     #[arg(long, short)]
     config: Option<PathBuf>,
-    /// An export: NAME=PATH (file or block device) or NAME=ram:SIZE (e.g. disk=ram:256M).
-    #[arg(long = "export", value_name = "NAME=PATH|NAME=ram:SIZE")]
+    /// An export: NAME=PATH (an existing file or block device), NAME=PATH:SIZE (a file, created
+    /// with mode 0600 or grown to SIZE, e.g. disk0=/var/lib/tyched/disk0.img:8G) or NAME=ram:SIZE
+    /// (e.g. disk=ram:256M).
+    #[arg(long = "export", value_name = "NAME=PATH[:SIZE]|NAME=ram:SIZE")]
     exports: Vec<String>,
     /// Interface to serve on (repeat for several NICs).
     #[arg(long = "iface", value_name = "IF")]
@@ -135,7 +137,24 @@ struct StatsArgs {
     prometheus: bool,
 }
 
-fn main() -> Result<()> {
+/// Exit status of a configuration that cannot be served (sysexits' EX_CONFIG), so that a unit can
+/// stop restarting on it (`RestartPreventExitStatus=78`).
+const EX_CONFIG: u8 = 78;
+
+/// A configuration error: the configuration (file, flags, or what it names on this host) is
+/// wrong, and starting again will not help.
+#[derive(Debug)]
+struct BadConfig(anyhow::Error);
+
+impl std::fmt::Display for BadConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for BadConfig {}
+
+fn main() -> std::process::ExitCode {
     // Log lines go to stderr; stdout stays parseable.
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -143,10 +162,23 @@ fn main() -> Result<()> {
         .with_env_filter(EnvFilter::try_from_env("TYCHE_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
         .init();
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::Stats(args) => stats(&args),
         Command::Topology(args) => topology::run(&args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, the causes joined, and no backtrace whatever RUST_BACKTRACE says: an
+            // operator's error, not a program's.
+            eprintln!("Error: {e:#}");
+            if e.downcast_ref::<BadConfig>().is_some() {
+                std::process::ExitCode::from(EX_CONFIG)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
+        }
     }
 }
 
@@ -221,13 +253,15 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
-    let config = load_config(&args)?;
+    let config = load_config(&args)
+        .and_then(|c| {
+            c.preflight()?;
+            Ok(c)
+        })
+        .map_err(|e| anyhow::Error::new(BadConfig(e)))?;
     if args.check {
         println!("configuration ok: {} export(s), {} interface(s)", config.exports.len(), config.ifaces.len());
         return Ok(());
-    }
-    if config.ifaces.is_empty() {
-        bail!("ifaces: no interface to serve on (--iface IF)");
     }
     let term = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {

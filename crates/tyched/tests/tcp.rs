@@ -132,7 +132,7 @@ fn tyched_binary_serves_prometheus_metrics() {
     // A non-loopback address is refused unless allowed, with the field named.
     let check = |extra: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_tyched"))
-            .args(["serve", "--check", "--export", "d=ram:1M"])
+            .args(["serve", "--check", "--iface", "lo", "--export", "d=ram:1M"])
             .args(extra)
             .output()
             .expect("tyched serve --check")
@@ -147,6 +147,29 @@ fn tyched_binary_serves_prometheus_metrics() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("consumer_cpus"), "{out:?}");
     assert!(check(&["--consumer-cpus", "0"]).status.success());
+    // --check refuses what serve would: an interface this host lacks, a file export that does
+    // not exist and has no size, one whose directory does not exist; it creates nothing.
+    // Each on one line, exit status 78 (EX_CONFIG), no backtrace even with RUST_BACKTRACE set.
+    let refused = |extra: &[&str], needle: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tyched"))
+            .args(["serve", "--check", "--iface", "lo", "--export", "d=ram:1M"])
+            .args(extra)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .expect("tyched serve --check");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{extra:?}: {err}");
+        assert!(err.contains(needle) && err.trim().lines().count() == 1, "{extra:?}: {err}");
+    };
+    refused(&["--iface", "no-such-if0"], "ifaces[1]: no network interface \"no-such-if0\"");
+    let missing = dir.path().join("missing.img");
+    refused(&["--export", &format!("m={}", missing.display())], "no such file, and no size to create it with");
+    let nodir = dir.path().join("nodir/disk.img");
+    refused(&["--export", &format!("m={}:1M", nodir.display())], "does not exist");
+    assert!(!missing.exists() && !nodir.exists(), "--check created a file");
+    let fresh = dir.path().join("fresh.img");
+    assert!(check(&["--export", &format!("m={}:1M", fresh.display())]).status.success());
+    assert!(!fresh.exists(), "--check created {}", fresh.display());
 
     let child = Command::new(env!("CARGO_BIN_EXE_tyched"))
         .args(["serve", "--transport", "tcp", "--iface", "lo", "--tcp-listen", &addr, "--workers", "2"])
