@@ -89,6 +89,37 @@ impl std::fmt::Debug for Psk {
     }
 }
 
+/// Fewest bytes a pre-shared key has.
+pub const MIN_KEY_LEN: usize = 16;
+
+/// Reads a key file, the one rule of both daemons: refused when its group or others may read
+/// it; the key is the file's bytes without one final line break (`\n` or `\r\n`), at least
+/// [`MIN_KEY_LEN`] of them. The error is a sentence naming the file.
+pub fn read_key_file(path: &std::path::Path) -> Result<Psk, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mode = meta.permissions().mode();
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "{} can be read by its group or others (mode {:o}); make it readable by its owner alone (chmod 600)",
+            path.display(),
+            mode & 0o777
+        ));
+    }
+    // Held as a Psk from the first byte read: wiped when dropped, never printed.
+    let mut key = Psk::from(std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?);
+    if key.0.last() == Some(&b'\n') {
+        key.0.pop();
+        if key.0.last() == Some(&b'\r') {
+            key.0.pop();
+        }
+    }
+    if key.len() < MIN_KEY_LEN {
+        return Err(format!("{}: a pre-shared key has at least {MIN_KEY_LEN} bytes", path.display()));
+    }
+    Ok(key)
+}
+
 /// Which end a proof comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProofRole {
@@ -410,6 +441,31 @@ pub const SEAL_OVERHEAD: usize = layout::trailer::END;
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn key_files_are_read_by_one_rule() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("tyche-key-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let key = |name: &str, bytes: &[u8], mode: u32| {
+            let p = dir.join(name);
+            std::fs::write(&p, bytes).expect("write");
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+            read_key_file(&p)
+        };
+        let k = b"0123456789abcdef";
+        assert_eq!(&key("plain", k, 0o600).expect("a key")[..], k);
+        assert_eq!(&key("lf", b"0123456789abcdef\n", 0o400).expect("a key")[..], k, "one LF dropped");
+        assert_eq!(&key("crlf", b"0123456789abcdef\r\n", 0o600).expect("a key")[..], k, "one CRLF dropped");
+        // Only one line break is not part of the key (both daemons read it so).
+        assert_eq!(&key("lflf", b"0123456789abcdef\n\n", 0o600).expect("a key")[..], b"0123456789abcdef\n");
+        let e = key("short", b"0123456789abcde\n", 0o600).expect_err("15 bytes");
+        assert!(e.contains("at least 16 bytes"), "{e}");
+        let e = key("open", k, 0o644).expect_err("group-readable");
+        assert!(e.contains("mode 644") && e.contains("chmod 600"), "{e}");
+        assert!(read_key_file(&dir.join("missing")).is_err());
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
     use super::*;
 
     fn input() -> ProofInput<'static> {

@@ -263,8 +263,8 @@ impl InitiatorConfig {
         if self.reconnect_delay.is_zero() {
             return Err("the reconnection delay must be positive".into());
         }
-        if self.key.as_ref().is_some_and(|k| k.len() < 16) {
-            return Err("a pre-shared key has at least 16 bytes".into());
+        if self.key.as_ref().is_some_and(|k| k.len() < tyche_channel::auth::MIN_KEY_LEN) {
+            return Err(format!("a pre-shared key has at least {} bytes", tyche_channel::auth::MIN_KEY_LEN));
         }
         if self.max_requests == 0 {
             return Err("max_requests must be positive".into());

@@ -225,30 +225,8 @@ impl ConnArgs {
             c.host_id = Some(id);
         }
         if let Some(path) = &self.key {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::metadata(path)
-                .with_context(|| format!("reading the key file {}", path.display()))?
-                .permissions()
-                .mode();
-            if mode & 0o077 != 0 {
-                bail!(
-                    "--key {}: the key file can be read by its group or others (mode {:o}); make it readable by its owner alone (chmod 600)",
-                    path.display(),
-                    mode & 0o777
-                );
-            }
-            let bytes = std::fs::read(path).with_context(|| format!("reading the key file {}", path.display()))?;
-            // Held as a Psk from here: wiped when dropped, never printed.
-            let key = tyche_channel::auth::Psk::from(bytes);
-            // The key is the file's bytes, without a final line break.
-            let mut len = key.len();
-            while len > 0 && matches!(key[len - 1], b'\n' | b'\r') {
-                len -= 1;
-            }
-            if len < 16 {
-                bail!("--key {}: a pre-shared key has at least 16 bytes", path.display());
-            }
-            c.key = Some(tyche_channel::auth::Psk::new(&key[..len]));
+            let key = tyche_channel::auth::read_key_file(path).map_err(|e| anyhow::anyhow!("--key {e}"))?;
+            c.key = Some(key);
         }
         Ok(c)
     }

@@ -51,7 +51,7 @@ fn bad_connection_options_say_what_is_wrong() {
     );
     fails_with(
         &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--loopback-mib", "1", "--key", "/nonexistent/k"],
-        "reading the key file",
+        "--key /nonexistent/k: No such file",
     );
     fails_with(
         &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--loopback-mib", "1", "--send-mode", "bulk"],

@@ -425,29 +425,9 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// Reads a key file: refused when group or others may read it; the key is its bytes without
-/// one final line break, at least 16 of them.
+/// Reads a key file: `tyche_channel::auth::read_key_file`, the rule both daemons share.
 pub fn read_key_file(path: &std::path::Path) -> Result<zeroize::Zeroizing<Vec<u8>>, String> {
-    use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    if meta.permissions().mode() & 0o077 != 0 {
-        return Err(format!(
-            "{} can be read by its group or others (mode {:o}); make it readable by its owner alone (chmod 600)",
-            path.display(),
-            meta.permissions().mode() & 0o777
-        ));
-    }
-    let mut key = zeroize::Zeroizing::new(std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?);
-    if key.last() == Some(&b'\n') {
-        key.pop();
-        if key.last() == Some(&b'\r') {
-            key.pop();
-        }
-    }
-    if key.len() < 16 {
-        return Err(format!("{}: a pre-shared key has at least 16 bytes", path.display()));
-    }
-    Ok(key)
+    tyche_channel::auth::read_key_file(path).map(|k| zeroize::Zeroizing::new(k.to_vec()))
 }
 
 impl Config {
