@@ -256,8 +256,8 @@ fn qemu_checks(q: &Qemu, socket: &Path, src: &Path, regions: &[(u64, u64)], work
     Ok(ops.len())
 }
 
-/// `qemu-img map --output=json`: extents covering the export from 0 to its end without gaps, with
-/// every data region of the source inside extents that hold data.
+/// `qemu-img map --output=json`: extents covering the export from 0 to its end without gaps, some
+/// of them holes or zeroes, and every data region of the source inside extents that hold data.
 fn check_map(json: &str, regions: &[(u64, u64)]) -> Result<()> {
     let v: serde_json::Value = serde_json::from_str(json).context("not JSON")?;
     let extents = v.as_array().context("not a list")?;
@@ -273,6 +273,12 @@ fn check_map(json: &str, regions: &[(u64, u64)]) -> Result<()> {
         at = start + len;
     }
     ensure!(at == EXPORT_MIB << 20, "extents end at {at}, not at the export's end");
+    // The source's holes were written as zeroes: block status (`base:allocation`) maps some of
+    // them as such, on both targets.
+    ensure!(
+        extents.iter().any(|e| e["data"].as_bool() == Some(false) || e["zero"].as_bool() == Some(true)),
+        "nothing mapped as a hole or zeroes: was base:allocation negotiated?"
+    );
     for &(s, l) in regions {
         ensure!(
             data.iter().any(|&(a, b)| a <= s && s + l <= b)
@@ -330,8 +336,8 @@ fn serve(root: &Path, lab: &Lab, target: Target, io: &str, work: &Path) -> Resul
     }
 }
 
-/// Runs every client against every server; returns the summary line.
-pub fn nbd_clients(root: &Path, args: &NbdClientsArgs) -> Result<String> {
+/// Runs every client against every server.
+pub fn nbd_clients(root: &Path, args: &NbdClientsArgs) -> Result<Report> {
     stack::prepare(root, "nbd-clients", args.no_install)?;
     for tool in ["nbdinfo", "nbdcopy"] {
         crate::vm::which(tool).with_context(|| format!("{tool} is not installed (apt-get install libnbd-bin)"))?;
@@ -375,16 +381,31 @@ pub fn nbd_clients(root: &Path, args: &NbdClientsArgs) -> Result<String> {
             }
         }
     }
-    let line = format!(
-        "nbd clients: qemu-img ok (convert in and out, compare, map), qemu-io {ops} ops ok, with {} \
-         and {}; libnbd ok (nbdinfo, nbdcopy); on {servers} servers (tyched over AF_XDP and the \
-         in-process target, --nbd-io engine and tasks) in {:.0} s",
-        qemus[0].label(),
-        qemus[1].label(),
-        started.elapsed().as_secs_f64()
-    );
     if ops == 0 {
         bail!("no qemu-io command ran");
     }
-    Ok(line)
+    Ok(Report {
+        clients: format!(
+            "nbd clients: qemu-img ok (convert in and out, compare, map), qemu-io {ops} ops ok, with {} \
+             and {}; libnbd ok (nbdinfo, nbdcopy); on {servers} servers (tyched over AF_XDP and the \
+             in-process target, --nbd-io engine and tasks)",
+            qemus[0].label(),
+            qemus[1].label(),
+        ),
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// What [`nbd_clients`] ran: which clients did what, and how long it took.
+pub struct Report {
+    /// `nbd clients: ...`: each client with what it did, on which servers.
+    pub clients: String,
+    /// Seconds the clients ran.
+    pub seconds: f64,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} in {:.0} s", self.clients, self.seconds)
+    }
 }

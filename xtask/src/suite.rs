@@ -58,8 +58,8 @@ pub fn run(args: TestArgs) -> Result<()> {
         // ext4 over nbdfuse over tyche-init's NBD server; AF_XDP over veth with a failing link.
         step("tyche-init root tests", cargo().args(["test", "-p", "tyche-init", "--test", "nbd", "--", "--ignored"]))?;
         eprintln!("xtask test: nbd-clients (qemu-img, qemu-io and libnbd on both NBD I/O paths and both targets)");
-        let line = crate::nbd_clients::nbd_clients(&crate::root(), &crate::nbd_clients::NbdClientsArgs::standard())?;
-        eprintln!("xtask test: {line}");
+        let clients = crate::nbd_clients::nbd_clients(&crate::root(), &crate::nbd_clients::NbdClientsArgs::standard())?;
+        eprintln!("xtask test: {clients}");
         eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
         crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
         eprintln!("xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage, ublk recovery in the VM)");
@@ -76,6 +76,12 @@ pub fn run(args: TestArgs) -> Result<()> {
             &crate::root(),
             &crate::vm::VmTestArgs::only(&[crate::vm::GuestTest::Numa, crate::vm::GuestTest::Nbd]),
         )?;
+        // Every NBD client people run, in one line: the host's (nbd-clients, the tyche-init root
+        // tests' nbdfuse and nbdsh) and the VM's (the kernel's, and qemu as a VM's disk).
+        eprintln!(
+            "xtask test: {}; libnbd's nbdfuse and nbdsh ok (tyche-init root tests); qemu vm ok, kernel nbd ok (vm-test nbd)",
+            clients.clients
+        );
     } else {
         eprintln!(
             "xtask test: SKIPPING tyche-init root tests (nbdfuse, ext4, AF_XDP over veth), e2e, flood, attack and vm-test"
