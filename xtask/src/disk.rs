@@ -91,6 +91,20 @@ impl BlockFs {
         run(Command::new("e2fsck").args(["-f", "-n", &self.dev])).context("e2fsck -fn found problems")?;
         Ok(())
     }
+
+    /// ext4 made on the device, `tree` written, unmounted, caches dropped, `e2fsck -fn` clean,
+    /// mounted again and `tree` verified, unmounted.
+    pub fn ext4_round_trip(&mut self, tree: &Tree) -> Result<()> {
+        self.mkfs()?;
+        let mnt = self.mount()?;
+        tree.write(&mnt, &mut |_| {})?;
+        self.umount()?;
+        self.drop_caches()?;
+        self.fsck()?;
+        let mnt = self.mount()?;
+        tree.verify(&mnt, &mut |_| {})?;
+        self.umount()
+    }
 }
 
 impl Drop for BlockFs {

@@ -288,15 +288,7 @@ fn qemu_disk(work: &Path, io: &str) -> Result<String> {
     let size = disk.size()?;
     ensure!(size == EXPORT_MIB << 20, "{dev} is {size} bytes, the export {EXPORT_MIB} MiB");
     let tree = Tree::new(0x7165_6d75 ^ io.len() as u64, 60, 16 << 20);
-    disk.mkfs()?;
-    let mnt = disk.mount()?;
-    tree.write(&mnt, &mut |_| {})?;
-    disk.umount()?;
-    disk.drop_caches()?;
-    disk.fsck()?;
-    let mnt = disk.mount()?;
-    tree.verify(&mnt, &mut |_| {})?;
-    disk.umount()?;
+    disk.ext4_round_trip(&tree)?;
     println!("nbd: {dev} ({want}): ext4, {} KiB written, caches dropped, fsck clean, verified", tree.bytes() >> 10);
     Ok(format!("ext4 ok ({dev}, {} MiB verified)", tree.bytes() >> 20))
 }

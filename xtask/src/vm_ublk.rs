@@ -47,15 +47,7 @@ pub fn guest() -> Result<String> {
     let size = disk.size()?;
     ensure!(size == 256 << 20, "{dev} is {size} bytes, the export 256 MiB");
     let tree = Tree::new(0x0b1c_0de5, 120, 48 << 20);
-    disk.mkfs()?;
-    let mnt = disk.mount()?;
-    tree.write(&mnt, &mut |_| {})?;
-    disk.umount()?;
-    disk.drop_caches()?;
-    disk.fsck()?;
-    let mnt = disk.mount()?;
-    tree.verify(&mnt, &mut |_| {})?;
-    disk.umount()?;
+    disk.ext4_round_trip(&tree)?;
     println!("ublk: ext4 written, fsck clean, {} MiB verified", tree.bytes() >> 20);
     target.check_alive()?;
 
