@@ -11,13 +11,16 @@
 //!    killed with SIGKILL and started again on the same socket, and the device attached again
 //!    (nbd-client 3.24 does not reconnect on 6.12, see [`kernel_nbd`]): fio verifies again, the
 //!    tree is verified, more written, unmount, `e2fsck -fn` clean, remount, all verified,
-//!    `nbd-client -d`.
-//! 2. **qemu's NBD client**: the host runs `tyche-init serve-nbd --loopback-mib 64` (its
-//!    in-process RAM target) twice, one per NBD I/O path, and qemu gets each export as a virtio
-//!    disk (`-drive file=nbd+unix:///qemu?socket=...`) with serial `tyche-<path>`. qemu 10
-//!    negotiates extended headers, so every guest write reaches tyche-init as qemu sends it. In
-//!    the guest: mkfs.ext4 on each, a tree of files, unmount, drop caches, `e2fsck -fn` clean,
-//!    remount, every byte verified.
+//!    `nbd-client -d`. Then the same client on the in-process target (`tyche-init serve-nbd
+//!    --loopback-mib`, both paths): ext4 round trip and fio verify, no restart (its RAM goes
+//!    with the process).
+//! 2. **qemu's NBD client**: the host runs `tyche-init serve-nbd` four times, one per target and
+//!    NBD I/O path: its in-process RAM target (`--loopback-mib 64`), and `tyched` with a RAM
+//!    export per path over AF_XDP on a veth lab of the host's (a pair per path); qemu gets each export as
+//!    a virtio disk (`-drive file=nbd+unix:///qemu-<path>?socket=...`) with serial
+//!    `tyche-<lo|xdp>-<path>`. qemu 10 negotiates extended headers, so every guest write reaches
+//!    tyche-init as qemu sends it. In the guest: mkfs.ext4 on each, a tree of files, unmount, drop
+//!    caches, `e2fsck -fn` clean, remount, every byte verified.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -27,7 +30,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 
 use crate::disk::{run, BlockFs, Tree};
-use crate::lab::Lab;
+use crate::lab::{Lab, Pair};
 use crate::stack::{self, wait_for, Daemon, Link};
 
 /// The two ways `tyche-init serve-nbd` serves NBD requests (`--nbd-io`).
@@ -41,52 +44,84 @@ const EXPORT: &str = "knbd";
 /// Work directory in the guest (the VM's `/init` prints `/tmp/*/*.log` when a test fails).
 const WORK: &str = "/tmp/nbd-test";
 
-/// The virtio serial number of the disk served with `--nbd-io io`.
-fn serial(io: &str) -> String {
-    format!("tyche-{io}")
+/// The targets behind the guest's virtio disks: `lo`, tyche-init's in-process RAM target
+/// (`--loopback-mib`); `xdp`, `tyched` with a RAM export over AF_XDP on a veth lab of the host's.
+pub const QEMU_TARGETS: [&str; 2] = ["lo", "xdp"];
+
+/// The virtio serial number (at most 20 bytes) of the disk served by `target` with `--nbd-io io`.
+fn serial(target: &str, io: &str) -> String {
+    format!("tyche-{target}-{io}")
 }
 
-/// On the host: the `tyche-init serve-nbd --loopback-mib` processes whose exports the guest
-/// gets as virtio disks. Dropping it stops them.
+/// On the host: the `tyche-init serve-nbd` processes whose exports the guest gets as virtio
+/// disks, one per target and NBD I/O path, and the lab and `tyched` of the `xdp` ones. Dropping
+/// it stops them (the initiators first).
 pub struct HostServers {
     servers: Vec<(Daemon, PathBuf)>,
+    tyched: stack::Running,
+    _lab: Lab,
     /// The qemu arguments that attach the exports.
     pub qemu_args: Vec<String>,
 }
 
 impl HostServers {
-    /// Starts one server per NBD I/O path, sockets and logs in `dir`.
+    /// Starts one server per target and NBD I/O path, sockets and logs in `dir`.
     pub fn start(root: &Path, dir: &Path) -> Result<HostServers> {
+        let pid = std::process::id();
+        // A link per initiator: two processes cannot bind AF_XDP sockets to one queue.
+        let lab = Lab::create(&format!("tyche-vq-t{pid}"), &format!("tyche-vq-i{pid}"), NBD_IO.len() as u32, 3000)?;
+        // An export per path: two attachments of one export from one host would fence each other.
+        let exports: Vec<String> = NBD_IO
+            .iter()
+            .flat_map(|io| ["--export".to_string(), format!("{QEMU_EXPORT}-{io}=ram:{EXPORT_MIB}M")])
+            .collect();
+        let tyched = stack::start_tyched_with(
+            root,
+            &lab,
+            Link::Xdp,
+            &exports,
+            &dir.join("tyched.sock"),
+            dir.join("tyched.log"),
+        )?;
         let mut servers = Vec::new();
         let mut qemu_args = Vec::new();
-        for (k, io) in NBD_IO.into_iter().enumerate() {
-            let socket = dir.join(format!("nbd-{io}.sock"));
-            let log = dir.join(format!("nbd-{io}.log"));
-            let _ = fs::remove_file(&socket);
-            let mut cmd = Command::new(stack::bin(root, "tyche-init"));
-            cmd.args(["serve-nbd", "--loopback-mib", &EXPORT_MIB.to_string(), "--export", QEMU_EXPORT]);
-            cmd.arg("--socket").arg(&socket).args(["--nbd-io", io]).env("TYCHE_LOG", "info");
-            let mut d = Daemon::spawn("tyche-init serve-nbd --loopback-mib", &mut cmd, &log)?;
-            wait_for("the loopback NBD socket", Duration::from_secs(30), || {
-                d.check_alive(&log)?;
-                Ok(socket.exists())
-            })?;
-            let path = socket.to_str().context("socket path is not UTF-8")?;
-            ensure!(!path.contains(','), "qemu cannot take a socket path with a comma: {path}");
-            qemu_args.push("-drive".to_string());
-            qemu_args
-                .push(format!("file=nbd+unix:///{QEMU_EXPORT}?socket={path},format=raw,if=none,id=nbd{io},cache=none"));
-            qemu_args.push("-device".to_string());
-            // On the root bus, at a slot of its own: the default bus would be the last PCI expander
-            // bridge of the numa test, which takes only bridges.
-            qemu_args.push(format!(
-                "virtio-blk-pci,drive=nbd{io},serial={},bus=pci.0,addr={:#x}",
-                serial(io),
-                0x1c + k
-            ));
-            servers.push((d, log));
+        for (t, target) in QEMU_TARGETS.into_iter().enumerate() {
+            for (k, io) in NBD_IO.into_iter().enumerate() {
+                let socket = dir.join(format!("nbd-{target}-{io}.sock"));
+                let log = dir.join(format!("nbd-{target}-{io}.log"));
+                let export = format!("{QEMU_EXPORT}-{io}");
+                let d = if target == "lo" {
+                    let _ = fs::remove_file(&socket);
+                    let mut cmd = Command::new(stack::bin(root, "tyche-init"));
+                    cmd.args(["serve-nbd", "--loopback-mib", &EXPORT_MIB.to_string(), "--export", &export]);
+                    cmd.arg("--socket").arg(&socket).args(["--nbd-io", io]).env("TYCHE_LOG", "info");
+                    let mut d = Daemon::spawn("tyche-init serve-nbd --loopback-mib", &mut cmd, &log)?;
+                    wait_for("the loopback NBD socket", Duration::from_secs(30), || {
+                        d.check_alive(&log)?;
+                        Ok(socket.exists())
+                    })?;
+                    d
+                } else {
+                    start_initiator(root, &lab, &lab.pairs[k..=k], &export, &socket, io, &log)?
+                };
+                let path = socket.to_str().context("socket path is not UTF-8")?;
+                ensure!(!path.contains(','), "qemu cannot take a socket path with a comma: {path}");
+                let id = format!("nbd{target}{io}");
+                qemu_args.push("-drive".to_string());
+                qemu_args
+                    .push(format!("file=nbd+unix:///{export}?socket={path},format=raw,if=none,id={id},cache=none"));
+                qemu_args.push("-device".to_string());
+                // On the root bus, at a slot of its own: the default bus would be the last PCI
+                // expander bridge of the numa test, which takes only bridges.
+                qemu_args.push(format!(
+                    "virtio-blk-pci,drive={id},serial={},bus=pci.0,addr={:#x}",
+                    serial(target, io),
+                    0x1c + 2 * t + k
+                ));
+                servers.push((d, log));
+            }
         }
-        Ok(HostServers { servers, qemu_args })
+        Ok(HostServers { servers, tyched, _lab: lab, qemu_args })
     }
 
     /// Fails if a server died while the VM ran.
@@ -94,7 +129,7 @@ impl HostServers {
         for (d, log) in &mut self.servers {
             d.check_alive(log)?;
         }
-        Ok(())
+        self.tyched.check_alive()
     }
 }
 
@@ -126,24 +161,72 @@ fn parts(work: &Path) -> Result<String> {
         for (k, io) in NBD_IO.iter().enumerate() {
             let s = kernel_nbd(root, &lab, work, io, k).with_context(|| format!("kernel NBD client, --nbd-io {io}"))?;
             target.check_alive()?;
-            done.push(format!("kernel-nbd {io}: {s}"));
+            done.push(format!("kernel-nbd xdp {io}: {s}"));
         }
     }
-    for io in NBD_IO {
-        let s = qemu_disk(work, io).with_context(|| format!("qemu's NBD client (virtio disk), --nbd-io {io}"))?;
-        done.push(format!("qemu-vm-disk {io}: {s}"));
+    for (k, io) in NBD_IO.iter().enumerate() {
+        let s = kernel_nbd_loopback(root, work, io, NBD_IO.len() + k)
+            .with_context(|| format!("kernel NBD client on the in-process target, --nbd-io {io}"))?;
+        done.push(format!("kernel-nbd lo {io}: {s}"));
+    }
+    for target in QEMU_TARGETS {
+        for io in NBD_IO {
+            let s = qemu_disk(work, target, io)
+                .with_context(|| format!("qemu's NBD client (virtio disk), {target} target, --nbd-io {io}"))?;
+            done.push(format!("qemu-vm-disk {target} {io}: {s}"));
+        }
     }
     Ok(done.join("; "))
 }
 
-/// Starts `tyche-init serve-nbd --nbd-io io` in the lab's initiator namespace over both links,
-/// logging each NBD connection (debug), and waits for its socket.
-fn start_initiator(root: &Path, lab: &Lab, socket: &Path, io: &str, log: &Path) -> Result<Daemon> {
+/// The kernel's NBD client on `/dev/nbd<k>` over `tyche-init serve-nbd --loopback-mib` (the
+/// in-process RAM target, `--nbd-io io`): ext4 and fio verify, no restart (the RAM goes with the
+/// process).
+fn kernel_nbd_loopback(root: &Path, work: &Path, io: &str, k: usize) -> Result<String> {
+    let socket = work.join(format!("nbd-lo-{io}.sock"));
+    let log = work.join(format!("tyche-init-lo-{io}.log"));
+    let _ = fs::remove_file(&socket);
+    let mut cmd = Command::new(stack::bin(root, "tyche-init"));
+    cmd.args(["serve-nbd", "--loopback-mib", &EXPORT_MIB.to_string(), "--export", EXPORT]);
+    cmd.arg("--socket").arg(&socket).args(["--nbd-io", io]).env("TYCHE_LOG", "info");
+    let mut server = Daemon::spawn("tyche-init serve-nbd --loopback-mib", &mut cmd, &log)?;
+    wait_for("the loopback NBD socket", Duration::from_secs(30), || {
+        server.check_alive(&log)?;
+        Ok(socket.exists())
+    })?;
+    let dev = format!("/dev/nbd{k}");
+    let clog = work.join(format!("nbd-client-lo-{io}.log"));
+    let mut client = nbd_client(&socket, &dev, &clog)?;
+    let mut disk = BlockFs::new(&dev, &work.join(format!("lo-{io}")));
+    let tree = Tree::new(0x6e62_6c00 + k as u64, 30, 8 << 20);
+    disk.ext4_round_trip(&tree)?;
+    let mnt = disk.mount()?;
+    fio(&mnt.join("fio.dat"), false)?;
+    disk.umount()?;
+    server.check_alive(&log)?;
+    run(Command::new("nbd-client").args(["-d", &dev]))?;
+    client.wait(Duration::from_secs(20)).context("nbd-client did not exit after nbd-client -d")?;
+    ensure!(!connected(&dev), "{dev} still connected after nbd-client -d");
+    println!("nbd: {dev} (in-process target, --nbd-io {io}): ext4 round trip and fio crc32c verified");
+    Ok("ext4+fio verify ok".to_string())
+}
+
+/// Starts `tyche-init serve-nbd --nbd-io io` of `export` in the lab's initiator namespace over
+/// the links `pairs`, logging each NBD connection (debug), and waits for its socket.
+fn start_initiator(
+    root: &Path,
+    lab: &Lab,
+    pairs: &[Pair],
+    export: &str,
+    socket: &Path,
+    io: &str,
+    log: &Path,
+) -> Result<Daemon> {
     let _ = fs::remove_file(socket);
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &lab.initiator_ns]).arg(stack::bin(root, "tyche-init")).arg("serve-nbd");
-    cmd.arg("--socket").arg(socket).args(["--export", EXPORT, "--nbd-io", io]);
-    for p in &lab.pairs {
+    cmd.arg("--socket").arg(socket).args(["--export", export, "--nbd-io", io]);
+    for p in pairs {
         cmd.arg("--iface").arg(&p.initiator_if).arg("--target").arg(p.target_mac.to_string());
     }
     cmd.env("TYCHE_LOG", "info,tyche_init::nbd=debug");
@@ -201,7 +284,7 @@ fn nbd_client(socket: &Path, dev: &str, log: &Path) -> Result<Daemon> {
 fn kernel_nbd(root: &Path, lab: &Lab, work: &Path, io: &str, k: usize) -> Result<String> {
     let socket = work.join(format!("nbd-{io}.sock"));
     let log = work.join(format!("tyche-init-{io}.log"));
-    let mut server = start_initiator(root, lab, &socket, io, &log)?;
+    let mut server = start_initiator(root, lab, &lab.pairs, EXPORT, &socket, io, &log)?;
     let dev = format!("/dev/nbd{k}");
     let clog = work.join(format!("nbd-client-{io}.log"));
     let mut client = nbd_client(&socket, &dev, &clog)?;
@@ -229,7 +312,7 @@ fn kernel_nbd(root: &Path, lab: &Lab, work: &Path, io: &str, k: usize) -> Result
     let killed = Instant::now();
     let exited = client.wait(Duration::from_secs(15)).ok();
     let log2 = work.join(format!("tyche-init-{io}-2.log"));
-    let mut server = start_initiator(root, lab, &socket, io, &log2)?;
+    let mut server = start_initiator(root, lab, &lab.pairs, EXPORT, &socket, io, &log2)?;
     let up = killed.elapsed();
     let how = match exited {
         Some(st) => {
@@ -273,9 +356,9 @@ fn kernel_nbd(root: &Path, lab: &Lab, work: &Path, io: &str, k: usize) -> Result
     Ok(format!("ext4+fio verify+restart ok (kill -9 of the server, {how}, data verified)"))
 }
 
-/// The virtio disk with serial `tyche-<io>`, qemu's NBD client behind it.
-fn qemu_disk(work: &Path, io: &str) -> Result<String> {
-    let want = serial(io);
+/// The virtio disk with serial `tyche-<target>-<io>`, qemu's NBD client behind it.
+fn qemu_disk(work: &Path, target: &str, io: &str) -> Result<String> {
+    let want = serial(target, io);
     let mut dev = None;
     for e in fs::read_dir("/sys/block")?.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
@@ -284,10 +367,10 @@ fn qemu_disk(work: &Path, io: &str) -> Result<String> {
         }
     }
     let dev = dev.with_context(|| format!("no virtio disk with serial {want} (is virtio_blk loaded?)"))?;
-    let mut disk = BlockFs::new(&dev, &work.join(format!("vd-{io}")));
+    let mut disk = BlockFs::new(&dev, &work.join(format!("vd-{target}-{io}")));
     let size = disk.size()?;
     ensure!(size == EXPORT_MIB << 20, "{dev} is {size} bytes, the export {EXPORT_MIB} MiB");
-    let tree = Tree::new(0x7165_6d75 ^ io.len() as u64, 60, 16 << 20);
+    let tree = Tree::new(0x7165_6d75 ^ (io.len() + 8 * target.len()) as u64, 60, 16 << 20);
     disk.ext4_round_trip(&tree)?;
     println!("nbd: {dev} ({want}): ext4, {} KiB written, caches dropped, fsck clean, verified", tree.bytes() >> 10);
     Ok(format!("ext4 ok ({dev}, {} MiB verified)", tree.bytes() >> 20))
