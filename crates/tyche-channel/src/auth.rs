@@ -91,6 +91,8 @@ impl std::fmt::Debug for Psk {
 
 /// Fewest bytes a pre-shared key has.
 pub const MIN_KEY_LEN: usize = 16;
+/// Most bytes a key file may hold (a key is hashed into channel keys; more is a wrong file).
+pub const MAX_KEY_FILE: u64 = 4096;
 
 /// Reads a key file, the one rule of both daemons: refused when its group or others may read
 /// it; the key is the file's bytes without one final line break (`\n` or `\r\n`), at least
@@ -99,6 +101,9 @@ pub fn read_key_file(path: &std::path::Path) -> Result<Psk, String> {
     use std::os::unix::fs::PermissionsExt;
     let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mode = meta.permissions().mode();
+    if !meta.is_file() || meta.len() > MAX_KEY_FILE {
+        return Err(format!("{}: a key file is a regular file of at most {MAX_KEY_FILE} bytes", path.display()));
+    }
     if mode & 0o077 != 0 {
         return Err(format!(
             "{} can be read by its group or others (mode {:o}); make it readable by its owner alone (chmod 600)",
@@ -464,6 +469,9 @@ mod tests {
         let e = key("open", k, 0o644).expect_err("group-readable");
         assert!(e.contains("mode 644") && e.contains("chmod 600"), "{e}");
         assert!(read_key_file(&dir.join("missing")).is_err());
+        let e = key("huge", &[b'k'; 4097], 0o600).expect_err("over the limit");
+        assert!(e.contains("at most 4096 bytes"), "{e}");
+        assert!(read_key_file(&dir).expect_err("a directory").contains("regular file"));
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
     use super::*;
