@@ -12,7 +12,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
@@ -322,15 +322,7 @@ fn serve(root: &Path, lab: &Lab, target: Target, io: &str, work: &Path) -> Resul
             Ok(Served { socket, _init: r.daemon, log })
         }
         Target::Loopback => {
-            let _ = fs::remove_file(&socket);
-            let mut cmd = Command::new(stack::bin(root, "tyche-init"));
-            cmd.arg("serve-nbd").arg("--socket").arg(&socket).args(["--export", EXPORT]);
-            cmd.args(["--loopback-mib", &EXPORT_MIB.to_string()]).args(&extra).env("TYCHE_LOG", "info");
-            let mut d = Daemon::spawn("tyche-init", &mut cmd, &log)?;
-            stack::wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
-                d.check_alive(&log)?;
-                Ok(socket.exists())
-            })?;
+            let d = stack::start_loopback_initiator(root, EXPORT, EXPORT_MIB, io, &socket, &log)?;
             Ok(Served { socket, _init: d, log })
         }
     }

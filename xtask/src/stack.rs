@@ -138,6 +138,28 @@ pub fn start_initiator(
     Ok(i)
 }
 
+/// Starts `tyche-init serve-nbd --loopback-mib MIB --export EXPORT --nbd-io IO` (its in-process
+/// RAM target: no lab, no `tyched`) on `socket`, and waits for the socket.
+pub fn start_loopback_initiator(
+    root: &Path,
+    export: &str,
+    mib: u64,
+    io: &str,
+    socket: &Path,
+    log: &Path,
+) -> Result<Daemon> {
+    let _ = fs::remove_file(socket);
+    let mut cmd = Command::new(bin(root, "tyche-init"));
+    cmd.args(["serve-nbd", "--loopback-mib", &mib.to_string(), "--export", export, "--nbd-io", io]);
+    cmd.arg("--socket").arg(socket).env("TYCHE_LOG", "info");
+    let mut d = Daemon::spawn("tyche-init serve-nbd --loopback-mib", &mut cmd, log)?;
+    wait_for("tyche-init's NBD socket", Duration::from_secs(60), || {
+        d.check_alive(log)?;
+        Ok(socket.exists())
+    })?;
+    Ok(d)
+}
+
 /// A child process killed (and reaped) when dropped.
 pub struct Daemon {
     name: &'static str,

@@ -91,16 +91,7 @@ impl HostServers {
                 let log = dir.join(format!("nbd-{target}-{io}.log"));
                 let export = format!("{QEMU_EXPORT}-{io}");
                 let d = if target == "lo" {
-                    let _ = fs::remove_file(&socket);
-                    let mut cmd = Command::new(stack::bin(root, "tyche-init"));
-                    cmd.args(["serve-nbd", "--loopback-mib", &EXPORT_MIB.to_string(), "--export", &export]);
-                    cmd.arg("--socket").arg(&socket).args(["--nbd-io", io]).env("TYCHE_LOG", "info");
-                    let mut d = Daemon::spawn("tyche-init serve-nbd --loopback-mib", &mut cmd, &log)?;
-                    wait_for("the loopback NBD socket", Duration::from_secs(30), || {
-                        d.check_alive(&log)?;
-                        Ok(socket.exists())
-                    })?;
-                    d
+                    stack::start_loopback_initiator(root, &export, EXPORT_MIB, io, &socket, &log)?
                 } else {
                     start_initiator(root, &lab, &lab.pairs[k..=k], &export, &socket, io, &log)?
                 };
@@ -185,15 +176,7 @@ fn parts(work: &Path) -> Result<String> {
 fn kernel_nbd_loopback(root: &Path, work: &Path, io: &str, k: usize) -> Result<String> {
     let socket = work.join(format!("nbd-lo-{io}.sock"));
     let log = work.join(format!("tyche-init-lo-{io}.log"));
-    let _ = fs::remove_file(&socket);
-    let mut cmd = Command::new(stack::bin(root, "tyche-init"));
-    cmd.args(["serve-nbd", "--loopback-mib", &EXPORT_MIB.to_string(), "--export", EXPORT]);
-    cmd.arg("--socket").arg(&socket).args(["--nbd-io", io]).env("TYCHE_LOG", "info");
-    let mut server = Daemon::spawn("tyche-init serve-nbd --loopback-mib", &mut cmd, &log)?;
-    wait_for("the loopback NBD socket", Duration::from_secs(30), || {
-        server.check_alive(&log)?;
-        Ok(socket.exists())
-    })?;
+    let mut server = stack::start_loopback_initiator(root, EXPORT, EXPORT_MIB, io, &socket, &log)?;
     let dev = format!("/dev/nbd{k}");
     let clog = work.join(format!("nbd-client-lo-{io}.log"));
     let mut client = nbd_client(&socket, &dev, &clog)?;
