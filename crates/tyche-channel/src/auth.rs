@@ -446,6 +446,7 @@ pub const SEAL_OVERHEAD: usize = layout::trailer::END;
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn key_files_are_read_by_one_rule() {
@@ -474,7 +475,6 @@ mod tests {
         assert!(read_key_file(&dir).expect_err("a directory").contains("regular file"));
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
-    use super::*;
 
     fn input() -> ProofInput<'static> {
         ProofInput {

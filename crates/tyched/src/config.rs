@@ -425,17 +425,12 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// Reads a key file: `tyche_channel::auth::read_key_file`, the rule both daemons share.
-pub fn read_key_file(path: &std::path::Path) -> Result<zeroize::Zeroizing<Vec<u8>>, String> {
-    tyche_channel::auth::read_key_file(path).map(|k| zeroize::Zeroizing::new(k.to_vec()))
-}
-
 impl Config {
     /// What the machine must hold for `serve` to start with this configuration, checked without
     /// opening or creating anything (what `serve --check` reports, and `serve` checks first):
-    /// at least one interface and each one present, each file export's file present or, with a
-    /// size, its directory present (`serve` creates the file), and each key file readable by its
-    /// owner alone and long enough. The error names the field.
+    /// at least one interface and each one present, and each file export's file present or, with
+    /// a size, its directory present (`serve` creates the file). Key files are read by
+    /// [`Config::validate`]. The error names the field.
     pub fn preflight(&self) -> Result<(), ConfigError> {
         if self.ifaces.is_empty() {
             return Err(invalid("ifaces", "no interface to serve on (--iface IF)"));
@@ -455,6 +450,9 @@ impl Config {
             if let Some(path) = &e.path {
                 match std::fs::metadata(path) {
                     Ok(_) => {}
+                    Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(invalid(field("path"), format!("{}: {err}", path.display())))
+                    }
                     Err(_) if e.size.is_none() || e.read_only => {
                         return Err(invalid(
                             field("path"),
@@ -473,9 +471,6 @@ impl Config {
                     }
                 }
             }
-            if let Some(k) = &e.key_file {
-                read_key_file(k).map_err(|m| invalid(field("key_file"), m))?;
-            }
         }
         Ok(())
     }
@@ -484,10 +479,11 @@ impl Config {
 impl ExportConfig {
     /// The export's pre-shared key, if it has one: from `key_file`, or the deprecated inline
     /// `key`.
-    pub fn key_bytes(&self) -> Result<Option<zeroize::Zeroizing<Vec<u8>>>, String> {
+    /// A key file is read by `tyche_channel::auth::read_key_file`, the rule both daemons share.
+    pub fn key_bytes(&self) -> Result<Option<tyche_channel::auth::Psk>, String> {
         match (&self.key_file, &self.key) {
-            (Some(path), _) => read_key_file(path).map(Some),
-            (None, Some(k)) => Ok(Some(zeroize::Zeroizing::new(k.expose().to_vec()))),
+            (Some(path), _) => tyche_channel::auth::read_key_file(path).map(Some),
+            (None, Some(k)) => Ok(Some(tyche_channel::auth::Psk::new(k.expose()))),
             (None, None) => Ok(None),
         }
     }

@@ -9,7 +9,6 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use tyche_channel::auth::Psk;
 use tyche_channel::{Acceptor, ExportSpec, Instant};
 use tyche_transport::poll::PollStats;
 use tyche_transport::wake::WakeFd;
@@ -238,13 +237,10 @@ fn open_exports(config: &Config, node: Option<u32>) -> Result<Vec<Export>, Start
             backend,
             uring: false,
             allow: e.allowed_macs(),
-            key: e
-                .key_bytes()
-                .map_err(|m| crate::config::ConfigError::Invalid {
-                    field: format!("export[{index}].key_file"),
-                    message: m,
-                })?
-                .map(|k| Psk::new(&k)),
+            key: e.key_bytes().map_err(|m| crate::config::ConfigError::Invalid {
+                field: format!("export[{index}].key_file"),
+                message: m,
+            })?,
             read_only: e.read_only,
             shared: e.shared,
         });
