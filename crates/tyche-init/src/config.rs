@@ -1,5 +1,4 @@
 use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
 use tyche_channel::Timers;
@@ -30,24 +29,14 @@ impl fmt::Debug for Link {
 }
 
 /// Which channel each request part goes to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum SchedulerKind {
     /// Channels on the node of the request's buffers, equal bytes each, any channel as fallback.
     #[default]
     Affinity,
     /// Every live channel in turn (the papers' baseline).
+    #[value(alias = "rr")]
     RoundRobin,
-}
-
-impl FromStr for SchedulerKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "affinity" => Ok(SchedulerKind::Affinity),
-            "round-robin" | "rr" => Ok(SchedulerKind::RoundRobin),
-            o => Err(format!("unknown scheduler {o:?} (expected affinity or round-robin)")),
-        }
-    }
 }
 
 impl fmt::Display for SchedulerKind {
@@ -60,7 +49,7 @@ impl fmt::Display for SchedulerKind {
 }
 
 /// How requests reach the channels: the two send modes of the Tyche papers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum SendMode {
     /// The thread that has the request submits it and sends its frames itself: a [`Client`]
     /// caller (and so a ublk queue thread) takes the session's lock, submits into the volume
@@ -88,19 +77,8 @@ impl fmt::Display for SendMode {
     }
 }
 
-impl FromStr for SendMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "inline" => Ok(SendMode::Inline),
-            "queue" => Ok(SendMode::Queue),
-            o => Err(format!("unknown send mode {o:?} (expected inline or queue)")),
-        }
-    }
-}
-
 /// How many engine threads serve the links.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum EngineThreads {
     /// One engine thread per NUMA node of the links' NICs, pinned to that node's CPUs, each
     /// serving the links on its node (one thread when every link is on one node or none is
@@ -111,17 +89,6 @@ pub enum EngineThreads {
     PerNode,
     /// One engine thread for every link (unpinned when the links span several nodes).
     One,
-}
-
-impl FromStr for EngineThreads {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "per-node" => Ok(EngineThreads::PerNode),
-            "one" => Ok(EngineThreads::One),
-            o => Err(format!("unknown engine thread layout {o:?} (expected per-node or one)")),
-        }
-    }
 }
 
 impl fmt::Display for EngineThreads {

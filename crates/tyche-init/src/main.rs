@@ -73,8 +73,8 @@ enum Command {
         /// Who serves NBD requests after the handshake: `engine` (the engine thread of the
         /// connection's node reads requests and writes replies in its own loop) or `tasks` (a
         /// task per request on the connection's thread, handing each to the engine).
-        #[arg(long, default_value = "engine", value_parser = ["engine", "tasks"])]
-        nbd_io: String,
+        #[arg(long, value_enum, default_value_t = NbdIo::Engine)]
+        nbd_io: NbdIo,
     },
     /// Print the counters, per channel payload bytes and NUMA placement of a running front end.
     Stats {
@@ -104,6 +104,15 @@ enum Command {
         /// Device path, socket path or pid.
         what: String,
     },
+}
+
+/// Who serves an NBD connection's requests after the handshake (`serve-nbd --nbd-io`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum NbdIo {
+    /// The engine thread of the connection's node reads requests and writes replies.
+    Engine,
+    /// A task per request on the connection's thread hands each to the engine.
+    Tasks,
 }
 
 #[derive(Debug, Args)]
@@ -158,7 +167,7 @@ struct ConnArgs {
     engine_threads: EngineThreads,
     /// How engine threads wait when idle: adaptive (poll a while after work, then sleep),
     /// sleep or spin.
-    #[arg(long, default_value = "adaptive", value_name = "adaptive|sleep|spin")]
+    #[arg(long, default_value = "adaptive")]
     poll: tyche_transport::poll::PollMode,
     /// Adaptive polling: the longest an engine thread polls after work before it sleeps (µs).
     #[arg(long, default_value_t = tyche_transport::poll::DEFAULT_BUDGET.as_micros() as u64, value_name = "US")]
@@ -168,7 +177,7 @@ struct ConnArgs {
     stats_socket: Option<PathBuf>,
     /// The NICs' interrupts: keep (leave them, report and warn) or auto (each NIC's IRQs on one
     /// core of its node that this process's threads then keep off; needs root).
-    #[arg(long, default_value = "keep", value_name = "keep|auto")]
+    #[arg(long, default_value = "keep")]
     irq_affinity: tyche_numa::irq::IrqPolicy,
     /// Placement experiment (the NESUS paper's misplaced-memory case): every AF_XDP channel's
     /// UMEM and rings on NUMA node N instead of its NIC's node. Channels are still scheduled by
@@ -844,7 +853,7 @@ fn run() -> Result<()> {
             rt.block_on(attach(conn, device))
         }
         Command::ServeNbd { socket, conn, max_inflight, nbd_nodes, nbd_io } => {
-            rt.block_on(serve_nbd(socket, conn, max_inflight, nbd_nodes, nbd_io == "engine"))
+            rt.block_on(serve_nbd(socket, conn, max_inflight, nbd_nodes, nbd_io == NbdIo::Engine))
         }
         Command::Stats { what, json } => stats(&what, json),
         Command::List => {

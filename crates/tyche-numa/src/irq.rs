@@ -277,7 +277,7 @@ pub fn set_irq_affinity(roots: &Roots, irq: u32, cpus: &[u32]) -> Result<(), Irq
 }
 
 /// `irq_affinity` / `--irq-affinity`: leave the NICs' interrupts as they are, or move them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum IrqPolicy {
     /// Do not touch IRQ affinity (report it and warn).
@@ -285,17 +285,6 @@ pub enum IrqPolicy {
     Keep,
     /// Put each NIC's interrupts on cores of its node that run no network thread.
     Auto,
-}
-
-impl std::str::FromStr for IrqPolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "keep" => Ok(IrqPolicy::Keep),
-            "auto" => Ok(IrqPolicy::Auto),
-            o => Err(format!("unknown IRQ affinity policy {o:?} (expected \"auto\" or \"keep\")")),
-        }
-    }
 }
 
 impl std::fmt::Display for IrqPolicy {
@@ -573,8 +562,8 @@ mod tests {
 
     #[test]
     fn policy_parses() {
-        assert_eq!("auto".parse::<IrqPolicy>(), Ok(IrqPolicy::Auto));
-        assert_eq!("keep".parse::<IrqPolicy>(), Ok(IrqPolicy::Keep));
-        assert!("spread".parse::<IrqPolicy>().unwrap_err().contains("expected \"auto\" or \"keep\""));
+        assert_eq!(<IrqPolicy as clap::ValueEnum>::from_str("auto", false), Ok(IrqPolicy::Auto));
+        assert_eq!(<IrqPolicy as clap::ValueEnum>::from_str("keep", false), Ok(IrqPolicy::Keep));
+        assert!(<IrqPolicy as clap::ValueEnum>::from_str("spread", false).is_err());
     }
 }

@@ -14,7 +14,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -22,28 +21,15 @@ use crate::model::BandwidthModel;
 use crate::Topology;
 
 /// How the scheduler picks a channel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Policy {
     /// Channels on the buffer's node, equal bytes each; nearest node as fallback.
     #[default]
     Affinity,
     /// Every usable channel in turn, whatever its node (the papers' baseline).
+    #[value(alias = "rr")]
     RoundRobin,
-}
-
-impl FromStr for Policy {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "affinity" => Ok(Policy::Affinity),
-            "round-robin" | "rr" => Ok(Policy::RoundRobin),
-            other => {
-                Err(format!("unknown channel scheduling policy {other:?} (expected \"affinity\" or \"round-robin\")"))
-            }
-        }
-    }
 }
 
 impl fmt::Display for Policy {
@@ -450,9 +436,9 @@ mod tests {
 
     #[test]
     fn policy_parses_from_configuration_text() {
-        assert_eq!("affinity".parse::<Policy>(), Ok(Policy::Affinity));
-        assert_eq!("round-robin".parse::<Policy>(), Ok(Policy::RoundRobin));
-        assert!("fastest".parse::<Policy>().is_err());
+        assert_eq!(<Policy as clap::ValueEnum>::from_str("affinity", false), Ok(Policy::Affinity));
+        assert_eq!(<Policy as clap::ValueEnum>::from_str("round-robin", false), Ok(Policy::RoundRobin));
+        assert!(<Policy as clap::ValueEnum>::from_str("fastest", false).is_err());
         assert_eq!(Policy::RoundRobin.to_string(), "round-robin");
     }
 

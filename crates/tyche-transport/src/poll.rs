@@ -38,13 +38,12 @@
 use std::fmt;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 /// How a thread waits between turns that found nothing to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum PollMode {
     /// After a turn that did work, poll for up to an adaptive budget, then sleep.
@@ -70,18 +69,6 @@ impl PollMode {
 impl fmt::Display for PollMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for PollMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "adaptive" => Ok(PollMode::Adaptive),
-            "sleep" => Ok(PollMode::Sleep),
-            "spin" => Ok(PollMode::Spin),
-            _ => Err(format!("unknown poll mode {s:?} (adaptive, sleep or spin)")),
-        }
     }
 }
 
@@ -446,9 +433,9 @@ mod tests {
     #[test]
     fn modes_parse_and_print() {
         for m in [PollMode::Adaptive, PollMode::Sleep, PollMode::Spin] {
-            assert_eq!(m.to_string().parse::<PollMode>(), Ok(m));
+            assert_eq!(<PollMode as clap::ValueEnum>::from_str(&m.to_string(), false), Ok(m));
         }
-        assert!("busy".parse::<PollMode>().unwrap_err().contains("adaptive, sleep or spin"));
+        assert!(<PollMode as clap::ValueEnum>::from_str("busy", false).is_err());
         assert_eq!(PollConfig::default().mode, PollMode::Adaptive);
     }
 

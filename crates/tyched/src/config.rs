@@ -34,7 +34,7 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
 }
 
 /// Which transport carries the frames.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     /// AF_XDP (the `tyche-xdp` crate).
@@ -46,20 +46,8 @@ pub enum TransportKind {
     Packet,
 }
 
-impl FromStr for TransportKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "xdp" => Ok(TransportKind::Xdp),
-            "tcp" => Ok(TransportKind::Tcp),
-            "packet" => Ok(TransportKind::Packet),
-            _ => Err(format!("unknown transport {s:?} (xdp, tcp or packet)")),
-        }
-    }
-}
-
 /// How many network threads serve the NICs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, clap::ValueEnum)]
 pub enum NetworkThreads {
     /// One thread per NIC (per transport: per AF_XDP queue with `channels_per_nic` > 1), pinned
     /// to the NIC's node.
@@ -69,17 +57,6 @@ pub enum NetworkThreads {
     /// One thread for every NIC.
     #[serde(rename = "one")]
     One,
-}
-
-impl FromStr for NetworkThreads {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "per-nic" => Ok(NetworkThreads::PerNic),
-            "one" => Ok(NetworkThreads::One),
-            _ => Err(format!("unknown network_threads {s:?} (per-nic or one)")),
-        }
-    }
 }
 
 /// The whole configuration (the TOML file's top level).

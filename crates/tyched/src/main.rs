@@ -61,7 +61,7 @@ struct ServeArgs {
     /// Channels on NIC queues of their own: none, queue-mac (an address and an ntuple flow
     /// rule per queue, installed on the NIC; fails on a NIC without ntuple filters) or
     /// queue-mac-no-rules (the addresses alone, for veth).
-    #[arg(long, value_name = "none|queue-mac|queue-mac-no-rules")]
+    #[arg(long)]
     steer: Option<tyched::steer::Steer>,
     /// Transport: xdp, tcp or packet.
     #[arg(long)]
@@ -73,14 +73,14 @@ struct ServeArgs {
     #[arg(long)]
     workers: Option<usize>,
     /// Network threads: per-nic (one per NIC, pinned to its node) or one.
-    #[arg(long, value_name = "per-nic|one")]
+    #[arg(long)]
     network_threads: Option<NetworkThreads>,
     /// File and block exports use the worker threads, not io_uring.
     #[arg(long)]
     no_io_uring: bool,
     /// How network threads wait when idle: adaptive (poll a while after work, then sleep),
     /// sleep or spin.
-    #[arg(long, value_name = "adaptive|sleep|spin")]
+    #[arg(long)]
     poll: Option<tyche_transport::poll::PollMode>,
     /// Adaptive polling: the longest a network thread polls after work before it sleeps (µs).
     #[arg(long, value_name = "US")]
@@ -97,7 +97,7 @@ struct ServeArgs {
     prometheus_allow_remote: bool,
     /// The NICs' interrupts: keep (leave them, report and warn) or auto (each NIC's IRQs on
     /// cores of its node that run no network thread; needs root).
-    #[arg(long, value_name = "keep|auto")]
+    #[arg(long)]
     irq_affinity: Option<tyche_numa::irq::IrqPolicy>,
     /// Placement experiments only: every AF_XDP channel's memory (UMEM, rings, slot memory) on
     /// this NUMA node instead of its NIC's (the NESUS paper's misplaced-memory case).

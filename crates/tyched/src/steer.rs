@@ -16,13 +16,12 @@
 
 use std::fmt;
 use std::process::Command;
-use std::str::FromStr;
 
 use serde::Deserialize;
 use tyche_wire::MacAddr;
 
 /// How the target gives channels NIC queues of their own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, clap::ValueEnum)]
 pub enum Steer {
     /// No steering: every channel uses the interface's own address (the NIC picks the queue).
     #[default]
@@ -44,18 +43,6 @@ impl Steer {
     /// Whether channels get queue addresses.
     pub fn addresses(self) -> bool {
         self != Steer::None
-    }
-}
-
-impl FromStr for Steer {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "none" => Ok(Steer::None),
-            "queue-mac" => Ok(Steer::QueueMac),
-            "queue-mac-no-rules" => Ok(Steer::QueueMacNoRules),
-            _ => Err(format!("unknown steer {s:?} (none, queue-mac or queue-mac-no-rules)")),
-        }
     }
 }
 
