@@ -119,6 +119,17 @@ pub fn ublk_id(what: &str) -> Option<u32> {
     name.strip_prefix("ublkb").unwrap_or(name).parse().ok()
 }
 
+/// Whether a block device is in use: mounted, held by md or device-mapper, or opened
+/// exclusively by anyone (an `O_EXCL` open of it fails with EBUSY). Plain opens (a `dd` without
+/// `O_EXCL`) do not count. A device that cannot be opened at all is not in use.
+pub fn device_in_use(path: &str) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    matches!(
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_EXCL).open(path),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::ublk_id;

@@ -29,6 +29,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod attachfile;
 mod client;
 mod config;
 mod discover;

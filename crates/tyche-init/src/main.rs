@@ -7,11 +7,15 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing::{info, warn};
 use tyche_channel::DurabilityDebt;
+use tyche_cli::bad_config;
+use tyche_init::attachfile::AttachFile;
 use tyche_init::frontend::{UblkFrontend, UblkOptions};
 use tyche_init::loopback::{mem_links, RamExport, RamTarget};
 use tyche_init::nbd::NbdOptions;
 use tyche_init::{state, Client, EngineThreads, InitiatorConfig, Link, SchedulerKind, SendMode};
 use tyche_wire::MacAddr;
+
+mod admin;
 
 #[derive(Debug, Parser)]
 #[command(name = "tyche-init", version, about = "Tyche initiator: remote exports as local block devices")]
@@ -30,8 +34,19 @@ enum Command {
         /// Seconds to listen for answers.
         #[arg(long, default_value_t = 1.0)]
         wait: f64,
+        /// EtherType of Tyche frames (the targets' `ethertype`).
+        #[arg(long, value_parser = parse_ethertype, default_value = "0x88B5")]
+        ethertype: u16,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Attach an export as /dev/ublkbN and serve it until detached.
+    ///
+    /// SIGTERM or SIGINT detaches: the device is deleted when nothing uses it; a device still
+    /// in use (mounted, or held by md) is left for recovery instead (created with user
+    /// recovery, the default), and the next `attach --config` of the same file, or
+    /// `attach --recover`, resumes it.
     Attach {
         #[command(flatten)]
         conn: ConnArgs,
@@ -54,6 +69,17 @@ enum Command {
         /// the filesystems on it) instead of waiting for `attach --recover`.
         #[arg(long)]
         no_recovery: bool,
+    },
+    /// Attach every attachment file of a directory that is not attached yet, each by a
+    /// `tyche-init attach --config FILE` of its own in the background.
+    AttachAll {
+        /// Directory of attachment files (NAME.toml).
+        #[arg(long, default_value = tyche_init::attachfile::DEFAULT_DIR)]
+        dir: PathBuf,
+        /// Seconds to wait for each device before reporting it as still waiting for its target
+        /// (it keeps trying in the background).
+        #[arg(long, default_value_t = 30.0)]
+        wait: f64,
     },
     /// Serve an export over NBD on a Unix socket until detached.
     ServeNbd {
@@ -84,8 +110,26 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// List attached exports.
-    List,
+    /// List attached exports and their health: live, degraded (some links without a live
+    /// channel), no-path, or awaiting-recovery (a device whose server died).
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// For udev: the environment that names /dev/disk/by-tyche/<target>/<export> for a device
+    /// (`TYCHE_TARGET`, `TYCHE_EXPORT`, `TYCHE_ATTACHMENT`), by its kernel name (`ublkb0`).
+    UdevInfo {
+        /// Kernel name of the block device.
+        device: String,
+    },
+    /// Packaging: write the man pages (OUT/man) and shell completions (OUT/completions).
+    #[command(hide = true)]
+    GenerateDocs {
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Testing aid: serve an in-process RAM export on AF_XDP interfaces (a minimal target).
     #[command(hide = true)]
     RamTarget {
@@ -99,10 +143,15 @@ enum Command {
         #[arg(long, default_value_t = 64)]
         mib: u64,
     },
-    /// Detach an export (by device or socket path, or by pid).
+    /// Detach an export (by device or socket path, pid, or attachment name), and wait until it
+    /// is gone. A device in use (mounted, or held by md) is refused unless --force.
     Detach {
-        /// Device path, socket path or pid.
+        /// Device path, socket path, pid or attachment name.
         what: String,
+        /// Detach a device in use too: its server is killed and the device deleted, so I/O on
+        /// it fails.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -117,6 +166,17 @@ enum NbdIo {
 
 #[derive(Debug, Args)]
 struct ConnArgs {
+    /// Attachment file (`/etc/tyche/attach.d/NAME.toml`): export, target, interfaces, key and
+    /// timeouts come from it (the flags that set those are refused beside it), and the first
+    /// connect is retried until the target answers.
+    #[arg(long, value_name = "FILE", conflicts_with_all = [
+        "ifaces", "targets", "tcp", "loopback_mib", "export", "key", "host_id", "digest",
+        "channels_per_nic", "no_path_timeout", "ethertype", "target_name",
+    ])]
+    config: Option<PathBuf>,
+    /// The attachment file's name, once read.
+    #[arg(skip)]
+    name: Option<String>,
     /// Interfaces (AF_XDP), one channel set each.
     #[arg(long = "iface")]
     ifaces: Vec<String>,
@@ -130,8 +190,19 @@ struct ConnArgs {
     #[arg(long, conflicts_with_all = ["ifaces", "tcp"])]
     loopback_mib: Option<u64>,
     /// Export name.
+    #[arg(long, required_unless_present = "config")]
+    export: Option<String>,
+    /// The <target> part of the device's /dev/disk/by-tyche/<target>/<export> name (default:
+    /// the target's MAC address).
     #[arg(long)]
-    export: String,
+    target_name: Option<String>,
+    /// EtherType of Tyche frames (the target's `ethertype`).
+    #[arg(long, value_parser = parse_ethertype, default_value = "0x88B5")]
+    ethertype: u16,
+    /// Keep trying to attach until the target answers, instead of failing (always with
+    /// --config): for units that start before their target is up.
+    #[arg(long)]
+    retry: bool,
     /// Pre-shared key file.
     #[arg(long)]
     key: Option<PathBuf>,
@@ -201,6 +272,18 @@ struct ConnArgs {
     inject_loss: Option<f64>,
 }
 
+fn parse_ethertype(s: &str) -> std::result::Result<u16, String> {
+    let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u16::from_str_radix(hex, 16),
+        None => s.parse(),
+    }
+    .map_err(|_| format!("{s:?} is not an EtherType (e.g. 0x88B5)"))?;
+    if v < 0x0600 {
+        return Err(format!("{s}: an EtherType is 0x0600 or more"));
+    }
+    Ok(v)
+}
+
 fn parse_probability(s: &str) -> std::result::Result<f64, String> {
     let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
     if (0.0..1.0).contains(&p) {
@@ -211,11 +294,68 @@ fn parse_probability(s: &str) -> std::result::Result<f64, String> {
 }
 
 impl ConnArgs {
+    /// Reads `--config`, if given, into these arguments.
+    fn read_config_file(&mut self) -> Result<Option<AttachFile>> {
+        let Some(path) = &self.config else { return Ok(None) };
+        let f = AttachFile::read(path).map_err(bad_config)?;
+        self.name = Some(f.name.clone());
+        self.export = Some(f.export.clone());
+        self.ifaces = f.ifaces.clone();
+        self.targets = f.targets.iter().map(|m| m.to_string()).collect();
+        self.target_name = f.target_name.clone();
+        self.key = f.key_file.clone();
+        self.host_id = f.host_id;
+        self.digest = f.digest;
+        self.ethertype = f.ethertype;
+        if let Some(n) = f.channels_per_nic {
+            self.channels_per_nic = n;
+        }
+        if let Some(t) = f.no_path_timeout {
+            self.no_path_timeout = t;
+        }
+        if let Some(v) = f.scheduler {
+            self.scheduler = v;
+        }
+        if let Some(v) = f.send_mode {
+            self.send_mode = v;
+        }
+        if let Some(v) = f.engine_threads {
+            self.engine_threads = v;
+        }
+        self.retry = true;
+        Ok(Some(f))
+    }
+
+    fn export(&self) -> &str {
+        self.export.as_deref().unwrap_or_default()
+    }
+
+    /// Checks what this host must have before anything is opened: the interfaces exist, the
+    /// key file is readable and private. Failures are configuration errors.
+    fn preflight(&self) -> Result<InitiatorConfig> {
+        for i in &self.ifaces {
+            let c = std::ffi::CString::new(i.as_str()).map_err(|_| bad_config(anyhow::anyhow!("--iface {i:?}")))?;
+            // SAFETY: `c` is a NUL-terminated string that outlives the call.
+            if unsafe { libc::if_nametoindex(c.as_ptr()) } == 0 {
+                return Err(bad_config(anyhow::anyhow!("interface {i:?}: no such interface on this host")));
+            }
+        }
+        if let Some(t) = &self.target_name {
+            if !tyche_init::attachfile::valid_name(t) {
+                return Err(bad_config(anyhow::anyhow!(
+                    "--target-name {t:?}: letters, digits, '.', '_', '-', ':' only"
+                )));
+            }
+        }
+        self.config().map_err(bad_config)
+    }
+
     fn config(&self) -> Result<InitiatorConfig> {
         if !(self.no_path_timeout.is_finite() && self.no_path_timeout >= 0.0) {
             bail!("--no-path-timeout must be a non-negative number of seconds");
         }
-        let mut c = InitiatorConfig::new(&self.export);
+        let mut c = InitiatorConfig::new(self.export());
+        c.ethertype = self.ethertype;
         // One channel per link when each channel has a NIC queue (and a link) of its own.
         c.channels_per_link = if self.queue_per_channel(false) { 1 } else { self.channels_per_nic };
         c.no_path_timeout = Duration::from_secs_f64(self.no_path_timeout);
@@ -266,20 +406,24 @@ impl ConnArgs {
     /// The links to the target, and the in-process target when `--loopback-mib` asks for one.
     fn links(&self) -> Result<(Vec<Link>, Option<RamTarget>)> {
         if let Some(mib) = self.loopback_mib {
-            let (links, _switches, target) = mem_links(RamExport::new(&self.export, mib << 20), 2);
+            let (links, _switches, target) = mem_links(RamExport::new(self.export(), mib << 20), 2);
             return Ok((links, Some(target)));
         }
         let targets: Vec<MacAddr> = self
             .targets
             .iter()
-            .map(|t| t.parse().map_err(|_| anyhow::anyhow!("--target {t:?} is not a MAC address")))
+            .map(|t| t.parse().map_err(|_| bad_config(anyhow::anyhow!("--target {t:?} is not a MAC address"))))
             .collect::<Result<_>>()?;
         let paths = if self.tcp.is_empty() { self.ifaces.len() } else { self.tcp.len() };
         if paths == 0 {
-            bail!("give --iface IF... or --tcp HOST:PORT... (with --target MAC, or none to discover it), or --loopback-mib N");
+            return Err(bad_config(anyhow::anyhow!(
+                "give --iface IF... or --tcp HOST:PORT... (with --target MAC, or none to discover it), or --loopback-mib N"
+            )));
         }
         if targets.len() > 1 && targets.len() != paths {
-            bail!("give one --target MAC, one per --iface/--tcp, or none to find the target by discovery");
+            return Err(bad_config(anyhow::anyhow!(
+                "give one --target MAC, one per --iface/--tcp, or none to find the target by discovery"
+            )));
         }
         // Without --target: the link's target is learnt by discovery below.
         let target_of = |k: usize| match targets.len() {
@@ -319,7 +463,7 @@ impl ConnArgs {
             }
         };
         for (k, ifname) in self.ifaces.iter().enumerate().filter(|_| self.tcp.is_empty()) {
-            let cfg = tyche_xdp::PortConfig { ethertype: tyche_wire::DEFAULT_ETHERTYPE, numa, ..Default::default() };
+            let cfg = tyche_xdp::PortConfig { ethertype: self.ethertype, numa, ..Default::default() };
             let ports = tyche_xdp::XdpPort::open_queues(ifname, queues, &cfg)
                 .with_context(|| format!("opening AF_XDP sockets on {ifname} (queues 0..{queues})"))?;
             for (q, port) in ports.into_iter().enumerate() {
@@ -351,11 +495,11 @@ impl ConnArgs {
 
     /// Sets each link's target to the one that serves the export there (by discovery).
     fn find_targets(&self, links: &mut [Link]) -> Result<()> {
-        let found = tyche_init::discover(links, tyche_wire::DEFAULT_ETHERTYPE, Duration::from_millis(1000));
+        let found = tyche_init::discover(links, self.ethertype, Duration::from_millis(1000));
         for (k, link) in links.iter_mut().enumerate() {
             let serving: Vec<MacAddr> = found
                 .iter()
-                .filter(|t| t.link_index == k && t.exports.iter().any(|e| e.name == self.export))
+                .filter(|t| t.link_index == k && t.exports.iter().any(|e| e.name == self.export()))
                 .map(|t| t.target)
                 .collect();
             match serving[..] {
@@ -363,8 +507,8 @@ impl ConnArgs {
                     info!(link = %link.name, target = %mac, "target found by discovery");
                     link.target = mac;
                 }
-                [] => bail!("no target answered on {} with export {:?} (give --target MAC?)", link.name, self.export),
-                _ => bail!("several targets serve {:?} on {}; choose one with --target MAC", self.export, link.name),
+                [] => bail!("no target answered on {} with export {:?} (give --target MAC?)", link.name, self.export()),
+                _ => bail!("several targets serve {:?} on {}; choose one with --target MAC", self.export(), link.name),
             }
         }
         Ok(())
@@ -381,12 +525,40 @@ struct NumaSetup {
     fallback: String,
 }
 
-/// Attaches: the client, the in-process target of `--loopback-mib`, the target's name (its
-/// MAC, or MACs, as given or found by discovery) and the NUMA set-up.
+/// An attached export.
+struct Opened {
+    client: Client,
+    /// The in-process target of `--loopback-mib` (served while this lives).
+    _target: Option<RamTarget>,
+    /// The target's MAC, or MACs, as given or found by discovery.
+    target: String,
+    /// The `<target>` of `/dev/disk/by-tyche/<target>/<export>`.
+    target_name: String,
+    numa: NumaSetup,
+}
+
+impl Opened {
+    /// The attachment's record in the state directory.
+    fn record(&self, conn: &ConnArgs, kind: &str, path: String, stats: String) -> state::Attachment {
+        state::Attachment {
+            pid: std::process::id(),
+            kind: kind.into(),
+            path,
+            export: conn.export().to_owned(),
+            target: self.target.clone(),
+            stats,
+            epoch: None,
+            owed: false,
+            name: conn.name.clone(),
+            target_name: Some(self.target_name.clone()),
+        }
+    }
+}
+
 /// Attaches the export. `prior`: what a dead process serving the same device owed about its
 /// writes (`attach --recover`), taken over by the new session's volume.
-async fn open(conn: &ConnArgs, prior: DurabilityDebt) -> Result<(Client, Option<RamTarget>, String, NumaSetup)> {
-    let mut cfg = conn.config()?;
+async fn open(conn: &ConnArgs, prior: DurabilityDebt) -> Result<Opened> {
+    let mut cfg = conn.preflight()?;
     cfg.prior_writes = prior;
     let (links, target) = conn.links()?;
     let numa = numa_setup(conn, &links, &mut cfg)?;
@@ -394,10 +566,51 @@ async fn open(conn: &ConnArgs, prior: DurabilityDebt) -> Result<(Client, Option<
     let mut macs: Vec<String> = links.iter().map(|l| l.target.to_string()).collect();
     macs.dedup();
     let name = if conn.loopback_mib.is_some() { "the loopback target".to_string() } else { macs.join(",") };
+    let target_name = conn.target_name.clone().unwrap_or_else(|| {
+        if conn.loopback_mib.is_some() {
+            "loopback".into()
+        } else {
+            macs.first().cloned().unwrap_or_default()
+        }
+    });
     let client = tyche_init::connect(cfg, links)
         .await
-        .with_context(|| format!("attaching export {:?} of target {name}", conn.export))?;
-    Ok((client, target, name, numa))
+        .with_context(|| format!("attaching export {:?} of target {name}", conn.export()))?;
+    Ok(Opened { client, _target: target, target: name, target_name, numa })
+}
+
+/// The longest wait between two attempts of `--retry`.
+const RETRY_MAX_WAIT: Duration = Duration::from_secs(10);
+
+/// [`open`], tried again (with `--retry` or `--config`) until it works or SIGTERM comes:
+/// configuration errors are not retried.
+async fn open_retrying(conn: &ConnArgs, prior: DurabilityDebt) -> Result<Opened> {
+    let mut wait = Duration::from_secs(1);
+    for attempt in 1u64.. {
+        let e = match open(conn, prior).await {
+            Ok(o) => return Ok(o),
+            Err(e) if !conn.retry || tyche_cli::is_bad_config(&e) => return Err(e),
+            Err(e) => e,
+        };
+        warn!(attempt, "cannot attach {:?} yet, trying again in {} s: {e:#}", conn.export(), wait.as_secs());
+        notify(&[sd_notify::NotifyState::Status(&format!("waiting for the target (attempt {attempt}): {e:#}"))]);
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            r = terminated() => {
+                r?;
+                bail!("stopped before {:?} was attached", conn.export());
+            }
+        }
+        wait = (wait * 2).min(RETRY_MAX_WAIT);
+    }
+    unreachable!("the attempts never run out")
+}
+
+/// Tells systemd (`Type=notify` units); does nothing outside systemd.
+fn notify(states: &[sd_notify::NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(false, states) {
+        warn!("cannot notify systemd: {e}");
+    }
 }
 
 /// Before the engine threads start: the scheduler's fallback order (bandwidth model, cached,
@@ -549,28 +762,21 @@ async fn serve_nbd(
     nbd_nodes: Vec<u32>,
     engine_io: bool,
 ) -> Result<()> {
-    let (client, _target, target_name, numa) = open(&conn, DurabilityDebt::Clear).await?;
+    let opened = open_retrying(&conn, DurabilityDebt::Clear).await?;
+    let client = opened.client.clone();
     let i = client.info();
     println!("{}", socket.display());
     info!(export = %i.export, size = i.size, session = format_args!("{:#x}", i.session), "attached");
-    let opts = NbdOptions { max_inflight, connection_nodes: nbd_nodes, engine_io, ..NbdOptions::new(&conn.export) };
+    let opts = NbdOptions { max_inflight, connection_nodes: nbd_nodes, engine_io, ..NbdOptions::new(conn.export()) };
     let dir = state::dir();
     let pid = std::process::id();
-    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, Some(opts.stats.clone()), numa);
-    let rec = state::Attachment {
-        pid,
-        kind: "nbd".into(),
-        path: socket.display().to_string(),
-        export: conn.export.clone(),
-        target: target_name.clone(),
-        stats,
-        epoch: None,
-        owed: false,
-    };
+    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, Some(opts.stats.clone()), opened.numa.clone());
+    let rec = opened.record(&conn, "nbd", socket.display().to_string(), stats);
     if let Err(e) = state::record(&dir, &rec) {
         warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
     }
     let server = tyche_init::nbd::serve_unix(&socket, client.clone(), opts);
+    notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&format!("serving {}", socket.display()))]);
     let result = tokio::select! {
         r = server => r.with_context(|| format!("NBD server on {}", socket.display())),
         r = terminated() => r,
@@ -630,17 +836,18 @@ enum Device {
 async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     // Fail before connecting when the kernel cannot give us a device.
     UblkFrontend::probe()?;
+    let dir = state::dir();
+    let device = resume_own_device(&conn, &dir, device)?;
     if let Device::Recover(id) = device {
         if !std::path::Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
             bail!("--recover: there is no ublk device {id} (/dev/ublkc{id})");
         }
-        if let Some(a) = state::list(&state::dir())?.into_iter().find(|a| a.path == format!("/dev/ublkb{id}")) {
+        if let Some(a) = state::list(&dir)?.into_iter().find(|a| a.path == format!("/dev/ublkb{id}")) {
             bail!("--recover: /dev/ublkb{id} is still served by pid {} (detach it, or kill it first)", a.pid);
         }
     }
     // What the dead process owed about its writes: it may have had writes not flushed,
     // acknowledged under the epoch its record names; the new session's volume compares.
-    let dir = state::dir();
     let (prior, dead) = match device {
         Device::Recover(id) => {
             let dead = state::dead_records_of(&dir, &format!("/dev/ublkb{id}"))?;
@@ -650,9 +857,15 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
         }
         Device::Create(_) => (DurabilityDebt::Clear, Vec::new()),
     };
+    // Whether a device in use outlives this process (for recovery) when it is told to stop.
+    let keeps_device = match device {
+        Device::Create(o) => o.recovery,
+        Device::Recover(_) => true,
+    };
     // A new session from this host fences the dead process's session on the target, so none of
     // its writes lands after ours.
-    let (client, _target, target_name, numa) = open(&conn, prior).await?;
+    let opened = open_retrying(&conn, prior).await?;
+    let client = opened.client.clone();
     // libublk keeps its control ring per thread: the device is created and served on one thread.
     let (tx, rx) = tokio::sync::oneshot::channel();
     let ublk_client = client.clone();
@@ -682,30 +895,37 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     };
     println!("{path}");
     let pid = std::process::id();
-    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, None, numa);
-    let rec = state::Attachment {
-        pid,
-        kind: "ublk".into(),
-        path,
-        export: conn.export.clone(),
-        target: target_name.clone(),
-        stats,
-        epoch: None,
-        owed: false,
-    };
+    let (_stats, stats) = start_stats(&conn, &dir, pid, &client, None, opened.numa.clone());
+    let rec = opened.record(&conn, "ublk", path.clone(), stats);
     // The record says what this process owes about its writes, for the next `--recover`;
     // once it is written, the dead processes' records are taken over.
-    let recorder = record_durability(&client, &dir, rec).await;
+    let recorder = record_durability(&client, &dir, rec.clone()).await;
     if recorder.is_some() {
         for d in &dead {
             state::remove(&dir, d.pid);
         }
     }
+    notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&format!("serving {path}"))]);
+    let (exit_client, exit_dir) = (client.clone(), dir.clone());
     tokio::spawn(async move {
-        if terminated().await.is_ok() {
-            info!("detaching");
-            stop();
+        if terminated().await.is_err() {
+            return;
         }
+        notify(&[sd_notify::NotifyState::Stopping]);
+        if keeps_device && tyche_init::frontend::device_in_use(&path) {
+            // A mounted filesystem (or md) stays usable: the device waits for the next
+            // process (`systemctl restart`, `attach --config` of the same file, or
+            // `attach --recover`), which reads what this one owed from its record.
+            let mut rec = rec;
+            if let Ok(s) = exit_client.stats().await {
+                rec.set_durability(s.durability_epoch, s.durability_debt);
+            }
+            let _ = state::record(&exit_dir, &rec);
+            info!("{path} is in use: left for recovery by the next attach of it; exiting");
+            std::process::exit(0);
+        }
+        info!("detaching");
+        stop();
     });
     let result = tokio::task::spawn_blocking(move || {
         server
@@ -720,6 +940,31 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     state::remove(&dir, pid);
     result??;
     Ok(())
+}
+
+/// With `--config` (or `--dev-id N`): the device a dead process serving the same attachment
+/// left for recovery is resumed rather than a second one created; an attachment another
+/// process serves is refused.
+fn resume_own_device(conn: &ConnArgs, dir: &std::path::Path, device: Device) -> Result<Device> {
+    let Device::Create(opts) = device else { return Ok(device) };
+    if let Some(name) = &conn.name {
+        if let Some(a) = state::list(dir)?.into_iter().find(|a| a.name.as_deref() == Some(name)) {
+            bail!("attachment {name:?} is attached already: {} served by pid {}", a.path, a.pid);
+        }
+    }
+    let mine = |a: &state::Attachment| match (&conn.name, opts.dev_id) {
+        (Some(name), _) => a.name.as_deref() == Some(name),
+        (None, Some(id)) => a.path == format!("/dev/ublkb{id}"),
+        (None, None) => false,
+    };
+    let waiting: Vec<state::Attachment> = state::awaiting_recovery(dir)?.into_iter().filter(mine).collect();
+    match waiting.iter().filter_map(|a| tyche_init::frontend::ublk_id(&a.path)).next() {
+        Some(id) => {
+            info!(device = %format!("/dev/ublkb{id}"), "resuming the device a previous process left for recovery");
+            Ok(Device::Recover(id))
+        }
+        None => Ok(Device::Create(opts)),
+    }
 }
 
 async fn ram_target(ifaces: Vec<String>, export: String, mib: u64) -> Result<()> {
@@ -737,32 +982,62 @@ async fn ram_target(ifaces: Vec<String>, export: String, mib: u64) -> Result<()>
     Ok(())
 }
 
-fn discover(ifaces: &[String], wait: f64) -> Result<()> {
+/// One export as `discover --json` prints it.
+#[derive(serde::Serialize)]
+struct DiscoveredJson {
+    link: String,
+    target: String,
+    export: String,
+    size: u64,
+    block_size: u32,
+    read_only: bool,
+    needs_key: bool,
+    discard: bool,
+}
+
+fn discover(ifaces: &[String], wait: f64, ethertype: u16, json: bool) -> Result<()> {
     let mut links = Vec::new();
     for ifname in ifaces {
-        let port = tyche_xdp::XdpPort::open(ifname, &tyche_xdp::PortConfig::default())
-            .with_context(|| format!("opening an AF_XDP socket on {ifname}"))?;
+        let cfg = tyche_xdp::PortConfig { ethertype, ..Default::default() };
+        let port =
+            tyche_xdp::XdpPort::open(ifname, &cfg).with_context(|| format!("opening an AF_XDP socket on {ifname}"))?;
         let node = port.numa_node();
         links.push(Link { name: ifname.clone(), transport: Box::new(port), target: MacAddr::BROADCAST, node });
     }
     let wait = Duration::try_from_secs_f64(wait).context("--wait")?;
-    let found = tyche_init::discover(&mut links, tyche_wire::DEFAULT_ETHERTYPE, wait);
+    let found = tyche_init::discover(&mut links, ethertype, wait);
+    use tyche_wire::flags::{EXPORT_DISCARD, EXPORT_NEEDS_KEY, EXPORT_READ_ONLY};
+    if json {
+        let all: Vec<DiscoveredJson> = found
+            .iter()
+            .flat_map(|t| {
+                t.exports.iter().map(|e| DiscoveredJson {
+                    link: t.link.clone(),
+                    target: t.target.to_string(),
+                    export: e.name.clone(),
+                    size: e.size,
+                    block_size: e.block_size,
+                    read_only: e.flags & EXPORT_READ_ONLY != 0,
+                    needs_key: e.flags & EXPORT_NEEDS_KEY != 0,
+                    discard: e.flags & EXPORT_DISCARD != 0,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(());
+    }
     if found.is_empty() {
         println!("no targets answered on {}", ifaces.join(", "));
     }
     for t in found {
         println!("{} target {}", t.link, t.target);
         for e in t.exports {
-            let mut flags = Vec::new();
-            if e.flags & tyche_wire::flags::EXPORT_READ_ONLY != 0 {
-                flags.push("read-only");
-            }
-            if e.flags & tyche_wire::flags::EXPORT_NEEDS_KEY != 0 {
-                flags.push("key");
-            }
-            if e.flags & tyche_wire::flags::EXPORT_DISCARD != 0 {
-                flags.push("discard");
-            }
+            let flags: Vec<&str> =
+                [(EXPORT_READ_ONLY, "read-only"), (EXPORT_NEEDS_KEY, "key"), (EXPORT_DISCARD, "discard")]
+                    .iter()
+                    .filter(|(bit, _)| e.flags & bit != 0)
+                    .map(|(_, n)| *n)
+                    .collect();
             println!("  {:<20} {:>12} bytes  block {}  {}", e.name, e.size, e.block_size, flags.join(","));
         }
     }
@@ -794,39 +1069,8 @@ fn stats(what: &str, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn detach(what: &str) -> Result<()> {
-    let dir = state::dir();
-    let all = state::list(&dir)?;
-    let found: Vec<_> = all.iter().filter(|a| a.path == what || a.pid.to_string() == what).collect();
-    if found.is_empty() {
-        // A device left by a killed `attach` (created with recovery): nobody serves it, so
-        // delete it; I/O waiting on it fails.
-        if let Some(id) = what.starts_with("/dev/ublkb").then(|| tyche_init::frontend::ublk_id(what)).flatten() {
-            if std::path::Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
-                UblkFrontend::delete(id)?;
-                println!("deleted {what} (no process served it)");
-                return Ok(());
-            }
-        }
-        bail!("no attachment {what:?} (see `tyche-init list`)");
-    }
-    for a in found {
-        let pid = nix::unistd::Pid::from_raw(a.pid as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)
-            .with_context(|| format!("signalling pid {}", a.pid))?;
-        println!("detaching {} (pid {})", a.path, a.pid);
-    }
-    Ok(())
-}
-
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("tyche-init: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    tyche_cli::exit("tyche-init: ", run())
 }
 
 fn run() -> Result<()> {
@@ -841,8 +1085,13 @@ fn run() -> Result<()> {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
-        Command::Discover { ifaces, wait } => discover(&ifaces, wait),
-        Command::Attach { conn, queues, depth, recover, dev_id, no_recovery } => {
+        Command::Discover { ifaces, wait, ethertype, json } => discover(&ifaces, wait, ethertype, json),
+        Command::Attach { mut conn, mut queues, mut depth, recover, mut dev_id, no_recovery } => {
+            if let Some(f) = conn.read_config_file()? {
+                queues = f.queues.unwrap_or(queues);
+                depth = f.depth.unwrap_or(depth);
+                dev_id = f.dev_id.or(dev_id);
+            }
             let device = match recover {
                 Some(d) => Device::Recover(
                     tyche_init::frontend::ublk_id(&d)
@@ -852,21 +1101,18 @@ fn run() -> Result<()> {
             };
             rt.block_on(attach(conn, device))
         }
-        Command::ServeNbd { socket, conn, max_inflight, nbd_nodes, nbd_io } => {
+        Command::ServeNbd { socket, mut conn, max_inflight, nbd_nodes, nbd_io } => {
+            conn.read_config_file()?;
             rt.block_on(serve_nbd(socket, conn, max_inflight, nbd_nodes, nbd_io == NbdIo::Engine))
         }
         Command::Stats { what, json } => stats(&what, json),
-        Command::List => {
-            let all = state::list(&state::dir())?;
-            if all.is_empty() {
-                println!("no attached exports");
-            }
-            for a in all {
-                println!("{:<6} {:<5} {:<28} export={} target={}", a.pid, a.kind, a.path, a.export, a.target);
-            }
-            Ok(())
+        Command::List { json } => admin::list(json),
+        Command::GenerateDocs { out } => {
+            tyche_cli::generate_docs(<Cli as clap::CommandFactory>::command(), &out).map_err(Into::into)
         }
-        Command::Detach { what } => detach(&what),
+        Command::UdevInfo { device } => admin::udev_info(&device),
+        Command::AttachAll { dir, wait } => admin::attach_all(&dir, wait),
+        Command::Detach { what, force } => admin::detach(&what, force),
         Command::RamTarget { ifaces, export, mib } => rt.block_on(ram_target(ifaces, export, mib)),
     }
 }

@@ -34,6 +34,10 @@ pub struct Attachment {
     pub epoch: Option<DurabilityEpoch>,
     /// A loss of acknowledged writes is still to be reported by a FLUSH.
     pub owed: bool,
+    /// The attachment file's name (`attach --config`), if it came from one.
+    pub name: Option<String>,
+    /// The `<target>` of its `/dev/disk/by-tyche/<target>/<export>` name.
+    pub target_name: Option<String>,
 }
 
 impl Attachment {
@@ -51,6 +55,12 @@ impl Attachment {
         if let Some(e) = self.epoch {
             s.push_str(&format!("epoch={e}\n"));
         }
+        if let Some(n) = &self.name {
+            s.push_str(&format!("name={n}\n"));
+        }
+        if let Some(n) = &self.target_name {
+            s.push_str(&format!("target_name={n}\n"));
+        }
         s
     }
 
@@ -66,6 +76,8 @@ impl Attachment {
             // A value that does not parse counts as unknown (the conservative reading).
             epoch: get("epoch").and_then(|e| DurabilityEpoch::from_hex(&e)),
             owed: get("owed").is_none_or(|o| o != "0"),
+            name: get("name"),
+            target_name: get("target_name"),
         })
     }
 
@@ -99,7 +111,17 @@ impl Attachment {
 
     /// Whether the serving process still runs.
     pub fn alive(&self) -> bool {
-        Path::new(&format!("/proc/{}", self.pid)).exists()
+        process_running(self.pid)
+    }
+}
+
+/// Whether process `pid` runs: it exists and is not a zombie (one that has exited and waits
+/// for its parent to collect its status).
+pub fn process_running(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may hold any byte.
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => false,
     }
 }
 
@@ -166,6 +188,12 @@ pub fn list(dir: &Path) -> io::Result<Vec<Attachment>> {
     Ok(out)
 }
 
+/// The records of dead processes whose ublk device is still there, waiting for a process to
+/// resume it (`attach --recover`, or the next `attach --config` of the same file).
+pub fn awaiting_recovery(dir: &Path) -> io::Result<Vec<Attachment>> {
+    Ok(records(dir)?.into_iter().map(|(_, a)| a).filter(|a| !a.alive() && a.awaits_recovery()).collect())
+}
+
 /// The records of dead processes that served the device `path` (what `attach --recover`
 /// takes over: [`inherited_debt`]); remove them with [`remove`] once the recovering process
 /// has recorded itself.
@@ -196,6 +224,8 @@ mod tests {
             stats: "/tmp/x.stats.sock".into(),
             epoch: Some(DurabilityEpoch([0xab; 16])),
             owed: false,
+            name: Some("vol".into()),
+            target_name: Some("store1".into()),
         };
         record(d.path(), &me).unwrap();
         let dead = Attachment { pid: u32::MAX - 1, ..me.clone() };
@@ -219,6 +249,8 @@ mod tests {
             stats: String::new(),
             epoch: Some(E),
             owed: false,
+            name: None,
+            target_name: None,
         }
     }
 

@@ -15,6 +15,47 @@ fn fails_with(args: &[&str], needle: &str) {
     assert!(err.contains(needle), "{args:?}: stderr lacks {needle:?}:\n{err}");
 }
 
+/// Runs tyche-init; asserts its exit status and that stderr has `needle` on its one line.
+fn exits_with(args: &[&str], code: i32, needle: &str) {
+    let out = bin().args(args).env("TYCHE_LOG", "off").env("RUST_BACKTRACE", "1").output().expect("run tyche-init");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+    assert!(err.contains(needle), "{args:?}: stderr lacks {needle:?}:\n{err}");
+    assert!(!err.contains("backtrace"), "{args:?}: a configuration error is one line, not a backtrace:\n{err}");
+}
+
+#[test]
+fn configuration_errors_exit_78_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let misspelt = file("vol.toml", "export = \"d\"\nifaces = [\"lo\"]\nno_path_timout = 5\n");
+    exits_with(&["attach", "--config", &misspelt], 78, "vol.toml: unknown field `no_path_timout`");
+    exits_with(&["serve-nbd", "--socket", "/tmp/x.sock", "--config", &misspelt], 78, "unknown field");
+    let no_nic = file("gone.toml", "export = \"d\"\nifaces = [\"tyche-no-such0\"]\n");
+    exits_with(
+        &["serve-nbd", "--socket", "/tmp/x.sock", "--config", &no_nic],
+        78,
+        "\"tyche-no-such0\": no such interface",
+    );
+    exits_with(
+        &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--iface", "tyche-no-such0"],
+        78,
+        "no such interface",
+    );
+    exits_with(&["attach", "--config", &dir.path().join("missing.toml").display().to_string()], 78, "missing.toml");
+    exits_with(&["attach", "--config", &no_nic, "--export", "y"], 2, "cannot be used with");
+    exits_with(&["discover", "--iface", "lo", "--ethertype", "0x10"], 2, "0x0600 or more");
+    exits_with(
+        &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--loopback-mib", "1", "--key", "/nonexistent/k"],
+        78,
+        "--key",
+    );
+}
+
 #[test]
 fn attach_without_ublk_points_to_nbd() {
     if Path::new("/dev/ublk-control").exists() {
@@ -55,7 +96,7 @@ fn bad_connection_options_say_what_is_wrong() {
     );
     fails_with(
         &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--loopback-mib", "1", "--send-mode", "bulk"],
-        "send mode",
+        "--send-mode",
     );
     fails_with(
         &["serve-nbd", "--socket", "/tmp/x.sock", "--export", "x", "--iface", "lo", "--channel-memory-node", "999"],
@@ -98,8 +139,19 @@ fn serve_nbd_is_listed_and_detached() {
     let list = bin().arg("list").env("TYCHE_INIT_STATE_DIR", &state).output().unwrap();
     let list = String::from_utf8_lossy(&list.stdout);
     assert!(list.contains(&socket.display().to_string()) && list.contains("export=ram"), "{list}");
+    assert!(list.contains("state=live (2 of 2 links)"), "{list}");
+    let json = bin().args(["list", "--json"]).env("TYCHE_INIT_STATE_DIR", &state).output().unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).expect("list --json is JSON");
+    assert_eq!(json[0]["state"], "live", "{json}");
+    assert_eq!(json[0]["export"], "ram", "{json}");
+    assert_eq!(json[0]["live_links"], 2, "{json}");
+    let udev = bin().args(["udev-info"]).arg(&socket).env("TYCHE_INIT_STATE_DIR", &state).output().unwrap();
+    let udev = String::from_utf8_lossy(&udev.stdout);
+    assert!(udev.contains("TYCHE_TARGET=loopback\nTYCHE_EXPORT=ram\n"), "{udev}");
     let d = bin().arg("detach").arg(&socket).env("TYCHE_INIT_STATE_DIR", &state).output().unwrap();
     assert!(d.status.success(), "{}", String::from_utf8_lossy(&d.stderr));
+    // detach returns once the attachment is gone.
+    assert!(!socket.exists(), "socket removed before detach returned");
     let t0 = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {

@@ -40,6 +40,13 @@ enum Command {
     Stats(StatsArgs),
     /// Show NUMA nodes, NICs with their node, and the channel placement plan.
     Topology(topology::TopologyArgs),
+    /// Packaging: write the man pages (OUT/man) and shell completions (OUT/completions).
+    #[command(hide = true)]
+    GenerateDocs {
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -137,23 +144,6 @@ struct StatsArgs {
     prometheus: bool,
 }
 
-/// Exit status of a configuration that cannot be served (sysexits' EX_CONFIG), so that a unit can
-/// stop restarting on it (`RestartPreventExitStatus=78`).
-const EX_CONFIG: u8 = 78;
-
-/// A configuration error: the configuration (file, flags, or what it names on this host) is
-/// wrong, and starting again will not help.
-#[derive(Debug)]
-struct BadConfig(anyhow::Error);
-
-impl std::fmt::Display for BadConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:#}", self.0)
-    }
-}
-
-impl std::error::Error for BadConfig {}
-
 fn main() -> std::process::ExitCode {
     // Log lines go to stderr; stdout stays parseable.
     tracing_subscriber::fmt()
@@ -166,20 +156,11 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => serve(args),
         Command::Stats(args) => stats(&args),
         Command::Topology(args) => topology::run(&args),
-    };
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            // One line, the causes joined, and no backtrace whatever RUST_BACKTRACE says: an
-            // operator's error, not a program's.
-            eprintln!("Error: {e:#}");
-            if e.downcast_ref::<BadConfig>().is_some() {
-                std::process::ExitCode::from(EX_CONFIG)
-            } else {
-                std::process::ExitCode::FAILURE
-            }
+        Command::GenerateDocs { out } => {
+            tyche_cli::generate_docs(<Cli as clap::CommandFactory>::command(), &out).map_err(Into::into)
         }
-    }
+    };
+    tyche_cli::exit("Error: ", result)
 }
 
 fn load_config(args: &ServeArgs) -> Result<Config> {
@@ -258,7 +239,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             c.preflight()?;
             Ok(c)
         })
-        .map_err(|e| anyhow::Error::new(BadConfig(e)))?;
+        .map_err(tyche_cli::bad_config)?;
     if args.check {
         println!("configuration ok: {} export(s), {} interface(s)", config.exports.len(), config.ifaces.len());
         return Ok(());
@@ -326,12 +307,20 @@ fn serve(args: ServeArgs) -> Result<()> {
         ),
         None => None,
     };
+    // systemd (Type=notify): every export and NIC is serving now. Outside systemd this does
+    // nothing.
+    let status = format!("serving {} export(s) on {}", config.exports.len(), config.ifaces.join(", "));
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)])
+    {
+        tracing::warn!("cannot tell systemd the daemon is ready: {e}");
+    }
     while !term.load(Ordering::SeqCst) && !handle.is_finished() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let died = !term.load(Ordering::SeqCst);
     if !died {
         tracing::info!("signal received: shutting down");
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     }
     let snap = handle.shutdown();
     // The flow rules and queue addresses go once no channel uses them.
