@@ -15,6 +15,7 @@ mod flood;
 mod fuzz;
 mod lab;
 mod nbd_clients;
+mod package;
 mod sim;
 mod stack;
 mod suite;
@@ -78,6 +79,8 @@ enum Command {
     /// qemu-img, qemu-io (qemu 10 and 7.2) and libnbd against tyche-init's NBD server: both NBD
     /// I/O paths, tyched over AF_XDP and the in-process target (root).
     NbdClients(nbd_clients::NbdClientsArgs),
+    /// Builds the Debian package (cargo-deb; installed when missing) and checks its contents.
+    Package,
     /// Boots a VM (Debian 6.12 kernel, 2 NUMA nodes): /dev/ublkbN with ext4, NUMA placement (root).
     VmTest(vm::VmTestArgs),
     /// Inside the VM only: runs one guest test and prints its `VMTEST` verdict line.
@@ -145,5 +148,6 @@ fn main() -> Result<()> {
             vm::vm_test(&root(), &a)
         }
         Command::VmGuest { test } => vm::guest(test),
+        Command::Package => package::package(&root()).map(|_| ()),
     }
 }

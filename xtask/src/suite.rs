@@ -48,6 +48,8 @@ pub fn run(args: TestArgs) -> Result<()> {
     step("cargo test", cargo().args(["test", "--workspace"]))?;
     eprintln!("xtask test: bpf/tyche_wire.h matches tyche_wire::layout");
     crate::bpfgen::run(&crate::root(), true)?;
+    eprintln!("xtask test: package (cargo-deb: binaries, units, udev rule, man pages, completions, licences)");
+    crate::package::package(&crate::root())?;
     if is_root() {
         eprintln!("xtask test: xdp-smoke");
         crate::xdp::smoke(&crate::root(), &crate::xdp::SmokeArgs::standard())?;
