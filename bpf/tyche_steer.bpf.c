@@ -39,6 +39,19 @@ struct {
 	__type(value, __u32);
 } tyche_config SEC(".maps");
 
+/*
+ * Nonces (host order) of DISCOVERs sent by a `tyche-init discover` through an AF_PACKET socket
+ * beside a live AF_XDP socket on the same queue: their DISCOVER_REPLYs go on to the kernel
+ * (XDP_PASS), where that socket reads them, instead of into the live socket. LRU, so the entry of
+ * a killed discover ages out.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 64);
+	__type(key, __u32);
+	__type(value, __u32);
+} tyche_discover SEC(".maps");
+
 /* Per-CPU counters, indexed by the TYCHE_STAT_* values below. */
 #define TYCHE_STAT_STEERED 0 /* Tyche frames handed to bpf_redirect_map */
 #define TYCHE_STAT_MALFORMED 1 /* Tyche EtherType, but short header or foreign version */
@@ -88,6 +101,19 @@ static __always_inline int steer(struct xdp_md *ctx)
 		/* Nothing in the kernel handles this EtherType: it will be dropped there, counted. */
 		count(TYCHE_STAT_MALFORMED);
 		return XDP_PASS;
+	}
+
+	if (tyche[TYCHE_COMMON_KIND] == TYCHE_KIND_DISCOVER_REPLY &&
+	    (void *)(tyche + TYCHE_DISCOVER_REPLY_NONCE + 4) <= data_end) {
+		__u32 nonce;
+
+		__builtin_memcpy(&nonce, tyche + TYCHE_DISCOVER_REPLY_NONCE, 4);
+		nonce = bpf_ntohl(nonce);
+		if (bpf_map_lookup_elem(&tyche_discover, &nonce)) {
+			/* A reply to a discover reading through the kernel (AF_PACKET). */
+			count(TYCHE_STAT_PASSED);
+			return XDP_PASS;
+		}
 	}
 
 	count(TYCHE_STAT_STEERED);

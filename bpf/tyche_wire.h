@@ -11,6 +11,7 @@
 #define TYCHE_VERSION              3      /* protocol version (common header byte TYCHE_COMMON_VERSION) */
 #define TYCHE_ETH_HEADER_LEN       14     /* Ethernet II header length; the Tyche header starts here */
 #define TYCHE_FLAG_SEALED          0x8000 /* common FLAGS: a 24-byte authentication trailer follows the message */
+#define TYCHE_KIND_DISCOVER_REPLY  0x02   /* common KIND of a DISCOVER_REPLY */
 #define TYCHE_COMMON_VERSION       0      /* u8 */
 #define TYCHE_COMMON_KIND          1      /* u8 */
 #define TYCHE_COMMON_FLAGS         2      /* be16 */
@@ -23,6 +24,7 @@
 #define TYCHE_SEQ_END              24     /* length */
 #define TYCHE_DATA_TAG             32     /* be64 */
 #define TYCHE_DATA_PAYLOAD         48     /* offset */
+#define TYCHE_DISCOVER_REPLY_NONCE 16     /* be32 */
 #define TYCHE_TRAILER_COUNTER      0      /* be64, from LENGTH */
 #define TYCHE_TRAILER_TAG          8      /* 16 bytes, from LENGTH */
 #define TYCHE_TRAILER_END          24     /* length */

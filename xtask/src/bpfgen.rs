@@ -33,8 +33,13 @@ pub fn render() -> String {
             format!("0x{:04x}", tyche_wire::flags::SEALED),
             "common FLAGS: a 24-byte authentication trailer follows the message",
         ),
+        (
+            "TYCHE_KIND_DISCOVER_REPLY",
+            format!("0x{:02x}", tyche_wire::Kind::DiscoverReply as u8),
+            "common KIND of a DISCOVER_REPLY",
+        ),
     ];
-    let fields: [(&str, usize, &str); 15] = [
+    let fields: [(&str, usize, &str); 16] = [
         ("TYCHE_COMMON_VERSION", layout::common::VERSION, "u8"),
         ("TYCHE_COMMON_KIND", layout::common::KIND, "u8"),
         ("TYCHE_COMMON_FLAGS", layout::common::FLAGS.start, "be16"),
@@ -47,6 +52,7 @@ pub fn render() -> String {
         ("TYCHE_SEQ_END", layout::seq::END, "length"),
         ("TYCHE_DATA_TAG", layout::data::TAG.start, "be64"),
         ("TYCHE_DATA_PAYLOAD", layout::data::PAYLOAD, "offset"),
+        ("TYCHE_DISCOVER_REPLY_NONCE", layout::discover_reply::NONCE.start, "be32"),
         ("TYCHE_TRAILER_COUNTER", layout::trailer::COUNTER.start, "be64, from LENGTH"),
         ("TYCHE_TRAILER_TAG", layout::trailer::TAG.start, "16 bytes, from LENGTH"),
         ("TYCHE_TRAILER_END", layout::trailer::END, "length"),
