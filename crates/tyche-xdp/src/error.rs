@@ -58,6 +58,40 @@ pub enum Error {
         /// The errors, mode by mode.
         detail: String,
     },
+    /// Another (not Tyche's) XDP program is attached to the interface: Tyche never replaces it.
+    #[error(
+        "{ifname} carries a foreign XDP program (id {id}, name {name:?}); Tyche does not replace it: \
+         remove it (ip link set dev {ifname} xdp off) or use another interface"
+    )]
+    ForeignProgram {
+        /// Interface.
+        ifname: String,
+        /// The program's id (`bpftool prog show id ID`).
+        id: u32,
+        /// Its name as the kernel keeps it.
+        name: String,
+    },
+    /// The Tyche program another live process attached does not fit this port, and is left
+    /// as it is.
+    #[error("{ifname}: the Tyche XDP program (id {id}) another Tyche process uses does not fit: {detail}")]
+    Incompatible {
+        /// Interface.
+        ifname: String,
+        /// The program's id.
+        id: u32,
+        /// What does not fit.
+        detail: String,
+    },
+    /// Another live Tyche process holds this NIC queue (one AF_XDP socket per queue).
+    #[error("{ifname} queue {queue} is served by another Tyche process ({}); one process per NIC queue", match pid { Some(p) => format!("pid {p}"), None => "pid unknown".to_string() })]
+    QueueBusy {
+        /// Interface.
+        ifname: String,
+        /// The queue.
+        queue: u32,
+        /// The process holding it, if its lock file says.
+        pid: Option<u32>,
+    },
     /// xsk-rs could not create the UMEM or the socket.
     #[error("{what}: {detail}")]
     Xsk {

@@ -11,8 +11,12 @@
 //!   multi-buffer frames longer than one chunk, gathered/scattered through one buffer.
 //! - An MTU the UMEM cannot carry is an [`Error::FrameSize`] at setup, never silent drops.
 //! - Native XDP is tried first; generic (skb) mode is used only when allowed, and logged.
-//! - Dropping a port unregisters its socket; dropping the last port of an interface detaches
-//!   the program.
+//! - One steering program per interface, shared by every Tyche process on it: a process
+//!   attaches only where no program is, shares Tyche's, refuses a foreign one
+//!   ([`Error::ForeignProgram`]) and never removes a program another live process uses; a
+//!   queue another process holds is [`Error::QueueBusy`] naming it.
+//! - Dropping a port unregisters its socket; the last port of the last process using an
+//!   interface detaches the program.
 //!
 //! # Ownership
 //! The UMEM belongs to its port. Receive chunks belong to the kernel except during `recv`'s
@@ -21,17 +25,21 @@
 mod async_io;
 mod error;
 mod iface;
+mod packet;
 mod port;
 mod program;
+mod share;
 
 pub use async_io::AsyncTransport;
 pub use error::Error;
 pub use iface::{queue_count, InterfaceInfo};
+pub use packet::PacketTransport;
 pub use port::{
     plan_frames, BusyPoll, FramePlan, NumaPlacement, PortConfig, PortStats, XdpPort, BUFFER_CAPACITY, CHUNK_SIZE,
     FRAME_HEADROOM, MAX_SG_FRAME, XDP_HEADROOM,
 };
-pub use program::{AttachMode, AttachedMode, SteerStats, XdpProgram};
+pub use program::{AttachMode, AttachedMode, DiscoveryTap, SteerStats, XdpProgram};
+pub use share::RUN_DIR;
 
 #[cfg(test)]
 mod tests {

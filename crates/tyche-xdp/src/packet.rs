@@ -1,7 +1,8 @@
 //! A [`FrameTransport`] over an AF_PACKET raw socket bound to one interface and one EtherType.
 //!
 //! Built in so that `tyched serve --transport packet` works on any interface (a veth pair in a
-//! lab, say) without AF_XDP. Every frame is copied between the kernel and user space: it is the
+//! lab, say) without AF_XDP, and so that `tyche-init discover` reads beside a live AF_XDP socket
+//! (with a [`crate::DiscoveryTap`]). Every frame is copied between the kernel and user space: it is the
 //! slow path, not the one Tyche is designed around.
 
 use std::io;

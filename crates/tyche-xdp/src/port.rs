@@ -180,6 +180,8 @@ pub struct XdpPort {
     fq: FillQueue,
     cq: CompQueue,
     umem: Umem,
+    /// This process's claim on the queue (`queue-<q>.lock`), released after the socket closes.
+    _queue_lock: std::fs::File,
     program: Arc<XdpProgram>,
     info: InterfaceInfo,
     queue: u32,
@@ -321,6 +323,12 @@ impl XdpPort {
                 detail: "a multi-buffer port needs the xdp.frags program".into(),
             });
         }
+        // Before anything is bound: a queue another Tyche process serves is refused by name.
+        let queue_lock = program.nic().take_queue(config.queue)?.map_err(|pid| Error::QueueBusy {
+            ifname: info.name.clone(),
+            queue: config.queue,
+            pid,
+        })?;
         assert!(
             config.frame_count.is_power_of_two() && config.frame_count >= 64,
             "frame_count must be a power of two >= 64"
@@ -411,6 +419,7 @@ impl XdpPort {
             fq,
             cq,
             umem,
+            _queue_lock: queue_lock,
             program,
             queue: config.queue,
             plan,

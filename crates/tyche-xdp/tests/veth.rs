@@ -49,6 +49,11 @@ fn unsupported() -> Option<&'static str> {
 }
 
 fn lab(tag: &str, mtu: u32) -> Option<Lab> {
+    lab_with_queues(tag, mtu, 1)
+}
+
+/// As [`lab`], with `queues` receive and transmit queues on each veth.
+fn lab_with_queues(tag: &str, mtu: u32, queues: u32) -> Option<Lab> {
     if let Some(why) = unsupported() {
         eprintln!("SKIPPED: AF_XDP veth test {tag}: {why}");
         return None;
@@ -57,7 +62,12 @@ fn lab(tag: &str, mtu: u32) -> Option<Lab> {
     let lab = Lab { a: format!("txt-{tag}-a-{id}"), b: format!("txt-{tag}-b-{id}") };
     ip(&["netns", "add", &lab.a]);
     ip(&["netns", "add", &lab.b]);
-    ip(&["link", "add", "tya", "netns", &lab.a, "type", "veth", "peer", "name", "tyb", "netns", &lab.b]);
+    let q = queues.to_string();
+    #[rustfmt::skip]
+    ip(&[
+        "link", "add", "tya", "netns", &lab.a, "numtxqueues", &q, "numrxqueues", &q, "type", "veth",
+        "peer", "name", "tyb", "netns", &lab.b, "numtxqueues", &q, "numrxqueues", &q,
+    ]);
     let mtu = mtu.to_string();
     for (ns, dev, addr, mac) in
         [(&lab.a, "tya", "10.99.200.1/24", "02:54:00:00:75:01"), (&lab.b, "tyb", "10.99.200.2/24", "02:54:00:00:75:02")]
@@ -452,4 +462,76 @@ fn lend_on(tag: &'static str, mtu: u32) {
     });
     a.join().expect("side a");
     b.join().expect("side b");
+}
+
+/// The XDP part of `ip link show DEV` in namespace `ns`: empty when no program is attached.
+fn xdp_of(ns: &str, dev: &str) -> String {
+    let out = Command::new("ip").args(["-n", ns, "link", "show", dev]).output().expect("run ip");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.lines().filter(|l| l.contains("xdp")).collect::<Vec<_>>().join("\n")
+}
+
+/// Loads a two-instruction XDP program named `foreign` (returns XDP_PASS) and attaches it to
+/// `ifname` in generic mode, as a non-Tyche tool would.
+fn attach_foreign(ifname: &str) -> std::os::fd::OwnedFd {
+    use libbpf_rs::libbpf_sys as sys;
+    use std::os::fd::{AsFd, FromRawFd};
+    // SAFETY: `bpf_insn` is plain data; all-zero registers are r0.
+    let mut insns: [sys::bpf_insn; 2] = unsafe { std::mem::zeroed() };
+    insns[0].code = 0xb7; // BPF_ALU64 | BPF_MOV | BPF_K: r0 = imm
+    insns[0].imm = 2; // XDP_PASS
+    insns[1].code = 0x95; // BPF_JMP | BPF_EXIT
+                          // SAFETY: the name and license are NUL-terminated; `insns` holds the 2 instructions given.
+    let fd = unsafe {
+        sys::bpf_prog_load(
+            sys::BPF_PROG_TYPE_XDP,
+            c"foreign".as_ptr(),
+            c"GPL".as_ptr(),
+            insns.as_ptr(),
+            2,
+            std::ptr::null_mut(),
+        )
+    };
+    assert!(fd >= 0, "loading the foreign program: {}", std::io::Error::from_raw_os_error(-fd));
+    // SAFETY: a fresh descriptor the kernel returned.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let index = tyche_xdp::InterfaceInfo::query(ifname).expect("interface").index as i32;
+    libbpf_rs::Xdp::new(fd.as_fd()).attach(index, libbpf_rs::XdpFlags::SKB_MODE).expect("attach foreign");
+    fd
+}
+
+#[test]
+fn tyche_ports_share_one_program_and_refuse_the_rest() {
+    let Some(lab) = lab_with_queues("s", 1500, 2) else { return };
+    let ns = lab.a.clone();
+    in_ns(&lab.a, move || {
+        let q = |queue| PortConfig { queue, frame_count: 256, ..PortConfig::default() };
+        // Opened apart, as two processes would: the second shares the first's program.
+        let first = XdpPort::open("tya", &q(0)).expect("queue 0");
+        assert!(!first.program().shared(), "the first port attaches");
+        let second = XdpPort::open("tya", &q(1)).expect("queue 1 beside queue 0");
+        assert!(second.program().shared(), "the second port shares");
+        assert_eq!(first.program().id(), second.program().id(), "one program per NIC");
+        // A queue that is taken is refused by name, and the refusal disturbs nothing.
+        let err = XdpPort::open("tya", &q(0)).map(|_| ()).expect_err("queue 0 is taken");
+        assert!(
+            matches!(err, Error::QueueBusy { queue: 0, pid: Some(p), .. } if p == std::process::id()),
+            "unexpected error: {err}"
+        );
+        assert!(err.to_string().contains("served by another Tyche process"), "{err}");
+        assert!(!xdp_of(&ns, "tya").is_empty(), "the refused port left the program attached");
+        // The first user leaves: the program stays for the second.
+        drop(first);
+        assert!(!xdp_of(&ns, "tya").is_empty(), "the program stays while a user is left");
+        drop(second);
+        assert!(xdp_of(&ns, "tya").is_empty(), "the last user detaches: {}", xdp_of(&ns, "tya"));
+        // A foreign program is refused by id and name, and left in place.
+        let _foreign = attach_foreign("tya");
+        let err = XdpPort::open("tya", &q(0)).map(|_| ()).expect_err("a foreign program is not replaced");
+        assert!(matches!(&err, Error::ForeignProgram { name, .. } if name == "foreign"), "unexpected error: {err}");
+        assert!(err.to_string().contains("foreign XDP program"), "{err}");
+        assert!(xdp_of(&ns, "tya").contains("xdpgeneric"), "the foreign program stays");
+    })
+    .join()
+    .expect("thread");
 }
