@@ -36,8 +36,18 @@ pub struct DiscoveredTarget {
 /// Broadcasts DISCOVER on every link (resending every `retry`), collects every target's
 /// complete export list (asking for further pages as needed) and returns after `wait`.
 pub fn discover(links: &mut [Link], ethertype: u16, wait: Duration) -> Vec<DiscoveredTarget> {
+    discover_with_nonce(links, ethertype, wait, new_nonce())
+}
+
+/// A fresh DISCOVER nonce.
+pub fn new_nonce() -> u32 {
+    tyche_channel::auth::random_u64() as u32
+}
+
+/// As [`discover`], with the nonce given: known before the first DISCOVER leaves, so that a
+/// `tyche_xdp::DiscoveryTap` can let its replies through to an AF_PACKET link.
+pub fn discover_with_nonce(links: &mut [Link], ethertype: u16, wait: Duration, nonce: u32) -> Vec<DiscoveredTarget> {
     let retry = Duration::from_millis(200);
-    let nonce = tyche_channel::auth::random_u64() as u32;
     // (link, target) → (total, exports by index)
     let mut seen: BTreeMap<(usize, MacAddr), (u16, BTreeMap<u16, DiscoveredExport>)> = BTreeMap::new();
     let start = Instant::now();

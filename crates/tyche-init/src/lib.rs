@@ -47,7 +47,7 @@ pub mod ublk;
 
 pub use client::{Client, ExportInfo, Stats};
 pub use config::{machine_id, parse_host_id, EngineThreads, InitiatorConfig, Link, SchedulerKind, SendMode};
-pub use discover::{discover, DiscoveredExport, DiscoveredTarget};
+pub use discover::{discover, discover_with_nonce, new_nonce, DiscoveredExport, DiscoveredTarget};
 pub use engine::connect_blocking;
 pub use error::{ConnectError, Error};
 pub use report::{ChannelReport, LinkReport, NbdConnReport, NbdStats, Report};

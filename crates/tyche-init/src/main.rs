@@ -995,17 +995,23 @@ struct DiscoveredJson {
     discard: bool,
 }
 
+/// Discovery through the kernel (AF_PACKET), so that it works beside a live attachment on the
+/// same link, whatever queue that holds: the DISCOVER goes out of a raw socket, and a
+/// `DiscoveryTap` has the link's Tyche XDP program (if one is attached) pass the replies to
+/// this nonce on to the kernel instead of into the live AF_XDP socket.
 fn discover(ifaces: &[String], wait: f64, ethertype: u16, json: bool) -> Result<()> {
+    let nonce = tyche_init::new_nonce();
     let mut links = Vec::new();
+    let mut taps = Vec::new();
     for ifname in ifaces {
-        let cfg = tyche_xdp::PortConfig { ethertype, ..Default::default() };
-        let port =
-            tyche_xdp::XdpPort::open(ifname, &cfg).with_context(|| format!("opening an AF_XDP socket on {ifname}"))?;
-        let node = port.numa_node();
-        links.push(Link { name: ifname.clone(), transport: Box::new(port), target: MacAddr::BROADCAST, node });
+        taps.push(tyche_xdp::DiscoveryTap::open(ifname, nonce).with_context(|| format!("discovering on {ifname}"))?);
+        let raw = tyche_xdp::PacketTransport::open(ifname, ethertype)
+            .with_context(|| format!("opening an AF_PACKET socket on {ifname}"))?;
+        links.push(Link { name: ifname.clone(), transport: Box::new(raw), target: MacAddr::BROADCAST, node: None });
     }
     let wait = Duration::try_from_secs_f64(wait).context("--wait")?;
-    let found = tyche_init::discover(&mut links, ethertype, wait);
+    let found = tyche_init::discover_with_nonce(&mut links, ethertype, wait, nonce);
+    drop(taps);
     use tyche_wire::flags::{EXPORT_DISCARD, EXPORT_NEEDS_KEY, EXPORT_READ_ONLY};
     if json {
         let all: Vec<DiscoveredJson> = found
