@@ -144,6 +144,19 @@ struct StatsArgs {
     prometheus: bool,
 }
 
+/// Exit status of a NIC that another process holds now (sysexits' EX_UNAVAILABLE): a queue
+/// another Tyche process serves, or a foreign XDP program. Not a configuration error: it may
+/// pass when that process exits, so a unit may restart on it.
+const EX_UNAVAILABLE: u8 = 69;
+
+/// Whether `e` is a NIC taken by another process (see [`EX_UNAVAILABLE`]).
+fn nic_taken(e: &anyhow::Error) -> bool {
+    use tyche_xdp::Error as X;
+    e.chain().any(|c| {
+        matches!(c.downcast_ref::<X>(), Some(X::QueueBusy { .. } | X::ForeignProgram { .. } | X::Incompatible { .. }))
+    })
+}
+
 fn main() -> std::process::ExitCode {
     // Log lines go to stderr; stdout stays parseable.
     tracing_subscriber::fmt()
@@ -160,6 +173,13 @@ fn main() -> std::process::ExitCode {
             tyche_cli::generate_docs(<Cli as clap::CommandFactory>::command(), &out).map_err(Into::into)
         }
     };
+    if let Err(e) = &result {
+        if nic_taken(e) {
+            // One line, as for every error (tyche_cli::exit).
+            eprintln!("Error: {e:#}");
+            return std::process::ExitCode::from(EX_UNAVAILABLE);
+        }
+    }
     tyche_cli::exit("Error: ", result)
 }
 
