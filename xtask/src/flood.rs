@@ -30,7 +30,7 @@ use clap::Args;
 use serde_json::Value;
 
 use crate::lab::Lab;
-use crate::stack::{bin, interrupted, prepare, start_initiator, start_tyched_with, Guard, Link};
+use crate::stack::{bin, fio_nbd, fio_result, interrupted, prepare, start_initiator, start_tyched_with, Guard, Link};
 
 /// The bound on tyched's peak resident memory during the flood, in MiB (docs/tyched.md,
 /// "Limits under a flood"). Measured: about 105 MiB at rest with two AF_XDP NICs (UMEMs, rings,
@@ -200,37 +200,13 @@ impl Flood<'_> {
 
     /// fio with verify through the NBD socket, in the initiator namespace.
     fn fio(&self, name: &str, job: &[String]) -> Result<(Guard, PathBuf)> {
-        let out = self.work.join(format!("{name}.json"));
-        let log = fs::File::create(self.work.join(format!("{name}.log")))?;
-        let uri = format!("nbd+unix:///{EXPORT}?socket={}", self.work.join("nbd.sock").display());
-        let child = Command::new("ip")
-            .args(["netns", "exec", &self.lab.initiator_ns, "fio", "--name", name, "--ioengine=nbd"])
-            .arg(format!("--uri={uri}"))
-            .args(job)
-            .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"])
-            .arg(format!("--output={}", out.display()))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("starting fio")?;
-        Ok((Guard(child), out))
+        fio_nbd(self.lab, &self.work, EXPORT, name, job)
     }
 }
 
 /// Frames the first NIC has received, from `tyched stats --json`.
 fn nic_rx(v: &Value) -> u64 {
     v["nics"][0]["frames_rx"].as_u64().unwrap_or(0)
-}
-
-/// fio's JSON: the job's error, bytes written and bytes read (verify reads).
-fn fio_result(out: &Path) -> Result<(i64, u64, u64)> {
-    let text = fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
-    let json = &text[text.find('{').context("fio wrote no JSON")?..];
-    let v: Value = serde_json::from_str(json).context("fio's JSON")?;
-    let j = &v["jobs"][0];
-    let bytes = |d: &str| j[d]["io_bytes"].as_u64().unwrap_or(0);
-    Ok((j["error"].as_i64().unwrap_or(-1), bytes("write"), bytes("read")))
 }
 
 /// The numbers the report is made of.

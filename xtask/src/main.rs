@@ -24,6 +24,7 @@ mod vm_nbd;
 mod vm_numa;
 mod vm_ublk;
 mod xdp;
+mod xdp_share;
 
 use std::path::{Path, PathBuf};
 
@@ -50,6 +51,8 @@ enum Command {
     Faults(faults::FaultsArgs),
     /// Issue #13's flood test: 100,000 CONNECTs from 1,000 MACs while fio verifies (root).
     Flood(flood::FloodArgs),
+    /// Issue #33's safety rails: discover and a second tyched beside a live attachment (root).
+    XdpShare(xdp_share::XdpShareArgs),
     /// Issue #14's attack test: a third host on the segment attacks a keyed session (root).
     Attack(attack::AttackArgs),
     /// Coverage-guided fuzzing of the target, the initiator and the NBD server (docs/fuzzing.md).
@@ -120,6 +123,10 @@ fn main() -> Result<()> {
         Command::Flood(a) => {
             ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
             flood::flood(&root(), &a)
+        }
+        Command::XdpShare(a) => {
+            ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            xdp_share::xdp_share(&root(), &a)
         }
         Command::Attack(a) => {
             ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;

@@ -277,6 +277,37 @@ pub fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> Result
     Ok(())
 }
 
+/// fio job `name` with `job`'s options and crc32c verify through the NBD socket `work/nbd.sock`
+/// (export `export`), in the lab's initiator namespace; JSON output in `work/<name>.json`
+/// (returned), its log in `work/<name>.log`.
+pub fn fio_nbd(lab: &Lab, work: &Path, export: &str, name: &str, job: &[String]) -> Result<(Guard, PathBuf)> {
+    let out = work.join(format!("{name}.json"));
+    let log = fs::File::create(work.join(format!("{name}.log")))?;
+    let uri = format!("nbd+unix:///{export}?socket={}", work.join("nbd.sock").display());
+    let child = Command::new("ip")
+        .args(["netns", "exec", &lab.initiator_ns, "fio", "--name", name, "--ioengine=nbd"])
+        .arg(format!("--uri={uri}"))
+        .args(job)
+        .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"])
+        .arg(format!("--output={}", out.display()))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("starting fio")?;
+    Ok((Guard(child), out))
+}
+
+/// fio's JSON: the job's error, bytes written and bytes read (verify reads).
+pub fn fio_result(out: &Path) -> Result<(i64, u64, u64)> {
+    let text = fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
+    let json = &text[text.find('{').context("fio wrote no JSON")?..];
+    let v: serde_json::Value = serde_json::from_str(json).context("fio's JSON")?;
+    let j = &v["jobs"][0];
+    let bytes = |d: &str| j[d]["io_bytes"].as_u64().unwrap_or(0);
+    Ok((j["error"].as_i64().unwrap_or(-1), bytes("write"), bytes("read")))
+}
+
 /// A child killed (and reaped) when dropped.
 pub struct Guard(pub Child);
 
