@@ -39,7 +39,9 @@ use clap::Args;
 use serde_json::Value;
 
 use crate::lab::Lab;
-use crate::stack::{bin, interrupted, prepare, start_initiator, start_tyched_with, Guard, Link, Running};
+use crate::stack::{
+    bin, fio_nbd, fio_result, interrupted, prepare, start_initiator, start_tyched_with, Guard, Link, Running,
+};
 
 /// The export the honest initiator attaches and the attacker attacks.
 const EXPORT: &str = "attack";
@@ -213,33 +215,8 @@ impl Test<'_> {
 
     /// fio with verify through NBD socket `socket`, in the initiator namespace.
     fn fio(&self, name: &str, socket: &str, job: &[String]) -> Result<(Guard, PathBuf)> {
-        let out = self.work.join(format!("{name}.json"));
-        let log = fs::File::create(self.work.join(format!("{name}.log")))?;
-        let uri = format!("nbd+unix:///{EXPORT}?socket={}", self.work.join(format!("{socket}.sock")).display());
-        let child = Command::new("ip")
-            .args(["netns", "exec", &self.lab.initiator_ns, "fio", "--name", name, "--ioengine=nbd"])
-            .arg(format!("--uri={uri}"))
-            .args(job)
-            .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"])
-            .arg(format!("--output={}", out.display()))
-            .current_dir(&self.work)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("starting fio")?;
-        Ok((Guard(child), out))
+        fio_nbd(self.lab, &self.work, EXPORT, &self.work.join(format!("{socket}.sock")), name, job)
     }
-}
-
-/// fio's JSON: the job's error, bytes written and bytes read (verify reads).
-fn fio_result(out: &Path) -> Result<(i64, u64, u64)> {
-    let text = fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
-    let json = &text[text.find('{').context("fio wrote no JSON")?..];
-    let v: Value = serde_json::from_str(json).context("fio's JSON")?;
-    let j = &v["jobs"][0];
-    let bytes = |d: &str| j[d]["io_bytes"].as_u64().unwrap_or(0);
-    Ok((j["error"].as_i64().unwrap_or(-1), bytes("write"), bytes("read")))
 }
 
 /// The session id of a `tyche-attack` event (hex), as tyched stats prints it (a number).

@@ -200,7 +200,7 @@ impl Flood<'_> {
 
     /// fio with verify through the NBD socket, in the initiator namespace.
     fn fio(&self, name: &str, job: &[String]) -> Result<(Guard, PathBuf)> {
-        fio_nbd(self.lab, &self.work, EXPORT, name, job)
+        fio_nbd(self.lab, &self.work, EXPORT, &self.work.join("nbd.sock"), name, job)
     }
 }
 

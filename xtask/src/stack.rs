@@ -277,19 +277,27 @@ pub fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> Result
     Ok(())
 }
 
-/// fio job `name` with `job`'s options and crc32c verify through the NBD socket `work/nbd.sock`
-/// (export `export`), in the lab's initiator namespace; JSON output in `work/<name>.json`
+/// fio job `name` with `job`'s options and crc32c verify through NBD socket `socket` (export
+/// `export`), in the lab's initiator namespace and in `work`; JSON output in `work/<name>.json`
 /// (returned), its log in `work/<name>.log`.
-pub fn fio_nbd(lab: &Lab, work: &Path, export: &str, name: &str, job: &[String]) -> Result<(Guard, PathBuf)> {
+pub fn fio_nbd(
+    lab: &Lab,
+    work: &Path,
+    export: &str,
+    socket: &Path,
+    name: &str,
+    job: &[String],
+) -> Result<(Guard, PathBuf)> {
     let out = work.join(format!("{name}.json"));
     let log = fs::File::create(work.join(format!("{name}.log")))?;
-    let uri = format!("nbd+unix:///{export}?socket={}", work.join("nbd.sock").display());
+    let uri = format!("nbd+unix:///{export}?socket={}", socket.display());
     let child = Command::new("ip")
         .args(["netns", "exec", &lab.initiator_ns, "fio", "--name", name, "--ioengine=nbd"])
         .arg(format!("--uri={uri}"))
         .args(job)
         .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"])
         .arg(format!("--output={}", out.display()))
+        .current_dir(work)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)

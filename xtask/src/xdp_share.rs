@@ -16,16 +16,14 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 
 use crate::lab::Lab;
-use crate::stack::{
-    bin, fio_nbd, fio_result, prepare, start_initiator, start_tyched, wait_for, Daemon, Guard, Link, Running,
-};
+use crate::stack::{bin, fio_nbd, fio_result, prepare, start_initiator, start_tyched, wait_for, Daemon, Link, Running};
 
 /// The export attached, and its size.
 const EXPORT: &str = "share";
@@ -76,15 +74,8 @@ pub fn xdp_share(root: &Path, args: &XdpShareArgs) -> Result<()> {
 
 /// Runs `cmd` to its end (at most 30 s) with its output in `log`; returns the exit code and the
 /// output.
-fn finish(what: &str, cmd: &mut Command, log: &Path) -> Result<(Option<i32>, String)> {
-    let out = fs::File::create(log)?;
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out)
-        .spawn()
-        .with_context(|| format!("starting {what}"))?;
-    let status = Guard(child).wait(Duration::from_secs(30)).with_context(|| what.to_string())?;
+fn finish(what: &'static str, cmd: &mut Command, log: &Path) -> Result<(Option<i32>, String)> {
+    let status = Daemon::spawn(what, cmd, log)?.wait(Duration::from_secs(30))?;
     Ok((status.code(), fs::read_to_string(log)?))
 }
 
@@ -126,7 +117,7 @@ fn run(root: &Path, lab: &Lab, work: &Path, args: &XdpShareArgs) -> Result<()> {
             .map(|s| s.to_string())
             .chain([format!("--runtime={}", args.fio_secs)])
             .collect();
-    let (mut fio, fio_out) = fio_nbd(lab, work, EXPORT, "verify", &job)?;
+    let (mut fio, fio_out) = fio_nbd(lab, work, EXPORT, &socket, "verify", &job)?;
     std::thread::sleep(Duration::from_secs(1));
 
     // 1. discover on the initiator's link, beside its live AF_XDP socket.
@@ -166,7 +157,7 @@ fn run(root: &Path, lab: &Lab, work: &Path, args: &XdpShareArgs) -> Result<()> {
     check_fio(&fio_out, "during discover and the second tyched", &work.join("verify.log"))?;
     let after: Vec<String> =
         ["--rw=write", "--bs=64k", "--size=16m", "--offset=128m"].iter().map(|s| s.to_string()).collect();
-    let (mut fio, after_out) = fio_nbd(lab, work, EXPORT, "after", &after)?;
+    let (mut fio, after_out) = fio_nbd(lab, work, EXPORT, &socket, "after", &after)?;
     let status = fio.wait(Duration::from_secs(60)).context("fio after")?;
     ensure!(
         status.success(),

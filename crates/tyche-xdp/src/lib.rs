@@ -33,7 +33,7 @@ mod share;
 pub use async_io::AsyncTransport;
 pub use error::Error;
 pub use iface::{queue_count, InterfaceInfo};
-pub use packet::PacketTransport;
+pub use packet::{packet_socket, PacketTransport};
 pub use port::{
     plan_frames, BusyPoll, FramePlan, NumaPlacement, PortConfig, PortStats, XdpPort, BUFFER_CAPACITY, CHUNK_SIZE,
     FRAME_HEADROOM, MAX_SG_FRAME, XDP_HEADROOM,

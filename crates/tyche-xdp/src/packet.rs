@@ -50,38 +50,44 @@ fn ioctl(fd: &OwnedFd, req: libc::c_ulong, ifr: &mut [u8; 40]) -> io::Result<()>
     sys(unsafe { libc::ioctl(fd.as_raw_fd(), req, ifr.as_mut_ptr()) }).map(|_| ())
 }
 
+/// A raw AF_PACKET socket bound to `iface` and frames of `ethertype` (needs CAP_NET_RAW),
+/// non-blocking if asked, and the interface's index.
+pub fn packet_socket(iface: &str, ethertype: u16, nonblocking: bool) -> io::Result<(OwnedFd, u32)> {
+    let name = std::ffi::CString::new(iface).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    if iface.len() >= 16 {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{iface}: name too long")));
+    }
+    // SAFETY: `name` is a NUL-terminated string that lives across the call.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if ifindex == 0 {
+        return Err(io::Error::new(io::ErrorKind::NotFound, format!("{iface}: no such interface")));
+    }
+    let proto = ethertype.to_be();
+    let flags = libc::SOCK_RAW | libc::SOCK_CLOEXEC | if nonblocking { libc::SOCK_NONBLOCK } else { 0 };
+    // SAFETY: socket takes integers and returns a new descriptor or -1.
+    let raw = sys(unsafe { libc::socket(libc::AF_PACKET, flags, proto as i32) })?;
+    // SAFETY: `raw` is a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: an all-zero sockaddr_ll is a valid value of the plain C struct.
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = proto;
+    sll.sll_ifindex = ifindex as i32;
+    // SAFETY: `sll` is a live sockaddr_ll and the length passed is its size.
+    sys(unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&sll as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    })?;
+    Ok((fd, ifindex))
+}
+
 impl PacketTransport {
     /// Opens a raw socket on `iface` receiving frames of `ethertype` (needs CAP_NET_RAW).
     pub fn open(iface: &str, ethertype: u16) -> io::Result<Self> {
-        let name = std::ffi::CString::new(iface).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        if iface.len() >= 16 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{iface}: name too long")));
-        }
-        // SAFETY: `name` is a NUL-terminated string that lives across the call.
-        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-        if ifindex == 0 {
-            return Err(io::Error::new(io::ErrorKind::NotFound, format!("{iface}: no such interface")));
-        }
-        let proto = ethertype.to_be();
-        // SAFETY: socket takes integers and returns a new descriptor or -1.
-        let raw = sys(unsafe {
-            libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, proto as i32)
-        })?;
-        // SAFETY: `raw` is a fresh descriptor nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: an all-zero sockaddr_ll is a valid value of the plain C struct.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: `sll` is a live sockaddr_ll and the length passed is its size.
-        sys(unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&sll as *const libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-            )
-        })?;
+        let (fd, _) = packet_socket(iface, ethertype, true)?;
         let one: libc::c_int = 1;
         // SAFETY: the option value is a live c_int and the length is its size.
         let _ = unsafe {

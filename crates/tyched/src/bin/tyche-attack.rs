@@ -51,7 +51,7 @@
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::{self, BufRead, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -151,30 +151,7 @@ struct Raw {
 
 impl Raw {
     fn open(iface: &str, ethertype: u16, decoy: Option<MacAddr>) -> io::Result<Raw> {
-        let name = std::ffi::CString::new(iface).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        // SAFETY: `name` is a NUL-terminated string that lives across the call.
-        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-        if ifindex == 0 {
-            return Err(io::Error::new(io::ErrorKind::NotFound, format!("{iface}: no such interface")));
-        }
-        let proto = ethertype.to_be();
-        // SAFETY: socket takes integers and returns a new descriptor or -1.
-        let raw = sys(unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto as i32) })?;
-        // SAFETY: `raw` is a fresh descriptor nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: an all-zero sockaddr_ll is a valid value of the plain C struct.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: `sll` is a live sockaddr_ll and the length passed is its size.
-        sys(unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&sll as *const libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-            )
-        })?;
+        let (fd, ifindex) = tyche_xdp::packet_socket(iface, ethertype, false)?;
         // SAFETY: an all-zero packet_mreq is a valid value of the plain C struct.
         let mut mreq: libc::packet_mreq = unsafe { std::mem::zeroed() };
         mreq.mr_ifindex = ifindex as i32;
