@@ -168,24 +168,38 @@ fn inspect(id: u32) -> Result<Inspected, Error> {
     Ok(Inspected { prog, name, maps })
 }
 
+/// What an attached program is to this build.
+#[derive(Debug)]
+enum Kind {
+    /// Tyche's steering program with the maps this build uses.
+    Ours(Ours),
+    /// Tyche's by name, but its maps are another build's (an older or newer version's).
+    OtherBuild(OwnedFd),
+    /// Not Tyche's (its name).
+    Foreign(String),
+}
+
 impl Inspected {
-    /// Tyche's steering program (either entry point), with the maps this build uses; `None`
-    /// for any other program.
-    fn tyche(self, id: u32) -> Option<Ours> {
+    /// What the program is: Tyche's (either entry point) by name, and this build's by its maps.
+    fn kind(self, id: u32) -> Kind {
         let frags = self.name == FRAGS[..NAME_LEN];
         if self.name != SINGLE && !frags {
-            return None;
+            return Kind::Foreign(self.name);
         }
         let mut maps = self.maps;
         let mut take = |name: &str, ty: MapType| {
             let at = maps.iter().position(|m| m.name() == name && m.map_type() == ty)?;
             Some(maps.swap_remove(at))
         };
-        let xsks = take("xsks_map", MapType::Xskmap)?;
-        let config = take("tyche_config", MapType::Array)?;
-        let stats = take("tyche_stats", MapType::PercpuArray)?;
-        let discover = take("tyche_discover", MapType::LruHash)?;
-        Some(Ours { prog: self.prog, id, frags, xsks, config, stats, discover })
+        let (Some(xsks), Some(config), Some(stats), Some(discover)) = (
+            take("xsks_map", MapType::Xskmap),
+            take("tyche_config", MapType::Array),
+            take("tyche_stats", MapType::PercpuArray),
+            take("tyche_discover", MapType::LruHash),
+        ) else {
+            return Kind::OtherBuild(self.prog);
+        };
+        Kind::Ours(Ours { prog: self.prog, id, frags, xsks, config, stats, discover })
     }
 }
 
@@ -211,7 +225,10 @@ fn attached_ours(ifname: &str, ifindex: i32, mode: AttachedMode) -> Result<Ours,
     let lost =
         || Error::Attach { ifname: ifname.to_string(), detail: format!("the {mode} program is gone after attaching") };
     let p = p.ok_or_else(lost)?;
-    inspect(p.id)?.tyche(p.id).ok_or_else(lost)
+    match inspect(p.id)?.kind(p.id) {
+        Kind::Ours(ours) => Ok(ours),
+        _ => Err(lost()),
+    }
 }
 
 impl XdpProgram {
@@ -229,26 +246,33 @@ impl XdpProgram {
         let _deciding = nic.decide()?;
         let unused = nic.unused()?;
         let ifx = ifindex as i32;
-        let mut found = Vec::new();
-        for p in present(ifname, ifx)? {
-            let inspected = inspect(p.id)?;
-            let name = inspected.name.clone();
-            match (p.mode, inspected.tyche(p.id)) {
-                (Some(m), Some(ours)) => found.push((m, ours)),
-                _ => return Err(Error::ForeignProgram { ifname: ifname.to_string(), id: p.id, name }),
-            }
-        }
         let mut shared = None;
-        for (m, ours) in found {
-            if unused {
-                // Its users are gone (killed: the kernel dropped their locks and sockets).
-                tracing::info!(ifname, id = ours.id, mode = %m, "replacing a Tyche XDP program no process uses");
-                detach_expected(ifx, m, ours.prog.as_fd()).map_err(|e| {
-                    Error::io(format!("detaching unused Tyche XDP program {} from {ifname}", ours.id), e)
-                })?;
-            } else if shared.is_none() {
-                shared = Some((m, ours));
-            }
+        for p in present(ifname, ifx)? {
+            let (Some(m), kind) = (p.mode, inspect(p.id)?.kind(p.id)) else {
+                return Err(Error::ForeignProgram { ifname: ifname.to_string(), id: p.id, name: "(offloaded)".into() });
+            };
+            let prog = match kind {
+                Kind::Foreign(name) => {
+                    return Err(Error::ForeignProgram { ifname: ifname.to_string(), id: p.id, name })
+                }
+                Kind::Ours(ours) if !unused => {
+                    shared.get_or_insert((m, ours));
+                    continue;
+                }
+                Kind::OtherBuild(_) if !unused => {
+                    return Err(Error::Incompatible {
+                        ifname: ifname.to_string(),
+                        id: p.id,
+                        detail: "it is another Tyche build's (its maps differ from this build's)".into(),
+                    })
+                }
+                Kind::Ours(ours) => ours.prog,
+                Kind::OtherBuild(prog) => prog,
+            };
+            // Its users are gone (killed: the kernel dropped their locks and sockets).
+            tracing::info!(ifname, id = p.id, mode = %m, "replacing a Tyche XDP program no process uses");
+            detach_expected(ifx, m, prog.as_fd())
+                .map_err(|e| Error::io(format!("detaching unused Tyche XDP program {} from {ifname}", p.id), e))?;
         }
         let user = nic.join()?;
         let (ours, mode, is_shared) = match shared {
@@ -444,15 +468,24 @@ pub struct DiscoveryTap {
 
 impl DiscoveryTap {
     /// Opens the tap for `nonce` on `ifname`; a foreign program there is
-    /// [`Error::ForeignProgram`] (its owner decides where Tyche frames go).
+    /// [`Error::ForeignProgram`] (its owner decides where Tyche frames go), another Tyche
+    /// build's [`Error::Incompatible`].
     pub fn open(ifname: &str, nonce: u32) -> Result<Self, Error> {
         let info = crate::InterfaceInfo::query(ifname)?;
         let mut maps = Vec::new();
         for p in present(ifname, info.index as i32)? {
-            let inspected = inspect(p.id)?;
-            let name = inspected.name.clone();
-            let Some(ours) = inspected.tyche(p.id) else {
-                return Err(Error::ForeignProgram { ifname: ifname.to_string(), id: p.id, name });
+            let ours = match inspect(p.id)?.kind(p.id) {
+                Kind::Ours(ours) => ours,
+                Kind::Foreign(name) => {
+                    return Err(Error::ForeignProgram { ifname: ifname.to_string(), id: p.id, name })
+                }
+                Kind::OtherBuild(_) => {
+                    return Err(Error::Incompatible {
+                        ifname: ifname.to_string(),
+                        id: p.id,
+                        detail: "it is another Tyche build's, without this build's discovery map".into(),
+                    })
+                }
             };
             update(&ours.discover, "tyche_discover", &nonce.to_ne_bytes(), &std::process::id().to_ne_bytes())?;
             maps.push(ours.discover);

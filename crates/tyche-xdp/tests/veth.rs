@@ -471,9 +471,10 @@ fn xdp_of(ns: &str, dev: &str) -> String {
     text.lines().filter(|l| l.contains("xdp")).collect::<Vec<_>>().join("\n")
 }
 
-/// Loads a two-instruction XDP program named `foreign` (returns XDP_PASS) and attaches it to
-/// `ifname` in generic mode, as a non-Tyche tool would.
-fn attach_foreign(ifname: &str) -> std::os::fd::OwnedFd {
+/// Loads a two-instruction XDP program called `name` (returns XDP_PASS, uses no map) and
+/// attaches it to `ifname` in generic mode, as a non-Tyche tool would (or, named
+/// `tyche_steer`, a Tyche build whose maps differ from this one's).
+fn attach_raw(ifname: &str, name: &std::ffi::CStr) -> std::os::fd::OwnedFd {
     use libbpf_rs::libbpf_sys as sys;
     use std::os::fd::{AsFd, FromRawFd};
     // SAFETY: `bpf_insn` is plain data; all-zero registers are r0.
@@ -485,7 +486,7 @@ fn attach_foreign(ifname: &str) -> std::os::fd::OwnedFd {
     let fd = unsafe {
         sys::bpf_prog_load(
             sys::BPF_PROG_TYPE_XDP,
-            c"foreign".as_ptr(),
+            name.as_ptr(),
             c"GPL".as_ptr(),
             insns.as_ptr(),
             2,
@@ -525,8 +526,15 @@ fn tyche_ports_share_one_program_and_refuse_the_rest() {
         assert!(!xdp_of(&ns, "tya").is_empty(), "the program stays while a user is left");
         drop(second);
         assert!(xdp_of(&ns, "tya").is_empty(), "the last user detaches: {}", xdp_of(&ns, "tya"));
+        // Another Tyche build's program that no live process uses (its user was killed) is
+        // replaced, and the replacement goes with its last user.
+        let stale = attach_raw("tya", c"tyche_steer");
+        let port = XdpPort::open("tya", &q(0)).expect("a stale Tyche program is replaced");
+        assert!(!port.program().shared(), "a stale program is not shared");
+        drop((port, stale));
+        assert!(xdp_of(&ns, "tya").is_empty(), "the replacement is detached: {}", xdp_of(&ns, "tya"));
         // A foreign program is refused by id and name, and left in place.
-        let _foreign = attach_foreign("tya");
+        let _foreign = attach_raw("tya", c"foreign");
         let err = XdpPort::open("tya", &q(0)).map(|_| ()).expect_err("a foreign program is not replaced");
         assert!(matches!(&err, Error::ForeignProgram { name, .. } if name == "foreign"), "unexpected error: {err}");
         assert!(err.to_string().contains("foreign XDP program"), "{err}");
