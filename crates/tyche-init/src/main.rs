@@ -598,7 +598,10 @@ async fn open_retrying(conn: &ConnArgs, prior: DurabilityDebt) -> Result<Opened>
             _ = tokio::time::sleep(wait) => {}
             r = terminated() => {
                 r?;
-                bail!("stopped before {:?} was attached", conn.export());
+                // A stop while waiting is not a failure (systemctl stop of a unit still
+                // waiting for its target).
+                info!("stopped before {:?} was attached", conn.export());
+                std::process::exit(0);
             }
         }
         wait = (wait * 2).min(RETRY_MAX_WAIT);
@@ -775,8 +778,14 @@ async fn serve_nbd(
     if let Err(e) = state::record(&dir, &rec) {
         warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
     }
-    let server = tyche_init::nbd::serve_unix(&socket, client.clone(), opts);
+    // Bound before systemd hears READY, so that a client started after the unit finds it.
+    if socket.exists() {
+        std::fs::remove_file(&socket).with_context(|| format!("removing the old socket {}", socket.display()))?;
+    }
+    let listener = tokio::net::UnixListener::bind(&socket).with_context(|| format!("binding {}", socket.display()))?;
+    info!(socket = %socket.display(), export = %conn.export(), size = client.size(), "serving NBD");
     notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&format!("serving {}", socket.display()))]);
+    let server = tyche_init::nbd::serve(listener, client.clone(), opts);
     let result = tokio::select! {
         r = server => r.with_context(|| format!("NBD server on {}", socket.display())),
         r = terminated() => r,
