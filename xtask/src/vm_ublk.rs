@@ -102,9 +102,14 @@ pub fn guest() -> Result<String> {
     let mnt = disk.mount()?;
     tree.verify(&mnt, &mut |_| {})?;
     again.verify(&mnt.join("again"), &mut |_| {})?;
+    // A mounted device is not detached from under its file system.
+    let busy = Command::new(stack::bin(root, "tyche-init")).args(["detach", &dev]).output()?;
+    let said = String::from_utf8_lossy(&busy.stderr);
+    ensure!(!busy.status.success() && said.contains("is in use"), "detach of the mounted {dev}: {said}");
+    ensure!(Path::new(&dev).exists(), "{dev} went away under its mounted file system");
     disk.umount()?;
     println!(
-        "ublk: writer finished across kill -9 and recovery, fsck clean, {} MiB verified",
+        "ublk: writer finished across kill -9 and recovery, fsck clean, {} MiB verified, detach of the mounted device refused",
         (tree.bytes() + again.bytes()) >> 20
     );
     target.check_alive()?;
