@@ -20,6 +20,7 @@ mod sim;
 mod stack;
 mod suite;
 mod vm;
+mod vm_boot;
 mod vm_nbd;
 mod vm_numa;
 mod vm_ublk;

@@ -37,6 +37,9 @@ pub enum GuestTest {
     Numa,
     /// The kernel's NBD client (nbd-client) and qemu's (virtio disks) on `tyche-init serve-nbd`.
     Nbd,
+    /// A Debian guest booted with systemd and the `.deb` installed: units from `/etc/tyche`, ext4
+    /// from fstab across a reboot, a restart of the attachment unit (its own guest, not `/init`).
+    Boot,
 }
 
 impl GuestTest {
@@ -45,6 +48,7 @@ impl GuestTest {
             GuestTest::Ublk => "ublk",
             GuestTest::Numa => "numa",
             GuestTest::Nbd => "nbd",
+            GuestTest::Boot => "boot",
         }
     }
 }
@@ -95,31 +99,94 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
     let kernel = fetch_kernel(&cache)?;
     eprintln!("vm-test: kernel {}", kernel.version);
     let tests: Vec<GuestTest> = if args.only.is_empty() {
-        vec![GuestTest::Ublk, GuestTest::Numa, GuestTest::Nbd]
+        vec![GuestTest::Ublk, GuestTest::Numa, GuestTest::Nbd, GuestTest::Boot]
     } else {
         args.only.iter().copied().collect::<BTreeSet<_>>().into_iter().collect()
     };
-    let initrd = build_initramfs(root, &cache, &kernel, &tests)?;
+    // The boot test boots a guest of its own (systemd from a disk image); the others share one
+    // initramfs boot.
+    let (boot_test, tests): (Vec<GuestTest>, Vec<GuestTest>) = tests.into_iter().partition(|t| *t == GuestTest::Boot);
+    let mut line = Vec::new();
+    if !tests.is_empty() {
+        line.extend(initramfs_tests(root, &cache, &kernel, &tests, args)?);
+    }
+    if !boot_test.is_empty() {
+        let guest = crate::vm_boot::prepare(root, &cache, &kernel)?;
+        let log = cache.join("console-boot.log");
+        let outcome = run_guest(&guest, &log, args)?;
+        line.extend(verdict(&log, &boot_test, &outcome)?);
+    }
+    println!("vm-test: {}", line.join(", "));
+    Ok(())
+}
+
+/// The ublk, numa and nbd tests, in one boot of the initramfs guest.
+fn initramfs_tests(
+    root: &Path,
+    cache: &Path,
+    kernel: &Kernel,
+    tests: &[GuestTest],
+    args: &VmTestArgs,
+) -> Result<Vec<String>> {
+    let initrd = build_initramfs(root, cache, kernel, tests)?;
     let log = cache.join("console.log");
-    let deadline = Duration::from_secs(args.timeout);
-    let accel = if !args.tcg && kvm_usable() { "kvm" } else { "tcg" };
     // The nbd test's virtio disks: exports of `tyche-init serve-nbd` processes on this host, which
     // run for the whole boot and are stopped when `servers` drops.
     let mut servers = if tests.contains(&GuestTest::Nbd) {
-        Some(crate::vm_nbd::HostServers::start(root, &cache).context("the nbd test's host NBD servers")?)
+        Some(crate::vm_nbd::HostServers::start(root, cache).context("the nbd test's host NBD servers")?)
     } else {
         None
     };
-    let extra = servers.as_ref().map(|s| s.qemu_args.clone()).unwrap_or_default();
-    let mut outcome = boot_once_more(&kernel, &initrd, &log, accel, deadline, &extra)?;
-    if accel == "kvm" && !outcome.booted {
-        eprintln!("vm-test: the guest did not boot under KVM; trying TCG");
-        outcome = boot_once_more(&kernel, &initrd, &log, "tcg", deadline, &extra)?;
-    }
+    let guest = Guest {
+        kernel: kernel.vmlinuz.clone(),
+        initrd,
+        append: "rdinit=/init quiet".to_string(),
+        nodes: 2,
+        extra: servers.as_ref().map(|s| s.qemu_args.clone()).unwrap_or_default(),
+        up: MARK,
+        reboots: 0,
+    };
+    let outcome = run_guest(&guest, &log, args)?;
     let alive = servers.as_mut().map_or(Ok(()), |s| s.check_alive());
     drop(servers);
-    verdict(&log, &tests, &outcome)?;
-    alive.context("a host NBD server behind the nbd test's virtio disks died")
+    let line = verdict(&log, tests, &outcome)?;
+    alive.context("a host NBD server behind the nbd test's virtio disks died")?;
+    Ok(line)
+}
+
+/// A guest to boot: what differs between the initramfs guest and the boot test's systemd one.
+pub struct Guest {
+    /// The kernel image.
+    pub kernel: PathBuf,
+    /// The initramfs.
+    pub initrd: PathBuf,
+    /// The guest's own part of the kernel command line (the console, `panic` and `oops` are set
+    /// for every guest).
+    pub append: String,
+    /// NUMA nodes: each has 2 vCPUs, `NODE_MIB` of memory and a PCI expander bridge with two
+    /// NICs on a qemu hub of its own ([`nic_mac`]).
+    pub nodes: u32,
+    /// More qemu arguments (disks).
+    pub extra: Vec<String>,
+    /// Console text that shows the guest reached user space, printed again at each boot when
+    /// the guest reboots.
+    pub up: &'static str,
+    /// How often the guest reboots itself: with 0, qemu gets `-no-reboot`, and a panic (which
+    /// reboots, `panic=-1`) ends the run; otherwise a boot more than this is an error.
+    pub reboots: usize,
+}
+
+/// Boots `guest` with KVM, or TCG when KVM cannot run it (or `--tcg`), once more if qemu or its
+/// emulation failed before the guest came up ([`boot_once_more`]).
+pub fn run_guest(guest: &Guest, log: &Path, args: &VmTestArgs) -> Result<Outcome> {
+    let deadline = Duration::from_secs(args.timeout);
+    let accel = if !args.tcg && kvm_usable() { "kvm" } else { "tcg" };
+    let mut outcome = boot_once_more(guest, log, accel, deadline)?;
+    if accel == "kvm" && !outcome.booted {
+        eprintln!("vm-test: the guest did not boot under KVM; trying TCG");
+        outcome = boot_once_more(guest, log, "tcg", deadline)?;
+    }
+    Ok(outcome)
 }
 
 /// [`boot`], once more if the guest never booted because of qemu or its emulation: Debian 12's
@@ -129,32 +196,29 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
 /// on its CPU 0, "timer wakeup didn't happen") and never reached `/init` in 900 s, where it
 /// takes 15 to 40 s. A second such failure, or any failure after the guest booted, is an
 /// error.
-fn boot_once_more(
-    kernel: &Kernel,
-    initrd: &Path,
-    log: &Path,
-    accel: &'static str,
-    deadline: Duration,
-    extra: &[String],
-) -> Result<Outcome> {
-    match boot(kernel, initrd, log, accel, deadline, extra) {
+fn boot_once_more(guest: &Guest, log: &Path, accel: &'static str, deadline: Duration) -> Result<Outcome> {
+    match boot(guest, log, accel, deadline) {
         Err(e) if format!("{e}").contains(CRASHED_BEFORE_BOOT) => {
             eprintln!("vm-test: {e:#}; booting once more");
-            boot(kernel, initrd, log, accel, deadline, extra)
+            boot(guest, log, accel, deadline)
         }
         r => r,
     }
 }
 
 /// How the qemu run ended.
-struct Outcome {
+pub struct Outcome {
     booted: bool,
     timed_out: bool,
+    /// Why the host stopped the guest before it powered off (a panic, an unplanned reboot).
+    stopped: Option<String>,
     accel: &'static str,
     secs: f64,
 }
 
-fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<()> {
+/// The verdict line's parts for `tests`, from the console log; an error, with the console's
+/// tail, when one of them did not pass.
+fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<Vec<String>> {
     let text = fs::read_to_string(log).unwrap_or_default();
     let marks: Vec<&str> = text.lines().filter_map(|l| l.trim_end_matches('\r').strip_prefix(MARK)).collect();
     let mut failed = Vec::new();
@@ -172,9 +236,13 @@ fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<()> {
         let tail = tail[tail.len().saturating_sub(60)..].join("\n");
         eprintln!("---- guest console (last 60 lines of {}) ----\n{tail}\n----", log.display());
         if !outcome.booted {
-            bail!("vm-test: the guest never reached /init ({} s, {})", outcome.secs as u64, outcome.accel);
+            bail!("vm-test: the guest never came up ({} s, {})", outcome.secs as u64, outcome.accel);
         }
-        let why = if outcome.timed_out { " (the VM timed out)" } else { "" };
+        let why = match (&outcome.stopped, outcome.timed_out) {
+            (Some(why), _) => format!(" ({why})"),
+            (None, true) => " (the VM timed out)".to_string(),
+            (None, false) => String::new(),
+        };
         bail!("vm-test: {} failed{why}", failed.join(", "));
     }
     eprintln!("vm-test: {} run in {:.0} s", outcome.accel, outcome.secs);
@@ -188,20 +256,19 @@ fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<()> {
             line.push(format!("recovery ok ({r})"));
         }
     }
-    if let Some(s) = part(GuestTest::Numa) {
-        line.push(format!("numa ok ({s})"));
+    for t in [GuestTest::Numa, GuestTest::Nbd, GuestTest::Boot] {
+        if let Some(s) = part(t) {
+            line.push(format!("{} ok ({s})", t.name()));
+        }
     }
-    if let Some(s) = part(GuestTest::Nbd) {
-        line.push(format!("nbd ok ({s})"));
-    }
-    println!("vm-test: {}", line.join(", "));
-    Ok(())
+    Ok(line)
 }
 
 /// The extracted kernel package.
 #[derive(Debug)]
-struct Kernel {
-    version: String,
+pub struct Kernel {
+    /// `uname -r` of the guest.
+    pub version: String,
     vmlinuz: PathBuf,
     modules: PathBuf,
 }
@@ -250,12 +317,12 @@ fn version_key(s: &str) -> Vec<u64> {
 
 /// A private apt configuration: the machine's own sources plus bookworm-backports on the same
 /// mirror, with its own lists, so the machine's apt setup is left as it is.
-struct Apt {
+pub struct Apt {
     dir: PathBuf,
 }
 
 impl Apt {
-    fn new(cache: &Path) -> Result<Apt> {
+    pub fn new(cache: &Path) -> Result<Apt> {
         let dir = cache.join("apt");
         for d in ["lists/partial", "cache/archives/partial", "sources"] {
             fs::create_dir_all(dir.join(d))?;
@@ -276,8 +343,15 @@ impl Apt {
         cmd
     }
 
+    /// The sources files [`Apt::update`] wrote.
+    pub fn sources(&self) -> Result<Vec<PathBuf>> {
+        let mut files: Vec<PathBuf> = fs::read_dir(self.dir.join("sources"))?.flatten().map(|e| e.path()).collect();
+        files.sort();
+        Ok(files)
+    }
+
     /// Writes the sources and runs `apt-get update`.
-    fn update(&self) -> Result<()> {
+    pub fn update(&self) -> Result<()> {
         let sources = self.dir.join("sources");
         for e in fs::read_dir(&sources)?.flatten() {
             fs::remove_file(e.path())?;
@@ -621,27 +695,24 @@ poweroff -f
 /// anything.
 const CRASHED_BEFORE_BOOT: &str = "before the guest booted";
 
-/// Longest a TCG guest may take to reach `/init` (it takes 15 to 40 s on this machine).
+/// Longest a TCG guest may take to come up (the initramfs guest reaches `/init` in 15 to 40 s on
+/// this machine).
 const TCG_BOOT_LIMIT: Duration = Duration::from_secs(240);
 
 fn kvm_usable() -> bool {
     fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok()
 }
 
-/// Boots the guest, with `extra` qemu arguments, and waits for it to power off (or the deadline).
-fn boot(
-    kernel: &Kernel,
-    initrd: &Path,
-    log: &Path,
-    accel: &'static str,
-    deadline: Duration,
-    extra: &[String],
-) -> Result<Outcome> {
+/// The console line of a kernel panic.
+const PANIC: &str = "Kernel panic - not syncing";
+
+/// Boots the guest and waits for it to power off (or the deadline).
+fn boot(guest: &Guest, log: &Path, accel: &'static str, deadline: Duration) -> Result<Outcome> {
     let _ = fs::remove_file(log);
     let mut cmd = Command::new("qemu-system-x86_64");
     cmd.args(["-machine", "pc", "-accel", accel, "-cpu", if accel == "kvm" { "host" } else { "max" }]);
-    cmd.args(["-smp", "4", "-m", &format!("{}M", 2 * NODE_MIB)]);
-    for node in 0..2u32 {
+    cmd.args(["-smp", &(2 * guest.nodes).to_string(), "-m", &format!("{}M", guest.nodes * NODE_MIB)]);
+    for node in 0..guest.nodes {
         cmd.args(["-object", &format!("memory-backend-ram,id=mem{node},size={NODE_MIB}M")]);
         let cpus = format!("{}-{}", node * 2, node * 2 + 1);
         cmd.args(["-numa", &format!("node,nodeid={node},cpus={cpus},memdev=mem{node}")]);
@@ -658,10 +729,13 @@ fn boot(
             ]);
         }
     }
-    cmd.args(extra);
-    cmd.arg("-kernel").arg(&kernel.vmlinuz).arg("-initrd").arg(initrd);
-    cmd.args(["-append", "console=ttyS0 rdinit=/init panic=-1 oops=panic quiet loglevel=4"]);
-    cmd.args(["-nodefaults", "-display", "none", "-no-reboot"]);
+    cmd.args(&guest.extra);
+    cmd.arg("-kernel").arg(&guest.kernel).arg("-initrd").arg(&guest.initrd);
+    cmd.args(["-append", &format!("console=ttyS0 panic=-1 oops=panic loglevel=4 {}", guest.append)]);
+    cmd.args(["-nodefaults", "-display", "none"]);
+    if guest.reboots == 0 {
+        cmd.arg("-no-reboot");
+    }
     cmd.arg("-serial").arg(format!("file:{}", log.display()));
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     eprintln!("vm-test: booting ({accel})");
@@ -669,6 +743,7 @@ fn boot(
     let mut child = cmd.spawn().context("starting qemu-system-x86_64 (package qemu-system-x86)")?;
     let mut booted = false;
     let mut printed = 0usize;
+    let mut stopped = None;
     let status = loop {
         if let Some(st) = child.try_wait()? {
             break Some(st);
@@ -680,7 +755,13 @@ fn boot(
             eprintln!("  guest: {}", l.trim_end_matches('\r'));
         }
         printed = lines.len();
-        booted |= !lines.is_empty();
+        booted |= text.contains(guest.up);
+        // A guest that reboots itself would boot again after a panic instead of stopping.
+        if text.contains(PANIC) {
+            stopped = Some("the guest's kernel panicked".to_string());
+        } else if guest.reboots > 0 && text.matches(guest.up).count() > guest.reboots + 1 {
+            stopped = Some(format!("the guest booted more than the {} time(s) it reboots itself", guest.reboots));
+        }
         // Under KVM a guest that has not reached /init in 60 s is not going to; under TCG, in
         // TCG_BOOT_LIMIT.
         let limit = match (accel, booted) {
@@ -688,7 +769,10 @@ fn boot(
             (_, false) => TCG_BOOT_LIMIT.min(deadline),
             _ => deadline,
         };
-        if start.elapsed() > limit || crate::stack::INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
+        if stopped.is_some()
+            || start.elapsed() > limit
+            || crate::stack::INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed)
+        {
             let _ = child.kill();
             let _ = child.wait();
             break None;
@@ -696,13 +780,13 @@ fn boot(
         std::thread::sleep(Duration::from_millis(250));
     };
     let text = fs::read_to_string(log).unwrap_or_default();
-    booted |= text.contains(MARK);
+    booted |= text.contains(guest.up);
     for l in text.lines().filter(|l| l.contains(MARK)).skip(printed) {
         eprintln!("  guest: {}", l.trim_end_matches('\r'));
     }
     let interrupted = crate::stack::INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed);
-    if status.is_none() && !booted && accel != "kvm" && !interrupted {
-        bail!("the guest did not reach /init in {} s under {accel} {CRASHED_BEFORE_BOOT}", start.elapsed().as_secs());
+    if status.is_none() && !booted && accel != "kvm" && !interrupted && stopped.is_none() {
+        bail!("the guest did not come up in {} s under {accel} {CRASHED_BEFORE_BOOT}", start.elapsed().as_secs());
     }
     if let Some(st) = status {
         if !st.success() {
@@ -721,7 +805,8 @@ fn boot(
             }
         }
     }
-    Ok(Outcome { booted, timed_out: status.is_none(), accel, secs: start.elapsed().as_secs_f64() })
+    let timed_out = status.is_none() && stopped.is_none();
+    Ok(Outcome { booted, timed_out, stopped, accel, secs: start.elapsed().as_secs_f64() })
 }
 
 /// `xtask vm-guest TEST`, inside the VM: runs one test and prints its verdict line.
@@ -730,10 +815,18 @@ pub fn guest(test: GuestTest) -> Result<()> {
         GuestTest::Ublk => crate::vm_ublk::guest(),
         GuestTest::Numa => crate::vm_numa::guest(),
         GuestTest::Nbd => crate::vm_nbd::guest(),
+        // None: the guest reboots, the verdict comes from its next boot.
+        GuestTest::Boot => return crate::vm_boot::guest(),
     };
+    report(test, result.map(Some))
+}
+
+/// Prints a guest test's verdict line (none for `Ok(None)`: no verdict yet).
+pub fn report(test: GuestTest, result: Result<Option<String>>) -> Result<()> {
     let mut out = std::io::stdout().lock();
     match &result {
-        Ok(summary) => writeln!(out, "{MARK} {} ok {summary}", test.name())?,
+        Ok(Some(summary)) => writeln!(out, "{MARK} {} ok {summary}", test.name())?,
+        Ok(None) => {}
         Err(e) => writeln!(out, "{MARK} {} FAIL {}", test.name(), format!("{e:#}").replace('\n', " | "))?,
     }
     out.flush()?;
