@@ -73,12 +73,17 @@ pub fn run(args: TestArgs) -> Result<()> {
         eprintln!("xtask test: attack (a third namespace on the segment attacks a keyed session)");
         crate::attack::attack(&crate::root(), &crate::attack::AttackArgs::standard())?;
         eprintln!(
-            "xtask test: vm-test (NUMA placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients)"
+            "xtask test: vm-test (NUMA placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients; \
+             the .deb on a systemd guest across a reboot)"
         );
         // The VM's ublk test (with its kill -9 and recovery) ran as the last fault scenario.
         crate::vm::vm_test(
             &crate::root(),
-            &crate::vm::VmTestArgs::only(&[crate::vm::GuestTest::Numa, crate::vm::GuestTest::Nbd]),
+            &crate::vm::VmTestArgs::only(&[
+                crate::vm::GuestTest::Numa,
+                crate::vm::GuestTest::Nbd,
+                crate::vm::GuestTest::Boot,
+            ]),
         )?;
         // Every NBD client people run, in one line: the host's (nbd-clients, the tyche-init root
         // tests' nbdfuse and nbdsh) and the VM's (the kernel's, and qemu as a VM's disk).
