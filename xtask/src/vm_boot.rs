@@ -339,6 +339,14 @@ fn trees() -> [Tree; 2] {
     [Tree::new(0xb007_0001, 48, 12 << 20), Tree::new(0xb007_0002, 24, 4 << 20)]
 }
 
+/// fio writes 8 MiB with crc32c checksums to a file on the volume, with direct I/O, and reads it
+/// back (`--verify_only`: reads and checks what an earlier run wrote).
+fn fio(extra: &[&str]) -> Result<()> {
+    let file = format!("--filename={MOUNT}/fio.dat");
+    let args = ["--name=vol", &file, "--rw=write", "--bs=64k", "--size=8M", "--direct=1", "--verify=crc32c"];
+    run(Command::new("fio").args(args).args(extra).arg("--output-format=terse")).map(drop)
+}
+
 fn sync_and_drop_caches() -> Result<()> {
     run(&mut Command::new("sync"))?;
     fs::write("/proc/sys/vm/drop_caches", "3").context("dropping the page cache")
@@ -367,17 +375,7 @@ fn first_boot() -> Result<()> {
     ensure!(again == dev, "{} is {} after the restart, {} before", by_tyche(), again.display(), dev.display());
     let restart = started.elapsed().as_secs_f64();
     after.write(&mnt.join("after"), &mut |_| {})?;
-    run(Command::new("fio").args([
-        "--name=restart",
-        "--filename=/mnt/vol/fio.dat",
-        "--rw=write",
-        "--bs=64k",
-        "--size=8M",
-        "--direct=1",
-        "--verify=crc32c",
-        "--output-format=terse",
-    ]))
-    .context("fio write and verify on /mnt/vol after the restart")?;
+    fio(&[]).context("fio write and verify on /mnt/vol after the restart")?;
     sync_and_drop_caches()?;
     before.verify(&mnt.join("before"), &mut |_| {})?;
     after.verify(&mnt.join("after"), &mut |_| {})?;
@@ -404,18 +402,7 @@ fn second_boot() -> Result<String> {
     let [before, after] = trees();
     before.verify(&mnt.join("before"), &mut |_| {})?;
     after.verify(&mnt.join("after"), &mut |_| {})?;
-    run(Command::new("fio").args([
-        "--name=restart",
-        "--filename=/mnt/vol/fio.dat",
-        "--rw=write",
-        "--bs=64k",
-        "--size=8M",
-        "--direct=1",
-        "--verify=crc32c",
-        "--verify_only",
-        "--output-format=terse",
-    ]))
-    .context("fio verify of the file written before the reboot")?;
+    fio(&["--verify_only"]).context("fio verify of the file written before the reboot")?;
     let count = count_files(mnt)?;
     println!("boot: 2: {MOUNT} mounted from fstab on {}, {count} files verified", dev.display());
 
