@@ -13,7 +13,8 @@
 //! tyche-attach@vol` must leave the mounted filesystem reading and writing, then `systemctl
 //! reboot`. Boot 2: `/mnt/vol` must have been mounted from fstab at boot on the by-tyche device,
 //! every file intact, the previous boot's journal free of I/O errors and its shutdown must have
-//! unmounted `/mnt/vol` before stopping the attachment; then `e2fsck -fn` and power off.
+//! unmounted `/mnt/vol` before stopping the attachment; then `e2fsck -fn`, a stop of the
+//! attachment must delete its unused device, and power off.
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
@@ -411,9 +412,17 @@ fn second_boot() -> Result<String> {
     check_journal(&journal)?;
     run(Command::new("umount").arg(MOUNT))?;
     BlockFs::new(&by_tyche(), Path::new(STATE)).fsck()?;
+    // What the shutdown did after the unmount: a stop with the device unused deletes it.
+    run(Command::new("systemctl").arg("stop").arg(attach_unit()))?;
+    let sys = Path::new("/sys/block").join(dev.file_name().context("device name")?);
+    let link = by_tyche();
+    wait_for(&format!("{} and {link} gone after the stop", dev.display()), Duration::from_secs(30), || {
+        Ok(!sys.exists() && !Path::new(&link).exists())
+    })?;
     Ok(format!(
         "tyched.service and {} ready from /etc/tyche, {} mounted from fstab at boot, reboot kept {count} files \
-         intact, restart of {} kept {MOUNT} working, shutdown unmounted before detach, no I/O errors in the journal",
+         intact, restart of {} kept {MOUNT} working, shutdown unmounted before detach, stop of the unused \
+         device deleted it, no I/O errors in the journal",
         attach_unit().trim_end_matches(".service"),
         by_tyche(),
         attach_unit().trim_end_matches(".service"),
