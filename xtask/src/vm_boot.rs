@@ -90,14 +90,15 @@ pub fn prepare(root: &Path, cache: &Path, kernel: &Kernel) -> Result<Guest> {
     })
 }
 
-/// The `.deb` to install: `$TYCHE_VM_DEB` when set (a package built elsewhere), else this tree's.
-fn package(_root: &Path) -> Result<PathBuf> {
+/// The `.deb` to install: `$TYCHE_VM_DEB` when set (a package built elsewhere, e.g. a release),
+/// else this tree's, built by `cargo xtask package`'s [`crate::package::build`].
+fn package(root: &Path) -> Result<PathBuf> {
     if let Some(deb) = std::env::var_os("TYCHE_VM_DEB") {
         let deb = PathBuf::from(deb);
         ensure!(deb.is_file(), "TYCHE_VM_DEB={} is not a file", deb.display());
         return Ok(deb);
     }
-    bail!("no .deb: this tree has no `cargo xtask package` yet; set TYCHE_VM_DEB to a tyche .deb")
+    crate::package::build(root).context("building the .deb (cargo xtask package)")
 }
 
 /// The packages a `.deb` depends on (the first of each alternative, without versions).
