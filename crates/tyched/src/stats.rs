@@ -140,6 +140,23 @@ pub struct ExportStats {
     /// devices; the rest went through the page cache).
     #[serde(default)]
     pub direct_bytes: u64,
+    /// Who holds it: one entry per session, by session id.
+    #[serde(default)]
+    pub holders: Vec<Holder>,
+}
+
+/// A session holding an export: who attached it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holder {
+    /// Session id (hexadecimal).
+    pub session: String,
+    /// The MAC address that created the session.
+    pub mac: String,
+    /// The initiator host's id (32 hexadecimal digits, its /etc/machine-id unless it gave
+    /// another), or `mac:` and the MAC when it sent none.
+    pub host: String,
+    /// Its live channels.
+    pub channels: usize,
 }
 
 /// Counters of one live channel.
@@ -410,6 +427,13 @@ impl Snapshot {
                 e.sessions, r.read, e.bytes_read, r.write, e.bytes_written, r.flush, r.discard, r.write_zeroes,
                 r.block_status, e.errors, e.denied
             );
+            for h in &e.holders {
+                let _ = writeln!(
+                    s,
+                    "    held by {} (host {}), session {}, {} channel(s)",
+                    h.mac, h.host, h.session, h.channels
+                );
+            }
         }
         let _ = writeln!(s, "\nPlacement (pages on the NIC's node / elsewhere / not present):");
         let pc = |c: &PageCounts| format!("{}/{}/{}", c.on_expected, c.elsewhere, c.not_present);

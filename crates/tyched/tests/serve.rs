@@ -241,6 +241,13 @@ fn pre_shared_key_right_wrong_and_missing() {
     let s = target.stats();
     assert_eq!(s.drops(|d| d.denied_key), 1, "{:?}", s.nics);
     assert_eq!(s.sessions, 1);
+    // Who holds the export: the one session, its MAC and both channels.
+    let h = &s.exports[0].holders;
+    assert_eq!(h.len(), 1, "{h:?}");
+    assert_eq!(h[0].mac, common::init_mac(0).to_string(), "{h:?}");
+    assert_eq!(h[0].channels, 2, "{h:?}");
+    assert!(!h[0].host.is_empty() && h[0].session.starts_with("0x"), "{h:?}");
+    assert!(s.human().contains(&format!("held by {}", h[0].mac)), "{}", s.human());
 }
 
 #[test]

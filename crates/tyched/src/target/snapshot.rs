@@ -11,8 +11,8 @@ use tyche_transport::poll::{PollConfig, PollStats};
 
 use crate::backend::FileBackend;
 use crate::stats::{
-    ChannelSnapshot, Drops, ExportStats, LimitStats, NicPlacement, NicStats, PollReport, Snapshot, StorageQueueStats,
-    StorageThreadStats,
+    ChannelSnapshot, Drops, ExportStats, Holder, LimitStats, NicPlacement, NicStats, PollReport, Snapshot,
+    StorageQueueStats, StorageThreadStats,
 };
 
 use super::control::Control;
@@ -201,6 +201,17 @@ impl Network {
     }
 }
 
+/// An initiator's identity as `tyched stats` shows it: its host id in hexadecimal, or `mac:`
+/// and the MAC for an identity made from the MAC (an initiator that sent no host id).
+fn host_of(identity: &[u8; 16]) -> String {
+    match identity.strip_prefix(b"mac:") {
+        Some(rest) if rest[6..].iter().all(|&b| b == 0) => {
+            format!("mac:{}", rest[..6].iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"))
+        }
+        _ => identity.iter().map(|b| format!("{b:02x}")).collect(),
+    }
+}
+
 /// The snapshot made of the threads' pieces (those there are) and the control's counters, at
 /// `now`, the threads polling as `poll` says.
 pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Instant) -> Snapshot {
@@ -240,7 +251,16 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
     for e in ctl.registry.values() {
         if let Some(es) = exports.get_mut(e.meta.export) {
             es.sessions += 1;
+            es.holders.push(Holder {
+                session: format!("{:#x}", e.meta.id),
+                mac: e.mac.to_string(),
+                host: host_of(&e.identity),
+                channels: e.channels.values().filter(|c| !c.dead.load(Ordering::Relaxed)).count(),
+            });
         }
+    }
+    for es in &mut exports {
+        es.holders.sort_by(|a, b| a.session.cmp(&b.session));
     }
     let sum = |f: fn(&Piece) -> u64| pieces.iter().map(f).sum::<u64>();
     let busy = ctl.acceptor.busy();
