@@ -46,12 +46,15 @@ pub struct Listed {
     pub channels: usize,
 }
 
+/// The `<target>` of an attachment's `/dev/disk/by-tyche/<target>/<export>`: its target name,
+/// else its (first) target MAC, as a path component.
+fn target_component(a: &Attachment) -> String {
+    path_component(a.target_name.as_deref().unwrap_or_else(|| a.target.split(',').next().unwrap_or("")))
+}
+
 /// The stable name udev gives a ublk attachment.
 fn by_tyche(a: &Attachment) -> Option<String> {
-    (a.kind == "ublk").then(|| {
-        let target = a.target_name.clone().unwrap_or_else(|| a.target.split(',').next().unwrap_or("").to_owned());
-        format!("/dev/disk/by-tyche/{}/{}", path_component(&target), path_component(&a.export))
-    })
+    (a.kind == "ublk").then(|| format!("/dev/disk/by-tyche/{}/{}", target_component(a), path_component(&a.export)))
 }
 
 fn health(a: &Attachment, alive: bool) -> Listed {
@@ -138,8 +141,7 @@ pub fn udev_info(device: &str) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let target = a.target_name.clone().unwrap_or_else(|| a.target.split(',').next().unwrap_or("").to_owned());
-    println!("TYCHE_TARGET={}", path_component(&target));
+    println!("TYCHE_TARGET={}", target_component(&a));
     println!("TYCHE_EXPORT={}", path_component(&a.export));
     if let Some(n) = &a.name {
         println!("TYCHE_ATTACHMENT={}", path_component(n));
