@@ -40,6 +40,8 @@ const ATTACHMENT: &str = "vol";
 /// The export, and the name the attachment gives its target.
 const EXPORT: &str = "disk0";
 const TARGET_NAME: &str = "t1";
+/// The export `systemctl reload tyched` adds (a RAM export).
+const ADDED: &str = "added";
 /// Size of the export (a file on the guest's root disk), MiB.
 const EXPORT_MIB: u64 = 256;
 /// Where fstab mounts it.
@@ -382,8 +384,37 @@ fn first_boot() -> Result<()> {
     before.verify(&mnt.join("before"), &mut |_| {})?;
     after.verify(&mnt.join("after"), &mut |_| {})?;
     println!("boot: 1: {} restarted in {restart:.1} s under the mounted {MOUNT}: written and verified", attach_unit());
+    reload_target()?;
     fs::write(Path::new(STATE).join("boot1"), format!("{}\n", dev.display()))?;
     println!("boot: 1: rebooting");
+    Ok(())
+}
+
+/// `systemctl reload tyched` under the mounted volume: an export added to
+/// /etc/tyche/tyched.toml is served at once, and the volume's session is not dropped.
+fn reload_target() -> Result<()> {
+    let conf = "/etc/tyche/tyched.toml";
+    let mut text = fs::read_to_string(conf)?;
+    text.push_str(&format!("\n[[export]]\nname = \"{ADDED}\"\nsize = \"16M\"\n"));
+    fs::write(conf, text)?;
+    let stats = || -> Result<serde_json::Value> {
+        Ok(serde_json::from_str(&run(Command::new("tyched").args(["stats", "--json"]))?)?)
+    };
+    let sessions = |s: &serde_json::Value| s["sessions"].as_u64();
+    let before = sessions(&stats()?);
+    run(Command::new("systemctl").args(["reload", "tyched.service"])).context("systemctl reload tyched")?;
+    wait_for("the reload in tyched stats", Duration::from_secs(30), || {
+        let s = stats()?;
+        Ok(s["reload"]["applied"].as_u64().unwrap_or(0) + s["reload"]["failed"].as_u64().unwrap_or(0) > 0)
+    })?;
+    let s = stats()?;
+    ensure!(s["reload"]["applied"] == 1, "the reload was refused: {}", s["reload"]);
+    let names: Vec<&str> = s["exports"].as_array().into_iter().flatten().filter_map(|e| e["name"].as_str()).collect();
+    ensure!(names == [EXPORT, ADDED], "exports after the reload: {names:?}");
+    ensure!(sessions(&s) == before, "sessions {before:?} before the reload, {:?} after", sessions(&s));
+    ensure!(active("tyched.service"), "tyched.service is not active after the reload");
+    fio(&[]).context("fio write and verify on /mnt/vol after the reload")?;
+    println!("boot: 1: systemctl reload tyched: export {ADDED} added, the volume's session kept, {MOUNT} written and verified");
     Ok(())
 }
 
@@ -422,7 +453,8 @@ fn second_boot() -> Result<String> {
     })?;
     Ok(format!(
         "tyched.service and {} ready from /etc/tyche, {} mounted from fstab at boot, reboot kept {count} files \
-         intact, restart of {} kept {MOUNT} working, shutdown unmounted before detach, stop of the unused \
+         intact, restart of {} kept {MOUNT} working, reload of tyched.service added an export and kept the \
+         session, shutdown unmounted before detach, stop of the unused \
          device deleted it, no I/O errors in the journal",
         attach_unit().trim_end_matches(".service"),
         by_tyche(),

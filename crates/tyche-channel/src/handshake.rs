@@ -439,6 +439,18 @@ impl Acceptor {
         &self.exports
     }
 
+    /// Offers one more export (a target's configuration reloaded), after those offered so far,
+    /// so the index of every export offered before stays the same. Its index; `None` (and
+    /// nothing changes) when an export of that name is offered already or the list is full
+    /// (DISCOVER counts exports in 16 bits).
+    pub fn add_export(&mut self, spec: ExportSpec) -> Option<usize> {
+        if self.exports.len() >= usize::from(u16::MAX) || self.exports.iter().any(|e| e.name == spec.name) {
+            return None;
+        }
+        self.exports.push(spec);
+        Some(self.exports.len() - 1)
+    }
+
     /// Forgets a session (after all its channels died).
     pub fn forget_session(&mut self, session: u64) {
         if let Some(record) = self.sessions.remove(&session) {

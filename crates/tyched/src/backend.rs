@@ -37,6 +37,39 @@ pub enum BackendError {
     },
 }
 
+/// The backends of a target's exports by index, as its storage threads (workers, io_uring)
+/// find them: room for [`crate::config::MAX_EXPORTS`], filled in order, the exports opened at
+/// start and then those a reload adds. A slot once set never changes and no backend leaves the
+/// table while the threads run, so reading one takes no lock and a descriptor a storage thread
+/// uses stays open.
+#[derive(Debug)]
+pub struct BackendTable {
+    slots: Box<[std::sync::OnceLock<std::sync::Arc<dyn Backend>>]>,
+}
+
+impl BackendTable {
+    /// An empty table with room for `capacity` exports.
+    pub fn new(capacity: usize) -> BackendTable {
+        BackendTable { slots: (0..capacity).map(|_| std::sync::OnceLock::new()).collect() }
+    }
+
+    /// Sets the backend of export `index`; false (and nothing changes) when that slot is taken
+    /// or beyond the table's room.
+    pub fn set(&self, index: usize, backend: std::sync::Arc<dyn Backend>) -> bool {
+        self.slots.get(index).is_some_and(|s| s.set(backend).is_ok())
+    }
+
+    /// The backend of export `index`, if it has been set.
+    pub fn get(&self, index: usize) -> Option<&dyn Backend> {
+        self.slots.get(index).and_then(|s| s.get()).map(|b| &**b)
+    }
+
+    /// The backend of export `index` to keep, if it has been set.
+    pub fn get_arc(&self, index: usize) -> Option<std::sync::Arc<dyn Backend>> {
+        self.slots.get(index).and_then(|s| s.get()).cloned()
+    }
+}
+
 /// Storage behind one export.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Size in bytes.

@@ -25,6 +25,10 @@ pub enum ConfigError {
     },
 }
 
+/// Most exports one target serves (the configuration's, and those reloads add: an export
+/// removed from the file keeps its place until the next start).
+pub const MAX_EXPORTS: usize = 256;
+
 /// Highest CPU number (exclusive) a CPU list in the configuration may name: the kernel's
 /// largest `NR_CPUS`.
 pub const MAX_CPU: u32 = 8192;
@@ -652,6 +656,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.exports.is_empty() {
             return Err(invalid("export", "at least one export is needed"));
+        }
+        if self.exports.len() > MAX_EXPORTS {
+            return Err(invalid("export", format!("{} exports; at most {MAX_EXPORTS}", self.exports.len())));
         }
         if self.channel_memory_node.is_some_and(|n| n >= 1024) {
             return Err(invalid("channel_memory_node", "a NUMA node number (below 1024)"));

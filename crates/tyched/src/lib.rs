@@ -1,7 +1,8 @@
 //! `tyched`, the Tyche target daemon, as a library: tests, the demo and benchmarks start a target
 //! in-process with [`Target::start`] over any [`tyche_transport::FrameTransport`].
 //!
-//! - [`config`]: the TOML configuration and its validation.
+//! - [`config`]: the TOML configuration and its validation; [`reload`]: what a reload
+//!   (`SIGHUP`) changes in a running target and what needs a restart.
 //! - [`backend`]: RAM, file and block-device exports.
 //! - [`epoch`]: each export's durability epoch (ACCEPT `DURABILITY_EPOCH`).
 //! - [`uring`]: the io_uring engine for file and block exports (the worker pool where the
@@ -31,6 +32,7 @@ pub mod config;
 pub mod epoch;
 pub mod packet;
 pub mod prometheus;
+pub mod reload;
 pub mod stats;
 pub mod stats_server;
 pub mod steer;
@@ -40,7 +42,7 @@ pub mod workers;
 
 pub use config::{Config, ConfigError, ExportConfig};
 pub use stats::Snapshot;
-pub use target::{Nic, Placement, StartError, Target, TargetHandle};
+pub use target::{Nic, Placement, ReloadError, Reloaded, StartError, Target, TargetHandle};
 
 /// Spare UMEM chunks each AF_XDP port of `tyched serve` gets so that received write data can
 /// stay in its frames until storage has written it (16 MiB per port): up to this many DATA

@@ -2,7 +2,7 @@
 //!
 //! Subcommands:
 //! - `tyched serve [--config FILE] [--export NAME=PATH[:SIZE]|NAME=ram:SIZE]... [--iface IF]... ...`:
-//!   serve exports until SIGTERM/SIGINT.
+//!   serve exports until SIGTERM/SIGINT; SIGHUP reloads the configuration (docs/tyched.md, "Reloading").
 //! - `tyched stats [--socket PATH] [--json]`: the counters of a running daemon (also served as
 //!   Prometheus text on `GET /metrics` with `tyched serve --prometheus-listen ADDR`).
 //! - `tyched topology [--xml FILE] [--json] [--model]`: the NUMA nodes, NICs and their nodes,
@@ -34,7 +34,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve exports until SIGTERM or SIGINT.
+    /// Serve exports until SIGTERM or SIGINT (SIGHUP reads the configuration again).
     Serve(ServeArgs),
     /// Print the counters of a running daemon.
     Stats(StatsArgs),
@@ -268,6 +268,11 @@ fn serve(args: ServeArgs) -> Result<()> {
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, Arc::clone(&term)).context("installing signal handlers")?;
     }
+    // SIGHUP (`systemctl reload tyched`): read the configuration again (docs/tyched.md,
+    // "Reloading"). Registered before the NICs open: a SIGHUP during start-up is applied once
+    // the target serves, never the default action (exit).
+    let hup = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGHUP, Arc::clone(&hup)).context("installing signal handlers")?;
     // Bound before the NICs open, so that a taken or bad address fails the start at once.
     let prometheus = match config.prometheus_addr()? {
         Some(addr) => {
@@ -312,7 +317,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let roots = tyche_numa::irq::Roots::default();
     interrupts(&config, &nics, &placement, topo.as_ref(), &roots)?;
-    let handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
+    let mut handle = Target::start_placed(config.clone(), nics, placement).context("starting the target")?;
     let _stats = match stats_server::start(&config.stats_socket, with_irqs(handle.stats_source(), &config, &topo)) {
         Ok(s) => Some(s),
         Err(e) => {
@@ -335,6 +340,9 @@ fn serve(args: ServeArgs) -> Result<()> {
         tracing::warn!("cannot tell systemd the daemon is ready: {e}");
     }
     while !term.load(Ordering::SeqCst) && !handle.is_finished() {
+        if hup.swap(false, Ordering::SeqCst) {
+            reload(&args, &mut handle, &status);
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
     let died = !term.load(Ordering::SeqCst);
@@ -350,6 +358,46 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     tracing::info!(sessions = snap.sessions, reclaimed = snap.sessions_reclaimed, "exited cleanly");
     Ok(())
+}
+
+/// Reads the configuration again (the file and the same flags) and applies what can change
+/// while the target runs; logs what was applied, what needs a restart, or why nothing was.
+/// Tells systemd it is reloading, then ready again (`status` its status line before).
+fn reload(args: &ServeArgs, handle: &mut tyched::TargetHandle, status: &str) {
+    let mut notice = vec![sd_notify::NotifyState::Reloading];
+    // systemd 253 and later want the time with RELOADING=1.
+    notice.extend(sd_notify::NotifyState::monotonic_usec_now().ok());
+    let _ = sd_notify::notify(false, &notice);
+    tracing::info!("SIGHUP: reading the configuration again");
+    let config = load_config(args).and_then(|c| {
+        c.preflight()?;
+        Ok(c)
+    });
+    let line = match config {
+        Err(e) => {
+            handle.reload_failed(format!("{e:#}"));
+            tracing::error!("reload refused, nothing changed: {e:#}");
+            format!("{status}; last reload refused: {e:#}")
+        }
+        Ok(c) => match handle.reload(&c) {
+            Err(e) => {
+                tracing::error!("reload refused, nothing changed: {e}");
+                format!("{status}; last reload refused: {e}")
+            }
+            Ok(r) => {
+                for n in &r.needs_restart {
+                    tracing::warn!("reload: {n}: needs a restart (the running value is kept)");
+                }
+                tracing::info!(added = ?r.added, updated = ?r.updated, needs_restart = r.needs_restart.len(), "reload applied");
+                let exports = handle.stats().exports.len();
+                match r.needs_restart.len() {
+                    0 => format!("serving {exports} export(s); configuration reloaded"),
+                    n => format!("serving {exports} export(s); {n} change(s) need a restart"),
+                }
+            }
+        },
+    };
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&line)]);
 }
 
 /// Queue addresses (`steer`): what is installed on the NICs (removed when dropped) and each

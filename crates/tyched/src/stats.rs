@@ -293,6 +293,25 @@ pub struct Snapshot {
     /// The storage queues (one per NUMA node with channels, or one for the pool).
     #[serde(default)]
     pub storage_queues: Vec<StorageQueueStats>,
+    /// Configuration reloads (`SIGHUP`) and what the running configuration still lacks.
+    #[serde(default)]
+    pub reload: ReloadStats,
+}
+
+/// Configuration reloads (`SIGHUP`, `systemctl reload tyched`; docs/tyched.md, "Reloading").
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ReloadStats {
+    /// Reloads applied (each one read a valid configuration, which may have changed nothing).
+    pub applied: u64,
+    /// Reloads refused: the configuration did not read or validate, or an export it adds could
+    /// not be opened. Nothing of such a reload is applied.
+    pub failed: u64,
+    /// Why the last reload was refused; none when it was applied (or there was none).
+    pub last_error: Option<String>,
+    /// What the configuration file says and the running target does not do until it restarts
+    /// (as of the last reload applied), each naming its field.
+    pub needs_restart: Vec<String>,
 }
 
 /// One storage thread: a worker (`tyched-io{w}`) or an io_uring thread (`tyched-uring{q}`).
@@ -404,6 +423,16 @@ impl Snapshot {
                 "re-issued copies decided by their home channel's thread {}  messages between threads' parts {}",
                 self.decided_by_home, self.part_messages
             );
+        }
+        let r = &self.reload;
+        if r.applied + r.failed > 0 {
+            let _ = writeln!(s, "configuration reloads: {} applied, {} refused", r.applied, r.failed);
+            if let Some(e) = &r.last_error {
+                let _ = writeln!(s, "  the last reload was refused, nothing changed: {e}");
+            }
+            for n in &r.needs_restart {
+                let _ = writeln!(s, "  needs a restart: {n}");
+            }
         }
         let p = &self.poll;
         let _ = writeln!(s, "{}", tyche_transport::poll::summary(p.mode, p.budget_us, &p.threads));

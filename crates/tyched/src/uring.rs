@@ -29,7 +29,7 @@ use std::thread::JoinHandle;
 use io_uring::{opcode, types, IoUring, Probe};
 use tyche_wire::{Op, Status};
 
-use crate::backend::{Backend, FileBackend};
+use crate::backend::{Backend, BackendTable, FileBackend};
 use crate::target::{Done, Job};
 use crate::workers::{DoneRoute, ThreadStat};
 use tyche_transport::wake::WakeFd;
@@ -127,7 +127,7 @@ impl Drop for UringQueue {
 /// jobs the ring cannot do.
 pub(crate) fn start(
     ring: Ring,
-    backends: Vec<Arc<dyn Backend>>,
+    backends: Arc<BackendTable>,
     done: DoneRoute,
     pool: mpsc::SyncSender<Job>,
     stat: Arc<ThreadStat>,
@@ -176,7 +176,7 @@ struct Engine {
     ring: IoUring,
     rx: mpsc::Receiver<Job>,
     wake: Arc<WakeFd>,
-    backends: Vec<Arc<dyn Backend>>,
+    backends: Arc<BackendTable>,
     done: DoneRoute,
     /// Network threads with completions queued since they were last woken.
     woken: Vec<usize>,
@@ -263,8 +263,8 @@ impl Engine {
     fn push(&mut self, e: &io_uring::squeue::Entry) {
         // SAFETY: every buffer an entry names lives in a job held in `self.slots` until its
         // completion is reaped (slot memory is heap or mmap memory that does not move when the
-        // job does), and every descriptor belongs to a backend in `self.backends`, which outlive
-        // the ring. Entries never outnumber the queue: DEPTH jobs plus one poll, DEPTH + 1 slots.
+        // job does), and every descriptor belongs to a backend in `self.backends`, a table
+        // whose slots, once set, keep their backend for as long as the ring exists. Entries never outnumber the queue: DEPTH jobs plus one poll, DEPTH + 1 slots.
         unsafe { self.ring.submission().push(e) }.expect("the submission queue has room for every job");
     }
 
@@ -278,7 +278,13 @@ impl Engine {
             self.finish(job, Status::Invalid);
             return true;
         }
-        if !handles(self.fallocate, &*self.backends[job.export], job.request.op) {
+        let Some(backend) = self.backends.get(job.export) else {
+            // A bug: exports are in the table before any session can use them.
+            tracing::error!(export = job.export, "a job for an export with no backend; failed");
+            self.finish(job, Status::IoError);
+            return true;
+        };
+        if !handles(self.fallocate, backend, job.request.op) {
             return self.hand_to_pool(job);
         }
         let slot = self.free.pop().expect("a free slot");
@@ -290,7 +296,7 @@ impl Engine {
     /// Submits what is left of the job in `slot`.
     fn submit(&mut self, slot: usize) {
         let f = self.slots[slot].as_mut().expect("slot in use");
-        let backend = Arc::clone(&self.backends[f.job.export]);
+        let backend = self.backends.get_arc(f.job.export).expect("checked when the job started; a set slot stays");
         let file: &FileBackend = backend.as_file().expect("only file and block exports use the ring");
         let r = f.job.request;
         let off = r.offset + f.done as u64;
@@ -516,7 +522,9 @@ mod tests {
             let (pool_tx, pool) = mpsc::sync_channel(16);
             let route = DoneRoute::new(vec![done_tx], vec![Arc::new(WakeFd::new().expect("eventfd"))], vec![0]);
             let stat = ThreadStat::new("tyched-uring0".into(), "io_uring", None, Vec::new(), 0);
-            let (queue, thread) = start(ring, vec![Arc::clone(&backend)], route, pool_tx, stat).expect("start");
+            let table = Arc::new(BackendTable::new(1));
+            assert!(table.set(0, Arc::clone(&backend)));
+            let (queue, thread) = start(ring, table, route, pool_tx, stat).expect("start");
             Harness { queue: Some(queue), thread: Some(thread), done, pool, pooled: Default::default(), backend }
         }
 

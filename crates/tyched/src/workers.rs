@@ -30,8 +30,9 @@ use std::thread::JoinHandle;
 
 use tyche_numa::{Plan, ThreadPlacement, Topology};
 use tyche_transport::wake::WakeFd;
+use tyche_wire::Status;
 
-use crate::backend::Backend;
+use crate::backend::BackendTable;
 use crate::stats::StorageThreadStats;
 use crate::target::{execute_contained, pin, Done, Job};
 
@@ -329,7 +330,7 @@ pub(crate) fn start_workers(
     q: usize,
     first: usize,
     rx: mpsc::Receiver<Job>,
-    backends: &[Arc<dyn Backend>],
+    backends: &Arc<BackendTable>,
     route: &DoneRoute,
     stats: &mut Vec<Arc<ThreadStat>>,
 ) -> std::io::Result<Vec<JoinHandle<()>>> {
@@ -340,13 +341,20 @@ pub(crate) fn start_workers(
         let stat = ThreadStat::new(name.clone(), "worker", plan.node, spec.cpus.clone(), q);
         stats.push(Arc::clone(&stat));
         let bind = plan.node.filter(|_| spec.planned || plan.fallback);
-        let (rx, backends, route) = (Arc::clone(&rx), backends.to_vec(), route.clone());
+        let (rx, backends, route) = (Arc::clone(&rx), Arc::clone(backends), route.clone());
         threads.push(std::thread::Builder::new().name(name).spawn(move || {
             stat.place(bind);
             loop {
                 let job = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner).recv();
                 let Ok(mut job) = job else { return };
-                let status = execute_contained(&*backends[job.export], &mut job);
+                let status = match backends.get(job.export) {
+                    Some(b) => execute_contained(b, &mut job),
+                    None => {
+                        // A bug: exports are in the table before any session can use them.
+                        tracing::error!(export = job.export, "a job for an export with no backend; failed");
+                        Status::IoError
+                    }
+                };
                 stat.executed();
                 let Some(g) = route.send(Done { job, status }) else { return };
                 route.wake(g);
@@ -540,8 +548,8 @@ mod tests {
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..1).map(|_| mpsc::channel::<Done>()).unzip();
         let wakes = vec![Arc::new(WakeFd::new().expect("eventfd"))];
         let route = DoneRoute::new(txs, wakes, vec![0]);
-        let backends: Vec<Arc<dyn Backend>> =
-            vec![Arc::new(crate::backend::RamBackend::new(1 << 20, None).expect("RAM"))];
+        let backends = Arc::new(BackendTable::new(1));
+        assert!(backends.set(0, Arc::new(crate::backend::RamBackend::new(1 << 20, None).expect("RAM"))));
         let plan = StoragePlan::pool(2, &[], None, 1);
         let (mut q, mut rx) = JobQueues::new(1, 4, plan.nic_queue.clone());
         let mut stats = Vec::new();

@@ -275,3 +275,84 @@ fn per_nic_threads_over_two_tcp_links_wake_each_other() {
     assert_eq!(s.exports[0].io, "io_uring");
     assert!(s.nics.iter().all(|n| n.frames_rx > 0 && n.frames_tx > 0), "both links carried traffic: {:?}", s.nics);
 }
+
+/// Waits until the daemon's stats show `n` reloads (applied and refused together).
+fn reloads(socket: &std::path::Path, n: u64) -> tyched::Snapshot {
+    let deadline = std::time::Instant::now() + common::LIMIT;
+    loop {
+        if let Ok(s) = tyched::stats_server::query(socket) {
+            if s.reload.applied + s.reload.failed >= n {
+                return s;
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "no reload {n} in the daemon's stats");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn tyched_binary_reloads_its_configuration_on_sighup() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("stats.sock");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("free port").local_addr().expect("addr").port();
+    let addr = format!("127.0.0.1:{port}");
+    let conf = dir.path().join("tyched.toml");
+    let head = format!(
+        "transport = \"tcp\"\nifaces = [\"lo\"]\ntcp_listen = \"{addr}\"\nworkers = 2\nstats_socket = \"{}\"\n\
+         [[export]]\nname = \"disk\"\npath = \"{}\"\nsize = \"4M\"\n",
+        socket.display(),
+        dir.path().join("disk.img").display()
+    );
+    std::fs::write(&conf, &head).expect("write the configuration");
+    let child = Command::new(env!("CARGO_BIN_EXE_tyched"))
+        .args(["serve", "--config"])
+        .arg(&conf)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("start tyched");
+    let mut d = Daemon(child);
+    let mut ini = Initiator::new(vec![connect(&addr)]);
+    ini.target_macs = vec![tyched::tcp_mac(0)];
+    ini.attach("disk", None).expect("attach over TCP");
+    let data = pattern(0, 65536, 9);
+    ini.write(0, &data);
+    let hup = |d: &Daemon| {
+        // SAFETY: kill takes integers; the child is ours and not yet reaped.
+        assert_eq!(unsafe { libc::kill(d.0.id() as i32, libc::SIGHUP) }, 0);
+    };
+
+    // An export added: served at once, the session from before untouched.
+    std::fs::write(&conf, format!("{head}[[export]]\nname = \"more\"\nsize = \"1M\"\n")).expect("write");
+    hup(&d);
+    let s = reloads(&socket, 1);
+    assert_eq!((s.reload.applied, s.reload.failed), (1, 0), "{:?}", s.reload);
+    assert_eq!(s.exports.iter().map(|e| e.name.as_str()).collect::<Vec<_>>(), ["disk", "more"]);
+    assert_eq!(s.sessions, 1, "the session survived the reload");
+    assert_eq!(ini.read(0, data.len()), data);
+
+    // A file that does not parse: refused, nothing changes, the daemon serves on.
+    std::fs::write(&conf, format!("{head}[[export]\n")).expect("write");
+    hup(&d);
+    let s = reloads(&socket, 2);
+    assert_eq!((s.reload.applied, s.reload.failed), (1, 1), "{:?}", s.reload);
+    let why = s.reload.last_error.clone().unwrap_or_default();
+    assert!(why.contains("tyched.toml"), "the error names the file: {why}");
+    assert_eq!(s.exports.len(), 2);
+    assert!(d.0.try_wait().expect("wait").is_none(), "a bad reload does not stop the daemon");
+
+    // A change that needs a restart is named (and `tyched stats` shows it).
+    std::fs::write(&conf, head.replace("workers = 2", "workers = 3")).expect("write");
+    hup(&d);
+    let s = reloads(&socket, 3);
+    assert_eq!(s.reload.needs_restart, ["workers", "export \"more\" removed"], "{:?}", s.reload);
+    let out = Command::new(env!("CARGO_BIN_EXE_tyched"))
+        .args(["stats", "--socket"])
+        .arg(&socket)
+        .output()
+        .expect("tyched stats");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("configuration reloads: 2 applied, 1 refused"), "{text}");
+    assert!(text.contains("needs a restart: workers"), "{text}");
+    assert_eq!(ini.read(0, data.len()), data);
+    stop(&mut d, libc::SIGTERM);
+}

@@ -149,6 +149,9 @@ pub(super) struct Opening {
     pub(super) dead: Arc<AtomicBool>,
     /// The fenced sessions whose storage jobs must all end before this session's first runs.
     pub(super) waits_for: Vec<Weak<SessionMeta>>,
+    /// The exports when it was accepted: a thread that has fewer (a reload added some since it
+    /// last took the list) takes this list before it installs the channel.
+    pub(super) exports: Arc<[Export]>,
 }
 
 /// A message to a network thread.
@@ -275,6 +278,8 @@ pub(super) struct Control {
     pub(super) reclaimed: u64,
     /// How long a session whose channels are all dead is kept (`reclaim_after_ms`).
     pub(super) reclaim_after: Duration,
+    /// Configuration reloads.
+    pub(super) reload: crate::stats::ReloadStats,
 }
 
 impl Control {

@@ -488,8 +488,14 @@ impl Control {
         }
         e.posted[h] += 1;
         e.last_join = now;
-        let opening =
-            Box::new(Opening { meta: Arc::clone(&e.meta), nic: k, channel, dead, waits_for: e.waits_for.clone() });
+        let opening = Box::new(Opening {
+            meta: Arc::clone(&e.meta),
+            nic: k,
+            channel,
+            dead,
+            waits_for: e.waits_for.clone(),
+            exports: Arc::clone(&self.exports),
+        });
         if h == g {
             out.open = Some(opening);
         } else {

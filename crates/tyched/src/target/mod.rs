@@ -38,6 +38,9 @@
 //!   io_uring, done queue, deadlines).
 //! - `snapshot`: a thread's counters (`Counters`) and its piece of a snapshot, the merge, the
 //!   placement report, limit counters.
+//! - `reload`: a new configuration applied to the running target (exports added, access rules
+//!   changed) under the control's lock; network threads take the new export list with the
+//!   first channel of a new export they install.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -61,6 +64,7 @@ mod control;
 mod handshake;
 mod jobs;
 mod network;
+mod reload;
 mod sessions;
 mod slots;
 mod snapshot;
@@ -77,6 +81,8 @@ use sessions::SessionState;
 use slots::SlotTable;
 use snapshot::{Counters, Piece};
 use start::{build, spawn_network, Built};
+
+pub use reload::{ReloadError, Reloaded};
 
 /// Errors starting a target.
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +161,20 @@ pub(super) struct Export {
     read_only: bool,
     /// Several initiators may attach at once.
     shared: bool,
+}
+
+/// What a reload needs to know of the storage threads.
+#[derive(Debug)]
+struct StorageKinds {
+    /// The backends the storage threads find by export index.
+    backends: Arc<crate::backend::BackendTable>,
+    /// Whether storage threads (workers, and io_uring where the kernel allows it) run: only
+    /// when the target started with a file or block export.
+    threads: bool,
+    /// Whether file and block exports use io_uring.
+    uring: bool,
+    /// Where RAM exports' memory goes.
+    node: Option<u32>,
 }
 
 /// What the network threads and the handle share: flags, doorbells, the pieces of snapshots.
@@ -272,6 +292,9 @@ pub struct Target;
 #[derive(Debug)]
 pub struct TargetHandle {
     shared: Arc<Shared>,
+    /// The configuration being served: as started, with what reloads applied.
+    config: Config,
+    storage_kinds: StorageKinds,
     /// The network threads (one per NIC, or one for all).
     network: Vec<JoinHandle<()>>,
     workers: Vec<JoinHandle<()>>,
@@ -286,7 +309,7 @@ impl Target {
 
     /// As [`Target::start`], placing memory and threads as `placement` says.
     pub fn start_placed(config: Config, nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
-        let Built { shards, nics, groups, shared, workers } = build(config, nics, &placement)?;
+        let Built { shards, nics, groups, shared, workers, storage_kinds, config } = build(config, nics, &placement)?;
         let mut slots: Vec<Option<Nic>> = nics.into_iter().map(Some).collect();
         let mut network = Vec::new();
         for (members, net) in groups.iter().zip(shards) {
@@ -300,7 +323,7 @@ impl Target {
             let memory_nodes = if members.len() > 1 { placement.memory_nodes.clone() } else { Vec::new() };
             network.push(spawn_network(net, groups.len(), mine, cpus, memory_nodes)?);
         }
-        Ok(TargetHandle { shared, network, workers })
+        Ok(TargetHandle { shared, config, storage_kinds, network, workers })
     }
 }
 

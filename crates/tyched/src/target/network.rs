@@ -239,7 +239,9 @@ impl Network {
     /// The orderly end, once every thread has sent its DISCONNECTs and published its last
     /// piece: flush every export, publish the last snapshot.
     fn finish(&mut self, now: Instant) {
-        for e in self.exports.iter() {
+        // The control's list: it has the exports reloads added, which this thread may not.
+        let exports = Arc::clone(&lock(&self.control).exports);
+        for e in exports.iter() {
             if let Err(err) = e.backend.flush() {
                 tracing::error!(export = %e.spec.name, "flush at shutdown failed: {err}");
             }

@@ -105,7 +105,13 @@ impl Network {
     /// (made now if this is the part's first channel). A reconnect on the same index replaces
     /// the channel, and its slots go with it.
     pub(super) fn install(&mut self, o: Opening) {
-        let Opening { meta, nic, channel, dead, waits_for } = o;
+        let Opening { meta, nic, channel, dead, waits_for, exports } = o;
+        if exports.len() > self.exports.len() {
+            // A reload added exports since this thread last took the list.
+            // Its own copy, as at start (the backends stay shared).
+            self.counters.exports.resize(exports.len(), crate::stats::ExportStats::default());
+            self.exports = exports.iter().cloned().collect();
+        }
         let (sid, g) = (meta.id, self.g);
         let idx = channel.envelope().channel;
         let ethertype = self.ethertype;

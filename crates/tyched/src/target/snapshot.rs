@@ -310,6 +310,7 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
             budget_us: poll.budget.as_micros() as u64,
             threads: pieces.iter().map(|p| p.poll).collect(),
         },
+        reload: ctl.reload.clone(),
     }
 }
 

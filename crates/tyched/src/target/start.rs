@@ -14,8 +14,8 @@ use tyche_transport::poll::PollStats;
 use tyche_transport::wake::WakeFd;
 use tyche_wire::{flags, ChannelParams, SECTOR_SIZE};
 
-use crate::backend::{Backend, FileBackend, RamBackend};
-use crate::config::{Config, NetworkThreads};
+use crate::backend::{Backend, BackendTable, FileBackend, RamBackend};
+use crate::config::{Config, ExportConfig, NetworkThreads, MAX_EXPORTS};
 use crate::stats::{ExportStats, NicStats, StorageQueueStats};
 use crate::workers::{DoneRoute, JobQueues, StoragePlan, ThreadStat, JOB_QUEUE};
 
@@ -25,7 +25,7 @@ use super::jobs::{Done, Storage};
 use super::network::{serve_group, NicState};
 use super::slots::SlotTable;
 use super::snapshot::Counters;
-use super::{pin, Clock, Export, Network, Nic, Placement, Shared, StartError};
+use super::{pin, Clock, Export, Network, Nic, Placement, Shared, StartError, StorageKinds};
 
 /// A target's network threads' state, its NICs and its storage threads, before any network
 /// thread runs.
@@ -37,6 +37,10 @@ pub(super) struct Built {
     pub(super) groups: Vec<Vec<usize>>,
     pub(super) shared: Arc<Shared>,
     pub(super) workers: Vec<JoinHandle<()>>,
+    /// What a reload needs of the storage threads.
+    pub(super) storage_kinds: StorageKinds,
+    /// The configuration it serves.
+    pub(super) config: Config,
 }
 
 /// Opens the exports, starts the storage threads and builds the control and each network
@@ -66,7 +70,8 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         }
     }
     let group_wakes = groups.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
-    let (storage, workers) = start_storage(&config, placement, &mut exports, &nics, &group_of, &group_wakes)?;
+    let (storage, workers, storage_kinds) =
+        start_storage(&config, placement, &mut exports, &nics, &group_of, &group_wakes)?;
     let l = config.limits;
     // The slot memory budget is shared out between the threads (each has at least one slot).
     let budget = (l.slot_memory.0 / groups.len() as u64).max(l.max_io as u64);
@@ -116,6 +121,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         denied: vec![0; exports.len()],
         fenced: 0,
         reclaimed: 0,
+        reload: crate::stats::ReloadStats::default(),
         reclaim_after: Duration::from_millis(config.reclaim_after_ms),
     }));
     let poll = config.poll_config()?;
@@ -168,7 +174,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         })
         .collect();
     tracing::info!(nics = n_nics, threads = groups.len(), "serving");
-    Ok(Built { shards, nics, groups, shared, workers })
+    Ok(Built { shards, nics, groups, shared, workers, storage_kinds, config })
 }
 
 /// The queue addresses of the placement, checked against the NICs given.
@@ -195,9 +201,13 @@ fn queue_addresses(
 
 /// Opens every export of `config` (RAM exports on `node`).
 fn open_exports(config: &Config, node: Option<u32>) -> Result<Vec<Export>, StartError> {
-    let mut exports = Vec::new();
-    for (index, e) in config.exports.iter().enumerate() {
-        let backend: Arc<dyn Backend> = match &e.path {
+    config.exports.iter().enumerate().map(|(index, e)| open_export(e, index, node)).collect()
+}
+
+/// Opens export `e` (number `index` in its configuration; a RAM export on `node`).
+pub(super) fn open_export(e: &ExportConfig, index: usize, node: Option<u32>) -> Result<Export, StartError> {
+    let backend: Arc<dyn Backend> =
+        match &e.path {
             None => {
                 Arc::new(RamBackend::new(e.size.expect("validated").0, node).map_err(|source| StartError::Backend {
                     index,
@@ -210,42 +220,40 @@ fn open_exports(config: &Config, node: Option<u32>) -> Result<Vec<Export>, Start
                     .map_err(|source| StartError::Backend { index, name: e.name.clone(), source })?,
             ),
         };
-        let mut f = flags::EXPORT_DISCARD;
-        if e.read_only {
-            f |= flags::EXPORT_READ_ONLY;
-        }
-        if e.keyed() {
-            f |= flags::EXPORT_NEEDS_KEY;
-        }
-        if e.encrypt {
-            f |= flags::EXPORT_ENCRYPTED;
-        }
-        tracing::info!(export = %e.name, backend = backend.kind(), size = backend.size(), read_only = e.read_only,
-                keyed = e.keyed(), encrypted = e.encrypt, "export ready");
-        if e.key.is_some() {
-            tracing::warn!(export = %e.name, "an inline key in the configuration is deprecated: put it in a file only its owner can read and name it in key_file");
-        }
-        exports.push(Export {
-            spec: ExportSpec {
-                name: e.name.clone(),
-                size: backend.size(),
-                block_size: SECTOR_SIZE,
-                flags: f,
-                durability_epoch: backend.durability_epoch(),
-            },
-            lend: backend.writes_from_frames(),
-            backend,
-            uring: false,
-            allow: e.allowed_macs(),
-            key: e.key_bytes().map_err(|m| crate::config::ConfigError::Invalid {
-                field: format!("export[{index}].key_file"),
-                message: m,
-            })?,
-            read_only: e.read_only,
-            shared: e.shared,
-        });
+    let mut f = flags::EXPORT_DISCARD;
+    if e.read_only {
+        f |= flags::EXPORT_READ_ONLY;
     }
-    Ok(exports)
+    if e.keyed() {
+        f |= flags::EXPORT_NEEDS_KEY;
+    }
+    if e.encrypt {
+        f |= flags::EXPORT_ENCRYPTED;
+    }
+    tracing::info!(export = %e.name, backend = backend.kind(), size = backend.size(), read_only = e.read_only,
+            keyed = e.keyed(), encrypted = e.encrypt, "export ready");
+    if e.key.is_some() {
+        tracing::warn!(export = %e.name, "an inline key in the configuration is deprecated: put it in a file only its owner can read and name it in key_file");
+    }
+    Ok(Export {
+        spec: ExportSpec {
+            name: e.name.clone(),
+            size: backend.size(),
+            block_size: SECTOR_SIZE,
+            flags: f,
+            durability_epoch: backend.durability_epoch(),
+        },
+        lend: backend.writes_from_frames(),
+        backend,
+        uring: false,
+        allow: e.allowed_macs(),
+        key: e.key_bytes().map_err(|m| crate::config::ConfigError::Invalid {
+            field: format!("export[{index}].key_file"),
+            message: m,
+        })?,
+        read_only: e.read_only,
+        shared: e.shared,
+    })
 }
 
 /// The most a channel may have: the configured limits, with a segment that fits every NIC's
@@ -269,6 +277,10 @@ fn channel_limits(config: &Config, nics: &[Nic]) -> ChannelParams {
     }
 }
 
+/// What [`start_storage`] started: each network thread's side of storage, the storage threads,
+/// and what a reload needs to know of them.
+type StorageStarted = (Vec<Storage>, Vec<JoinHandle<()>>, StorageKinds);
+
 /// Starts the storage threads of file and block exports (RAM exports execute on the network
 /// thread): the workers of each node's queue, and the io_uring rings where the kernel allows
 /// them (marking the exports that use them). Completions go back to the network thread
@@ -280,10 +292,13 @@ fn start_storage(
     nics: &[Nic],
     group_of: &[usize],
     group_wakes: &[Arc<WakeFd>],
-) -> Result<(Vec<Storage>, Vec<JoinHandle<()>>), StartError> {
+) -> Result<StorageStarted, StartError> {
     let n_nics = nics.len();
     let groups = group_wakes.len();
-    let backends: Vec<Arc<dyn Backend>> = exports.iter().map(|e| Arc::clone(&e.backend)).collect();
+    let backends = Arc::new(BackendTable::new(MAX_EXPORTS));
+    for (i, e) in exports.iter().enumerate() {
+        assert!(backends.set(i, Arc::clone(&e.backend)), "validated: at most MAX_EXPORTS exports");
+    }
     let (done_txs, done_rx): (Vec<_>, Vec<_>) = (0..groups).map(|_| mpsc::channel::<Done>()).unzip();
     let route = DoneRoute::new(done_txs, group_wakes.to_vec(), group_of.to_vec());
     let files = exports.iter().any(|e| e.backend.as_file().is_some());
@@ -335,7 +350,8 @@ fn start_storage(
             Storage::new(jobs.share(), uring, rx, threads.clone(), queue_stats.clone(), deadline)
         })
         .collect();
-    Ok((per_thread, workers))
+    let kinds = StorageKinds { backends, threads: files, uring: !uring.is_empty(), node: placement.node };
+    Ok((per_thread, workers, kinds))
 }
 
 /// File and block exports use io_uring where the kernel allows it (a ring per storage queue,
@@ -345,7 +361,7 @@ fn start_uring(
     config: &Config,
     storage: &StoragePlan,
     exports: &mut [Export],
-    backends: &[Arc<dyn Backend>],
+    backends: &Arc<BackendTable>,
     route: &DoneRoute,
     jobs: &JobQueues,
     n_workers: usize,
@@ -366,7 +382,7 @@ fn start_uring(
                     ThreadStat::new(format!("tyched-uring{q}"), "io_uring", node.node, node.ring_cpus.clone(), q);
                 threads.push(Arc::clone(&stat));
                 let (queue, thread) =
-                    crate::uring::start(ring, backends.to_vec(), route.clone(), jobs.sender(q), stat)?;
+                    crate::uring::start(ring, Arc::clone(backends), route.clone(), jobs.sender(q), stat)?;
                 fallocate &= queue.fallocate;
                 workers.push(thread);
                 uring.push(queue);

@@ -122,6 +122,8 @@ pub struct Initiator {
     pub pretend_size: Option<u64>,
     /// The target's MAC on each path.
     pub target_macs: Vec<MacAddr>,
+    /// The initiator's MAC on each path (its port's end of the link).
+    pub init_macs: Vec<MacAddr>,
     /// When set, every frame sent is followed by a corrupted copy.
     pub mutate: Option<tyche_transport::SplitMix64>,
     /// The host id sent in CONNECT (none: the target identifies this initiator by its MAC).
@@ -157,6 +159,7 @@ impl Initiator {
             buf: vec![0; 65536],
             pretend_size: None,
             target_macs: (0..8).map(target_mac).collect(),
+            init_macs: (0..8).map(init_mac).collect(),
             mutate: None,
             host: None,
             captured: Vec::new(),
@@ -179,7 +182,7 @@ impl Initiator {
     ) -> (Connector, Result<Connected, ConnectError>) {
         let env = Envelope {
             dst: self.target_macs[k],
-            src: init_mac(k),
+            src: self.init_macs[k],
             ethertype: DEFAULT_ETHERTYPE,
             channel: k as u16,
             session,
