@@ -16,6 +16,7 @@ mod fuzz;
 mod lab;
 mod nbd_clients;
 mod package;
+mod readme;
 mod sim;
 mod stack;
 mod suite;
@@ -54,6 +55,8 @@ enum Command {
     Flood(flood::FloodArgs),
     /// Issue #33's safety rails: discover and a second tyched beside a live attachment (root).
     XdpShare(xdp_share::XdpShareArgs),
+    /// The README's two-host walkthrough, run as written in a veth lab (root).
+    Readme(readme::ReadmeArgs),
     /// Issue #14's attack test: a third host on the segment attacks a keyed session (root).
     Attack(attack::AttackArgs),
     /// Coverage-guided fuzzing of the target, the initiator and the NBD server (docs/fuzzing.md).
@@ -128,6 +131,10 @@ fn main() -> Result<()> {
         Command::XdpShare(a) => {
             ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
             xdp_share::xdp_share(&root(), &a)
+        }
+        Command::Readme(a) => {
+            ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;
+            readme::readme(&root(), &a)
         }
         Command::Attack(a) => {
             ctrlc::set_handler(|| stack::INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed))?;

@@ -64,6 +64,8 @@ pub fn run(args: TestArgs) -> Result<()> {
         eprintln!("xtask test: {clients}");
         eprintln!("xtask test: xdp-share (discover and a second tyched beside a live attachment, fio verify)");
         crate::xdp_share::xdp_share(&crate::root(), &crate::xdp_share::XdpShareArgs::standard())?;
+        eprintln!("xtask test: readme (the README's two-host walkthrough, as written, in a veth lab)");
+        crate::readme::readme(&crate::root(), &crate::readme::ReadmeArgs::standard())?;
         eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
         crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
         eprintln!("xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage, ublk recovery in the VM)");
