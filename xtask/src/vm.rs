@@ -95,6 +95,13 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
     crate::stack::prepare(root, "vm-test", args.no_install)?;
     let cache = crate::xdp::target_dir(root).join("vm");
     fs::create_dir_all(&cache)?;
+    // One vm-test at a time per build directory: runs share the boot test's disk, the
+    // initramfs and the console logs. Released when the process ends.
+    let lock = fs::File::create(cache.join("vm-test.lock"))?;
+    if lock.try_lock().is_err() {
+        eprintln!("vm-test: waiting for another vm-test using {}", cache.display());
+        lock.lock().context("locking the VM cache")?;
+    }
     ensure_qemu(&cache, args.no_install)?;
     let kernel = fetch_kernel(&cache)?;
     eprintln!("vm-test: kernel {}", kernel.version);

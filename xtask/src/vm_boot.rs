@@ -306,8 +306,10 @@ pub fn guest() -> Result<()> {
     let how: &[&str] = match (rebooting, reported.is_ok()) {
         (true, _) => &["--no-block", "reboot"],
         (false, true) => &["--no-block", "poweroff"],
-        // Stopping every unit would push the journal out of the host's console tail.
-        (false, false) => &["--force", "poweroff"],
+        // Stopping every unit would push the journal out of the host's console tail; and at
+        // once (-ff, no unmount): killing every process stops the volume's ublk server and
+        // target, so remounting /mnt/vol read-only would wait until the host's timeout.
+        (false, false) => &["--force", "--force", "poweroff"],
     };
     run(Command::new("systemctl").args(how))?;
     reported

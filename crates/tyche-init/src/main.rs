@@ -337,7 +337,7 @@ impl ConnArgs {
             let c = std::ffi::CString::new(i.as_str()).map_err(|_| bad_config(anyhow::anyhow!("--iface {i:?}")))?;
             // SAFETY: `c` is a NUL-terminated string that outlives the call.
             if unsafe { libc::if_nametoindex(c.as_ptr()) } == 0 {
-                return Err(bad_config(anyhow::anyhow!("interface {i:?}: no such interface on this host")));
+                return Err(bad_config(anyhow::Error::new(NoSuchInterface(i.clone()))));
             }
         }
         if let Some(t) = &self.target_name {
@@ -582,13 +582,39 @@ async fn open(conn: &ConnArgs, prior: DurabilityDebt) -> Result<Opened> {
 /// The longest wait between two attempts of `--retry`.
 const RETRY_MAX_WAIT: Duration = Duration::from_secs(10);
 
+/// How long `--retry` (and `--config`) waits for an interface that does not exist yet (a NIC
+/// whose driver or rename comes late at boot) before it is a configuration error; less than the
+/// attachment unit's `TimeoutStartSec` (120 s), so the unit fails with exit 78 and is not
+/// restarted over a misspelt name.
+const INTERFACE_WAIT: Duration = Duration::from_secs(60);
+
+/// An interface this host does not have (a configuration error, waited for with `--retry`).
+#[derive(Debug)]
+struct NoSuchInterface(String);
+
+impl std::fmt::Display for NoSuchInterface {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "interface {:?}: no such interface on this host", self.0)
+    }
+}
+
+impl std::error::Error for NoSuchInterface {}
+
 /// [`open`], tried again (with `--retry` or `--config`) until it works or SIGTERM comes:
-/// configuration errors are not retried.
+/// configuration errors are not retried, except a missing interface for [`INTERFACE_WAIT`].
 async fn open_retrying(conn: &ConnArgs, prior: DurabilityDebt) -> Result<Opened> {
     let mut wait = Duration::from_secs(1);
+    let started = std::time::Instant::now();
     for attempt in 1u64.. {
         let e = match open(conn, prior).await {
             Ok(o) => return Ok(o),
+            Err(e)
+                if conn.retry
+                    && started.elapsed() < INTERFACE_WAIT
+                    && e.downcast_ref::<tyche_cli::BadConfig>().is_some_and(|b| b.0.is::<NoSuchInterface>()) =>
+            {
+                e
+            }
             Err(e) if !conn.retry || tyche_cli::is_bad_config(&e) => return Err(e),
             Err(e) => e,
         };

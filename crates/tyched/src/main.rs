@@ -38,6 +38,11 @@ enum Command {
     Serve(ServeArgs),
     /// Print the counters of a running daemon.
     Stats(StatsArgs),
+    /// Make a running daemon read its configuration again (SIGHUP), and wait for the outcome.
+    ///
+    /// Exit 0 when it was applied (changes that need a restart are listed), 1 when it was
+    /// refused (nothing changed).
+    Reload(ReloadArgs),
     /// Show NUMA nodes, NICs with their node, and the channel placement plan.
     Topology(topology::TopologyArgs),
     /// Packaging: write the man pages (OUT/man) and shell completions (OUT/completions).
@@ -144,6 +149,23 @@ struct StatsArgs {
     prometheus: bool,
 }
 
+#[derive(Debug, Args)]
+struct ReloadArgs {
+    /// The daemon's process id (systemd's $MAINPID).
+    #[arg(long)]
+    pid: i32,
+    /// The daemon's stats socket, where the outcome is read (default: the `stats_socket` of
+    /// --config, else /run/tyched/stats.sock).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// The daemon's configuration file, for its `stats_socket`.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Seconds to wait for the outcome.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+}
+
 /// Exit status of a NIC that another process holds now (sysexits' EX_UNAVAILABLE): a queue
 /// another Tyche process serves, or a foreign XDP program. Not a configuration error: it may
 /// pass when that process exits, so a unit may restart on it.
@@ -168,6 +190,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::Stats(args) => stats(&args),
+        Command::Reload(args) => reload_command(&args),
         Command::Topology(args) => topology::run(&args),
         Command::GenerateDocs { out } => {
             tyche_cli::generate_docs(<Cli as clap::CommandFactory>::command(), &out).map_err(Into::into)
@@ -716,6 +739,51 @@ fn with_irqs(
             })
             .collect();
         snap
+    }
+}
+
+/// `tyched reload`: SIGHUP to the daemon, then its stats until the reload counters move.
+fn reload_command(args: &ReloadArgs) -> Result<()> {
+    // The file may be the broken one being reloaded: then its `stats_socket = "..."` line.
+    let from_file = || -> Option<PathBuf> {
+        let text = std::fs::read_to_string(args.config.as_ref()?).ok()?;
+        if let Ok(v) = toml::from_str::<toml::Table>(&text) {
+            return v.get("stats_socket")?.as_str().map(PathBuf::from);
+        }
+        let line = text.lines().find(|l| l.split('=').next().is_some_and(|k| k.trim() == "stats_socket"))?;
+        line.split('"').nth(1).map(PathBuf::from)
+    };
+    let socket = args.socket.clone().or_else(from_file).unwrap_or_else(|| PathBuf::from("/run/tyched/stats.sock"));
+    let before = stats_server::query(&socket).ok().map(|s| s.reload);
+    // SAFETY: kill takes integers.
+    if args.pid <= 0 || unsafe { libc::kill(args.pid, libc::SIGHUP) } != 0 {
+        bail!("cannot signal tyched (pid {}): {}", args.pid, std::io::Error::last_os_error());
+    }
+    let Some(before) = before else {
+        eprintln!(
+            "tyched: SIGHUP sent; no stats socket at {}, so the outcome is only in the daemon's log",
+            socket.display()
+        );
+        return Ok(());
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(args.timeout);
+    loop {
+        if let Ok(s) = stats_server::query(&socket) {
+            let r = s.reload;
+            if r.failed > before.failed {
+                bail!("the reload was refused, nothing changed: {}", r.last_error.unwrap_or_default());
+            }
+            if r.applied > before.applied {
+                for n in &r.needs_restart {
+                    println!("needs a restart: {n}");
+                }
+                return Ok(());
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("no outcome of the reload in tyched's stats after {} s", args.timeout);
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

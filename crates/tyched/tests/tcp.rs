@@ -321,9 +321,19 @@ fn tyched_binary_reloads_its_configuration_on_sighup() {
         assert_eq!(unsafe { libc::kill(d.0.id() as i32, libc::SIGHUP) }, 0);
     };
 
+    // `tyched reload` (the unit's ExecReload): SIGHUP, then the outcome from the stats.
+    let reload = |d: &Daemon| {
+        Command::new(env!("CARGO_BIN_EXE_tyched"))
+            .args(["reload", "--pid", &d.0.id().to_string(), "--config"])
+            .arg(&conf)
+            .output()
+            .expect("tyched reload")
+    };
+
     // An export added: served at once, the session from before untouched.
     std::fs::write(&conf, format!("{head}[[export]]\nname = \"more\"\nsize = \"1M\"\n")).expect("write");
-    hup(&d);
+    let out = reload(&d);
+    assert!(out.status.success(), "tyched reload: {}", String::from_utf8_lossy(&out.stderr));
     let s = reloads(&socket, 1);
     assert_eq!((s.reload.applied, s.reload.failed), (1, 0), "{:?}", s.reload);
     assert_eq!(s.exports.iter().map(|e| e.name.as_str()).collect::<Vec<_>>(), ["disk", "more"]);
@@ -332,7 +342,10 @@ fn tyched_binary_reloads_its_configuration_on_sighup() {
 
     // A file that does not parse: refused, nothing changes, the daemon serves on.
     std::fs::write(&conf, format!("{head}[[export]\n")).expect("write");
-    hup(&d);
+    let out = reload(&d);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "a refused reload fails `tyched reload`: {err}");
+    assert!(err.contains("the reload was refused, nothing changed") && err.contains("tyched.toml"), "{err}");
     let s = reloads(&socket, 2);
     assert_eq!((s.reload.applied, s.reload.failed), (1, 1), "{:?}", s.reload);
     let why = s.reload.last_error.clone().unwrap_or_default();
