@@ -554,11 +554,11 @@ impl Config {
     }
 
     /// The Prometheus endpoint's address, checked (`prometheus_listen`).
-    pub fn prometheus_addr(&self) -> Result<Option<crate::prometheus::MetricsAddr>, ConfigError> {
+    pub fn prometheus_addr(&self) -> Result<Option<tyche_metrics::MetricsAddr>, ConfigError> {
         let Some(s) = &self.prometheus_listen else { return Ok(None) };
-        let a: crate::prometheus::MetricsAddr = s.parse().map_err(|e| invalid("prometheus_listen", e))?;
-        a.check_local(self.prometheus_allow_remote).map_err(|e| invalid("prometheus_listen", e))?;
-        if let crate::prometheus::MetricsAddr::Unix(p) = &a {
+        let a = tyche_metrics::MetricsAddr::parse_local(s, self.prometheus_allow_remote)
+            .map_err(|e| invalid("prometheus_listen", e.to_string()))?;
+        if let tyche_metrics::MetricsAddr::Unix(p) = &a {
             if *p == self.stats_socket {
                 return Err(invalid("prometheus_listen", "the same path as stats_socket"));
             }

@@ -11,7 +11,8 @@
 //! - [`workers`]: storage workers per NUMA node (the placement plan's completion workers), the
 //!   per-node job queues and where completions go.
 //! - [`stats`]: the counters `tyched stats` shows, and [`stats_server`] serving them.
-//! - [`prometheus`]: the same counters as Prometheus text on `GET /metrics` (local HTTP).
+//! - [`prometheus`]: the same counters as Prometheus text on `GET /metrics` (local HTTP, served
+//!   by `tyche-metrics`).
 //!
 //! # Promises
 //! - A malformed, stray or hostile frame is dropped and counted, never a panic.

@@ -19,8 +19,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
+use tyche_metrics::MetricsListener;
 use tyched::config::{Config, ExportConfig, NetworkThreads, TransportKind};
-use tyched::prometheus::PrometheusListener;
 use tyched::stats_server;
 use tyched::{Nic, Placement, Target};
 
@@ -298,9 +298,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGHUP, Arc::clone(&hup)).context("installing signal handlers")?;
     // Bound before the NICs open, so that a taken or bad address fails the start at once.
     let prometheus = match config.prometheus_addr()? {
-        Some(addr) => {
-            Some(PrometheusListener::bind(&addr).with_context(|| format!("prometheus_listen: binding {addr}"))?)
-        }
+        Some(addr) => Some(MetricsListener::bind(&addr).with_context(|| format!("prometheus_listen: binding {addr}"))?),
         None => None,
     };
     if let Some(n) = config.channel_memory_node {
@@ -350,7 +348,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     };
     let _prometheus = match prometheus {
         Some(l) => Some(
-            l.serve(with_irqs(handle.stats_source(), &config, &topo))
+            tyched::prometheus::serve(l, with_irqs(handle.stats_source(), &config, &topo))
                 .context("prometheus_listen: starting the endpoint")?,
         ),
         None => None,

@@ -205,6 +205,9 @@ fn tyched_binary_serves_prometheus_metrics() {
     assert!(body.contains("tyched_export_requests_total{export=\"disk\",op=\"read\"} 1\n"), "{body}");
     assert!(body.contains("# TYPE tyched_sessions gauge\ntyched_sessions 1\n"), "{body}");
     assert!(body.contains("tyched_nic_rx_frames_total{nic=\"lo\"}"), "{body}");
+    let build =
+        format!("# TYPE tyched_build_info gauge\ntyched_build_info{{version=\"{}\",rustc=", env!("CARGO_PKG_VERSION"));
+    assert!(body.contains(&build), "{body}");
     // The same text as `tyched stats --prometheus`, apart from values that move between reads.
     let out = Command::new(env!("CARGO_BIN_EXE_tyched"))
         .args(["stats", "--prometheus", "--socket"])
