@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use tyche_init::attachfile::{path_component, AttachFile};
 use tyche_init::frontend::{device_in_use, ublk_id, UblkFrontend};
+use tyche_init::report::Health;
 use tyche_init::state::{self, Attachment};
 
 /// How long `detach` waits for the attachment to be gone.
@@ -66,7 +67,7 @@ fn health(a: &Attachment, alive: bool) -> Listed {
         target: a.target.clone(),
         name: a.name.clone(),
         by_tyche: by_tyche(a),
-        state: "awaiting-recovery",
+        state: Health::AwaitingRecovery.as_str(),
         live_links: 0,
         links: 0,
         live_channels: 0,
@@ -78,25 +79,15 @@ fn health(a: &Attachment, alive: bool) -> Listed {
     let report: Option<tyche_init::Report> =
         (!a.stats.is_empty()).then(|| tyche_transport::stats_socket::query(Path::new(&a.stats)).ok()).flatten();
     let Some(r) = report else {
-        l.state = "unknown";
+        l.state = Health::Unknown.as_str();
         return l;
     };
-    let mut links: Vec<(&str, bool)> = Vec::new();
-    for c in &r.channels {
-        match links.iter_mut().find(|(n, _)| *n == c.link) {
-            Some(e) => e.1 |= c.live,
-            None => links.push((&c.link, c.live)),
-        }
-    }
-    l.links = links.len();
-    l.live_links = links.iter().filter(|(_, live)| *live).count();
-    l.channels = r.channels.len();
-    l.live_channels = r.channels.iter().filter(|c| c.live).count();
-    l.state = match (l.live_links, l.links) {
-        (0, _) => "no-path",
-        (k, n) if k < n => "degraded",
-        _ => "live",
-    };
+    let paths = r.paths();
+    l.links = paths.links.len();
+    l.live_links = paths.live_links();
+    l.channels = paths.channels;
+    l.live_channels = paths.live_channels;
+    l.state = paths.health().as_str();
     l
 }
 

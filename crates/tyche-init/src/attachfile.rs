@@ -9,6 +9,7 @@
 //! target_name = "store1"          # /dev/disk/by-tyche/store1/disk0 (default: the target MAC)
 //! key_file = "/etc/tyche/disk0.key"
 //! no_path_timeout = 30
+//! prometheus_listen = "127.0.0.1:9465"   # GET /metrics (loopback or a Unix socket path)
 //! ```
 //!
 //! Unknown fields are errors, so a misspelt setting is never silently ignored.
@@ -67,6 +68,9 @@ struct Raw {
     scheduler: Option<String>,
     send_mode: Option<String>,
     engine_threads: Option<String>,
+    prometheus_listen: Option<String>,
+    #[serde(default)]
+    prometheus_allow_remote: bool,
 }
 
 /// A checked attachment file.
@@ -106,6 +110,9 @@ pub struct AttachFile {
     pub send_mode: Option<SendMode>,
     /// Engine thread layout.
     pub engine_threads: Option<EngineThreads>,
+    /// Where to serve Prometheus metrics (`GET /metrics`), checked: loopback or a Unix socket
+    /// unless `prometheus_allow_remote`.
+    pub prometheus_listen: Option<tyche_metrics::MetricsAddr>,
 }
 
 /// Whether `name` may name an attachment (and a unit instance, and a path component):
@@ -178,6 +185,12 @@ impl AttachFile {
         if r.channels_per_nic == Some(0) || r.queues == Some(0) || r.depth == Some(0) {
             return Err("channels_per_nic, queues and depth are at least 1".into());
         }
+        let prometheus_listen = r
+            .prometheus_listen
+            .as_deref()
+            .map(|a| tyche_metrics::MetricsAddr::parse_local(a, r.prometheus_allow_remote))
+            .transpose()
+            .map_err(|e| format!("prometheus_listen: {e}"))?;
         let host_id =
             r.host_id.as_deref().map(crate::parse_host_id).transpose().map_err(|e| format!("host_id: {e}"))?;
         Ok(AttachFile {
@@ -198,6 +211,7 @@ impl AttachFile {
             scheduler: value_enum("scheduler", r.scheduler)?,
             send_mode: value_enum("send_mode", r.send_mode)?,
             engine_threads: value_enum("engine_threads", r.engine_threads)?,
+            prometheus_listen,
         })
     }
 
@@ -286,6 +300,14 @@ scheduler = "round-robin"
             AttachFile::parse("v", "export = \"d\"\nifaces = [\"eth0\"]\ntarget = \"52:54:00:74:00:01\"").unwrap();
         assert_eq!(min.ethertype, DEFAULT_ETHERTYPE);
         assert_eq!(min.by_tyche_target().as_deref(), Some("52:54:00:74:00:01"));
+        assert_eq!(min.prometheus_listen, None);
+        let m = |extra: &str| AttachFile::parse("v", &format!("export = \"d\"\nifaces = [\"e\"]\n{extra}"));
+        let local = m("prometheus_listen = \"localhost:9465\"").unwrap();
+        assert_eq!(local.prometheus_listen, Some("127.0.0.1:9465".parse().unwrap()));
+        let sock = m("prometheus_listen = \"/run/tyche-init/vol.metrics.sock\"").unwrap();
+        assert_eq!(sock.prometheus_listen, Some("/run/tyche-init/vol.metrics.sock".parse().unwrap()));
+        let remote = m("prometheus_listen = \"0.0.0.0:9465\"\nprometheus_allow_remote = true").unwrap();
+        assert_eq!(remote.prometheus_listen, Some("0.0.0.0:9465".parse().unwrap()));
     }
 
     #[test]
@@ -306,6 +328,18 @@ scheduler = "round-robin"
             ("v", "export = \"d\"\nifaces = [\"e\"]\nqueues = 0", "at least 1"),
             ("v", "export = \"d\"\nifaces = [\"e\"]\ntarget_name = \"a/b\"", "not a name"),
             ("v", "export = \"d\"\nifaces = [\"e\"]\nhost_id = \"12\"", "host_id"),
+            (
+                "v",
+                "export = \"d\"\nifaces = [\"e\"]\nprometheus_listen = \"0.0.0.0:9465\"",
+                "prometheus_listen: 0.0.0.0:9465 is not a loopback address",
+            ),
+            (
+                "v",
+                "export = \"d\"\nifaces = [\"e\"]\nprometheus_listen = \"nowhere\"",
+                "prometheus_listen: \"nowhere\"",
+            ),
+            ("v", "export = \"d\"\nifaces = [\"e\"]\nprometheus_listen = 9465", "expected a string (line 3)"),
+            ("v", "export = \"d\"\nifaces = [\"e\"]\nprometheus_allow_remote = \"yes\"", "expected a boolean (line 3)"),
             ("../x", "export = \"d\"\nifaces = [\"e\"]", "cannot name"),
             ("v", "export = \"d\"\n\nifaces = [\"e\"\n", "line"),
         ];

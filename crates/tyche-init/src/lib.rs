@@ -38,6 +38,7 @@ mod error;
 mod front;
 pub mod frontend;
 pub mod loopback;
+pub mod metrics;
 pub mod nbd;
 pub mod report;
 pub mod sched;
@@ -50,7 +51,7 @@ pub use config::{machine_id, parse_host_id, EngineThreads, InitiatorConfig, Link
 pub use discover::{discover, discover_with_nonce, new_nonce, DiscoveredExport, DiscoveredTarget};
 pub use engine::connect_blocking;
 pub use error::{ConnectError, Error};
-pub use report::{ChannelReport, LinkReport, NbdConnReport, NbdStats, Report};
+pub use report::{ChannelReport, Health, LinkReport, NbdConnReport, NbdStats, Paths, Report};
 
 /// Opens a session to `config.export` over `links` and starts the engine thread.
 ///

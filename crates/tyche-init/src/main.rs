@@ -13,6 +13,7 @@ use tyche_init::frontend::{UblkFrontend, UblkOptions};
 use tyche_init::loopback::{mem_links, RamExport, RamTarget};
 use tyche_init::nbd::NbdOptions;
 use tyche_init::{state, Client, EngineThreads, InitiatorConfig, Link, SchedulerKind, SendMode};
+use tyche_metrics::{MetricsAddr, MetricsListener, MetricsServer};
 use tyche_wire::MacAddr;
 
 mod admin;
@@ -172,6 +173,7 @@ struct ConnArgs {
     #[arg(long, value_name = "FILE", conflicts_with_all = [
         "ifaces", "targets", "tcp", "loopback_mib", "export", "key", "host_id", "digest",
         "channels_per_nic", "no_path_timeout", "ethertype", "target_name",
+        "prometheus_listen", "prometheus_allow_remote",
     ])]
     config: Option<PathBuf>,
     /// The attachment file's name, once read.
@@ -265,6 +267,17 @@ struct ConnArgs {
     /// Measure the I/O bandwidth model again instead of using the cached one.
     #[arg(long)]
     model_refresh: bool,
+    /// Serve Prometheus metrics on `GET /metrics` at ADDR: IP:PORT (loopback unless
+    /// --prometheus-allow-remote), localhost:PORT, or a Unix socket path (attachment file:
+    /// `prometheus_listen`).
+    #[arg(long, value_name = "ADDR")]
+    prometheus_listen: Option<String>,
+    /// Allow --prometheus-listen on a non-loopback address (the endpoint has no authentication).
+    #[arg(long)]
+    prometheus_allow_remote: bool,
+    /// The metrics endpoint's address, checked (`--prometheus-listen` or the file's).
+    #[arg(skip)]
+    metrics: Option<MetricsAddr>,
     /// Testing only: drop this fraction of frames on every link, both ways, with the seeded
     /// fault-injection wrapper (AF_XDP copy-mode transmit bypasses the qdisc, so `tc netem`
     /// cannot drop Tyche frames).
@@ -294,10 +307,17 @@ fn parse_probability(s: &str) -> std::result::Result<f64, String> {
 }
 
 impl ConnArgs {
-    /// Reads `--config`, if given, into these arguments.
+    /// Reads `--config`, if given, into these arguments, and checks the metrics endpoint's
+    /// address (a configuration error, before anything is opened).
     fn read_config_file(&mut self) -> Result<Option<AttachFile>> {
+        if let Some(a) = &self.prometheus_listen {
+            let a = MetricsAddr::parse_local(a, self.prometheus_allow_remote)
+                .map_err(|e| bad_config(anyhow::anyhow!("--prometheus-listen: {e}")))?;
+            self.metrics = Some(a);
+        }
         let Some(path) = &self.config else { return Ok(None) };
         let f = AttachFile::read(path).map_err(bad_config)?;
+        self.metrics = f.prometheus_listen.clone();
         self.name = Some(f.name.clone());
         self.export = Some(f.export.clone());
         self.ifaces = f.ifaces.clone();
@@ -328,6 +348,14 @@ impl ConnArgs {
 
     fn export(&self) -> &str {
         self.export.as_deref().unwrap_or_default()
+    }
+
+    /// Binds the metrics endpoint, if one is asked for: before connecting, so that a taken
+    /// address fails the start at once. It serves once the export is attached.
+    fn bind_metrics(&self) -> Result<Option<MetricsListener>> {
+        let Some(addr) = &self.metrics else { return Ok(None) };
+        let l = MetricsListener::bind(addr).with_context(|| format!("prometheus_listen: binding {addr}"))?;
+        Ok(Some(l))
     }
 
     /// Checks what this host must have before anything is opened: the interfaces exist, the
@@ -746,6 +774,45 @@ async fn terminated() -> Result<()> {
     Ok(())
 }
 
+/// The session's report, as `tyche-init stats` and the metrics endpoint read it: asked of the
+/// engine (answered between two rounds of its loop), with the NBD connections' reports when
+/// `nbd`. `None` when the session does not answer (it is closing).
+fn session_report(client: &Client, nbd: Option<&tyche_init::NbdStats>) -> Option<tyche_init::Report> {
+    let mut r = client.report_blocking().ok()?;
+    if let Some(n) = nbd {
+        r.nbd = n.snapshot();
+    }
+    Some(r)
+}
+
+/// Serves the metrics endpoint bound by [`ConnArgs::bind_metrics`], if any, from the report
+/// `tyche-init stats` reads (`session_report`), labelled with the attachment. A failure to start
+/// it is logged: the attachment goes on without it.
+fn serve_metrics(
+    listener: Option<MetricsListener>,
+    conn: &ConnArgs,
+    opened: &Opened,
+    (kind, path): (&str, &str),
+    nbd: Option<tyche_init::NbdStats>,
+) -> Option<MetricsServer> {
+    let listener = listener?;
+    let id = tyche_init::metrics::Identity {
+        attachment: conn.name.clone().unwrap_or_else(|| path.to_owned()),
+        export: conn.export().to_owned(),
+        target: opened.target_name.clone(),
+        kind: kind.to_owned(),
+        path: path.to_owned(),
+    };
+    let client = opened.client.clone();
+    match tyche_init::metrics::serve(listener, id, move || session_report(&client, nbd.as_ref())) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            warn!("prometheus_listen: cannot start the endpoint: {e}");
+            None
+        }
+    }
+}
+
 /// Starts the stats socket of a front end; `nbd` adds the NBD connections' reports.
 fn start_stats(
     conn: &ConnArgs,
@@ -759,10 +826,7 @@ fn start_stats(
     let c = client.clone();
     let roots = tyche_numa::irq::Roots::default();
     let source = move || {
-        let mut r = c.report_blocking().unwrap_or_default();
-        if let Some(n) = &nbd {
-            r.nbd = n.snapshot();
-        }
+        let mut r = session_report(&c, nbd.as_ref()).unwrap_or_default();
         // Read afresh, against the CPUs each link's engine thread reports for itself.
         r.irqs = numa
             .ifaces
@@ -791,6 +855,7 @@ async fn serve_nbd(
     nbd_nodes: Vec<u32>,
     engine_io: bool,
 ) -> Result<()> {
+    let metrics = conn.bind_metrics()?;
     let opened = open_retrying(&conn, DurabilityDebt::Clear).await?;
     let client = opened.client.clone();
     let i = client.info();
@@ -800,7 +865,9 @@ async fn serve_nbd(
     let dir = state::dir();
     let pid = std::process::id();
     let (_stats, stats) = start_stats(&conn, &dir, pid, &client, Some(opts.stats.clone()), opened.numa.clone());
-    let rec = opened.record(&conn, "nbd", socket.display().to_string(), stats);
+    let socket_path = socket.display().to_string();
+    let _metrics = serve_metrics(metrics, &conn, &opened, ("nbd", &socket_path), Some(opts.stats.clone()));
+    let rec = opened.record(&conn, "nbd", socket_path, stats);
     if let Err(e) = state::record(&dir, &rec) {
         warn!("cannot record the attachment in {}: {e} (list/detach will not see it)", dir.display());
     }
@@ -871,6 +938,7 @@ enum Device {
 async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     // Fail before connecting when the kernel cannot give us a device.
     UblkFrontend::probe()?;
+    let metrics = conn.bind_metrics()?;
     let dir = state::dir();
     let device = resume_own_device(&conn, &dir, device)?;
     if let Device::Recover(id) = device {
@@ -931,6 +999,7 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     println!("{path}");
     let pid = std::process::id();
     let (_stats, stats) = start_stats(&conn, &dir, pid, &client, None, opened.numa.clone());
+    let _metrics = serve_metrics(metrics, &conn, &opened, ("ublk", &path), None);
     let rec = opened.record(&conn, "ublk", path.clone(), stats);
     // The record says what this process owes about its writes, for the next `--recover`;
     // once it is written, the dead processes' records are taken over.

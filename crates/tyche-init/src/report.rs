@@ -150,7 +150,79 @@ pub struct Report {
     pub send: SendCounters,
 }
 
+/// An attachment's health, as `tyche-init list` shows it and `tyche_init_health` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Every link has a live channel.
+    Live,
+    /// Some links have no live channel.
+    Degraded,
+    /// No link has a live channel (requests wait, then fail after `--no-path-timeout`).
+    NoPath,
+    /// A ublk device whose serving process died, waiting for `attach --recover`.
+    AwaitingRecovery,
+    /// The serving process does not answer for its session.
+    Unknown,
+}
+
+impl Health {
+    /// Every value, in the order `tyche_init_health` lists them.
+    pub const ALL: [Health; 5] =
+        [Health::Live, Health::Degraded, Health::NoPath, Health::AwaitingRecovery, Health::Unknown];
+
+    /// The name `list` prints (`live`, `degraded`, `no-path`, `awaiting-recovery`, `unknown`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Health::Live => "live",
+            Health::Degraded => "degraded",
+            Health::NoPath => "no-path",
+            Health::AwaitingRecovery => "awaiting-recovery",
+            Health::Unknown => "unknown",
+        }
+    }
+}
+
+/// Which links of a session have a live channel: each link with a channel, in the order of its
+/// first channel, and whether any of its channels is live.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Paths {
+    /// (link name, has a live channel).
+    pub links: Vec<(String, bool)>,
+    /// Channels.
+    pub channels: usize,
+    /// Channels open now.
+    pub live_channels: usize,
+}
+
+impl Paths {
+    /// Links with at least one live channel.
+    pub fn live_links(&self) -> usize {
+        self.links.iter().filter(|(_, live)| *live).count()
+    }
+
+    /// Live when every link has a live channel, degraded when some have, else no-path.
+    pub fn health(&self) -> Health {
+        match self.live_links() {
+            0 => Health::NoPath,
+            k if k < self.links.len() => Health::Degraded,
+            _ => Health::Live,
+        }
+    }
+}
+
 impl Report {
+    /// Which links have a live channel, and the health that makes.
+    pub fn paths(&self) -> Paths {
+        let mut links: Vec<(String, bool)> = Vec::new();
+        for c in &self.channels {
+            match links.iter_mut().find(|(n, _)| *n == c.link) {
+                Some(e) => e.1 |= c.live,
+                None => links.push((c.link.clone(), c.live)),
+            }
+        }
+        Paths { links, channels: self.channels.len(), live_channels: self.channels.iter().filter(|c| c.live).count() }
+    }
+
     /// A human-readable rendering.
     pub fn human(&self) -> String {
         use std::fmt::Write;
