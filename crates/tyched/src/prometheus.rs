@@ -58,6 +58,26 @@ impl Collector for SnapshotCollector {
             one(s.payload_copied_bytes),
         )?;
         family(enc, "storage_inflight", "Storage requests queued or running.", Gauge, one(s.storage_inflight))?;
+        let r = &s.reload;
+        let reloads = vec![
+            (vec![("result", "applied".to_owned())], r.applied),
+            (vec![("result", "refused".to_owned())], r.failed),
+        ];
+        family(enc, "config_reloads", "Configuration reloads (SIGHUP), by outcome.", Counter, reloads)?;
+        family(
+            enc,
+            "config_last_reload_successful",
+            "Whether the last configuration reload was applied (1; also before any) or refused (0).",
+            Gauge,
+            one(u64::from(r.last_error.is_none())),
+        )?;
+        family(
+            enc,
+            "config_changes_need_restart",
+            "Changes in the configuration file that the running daemon applies only at its next start.",
+            Gauge,
+            one(r.needs_restart.len() as u64),
+        )?;
         let nic = |f: &dyn Fn(&NicStats) -> u64| {
             s.nics.iter().map(|n| (vec![("nic", n.name.clone())], f(n))).collect::<Vec<_>>()
         };
@@ -190,6 +210,12 @@ mod tests {
             sessions_reclaimed: 3,
             payload_copied_bytes: 4096,
             storage_inflight: 5,
+            reload: crate::stats::ReloadStats {
+                applied: 2,
+                failed: 1,
+                last_error: Some("export[0].size: bad".into()),
+                needs_restart: vec!["workers".into()],
+            },
             nics: vec![
                 NicStats {
                     name: "eth0".into(),
@@ -279,7 +305,8 @@ mod tests {
         // Written by the encoder this crate had before prometheus-client, with one change:
         // `tyched_uptime_milliseconds` was typed `counter` (prometheus-client names every
         // counter `*_total`, so it is a gauge now to keep its name), and families added since:
-        // `tyched_poll_contended_total`, `tyched_nic_irqs*`, `tyched_storage_jobs_total`.
+        // `tyched_poll_contended_total`, `tyched_nic_irqs*`, `tyched_storage_jobs_total`,
+        // `tyched_config_*`.
         // And `tyched_build_info` first, whose labels are this build's.
         let expected = include_str!("../testdata/metrics-sample.prom")
             .replace("@VERSION@", env!("CARGO_PKG_VERSION"))
@@ -290,7 +317,7 @@ mod tests {
         assert!(text.contains("tyched_nic_rx_frames_total{nic=\"we\\\"ird\\\\\"} 0\n"), "{text}");
         assert!(text.contains("tyched_export_errors_total{export=\"a\\nb\"} 0\n"), "{text}");
         assert!(!text.contains("# EOF"), "the 0.0.4 text format has no EOF marker");
-        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 28);
+        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 31);
     }
 
     #[test]
