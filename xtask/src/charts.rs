@@ -197,7 +197,7 @@ mod tests {
     #[test]
     fn charts_render_to_png() {
         if FONTS.iter().all(|p| !Path::new(p).exists()) {
-            eprintln!("SKIPPING: no DejaVu font (package fonts-dejavu-core)");
+            tyche_testkit::cannot_run("charts_render_to_png", "no DejaVu font (package fonts-dejavu-core)");
             return;
         }
         let dir = std::env::temp_dir().join(format!("tyche-charts-{}", std::process::id()));

@@ -17,15 +17,7 @@ pub struct TestArgs {
     sim_seeds: u64,
 }
 
-pub fn is_root() -> bool {
-    // The effective uid, from /proc (no libc dependency in xtask).
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines().find(|l| l.starts_with("Uid:")).and_then(|l| l.split_whitespace().nth(2)).map(|u| u == "0")
-        })
-        .unwrap_or(false)
-}
+pub use tyche_testkit::is_root;
 
 fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
@@ -41,6 +33,15 @@ fn step(name: &str, cmd: &mut Command) -> Result<()> {
 }
 
 pub fn run(args: TestArgs) -> Result<()> {
+    // Every test runs, or the suite fails: the privileged ones need root, and a test that
+    // cannot run fails instead of skipping (`tyche_testkit::cannot_run`).
+    if !is_root() {
+        bail!(
+            "cargo xtask test runs every test, and many need root (network namespaces, AF_XDP, loop \
+             devices, the VM): run it as root, or run `cargo test --workspace` for the unprivileged ones"
+        );
+    }
+    std::env::set_var(tyche_testkit::REQUIRE_ALL, "1");
     if !args.no_lint {
         step("cargo fmt --check", cargo().args(["fmt", "--all", "--", "--check"]))?;
         step("cargo clippy", cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
@@ -50,54 +51,46 @@ pub fn run(args: TestArgs) -> Result<()> {
     crate::bpfgen::run(&crate::root(), true)?;
     eprintln!("xtask test: package (cargo-deb: binaries, units, udev rule, man pages, completions, licences)");
     crate::package::package(&crate::root())?;
-    if is_root() {
-        eprintln!("xtask test: xdp-smoke");
-        crate::xdp::smoke(&crate::root(), &crate::xdp::SmokeArgs::standard())?;
-    } else {
-        eprintln!("xtask test: SKIPPING xdp-smoke: it needs root (network namespaces, XDP)");
-    }
-    if is_root() {
-        // ext4 over nbdfuse over tyche-init's NBD server; AF_XDP over veth with a failing link.
-        step("tyche-init root tests", cargo().args(["test", "-p", "tyche-init", "--test", "nbd", "--", "--ignored"]))?;
-        eprintln!("xtask test: nbd-clients (qemu-img, qemu-io and libnbd on both NBD I/O paths and both targets)");
-        let clients = crate::nbd_clients::nbd_clients(&crate::root(), &crate::nbd_clients::NbdClientsArgs::standard())?;
-        eprintln!("xtask test: {clients}");
-        eprintln!("xtask test: xdp-share (discover and a second tyched beside a live attachment, fio verify)");
-        crate::xdp_share::xdp_share(&crate::root(), &crate::xdp_share::XdpShareArgs::standard())?;
-        eprintln!("xtask test: readme (the README's two-host walkthrough, as written, in a veth lab)");
-        crate::readme::readme(&crate::root(), &crate::readme::ReadmeArgs::standard())?;
-        eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
-        crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
-        eprintln!("xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage, ublk recovery in the VM)");
-        crate::faults::faults(&crate::root(), &crate::faults::FaultsArgs::standard())?;
-        eprintln!("xtask test: flood (100,000 CONNECTs from 1,000 MACs while fio verifies)");
-        crate::flood::flood(&crate::root(), &crate::flood::FloodArgs::standard())?;
-        eprintln!("xtask test: attack (a third namespace on the segment attacks a keyed session)");
-        crate::attack::attack(&crate::root(), &crate::attack::AttackArgs::standard())?;
-        eprintln!(
-            "xtask test: vm-test (NUMA placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients; \
-             the .deb on a systemd guest across a reboot)"
-        );
-        // The VM's ublk test (with its kill -9 and recovery) ran as the last fault scenario.
-        crate::vm::vm_test(
-            &crate::root(),
-            &crate::vm::VmTestArgs::only(&[
-                crate::vm::GuestTest::Numa,
-                crate::vm::GuestTest::Nbd,
-                crate::vm::GuestTest::Boot,
-            ]),
-        )?;
-        // Every NBD client people run, in one line: the host's (nbd-clients, the tyche-init root
-        // tests' nbdfuse and nbdsh) and the VM's (the kernel's, and qemu as a VM's disk).
-        eprintln!(
-            "xtask test: {}; libnbd's nbdfuse and nbdsh ok (tyche-init root tests); qemu vm ok, kernel nbd ok (vm-test nbd)",
-            clients.clients
-        );
-    } else {
-        eprintln!(
-            "xtask test: SKIPPING tyche-init root tests (nbdfuse, ext4, AF_XDP over veth), e2e, flood, attack and vm-test"
-        );
-    }
+    eprintln!("xtask test: xdp-smoke");
+    crate::xdp::smoke(&crate::root(), &crate::xdp::SmokeArgs::standard())?;
+    // ext4 over nbdfuse over tyche-init's NBD server; AF_XDP over veth with a failing link.
+    step("tyche-init root tests", cargo().args(["test", "-p", "tyche-init", "--test", "nbd", "--", "--ignored"]))?;
+    eprintln!("xtask test: nbd-clients (qemu-img, qemu-io and libnbd on both NBD I/O paths and both targets)");
+    let clients = crate::nbd_clients::nbd_clients(&crate::root(), &crate::nbd_clients::NbdClientsArgs::standard())?;
+    eprintln!("xtask test: {clients}");
+    eprintln!("xtask test: xdp-share (discover and a second tyched beside a live attachment, fio verify)");
+    crate::xdp_share::xdp_share(&crate::root(), &crate::xdp_share::XdpShareArgs::standard())?;
+    eprintln!("xtask test: readme (the README's two-host walkthrough, as written, in a veth lab)");
+    crate::readme::readme(&crate::root(), &crate::readme::ReadmeArgs::standard())?;
+    eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
+    crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
+    eprintln!(
+        "xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage, ublk recovery in the VM)"
+    );
+    crate::faults::faults(&crate::root(), &crate::faults::FaultsArgs::standard())?;
+    eprintln!("xtask test: flood (100,000 CONNECTs from 1,000 MACs while fio verifies)");
+    crate::flood::flood(&crate::root(), &crate::flood::FloodArgs::standard())?;
+    eprintln!("xtask test: attack (a third namespace on the segment attacks a keyed session)");
+    crate::attack::attack(&crate::root(), &crate::attack::AttackArgs::standard())?;
+    eprintln!(
+        "xtask test: vm-test (NUMA placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients; \
+         the .deb on a systemd guest across a reboot)"
+    );
+    // The VM's ublk test (with its kill -9 and recovery) ran as the last fault scenario.
+    crate::vm::vm_test(
+        &crate::root(),
+        &crate::vm::VmTestArgs::only(&[
+            crate::vm::GuestTest::Numa,
+            crate::vm::GuestTest::Nbd,
+            crate::vm::GuestTest::Boot,
+        ]),
+    )?;
+    // Every NBD client people run, in one line: the host's (nbd-clients, the tyche-init root
+    // tests' nbdfuse and nbdsh) and the VM's (the kernel's, and qemu as a VM's disk).
+    eprintln!(
+        "xtask test: {}; libnbd's nbdfuse and nbdsh ok (tyche-init root tests); qemu vm ok, kernel nbd ok (vm-test nbd)",
+        clients.clients
+    );
     eprintln!("xtask test: fuzz (every regression input, then a few seconds per target)");
     crate::fuzz::run(&crate::root(), &crate::fuzz::FuzzArgs::short())?;
     eprintln!("xtask test: simulator contract (loss 5%)");

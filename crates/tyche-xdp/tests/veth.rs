@@ -2,8 +2,9 @@
 //!
 //! Each test creates its own uniquely named namespaces; a guard deletes them on drop, panics
 //! included. Threads enter a namespace with `setns(2)`, so every socket they open (netlink for
-//! the XDP attach, AF_XDP, ioctl) lives there. The tests skip, saying why, only when not root
-//! or when the kernel has no AF_XDP.
+//! the XDP attach, AF_XDP, ioctl) lives there. Only when not root or when the kernel has no
+//! AF_XDP they cannot run: they say why and skip, or fail under `cargo xtask test`
+//! (`tyche_testkit::cannot_run`).
 
 use std::process::Command;
 use std::sync::{Arc, Barrier};
@@ -55,7 +56,7 @@ fn lab(tag: &str, mtu: u32) -> Option<Lab> {
 /// As [`lab`], with `queues` receive and transmit queues on each veth.
 fn lab_with_queues(tag: &str, mtu: u32, queues: u32) -> Option<Lab> {
     if let Some(why) = unsupported() {
-        eprintln!("SKIPPED: AF_XDP veth test {tag}: {why}");
+        tyche_testkit::cannot_run(&format!("AF_XDP veth test {tag}"), why);
         return None;
     }
     let id = std::process::id();

@@ -756,16 +756,18 @@ pub(crate) mod test_support {
     }
 
     impl LoopDevice {
-        /// A `len`-byte loop device; `None` (with the reason on stderr) where losetup fails,
-        /// e.g. without root.
+        /// A `len`-byte loop device; `None` where losetup fails, e.g. without root (the
+        /// test then cannot run: `tyche_testkit::cannot_run`).
         pub(crate) fn new(len: u64) -> Option<LoopDevice> {
             let dir = tempfile::tempdir().expect("tempdir");
             let img = dir.path().join("loop.img");
             std::fs::File::create(&img).expect("create").set_len(len).expect("size");
             let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output();
-            let out = out.map_err(|e| eprintln!("skipping: losetup: {e}")).ok()?;
+            let out =
+                out.map_err(|e| tyche_testkit::cannot_run("a loop device test", &format!("losetup: {e}"))).ok()?;
             if !out.status.success() {
-                eprintln!("skipping: losetup: {}", String::from_utf8_lossy(&out.stderr));
+                let why = format!("losetup: {}", String::from_utf8_lossy(&out.stderr).trim());
+                tyche_testkit::cannot_run("a loop device test", &why);
                 return None;
             }
             Some(LoopDevice { dev: String::from_utf8_lossy(&out.stdout).trim().to_owned(), _dir: dir })
@@ -912,7 +914,8 @@ mod tests {
         assert!(b.block_status(16 << 20, 512, 31).is_err(), "past the end");
     }
 
-    /// A loop device over a temporary file (root only; skipped where losetup is unavailable).
+    /// A loop device over a temporary file (root only; where losetup is unavailable it cannot
+    /// run: skipped, or failed under `cargo xtask test`).
     #[test]
     fn block_device_backend_on_a_loop_device() {
         let Some(lo) = test_support::LoopDevice::new(8 << 20) else { return };

@@ -680,7 +680,8 @@ mod tests {
         assert!(e.contains("io_uring_setup"), "{e}");
     }
 
-    /// O_DIRECT through the ring on a loop device (root only; skipped where losetup fails).
+    /// O_DIRECT through the ring on a loop device (root only; where losetup fails it cannot run:
+    /// skipped, or failed under `cargo xtask test`).
     #[test]
     fn block_device_with_o_direct_through_the_ring() {
         let Some(lo) = crate::backend::test_support::LoopDevice::new(8 << 20) else { return };

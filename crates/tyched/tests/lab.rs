@@ -1,4 +1,5 @@
-//! The `tyched` binary in a two-NIC veth lab (root only; skipped otherwise).
+//! The `tyched` binary in a two-NIC veth lab (root only; elsewhere skipped, or failed under
+//! `cargo xtask test`: `tyche_testkit::cannot_run`).
 //!
 //! Each test creates two network namespaces of its own (`tyd<transport><pid>i`/`t`) joined by
 //! two veth pairs, runs `tyched serve --transport packet|xdp --config FILE` in the target
@@ -40,7 +41,7 @@ impl Lab {
     fn with_mtu(tag: &str, mtu: u32) -> Option<Lab> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 || Command::new("ip").arg("-V").output().is_err() {
-            eprintln!("skipping: the veth lab needs root and iproute2");
+            tyche_testkit::cannot_run(&format!("the veth lab test {tag}"), "it needs root and iproute2");
             return None;
         }
         let pid = std::process::id();

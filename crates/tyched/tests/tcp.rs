@@ -66,7 +66,7 @@ fn stop(d: &mut Daemon, sig: i32) {
 #[test]
 fn tyched_binary_over_tcp_survives_sigterm_and_restart() {
     if Command::new("ip").args(["link", "show", "lo"]).output().map_or(true, |o| !o.status.success()) {
-        eprintln!("skipping: no loopback interface");
+        tyche_testkit::cannot_run("tyched over TCP on loopback", "no loopback interface (ip link show lo)");
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
@@ -118,7 +118,7 @@ fn http_get(addr: &str, path: &str) -> String {
 #[test]
 fn tyched_binary_serves_prometheus_metrics() {
     if Command::new("ip").args(["link", "show", "lo"]).output().map_or(true, |o| !o.status.success()) {
-        eprintln!("skipping: no loopback interface");
+        tyche_testkit::cannot_run("tyched over TCP on loopback", "no loopback interface (ip link show lo)");
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
