@@ -63,6 +63,7 @@ impl Pair {
             export_size: 1 << 30,
             read_only: false,
             no_path_timeout: Duration::from_secs(1),
+            io_timeout: None,
             max_requests: 256,
         };
         let seal = |ch: Channel, role| match mode {

@@ -34,6 +34,11 @@ pub struct VolumeConfig {
     /// How long requests wait while no channel is alive before they fail (NVMe's
     /// `ctrl_loss_tmo`); zero fails them as soon as the last channel dies.
     pub no_path_timeout: Duration,
+    /// The longest a request waits for a path, from its submission: one that has been
+    /// outstanding this long while no channel is alive fails with [`IoError::NoPath`], whatever
+    /// `no_path_timeout` says (a RAID member's bounded time to fail: md marks a failfast member
+    /// faulty on its first error). `None`: only `no_path_timeout` applies.
+    pub io_timeout: Option<Duration>,
     /// Most requests outstanding at once (the caller's queue depth bound).
     pub max_requests: usize,
 }
@@ -190,6 +195,8 @@ struct Part {
     origin: Option<usize>,
     /// Handed to another part ([`Volume::take_stranded`]), which reports back.
     away: bool,
+    /// When its request was submitted (`io_timeout` runs from here, on any part it goes to).
+    submitted: Instant,
 }
 
 /// A part of a request handed from one part of a volume to another ([`Volume::take_stranded`],
@@ -769,6 +776,7 @@ impl Volume {
                 aborts: 0,
                 origin: None,
                 away: false,
+                submitted: now,
             };
             self.parts.insert(tag, part);
             self.pending.push_back(tag);
@@ -1155,6 +1163,17 @@ impl Volume {
         }
     }
 
+    /// Fails the queued parts whose requests have waited `limit` or more (`io_timeout`).
+    fn fail_pending_older(&mut self, now: Instant, limit: Duration) {
+        let (old, keep): (VecDeque<u64>, VecDeque<u64>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|tag| self.parts.get(tag).is_some_and(|p| now.since(p.submitted) >= limit));
+        self.pending = keep;
+        for tag in old {
+            self.part_done(tag, None, Err(IoError::NoPath));
+        }
+    }
+
     /// Seals the frame of `len` bytes that [`Volume::poll_transmit`] wrote for `channel`, its
     /// payload in place ([`Channel::seal`]): the length to send.
     pub fn seal(&mut self, channel: u16, buf: &mut [u8], len: usize) -> usize {
@@ -1205,7 +1224,16 @@ impl Volume {
         if let Some(since) = self.no_path_since.filter(|_| !self.pending.is_empty()) {
             t = earliest(t, Some(since + self.config.no_path_timeout));
         }
+        if self.live_channels() == 0 {
+            t = earliest(t, self.first_io_deadline());
+        }
         t
+    }
+
+    /// The earliest `io_timeout` deadline of a queued part, if the volume has one.
+    fn first_io_deadline(&self) -> Option<Instant> {
+        let limit = self.config.io_timeout?;
+        self.pending.iter().filter_map(|tag| self.parts.get(tag)).map(|p| p.submitted + limit).min()
     }
 
     /// Runs the timers due at `now`.
@@ -1223,6 +1251,8 @@ impl Volume {
             let since = *self.no_path_since.get_or_insert(now);
             if now.since(since) >= self.config.no_path_timeout {
                 self.fail_pending();
+            } else if let Some(limit) = self.config.io_timeout {
+                self.fail_pending_older(now, limit);
             }
         } else {
             self.no_path_since = None;
@@ -1251,6 +1281,7 @@ mod tests {
         export_size: 1 << 20,
         read_only: false,
         no_path_timeout: Duration::from_secs(60),
+        io_timeout: None,
         max_requests: 64,
     };
 

@@ -4,7 +4,7 @@ mod util;
 
 use std::time::Duration;
 
-use tyche_channel::{DeadReason, DropReason, IoError, IoRequest, SubmitError};
+use tyche_channel::{DeadReason, DropReason, Instant, IoError, IoRequest, SubmitError};
 use tyche_wire::{ChannelParams, DisconnectReason, Kind, Message, Op, Status};
 use util::{pattern, Dir, Fate, Pair, PairConfig};
 
@@ -353,6 +353,38 @@ fn no_path_fails_requests_after_timeout() {
     assert_eq!(pair.result(2), Some(Err(IoError::NoPath)));
     assert!(pair.completed[1].2 >= start, "failed in the past");
     assert!(pair.completed[1].2 <= start + no_path, "waited longer than no_path_timeout");
+}
+
+#[test]
+fn io_timeout_bounds_a_requests_wait_for_a_path_and_the_volume_serves_again() {
+    let io = Duration::from_millis(300);
+    let cfg = PairConfig { no_path_timeout: Duration::from_secs(10), io_timeout: Some(io), ..PairConfig::default() };
+    let mut pair = Pair::with(cfg);
+    let close = |t: Instant, want: Instant| t >= want && t <= want + Duration::from_millis(5);
+    // In flight when its only path dies: it fails io_timeout after its submission, long
+    // before no_path_timeout.
+    let start = pair.now;
+    pair.cut = vec![0];
+    pair.write(1, 0, &pattern(1, 1024));
+    pair.drive();
+    assert_eq!(pair.result(1), Some(Err(IoError::NoPath)));
+    assert!(pair.volume_dead[0].3 < start + io, "the channel died before the deadline");
+    assert!(close(pair.completed[0].2, start + io), "failed at {:?}, not at {start:?} + {io:?}", pair.completed[0].2);
+    // Submitted with no path: it waits, then fails io_timeout after its submission.
+    let again = pair.now;
+    pair.read(2, 0, 512);
+    assert_eq!(pair.result(2), None, "it waits for a path");
+    pair.drive();
+    assert_eq!(pair.result(2), Some(Err(IoError::NoPath)));
+    assert!(close(pair.completed[1].2, again + io), "failed at {:?}, not at {again:?} + {io:?}", pair.completed[1].2);
+    // A path comes back: the same volume serves again (nothing to re-attach).
+    let params = pair.cfg.params;
+    pair.open_channel(1, params);
+    let data = pattern(3, 8192);
+    pair.write(3, 65536, &data);
+    pair.drive();
+    pair.expect_ok(3);
+    assert!(pair.storage[65536..65536 + 8192] == data[..]);
 }
 
 #[test]

@@ -24,6 +24,7 @@ fn discard_and_write_zeroes_charge_no_bytes() {
         export_size: 1 << 30,
         read_only: false,
         no_path_timeout: Duration::from_secs(1),
+        io_timeout: None,
         max_requests: 16,
     };
     let mut v = Volume::new(cfg, 7, DEFAULT_ETHERTYPE, Box::new(Recorder(Arc::clone(&seen))), now);

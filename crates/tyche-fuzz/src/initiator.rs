@@ -206,8 +206,13 @@ pub fn run(data: &[u8]) {
     crate::count_input();
     let now = Instant(1_000_000);
     let size = (input.sectors as u64 + 1) * 512;
-    let cfg =
-        VolumeConfig { export_size: size, read_only: input.read_only, no_path_timeout: NO_PATH, max_requests: 32 };
+    let cfg = VolumeConfig {
+        export_size: size,
+        read_only: input.read_only,
+        no_path_timeout: NO_PATH,
+        io_timeout: None,
+        max_requests: 32,
+    };
     let parts = if input.two_channels && input.sectors % 2 == 1 { 2 } else { 1 };
     let scheduler = || -> Box<dyn tyche_channel::Scheduler> { Box::<LeastBytes>::default() };
     let mut vol = VolumeParts::new(cfg, SESSION, DEFAULT_ETHERTYPE, now, parts, scheduler, AtOnce::default());

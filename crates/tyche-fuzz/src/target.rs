@@ -520,6 +520,7 @@ impl World {
             export_size: conn.export_size,
             read_only: false,
             no_path_timeout: Duration::from_secs(3600),
+            io_timeout: None,
             max_requests: 16,
         };
         let mut vol = Volume::new(cfg, conn.session, DEFAULT_ETHERTYPE, Box::<LeastBytes>::default(), now);

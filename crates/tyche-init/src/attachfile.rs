@@ -9,6 +9,7 @@
 //! target_name = "store1"          # /dev/disk/by-tyche/store1/disk0 (default: the target MAC)
 //! key_file = "/etc/tyche/disk0.key"
 //! no_path_timeout = 30
+//! io_timeout = 5                  # a RAID member: fail a request after 5 s without a path
 //! prometheus_listen = "127.0.0.1:9465"   # GET /metrics (loopback or a Unix socket path)
 //! ```
 //!
@@ -61,6 +62,7 @@ struct Raw {
     digest: bool,
     channels_per_nic: Option<usize>,
     no_path_timeout: Option<f64>,
+    io_timeout: Option<f64>,
     ethertype: Option<u16>,
     queues: Option<u16>,
     depth: Option<u16>,
@@ -96,6 +98,8 @@ pub struct AttachFile {
     pub channels_per_nic: Option<usize>,
     /// Seconds requests wait while every channel is down before failing.
     pub no_path_timeout: Option<f64>,
+    /// Seconds a request waits for a path, from its submission, before it fails (RAID members).
+    pub io_timeout: Option<f64>,
     /// EtherType of Tyche frames (the target's `ethertype`).
     pub ethertype: u16,
     /// ublk hardware queues.
@@ -179,6 +183,11 @@ impl AttachFile {
                 return Err("no_path_timeout: a non-negative number of seconds".into());
             }
         }
+        if let Some(t) = r.io_timeout {
+            if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
+                return Err("io_timeout: a number of seconds above 0 and at most 86400".into());
+            }
+        }
         if r.ethertype.is_some_and(|e| e < 0x0600) {
             return Err("ethertype: an EtherType is 0x0600 or more".into());
         }
@@ -204,6 +213,7 @@ impl AttachFile {
             digest: r.digest,
             channels_per_nic: r.channels_per_nic,
             no_path_timeout: r.no_path_timeout,
+            io_timeout: r.io_timeout,
             ethertype: r.ethertype.unwrap_or(DEFAULT_ETHERTYPE),
             queues: r.queues,
             depth: r.depth,
@@ -281,6 +291,7 @@ ifaces = ["eth1", "eth2"]
 target = ["52:54:00:74:00:01", "52:54:00:74:01:01"]
 target_name = "store1"
 no_path_timeout = 60
+io_timeout = 5
 ethertype = 0x88B6
 queues = 2
 scheduler = "round-robin"
@@ -294,6 +305,7 @@ scheduler = "round-robin"
         assert_eq!(a.targets.len(), 2);
         assert_eq!(a.ethertype, 0x88B6);
         assert_eq!(a.queues, Some(2));
+        assert_eq!((a.no_path_timeout, a.io_timeout), (Some(60.0), Some(5.0)));
         assert_eq!(a.scheduler, Some(SchedulerKind::RoundRobin));
         assert_eq!(a.by_tyche_target().as_deref(), Some("store1"));
         let min =
@@ -324,6 +336,7 @@ scheduler = "round-robin"
             ),
             ("v", "export = \"d\"\nifaces = [\"e\"]\nscheduler = \"fast\"", "expected affinity, round-robin"),
             ("v", "export = \"d\"\nifaces = [\"e\"]\nno_path_timeout = -1", "non-negative"),
+            ("v", "export = \"d\"\nifaces = [\"e\"]\nio_timeout = 0", "io_timeout: a number of seconds above 0"),
             ("v", "export = \"d\"\nifaces = [\"e\"]\nethertype = 5", "0x0600"),
             ("v", "export = \"d\"\nifaces = [\"e\"]\nqueues = 0", "at least 1"),
             ("v", "export = \"d\"\nifaces = [\"e\"]\ntarget_name = \"a/b\"", "not a name"),

@@ -110,6 +110,10 @@ pub struct InitiatorConfig {
     /// How long requests wait while no channel is alive before failing with an I/O error
     /// (NVMe's `ctrl_loss_tmo`).
     pub no_path_timeout: Duration,
+    /// The longest a request waits for a path, from its submission (`--io-timeout`): then it
+    /// fails with an I/O error, the device staying attached. For RAID members (md's failfast).
+    /// `None`: only `no_path_timeout` applies.
+    pub io_timeout: Option<Duration>,
     /// Interval between CONNECT retransmissions.
     pub connect_retry: Duration,
     /// CONNECTs sent per connection attempt before it times out.
@@ -193,6 +197,7 @@ impl InitiatorConfig {
             export: export.to_owned(),
             channels_per_link: 1,
             no_path_timeout: Duration::from_secs(30),
+            io_timeout: None,
             connect_retry: Duration::from_millis(200),
             connect_attempts: 10,
             reconnect_attempts: 10,

@@ -1087,6 +1087,7 @@ impl Group {
                             export_size: conn.export_size,
                             read_only: conn.export_flags & flags::EXPORT_READ_ONLY != 0,
                             no_path_timeout: sh.cfg.no_path_timeout,
+                            io_timeout: sh.cfg.io_timeout,
                             max_requests: sh.cfg.max_requests,
                         };
                         let nodes: Vec<u32> = sh.links.iter().filter_map(|l| l.node).collect();

@@ -172,7 +172,7 @@ struct ConnArgs {
     /// connect is retried until the target answers.
     #[arg(long, value_name = "FILE", conflicts_with_all = [
         "ifaces", "targets", "tcp", "loopback_mib", "export", "key", "host_id", "digest",
-        "channels_per_nic", "no_path_timeout", "ethertype", "target_name",
+        "channels_per_nic", "no_path_timeout", "io_timeout", "ethertype", "target_name",
         "prometheus_listen", "prometheus_allow_remote",
     ])]
     config: Option<PathBuf>,
@@ -223,6 +223,11 @@ struct ConnArgs {
     /// Seconds requests wait while every channel is down before failing (ctrl_loss_tmo).
     #[arg(long, default_value_t = 30.0)]
     no_path_timeout: f64,
+    /// Seconds a request waits for a path, from its submission, before it fails with an I/O
+    /// error (the device stays attached and serves again when a path returns): a bounded time
+    /// to fail for RAID members (md failfast). Default: only --no-path-timeout applies.
+    #[arg(long, value_name = "S")]
+    io_timeout: Option<f64>,
     /// Failed reconnect attempts per channel logged as warnings (later ones at debug level).
     /// Reconnection never gives up while the process runs.
     #[arg(long, default_value_t = 10)]
@@ -333,6 +338,9 @@ impl ConnArgs {
         if let Some(t) = f.no_path_timeout {
             self.no_path_timeout = t;
         }
+        if let Some(t) = f.io_timeout {
+            self.io_timeout = Some(t);
+        }
         if let Some(v) = f.scheduler {
             self.scheduler = v;
         }
@@ -382,11 +390,17 @@ impl ConnArgs {
         if !(self.no_path_timeout.is_finite() && self.no_path_timeout >= 0.0) {
             bail!("--no-path-timeout must be a non-negative number of seconds");
         }
+        if let Some(t) = self.io_timeout {
+            if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
+                bail!("--io-timeout must be a number of seconds above 0 and at most 86400");
+            }
+        }
         let mut c = InitiatorConfig::new(self.export());
         c.ethertype = self.ethertype;
         // One channel per link when each channel has a NIC queue (and a link) of its own.
         c.channels_per_link = if self.queue_per_channel(false) { 1 } else { self.channels_per_nic };
         c.no_path_timeout = Duration::from_secs_f64(self.no_path_timeout);
+        c.io_timeout = self.io_timeout.map(Duration::from_secs_f64);
         c.reconnect_attempts = self.reconnect_attempts;
         c.scheduler = self.scheduler;
         c.send_mode = self.send_mode;

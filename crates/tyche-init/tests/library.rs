@@ -432,6 +432,37 @@ async fn no_path_fails_requests_after_the_timeout_and_never_hangs() {
     assert_eq!(r, Err(Error::NoPath));
 }
 
+/// `io_timeout` (a RAID member's): with the only link down, a request fails about that long
+/// after its submission, far before `no_path_timeout`; once the link is back the same client
+/// serves again (the device would stay attached).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_timeout_fails_requests_fast_and_the_volume_serves_again() {
+    let (links, switches, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
+    let mut cfg = config();
+    cfg.no_path_timeout = Duration::from_secs(120);
+    cfg.io_timeout = Some(Duration::from_millis(1500));
+    let client = connect(cfg, links).await.expect("connect");
+    client.write(0, &[7; 4096]).await.expect("write while up");
+    set_link_down(&switches[0], true);
+    let t0 = std::time::Instant::now();
+    let r = bounded("a request with no path", client.write(0, &[8; 4096])).await;
+    assert_eq!(r, Err(Error::NoPath));
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(1400) && took < Duration::from_secs(10), "took {took:?}");
+    set_link_down(&switches[0], false);
+    let back = bounded("a read once the link is back", async {
+        loop {
+            match client.read(0, 4096).await {
+                Ok(d) => return d,
+                Err(Error::NoPath) => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(back, vec![7; 4096], "the write before the outage; the failed one never executed");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_errors_say_what_went_wrong() {
     let (links, _sw, _target) = mem_links(RamExport::new("ram", MIB), 1);

@@ -617,6 +617,7 @@ impl World {
                                 } else {
                                     Duration::from_millis(50)
                                 },
+                                io_timeout: None,
                                 max_requests: 64,
                             };
                             let v = PartedVolume::new(

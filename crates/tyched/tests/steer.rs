@@ -104,6 +104,7 @@ fn channels_are_spread_over_queue_addresses_and_stay_on_their_queue() {
         export_size: a0.export_size,
         read_only: false,
         no_path_timeout: Duration::from_secs(2),
+        io_timeout: None,
         max_requests: 64,
     };
     let mut vol = Volume::new(cfg, a0.session, DEFAULT_ETHERTYPE, Box::<LeastBytes>::default(), clock());

@@ -118,6 +118,8 @@ pub struct PairConfig {
     pub read_only: bool,
     /// Volume's `no_path_timeout`.
     pub no_path_timeout: Duration,
+    /// Volume's `io_timeout`.
+    pub io_timeout: Option<Duration>,
     /// Volume's `max_requests`.
     pub max_requests: usize,
     /// Channels of a keyed export: `Some(encrypt)` seals every frame ([`Sealer`]).
@@ -164,6 +166,7 @@ impl Default for PairConfig {
             export_size: 4 << 20,
             read_only: false,
             no_path_timeout: Duration::from_millis(50),
+            io_timeout: None,
             max_requests: 64,
             seal: None,
             epoch: DurabilityEpoch::NONE,
@@ -296,6 +299,7 @@ impl Pair {
             export_size: cfg.export_size,
             read_only: cfg.read_only,
             no_path_timeout: cfg.no_path_timeout,
+            io_timeout: cfg.io_timeout,
             max_requests: cfg.max_requests,
         };
         let mut volume = Volume::new(vcfg, SESSION, DEFAULT_ETHERTYPE, Box::<RoundRobin>::default(), now);

@@ -232,6 +232,7 @@ impl Initiator {
             export_size: self.pretend_size.unwrap_or(connected.export_size),
             read_only: false,
             no_path_timeout: Duration::from_secs(2),
+            io_timeout: None,
             max_requests: 64,
         };
         let now = self.now();
