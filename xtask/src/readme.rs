@@ -118,6 +118,14 @@ fn walkthrough(readme: &str) -> Result<Vec<Vec<Step>>> {
     Ok(blocks)
 }
 
+/// The files the blocks' here-documents write: (path, text).
+fn written(blocks: &[Vec<Step>]) -> impl Iterator<Item = (&str, &str)> {
+    blocks.iter().flatten().filter_map(|s| match s {
+        Step::Write { path, text } => Some((path.as_str(), text.as_str())),
+        Step::Run(_) => None,
+    })
+}
+
 /// `cat > PATH <<'END'`: the path and the end marker.
 fn here_document(line: &str) -> Option<(String, String)> {
     let rest = line.trim().strip_prefix("cat > ")?;
@@ -184,14 +192,7 @@ struct Walk<'a> {
 
 impl<'a> Walk<'a> {
     fn new(root: &'a Path, lab: &'a Lab, work: &'a Path, blocks: &[Vec<Step>]) -> Result<Walk<'a>> {
-        let files: Vec<&str> = blocks
-            .iter()
-            .flatten()
-            .filter_map(|s| match s {
-                Step::Write { text, .. } => Some(text.as_str()),
-                Step::Run(_) => None,
-            })
-            .collect();
+        let files: Vec<&str> = written(blocks).map(|(_, text)| text).collect();
         let find =
             |key: &str| files.iter().find_map(|t| toml_string(t, key)).with_context(|| format!("no {key} in README"));
         let (target_mac, initiator_mac) = (find("target")?, find("allow")?);
@@ -424,14 +425,7 @@ mod tests {
     fn the_walkthrough_parses_into_three_blocks_with_their_files() {
         let text = fs::read_to_string(crate::root().join("README.md")).expect("README.md");
         let blocks = walkthrough(&text).expect("the walkthrough");
-        let files: Vec<&str> = blocks
-            .iter()
-            .flatten()
-            .filter_map(|s| match s {
-                Step::Write { path, .. } => Some(path.as_str()),
-                Step::Run(_) => None,
-            })
-            .collect();
+        let files: Vec<&str> = written(&blocks).map(|(path, _)| path).collect();
         assert_eq!(files, ["/etc/tyche/tyched.toml", "/etc/tyche/attach.d/data.toml"]);
         assert_eq!(
             localize("tyched serve --iface ens5 --export d=/var/lib/tyched/d.img", Side::Target, Path::new("/w")),

@@ -46,85 +46,67 @@ pub fn plan(running: &Config, new: &Config) -> Plan {
     p
 }
 
-/// The daemon-wide fields that differ (none of them can change while running).
-fn daemon_fields(a: &Config, b: &Config) -> Vec<String> {
-    // Every field named: a field added to `Config` does not compile here until it is sorted.
-    let Config {
-        ifaces,
-        channels_per_nic,
-        transport,
-        tcp_listen,
-        ethertype,
-        workers,
-        network_threads,
-        io_uring,
-        poll,
-        poll_budget_us,
-        stats_socket,
-        prometheus_listen,
-        prometheus_allow_remote,
-        limits,
-        dead_after_ms,
-        reclaim_after_ms,
-        storage_deadline_ms,
-        irq_affinity,
-        channel_memory_node,
-        network_thread_node,
-        model_cache,
-        consumer_cpus,
-        steer,
-        queue_macs,
-        exports: _,
-    } = a;
-    let mut d = Vec::new();
-    macro_rules! cmp {
-        ($($f:ident),*) => {$(
-            if *$f != b.$f {
+/// The names of `fields` whose values differ between `a` and `b` (two `$ty`s), every other
+/// field of `$ty` named in `ignored`: the struct pattern names them all, so a field added to
+/// `$ty` does not compile here until it is sorted.
+macro_rules! differing {
+    ($ty:ident, $a:expr, $b:expr, [$($f:ident),* $(,)?], ignored [$($g:ident),* $(,)?]) => {{
+        let $ty { $($f,)* $($g: _,)* } = $a;
+        let mut d: Vec<String> = Vec::new();
+        $(
+            if *$f != $b.$f {
                 d.push(stringify!($f).to_owned());
             }
-        )*};
-    }
-    cmp!(
-        ifaces,
-        channels_per_nic,
-        transport,
-        tcp_listen,
-        ethertype,
-        workers,
-        network_threads,
-        io_uring,
-        poll,
-        poll_budget_us,
-        stats_socket,
-        prometheus_listen,
-        prometheus_allow_remote,
-        limits,
-        dead_after_ms,
-        reclaim_after_ms,
-        storage_deadline_ms,
-        irq_affinity,
-        channel_memory_node,
-        network_thread_node,
-        model_cache,
-        consumer_cpus,
-        steer,
-        queue_macs
-    );
-    d
+        )*
+        d
+    }};
+}
+
+/// The daemon-wide fields that differ (none of them can change while running).
+fn daemon_fields(a: &Config, b: &Config) -> Vec<String> {
+    differing!(
+        Config,
+        a,
+        b,
+        [
+            ifaces,
+            channels_per_nic,
+            transport,
+            tcp_listen,
+            ethertype,
+            workers,
+            network_threads,
+            io_uring,
+            poll,
+            poll_budget_us,
+            stats_socket,
+            prometheus_listen,
+            prometheus_allow_remote,
+            limits,
+            dead_after_ms,
+            reclaim_after_ms,
+            storage_deadline_ms,
+            irq_affinity,
+            channel_memory_node,
+            network_thread_node,
+            model_cache,
+            consumer_cpus,
+            steer,
+            queue_macs,
+        ],
+        ignored[exports]
+    )
 }
 
 /// The fields of an export that stays whose change needs a restart.
 fn export_fields(a: &ExportConfig, b: &ExportConfig) -> Vec<String> {
-    let ExportConfig { name: _, path, size, read_only, allow: _, key: _, key_file: _, direct, shared: _, encrypt } = a;
-    let mut d = Vec::new();
-    macro_rules! cmp {
-        ($($f:ident),*) => {$(
-            if *$f != b.$f {
-                d.push(stringify!($f).to_owned());
-            }
-        )*};
-    }
-    cmp!(path, size, read_only, direct, encrypt);
+    let mut d = differing!(
+        ExportConfig,
+        a,
+        b,
+        [path, size, read_only, direct, encrypt],
+        ignored[name, allow, key, key_file, shared]
+    );
     if a.keyed() != b.keyed() {
         d.push(if b.keyed() { "a key added".to_owned() } else { "its key removed".to_owned() });
     }
