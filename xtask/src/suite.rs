@@ -62,6 +62,8 @@ pub fn run(args: TestArgs) -> Result<()> {
     crate::xdp_share::xdp_share(&crate::root(), &crate::xdp_share::XdpShareArgs::standard())?;
     eprintln!("xtask test: readme (the README's two-host walkthrough, as written, in a veth lab)");
     crate::readme::readme(&crate::root(), &crate::readme::ReadmeArgs::standard())?;
+    // The README's quick start, the command exactly as written.
+    step("cargo xtask demo (the README's quick start, as written)", cargo().args(["xtask", "demo"]))?;
     eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
     crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
     eprintln!(
