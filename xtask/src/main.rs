@@ -22,6 +22,7 @@ mod stack;
 mod suite;
 mod vm;
 mod vm_boot;
+mod vm_mirror;
 mod vm_nbd;
 mod vm_numa;
 mod vm_ublk;

@@ -37,6 +37,9 @@ pub enum GuestTest {
     Numa,
     /// The kernel's NBD client (nbd-client) and qemu's (virtio disks) on `tyche-init serve-nbd`.
     Nbd,
+    /// Tyche volumes of two targets as members of md RAID1 and RAID10 arrays (failfast, bitmap):
+    /// a target killed under fio, the member failed, re-added and resynced.
+    Mirror,
     /// A Debian guest booted with systemd and the `.deb` installed: units from `/etc/tyche`, ext4
     /// from fstab across a reboot, a restart of the attachment unit (its own guest, not `/init`).
     Boot,
@@ -48,6 +51,7 @@ impl GuestTest {
             GuestTest::Ublk => "ublk",
             GuestTest::Numa => "numa",
             GuestTest::Nbd => "nbd",
+            GuestTest::Mirror => "mirror",
             GuestTest::Boot => "boot",
         }
     }
@@ -263,7 +267,7 @@ fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<Vec<Str
             line.push(format!("recovery ok ({r})"));
         }
     }
-    for t in [GuestTest::Numa, GuestTest::Nbd, GuestTest::Boot] {
+    for t in [GuestTest::Numa, GuestTest::Nbd, GuestTest::Mirror, GuestTest::Boot] {
         if let Some(s) = part(t) {
             line.push(format!("{} ok ({s})", t.name()));
         }
@@ -554,6 +558,34 @@ fn module_order(kernel: &Kernel, wanted: &[&str]) -> Result<Vec<Module>> {
     Ok(order)
 }
 
+/// A Debian package's files, `apt-get download`ed and `dpkg -x`ed once into
+/// `target/vm/pkgs/PKG` (with the private apt configuration) and reused offline.
+fn debian_package(cache: &Path, pkg: &str) -> Result<PathBuf> {
+    let dir = cache.join("pkgs").join(pkg);
+    if dir.join("done").exists() {
+        return Ok(dir);
+    }
+    let apt = Apt::new(cache)?;
+    let debs = cache.join("debs");
+    fs::create_dir_all(&debs)?;
+    let download = |apt: &Apt| run(apt.cmd("apt-get").args(["download", pkg]).current_dir(&debs));
+    if download(&apt).is_err() {
+        // No lists yet, or stale ones.
+        apt.update()?;
+        download(&apt).with_context(|| format!("downloading {pkg}"))?;
+    }
+    let deb = fs::read_dir(&debs)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("{pkg}_"))))
+        .with_context(|| format!("the downloaded {pkg} package is missing"))?;
+    let _ = fs::remove_dir_all(&dir);
+    run(Command::new("dpkg").arg("-x").arg(&deb).arg(&dir))?;
+    fs::remove_file(&deb)?;
+    fs::write(dir.join("done"), "")?;
+    Ok(dir)
+}
+
 /// An initramfs being assembled in a directory.
 struct Initramfs {
     dir: PathBuf,
@@ -643,6 +675,12 @@ fn build_initramfs(root: &Path, cache: &Path, kernel: &Kernel, tests: &[GuestTes
             fs_.program(&which(prog)?, &Path::new("/usr/local/bin").join(prog))?;
         }
     }
+    if tests.contains(&GuestTest::Mirror) {
+        // The mirror test's verifier, and mdadm from Debian's package (not needed on the host).
+        fs_.program(&which("fio")?, Path::new("/usr/local/bin/fio"))?;
+        let mdadm = debian_package(cache, "mdadm")?.join("sbin/mdadm");
+        fs_.program(&mdadm, Path::new("/usr/local/bin/mdadm"))?;
+    }
     if Path::new("/etc/mke2fs.conf").exists() {
         fs_.copy(Path::new("/etc/mke2fs.conf"), Path::new("/etc/mke2fs.conf"), 0o644)?;
     }
@@ -650,6 +688,9 @@ fn build_initramfs(root: &Path, cache: &Path, kernel: &Kernel, tests: &[GuestTes
     let mut wanted = vec!["ublk_drv", "veth", "virtio_net"];
     if tests.contains(&GuestTest::Nbd) {
         wanted.extend(["nbd", "virtio_blk"]);
+    }
+    if tests.contains(&GuestTest::Mirror) {
+        wanted.extend(["md_mod", "raid1", "raid10"]);
     }
     for m in module_order(kernel, &wanted)? {
         let name = format!("{}.ko", m.name);
@@ -822,6 +863,7 @@ pub fn guest(test: GuestTest) -> Result<()> {
         GuestTest::Ublk => crate::vm_ublk::guest(),
         GuestTest::Numa => crate::vm_numa::guest(),
         GuestTest::Nbd => crate::vm_nbd::guest(),
+        GuestTest::Mirror => crate::vm_mirror::guest(),
         // None: the guest reboots, the verdict comes from its next boot.
         GuestTest::Boot => return crate::vm_boot::guest(),
     };

@@ -168,7 +168,7 @@ fn spawn_attach(root: &Path, lab: &Lab, extra: &[&str], log: &Path) -> Result<Da
 }
 
 /// Waits until `attach` printed its device and logged `what`; returns the device.
-fn wait_started(attach: &mut Daemon, log: &Path, what: &str) -> Result<String> {
+pub(crate) fn wait_started(attach: &mut Daemon, log: &Path, what: &str) -> Result<String> {
     let mut dev = String::new();
     stack::wait_for("/dev/ublkbN", Duration::from_secs(60), || {
         attach.check_alive(log)?;
