@@ -23,7 +23,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -194,6 +194,8 @@ fn check_mirrors(md: &str) -> Result<()> {
 struct FioLoop {
     stop: Arc<AtomicBool>,
     passes: Arc<AtomicU64>,
+    /// The failed pass's error, for [`FioLoop::check`].
+    error: Arc<Mutex<Option<String>>>,
     handle: JoinHandle<Result<u64>>,
 }
 
@@ -201,16 +203,20 @@ impl FioLoop {
     fn start(file: PathBuf) -> FioLoop {
         let stop = Arc::new(AtomicBool::new(false));
         let passes = Arc::new(AtomicU64::new(0));
-        let (s, p) = (Arc::clone(&stop), Arc::clone(&passes));
+        let error = Arc::new(Mutex::new(None));
+        let (s, p, e) = (Arc::clone(&stop), Arc::clone(&passes), Arc::clone(&error));
         let handle = std::thread::spawn(move || -> Result<u64> {
             while !s.load(Ordering::Relaxed) {
                 let n = p.load(Ordering::Relaxed) + 1;
-                fio(&file, false).with_context(|| format!("fio pass {n}"))?;
+                if let Err(err) = fio(&file, false).with_context(|| format!("fio pass {n}")) {
+                    *e.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!("{err:#}"));
+                    return Err(err);
+                }
                 p.store(n, Ordering::Relaxed);
             }
             Ok(p.load(Ordering::Relaxed))
         });
-        FioLoop { stop, passes, handle }
+        FioLoop { stop, passes, error, handle }
     }
 
     fn passes(&self) -> u64 {
@@ -219,7 +225,10 @@ impl FioLoop {
 
     /// Fails at once if a pass failed.
     fn check(&self) -> Result<()> {
-        ensure!(!self.handle.is_finished(), "fio stopped early (a pass failed)");
+        if let Some(e) = self.error.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            bail!("{e}");
+        }
+        ensure!(!self.handle.is_finished(), "fio stopped early");
         Ok(())
     }
 
