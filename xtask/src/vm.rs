@@ -580,6 +580,7 @@ fn debian_package(cache: &Path, pkg: &str) -> Result<PathBuf> {
         .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("{pkg}_"))))
         .with_context(|| format!("the downloaded {pkg} package is missing"))?;
     let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir)?;
     run(Command::new("dpkg").arg("-x").arg(&deb).arg(&dir))?;
     fs::remove_file(&deb)?;
     fs::write(dir.join("done"), "")?;
