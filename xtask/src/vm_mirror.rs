@@ -121,7 +121,8 @@ impl Member {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &lab.initiator_ns]).arg(stack::bin(Path::new("/"), "tyche-init")).arg("attach");
         cmd.arg("--iface").arg(&lab.pairs[k].initiator_if).arg("--target").arg(lab.pairs[k].target_mac.to_string());
-        cmd.args(["--export", export, "--queues", "1", "--depth", "32"]);
+        // --retry: under TCG a target's first answer came after the attach's own timeout.
+        cmd.args(["--export", export, "--queues", "1", "--depth", "32", "--retry"]);
         cmd.arg(IO_DEADLINE.0).arg(IO_DEADLINE.1.to_string()).env("TYCHE_LOG", "info");
         let mut daemon = Daemon::spawn("tyche-init attach", &mut cmd, &log)?;
         let dev = crate::vm_ublk::wait_started(&mut daemon, &log, "ublk device started")?;
