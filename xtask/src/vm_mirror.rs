@@ -1,7 +1,8 @@
 //! `vm-test`'s mirror test (issue #30): Tyche volumes as members of Linux md arrays, in the VM.
 //!
-//! Two `tyched` targets in the guest's target namespace, each on a veth link of its own (target
-//! 0 on `tyt0`, target 1 on `tyt1`), each exporting files on the guest's tmpfs (kept across a
+//! Two `tyched` targets in the guest's target namespace, each on veth links of its own (target
+//! 0 on `tyt0` and `tyt2`, target 1 on `tyt1` and `tyt3`: one AF_XDP socket per queue, so each
+//! attachment of a target needs a link of its own), each exporting files on the guest's tmpfs (kept across a
 //! SIGKILL, so a restarted target serves the same data). `tyche-init attach` makes a ublk device
 //! of each export, over that target's link only; md mirrors across the targets.
 //!
@@ -52,7 +53,7 @@ const FIO_MIB: u64 = 16;
 /// A `tyched` serving its exports on one link of the lab; restarted after a kill.
 struct Target {
     k: usize,
-    iface: String,
+    ifaces: Vec<String>,
     exports: Vec<String>,
     stats: PathBuf,
     work: PathBuf,
@@ -65,7 +66,9 @@ impl Target {
         let img = |name: &str, mib: u64| format!("{name}={}:{mib}M", work.join(format!("t{k}-{name}.img")).display());
         Target {
             k,
-            iface: lab.pairs[k].target_if.clone(),
+            // Pair k and pair k + 2: one AF_XDP socket per queue, so each attachment of a target
+            // at once needs a link of its own (RAID10 attaches two exports of each target).
+            ifaces: vec![lab.pairs[k].target_if.clone(), lab.pairs[k + 2].target_if.clone()],
             exports: vec![img("r1", R1_MIB), img("r10a", R10_MIB), img("r10b", R10_MIB)],
             stats: work.join(format!("tyched{k}.sock")),
             work: work.to_path_buf(),
@@ -84,7 +87,10 @@ impl Target {
         for e in &self.exports {
             cmd.arg("--export").arg(e);
         }
-        cmd.arg("--iface").arg(&self.iface).arg("--stats-socket").arg(&self.stats).env("TYCHE_LOG", "info");
+        for i in &self.ifaces {
+            cmd.arg("--iface").arg(i);
+        }
+        cmd.arg("--stats-socket").arg(&self.stats).env("TYCHE_LOG", "info");
         let mut d = Daemon::spawn("tyched", &mut cmd, &log)?;
         stack::wait_for("tyched", Duration::from_secs(30), || {
             d.check_alive(&log)?;
@@ -116,8 +122,9 @@ struct Member {
 }
 
 impl Member {
+    /// Attaches `export` over the lab's pair `k` (target `k % 2`).
     fn attach(lab: &Lab, k: usize, export: &str, work: &Path) -> Result<Member> {
-        let log = work.join(format!("attach-t{k}-{export}.log"));
+        let log = work.join(format!("attach-{k}-{export}.log"));
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &lab.initiator_ns]).arg(stack::bin(Path::new("/"), "tyche-init")).arg("attach");
         cmd.arg("--iface").arg(&lab.pairs[k].initiator_if).arg("--target").arg(lab.pairs[k].target_mac.to_string());
@@ -446,7 +453,7 @@ fn raid1(lab: &Lab, targets: &mut [Target; 2], work: &Path) -> Result<String> {
 fn raid10(lab: &Lab, targets: &mut [Target; 2], work: &Path) -> Result<String> {
     let md = "/dev/md1";
     // Near-2 layout: devices 0 and 1 mirror each other, as do 2 and 3: each pair spans the targets.
-    let members = [(0, "r10a"), (1, "r10a"), (0, "r10b"), (1, "r10b")].map(|(k, e)| Member::attach(lab, k, e, work));
+    let members = [(0, "r10a"), (1, "r10a"), (2, "r10b"), (3, "r10b")].map(|(k, e)| Member::attach(lab, k, e, work));
     let members: Vec<Member> = members.into_iter().collect::<Result<_>>()?;
     let devs: Vec<String> = members.iter().map(|m| m.dev.clone()).collect();
     let sync = create(md, "10", &devs.iter().map(String::as_str).collect::<Vec<_>>())?;
@@ -490,12 +497,12 @@ pub fn guest() -> Result<String> {
     let out = Command::new("mdadm").arg("--version").output().context("mdadm (in the initramfs?)")?;
     ensure!(out.status.success(), "mdadm --version failed: {}", String::from_utf8_lossy(&out.stderr));
     let mdadm = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    let lab = Lab::create("vmt", "vmi", 2, 1500)?;
+    let lab = Lab::create("vmt", "vmi", 4, 1500)?;
     let mut targets = [Target::new(&lab, 0, &work), Target::new(&lab, 1, &work)];
     for t in &mut targets {
         t.start(&lab)?;
     }
-    println!("mirror: {mdadm}; tyched on {} and {}", targets[0].iface, targets[1].iface);
+    println!("mirror: {mdadm}; tyched on {} and {}", targets[0].ifaces.join(","), targets[1].ifaces.join(","));
     let r1 = raid1(&lab, &mut targets, &work)?;
     let r10 = raid10(&lab, &mut targets, &work)?;
     Ok(format!("{r1}; {r10}"))
