@@ -34,11 +34,11 @@ use crate::disk::{run, BlockFs, Tree};
 use crate::lab::Lab;
 use crate::stack::{self, Daemon};
 
-/// The members' I/O deadline: the initiator option and its seconds. `--io-timeout` (issue #30's
-/// per-device deadline) is not in this tree yet; `--no-path-timeout` is the stand-in: after it,
-/// requests with no live path fail with EIO while the device stays attached and serves again
-/// when a path returns.
-const IO_DEADLINE: (&str, u64) = ("--no-path-timeout", 5);
+/// The members' I/O deadline: the initiator option and its seconds. `--io-timeout`: a request
+/// that has waited that long from its submission with no live path fails with EIO, while the
+/// device stays attached and serves again when a path returns (`--no-path-timeout 5`, counted
+/// from the last path's loss, was the stand-in before it landed).
+const IO_DEADLINE: (&str, u64) = ("--io-timeout", 5);
 /// How long round 2 keeps the target down: past the deadline, so md must fail the member.
 const DOWN: Duration = Duration::from_secs(3 * IO_DEADLINE.1);
 /// Each RAID1 member (an export of each target), MiB.
