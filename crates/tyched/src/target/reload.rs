@@ -84,7 +84,9 @@ impl TargetHandle {
                 .map_err(|message| ConfigError::Invalid { field: format!("export[{j}].key_file"), message })?;
             access.push((i, j, e.allowed_macs(), key));
         }
-        let mut opened = Vec::new();
+        // Which of the new exports this target can serve now, counted before any is opened (a
+        // file export opened with a size is created).
+        let mut to_open = Vec::new();
         for &j in &plan.added {
             let e = &new.exports[j];
             if e.path.is_some() && !self.storage_kinds.threads {
@@ -94,11 +96,15 @@ impl TargetHandle {
                 ));
                 continue;
             }
-            opened.push((j, open_export(e, j, self.storage_kinds.node)?));
+            to_open.push(j);
         }
-        let total = self.config.exports.len() + opened.len();
+        let total = self.config.exports.len() + to_open.len();
         if total > MAX_EXPORTS {
             return Err(ReloadError::TooMany(total));
+        }
+        let mut opened = Vec::new();
+        for j in to_open {
+            opened.push((j, open_export(&new.exports[j], j, self.storage_kinds.node)?));
         }
         let mut ctl = control::lock(&self.shared.control);
         let mut list: Vec<Export> = ctl.exports.to_vec();
