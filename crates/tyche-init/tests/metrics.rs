@@ -97,13 +97,16 @@ fn serve_nbd(metrics: Option<&str>) -> (Served, MetricsAddr) {
         .stdout(Stdio::null())
         .spawn()
         .expect("spawn serve-nbd");
-    let served = Served { child, socket, state, _dir: dir };
+    let mut served = Served { child, socket, state, _dir: dir };
     let addr: MetricsAddr = metrics.parse().expect("address");
     let t0 = Instant::now();
     loop {
         let up = served.socket.exists() && get(&addr, "/metrics", LIMIT).is_ok();
         if up {
             break;
+        }
+        if let Some(st) = served.child.try_wait().expect("wait") {
+            panic!("serve-nbd exited before its sockets answered ({st}); its log is above");
         }
         assert!(t0.elapsed() < LIMIT, "serve-nbd's sockets never answered");
         std::thread::sleep(Duration::from_millis(20));

@@ -473,6 +473,8 @@ fn open_nics(config: &Config, term: &AtomicBool, steering: &mut Steering) -> Res
             let addr = config.tcp_listen.as_deref().unwrap_or("0.0.0.0:7788");
             let l = std::net::TcpListener::bind(addr).with_context(|| format!("tcp_listen: binding {addr}"))?;
             l.set_nonblocking(true)?;
+            // The bound address, so that port 0 (the kernel's pick) is told.
+            let addr = l.local_addr().with_context(|| format!("tcp_listen: {addr}"))?;
             tracing::info!(%addr, connections = config.ifaces.len(), "TCP transport: waiting for initiators");
             Some(l)
         }

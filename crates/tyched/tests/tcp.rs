@@ -19,34 +19,77 @@ impl Drop for Daemon {
     }
 }
 
-fn start(addr: &str, file: &std::path::Path, socket: &std::path::Path) -> Daemon {
-    let child = Command::new(env!("CARGO_BIN_EXE_tyched"))
-        .args(["serve", "--transport", "tcp", "--iface", "lo", "--tcp-listen", addr, "--workers", "2"])
-        .arg("--export")
-        .arg(format!("disk={}", file.display()))
-        .arg("--stats-socket")
-        .arg(socket)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("start tyched");
-    Daemon(child)
+/// The addresses a `tyched serve` that asked for port 0 bound, read from its log: no port is
+/// picked here and released for the daemon to bind, where another test's socket could take it
+/// first.
+struct Bound {
+    rx: std::sync::mpsc::Receiver<(bool, Option<String>)>,
+    tcp: Option<String>,
+    metrics: Option<String>,
 }
 
-/// Connects to the daemon (retrying while it starts) and wraps the stream as the initiator's port.
-fn connect(addr: &str) -> Port {
-    let deadline = std::time::Instant::now() + common::LIMIT;
-    loop {
-        match std::net::TcpStream::connect(addr) {
-            Ok(s) => {
-                let t = tyche_tcp::TcpTransport::new(s, 9000, common::init_mac(0)).expect("TCP transport");
-                return Box::new(t);
+impl Bound {
+    /// The TCP transport's address, or with `metrics` the metrics endpoint's (logged once the
+    /// daemon serves, i.e. after the initiators connected).
+    fn wait(&mut self, d: &mut Daemon, metrics: bool) -> String {
+        let deadline = std::time::Instant::now() + common::LIMIT;
+        loop {
+            if let Some(a) = if metrics { &self.metrics } else { &self.tcp } {
+                return a.clone();
             }
-            Err(e) => {
-                assert!(std::time::Instant::now() < deadline, "tyched never listened on {addr}: {e}");
-                std::thread::sleep(Duration::from_millis(20));
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok((m, a)) => {
+                    let a = a.expect("an addr= field in the daemon's log line");
+                    *if m { &mut self.metrics } else { &mut self.tcp } = Some(a);
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    panic!("tyched exited before it listened: {:?}", d.0.wait())
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("tyched did not listen within {:?}", common::LIMIT)
+                }
             }
         }
     }
+}
+
+/// Starts `cmd` (a `tyched serve` asking for port 0); its log goes on to this test's stderr.
+fn spawn(mut cmd: Command) -> (Daemon, Bound) {
+    use std::io::BufRead;
+    let mut child = cmd.stdin(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start tyched");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            let addr = || line.split_once(" addr=").and_then(|(_, r)| r.split_whitespace().next()).map(str::to_owned);
+            if line.contains("TCP transport: waiting for initiators") {
+                let _ = tx.send((false, addr()));
+            } else if line.contains("Prometheus metrics at /metrics") {
+                let _ = tx.send((true, addr()));
+            }
+        }
+    });
+    (Daemon(child), Bound { rx, tcp: None, metrics: None })
+}
+
+fn start(file: &std::path::Path, socket: &std::path::Path) -> (Daemon, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tyched"));
+    cmd.args(["serve", "--transport", "tcp", "--iface", "lo", "--tcp-listen", "127.0.0.1:0", "--workers", "2"])
+        .arg("--export")
+        .arg(format!("disk={}", file.display()))
+        .arg("--stats-socket")
+        .arg(socket);
+    let (mut d, mut bound) = spawn(cmd);
+    let addr = bound.wait(&mut d, false);
+    (d, addr)
+}
+
+/// Connects to the daemon's TCP transport and wraps the stream as the initiator's port.
+fn connect(addr: &str) -> Port {
+    let s = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connecting to tyched at {addr}: {e}"));
+    Box::new(tyche_tcp::TcpTransport::new(s, 9000, common::init_mac(0)).expect("TCP transport"))
 }
 
 fn stop(d: &mut Daemon, sig: i32) {
@@ -73,10 +116,8 @@ fn tyched_binary_over_tcp_survives_sigterm_and_restart() {
     let file = dir.path().join("disk.img");
     std::fs::File::create(&file).expect("create").set_len(4 << 20).expect("size");
     let socket = dir.path().join("stats.sock");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("free port").local_addr().expect("addr").port();
-    let addr = format!("127.0.0.1:{port}");
 
-    let mut d = start(&addr, &file, &socket);
+    let (mut d, addr) = start(&file, &socket);
     let mut ini = Initiator::new(vec![connect(&addr)]);
     ini.target_macs = vec![tyched::tcp_mac(0)];
     let c = ini.attach("disk", None).expect("attach over TCP");
@@ -94,7 +135,7 @@ fn tyched_binary_over_tcp_survives_sigterm_and_restart() {
     stop(&mut d, libc::SIGTERM);
     drop(ini);
 
-    let mut d = start(&addr, &file, &socket);
+    let (mut d, addr) = start(&file, &socket);
     let mut ini = Initiator::new(vec![connect(&addr)]);
     ini.target_macs = vec![tyched::tcp_mac(0)];
     ini.attach("disk", None).expect("attach after restart");
@@ -125,9 +166,6 @@ fn tyched_binary_serves_prometheus_metrics() {
     let file = dir.path().join("disk.img");
     std::fs::File::create(&file).expect("create").set_len(4 << 20).expect("size");
     let socket = dir.path().join("stats.sock");
-    let free = || std::net::TcpListener::bind("127.0.0.1:0").expect("free port").local_addr().expect("addr").port();
-    let addr = format!("127.0.0.1:{}", free());
-    let metrics = format!("127.0.0.1:{}", free());
 
     // A non-loopback address is refused unless allowed, with the field named.
     let check = |extra: &[&str]| {
@@ -171,17 +209,15 @@ fn tyched_binary_serves_prometheus_metrics() {
     assert!(check(&["--export", &format!("m={}:1M", fresh.display())]).status.success());
     assert!(!fresh.exists(), "--check created {}", fresh.display());
 
-    let child = Command::new(env!("CARGO_BIN_EXE_tyched"))
-        .args(["serve", "--transport", "tcp", "--iface", "lo", "--tcp-listen", &addr, "--workers", "2"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tyched"));
+    cmd.args(["serve", "--transport", "tcp", "--iface", "lo", "--tcp-listen", "127.0.0.1:0", "--workers", "2"])
         .arg("--export")
         .arg(format!("disk={}", file.display()))
         .arg("--stats-socket")
         .arg(&socket)
-        .args(["--prometheus-listen", &metrics])
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("start tyched");
-    let mut d = Daemon(child);
+        .args(["--prometheus-listen", "127.0.0.1:0"]);
+    let (mut d, mut bound) = spawn(cmd);
+    let addr = bound.wait(&mut d, false);
     let mut ini = Initiator::new(vec![connect(&addr)]);
     ini.target_macs = vec![tyched::tcp_mac(0)];
     ini.attach("disk", None).expect("attach over TCP");
@@ -189,6 +225,7 @@ fn tyched_binary_serves_prometheus_metrics() {
         ini.write(i << 16, &pattern(i << 16, 8192, 9));
     }
     let _ = ini.read(0, 8192);
+    let metrics = bound.wait(&mut d, true);
     // Scrape until the counters show the writes (a snapshot is taken per scrape).
     let deadline = std::time::Instant::now() + common::LIMIT;
     let body = loop {
@@ -297,23 +334,18 @@ fn reloads(socket: &std::path::Path, n: u64) -> tyched::Snapshot {
 fn tyched_binary_reloads_its_configuration_on_sighup() {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("stats.sock");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("free port").local_addr().expect("addr").port();
-    let addr = format!("127.0.0.1:{port}");
     let conf = dir.path().join("tyched.toml");
     let head = format!(
-        "transport = \"tcp\"\nifaces = [\"lo\"]\ntcp_listen = \"{addr}\"\nworkers = 2\nstats_socket = \"{}\"\n\
+        "transport = \"tcp\"\nifaces = [\"lo\"]\ntcp_listen = \"127.0.0.1:0\"\nworkers = 2\nstats_socket = \"{}\"\n\
          [[export]]\nname = \"disk\"\npath = \"{}\"\nsize = \"4M\"\n",
         socket.display(),
         dir.path().join("disk.img").display()
     );
     std::fs::write(&conf, &head).expect("write the configuration");
-    let child = Command::new(env!("CARGO_BIN_EXE_tyched"))
-        .args(["serve", "--config"])
-        .arg(&conf)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("start tyched");
-    let mut d = Daemon(child);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tyched"));
+    cmd.args(["serve", "--config"]).arg(&conf);
+    let (mut d, mut bound) = spawn(cmd);
+    let addr = bound.wait(&mut d, false);
     let mut ini = Initiator::new(vec![connect(&addr)]);
     ini.target_macs = vec![tyched::tcp_mac(0)];
     ini.attach("disk", None).expect("attach over TCP");
