@@ -30,23 +30,30 @@
 //!   ([`FrameTransport::lend_tx_chunks`]): it writes payloads there ahead of time (a storage read
 //!   straight into them), and [`FrameTransport::send_with`] then sends such a chunk after writing
 //!   only the headers in front of its payload ([`Sent::Chunk`]). A chunk the kernel still
-//!   transmits ([`FrameTransport::tx_chunks_in_flight`]) must be neither rewritten nor sent again.
-#![forbid(unsafe_code)]
+//!   transmits ([`FrameTransport::tx_chunks_in_flight`]) must be neither rewritten nor sent again:
+//!   its [`ChunkState`], shared by the chunk and the transport, refuses a writer
+//!   ([`TxChunk::write`]) while it is sent, and a send while a writer holds it.
+//! - Lent memory is reached only through borrows: [`Lease::bytes`] and [`Lease::slice`] while the
+//!   lease lives, a [`ChunkWriter`]'s pieces while it lives. Only a transport makes a lease or a
+//!   chunk, with an `unsafe` constructor whose contract says what it guarantees of the memory
+//!   (module `lent`, this crate's only unsafe code).
+// Unsafe code lives in `lent` alone: the lent memory's contracts (and nowhere else).
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod fault;
+mod lent;
 mod mem;
 pub mod poll;
 pub mod replay;
 pub mod stats_socket;
 pub mod wake;
 
-use std::any::Any;
 use std::io;
 use std::os::fd::BorrowedFd;
-use std::sync::Arc;
 
 pub use fault::{FaultConfig, FaultInjector, FaultStats};
+pub use lent::{ChunkBusy, ChunkState, ChunkWriter, Lease, LeasePiece, TxChunk, TxPiece};
 pub use mem::{MemLink, MemPort};
 use tyche_wire::MacAddr;
 
@@ -180,95 +187,6 @@ pub fn pieces_len(pieces: &[&[u8]]) -> usize {
     pieces.iter().map(|p| p.len()).sum()
 }
 
-/// One buffer of a lent frame ([`Lease::pieces`]): `len` bytes at `addr`, named `id` by the
-/// transport.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct LeasePiece {
-    /// The transport's name for the buffer.
-    pub id: u64,
-    /// Address of the piece's first byte.
-    pub addr: usize,
-    /// Bytes of the frame in it.
-    pub len: usize,
-}
-
-/// A received frame's buffer, lent by the transport to the receiver that keeps the frame
-/// ([`FrameTransport::recv_lend`]).
-///
-/// While the lease lives, the frame's bytes stay at [`Lease::addr`] (for [`Lease::len`] bytes)
-/// and nothing writes them: the transport does not reuse the buffer until the lease comes back
-/// through [`FrameTransport::release`], and the lease holds a reference on the memory the buffer
-/// lies in, so the bytes stay mapped even if the transport is dropped first (a storage write
-/// still reading them, say). A lease is not `Clone`: it goes back once.
-///
-/// A frame in several pieces (a multi-buffer frame) is lent as one lease over all of them
-/// ([`Lease::pieces`], at most [`MAX_PIECES`], held inline: no allocation per frame).
-pub struct Lease {
-    pieces: [LeasePiece; MAX_PIECES],
-    count: u8,
-    memory: Arc<dyn Any + Send + Sync>,
-}
-
-impl Lease {
-    /// For transports: a lease named `id` (the transport's own name for the buffer) on `frame`,
-    /// whose memory `memory` keeps alive.
-    pub fn new(id: u64, frame: &[u8], memory: Arc<dyn Any + Send + Sync>) -> Lease {
-        let mut pieces = [LeasePiece::default(); MAX_PIECES];
-        pieces[0] = LeasePiece { id, addr: frame.as_ptr() as usize, len: frame.len() };
-        Lease { pieces, count: 1, memory }
-    }
-    /// For transports: a lease on a frame in several buffers, `(id, bytes)` for each in order,
-    /// whose memory `memory` keeps alive. `None` when there are none or more than
-    /// [`MAX_PIECES`].
-    pub fn new_pieces<'b>(
-        parts: impl IntoIterator<Item = (u64, &'b [u8])>,
-        memory: Arc<dyn Any + Send + Sync>,
-    ) -> Option<Lease> {
-        let mut pieces = [LeasePiece::default(); MAX_PIECES];
-        let mut count = 0;
-        for (id, bytes) in parts {
-            *pieces.get_mut(count)? = LeasePiece { id, addr: bytes.as_ptr() as usize, len: bytes.len() };
-            count += 1;
-        }
-        (count > 0).then_some(Lease { pieces, count: count as u8, memory })
-    }
-    /// The transport's name for the (first) buffer.
-    pub fn id(&self) -> u64 {
-        self.pieces[0].id
-    }
-    /// Address of the frame's first byte.
-    pub fn addr(&self) -> usize {
-        self.pieces[0].addr
-    }
-    /// Length of the frame, all pieces together.
-    pub fn len(&self) -> usize {
-        self.pieces().iter().map(|p| p.len).sum()
-    }
-    /// Whether the frame is empty (never, for a frame a transport delivered).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// The buffers of the frame, in order (one unless it is a multi-buffer frame).
-    pub fn pieces(&self) -> &[LeasePiece] {
-        &self.pieces[..self.count as usize]
-    }
-    /// Whether `bytes` lies within one piece of the lent frame.
-    pub fn covers(&self, bytes: &[u8]) -> bool {
-        let a = bytes.as_ptr() as usize;
-        self.pieces().iter().any(|p| a >= p.addr && a + bytes.len() <= p.addr + p.len)
-    }
-    /// The memory the frame lies in (for transports: to check a lease is theirs).
-    pub fn memory(&self) -> &Arc<dyn Any + Send + Sync> {
-        &self.memory
-    }
-}
-
-impl std::fmt::Debug for Lease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lease").field("pieces", &self.pieces()).finish()
-    }
-}
-
 /// What a [`FrameTransport::send_with`] callback did with the buffer it was given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sent {
@@ -286,75 +204,6 @@ pub enum Sent {
         /// Frame length.
         len: usize,
     },
-}
-
-/// One buffer of a [`TxChunk`]: room for `capacity` bytes of frame at `addr`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct TxPiece {
-    /// Address of the piece's first byte.
-    pub addr: usize,
-    /// Bytes of frame it holds.
-    pub capacity: usize,
-}
-
-/// Transmit memory lent for good to the sender ([`FrameTransport::lend_tx_chunks`]): a frame of
-/// up to `capacity` bytes starts at `frame_addr`. Where one buffer cannot hold a whole frame (a
-/// multi-buffer link), a chunk is a group of buffers ([`TxChunk::pieces`], at most
-/// [`MAX_PIECES`]) that the frame fills in order and that goes out as one multi-buffer frame.
-/// The sender writes it through raw pointers (the crate using it justifies that), only while
-/// the chunk is not in flight; the chunk holds a reference on its memory, so it stays mapped
-/// while the chunk lives.
-pub struct TxChunk {
-    id: u64,
-    pieces: [TxPiece; MAX_PIECES],
-    count: u8,
-    memory: Arc<dyn Any + Send + Sync>,
-}
-
-impl TxChunk {
-    /// For transports: chunk `id` whose frame starts at `frame_addr` and holds `capacity`
-    /// bytes, in memory `memory` keeps alive.
-    pub fn new(id: u64, frame_addr: usize, capacity: usize, memory: Arc<dyn Any + Send + Sync>) -> TxChunk {
-        let mut pieces = [TxPiece::default(); MAX_PIECES];
-        pieces[0] = TxPiece { addr: frame_addr, capacity };
-        TxChunk { id, pieces, count: 1, memory }
-    }
-    /// For transports: chunk `id` made of several buffers, in frame order. `None` when there
-    /// are none or more than [`MAX_PIECES`].
-    pub fn new_pieces(id: u64, parts: &[TxPiece], memory: Arc<dyn Any + Send + Sync>) -> Option<TxChunk> {
-        if parts.is_empty() || parts.len() > MAX_PIECES {
-            return None;
-        }
-        let mut pieces = [TxPiece::default(); MAX_PIECES];
-        pieces[..parts.len()].copy_from_slice(parts);
-        Some(TxChunk { id, pieces, count: parts.len() as u8, memory })
-    }
-    /// The transport's name for the chunk.
-    pub fn id(&self) -> u64 {
-        self.id
-    }
-    /// Address of the frame's first byte.
-    pub fn frame_addr(&self) -> usize {
-        self.pieces[0].addr
-    }
-    /// Largest frame the chunk holds (all pieces together).
-    pub fn capacity(&self) -> usize {
-        self.pieces().iter().map(|p| p.capacity).sum()
-    }
-    /// The buffers the frame fills, in order (one unless frames span several).
-    pub fn pieces(&self) -> &[TxPiece] {
-        &self.pieces[..self.count as usize]
-    }
-    /// The memory the chunk lies in.
-    pub fn memory(&self) -> &Arc<dyn Any + Send + Sync> {
-        &self.memory
-    }
-}
-
-impl std::fmt::Debug for TxChunk {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TxChunk").field("id", &self.id).field("pieces", &self.pieces()).finish()
-    }
 }
 
 /// A range of this process's address space that a transport owns.

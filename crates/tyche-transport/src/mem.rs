@@ -6,7 +6,7 @@ use tyche_wire::MacAddr;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use crate::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk, TxPiece, MAX_PIECES};
+use crate::{ChunkState, FrameTransport, Lease, OnLentFrame, Sent, TxChunk, TxPiece, MAX_PIECES};
 
 /// Bytes of filler between the pieces of a frame a [`MemPort`] splits ([`MemPort::set_pieces`]),
 /// so that a receiver reading past a piece's end reads filler, not the next piece.
@@ -78,7 +78,7 @@ pub struct MemPort {
     /// Transmit chunks that may be lent for good ([`FrameTransport::lend_tx_chunks`]).
     tx_lend_limit: usize,
     /// Transmit chunks lent, by id.
-    tx_lent: HashMap<u64, ChunkMemory>,
+    tx_lent: HashMap<u64, (ChunkMemory, Arc<ChunkState>)>,
     /// Simulated multi-buffer frames ([`MemPort::set_pieces`]): bytes per piece.
     piece: Option<usize>,
     /// Frames dropped on receipt for needing more than [`MAX_PIECES`] pieces.
@@ -208,7 +208,10 @@ impl FrameTransport for MemPort {
             for (p, &(at, l)) in parts.iter_mut().zip(&cuts[..count]) {
                 *p = &frame[at..at + l];
             }
-            let lease = Lease::new_pieces(parts[..count].iter().map(|p| (id, *p)), Arc::clone(&frame) as _)
+            // SAFETY: the Arc keeps the frame's bytes; nothing writes them until the lease
+            // comes back (`release` recycles the buffer only then) or is dropped unkept below.
+            #[allow(unsafe_code)]
+            let lease = unsafe { Lease::new_pieces(parts[..count].iter().map(|p| (id, *p)), Arc::clone(&frame) as _) }
                 .expect("1 to MAX_PIECES pieces");
             match on_frame(&parts[..count], Some(lease)) {
                 None => {
@@ -240,7 +243,8 @@ impl FrameTransport for MemPort {
         let r = self.send(budget, &mut |buf| match fill(buf)? {
             Sent::Here(len) => Some(len),
             Sent::Chunk { id, header, len } => {
-                let chunk = chunks.get(&id).expect("a chunk this port lent");
+                let (chunk, state) = chunks.get(&id).expect("a chunk this port lent");
+                assert!(state.begin_send(), "chunk {id} is sent while its sender writes it");
                 // Where each piece of the chunk starts, and how much it holds.
                 let (cap, stride) = match piece {
                     Some(p) => (p, p + PIECE_GAP),
@@ -257,6 +261,8 @@ impl FrameTransport for MemPort {
                         *b = c.load(Ordering::Relaxed);
                     }
                 }
+                // Copied out: the frame is sent, the chunk is its sender's again.
+                state.end_send();
                 Some(len)
             }
         });
@@ -280,10 +286,17 @@ impl FrameTransport for MemPort {
                 let stride = if count > 1 { cap + PIECE_GAP } else { cap };
                 let mem: ChunkMemory = Arc::new((0..count * stride).map(|_| AtomicU8::new(FILLER)).collect());
                 let addr = mem.as_ptr() as usize;
-                self.tx_lent.insert(id, Arc::clone(&mem));
                 let pieces: Vec<TxPiece> =
                     (0..count).map(|i| TxPiece { addr: addr + i * stride, capacity: cap }).collect();
-                TxChunk::new_pieces(id, &pieces, mem as _).expect("1 to MAX_PIECES pieces")
+                // SAFETY: the Arc keeps the chunk's bytes (atomics: this port reads and writes
+                // them through shared references, while it sends); the pieces lie apart within
+                // this chunk's own allocation; this port touches them only in `send_with`,
+                // between begin_send and end_send on the chunk's state.
+                #[allow(unsafe_code)]
+                let chunk =
+                    unsafe { TxChunk::new_pieces(id, &pieces, Arc::clone(&mem) as _) }.expect("1 to MAX_PIECES pieces");
+                self.tx_lent.insert(id, (mem, Arc::clone(chunk.state())));
+                chunk
             })
             .collect()
     }
@@ -445,24 +458,22 @@ mod tests {
         let (mut a, mut b) = MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 9000, 9014, 16);
         a.set_pieces(3646);
         a.set_tx_lending(2);
-        let chunks = a.lend_tx_chunks(8);
+        let mut chunks = a.lend_tx_chunks(8);
         assert_eq!(chunks.len(), 2);
-        let c = &chunks[0];
+        let c = &mut chunks[0];
         assert_eq!(c.pieces().len(), 3);
         assert!(c.capacity() >= 9014);
         // Fill a payload after 62 header bytes across the pieces, as a storage read would.
         let len = 62 + 8192;
-        let mem = c.memory().downcast_ref::<Box<[AtomicU8]>>().expect("a MemPort chunk");
-        let base = mem.as_ptr() as usize;
         let mut at = 0usize;
-        for p in c.pieces() {
-            for i in 0..p.capacity {
+        for p in c.write().expect("not being sent").pieces() {
+            for (i, byte) in p.iter_mut().enumerate() {
                 let pos = at + i;
                 if (62..len).contains(&pos) {
-                    mem[p.addr - base + i].store((pos % 253) as u8, Ordering::Relaxed);
+                    *byte = (pos % 253) as u8;
                 }
             }
-            at += p.capacity;
+            at += p.len();
         }
         let id = c.id();
         let mut once = false;

@@ -5,7 +5,7 @@ use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 
-use tyche_transport::{FrameTransport, Lease, OnLentFrame, Sent, TxChunk, TxPiece, MAX_PIECES};
+use tyche_transport::{ChunkState, FrameTransport, Lease, OnLentFrame, Sent, TxChunk, TxPiece, MAX_PIECES};
 use tyche_wire::MacAddr;
 use xsk_rs::config::{BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, SocketConfig, UmemConfig};
 use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
@@ -230,13 +230,16 @@ pub struct XdpPort {
 
 /// A lent transmit chunk: its buffers (one, or a group on a multi-buffer link) and how many of
 /// them the kernel still has.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct TxGroup {
     descs: [FrameDesc; MAX_PIECES],
     count: usize,
     in_flight: usize,
     /// Its place in `tx_lent_busy` while the kernel has it, else [`NO_GROUP`].
     busy_at: u32,
+    /// Shared with the lent chunk: sending while its sender writes it is refused, and so is
+    /// writing while the kernel has it.
+    state: Arc<ChunkState>,
 }
 
 /// No lent transmit group (in `tx_member`), not busy (in [`TxGroup::busy_at`]).
@@ -534,6 +537,7 @@ impl XdpPort {
                     let group = &mut self.tx_lent[g as usize];
                     group.in_flight = group.in_flight.saturating_sub(1);
                     if group.in_flight == 0 {
+                        group.state.end_send();
                         let at = std::mem::replace(&mut group.busy_at, NO_GROUP);
                         self.unbusy(at);
                     }
@@ -662,10 +666,15 @@ impl XdpPort {
                         refill.append(&mut self.rx_partial);
                         continue;
                     }
-                    let lease = Lease::new_pieces(
-                        self.rx_partial.iter().zip(pieces).map(|(d, p)| (d.addr() as u64, *p)),
-                        Arc::clone(&self.umem_keep),
-                    )
+                    // SAFETY: the buffers lie in this UMEM, which `umem_keep` keeps mapped; a
+                    // kept frame's buffers go on no ring (spare chunks take their places) until
+                    // the lease comes back through `release`, so nothing writes them meanwhile.
+                    let lease = unsafe {
+                        Lease::new_pieces(
+                            self.rx_partial.iter().zip(pieces).map(|(d, p)| (d.addr() as u64, *p)),
+                            Arc::clone(&self.umem_keep),
+                        )
+                    }
                     .expect("1 to MAX_PIECES pieces");
                     match on_frame(pieces, Some(lease)) {
                         None => {
@@ -693,7 +702,9 @@ impl XdpPort {
                     refill.push(*desc);
                     continue;
                 }
-                let lease = Lease::new(desc.addr() as u64, bytes, Arc::clone(&self.umem_keep));
+                // SAFETY: as for a frame in pieces: mapped while `umem_keep` lives, on no ring
+                // until the lease comes back.
+                let lease = unsafe { Lease::new(desc.addr() as u64, bytes, Arc::clone(&self.umem_keep)) };
                 match on_frame(&[bytes], Some(lease)) {
                     None => {
                         // Kept: a spare chunk takes its place on the fill ring.
@@ -734,6 +745,7 @@ impl XdpPort {
         let busy_at = self.tx_lent_busy.len() as u32;
         let group = &mut self.tx_lent[g as usize];
         assert!(group.in_flight == 0, "a lent chunk is sent again only once the kernel is done with it");
+        assert!(group.state.begin_send(), "lent chunk {id} is sent while its sender writes it");
         assert!(len <= group.count * BUFFER_CAPACITY, "a frame within its chunk");
         let used = len.div_ceil(BUFFER_CAPACITY).max(1);
         let mut left = len;
@@ -742,8 +754,8 @@ impl XdpPort {
             let n = left.min(BUFFER_CAPACITY);
             left -= n;
             // SAFETY: a buffer of this UMEM lent to the caller and not in flight, so no ring
-            // holds it; the caller only writes it (its payload) while it is not being sent,
-            // never during this call, so this is the only reference.
+            // holds it; its sender holds no writer on it (begin_send succeeded above), so this
+            // is the only reference.
             let mut data = unsafe { self.umem.data_mut(&mut d) };
             let full = data.cursor().buf_len();
             data.cursor().set_pos(full);
@@ -883,8 +895,16 @@ impl FrameTransport for XdpPort {
                     pieces[i] = TxPiece { addr: base + d.addr(), capacity: BUFFER_CAPACITY };
                     self.tx_member[chunk_index(d.addr() as u64)] = g;
                 }
-                self.tx_lent.push(TxGroup { descs, count: per, in_flight: 0, busy_at: NO_GROUP });
-                TxChunk::new_pieces(id, &pieces[..per], Arc::clone(&self.umem_keep)).expect("1 to MAX_PIECES pieces")
+                // SAFETY: buffers of this UMEM (mapped while `umem_keep` lives), taken off the
+                // lendable list for good, so on no ring and lent once; this port writes them
+                // (the headers) and puts them on the TX ring only in `stage_lent`, after
+                // begin_send on the chunk's state, and calls end_send once the completion ring
+                // gave every one of them back (`reclaim`).
+                let chunk = unsafe { TxChunk::new_pieces(id, &pieces[..per], Arc::clone(&self.umem_keep)) }
+                    .expect("1 to MAX_PIECES pieces");
+                let state = Arc::clone(chunk.state());
+                self.tx_lent.push(TxGroup { descs, count: per, in_flight: 0, busy_at: NO_GROUP, state });
+                chunk
             })
             .collect()
     }

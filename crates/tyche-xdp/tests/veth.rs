@@ -320,22 +320,22 @@ fn lent_multi_buffer_frames_and_chunk_groups() {
 }
 
 /// Copies `src` into the pieces of a lent transmit chunk, starting `at` bytes into its frame.
-fn write_into(c: &tyche_transport::TxChunk, mut at: usize, mut src: &[u8]) {
-    for p in c.pieces() {
-        if at >= p.capacity {
-            at -= p.capacity;
+fn write_into(c: &mut tyche_transport::TxChunk, mut at: usize, mut src: &[u8]) {
+    let mut w = c.write().expect("a chunk the kernel is done with");
+    for p in w.pieces() {
+        if at >= p.len() {
+            at -= p.len();
             continue;
         }
-        let n = src.len().min(p.capacity - at);
-        // SAFETY: a chunk lent to this test, not in flight; `at + n` stays within the piece.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), (p.addr + at) as *mut u8, n) };
+        let n = src.len().min(p.len() - at);
+        p[at..at + n].copy_from_slice(&src[..n]);
         src = &src[n..];
         at = 0;
         if src.is_empty() {
             break;
         }
     }
-    assert!(src.is_empty(), "the frame fits its chunk");
+    assert!(src.is_empty(), "the frame fits the chunk");
 }
 
 fn lend_on(tag: &'static str, mtu: u32) {
@@ -385,11 +385,7 @@ fn lend_on(tag: &'static str, mtu: u32) {
         assert!(port.stats().lend_exhausted > 0 && port.stats().lent == u64::from(LEND));
         // Kept frames are unchanged while more arrive.
         for (seq, l) in &kept {
-            let mut bytes = Vec::new();
-            for p in l.pieces() {
-                // SAFETY: the lease keeps the frame's bytes in place and unwritten.
-                bytes.extend_from_slice(unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len) });
-            }
+            let bytes: Vec<u8> = l.bytes().flatten().copied().collect();
             assert_eq!(check_data(&bytes, segment), *seq);
         }
         for (_, l) in kept {
@@ -397,7 +393,7 @@ fn lend_on(tag: &'static str, mtu: u32) {
         }
         assert_eq!(port.leases_out(), 0);
         // Transmit chunks: payload written ahead, headers at send time.
-        let chunks = port.lend_tx_chunks(16);
+        let mut chunks = port.lend_tx_chunks(16);
         assert_eq!(chunks.len(), 4, "as many as configured");
         assert!(chunks.iter().all(|c| c.pieces().len() == per && c.capacity() >= DATA_FRAME_OVERHEAD + segment));
         let env = env(MAC_A, MAC_B);
@@ -406,7 +402,7 @@ fn lend_on(tag: &'static str, mtu: u32) {
         for round in 0..2u32 {
             let order: Vec<usize> = if round == 0 { (0..4).collect() } else { (0..4).rev().collect() };
             let seq = |i: usize| 100 + 4 * round + i as u32;
-            for (i, c) in chunks.iter().enumerate() {
+            for (i, c) in chunks.iter_mut().enumerate() {
                 let mut frame = vec![0u8; DATA_FRAME_OVERHEAD + segment];
                 data_frame(&env, seq(i), segment, &mut frame);
                 write_into(c, DATA_FRAME_OVERHEAD, &frame[DATA_FRAME_OVERHEAD..]);

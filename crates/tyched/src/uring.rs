@@ -305,22 +305,37 @@ impl Engine {
             Op::Read if f.job.region.is_some() => {
                 // Straight into the transmit chunks the data is sent from, resuming after `done`
                 // bytes.
+                // The kernel writes the chunks after the writers are gone: the job holds the
+                // region until it completes, and only a region in the slot table is sent from.
                 let mut skip = f.done;
-                f.iov.0.clear();
-                for p in f.job.read_places() {
-                    if skip >= p.len() {
-                        skip -= p.len();
-                        continue;
+                let iov = &mut f.iov.0;
+                iov.clear();
+                let built = f.job.with_read_places(|places| {
+                    for p in places.iter_mut() {
+                        if skip >= p.len() {
+                            skip -= p.len();
+                            continue;
+                        }
+                        let p = &mut p[skip..];
+                        skip = 0;
+                        iov.push(libc::iovec { iov_base: p.as_mut_ptr().cast(), iov_len: p.len() });
+                        if iov.len() == crate::backend::IOV_MAX {
+                            break;
+                        }
                     }
-                    let p = &mut p[skip..];
-                    skip = 0;
-                    f.iov.0.push(libc::iovec { iov_base: p.as_mut_ptr().cast(), iov_len: p.len() });
-                    if f.iov.0.len() == crate::backend::IOV_MAX {
-                        break;
+                });
+                match built {
+                    Ok(()) => {
+                        let fd = file.fd_for_iov(&f.iov.0, off);
+                        opcode::Readv::new(types::Fd(fd), f.iov.0.as_ptr(), f.iov.0.len() as u32).offset(off).build()
+                    }
+                    Err(busy) => {
+                        // Never (regions are handed out idle): a no-op, whose completion of no
+                        // bytes fails the read.
+                        tracing::error!(%busy, "a read region's chunk is being sent: the read is not run");
+                        opcode::Nop::new().build()
                     }
                 }
-                let fd = file.fd_for_iov(&f.iov.0, off);
-                opcode::Readv::new(types::Fd(fd), f.iov.0.as_ptr(), f.iov.0.len() as u32).offset(off).build()
             }
             Op::Read => {
                 let buf = f.job.buf.as_mut().expect("read slot").as_mut_slice();

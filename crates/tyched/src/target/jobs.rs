@@ -112,11 +112,8 @@ impl Job {
                 out.push(mem?.get(at..o)?);
             }
             for &(addr, n) in seg.parts() {
-                // SAFETY: `addr..addr + n` lies within a buffer of the frame the lease names
-                // (checked with `Lease::covers` when the frame was kept), and while the lease
-                // lives the transport neither reuses nor unmaps that memory; `self` holds the
-                // lease for the borrow.
-                out.push(unsafe { std::slice::from_raw_parts(addr as *const u8, n as usize) });
+                // Within a buffer of the frame the lease names (checked when the frame was kept).
+                out.push(seg.lease.slice(addr, n as usize)?);
             }
             at = o + l;
         }
@@ -144,40 +141,41 @@ impl Job {
         }
     }
 
-    /// Where the read data goes when it goes straight into transmit chunks: segment `i` in
-    /// chunk `i`, right after the room for the DATA frame's headers, in one place, or, where a
-    /// chunk is a group of buffers (a multi-buffer link), in one place per buffer it fills.
-    pub(crate) fn read_places(&mut self) -> Vec<&mut [u8]> {
+    /// Runs `read` on the places the read data goes to when it goes straight into transmit
+    /// chunks: segment `i` in chunk `i`, right after the room for the DATA frame's headers, in
+    /// one place, or, where a chunk is a group of buffers (a multi-buffer link), in one place per
+    /// buffer it fills. `Err` if a chunk is being sent (regions are handed out only when idle,
+    /// so never): the read must not run.
+    pub(crate) fn with_read_places<R>(
+        &mut self,
+        read: impl FnOnce(&mut [&mut [u8]]) -> R,
+    ) -> Result<R, tyche_transport::ChunkBusy> {
         let len = self.request.length as usize;
-        let region = self.region.as_ref().expect("a read region");
+        let region = self.region.as_mut().expect("a read region");
         let seg = region.seg as usize;
         assert_eq!(region.chunks.len(), len.div_ceil(seg), "one chunk per segment");
-        let mut places = Vec::with_capacity(region.chunks.len());
-        for (i, c) in region.chunks.iter().enumerate() {
+        let mut writers = region.chunks.iter_mut().map(TxChunk::write).collect::<Result<Vec<_>, _>>()?;
+        let mut places = Vec::with_capacity(writers.len());
+        for (i, w) in writers.iter_mut().enumerate() {
             let n = seg.min(len - i * seg);
-            assert!(DATA_FRAME_OVERHEAD + n <= c.capacity(), "a segment and its headers fit a chunk");
             // The frame fills the chunk's pieces in order; the payload starts after the headers.
             let (mut skip, mut left) = (DATA_FRAME_OVERHEAD, n);
-            for p in c.pieces() {
+            for p in w.pieces() {
                 if left == 0 {
                     break;
                 }
-                if skip >= p.capacity {
-                    skip -= p.capacity;
+                if skip >= p.len() {
+                    skip -= p.len();
                     continue;
                 }
-                let m = left.min(p.capacity - skip);
-                // SAFETY: the chunk was lent to this target for good and lies in memory it
-                // keeps mapped; while this job holds the region no frame is sent from it and the
-                // kernel has none of it in flight (regions are handed out only when idle), so
-                // this is the only reference to these bytes; `skip + m` stays within the piece,
-                // and the places of distinct pieces and chunks are disjoint.
-                places.push(unsafe { std::slice::from_raw_parts_mut((p.addr + skip) as *mut u8, m) });
+                let m = left.min(p.len() - skip);
+                places.push(&mut p[skip..skip + m]);
                 left -= m;
                 skip = 0;
             }
+            assert_eq!(left, 0, "a segment and its headers fit a chunk");
         }
-        places
+        Ok(read(&mut places))
     }
 }
 
@@ -195,7 +193,15 @@ pub(crate) fn execute(backend: &dyn Backend, job: &mut Job) -> Status {
     let r = job.request;
     let len = r.length as usize;
     let res = match r.op {
-        Op::Read if job.region.is_some() => backend.read_vectored_at(&mut job.read_places(), r.offset),
+        Op::Read if job.region.is_some() => {
+            match job.with_read_places(|places| backend.read_vectored_at(places, r.offset)) {
+                Ok(res) => res,
+                Err(busy) => {
+                    tracing::error!(%busy, "a read region's chunk is being sent: the read is not run");
+                    return Status::Invalid;
+                }
+            }
+        }
         Op::Read => match job.buf.as_mut().and_then(|b| b.as_mut_slice().get_mut(..len)) {
             Some(place) => backend.read_at(place, r.offset),
             None => return Status::Invalid,

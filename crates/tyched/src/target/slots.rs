@@ -515,7 +515,8 @@ mod tests {
     /// A received frame (kept alive by the lease) and its lease.
     fn frame(id: u64, bytes: Vec<u8>) -> (Arc<Vec<u8>>, Lease) {
         let mem = Arc::new(bytes);
-        let lease = Lease::new(id, &mem[..], Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>);
+        // SAFETY: the Arc keeps the bytes, and nothing writes them.
+        let lease = unsafe { Lease::new(id, &mem[..], Arc::clone(&mem) as Arc<dyn std::any::Any + Send + Sync>) };
         (mem, lease)
     }
 
