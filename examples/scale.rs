@@ -336,7 +336,7 @@ fn initiator_run(channels: usize, requests: u64) -> Result<Run, String> {
     let helper = {
         let stop = Arc::clone(&stop);
         std::thread::spawn(move || {
-            let mut h = match tyched::target::Harness::new(bench_config(), nics) {
+            let mut h = match tyched::runtime::Harness::new(bench_config(), nics) {
                 Ok(h) => h,
                 Err(e) => {
                     let _ = ready_tx.send(Err(format!("tyched: {e}")));

@@ -4,7 +4,7 @@
 //! sequence of actions of a hostile peer, plays them against the real system under test, and
 //! checks invariants after the input:
 //!
-//! - [`target`]: tyched's network loop ([`tyched::target::Harness`]) with RAM exports, one
+//! - [`target`]: tyched's network loop ([`tyched::runtime::Harness`]) with RAM exports, one
 //!   honest initiator session and one hostile one that holds a valid session and breaks every
 //!   rule (forged, stale and withheld acknowledgements, reused slots, old and future sequence
 //!   numbers, segments of refused requests, huge FLOOR values, any channel index, DISCONNECT,

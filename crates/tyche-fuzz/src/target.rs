@@ -29,7 +29,7 @@ use tyche_wire::{
     Keepalive, Kind, MacAddr, Message, Nack, Op, Request, Seq, Status, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE, NO_SLOT,
 };
 use tyched::config::{Limits, NetworkThreads};
-use tyched::target::Harness;
+use tyched::runtime::Harness;
 use tyched::{Config, ExportConfig, Nic};
 
 /// MTU and frame capacity of the in-memory links.

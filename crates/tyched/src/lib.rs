@@ -7,7 +7,7 @@
 //! - [`epoch`]: each export's durability epoch (ACCEPT `DURABILITY_EPOCH`).
 //! - [`uring`]: the io_uring engine for file and block exports (the worker pool where the
 //!   kernel does not allow io_uring).
-//! - [`target`]: the runtime (network thread, storage workers, access control, shutdown).
+//! - [`runtime`]: the target runtime (network thread, storage workers, access control, shutdown).
 //! - [`workers`]: storage workers per NUMA node (the placement plan's completion workers), the
 //!   per-node job queues and where completions go.
 //! - [`stats`]: the counters `tyched stats` shows, and [`stats_server`] serving them.
@@ -34,16 +34,16 @@ pub mod epoch;
 pub mod packet;
 pub mod prometheus;
 pub mod reload;
+pub mod runtime;
 pub mod stats;
 pub mod stats_server;
 pub mod steer;
-pub mod target;
 pub mod uring;
 pub mod workers;
 
 pub use config::{Config, ConfigError, ExportConfig};
+pub use runtime::{Nic, Placement, ReloadError, Reloaded, StartError, Target, TargetHandle};
 pub use stats::Snapshot;
-pub use target::{Nic, Placement, ReloadError, Reloaded, StartError, Target, TargetHandle};
 
 /// Spare UMEM chunks each AF_XDP port of `tyched serve` gets so that received write data can
 /// stay in its frames until storage has written it (16 MiB per port): up to this many DATA

@@ -30,7 +30,7 @@ use io_uring::{opcode, types, IoUring, Probe};
 use tyche_wire::{Op, Status};
 
 use crate::backend::{Backend, BackendTable, FileBackend};
-use crate::target::{Done, Job};
+use crate::runtime::{Done, Job};
 use crate::workers::{DoneRoute, ThreadStat};
 use tyche_transport::wake::WakeFd;
 
@@ -566,7 +566,7 @@ mod tests {
                 }
                 if let Ok(mut job) = self.pool.try_recv() {
                     self.pooled.set(self.pooled.get() + 1);
-                    let st = crate::target::execute(&*self.backend, &mut job);
+                    let st = crate::runtime::execute(&*self.backend, &mut job);
                     return (st, job.buf);
                 }
             }

@@ -33,8 +33,8 @@ use tyche_transport::wake::WakeFd;
 use tyche_wire::Status;
 
 use crate::backend::BackendTable;
+use crate::runtime::{execute_contained, pin, Done, Job};
 use crate::stats::StorageThreadStats;
-use crate::target::{execute_contained, pin, Done, Job};
 
 /// Storage jobs queued at most per node's queue (beyond it, jobs wait on the network thread in
 /// their node's overflow list, whose length the sessions' `damq` slots bound).
