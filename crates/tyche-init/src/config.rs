@@ -120,8 +120,8 @@ pub struct InitiatorConfig {
     pub connect_attempts: u32,
     /// Failed reconnection attempts on a channel that are logged as warnings; later ones are
     /// logged at debug level. Reconnection itself never gives up while the process runs (a
-    /// link that comes back after any time is used again); this no longer limits it.
-    pub reconnect_attempts: u32,
+    /// link that comes back after any time is used again).
+    pub reconnect_warnings: u32,
     /// Wait before reconnecting a dead channel (none after the target's DISCONNECT SHUTDOWN),
     /// and after a failed attempt; it doubles with each failure in a row, up to
     /// `reconnect_max_delay`.
@@ -200,7 +200,7 @@ impl InitiatorConfig {
             io_timeout: None,
             connect_retry: Duration::from_millis(200),
             connect_attempts: 10,
-            reconnect_attempts: 10,
+            reconnect_warnings: 10,
             reconnect_delay: Duration::from_millis(50),
             reconnect_max_delay: Duration::from_secs(2),
             timers: Timers::default(),

@@ -677,7 +677,7 @@ impl Shared {
             info!(link = %name, "opening a new session on export {}", self.cfg.export);
         } else if plan.session == 0 {
             debug!(link = %name, "opening session");
-        } else if plan.failures > 0 && plan.failures <= self.cfg.reconnect_attempts {
+        } else if plan.failures > 0 && plan.failures <= self.cfg.reconnect_warnings {
             info!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
         } else if plan.failures > 0 {
             debug!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
@@ -1232,7 +1232,7 @@ impl Group {
                          opening a new session on export {export}",
                         c.connected.map_or(0, |c| c.session)
                     ),
-                    Failed::Retry if p.failures < sh.cfg.reconnect_attempts => {
+                    Failed::Retry if p.failures < sh.cfg.reconnect_warnings => {
                         warn!(link = %name, channel = ch, "channel could not be opened: {e:?}; trying again")
                     }
                     Failed::Retry => debug!(link = %name, channel = ch, "channel could not be opened: {e:?}"),

@@ -229,9 +229,10 @@ struct ConnArgs {
     #[arg(long, value_name = "S")]
     io_timeout: Option<f64>,
     /// Failed reconnect attempts per channel logged as warnings (later ones at debug level).
-    /// Reconnection never gives up while the process runs.
-    #[arg(long, default_value_t = 10)]
-    reconnect_attempts: u32,
+    /// Reconnection never gives up while the process runs. (Was --reconnect-attempts, still
+    /// accepted.)
+    #[arg(long, alias = "reconnect-attempts", default_value_t = 10, value_name = "N")]
+    reconnect_warnings: u32,
     /// Channel scheduler: affinity or round-robin.
     #[arg(long, default_value = "affinity")]
     scheduler: SchedulerKind,
@@ -401,7 +402,7 @@ impl ConnArgs {
         c.channels_per_link = if self.queue_per_channel(false) { 1 } else { self.channels_per_nic };
         c.no_path_timeout = Duration::from_secs_f64(self.no_path_timeout);
         c.io_timeout = self.io_timeout.map(Duration::from_secs_f64);
-        c.reconnect_attempts = self.reconnect_attempts;
+        c.reconnect_warnings = self.reconnect_warnings;
         c.scheduler = self.scheduler;
         c.send_mode = self.send_mode;
         c.engine_threads = self.engine_threads;

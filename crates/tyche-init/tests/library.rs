@@ -277,7 +277,7 @@ async fn failover_between_parts_of_the_volume_when_one_nodes_link_goes_down() {
 async fn reads_handed_between_parts_bring_their_data_back() {
     let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
     let mut cfg = config();
-    cfg.reconnect_attempts = 2;
+    cfg.reconnect_warnings = 2;
     links_on_two_nodes(&mut links, &mut cfg);
     let client = connect(cfg, links).await.expect("connect");
     let len = 128 << 10;
@@ -305,7 +305,7 @@ async fn reads_handed_between_parts_bring_their_data_back() {
 async fn failover_when_one_of_two_links_goes_down_with(parts: bool) -> tyche_init::Stats {
     let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
     let mut cfg = config();
-    cfg.reconnect_attempts = 2;
+    cfg.reconnect_warnings = 2;
     if parts {
         links_on_two_nodes(&mut links, &mut cfg);
     }
@@ -340,7 +340,7 @@ async fn failover_when_one_of_two_links_goes_down_with(parts: bool) -> tyche_ini
 async fn dead_link_reconnects_when_it_comes_back() {
     let (links, switches, _target) = mem_links(RamExport::new("ram", 8 * MIB), 2);
     let mut cfg = config();
-    cfg.reconnect_attempts = 50;
+    cfg.reconnect_warnings = 50;
     let client = connect(cfg, links).await.expect("connect");
     set_link_down(&switches[1], true);
     // Wait for the channel to be declared dead (dead_after = 600 ms).
@@ -419,7 +419,7 @@ async fn no_path_fails_requests_after_the_timeout_and_never_hangs() {
     let (links, switches, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
     let mut cfg = config();
     cfg.no_path_timeout = Duration::from_millis(500);
-    cfg.reconnect_attempts = 1;
+    cfg.reconnect_warnings = 1;
     let client = connect(cfg, links).await.expect("connect");
     client.write(0, &[7; 4096]).await.expect("write while up");
     set_link_down(&switches[0], true);
@@ -510,7 +510,7 @@ async fn one_engine_thread_per_node_shares_the_session() {
     links[0].node = Some(0);
     links[1].node = Some(1);
     let mut cfg = config();
-    cfg.reconnect_attempts = 1;
+    cfg.reconnect_warnings = 1;
     let client = bounded("connect", connect(cfg, links)).await.expect("connect");
     let (n0, n1) = (client.on_node(Some(0)), client.on_node(Some(1)));
     bounded("node 0 requests", concurrent(&n0, 32, 64 << 10)).await;
