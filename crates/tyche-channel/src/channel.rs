@@ -898,6 +898,16 @@ impl Channel {
         }
     }
 
+    /// Closes a channel that was opened but will not be used ([`crate::Opened::Stale`],
+    /// [`crate::Opened::Probe`]): writes its DISCONNECT into `buf`, sealed, and returns the
+    /// frame's length, for the caller to send once on the channel's link (the target reclaims
+    /// the channel at once instead of at its timeout). `None` if the channel is dead already.
+    pub fn abandon(&mut self, now: Instant, buf: &mut [u8]) -> Option<usize> {
+        self.close(DisconnectReason::Normal);
+        let t = self.poll_transmit(now, buf)?;
+        Some(self.seal(buf, t.len))
+    }
+
     /// Kills the channel at once, sending nothing (the peer finds out by timeout). Used when a
     /// channel is replaced by a reconnect.
     pub fn abort(&mut self) {

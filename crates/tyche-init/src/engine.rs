@@ -1159,8 +1159,15 @@ impl Group {
                         self.follow(&c, now);
                     }
                     Opened::Stale | Opened::Probe => {
-                        // Opened for a session since abandoned: not used (the target reclaims it).
-                        debug!(link = %name, channel = ch, "dropping a channel of an abandoned session");
+                        // Opened for a session since abandoned, or a probe of a fenced one: not
+                        // used, and closed with a DISCONNECT so the target lets it go at once.
+                        debug!(link = %name, channel = ch, "closing a channel of an abandoned session");
+                        let mut channel = channel;
+                        if let Some((_, t)) = self.io.iter_mut().find(|(k, _)| *k == link) {
+                            if let Err(e) = t.send(1, &mut |buf| channel.abandon(now, buf)) {
+                                debug!(link = %name, "sending DISCONNECT failed: {e}");
+                            }
+                        }
                         return;
                     }
                 }

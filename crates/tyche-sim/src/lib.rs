@@ -689,11 +689,9 @@ impl World {
 
     /// Sends DISCONNECT on a channel opened by a connector whose outcome is not used.
     fn disconnect(&mut self, mut channel: tyche_channel::Channel) {
-        channel.close(DisconnectReason::Normal);
         let mut buf = std::mem::take(&mut self.buf);
-        if let Some(t) = channel.poll_transmit(self.now, &mut buf) {
+        if let Some(len) = channel.abandon(self.now, &mut buf) {
             let k = self.chan_path[&channel.envelope().channel];
-            let len = channel.seal(&mut buf, t.len);
             self.send(k, Dir::ToTarget, &buf[..len]);
         }
         self.buf = buf;
