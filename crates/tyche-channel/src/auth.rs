@@ -94,25 +94,59 @@ pub const MIN_KEY_LEN: usize = 16;
 /// Most bytes a key file may hold (a key is hashed into channel keys; more is a wrong file).
 pub const MAX_KEY_FILE: u64 = 4096;
 
+/// Why a key file was refused ([`read_key_file`]); each says which file.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyFileError {
+    /// The file could not be examined or read.
+    #[error("{}: {source}", path.display())]
+    Os {
+        /// The key file.
+        path: std::path::PathBuf,
+        /// The system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not a regular file, or larger than [`MAX_KEY_FILE`].
+    #[error("{}: a key file is a regular file of at most {MAX_KEY_FILE} bytes", path.display())]
+    NotAKeyFile {
+        /// The key file.
+        path: std::path::PathBuf,
+    },
+    /// Its group or others may read it.
+    #[error(
+        "{} can be read by its group or others (mode {mode:o}); make it readable by its owner alone (chmod 600)",
+        path.display()
+    )]
+    Readable {
+        /// The key file.
+        path: std::path::PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// Fewer than [`MIN_KEY_LEN`] bytes of key.
+    #[error("{}: a pre-shared key has at least {MIN_KEY_LEN} bytes", path.display())]
+    TooShort {
+        /// The key file.
+        path: std::path::PathBuf,
+    },
+}
+
 /// Reads a key file, the one rule of both daemons: refused when its group or others may read
 /// it; the key is the file's bytes without one final line break (`\n` or `\r\n`), at least
-/// [`MIN_KEY_LEN`] of them. The error is a sentence naming the file.
-pub fn read_key_file(path: &std::path::Path) -> Result<Psk, String> {
+/// [`MIN_KEY_LEN`] of them. The error's text is a sentence naming the file.
+pub fn read_key_file(path: &std::path::Path) -> Result<Psk, KeyFileError> {
     use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let os = |source| KeyFileError::Os { path: path.to_owned(), source };
+    let meta = std::fs::metadata(path).map_err(os)?;
     let mode = meta.permissions().mode();
     if !meta.is_file() || meta.len() > MAX_KEY_FILE {
-        return Err(format!("{}: a key file is a regular file of at most {MAX_KEY_FILE} bytes", path.display()));
+        return Err(KeyFileError::NotAKeyFile { path: path.to_owned() });
     }
     if mode & 0o077 != 0 {
-        return Err(format!(
-            "{} can be read by its group or others (mode {:o}); make it readable by its owner alone (chmod 600)",
-            path.display(),
-            mode & 0o777
-        ));
+        return Err(KeyFileError::Readable { path: path.to_owned(), mode: mode & 0o777 });
     }
     // Held as a Psk from the first byte read: wiped when dropped, never printed.
-    let mut key = Psk::from(std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?);
+    let mut key = Psk::from(std::fs::read(path).map_err(os)?);
     if key.0.last() == Some(&b'\n') {
         key.0.pop();
         if key.0.last() == Some(&b'\r') {
@@ -120,7 +154,7 @@ pub fn read_key_file(path: &std::path::Path) -> Result<Psk, String> {
         }
     }
     if key.len() < MIN_KEY_LEN {
-        return Err(format!("{}: a pre-shared key has at least {MIN_KEY_LEN} bytes", path.display()));
+        return Err(KeyFileError::TooShort { path: path.to_owned() });
     }
     Ok(key)
 }
@@ -466,13 +500,15 @@ mod tests {
         // Only one line break is not part of the key (both daemons read it so).
         assert_eq!(&key("lflf", b"0123456789abcdef\n\n", 0o600).expect("a key")[..], b"0123456789abcdef\n");
         let e = key("short", b"0123456789abcde\n", 0o600).expect_err("15 bytes");
-        assert!(e.contains("at least 16 bytes"), "{e}");
-        let e = key("open", k, 0o644).expect_err("group-readable");
+        assert!(matches!(e, KeyFileError::TooShort { .. }) && e.to_string().contains("at least 16 bytes"), "{e}");
+        let e = key("open", k, 0o644).expect_err("group-readable").to_string();
         assert!(e.contains("mode 644") && e.contains("chmod 600"), "{e}");
-        assert!(read_key_file(&dir.join("missing")).is_err());
+        let e = read_key_file(&dir.join("missing")).expect_err("missing");
+        assert!(matches!(&e, KeyFileError::Os { source, .. } if source.kind() == std::io::ErrorKind::NotFound), "{e}");
+        assert!(e.to_string().contains("missing"), "{e}");
         let e = key("huge", &[b'k'; 4097], 0o600).expect_err("over the limit");
-        assert!(e.contains("at most 4096 bytes"), "{e}");
-        assert!(read_key_file(&dir).expect_err("a directory").contains("regular file"));
+        assert!(e.to_string().contains("at most 4096 bytes"), "{e}");
+        assert!(read_key_file(&dir).expect_err("a directory").to_string().contains("regular file"));
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 

@@ -1576,7 +1576,7 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     let bells = (0..groups)
         .map(|_| Bell::new().map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()
-        .map_err(|e| ConnectError::Config(format!("cannot create an eventfd: {e}")))?;
+        .map_err(|e| ConnectError::Os { what: "create an eventfd", source: e })?;
     let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
     let mut metas = Vec::with_capacity(links.len());
     for (k, l) in links.into_iter().enumerate() {
@@ -1604,7 +1604,7 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
             if let Some(fd) = t.readiness_fd() {
                 let fd = fd
                     .try_clone_to_owned()
-                    .map_err(|e| ConnectError::Config(format!("cannot duplicate a readiness descriptor: {e}")))?;
+                    .map_err(|e| ConnectError::Os { what: "duplicate a readiness descriptor", source: e })?;
                 fds.push(fd);
             }
         }
@@ -1732,7 +1732,7 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
                 }
                 serve(&shared, g, fds, rx)
             })
-            .map_err(|e| ConnectError::Config(format!("cannot start an engine thread: {e}")))?;
+            .map_err(|e| ConnectError::Os { what: "start an engine thread", source: e })?;
     }
     Ok(Client::new(queues, node_group, info, send_mode, &nodes, shared))
 }

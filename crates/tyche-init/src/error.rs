@@ -59,7 +59,7 @@ impl Error {
 }
 
 /// Why a session could not be opened.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     /// No links were given.
     #[error("no links to connect over")]
@@ -133,13 +133,15 @@ pub enum ConnectError {
     /// The configuration is unusable.
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// A transport failed.
-    #[error("transport error on {link}: {message}")]
-    Transport {
-        /// Link name.
-        link: String,
-        /// The error.
-        message: String,
+    /// The operating system refused what the engine needs to start (an eventfd, a descriptor,
+    /// a thread).
+    #[error("cannot {what}: {source}")]
+    Os {
+        /// What the engine was doing: "create an eventfd", "start an engine thread".
+        what: &'static str,
+        /// The system's error.
+        #[source]
+        source: std::io::Error,
     },
     /// The engine thread stopped before the session opened.
     #[error("initiator engine stopped")]

@@ -463,7 +463,7 @@ impl ExportConfig {
     /// A key file is read by `tyche_channel::auth::read_key_file`, the rule both daemons share.
     pub fn key_bytes(&self) -> Result<Option<tyche_channel::auth::Psk>, String> {
         match (&self.key_file, &self.key) {
-            (Some(path), _) => tyche_channel::auth::read_key_file(path).map(Some),
+            (Some(path), _) => tyche_channel::auth::read_key_file(path).map(Some).map_err(|e| e.to_string()),
             (None, Some(k)) => Ok(Some(tyche_channel::auth::Psk::new(k.expose()))),
             (None, None) => Ok(None),
         }

@@ -51,16 +51,33 @@ impl std::fmt::Debug for Ring {
     }
 }
 
+/// Why no ring could be used ([`open`]): the reason tyched falls back to its thread pool.
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    /// `io_uring_setup` failed (no kernel support, or refused by policy: seccomp, sysctl).
+    #[error("io_uring_setup: {0}")]
+    Setup(#[source] io::Error),
+    /// Registering the probe of supported ops failed.
+    #[error("io_uring probe: {0}")]
+    Probe(#[source] io::Error),
+    /// The kernel's io_uring lacks an op the engine needs.
+    #[error("the kernel's io_uring has no IORING_OP_{0}")]
+    Unsupported(&'static str),
+    /// `io_uring = false` in the configuration.
+    #[error("disabled (io_uring = false)")]
+    Disabled,
+}
+
 /// Sets up a ring and checks the ops this engine needs; the error is the reason to fall back.
-pub fn open() -> Result<Ring, String> {
+pub fn open() -> Result<Ring, RingError> {
     open_with(|| IoUring::new(DEPTH + 1))
 }
 
 /// As [`open`], with the ring's setup given (tests inject failures).
-pub fn open_with(setup: impl FnOnce() -> io::Result<IoUring>) -> Result<Ring, String> {
-    let ring = setup().map_err(|e| format!("io_uring_setup: {e}"))?;
+pub fn open_with(setup: impl FnOnce() -> io::Result<IoUring>) -> Result<Ring, RingError> {
+    let ring = setup().map_err(RingError::Setup)?;
     let mut probe = Probe::new();
-    ring.submitter().register_probe(&mut probe).map_err(|e| format!("io_uring probe: {e}"))?;
+    ring.submitter().register_probe(&mut probe).map_err(RingError::Probe)?;
     for (code, name) in [
         (opcode::Read::CODE, "READ"),
         (opcode::Write::CODE, "WRITE"),
@@ -70,7 +87,7 @@ pub fn open_with(setup: impl FnOnce() -> io::Result<IoUring>) -> Result<Ring, St
         (opcode::PollAdd::CODE, "POLL_ADD"),
     ] {
         if !probe.is_supported(code) {
-            return Err(format!("the kernel's io_uring has no IORING_OP_{name}"));
+            return Err(RingError::Unsupported(name));
         }
     }
     Ok(Ring { fallocate: probe.is_supported(opcode::Fallocate::CODE), ring })
@@ -690,9 +707,11 @@ mod tests {
     #[test]
     fn a_kernel_that_refuses_io_uring_gives_the_reason() {
         let e = open_with(|| Err(io::Error::from_raw_os_error(libc::EPERM))).expect_err("refused");
+        assert!(matches!(&e, RingError::Setup(s) if s.raw_os_error() == Some(libc::EPERM)), "{e}");
+        let e = e.to_string();
         assert!(e.contains("io_uring_setup") && e.contains("not permitted"), "{e}");
         let e = open_with(|| Err(io::Error::from_raw_os_error(libc::ENOSYS))).expect_err("no syscall");
-        assert!(e.contains("io_uring_setup"), "{e}");
+        assert!(e.to_string().contains("io_uring_setup"), "{e}");
     }
 
     /// O_DIRECT through the ring on a loop device (root only; where losetup fails it cannot run:

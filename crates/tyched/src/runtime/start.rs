@@ -369,10 +369,10 @@ fn start_uring(
     workers: &mut Vec<JoinHandle<()>>,
 ) -> Result<Vec<crate::uring::UringQueue>, StartError> {
     let mut uring = Vec::new();
-    let rings: Result<Vec<_>, String> = if config.io_uring {
+    let rings: Result<Vec<_>, crate::uring::RingError> = if config.io_uring {
         storage.nodes.iter().map(|_| crate::uring::open()).collect()
     } else {
-        Err("disabled (io_uring = false)".into())
+        Err(crate::uring::RingError::Disabled)
     };
     match rings {
         Ok(rings) => {
