@@ -3,7 +3,7 @@
 //! A bridged lab ([`Lab::create_bridged`]): the target's and the initiator's veths are ports of a
 //! bridge that floods every frame to every port, and a third namespace, the attacker's, has the
 //! third port, so it sees every frame of the session. `tyched` serves a keyed file export (a
-//! `key_file` of mode 0600); `tyche-attack` (a bin of the tyched crate) captures from the
+//! `key_file` of mode 0600); `tyche-attack` (crate `tyche-tools`) captures from the
 //! attacker's namespace and runs the attacks one at a time, as this test asks it on its stdin:
 //!
 //! 1. a short keyed session (`tyche-init serve-nbd --key`, started and stopped): the attacker

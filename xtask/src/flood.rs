@@ -4,7 +4,7 @@
 //! create sessions) in the target namespace, `tyche-init serve-nbd`
 //! (AF_XDP on every link) in the initiator namespace, and fio with verify through the NBD socket
 //! (random 4 KiB writes, each block read back and checked while the job runs). While fio runs,
-//! `tyche-flood` (a bin of the tyched crate) sends 100,000 CONNECT frames from 1,000 forged
+//! `tyche-flood` (crate `tyche-tools`) sends 100,000 CONNECT frames from 1,000 forged
 //! source MACs into the target's first NIC through an AF_PACKET socket on the initiator side of
 //! the same link: eight in ten ask for a new session, one for a new session on channel 65535,
 //! one names channel 65535 of a session that does not exist (see `tyche-flood`'s docs).

@@ -16,8 +16,8 @@ use crate::lab::Lab;
 /// Set by the Ctrl-C handler; long steps check it and unwind, so every guard tears down.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-/// Checks for root, installs missing packages (unless `no_install`) and builds `tyched` and
-/// `tyche-init` in release mode. `what` names the command in the error for non-root users.
+/// Checks for root, installs missing packages (unless `no_install`) and builds `tyched`,
+/// `tyche-init` and the lab tools (`tyche-tools`: tyche-attack, tyche-flood) in release mode. `what` names the command in the error for non-root users.
 pub fn prepare(root: &Path, what: &str, no_install: bool) -> Result<()> {
     ensure!(crate::suite::is_root(), "{what} needs root (network namespaces, AF_XDP, loop devices)");
     if !no_install {
@@ -25,7 +25,7 @@ pub fn prepare(root: &Path, what: &str, no_install: bool) -> Result<()> {
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
-        .args(["build", "--release", "--quiet", "-p", "tyched", "-p", "tyche-init"])
+        .args(["build", "--release", "--quiet", "-p", "tyched", "-p", "tyche-init", "-p", "tyche-tools"])
         .current_dir(root)
         .status()?;
     ensure!(status.success(), "cargo build failed");
