@@ -30,7 +30,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use tyche_init::{connect_blocking, Client, EngineThreads, InitiatorConfig, Link, SchedulerKind};
-use tyche_transport::poll::{PollConfig, PollMode};
+use tyche_runtime::poll::{PollConfig, PollMode};
 use tyche_transport::replay::{ReplayControl, ReplayPlan, ReplayPort};
 use tyche_transport::MemLink;
 use tyche_wire::{MacAddr, DEFAULT_ETHERTYPE};
@@ -191,7 +191,7 @@ fn initiator_config(poll: PollMode) -> Result<InitiatorConfig, String> {
     c.scheduler = SchedulerKind::RoundRobin;
     c.host_id = None;
     c.poll =
-        PollConfig::new(poll, tyche_transport::poll::DEFAULT_BUDGET.as_micros() as u64).map_err(|e| e.to_string())?;
+        PollConfig::new(poll, tyche_runtime::poll::DEFAULT_BUDGET.as_micros() as u64).map_err(|e| e.to_string())?;
     Ok(c)
 }
 

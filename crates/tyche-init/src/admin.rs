@@ -77,7 +77,7 @@ fn health(a: &Attachment, alive: bool) -> Listed {
         return l;
     }
     let report: Option<tyche_init::Report> =
-        (!a.stats.is_empty()).then(|| tyche_transport::stats_socket::query(Path::new(&a.stats)).ok()).flatten();
+        (!a.stats.is_empty()).then(|| tyche_runtime::stats_socket::query(Path::new(&a.stats)).ok()).flatten();
     let Some(r) = report else {
         l.state = Health::Unknown.as_str();
         return l;

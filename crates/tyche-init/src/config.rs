@@ -151,7 +151,7 @@ pub struct InitiatorConfig {
     /// pinned to this NUMA node's CPUs instead of its links' node. `None`: the links' node.
     pub engine_thread_node: Option<u32>,
     /// How engine threads wait between turns that found nothing (adaptive polling by default).
-    pub poll: tyche_transport::poll::PollConfig,
+    pub poll: tyche_runtime::poll::PollConfig,
     /// EtherType.
     pub ethertype: u16,
     /// The export's pre-shared key, for exports that need one (CHALLENGE and proofs).
@@ -213,7 +213,7 @@ impl InitiatorConfig {
             send_mode: SendMode::default(),
             engine_threads: EngineThreads::default(),
             engine_thread_node: None,
-            poll: tyche_transport::poll::PollConfig::default(),
+            poll: tyche_runtime::poll::PollConfig::default(),
             ethertype: DEFAULT_ETHERTYPE,
             key: None,
             host_id: machine_id(),

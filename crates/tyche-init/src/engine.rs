@@ -33,8 +33,8 @@ use tyche_channel::{
     Handback, Handoff, InboundOf, Instant, IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler,
     SubmitError, Volume, VolumeBoard, VolumeConfig, VolumeEvent,
 };
-use tyche_transport::poll::{Next, PollStats, Poller, SchedStat};
-use tyche_transport::wake::WakeFd;
+use tyche_runtime::poll::{Next, PollStats, Poller, SchedStat};
+use tyche_runtime::wake::WakeFd;
 use tyche_transport::{FrameTransport, MemoryArea};
 use tyche_wire::{
     flags, ChannelParams, DisconnectReason, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD,

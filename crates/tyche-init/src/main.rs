@@ -247,9 +247,9 @@ struct ConnArgs {
     /// How engine threads wait when idle: adaptive (poll a while after work, then sleep),
     /// sleep or spin.
     #[arg(long, default_value = "adaptive")]
-    poll: tyche_transport::poll::PollMode,
+    poll: tyche_runtime::poll::PollMode,
     /// Adaptive polling: the longest an engine thread polls after work before it sleeps (µs).
-    #[arg(long, default_value_t = tyche_transport::poll::DEFAULT_BUDGET.as_micros() as u64, value_name = "US")]
+    #[arg(long, default_value_t = tyche_runtime::poll::DEFAULT_BUDGET.as_micros() as u64, value_name = "US")]
     poll_budget_us: u64,
     /// Unix socket for `tyche-init stats` (default: PID.stats.sock in the state directory).
     #[arg(long)]
@@ -411,7 +411,7 @@ impl ConnArgs {
             warn!(node = n, "placement experiment: every engine thread on node {n}, not on its NICs'");
             c.engine_thread_node = Some(n);
         }
-        c.poll = tyche_transport::poll::PollConfig::new(self.poll, self.poll_budget_us).context("--poll-budget-us")?;
+        c.poll = tyche_runtime::poll::PollConfig::new(self.poll, self.poll_budget_us).context("--poll-budget-us")?;
         c.digest = self.digest;
         if let Some(id) = self.host_id {
             c.host_id = Some(id);
@@ -836,7 +836,7 @@ fn start_stats(
     client: &Client,
     nbd: Option<tyche_init::NbdStats>,
     numa: NumaSetup,
-) -> (Option<tyche_transport::stats_socket::StatsServer>, String) {
+) -> (Option<tyche_runtime::stats_socket::StatsServer>, String) {
     let path = conn.stats_socket.clone().unwrap_or_else(|| state::stats_socket(dir, pid));
     let c = client.clone();
     let roots = tyche_numa::irq::Roots::default();
@@ -854,7 +854,7 @@ fn start_stats(
         r.fallback = numa.fallback.clone();
         r
     };
-    match tyche_transport::stats_socket::StatsServer::start(&path, "tyche-stats", source) {
+    match tyche_runtime::stats_socket::StatsServer::start(&path, "tyche-stats", source) {
         Ok(s) => (Some(s), path.display().to_string()),
         Err(e) => {
             warn!(socket = %path.display(), "no stats socket: {e}");
@@ -1184,7 +1184,7 @@ fn stats(what: &str, json: bool) -> Result<()> {
         }
         PathBuf::from(&a.stats)
     };
-    let r: tyche_init::Report = tyche_transport::stats_socket::query(&socket)
+    let r: tyche_init::Report = tyche_runtime::stats_socket::query(&socket)
         .with_context(|| format!("reading the stats socket {}", socket.display()))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tyche_numa::{PageCounts, ThreadPlacement};
-use tyche_transport::poll::{PollMode, PollStats};
+use tyche_runtime::poll::{PollMode, PollStats};
 
 /// One channel of the session.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -273,7 +273,7 @@ impl Report {
         if !self.fallback.is_empty() {
             let _ = writeln!(s, "\nChannel fallback order: by {}", self.fallback);
         }
-        let _ = writeln!(s, "\n{}", tyche_transport::poll::summary(self.poll_mode, self.poll_budget_us, &self.poll));
+        let _ = writeln!(s, "\n{}", tyche_runtime::poll::summary(self.poll_mode, self.poll_budget_us, &self.poll));
         if !self.nbd.is_empty() {
             let _ = writeln!(s, "\nNBD connections (buffer pages on the connection's node / elsewhere / not present):");
             for c in &self.nbd {

@@ -38,7 +38,7 @@ use libublk::helpers::IoBuf;
 use libublk::io::{UblkDev, UblkIOCtx, UblkQueue};
 use libublk::{sys, BufDesc, UblkError, UblkFlags};
 use tracing::{error, info, warn};
-use tyche_transport::wake::WakeFd;
+use tyche_runtime::wake::WakeFd;
 
 use crate::client::Client;
 use crate::frontend::{BlockFrontend, FrontendError, UblkOptions};

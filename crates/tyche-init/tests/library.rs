@@ -586,7 +586,7 @@ async fn round_robin_spreads_one_nodes_requests_over_every_part() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_poll_mode_serves_requests_and_counts_its_waits() {
-    use tyche_transport::poll::{PollConfig, PollMode};
+    use tyche_runtime::poll::{PollConfig, PollMode};
     for mode in [PollMode::Adaptive, PollMode::Sleep, PollMode::Spin] {
         let (links, _sw, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
         let mut cfg = config();

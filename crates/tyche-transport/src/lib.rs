@@ -4,10 +4,9 @@
 //! sockets (`tyche-xdp`), the TCP baseline, and the in-memory [`MemPort`] used by examples,
 //! benches and tests all implement it, so the engine runs unchanged on each. [`FaultInjector`]
 //! wraps any transport and drops, duplicates or delays frames from a seeded generator.
-//! [`poll::Poller`] decides, after each turn of a thread that serves transports, whether it
-//! polls again or sleeps (adaptive polling). [`replay::ReplayPort`] stands in for a daemon's peer
-//! with frames built in advance (the channel scaling bench). [`wake::WakeFd`] is the eventfd
-//! every thread that sleeps in `poll(2)` (or in an io_uring) is woken through.
+//! [`replay::ReplayPort`] stands in for a daemon's peer with frames built in advance (the channel
+//! scaling bench). What the daemons' threads share around their frame loops (the adaptive poller,
+//! the wake eventfd, the stats socket) is in `tyche-runtime`.
 //!
 //! # Contract
 //! - Frames are whole Ethernet frames (header included, FCS excluded). A transport delivers a
@@ -44,10 +43,7 @@
 mod fault;
 mod lent;
 mod mem;
-pub mod poll;
 pub mod replay;
-pub mod stats_socket;
-pub mod wake;
 
 use std::io;
 use std::os::fd::BorrowedFd;

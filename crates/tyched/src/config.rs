@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use serde::Deserialize;
-use tyche_transport::poll::{PollConfig, PollMode};
+use tyche_runtime::poll::{PollConfig, PollMode};
 use tyche_wire::{MacAddr, DEFAULT_ETHERTYPE, SECTOR_SIZE};
 
 /// A configuration error: the field and what is wrong with it.
@@ -341,7 +341,7 @@ fn default_true() -> bool {
     true
 }
 fn default_poll_budget_us() -> u64 {
-    tyche_transport::poll::DEFAULT_BUDGET.as_micros() as u64
+    tyche_runtime::poll::DEFAULT_BUDGET.as_micros() as u64
 }
 
 impl Default for Config {

@@ -93,7 +93,7 @@ struct ServeArgs {
     /// How network threads wait when idle: adaptive (poll a while after work, then sleep),
     /// sleep or spin.
     #[arg(long)]
-    poll: Option<tyche_transport::poll::PollMode>,
+    poll: Option<tyche_runtime::poll::PollMode>,
     /// Adaptive polling: the longest a network thread polls after work before it sleeps (µs).
     #[arg(long, value_name = "US")]
     poll_budget_us: Option<u64>,

@@ -11,7 +11,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use tyche_metrics::text::{build_info, family, Labels, MetricType};
 use tyche_metrics::MetricsListener;
-use tyche_transport::poll::PollStats;
+use tyche_runtime::poll::PollStats;
 
 use crate::stats::{ChannelSnapshot, ExportStats, NicStats};
 use crate::Snapshot;

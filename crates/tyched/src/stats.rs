@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use tyche_numa::{PageCounts, ThreadPlacement};
-use tyche_transport::poll::{PollMode, PollStats};
+use tyche_runtime::poll::{PollMode, PollStats};
 
 /// Drops of received frames, by reason.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -435,7 +435,7 @@ impl Snapshot {
             }
         }
         let p = &self.poll;
-        let _ = writeln!(s, "{}", tyche_transport::poll::summary(p.mode, p.budget_us, &p.threads));
+        let _ = writeln!(s, "{}", tyche_runtime::poll::summary(p.mode, p.budget_us, &p.threads));
         let _ = writeln!(s, "\nNICs:");
         for n in &self.nics {
             let d = &n.drops;

@@ -1,9 +1,9 @@
 //! Serves the counters as JSON on a Unix socket: one connection, one snapshot, then close
-//! (the shared [`tyche_transport::stats_socket`]).
+//! (the shared [`tyche_runtime::stats_socket`]).
 
 use std::path::Path;
 
-pub use tyche_transport::stats_socket::StatsServer;
+pub use tyche_runtime::stats_socket::StatsServer;
 
 use crate::Snapshot;
 
@@ -14,5 +14,5 @@ pub fn start(path: &Path, source: impl Fn() -> Snapshot + Send + 'static) -> std
 
 /// Reads one snapshot from the socket at `path`.
 pub fn query(path: &Path) -> std::io::Result<Snapshot> {
-    tyche_transport::stats_socket::query(path)
+    tyche_runtime::stats_socket::query(path)
 }

@@ -32,7 +32,7 @@ use tyche_wire::{Op, Status};
 use crate::backend::{Backend, BackendTable, FileBackend};
 use crate::runtime::{Done, Job};
 use crate::workers::{DoneRoute, ThreadStat};
-use tyche_transport::wake::WakeFd;
+use tyche_runtime::wake::WakeFd;
 
 /// Requests in flight at most (one submission queue entry each; one more entry is the poll on
 /// the job eventfd).

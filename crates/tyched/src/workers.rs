@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use tyche_numa::{Plan, ThreadPlacement, Topology};
-use tyche_transport::wake::WakeFd;
+use tyche_runtime::wake::WakeFd;
 use tyche_wire::Status;
 
 use crate::backend::BackendTable;

@@ -120,7 +120,7 @@ fn a_reissued_write_on_another_threads_channel_is_decided_by_its_home_thread() {
 /// Each poll mode serves I/O, and `stats` counts how the network threads waited.
 #[test]
 fn every_poll_mode_serves_requests_and_counts_its_waits() {
-    use tyche_transport::poll::PollMode;
+    use tyche_runtime::poll::PollMode;
     for mode in [PollMode::Adaptive, PollMode::Sleep, PollMode::Spin] {
         let cfg = Config { poll: mode, poll_budget_us: 40, ..config(vec![ExportConfig::ram("ram", 1 << 20)]) };
         let (target, ports) = common::start(cfg, 2);

@@ -24,7 +24,7 @@ use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tyche_channel::{Acceptor, Channel, Directory, ExportGeometry, Instant, PartMessage};
-use tyche_transport::wake::WakeFd;
+use tyche_runtime::wake::WakeFd;
 use tyche_wire::MacAddr;
 
 use super::handshake::Challenges;

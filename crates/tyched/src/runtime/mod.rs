@@ -50,8 +50,8 @@ use std::time::Duration;
 
 use tyche_channel::auth::Psk;
 use tyche_channel::{ExportSpec, Instant};
-use tyche_transport::poll::{PollConfig, PollStats};
-use tyche_transport::wake::WakeFd;
+use tyche_runtime::poll::{PollConfig, PollStats};
+use tyche_runtime::wake::WakeFd;
 use tyche_transport::FrameTransport;
 use tyche_wire::MacAddr;
 

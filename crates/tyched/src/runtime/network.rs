@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use rustc_hash::FxHashSet;
 use tyche_channel::{DropReason, FrameDrop, Instant, PayloadRef, TargetInbound};
-use tyche_transport::poll::{Next, Poller, SchedStat};
-use tyche_transport::wake::WakeFd;
+use tyche_runtime::poll::{Next, Poller, SchedStat};
+use tyche_runtime::wake::WakeFd;
 use tyche_transport::{Lease, Sent};
 use tyche_wire::{Frame, Kind, MacAddr, Message, DATA_FRAME_OVERHEAD};
 

@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 
 use tyche_channel::{DropReason, Instant};
-use tyche_transport::poll::{PollConfig, PollStats};
+use tyche_runtime::poll::{PollConfig, PollStats};
 
 use crate::backend::FileBackend;
 use crate::stats::{

@@ -10,8 +10,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tyche_channel::{Acceptor, ExportSpec, Instant};
-use tyche_transport::poll::PollStats;
-use tyche_transport::wake::WakeFd;
+use tyche_runtime::poll::PollStats;
+use tyche_runtime::wake::WakeFd;
 use tyche_wire::{flags, ChannelParams, SECTOR_SIZE};
 
 use crate::backend::{Backend, BackendTable, FileBackend, RamBackend};
