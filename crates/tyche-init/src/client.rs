@@ -7,8 +7,8 @@ use tyche_wire::Op;
 
 use crate::config::SendMode;
 use crate::engine::{Bell, Buf, Cmd, Completion, IoCmd, Shared};
+use crate::engine_front::Front;
 use crate::error::Error;
-use crate::front::Front;
 
 /// What the session attached.
 #[derive(Debug, Clone, PartialEq, Eq)]

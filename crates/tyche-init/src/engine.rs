@@ -42,8 +42,8 @@ use tyche_wire::{
 
 use crate::client::{Client, ExportInfo, Stats};
 use crate::config::{EngineThreads, InitiatorConfig, Link, SchedulerKind};
+use crate::engine_front::{Front, FrontIo, Token, WaitFd};
 use crate::error::{ConnectError, Error};
-use crate::front::{Front, FrontIo, Token, WaitFd};
 use crate::sched::NumaScheduler;
 
 /// Frames handled per transport per loop iteration.

@@ -7,7 +7,7 @@
 //! [`Client::discard`], [`Client::write_zeroes`]. The front ends ([`nbd`], the ublk front end
 //! behind [`frontend::BlockFrontend`]), the benchmarks and the examples all use that handle. A
 //! connection-style front end can also be served by an engine thread in its own loop (the NBD
-//! server's engine mode): the engine knows it only through a small trait (`front::Front`), never
+//! server's engine mode): the engine knows it only through a small trait (`engine_front::Front`), never
 //! its protocol.
 //!
 //! # Promises
@@ -34,8 +34,8 @@ mod client;
 mod config;
 mod discover;
 mod engine;
+mod engine_front;
 mod error;
-mod front;
 pub mod frontend;
 pub mod loopback;
 pub mod metrics;

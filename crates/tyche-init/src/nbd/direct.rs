@@ -31,8 +31,8 @@ use super::{
 };
 use crate::config::SendMode;
 use crate::engine::{Bell, Buf, Outcome};
+use crate::engine_front::{Front, FrontIo, Token, WaitFd};
 use crate::error::Error;
-use crate::front::{Front, FrontIo, Token, WaitFd};
 use crate::report::NbdStats;
 
 /// Data (read buffers and write payloads) one connection may hold at once.

@@ -1154,8 +1154,8 @@ pub mod fuzzing {
 
     use super::direct::DirectConn;
     use super::NbdOptions;
+    use crate::engine_front::{Front, FrontIo};
     use crate::error::Error;
-    use crate::front::{Front, FrontIo};
 
     /// Runs the server's handshake for export `name` of `size` bytes on the client bytes
     /// `input`. Returns how it ended (whether transmission was entered), what the server wrote
