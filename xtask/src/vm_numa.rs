@@ -30,13 +30,13 @@
 //!    - no payload byte copied in user space on the target (`payload_copied_bytes` 0);
 //!    - each of `tyched`'s per-NIC network threads, and each of `tyche-init`'s per-node engine
 //!      threads, on its NIC's node's CPUs;
-//!    - the initiator's channel fallback order by the I/O bandwidth model (seed 003);
+//!    - the initiator's channel fallback order by the I/O bandwidth model (Li et al.);
 //!    - the paper's inline send mode: every request posted by the thread that read it from the
 //!      NBD socket (on node 1), none handed over;
 //!    - each target NIC's interrupts read from the VM's sysfs and procfs; in the `affinity` run,
 //!      `tyched --irq-affinity auto` has put every one of them on its NIC's node and none on its
-//!      network thread's core (seed 002);
-//!    - `tyched`'s storage threads (seed 000, completion placement): a worker on every CPU where
+//!      network thread's core (Hanford et al., FGCS 2015);
+//!    - `tyched`'s storage threads (completion placement, the NESUS 2015 paper): a worker on every CPU where
 //!      the placement plan (`tyched topology --json`) puts a completion worker, each pinned there
 //!      and on no other CPU, an io_uring thread per node on one of them, and the storage jobs
 //!      counted per node where the channels that carried them are: with `affinity` none of the

@@ -23,7 +23,7 @@
 //! logged with `tracing::warn!` and listed in [`Plan::warnings`].
 //!
 //! # With the I/O bandwidth model ([`plan_with_model`])
-//! The model of Li et al. (seed 003, [`crate::model`]) groups nodes into bandwidth classes for
+//! The model of Li et al. ("Characterization of I/O bandwidth performance models in NUMA architecture", [`crate::model`]) groups nodes into bandwidth classes for
 //! the NICs of each node. With it, two decisions follow the measured classes instead of the
 //! distance matrix alone:
 //! - **A NIC on a node without CPUs**: its channels' threads go to the node with CPUs in the
