@@ -119,6 +119,14 @@ pub fn list(json: bool) -> Result<()> {
 pub fn udev_info(device: &str) -> Result<()> {
     let path = if device.starts_with('/') { device.to_owned() } else { format!("/dev/{device}") };
     let dir = state::dir();
+    // Another program's ublk device: said at once, not after the wait below (udev runs this for
+    // every ublk disk). The kernel knows the serving process from the moment the disk appears.
+    if let Some(pid) = ublk_id(&path).and_then(UblkFrontend::server_pid) {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if !comm.is_empty() && comm.trim_end() != "tyche-init" {
+            bail!("{path}: served by {} (pid {pid}), not by Tyche", comm.trim_end());
+        }
+    }
     let t0 = Instant::now();
     // The device exists (udev was told) a moment before its process records it.
     let a = loop {

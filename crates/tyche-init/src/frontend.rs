@@ -98,6 +98,21 @@ impl UblkFrontend {
         }
     }
 
+    /// The process that serves `/dev/ublkb{id}` (the kernel's `ublksrv_pid`), if the device
+    /// exists and has been started.
+    pub fn server_pid(id: u32) -> Option<i32> {
+        Self::probe().ok()?;
+        #[cfg(feature = "ublk")]
+        {
+            crate::ublk::server_pid(id)
+        }
+        #[cfg(not(feature = "ublk"))]
+        {
+            let _ = id;
+            None
+        }
+    }
+
     /// Deletes `/dev/ublkb{id}`, a device whose server is gone; I/O still waiting on it fails.
     pub fn delete(id: u32) -> Result<(), FrontendError> {
         Self::probe()?;

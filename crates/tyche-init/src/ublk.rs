@@ -441,6 +441,14 @@ pub fn delete(id: u32) -> Result<(), FrontendError> {
     ctrl.del_dev().map(drop).map_err(|e| FrontendError::Other(format!("deleting ublk device {id}: {e}")))
 }
 
+/// The pid of the process serving device `id`, as the kernel knows it (set when the device
+/// was started, and again by a recovery); `None` if there is no such device or none started it.
+pub fn server_pid(id: u32) -> Option<i32> {
+    let ctrl = UblkCtrl::new_simple(id as i32).ok()?;
+    let pid = ctrl.dev_info().ublksrv_pid;
+    (pid > 0).then_some(pid)
+}
+
 /// Stops a running device by id (from `detach`).
 pub fn stop(id: u32) -> Result<(), FrontendError> {
     let ctrl = UblkCtrl::new_simple(id as i32).map_err(|e| FrontendError::Other(format!("ublk device {id}: {e}")))?;
