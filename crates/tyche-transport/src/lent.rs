@@ -5,7 +5,8 @@
 //! guarantees about the memory; everyone else reaches the bytes through borrows of the lease or
 //! the chunk (`&[u8]` while the lease lives, `&mut [u8]` through a [`ChunkWriter`] while no frame
 //! is sent from the chunk), never through addresses. So safe code cannot make a slice of memory
-//! that was freed, reused or is being sent: this module is the crate's only unsafe code.
+//! that was freed, reused or is being sent. This module holds the crate's unsafe code, apart
+//! from `MemPort`'s (and other transports') calls of the constructors.
 #![allow(unsafe_code)]
 
 use std::any::Any;

@@ -35,8 +35,10 @@
 //! - Lent memory is reached only through borrows: [`Lease::bytes`] and [`Lease::slice`] while the
 //!   lease lives, a [`ChunkWriter`]'s pieces while it lives. Only a transport makes a lease or a
 //!   chunk, with an `unsafe` constructor whose contract says what it guarantees of the memory
-//!   (module `lent`, this crate's only unsafe code).
-// Unsafe code lives in `lent` alone: the lent memory's contracts (and nowhere else).
+//!   (module `lent`, which holds this crate's unsafe code but for `MemPort`'s calls of those
+//!   constructors).
+// Unsafe code: `lent` (the lent memory's contracts) and, marked one by one, `MemPort`'s calls of
+// its constructors.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
