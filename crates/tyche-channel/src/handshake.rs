@@ -56,6 +56,13 @@ pub enum ConnectError {
     BadChannelAddress(MacAddr),
 }
 
+/// Fresh key rounds a [`Connector`] starts after an AUTH_FAILED answer to its proof. The target
+/// spends a challenge when it grants the proof and forgets its challenges when it restarts, so a
+/// retransmitted proof (its ACCEPT lost) can find no challenge after a restart: AUTH_FAILED
+/// although the key is right. The connector then asks again under a new nonce and proves the
+/// key against a new challenge; a wrong key fails that round too, and is final.
+pub const FRESH_KEY_ROUNDS: u32 = 1;
+
 /// Opens one channel (initiator side): sends CONNECT until ACCEPT or REJECT arrives.
 #[derive(Debug)]
 pub struct Connector {
@@ -74,6 +81,8 @@ pub struct Connector {
     host: Option<[u8; 16]>,
     /// The target's proof in the ACCEPT, once verified: the salt of the channel's keys.
     target_proof: Option<[u8; 32]>,
+    /// Key rounds left to start again ([`FRESH_KEY_ROUNDS`]).
+    fresh_rounds: u32,
 }
 
 impl Connector {
@@ -103,6 +112,7 @@ impl Connector {
             challenge: None,
             host: None,
             target_proof: None,
+            fresh_rounds: FRESH_KEY_ROUNDS,
         }
     }
 
@@ -224,6 +234,22 @@ impl Connector {
                 } else {
                     Some(Err(ConnectError::BadGrant))
                 }
+            }
+            Message::Reject(r)
+                if r.nonce == self.nonce
+                    && r.reason == RejectReason::AuthFailed
+                    && self.challenge.is_some()
+                    && self.fresh_rounds > 0 =>
+            {
+                // The proof found no challenge, or failed: a new round under a new nonce (the
+                // next one: an off-path peer that could not see this one cannot guess it either),
+                // so that late answers of this round match nothing.
+                self.fresh_rounds -= 1;
+                self.nonce = self.nonce.wrapping_add(1);
+                self.challenge = None;
+                self.next_send = Instant::ZERO;
+                self.attempts_left += 1;
+                None
             }
             Message::Reject(r) if r.nonce == self.nonce => Some(Err(match (r.reason, r.holder) {
                 (RejectReason::InUse, Some(holder)) => ConnectError::InUse(holder),

@@ -50,6 +50,7 @@ pub use channel::{
 pub use config::Timers;
 pub use handshake::{
     Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec, KeyedConnect,
+    FRESH_KEY_ROUNDS,
 };
 pub use initiator::{
     DurabilityDebt, Handback, Handoff, Inbound, InboundOf, IoError, IoRequest, OutFrame, SubmitError, Volume,

@@ -36,13 +36,26 @@ fn target() -> MacAddr {
 /// verify the proof, then `handle_keyed` with the target's proof. `target_key` is the key the
 /// target checks with (it may differ from the initiator's).
 /// `tamper`: a byte of the ACCEPT (offset in the Tyche message) flipped on the way.
-fn run(mut c: Connector, target_key: &[u8], tamper: Option<usize>) -> Result<u64, ConnectError> {
+fn run(c: Connector, target_key: &[u8], tamper: Option<usize>) -> Result<u64, ConnectError> {
+    run_forgetting(c, target_key, tamper, 0).0
+}
+
+/// [`run`] on a target that forgets the challenges of its first `forgets` proofs (it restarted
+/// between its CHALLENGE and the proof): those get AUTH_FAILED. Also returns the nonces of the
+/// proofs sent.
+fn run_forgetting(
+    mut c: Connector,
+    target_key: &[u8],
+    tamper: Option<usize>,
+    mut forgets: usize,
+) -> (Result<u64, ConnectError>, Vec<u64>) {
     let mut a = acceptor();
+    let mut proofs = Vec::new();
     let now = Instant(1);
     let target_nonce = 0x7777;
     let mut buf = [0u8; 512];
     let mut out = [0u8; 512];
-    for _ in 0..4 {
+    for _ in 0..8 {
         let Some(len) = c.poll_transmit(now, &mut buf) else { break };
         let frame = Frame::new_checked(&buf[..len], DEFAULT_ETHERTYPE).expect("valid CONNECT");
         let Ok(Message::Connect(m)) = frame.parse() else { panic!("expected CONNECT") };
@@ -53,7 +66,15 @@ fn run(mut c: Connector, target_key: &[u8], tamper: Option<usize>) -> Result<u64
                 let n = Message::Challenge(Challenge { nonce: m.nonce, target_nonce }).emit(&reply_env, &mut out);
                 out[..n].to_vec()
             }
+            Some(_) if forgets > 0 => {
+                forgets -= 1;
+                proofs.push(m.nonce);
+                let r = tyche_wire::Reject { nonce: m.nonce, reason: RejectReason::AuthFailed, holder: None };
+                let n = Message::Reject(r).emit(&reply_env, &mut out);
+                out[..n].to_vec()
+            }
             Some(p) => {
+                proofs.push(m.nonce);
                 let input = ProofInput {
                     nonce: m.nonce,
                     target_nonce,
@@ -87,7 +108,7 @@ fn run(mut c: Connector, target_key: &[u8], tamper: Option<usize>) -> Result<u64
         };
         let f = Frame::new_checked(&reply[..], DEFAULT_ETHERTYPE).expect("valid reply");
         if let Some(r) = c.handle(f.src(), f.session(), &f.parse().expect("parses")) {
-            return r.map(|x| x.session);
+            return (r.map(|x| x.session), proofs);
         }
     }
     panic!("no outcome")
@@ -109,6 +130,24 @@ fn wrong_key_is_refused() {
         run(connector().with_key(b"a different key of length"), KEY, None),
         Err(ConnectError::Rejected(RejectReason::AuthFailed))
     );
+}
+
+#[test]
+fn a_wrong_key_fails_a_fresh_round_too_and_that_is_final() {
+    let (r, proofs) = run_forgetting(connector().with_key(b"a different key of length"), KEY, None, 0);
+    assert_eq!(r, Err(ConnectError::Rejected(RejectReason::AuthFailed)));
+    assert_eq!(proofs.len() as u32, 1 + tyche_channel::FRESH_KEY_ROUNDS, "{proofs:?}");
+}
+
+#[test]
+fn a_target_that_lost_the_challenge_gets_a_fresh_round_under_a_new_nonce() {
+    // A target restarted between its CHALLENGE and the proof: the right key still attaches.
+    let (r, proofs) = run_forgetting(connector().with_key(KEY), KEY, None, 1);
+    assert_eq!(r, Ok(42));
+    assert_eq!(proofs, [99, 100], "the fresh round asks under the next nonce");
+    // Forgotten twice: the limit is reached, and the refusal stands.
+    let (r, _) = run_forgetting(connector().with_key(KEY), KEY, None, 2);
+    assert_eq!(r, Err(ConnectError::Rejected(RejectReason::AuthFailed)));
 }
 
 #[test]

@@ -709,8 +709,9 @@ impl World {
             let Ok(msg) = frame.parse() else { return };
             let env = Envelope::of(&frame);
             let mut out = vec![0u8; 256];
-            // A keyed export: the CHALLENGE round as the target daemon runs it (single-use
-            // challenges; a retry of a granted CONNECT gets its ACCEPT again).
+            // A keyed export: the CHALLENGE round as the target daemon runs it (a challenge buys
+            // one grant, and a wrong proof spends it; a retry of a granted CONNECT gets its
+            // ACCEPT again).
             let mut keyed = None;
             if let (Some(_), tyche_wire::Message::Connect(c)) = (self.cfg.keyed, &msg) {
                 let src = frame.src();
@@ -737,10 +738,11 @@ impl World {
                             host: c.host,
                             asked: c.params,
                         };
-                        let tn = self.challenges.remove(&(src, c.nonce));
+                        let tn = self.challenges.get(&(src, c.nonce)).copied();
                         match tn.filter(|&tn| tyche_channel::auth::verify_initiator(SIM_KEY, &input(tn), &proof)) {
                             Some(tn) => keyed = Some(tn),
                             None => {
+                                self.challenges.remove(&(src, c.nonce));
                                 let r = tyche_wire::Reject {
                                     nonce: c.nonce,
                                     reason: tyche_wire::RejectReason::AuthFailed,
@@ -769,6 +771,9 @@ impl World {
             ) {
                 Some(Accepted::Reply(len)) => self.send(k, Dir::ToInitiator, &out[..len]),
                 Some(Accepted::Channel { session, channel, len, .. }) => {
+                    if let (Some(_), tyche_wire::Message::Connect(c)) = (keyed, &msg) {
+                        self.challenges.remove(&(frame.src(), c.nonce)); // spent by its grant
+                    }
                     let geometry = ExportGeometry { size: self.cfg.export_bytes, read_only: false, discard: true };
                     self.target_path.insert((session, channel.envelope().channel), k);
                     let (parts, seed, now) = (self.cfg.shards, self.report.seed, self.now);

@@ -129,12 +129,6 @@ impl Challenges {
         }
         Some(p)
     }
-
-    /// Spends the challenge pending for `src`'s CONNECT `nonce`: its target nonce if it was
-    /// still live. A challenge is answered once.
-    fn spend(&mut self, now: Instant, src: MacAddr, nonce: u64) -> Option<u64> {
-        self.forget(src, nonce).filter(|p| now.since(p.sent) < CHALLENGE_LIFETIME).map(|p| p.target_nonce)
-    }
 }
 
 /// The identity of an initiator that sent no host id: its MAC, marked as such.
@@ -301,10 +295,13 @@ impl Control {
             }
             return None;
         }
-        // A challenge is answered once, within its lifetime: a replayed proof finds none. The
-        // proof covers the session and channel the CONNECT names, its parameters and host id,
-        // so it is good for nothing else either.
-        let pending = self.challenges.spend(now, src, c.nonce);
+        // A challenge buys one grant, within its lifetime: the grant spends it (`accept`), and
+        // a replayed proof then finds none. A proof that checks out but whose CONNECT is
+        // refused for another reason (an unknown session, IN_USE, a full table) leaves it live,
+        // so the initiator's retransmission gets that refusal again, not AUTH_FAILED. A wrong
+        // proof spends it. The proof covers the session and channel the CONNECT names, its
+        // parameters and host id, so it is good for nothing else either.
+        let pending = self.challenges.live(now, src, c.nonce);
         let input = |tn| ProofInput {
             nonce: c.nonce,
             target_nonce: tn,
@@ -318,6 +315,7 @@ impl Control {
         };
         let ok = pending.filter(|&tn| auth::verify_initiator(key, &input(tn), &proof));
         if ok.is_none() {
+            self.challenges.forget(src, c.nonce);
             if PEER_LOGS.allow() {
                 tracing::warn!(%src, export = %c.export, "refused: wrong or replayed key proof");
             }
@@ -422,6 +420,9 @@ impl Control {
                 out.replies.push(buf);
             }
             Some(Accepted::Channel { session, export, channel, len }) => {
+                if let (Some(_), Message::Connect(c)) = (&admission.keyed, msg) {
+                    self.challenges.forget(peer.src, c.nonce); // spent by its grant
+                }
                 let at = Joining { g, k: serve_on, session, export };
                 self.open_channel(now, peer, at, channel, admission, out);
                 buf.truncate(len);
@@ -581,12 +582,12 @@ mod tests {
         assert!(!c.remember(t0, mac(4), 0, 400));
         assert_eq!(c.refused, 1);
         assert!(!c.by_mac.contains_key(&mac(4)));
-        // Answered once: a replay finds nothing.
-        assert_eq!(c.spend(t0, mac(2), 0), Some(200));
-        assert_eq!(c.spend(t0, mac(2), 0), None);
+        // Spent (by a grant or a wrong proof): a replay finds nothing.
+        assert!(c.forget(mac(2), 0).is_some());
+        assert_eq!(c.live(t0, mac(2), 0), None);
         // Expired ones make room, and are not answered.
         let later = Instant(t0.0 + CHALLENGE_LIFETIME.as_nanos() as u64 + 1);
-        assert_eq!(c.spend(later, mac(3), 0), None);
+        assert_eq!(c.live(later, mac(3), 0), None);
         assert!(c.remember(later, mac(5), 0, 500));
         assert!(c.pending.len() <= 4 && c.order.len() <= 8);
     }
