@@ -37,6 +37,7 @@ mod parts;
 mod reconnect;
 mod scheduler;
 mod seq;
+mod session;
 mod target;
 mod time;
 mod volume_parts;
@@ -59,6 +60,7 @@ pub use initiator::{
 pub use parts::{Courier, SessionParts};
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
+pub use session::{FirstOpen, InitiatorSession, Opening, Refusal, Setup};
 pub use target::{
     Directory, ExportGeometry, PartId, PartMessage, TargetEvent, TargetInbound, TargetInboundOf, TargetSession,
 };

@@ -30,15 +30,13 @@ use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 use tyche_channel::{
     ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, DurabilityDebt, Failed,
-    Handback, Handoff, InboundOf, Instant, IoError, IoRequest, Opened, ReconnectPolicy, Reconnector, Scheduler,
-    SubmitError, Volume, VolumeBoard, VolumeConfig, VolumeEvent,
+    FirstOpen, Handback, Handoff, InboundOf, InitiatorSession, Instant, IoError, IoRequest, Opening, ReconnectPolicy,
+    Refusal, Scheduler, Setup, SubmitError, Volume, VolumeBoard, VolumeConfig, VolumeEvent,
 };
 use tyche_runtime::poll::{Next, PollStats, Poller, SchedStat};
 use tyche_runtime::wake::WakeFd;
 use tyche_transport::{FrameTransport, MemoryArea};
-use tyche_wire::{
-    flags, ChannelParams, DisconnectReason, Envelope, Frame, Kind, Op, RejectReason, DATA_FRAME_OVERHEAD,
-};
+use tyche_wire::{flags, ChannelParams, DisconnectReason, Envelope, Frame, Kind, Op, DATA_FRAME_OVERHEAD};
 
 use crate::client::{Client, ExportInfo, Stats};
 use crate::config::{EngineThreads, InitiatorConfig, Link, SchedulerKind};
@@ -174,15 +172,6 @@ struct InFlight {
     reply: Completion,
 }
 
-#[derive(Debug)]
-struct Pending {
-    /// The slot (link × channels per link) it opens a channel for.
-    slot: usize,
-    connector: Connector,
-    /// Failed attempts on the slot before this one.
-    failures: u32,
-}
-
 /// A link's transport, owned by the engine thread that serves the link.
 type Transport = Box<dyn FrameTransport + Send>;
 
@@ -275,22 +264,14 @@ struct Published(AtomicUsize);
 #[derive(Debug)]
 struct Control {
     /// Which channel each slot (link × channels per link) should have, in which session, and
-    /// when to try again (never giving up).
-    reconnector: Reconnector,
-    connected: Option<Connected>,
+    /// when to try again (never giving up once open); what each finished handshake means.
+    session: InitiatorSession,
     /// The volume's parts not yet taken by their threads (made when the first session opened).
     parts: Vec<Option<Volume>>,
-    /// Whether the first session opened (the volume exists).
-    opened: bool,
-    /// Sessions moved to: each thread's part follows ([`Group::sync`]).
-    resumes: u64,
     /// Connectors started for each thread's links, not yet taken by it.
-    connects: Vec<Vec<(u16, Pending)>>,
+    connects: Vec<Vec<(u16, Opening)>>,
     /// The first fatal connection error (initial phase only).
     fatal: Option<ConnectError>,
-    /// Links on which the initial channel timed out.
-    initial_timeouts: usize,
-    reconnects: u64,
     /// Who waits for the last engine thread to exit.
     closers: Vec<oneshot::Sender<()>>,
     /// The link of every channel index ever opened.
@@ -307,7 +288,7 @@ pub(crate) struct Group {
     resumes: u64,
     /// The control's generation last synced with.
     seen: u64,
-    connectors: HashMap<u16, Pending>,
+    connectors: HashMap<u16, Opening>,
     /// The link of each channel of this part.
     channel_link: HashMap<u16, usize>,
     /// Request ids of this thread: `g + 1`, then steps of the number of threads (so an id
@@ -384,6 +365,69 @@ pub(crate) struct Shared {
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared").field("groups", &self.groups.len()).finish_non_exhaustive()
+    }
+}
+
+/// Logs a failed connect the session will try again.
+fn retried(
+    sh: &Shared,
+    session: &InitiatorSession,
+    link: usize,
+    ch: u16,
+    failures: u32,
+    failed: Failed,
+    e: ChannelConnectError,
+) {
+    let name = &sh.links[link].name;
+    let target = sh.links[link].target;
+    let export = &sh.cfg.export;
+    if !session.opened() {
+        if e == ChannelConnectError::Timeout {
+            warn!(link = %name, "no answer from target {target}");
+        }
+        return;
+    }
+    match failed {
+        Failed::SessionLost => warn!(
+            link = %name,
+            "target {target} no longer knows session {:#x} (it restarted, or reclaimed the session): \
+             opening a new session on export {export}",
+            session.connected().map_or(0, |c| c.session)
+        ),
+        Failed::Retry if failures < sh.cfg.reconnect_warnings => {
+            warn!(link = %name, channel = ch, "channel could not be opened: {e:?}; trying again")
+        }
+        Failed::Retry => debug!(link = %name, channel = ch, "channel could not be opened: {e:?}"),
+        Failed::Stale => {}
+    }
+}
+
+/// The error the session's opening fails with, naming the target, export and link.
+fn refused(sh: &Shared, link: usize, refusal: Refusal) -> ConnectError {
+    let target = sh.links[link].target.to_string();
+    let export = sh.cfg.export.clone();
+    let name = sh.links[link].name.clone();
+    match refusal {
+        Refusal::UnknownExport => ConnectError::UnknownExport { target, export },
+        Refusal::Auth(reason) => ConnectError::Auth { target, export, link: name, reason },
+        Refusal::InUse(holder) => ConnectError::InUse { target, export, link: name, holder: holder.to_string() },
+        Refusal::Refused(reason) => ConnectError::Refused { target, export, link: name, reason },
+        Refusal::NoAnswer => ConnectError::Timeout {
+            target,
+            export,
+            links: sh.links.iter().map(|l| l.name.as_str()).collect::<Vec<_>>().join(", "),
+        },
+        Refusal::Handshake(e) => ConnectError::Handshake {
+            target,
+            export,
+            link: name,
+            detail: match e {
+                ChannelConnectError::BadProof => "the target did not prove the pre-shared key in its ACCEPT (a target without this export's key, or not the real target)".to_string(),
+                ChannelConnectError::BadGrant => "the target granted channel parameters this initiator cannot use".to_string(),
+                ChannelConnectError::BadChannelAddress(m) => format!("the target named a group address ({m}) as the channel's address in its ACCEPT"),
+                other => format!("{other:?}"),
+            },
+        },
     }
 }
 
@@ -524,7 +568,7 @@ impl Shared {
         }
         s.durability_debt = debt;
         s.channels = self.slot_count;
-        s.reconnects = self.control().reconnects;
+        s.reconnects = self.control().session.reconnects();
         s
     }
 
@@ -538,7 +582,7 @@ impl Shared {
         let mut channels = Vec::new();
         let (session, channel_link) = {
             let c = self.control();
-            (c.connected.as_ref().map_or(0, |c| c.session), c.channel_link.clone())
+            (c.session.connected().map_or(0, |c| c.session), c.channel_link.clone())
         };
         for g in 0..self.groups.len() {
             let grp = self.group(g);
@@ -633,10 +677,9 @@ impl Shared {
             return false;
         }
         let mut c = self.control();
-        let opening = !c.opened && c.fatal.is_none();
         let mut started = false;
-        if (c.opened || opening) && !self.closing() {
-            while let Some(plan) = c.reconnector.poll_connect(now) {
+        if !c.session.refused() && !self.closing() {
+            while let Some(plan) = c.session.poll_connect(now) {
                 self.start_connector(&mut c, plan, now);
                 started = true;
             }
@@ -654,7 +697,7 @@ impl Shared {
 
     /// Makes the connector `plan` asks for, for its link's thread to take.
     fn start_connector(&self, c: &mut Control, plan: ConnectPlan, now: Instant) {
-        let link = c.reconnector.link(plan.slot);
+        let link = c.session.link(plan.slot);
         let env = Envelope {
             dst: self.links[link].target,
             src: self.links[link].local_mac,
@@ -673,7 +716,7 @@ impl Shared {
             connector = connector.with_host(host);
         }
         let name = &self.links[link].name;
-        if plan.session == 0 && c.opened {
+        if plan.session == 0 && c.session.opened() {
             info!(link = %name, "opening a new session on export {}", self.cfg.export);
         } else if plan.session == 0 {
             debug!(link = %name, "opening session");
@@ -682,8 +725,8 @@ impl Shared {
         } else if plan.failures > 0 {
             debug!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
         }
-        let pending = Pending { slot: plan.slot, connector, failures: plan.failures };
-        c.connects[self.links[link].group].push((plan.channel, pending));
+        let opening = InitiatorSession::opening(&plan, connector);
+        c.connects[self.links[link].group].push((plan.channel, opening));
     }
 
     /// An engine thread is done; the last one wakes the closers.
@@ -718,7 +761,7 @@ impl std::ops::DerefMut for ControlGuard<'_> {
 
 impl Drop for ControlGuard<'_> {
     fn drop(&mut self) {
-        let due = self.guard.reconnector.poll_timeout().map_or(u64::MAX, nanos);
+        let due = self.guard.session.poll_timeout().map_or(u64::MAX, nanos);
         self.shared.control_due.store(due, Ordering::Release);
     }
 }
@@ -813,11 +856,11 @@ impl Group {
 
     /// Moves this thread's part to the control's session if the session moved since.
     fn follow(&mut self, c: &Control, now: Instant) {
-        if self.resumes >= c.resumes {
+        if self.resumes >= c.session.resumes() {
             return;
         }
-        let (Some(v), Some(conn)) = (self.part.as_mut(), c.connected) else { return };
-        self.resumes = c.resumes;
+        let (Some(v), Some(conn)) = (self.part.as_mut(), c.session.connected()) else { return };
+        self.resumes = c.session.resumes();
         if v.session() != conn.session {
             v.resume(conn.session, now);
         }
@@ -1069,184 +1112,136 @@ impl Group {
         n > 0
     }
 
+    /// A handshake finished: the session says what it means; this thread acts on it.
     fn connector_done(&mut self, sh: &Shared, ch: u16, outcome: Result<Connected, ChannelConnectError>, now: Instant) {
         let Some(p) = self.connectors.remove(&ch) else { return };
         let mut c = sh.control();
-        let slot = p.slot;
-        let link = c.reconnector.link(slot);
-        let name = sh.links[link].name.clone();
-        let target = sh.links[link].target.to_string();
-        let export = &sh.cfg.export;
-        match outcome {
-            Ok(conn) => {
-                let channel = p.connector.channel(&conn, sh.cfg.timers, now);
-                let mut moved = false;
-                match c.reconnector.connected(slot, ch, conn.session, now) {
-                    Opened::First => {
-                        let cfg = VolumeConfig {
-                            export_size: conn.export_size,
-                            read_only: conn.export_flags & flags::EXPORT_READ_ONLY != 0,
-                            no_path_timeout: sh.cfg.no_path_timeout,
-                            io_timeout: sh.cfg.io_timeout,
-                            max_requests: sh.cfg.max_requests,
-                        };
-                        let nodes: Vec<u32> = sh.links.iter().filter_map(|l| l.node).collect();
-                        let board = VolumeBoard::new(sh.groups.len(), conn.session);
-                        let mut parts: Vec<Option<Volume>> = (0..sh.groups.len())
-                            .map(|q| {
-                                let scheduler: Box<dyn Scheduler> = Box::new(NumaScheduler::with_order(
-                                    sh.cfg.scheduler,
-                                    &nodes,
-                                    sh.cfg.node_order.as_ref(),
-                                ));
-                                let board = Arc::clone(&board);
-                                Some(Volume::part(cfg, conn.session, sh.cfg.ethertype, scheduler, now, board, q))
-                            })
-                            .collect();
-                        let mut mine = parts[self.g].take().expect("made");
-                        // An earlier process's unflushed writes: kept if this session presents
-                        // the epoch they were acknowledged under, else the next FLUSH fails.
-                        mine.inherit_debt(sh.cfg.prior_writes);
-                        self.part = Some(mine);
-                        c.parts = parts;
-                        c.opened = true;
-                        c.connected = Some(conn);
-                        moved = true;
-                        debug!(link = %name, channel = ch, segment = conn.params.segment, max_io = conn.params.max_io, "channel open");
-                    }
-                    Opened::Resumed => {
-                        let old = c.connected.expect("a session was open");
-                        if conn.export_size != old.export_size || conn.export_flags != old.export_flags {
-                            warn!(
-                                link = %name,
-                                "export {export} changed across the target's restart (size {} -> {}, flags {:#x} -> {:#x}); \
-                                 the device keeps its size",
-                                old.export_size, conn.export_size, old.export_flags, conn.export_flags
-                            );
-                        }
-                        self.take_part(&mut c);
-                        let Some(vol) = self.part.as_ref() else { return };
-                        let waiting = vol.outstanding();
-                        let (was, unflushed) = (vol.durability_epoch(), vol.unflushed_writes());
-                        c.connected = Some(Connected { session: conn.session, ..old });
-                        c.resumes += 1;
-                        self.follow(&c, now);
-                        match was {
-                            Some(e) if unflushed && !e.keeps(&conn.durability_epoch) => warn!(
-                                link = %name, "the target's durability epoch changed ({e} -> {}): writes not flushed \
-                                 may be lost, and the next FLUSH fails", conn.durability_epoch
-                            ),
-                            Some(_) if unflushed => {
-                                info!(link = %name, "same durability epoch: the writes not flushed are still there")
-                            }
-                            _ => {}
-                        }
-                        c.reconnects += 1;
-                        moved = true;
-                        info!(
-                            link = %name, session = format_args!("{:#x}", conn.session), reissued = waiting,
-                            "new session open; requests not completed are issued again"
-                        );
-                    }
-                    Opened::Joined => {
-                        if p.failures > 0 || c.channel_link.values().any(|&l| l == link) {
-                            c.reconnects += 1;
-                            info!(link = %name, channel = ch, "channel reconnected after {} attempt(s)", p.failures + 1);
-                        } else {
-                            debug!(link = %name, channel = ch, segment = conn.params.segment, max_io = conn.params.max_io, "channel open");
-                        }
-                        self.take_part(&mut c);
-                        self.follow(&c, now);
-                    }
-                    Opened::Stale | Opened::Probe => {
-                        // Opened for a session since abandoned, or a probe of a fenced one: not
-                        // used, and closed with a DISCONNECT so the target lets it go at once.
-                        debug!(link = %name, channel = ch, "closing a channel of an abandoned session");
-                        let mut channel = channel;
-                        if let Some((_, t)) = self.io.iter_mut().find(|(k, _)| *k == link) {
-                            if let Err(e) = t.send(1, &mut |buf| channel.abandon(now, buf)) {
-                                debug!(link = %name, "sending DISCONNECT failed: {e}");
-                            }
-                        }
-                        return;
-                    }
-                }
-                let Some(vol) = self.part.as_mut() else { return };
-                vol.add_channel(channel, sh.links[link].node, now);
-                c.channel_link.insert(ch, link);
-                self.channel_link.insert(ch, link);
-                drop(c);
-                if moved {
-                    sh.bump();
-                }
-                self.publish(sh);
-                self.exchange(sh);
+        let link = c.session.link(p.slot);
+        let name = &sh.links[link].name;
+        let (channel, moved) = match c.session.finished(&p, ch, outcome, sh.cfg.timers, now) {
+            Setup::Create { channel, connected } => {
+                self.create_volume(sh, &mut c, &connected, now);
+                let params = connected.params;
+                debug!(link = %name, channel = ch, segment = params.segment, max_io = params.max_io, "channel open");
+                (channel, true)
             }
-            Err(e) => {
-                if !c.opened {
-                    // The initial channel: a refusal is final, a timeout tries the next link.
-                    let export = export.clone();
-                    c.fatal = match e {
-                        ChannelConnectError::Rejected(RejectReason::UnknownExport) => {
-                            Some(ConnectError::UnknownExport { target, export })
-                        }
-                        ChannelConnectError::Rejected(
-                            reason @ (RejectReason::AuthRequired | RejectReason::AuthFailed),
-                        ) => Some(ConnectError::Auth { target, export, link: name, reason }),
-                        ChannelConnectError::ChallengeUnsupported => {
-                            Some(ConnectError::Auth { target, export, link: name, reason: RejectReason::AuthRequired })
-                        }
-                        ChannelConnectError::InUse(holder) => {
-                            Some(ConnectError::InUse { target, export, link: name, holder: holder.to_string() })
-                        }
-                        ChannelConnectError::Rejected(reason) => {
-                            Some(ConnectError::Refused { target, export, link: name, reason })
-                        }
-                        ChannelConnectError::Timeout => {
-                            warn!(link = %name, "no answer from target {target}");
-                            c.initial_timeouts += 1;
-                            // The policy tries the next link at once.
-                            c.reconnector.failed(slot, ch, e, now);
-                            if c.initial_timeouts < sh.links.len() {
-                                None
-                            } else {
-                                Some(ConnectError::Timeout {
-                                    target,
-                                    export,
-                                    links: sh.links.iter().map(|l| l.name.as_str()).collect::<Vec<_>>().join(", "),
-                                })
-                            }
-                        }
-                        // BadGrant, and whatever else a newer handshake may report.
-                        other => Some(ConnectError::Handshake {
-                            target,
-                            export,
-                            link: name,
-                            detail: match other {
-                                ChannelConnectError::BadProof => "the target did not prove the pre-shared key in its ACCEPT (a target without this export's key, or not the real target)".to_string(),
-                                ChannelConnectError::BadGrant => "the target granted channel parameters this initiator cannot use".to_string(),
-                                ChannelConnectError::BadChannelAddress(m) => format!("the target named a group address ({m}) as the channel's address in its ACCEPT"),
-                                other => format!("{other:?}"),
-                            },
-                        }),
-                    };
+            Setup::Resume { channel, connected, previous } => {
+                if !self.resume_volume(sh, &mut c, link, &connected, &previous, now) {
                     return;
                 }
-                match c.reconnector.failed(slot, ch, e, now) {
-                    Failed::SessionLost => warn!(
-                        link = %name,
-                        "target {target} no longer knows session {:#x} (it restarted, or reclaimed the session): \
-                         opening a new session on export {export}",
-                        c.connected.map_or(0, |c| c.session)
-                    ),
-                    Failed::Retry if p.failures < sh.cfg.reconnect_warnings => {
-                        warn!(link = %name, channel = ch, "channel could not be opened: {e:?}; trying again")
-                    }
-                    Failed::Retry => debug!(link = %name, channel = ch, "channel could not be opened: {e:?}"),
-                    Failed::Stale => {}
-                }
+                (channel, true)
             }
+            Setup::Join { channel, reopened } => {
+                if reopened {
+                    info!(link = %name, channel = ch, "channel reconnected after {} attempt(s)", p.failures + 1);
+                } else {
+                    let params = channel.params();
+                    debug!(link = %name, channel = ch, segment = params.segment, max_io = params.max_io, "channel open");
+                }
+                self.take_part(&mut c);
+                self.follow(&c, now);
+                (channel, false)
+            }
+            Setup::Abandon { mut channel } => {
+                // Opened for a session since abandoned, or a probe of a fenced one: not used,
+                // and closed with a DISCONNECT so the target lets it go at once.
+                debug!(link = %name, channel = ch, "closing a channel of an abandoned session");
+                if let Some((_, t)) = self.io.iter_mut().find(|(k, _)| *k == link) {
+                    if let Err(e) = t.send(1, &mut |buf| channel.abandon(now, buf)) {
+                        debug!(link = %name, "sending DISCONNECT failed: {e}");
+                    }
+                }
+                return;
+            }
+            Setup::Retry { failed, error } => {
+                retried(sh, &c.session, link, ch, p.failures, failed, error);
+                return;
+            }
+            Setup::Fatal(refusal) => {
+                c.fatal = Some(refused(sh, link, refusal));
+                return;
+            }
+        };
+        let Some(vol) = self.part.as_mut() else { return };
+        vol.add_channel(channel, sh.links[link].node, now);
+        c.channel_link.insert(ch, link);
+        self.channel_link.insert(ch, link);
+        drop(c);
+        if moved {
+            sh.bump();
         }
+        self.publish(sh);
+        self.exchange(sh);
+    }
+
+    /// The session's first channel opened: the volume is made, a part per engine thread; this
+    /// thread takes its own, the others theirs when they next look.
+    fn create_volume(&mut self, sh: &Shared, c: &mut Control, conn: &Connected, now: Instant) {
+        let cfg = VolumeConfig {
+            export_size: conn.export_size,
+            read_only: conn.export_flags & flags::EXPORT_READ_ONLY != 0,
+            no_path_timeout: sh.cfg.no_path_timeout,
+            io_timeout: sh.cfg.io_timeout,
+            max_requests: sh.cfg.max_requests,
+        };
+        let nodes: Vec<u32> = sh.links.iter().filter_map(|l| l.node).collect();
+        let board = VolumeBoard::new(sh.groups.len(), conn.session);
+        let mut parts: Vec<Option<Volume>> = (0..sh.groups.len())
+            .map(|q| {
+                let scheduler: Box<dyn Scheduler> =
+                    Box::new(NumaScheduler::with_order(sh.cfg.scheduler, &nodes, sh.cfg.node_order.as_ref()));
+                let board = Arc::clone(&board);
+                Some(Volume::part(cfg, conn.session, sh.cfg.ethertype, scheduler, now, board, q))
+            })
+            .collect();
+        let mut mine = parts[self.g].take().expect("made");
+        // An earlier process's unflushed writes: kept if this session presents the epoch they
+        // were acknowledged under, else the next FLUSH fails.
+        mine.inherit_debt(sh.cfg.prior_writes);
+        self.part = Some(mine);
+        c.parts = parts;
+    }
+
+    /// A new session replaced one the target forgot: this thread's part moves to it (the
+    /// others follow). False when this thread has no part to add the channel to.
+    fn resume_volume(
+        &mut self,
+        sh: &Shared,
+        c: &mut Control,
+        link: usize,
+        conn: &Connected,
+        old: &Connected,
+        now: Instant,
+    ) -> bool {
+        let name = &sh.links[link].name;
+        if conn.export_size != old.export_size || conn.export_flags != old.export_flags {
+            warn!(
+                link = %name,
+                "export {} changed across the target's restart (size {} -> {}, flags {:#x} -> {:#x}); \
+                 the device keeps its size",
+                sh.cfg.export, old.export_size, conn.export_size, old.export_flags, conn.export_flags
+            );
+        }
+        self.take_part(c);
+        let Some(vol) = self.part.as_ref() else { return false };
+        let waiting = vol.outstanding();
+        let (was, unflushed) = (vol.durability_epoch(), vol.unflushed_writes());
+        self.follow(c, now);
+        match was {
+            Some(e) if unflushed && !e.keeps(&conn.durability_epoch) => warn!(
+                link = %name, "the target's durability epoch changed ({e} -> {}): writes not flushed \
+                 may be lost, and the next FLUSH fails", conn.durability_epoch
+            ),
+            Some(_) if unflushed => {
+                info!(link = %name, "same durability epoch: the writes not flushed are still there")
+            }
+            _ => {}
+        }
+        info!(
+            link = %name, session = format_args!("{:#x}", conn.session), reissued = waiting,
+            "new session open; requests not completed are issued again"
+        );
+        true
     }
 
     /// Completions and channel deaths of this thread's part.
@@ -1320,7 +1315,7 @@ impl Group {
                 if reason == DeadReason::PeerClosed(DisconnectReason::Shutdown) {
                     info!(channel, "the target is shutting down: reconnecting at once");
                 }
-                c.reconnector.channel_dead(channel, reason, now);
+                c.session.channel_dead(channel, reason, now);
             }
         }
         for (c, result) in completed {
@@ -1618,15 +1613,10 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
     let policy = ReconnectPolicy { min: cfg.reconnect_delay, max: cfg.reconnect_max_delay.max(cfg.reconnect_delay) };
     // The first attempt (on the first link) is due at once.
     let control = Control {
-        reconnector: Reconnector::new(slot_links, policy, Instant::ZERO),
-        connected: None,
+        session: InitiatorSession::new(slot_links, policy, FirstOpen::GiveUp, Instant::ZERO),
         parts: Vec::new(),
-        opened: false,
-        resumes: 0,
         connects: (0..groups).map(|_| Vec::new()).collect(),
         fatal: None,
-        initial_timeouts: 0,
-        reconnects: 0,
         closers: Vec::new(),
         channel_link: HashMap::new(),
     };
@@ -1659,14 +1649,14 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
         if let Some(e) = c.fatal.take() {
             return Err(e);
         }
-        let placed = c.opened && c.parts.iter().all(Option::is_none) && c.connects.iter().all(Vec::is_empty);
+        let placed = c.session.opened() && c.parts.iter().all(Option::is_none) && c.connects.iter().all(Vec::is_empty);
         drop(c);
         if placed && (0..groups).all(|g| shared.group(g).connectors.is_empty()) {
             break;
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    let c = shared.control().connected.expect("volume exists");
+    let c = *shared.control().session.connected().expect("volume exists");
     let info = ExportInfo {
         export: shared.cfg.export.clone(),
         size: c.export_size,

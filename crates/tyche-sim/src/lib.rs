@@ -5,9 +5,9 @@
 //! seeded loss, reordering, duplication, delay and jitter, and optionally a path that fails mid-run
 //! (either going dark, or holding its frames and delivering them after the initiator has given
 //! the path up, so late duplicates reach a target that still listens). Channels are opened with
-//! the real handshake over the lossy paths and reopened by the initiator's reconnection policy
-//! ([`Reconnector`]). With [`SimConfig::restarts`] the run also suffers what operators do: the
-//! target restarts (a crash of its host that loses sessions, ledgers and I/O in flight and keeps
+//! the real handshake over the lossy paths and reopened by the initiator's session setup, the
+//! daemon's own ([`InitiatorSession`]: what each handshake means, and the reconnection policy).
+//! With [`SimConfig::restarts`] the run also suffers what operators do: the target restarts (a crash of its host that loses sessions, ledgers and I/O in flight and keeps
 //! only flushed data for sure, and so presents a new durability epoch; a kill of its process
 //! that loses sessions, ledgers and I/O in flight but keeps the cache, and the epoch, as a file
 //! export's page cache survives `tyched`; or a graceful stop that aborts what it has not started
@@ -35,8 +35,8 @@ use std::time::Duration;
 
 use tyche_channel::{
     Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt, ExportGeometry, ExportSpec,
-    Failed, Inbound, Instant, IoError, IoRequest, KeyedConnect, Opened, ReconnectPolicy, Reconnector, TargetEvent,
-    TargetInbound, Timers, VolumeConfig, VolumeEvent,
+    FirstOpen, Inbound, InitiatorSession, Instant, IoError, IoRequest, KeyedConnect, Opening, ReconnectPolicy, Setup,
+    TargetEvent, TargetInbound, Timers, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
@@ -198,6 +198,13 @@ fn target_timers() -> Timers {
 }
 
 /// The initiator's reconnection backoff, scaled like the timers.
+/// The initiator's session as the daemon runs it; `previous` (non-zero after an engine restart)
+/// is the earlier run's session, fenced off. No answer is retried: a partition may outlast the
+/// first attempt on every path, where the daemon's operator (or systemd) would start it again.
+fn initiator_session(cfg: &SimConfig, now: Instant, previous: u64) -> InitiatorSession {
+    InitiatorSession::new((0..cfg.paths).collect(), reconnect_policy(), FirstOpen::KeepTrying, now).fenced(previous)
+}
+
 fn reconnect_policy() -> ReconnectPolicy {
     ReconnectPolicy { min: Duration::from_millis(5), max: Duration::from_millis(200) }
 }
@@ -282,12 +289,13 @@ struct World {
     init_macs: Vec<MacAddr>,
     target_macs: Vec<MacAddr>,
     // Initiator.
-    reconnector: Reconnector,
-    connectors: BTreeMap<u16, (usize, Connector)>,
+    /// The production setup decisions: which channel to open when, and what each handshake
+    /// means for the volume.
+    session: InitiatorSession,
+    connectors: BTreeMap<u16, Opening>,
     /// The path of every initiator channel index.
     chan_path: HashMap<u16, usize>,
     volume: Option<PartedVolume>,
-    export_size: u64,
     app: BTreeMap<u64, AppRequest>,
     next_id: u64,
     issued: usize,
@@ -406,11 +414,10 @@ impl World {
             net,
             init_macs,
             target_macs,
-            reconnector: Reconnector::new((0..cfg.paths).collect(), reconnect_policy(), now),
+            session: initiator_session(&cfg, now, 0),
             connectors: BTreeMap::new(),
             chan_path: HashMap::new(),
             volume: None,
-            export_size: 0,
             app: BTreeMap::new(),
             next_id: 1,
             issued: 0,
@@ -442,7 +449,7 @@ impl World {
 
     /// Starts the connector the reconnection policy asks for.
     fn connect(&mut self, plan: ConnectPlan) {
-        let k = self.reconnector.link(plan.slot);
+        let k = self.session.link(plan.slot);
         // The segment size follows each path's MTU: paths differ, so channels differ.
         let mtu = if self.rng.chance(0.5) { 1500 } else { 3000 };
         let segment = segment_size_for(mtu, 3840).expect("MTU fits a segment") as u16;
@@ -467,7 +474,7 @@ impl World {
             c = c.with_key(SIM_KEY);
         }
         self.chan_path.insert(plan.channel, k);
-        self.connectors.insert(plan.channel, (plan.slot, c));
+        self.connectors.insert(plan.channel, InitiatorSession::opening(&plan, c));
     }
 
     fn run(&mut self) {
@@ -560,10 +567,10 @@ impl World {
             consider(s.poll_timeout());
             consider(s.next_message());
         }
-        for (_, c) in self.connectors.values() {
-            consider(c.poll_timeout());
+        for o in self.connectors.values() {
+            consider(o.connector.poll_timeout());
         }
-        consider(self.reconnector.poll_timeout());
+        consider(self.session.poll_timeout());
         if let TargetState::Down { until } = self.target {
             consider(Some(until));
         }
@@ -584,9 +591,9 @@ impl World {
         let Ok(frame) = Frame::new_checked(bytes, DEFAULT_ETHERTYPE) else { return };
         if matches!(frame.kind(), Kind::Accept | Kind::Reject | Kind::Challenge) {
             let ch = frame.channel();
-            let Some((_, c)) = self.connectors.get_mut(&ch) else { return };
+            let Some(o) = self.connectors.get_mut(&ch) else { return };
             let Ok(msg) = frame.parse() else { return };
-            if let Some(outcome) = c.handle(frame.src(), frame.session(), &msg) {
+            if let Some(outcome) = o.connector.handle(frame.src(), frame.session(), &msg) {
                 self.connector_done(ch, outcome);
             }
             return;
@@ -598,92 +605,79 @@ impl World {
         }
     }
 
+    /// A handshake finished: the production session decides; the world acts as the engine does.
     fn connector_done(&mut self, ch: u16, outcome: Result<Connected, ConnectError>) {
-        let Some((slot, connector)) = self.connectors.remove(&ch) else { return };
+        let Some(opening) = self.connectors.remove(&ch) else { return };
         let now = self.now;
         let seed = self.report.seed;
-        match outcome {
-            Ok(connected) => {
-                let channel = connector.channel(&connected, initiator_timers(), now);
-                match self.reconnector.connected(slot, ch, connected.session, now) {
-                    Opened::First => {
-                        if self.volume.is_none() {
-                            self.export_size = connected.export_size;
-                            let cfg = VolumeConfig {
-                                export_size: connected.export_size,
-                                read_only: false,
-                                no_path_timeout: if self.cfg.restarts {
-                                    RESTART_NO_PATH
-                                } else {
-                                    Duration::from_millis(50)
-                                },
-                                io_timeout: None,
-                                max_requests: 64,
-                            };
-                            let v = PartedVolume::new(
-                                cfg,
-                                connected.session,
-                                DEFAULT_ETHERTYPE,
-                                now,
-                                self.cfg.init_parts,
-                                seed,
-                            );
-                            self.volume = Some(v);
-                        }
-                        let path = self.chan_path[&ch];
-                        self.volume.as_mut().expect("created").add_channel(path, channel, now);
-                        if std::mem::take(&mut self.recovering) {
-                            // The new engine takes the application's requests over (re-issued
-                            // FLUSHes then run on a target that may have crashed since).
-                            self.model.resumed();
-                            let vol = self.volume.as_mut().expect("created");
-                            // What the old engines owed: kept if this session presents the epoch
-                            // their unflushed writes were acknowledged under.
-                            vol.inherit_debt(std::mem::replace(&mut self.debt_handed_on, DurabilityDebt::Clear));
-                            for (&id, r) in self.app.iter_mut() {
-                                // A FLUSH handed to the new engine is submitted anew: it runs
-                                // after every write acknowledged so far, and covers them (the
-                                // new volume takes the old one's unflushed writes as its own).
-                                if r.op == Op::Flush {
-                                    r.cover = Some(self.model.flush_started());
-                                }
-                                let io = IoRequest {
-                                    id,
-                                    op: r.op,
-                                    fua: r.fua,
-                                    offset: r.offset,
-                                    length: r.length,
-                                    node: None,
-                                };
-                                vol.submit(now, io).unwrap_or_else(|e| panic!("seed {seed}: resubmit {id}: {e:?}"));
-                            }
-                        }
-                    }
-                    Opened::Resumed => {
-                        assert_eq!(connected.export_size, self.export_size, "seed {seed}: the export changed size");
-                        let path = self.chan_path[&ch];
-                        let vol = self.volume.as_mut().expect("a volume resumes");
-                        vol.resume(connected.session, now);
-                        self.model.resumed();
-                        vol.add_channel(path, channel, now);
-                    }
-                    Opened::Joined => {
-                        let path = self.chan_path[&ch];
-                        self.volume.as_mut().expect("joined a volume").add_channel(path, channel, now)
-                    }
-                    Opened::Stale | Opened::Probe => self.disconnect(channel),
-                }
+        let path = self.chan_path[&ch];
+        match self.session.finished(&opening, ch, outcome, initiator_timers(), now) {
+            Setup::Create { channel, connected } => {
+                self.create_volume(&connected);
+                self.volume.as_mut().expect("created").add_channel(path, channel, now);
             }
-            Err(ConnectError::Rejected(
-                r @ (tyche_wire::RejectReason::UnknownExport | tyche_wire::RejectReason::AuthRequired),
-            )) => {
-                panic!("seed {seed}: channel {ch} refused: {r:?}")
+            Setup::Resume { channel, connected, previous } => {
+                assert_eq!(connected.export_size, previous.export_size, "seed {seed}: the export changed size");
+                let vol = self.volume.as_mut().expect("a volume resumes");
+                vol.resume(connected.session, now);
+                self.model.resumed();
+                vol.add_channel(path, channel, now);
             }
-            Err(e) => {
+            Setup::Join { channel, .. } => {
+                self.volume.as_mut().expect("joined a volume").add_channel(path, channel, now)
+            }
+            Setup::Abandon { channel } => self.disconnect(channel),
+            Setup::Retry { error, .. } => {
                 // On SessionLost the connectors of the old session still running are stale:
-                // the policy ignores their outcome.
-                let _: Failed = self.reconnector.failed(slot, ch, e, now);
+                // the policy ignores their outcome. The simulated target knows the export and
+                // its key: a refusal saying otherwise is a bug.
+                let refused = matches!(
+                    error,
+                    ConnectError::Rejected(
+                        tyche_wire::RejectReason::UnknownExport | tyche_wire::RejectReason::AuthRequired
+                    )
+                );
+                assert!(!refused, "seed {seed}: channel {ch} refused: {error:?}");
             }
+            Setup::Fatal(refusal) => panic!("seed {seed}: the session could not open: {refusal:?}"),
+        }
+    }
+
+    /// The session's first channel opened: the volume is made (or, after an engine restart,
+    /// made anew and given the application's requests the old engine had not completed).
+    fn create_volume(&mut self, connected: &Connected) {
+        let now = self.now;
+        let seed = self.report.seed;
+        if self.volume.is_none() {
+            let cfg = VolumeConfig {
+                export_size: connected.export_size,
+                read_only: false,
+                no_path_timeout: if self.cfg.restarts { RESTART_NO_PATH } else { Duration::from_millis(50) },
+                io_timeout: None,
+                max_requests: 64,
+            };
+            let v = PartedVolume::new(cfg, connected.session, DEFAULT_ETHERTYPE, now, self.cfg.init_parts, seed);
+            self.volume = Some(v);
+        }
+        if !std::mem::take(&mut self.recovering) {
+            return;
+        }
+        // The new engine takes the application's requests over (re-issued FLUSHes then run on
+        // a target that may have crashed since).
+        self.model.resumed();
+        let vol = self.volume.as_mut().expect("created");
+        // What the old engines owed: kept if this session presents the epoch their unflushed
+        // writes were acknowledged under.
+        vol.inherit_debt(std::mem::replace(&mut self.debt_handed_on, DurabilityDebt::Clear));
+        for (&id, r) in self.app.iter_mut() {
+            // A FLUSH handed to the new engine is submitted anew: it runs after every write
+            // acknowledged so far, and covers them (the new volume takes the old one's
+            // unflushed writes as its own).
+            if r.op == Op::Flush {
+                r.cover = Some(self.model.flush_started());
+            }
+            let io = IoRequest { id, op: r.op, fua: r.fua, offset: r.offset, length: r.length, node: None };
+            vol.submit(now, io).unwrap_or_else(|e| panic!("seed {seed}: resubmit {id}: {e:?}"));
         }
     }
 
@@ -965,9 +959,9 @@ impl World {
         }
         self.collect_target_events();
         let mut failed = Vec::new();
-        for (&ch, (_, c)) in self.connectors.iter_mut() {
-            c.handle_timeout(now);
-            if let Some(Err(e)) = c.outcome() {
+        for (&ch, o) in self.connectors.iter_mut() {
+            o.connector.handle_timeout(now);
+            if let Some(Err(e)) = o.connector.outcome() {
                 assert_eq!(e, ConnectError::Timeout, "seed {}", self.report.seed);
                 failed.push((ch, e));
             }
@@ -975,7 +969,7 @@ impl World {
         for (ch, e) in failed {
             self.connector_done(ch, Err(e));
         }
-        while let Some(plan) = self.reconnector.poll_connect(now) {
+        while let Some(plan) = self.session.poll_connect(now) {
             self.connect(plan);
         }
     }
@@ -991,8 +985,8 @@ impl World {
         let mut buf = std::mem::take(&mut self.buf);
         let pending: Vec<u16> = self.connectors.keys().copied().collect();
         for ch in pending {
-            let (_, c) = self.connectors.get_mut(&ch).expect("listed");
-            if let Some(len) = c.poll_transmit(now, &mut buf) {
+            let o = self.connectors.get_mut(&ch).expect("listed");
+            if let Some(len) = o.connector.poll_transmit(now, &mut buf) {
                 let k = self.chan_path[&ch];
                 self.send(k, Dir::ToTarget, &buf[..len]);
             }
@@ -1088,8 +1082,7 @@ impl World {
                 });
                 self.connectors.clear();
                 self.recovering = true;
-                self.reconnector =
-                    Reconnector::new((0..self.cfg.paths).collect(), reconnect_policy(), now).fenced(previous);
+                self.session = initiator_session(&self.cfg, now, previous);
             }
         }
     }
@@ -1101,7 +1094,7 @@ impl World {
                 VolumeEvent::Completed { id, result } => self.app_done(id, result),
                 VolumeEvent::ChannelDead { channel, reason, .. } => {
                     self.report.dead_channels += 1;
-                    self.reconnector.channel_dead(channel, reason, now);
+                    self.session.channel_dead(channel, reason, now);
                 }
                 VolumeEvent::ChannelAborted { .. } => {}
             }
@@ -1192,7 +1185,7 @@ impl World {
     /// depend on ordering (a modification overlapping anything in flight).
     fn generate(&mut self) -> Option<(IoRequest, AppRequest)> {
         let sector = SECTOR_SIZE as u64;
-        let sectors = self.export_size / sector;
+        let sectors = self.cfg.export_bytes / sector;
         for _ in 0..8 {
             let pick = self.rng.range(0, 99);
             let op = match pick {
