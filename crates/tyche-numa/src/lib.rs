@@ -43,7 +43,7 @@ pub mod topology;
 pub use alloc::{HugePages, NodeRegion};
 pub use cpulist::{format_cpu_list, parse_cpu_list};
 pub use error::NumaError;
-pub use model::{BandwidthModel, IoMeasurement, ModelConfig};
+pub use model::{BandwidthModel, IoMeasurement, ModelConfig, ModelFileError};
 pub use placement::{
     current_thread_cpus, node_cpus, pin_current_thread, pin_current_thread_to_node, ChannelSpec, PlacementRequest, Plan,
 };

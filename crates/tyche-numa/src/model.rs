@@ -362,10 +362,33 @@ pub fn cached(
     Ok((file.model, how))
 }
 
+/// What is wrong with a model file ([`load_file`]) or the daemons' model cache.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelFileError {
+    /// The file does not exist.
+    #[error("no such file")]
+    Missing,
+    /// It could not be opened or read.
+    #[error("cannot read it: {0}")]
+    Os(#[from] std::io::Error),
+    /// It is larger than any model file ([`MAX_CACHE_BYTES`]).
+    #[error("larger than {limit} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: u64,
+    },
+    /// It is JSON of another shape, or not JSON.
+    #[error("neither a model cache file nor a model: {0}")]
+    NotAModel(serde_json::Error),
+    /// A bandwidth, class or tolerance out of range.
+    #[error("not a model file: a bandwidth, class or tolerance out of range")]
+    OutOfRange,
+}
+
 /// The cache file, `None` when there is none; an error says what is wrong with it.
-fn read_cache(path: &Path) -> Result<Option<CacheFile>, String> {
+fn read_cache(path: &Path) -> Result<Option<CacheFile>, ModelFileError> {
     let Some(bytes) = read_bounded(path)? else { return Ok(None) };
-    let file: CacheFile = serde_json::from_slice(&bytes).map_err(|e| format!("not a model file: {e}"))?;
+    let file: CacheFile = serde_json::from_slice(&bytes).map_err(ModelFileError::NotAModel)?;
     check_model(&file.model)?;
     Ok(Some(file))
 }
@@ -374,43 +397,42 @@ fn read_cache(path: &Path) -> Result<Option<CacheFile>, String> {
 /// write) or the bare model (as `tyched topology --json` prints under `model`). For placing on
 /// another machine's topology (`tyched topology --xml FILE --model-file FILE`), or for
 /// repeating a placement with given classes; an error says what is wrong with the file.
-pub fn load_file(path: &Path) -> Result<BandwidthModel, String> {
-    let bytes = read_bounded(path)?.ok_or_else(|| "no such file".to_string())?;
+pub fn load_file(path: &Path) -> Result<BandwidthModel, ModelFileError> {
+    let bytes = read_bounded(path)?.ok_or(ModelFileError::Missing)?;
     let model = match serde_json::from_slice::<CacheFile>(&bytes) {
         Ok(file) => file.model,
-        Err(_) => serde_json::from_slice::<BandwidthModel>(&bytes)
-            .map_err(|e| format!("neither a model cache file nor a model: {e}"))?,
+        Err(_) => serde_json::from_slice::<BandwidthModel>(&bytes).map_err(ModelFileError::NotAModel)?,
     };
     check_model(&model)?;
     Ok(model)
 }
 
 /// At most [`MAX_CACHE_BYTES`] of a file; `None` when it does not exist.
-fn read_bounded(path: &Path) -> Result<Option<Vec<u8>>, String> {
+fn read_bounded(path: &Path) -> Result<Option<Vec<u8>>, ModelFileError> {
     use std::io::Read;
     let f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e.to_string()),
+        Err(e) => return Err(e.into()),
     };
     let mut bytes = Vec::new();
-    f.take(MAX_CACHE_BYTES + 1).read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+    f.take(MAX_CACHE_BYTES + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > MAX_CACHE_BYTES {
-        return Err(format!("larger than {MAX_CACHE_BYTES} bytes"));
+        return Err(ModelFileError::TooLarge { limit: MAX_CACHE_BYTES });
     }
     Ok(Some(bytes))
 }
 
 /// A model read from a file has finite, non-negative bandwidths, classes from 1 and a
 /// tolerance in [0, 1).
-fn check_model(model: &BandwidthModel) -> Result<(), String> {
+fn check_model(model: &BandwidthModel) -> Result<(), ModelFileError> {
     let finite = model
         .io_nodes
         .iter()
         .flat_map(|m| m.write.iter().chain(&m.read))
         .all(|b| b.gbytes_per_s.is_finite() && b.gbytes_per_s >= 0.0 && b.class >= 1);
     if !finite || !(0.0..1.0).contains(&model.tolerance) {
-        return Err("not a model file: a bandwidth, class or tolerance out of range".into());
+        return Err(ModelFileError::OutOfRange);
     }
     Ok(())
 }
@@ -603,14 +625,16 @@ pub(crate) mod tests {
         let file = CacheFile { version: CACHE_VERSION, machine: "another machine".into(), model: model.clone() };
         std::fs::write(&cache, serde_json::to_string(&file).unwrap()).unwrap();
         assert_eq!(load_file(&cache).expect("a cache file of any machine"), model);
-        assert!(load_file(&dir.path().join("missing.json")).unwrap_err().contains("no such file"));
+        let missing = load_file(&dir.path().join("missing.json")).unwrap_err();
+        assert!(matches!(missing, ModelFileError::Missing) && missing.to_string() == "no such file");
         let junk = dir.path().join("junk.json");
         std::fs::write(&junk, "{\"tolerance\": 0.1}").unwrap();
-        assert!(load_file(&junk).unwrap_err().contains("neither"), "junk is named");
+        let e = load_file(&junk).unwrap_err();
+        assert!(matches!(e, ModelFileError::NotAModel(_)) && e.to_string().contains("neither"), "junk is named");
         let mut bad = model;
         bad.io_nodes[0].read[0].gbytes_per_s = -1.0;
         std::fs::write(&junk, serde_json::to_string(&bad).unwrap()).unwrap();
-        assert!(load_file(&junk).unwrap_err().contains("out of range"));
+        assert!(load_file(&junk).unwrap_err().to_string().contains("out of range"));
     }
 
     #[test]

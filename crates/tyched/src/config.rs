@@ -634,7 +634,7 @@ impl Config {
             }
             for m in list {
                 let mac: MacAddr = m.parse().map_err(|_| invalid(&field, format!("{m:?} is not a MAC address")))?;
-                crate::steer::check_queue_mac(mac).map_err(|e| invalid(&field, e))?;
+                crate::steer::check_queue_mac(mac).map_err(|e| invalid(&field, e.to_string()))?;
                 if !seen.insert(mac) {
                     return Err(invalid(&field, format!("{mac} is given twice")));
                 }

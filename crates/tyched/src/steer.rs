@@ -73,17 +73,31 @@ pub fn derive_queue_mac(nic: MacAddr, q: u16) -> Option<MacAddr> {
     Some(MacAddr(b))
 }
 
+/// Why an address cannot be a queue address ([`check_queue_mac`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BadQueueMac {
+    /// 00:00:00:00:00:00.
+    #[error("the all-zero address is no address")]
+    Zero,
+    /// A group address.
+    #[error("{0} is a group (multicast) address")]
+    Group(MacAddr),
+    /// A vendor's (universally administered) address.
+    #[error("{0} is not locally administered (second bit of the first byte)")]
+    Universal(MacAddr),
+}
+
 /// Whether `m` may be a queue address: unicast, not zero, locally administered (so that it
 /// cannot be another vendor's NIC).
-pub fn check_queue_mac(m: MacAddr) -> Result<(), String> {
+pub fn check_queue_mac(m: MacAddr) -> Result<(), BadQueueMac> {
     if m == MacAddr::ZERO {
-        return Err("the all-zero address is no address".into());
+        return Err(BadQueueMac::Zero);
     }
     if m.is_multicast() {
-        return Err(format!("{m} is a group (multicast) address"));
+        return Err(BadQueueMac::Group(m));
     }
     if m.octets()[0] & 0x02 == 0 {
-        return Err(format!("{m} is not locally administered (second bit of the first byte)"));
+        return Err(BadQueueMac::Universal(m));
     }
     Ok(())
 }

@@ -194,7 +194,7 @@ fn queue_addresses(
     }
     for m in q.of_nic.iter().flatten() {
         crate::steer::check_queue_mac(*m)
-            .map_err(|message| crate::config::ConfigError::Invalid { field: "queue_macs".into(), message })?;
+            .map_err(|e| crate::config::ConfigError::Invalid { field: "queue_macs".into(), message: e.to_string() })?;
     }
     Ok(q.clone())
 }
