@@ -356,6 +356,30 @@ struct SessionRecord {
     channels: HashMap<u16, Granted>,
 }
 
+/// A handshake frame (DISCOVER or CONNECT) as the target received it.
+#[derive(Debug, Clone, Copy)]
+pub struct HandshakeFrame<'a> {
+    /// The MAC of the NIC it arrived on (where it was sent).
+    pub local: MacAddr,
+    /// Its sender.
+    pub src: MacAddr,
+    /// Its envelope (session and channel it names).
+    pub env: &'a Envelope,
+    /// The message.
+    pub msg: &'a Message<'a>,
+}
+
+/// A CONNECT being decided, and where its answer goes.
+struct Asked<'a> {
+    src: MacAddr,
+    env_in: &'a Envelope,
+    c: &'a Connect<'a>,
+    reply_env: Envelope,
+    /// The channel's own address named in the ACCEPT (zero: the NIC's).
+    channel_mac: MacAddr,
+    keyed: Option<KeyedConnect<'a>>,
+}
+
 /// How many sessions and channels an [`Acceptor`] grants at most. A CONNECT that would exceed
 /// one is refused with REJECT BUSY and counted in [`BusyCounts`]. The session limits apply to
 /// new sessions, the channel limits to channels on a new index (a reconnect on an index the
@@ -485,43 +509,34 @@ impl Acceptor {
         }
     }
 
-    /// Handles a DISCOVER or CONNECT from `src` received on the NIC with MAC `local` (other
-    /// messages give `None`). `new_session_id` supplies unpredictable nonzero ids. Replies are
-    /// written into `buf`.
-    #[allow(clippy::too_many_arguments)]
+    /// Handles a DISCOVER or CONNECT (other messages give `None`). `new_session_id` supplies
+    /// unpredictable nonzero ids. Replies are written into `buf`.
     pub fn handle(
         &mut self,
         now: Instant,
-        local: MacAddr,
-        src: MacAddr,
-        env_in: &Envelope,
-        msg: &Message<'_>,
+        frame: HandshakeFrame<'_>,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
     ) -> Option<Accepted> {
-        self.handle_keyed(now, local, src, env_in, msg, new_session_id, buf, None)
+        self.handle_keyed(now, frame, new_session_id, buf, None)
     }
 
     /// As [`Acceptor::handle_keyed`] for a target that gives the channel a target address of its
     /// own, `channel_addr` (a unicast address the NIC steers to the queue that serves the
-    /// channel): the ACCEPT still comes from `local` (where the CONNECT went) and names
-    /// `channel_addr` in `CHANNEL_MAC` (all zero when it is `local`), and the new channel sends
-    /// from `channel_addr`. Discovery and refusals are answered from `local`.
-    #[allow(clippy::too_many_arguments)]
+    /// channel): the ACCEPT still comes from `frame.local` (where the CONNECT went) and names
+    /// `channel_addr` in `CHANNEL_MAC` (all zero when it is `frame.local`), and the new channel
+    /// sends from `channel_addr`. Discovery and refusals are answered from `frame.local`.
     pub fn handle_steered(
         &mut self,
         now: Instant,
-        local: MacAddr,
+        frame: HandshakeFrame<'_>,
         channel_addr: MacAddr,
-        src: MacAddr,
-        env_in: &Envelope,
-        msg: &Message<'_>,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
         keyed: Option<KeyedConnect<'_>>,
     ) -> Option<Accepted> {
         debug_assert!(!channel_addr.is_multicast() && channel_addr != MacAddr::ZERO, "{channel_addr}");
-        self.dispatch(now, local, channel_addr, src, env_in, msg, new_session_id, buf, keyed)
+        self.dispatch(now, frame, channel_addr, new_session_id, buf, keyed)
     }
 
     /// Whether `c` from `src` repeats a CONNECT that was granted a channel which still exists:
@@ -543,36 +558,28 @@ impl Acceptor {
     /// the target's proof over the grant and the channel seals its frames with keys derived
     /// from it. An export with flag `EXPORT_NEEDS_KEY` is refused with `AuthRequired` without
     /// `keyed` (unless the CONNECT is a retry, [`Acceptor::is_retry`]).
-    #[allow(clippy::too_many_arguments)]
     pub fn handle_keyed(
         &mut self,
         now: Instant,
-        local: MacAddr,
-        src: MacAddr,
-        env_in: &Envelope,
-        msg: &Message<'_>,
+        frame: HandshakeFrame<'_>,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
         keyed: Option<KeyedConnect<'_>>,
     ) -> Option<Accepted> {
-        self.dispatch(now, local, local, src, env_in, msg, new_session_id, buf, keyed)
+        self.dispatch(now, frame, frame.local, new_session_id, buf, keyed)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
         now: Instant,
-        local: MacAddr,
+        frame: HandshakeFrame<'_>,
         channel_addr: MacAddr,
-        src: MacAddr,
-        env_in: &Envelope,
-        msg: &Message<'_>,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
         keyed: Option<KeyedConnect<'_>>,
     ) -> Option<Accepted> {
-        let reply_env =
-            Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env_in.channel, session: 0 };
+        let HandshakeFrame { local, src, env, msg } = frame;
+        let reply_env = Envelope { dst: src, src: local, ethertype: self.ethertype, channel: env.channel, session: 0 };
         match msg {
             Message::Discover(d) => {
                 let start = (d.start as usize).min(self.exports.len());
@@ -591,7 +598,8 @@ impl Acceptor {
             }
             Message::Connect(c) => {
                 let channel_mac = if channel_addr == local { MacAddr::ZERO } else { channel_addr };
-                Some(self.connect(now, src, env_in, c, reply_env, channel_mac, new_session_id, buf, keyed))
+                let asked = Asked { src, env_in: env, c, reply_env, channel_mac, keyed };
+                Some(self.connect(now, asked, new_session_id, buf))
             }
             _ => None,
         }
@@ -626,19 +634,14 @@ impl Acceptor {
         None
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn connect(
         &mut self,
         now: Instant,
-        src: MacAddr,
-        env_in: &Envelope,
-        c: &Connect<'_>,
-        reply_env: Envelope,
-        channel_mac: MacAddr,
+        asked: Asked<'_>,
         new_session_id: &mut dyn FnMut() -> u64,
         buf: &mut [u8],
-        keyed: Option<KeyedConnect<'_>>,
     ) -> Accepted {
+        let Asked { src, env_in, c, reply_env, channel_mac, keyed } = asked;
         let reject = |reason, buf: &mut [u8]| {
             Accepted::Reply(Message::Reject(Reject { nonce: c.nonce, reason, holder: None }).emit(&reply_env, buf))
         };

@@ -50,8 +50,8 @@ pub use channel::{
 };
 pub use config::Timers;
 pub use handshake::{
-    Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec, KeyedConnect,
-    FRESH_KEY_ROUNDS,
+    Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec, HandshakeFrame,
+    KeyedConnect, FRESH_KEY_ROUNDS,
 };
 pub use initiator::{
     DurabilityDebt, Handback, Handoff, Inbound, InboundOf, IoError, IoRequest, OutFrame, SubmitError, Volume,

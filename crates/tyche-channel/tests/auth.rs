@@ -7,7 +7,9 @@ mod util;
 use std::time::Duration;
 
 use tyche_channel::auth::{self, Grant, ProofInput, Psk, Sealer};
-use tyche_channel::{Accepted, Acceptor, Connector, DropReason, ExportSpec, Instant, KeyedConnect, Role, Timers};
+use tyche_channel::{
+    Accepted, Acceptor, Connector, DropReason, ExportSpec, HandshakeFrame, Instant, KeyedConnect, Role, Timers,
+};
 use tyche_wire::{
     flags, layout, ChannelParams, Disconnect, DisconnectReason, Envelope, Frame, Kind, Message, Op, Request, Seq,
     DEFAULT_ETHERTYPE, SECTOR_SIZE,
@@ -251,9 +253,13 @@ fn handshake_channels_share_keys() {
         let psk = Psk::new(KEY);
         let keyed = Some(KeyedConnect { key: &psk, target_nonce: 0x5151 });
         let msg = Message::Connect(m);
-        let Some(Accepted::Channel { session, channel: mut tch, len, .. }) =
-            acc.handle_keyed(now, env.dst, env.src, &cenv, &msg, &mut || 9, &mut out, keyed)
-        else {
+        let Some(Accepted::Channel { session, channel: mut tch, len, .. }) = acc.handle_keyed(
+            now,
+            HandshakeFrame { local: env.dst, src: env.src, env: &cenv, msg: &msg },
+            &mut || 9,
+            &mut out,
+            keyed,
+        ) else {
             panic!("a channel")
         };
         let af = Frame::new_checked(&out[..len], DEFAULT_ETHERTYPE).unwrap();
@@ -283,7 +289,13 @@ fn handshake_channels_share_keys() {
         // no second channel, without a challenge to check it against.
         assert!(acc.is_retry(env.src, &cenv, &m));
         let mut again = [0u8; 512];
-        match acc.handle_keyed(now, env.dst, env.src, &cenv, &msg, &mut || 10, &mut again, None) {
+        match acc.handle_keyed(
+            now,
+            HandshakeFrame { local: env.dst, src: env.src, env: &cenv, msg: &msg },
+            &mut || 10,
+            &mut again,
+            None,
+        ) {
             Some(Accepted::Reply(n)) => assert_eq!(&again[..n], &out[..n], "the same ACCEPT"),
             other => panic!("a retry got {other:?}"),
         }
@@ -291,7 +303,13 @@ fn handshake_channels_share_keys() {
         // channel is granted.
         let moved = Envelope { channel: 9, ..cenv };
         assert!(!acc.is_retry(env.src, &moved, &m));
-        match acc.handle_keyed(now, env.dst, env.src, &moved, &msg, &mut || 11, &mut again, None) {
+        match acc.handle_keyed(
+            now,
+            HandshakeFrame { local: env.dst, src: env.src, env: &moved, msg: &msg },
+            &mut || 11,
+            &mut again,
+            None,
+        ) {
             Some(Accepted::Reply(n)) => {
                 let f = Frame::new_checked(&again[..n], DEFAULT_ETHERTYPE).unwrap();
                 assert!(matches!(f.parse(), Ok(Message::Reject(_))), "refused");

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use tyche_channel::auth::{self, ProofInput, Psk};
-use tyche_channel::{Accepted, Acceptor, ConnectError, Connector, ExportSpec, Instant, KeyedConnect, Timers};
+use tyche_channel::{
+    Accepted, Acceptor, ConnectError, Connector, ExportSpec, HandshakeFrame, Instant, KeyedConnect, Timers,
+};
 use tyche_wire::{
     flags, layout, Accept, Challenge, ChannelParams, DurabilityEpoch, Envelope, Frame, MacAddr, Message,
     DEFAULT_ETHERTYPE, SECTOR_SIZE,
@@ -61,9 +63,14 @@ fn steered(
     let frame = Frame::new_checked(&buf[..len], DEFAULT_ETHERTYPE).unwrap();
     let msg = frame.parse().unwrap();
     let env = Envelope::of(&frame);
-    let Some(Accepted::Channel { len, channel, .. }) =
-        a.handle_steered(now, target(), channel_addr, init(), &env, &msg, &mut || 42, &mut out, None)
-    else {
+    let Some(Accepted::Channel { len, channel, .. }) = a.handle_steered(
+        now,
+        HandshakeFrame { local: target(), src: init(), env: &env, msg: &msg },
+        channel_addr,
+        &mut || 42,
+        &mut out,
+        None,
+    ) else {
         panic!("a channel")
     };
     if let Some(at) = tamper {
@@ -193,9 +200,14 @@ fn keyed(tamper: Option<usize>) -> Result<MacAddr, ConnectError> {
                 let key = Psk::new(KEY);
                 let k = Some(KeyedConnect { key: &key, target_nonce: tn });
                 let msg = Message::Connect(m);
-                let Some(Accepted::Channel { len, channel, .. }) =
-                    a.handle_steered(now, target(), queue_mac(), init(), &env, &msg, &mut || 42, &mut out, k)
-                else {
+                let Some(Accepted::Channel { len, channel, .. }) = a.handle_steered(
+                    now,
+                    HandshakeFrame { local: target(), src: init(), env: &env, msg: &msg },
+                    queue_mac(),
+                    &mut || 42,
+                    &mut out,
+                    k,
+                ) else {
                     panic!("a channel")
                 };
                 assert!(channel.sealed());
@@ -231,17 +243,27 @@ fn a_retried_connect_gets_the_same_named_address() {
     let msg = frame.parse().unwrap();
     let env = Envelope::of(&frame);
     let mut first = [0u8; 512];
-    let Some(Accepted::Channel { len: n1, .. }) =
-        a.handle_steered(now, target(), queue_mac(), init(), &env, &msg, &mut || 42, &mut first, None)
-    else {
+    let Some(Accepted::Channel { len: n1, .. }) = a.handle_steered(
+        now,
+        HandshakeFrame { local: target(), src: init(), env: &env, msg: &msg },
+        queue_mac(),
+        &mut || 42,
+        &mut first,
+        None,
+    ) else {
         panic!("a channel")
     };
     // The ACCEPT was lost; the retry is answered with the same one, whichever queue it reached.
     let mut again = [0u8; 512];
     let other = MacAddr([0x0a, 0x54, 0, 0, 0, 2]);
-    let Some(Accepted::Reply(n2)) =
-        a.handle_steered(now, target(), other, init(), &env, &msg, &mut || 43, &mut again, None)
-    else {
+    let Some(Accepted::Reply(n2)) = a.handle_steered(
+        now,
+        HandshakeFrame { local: target(), src: init(), env: &env, msg: &msg },
+        other,
+        &mut || 43,
+        &mut again,
+        None,
+    ) else {
         panic!("the same ACCEPT")
     };
     assert_eq!(first[..n1], again[..n2]);

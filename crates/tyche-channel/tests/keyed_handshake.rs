@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use tyche_channel::auth::{self, ProofInput, Psk};
-use tyche_channel::{Accepted, Acceptor, ConnectError, Connector, ExportSpec, Instant, KeyedConnect, Timers};
+use tyche_channel::{
+    Accepted, Acceptor, ConnectError, Connector, ExportSpec, HandshakeFrame, Instant, KeyedConnect, Timers,
+};
 use tyche_wire::{
     flags, Challenge, ChannelParams, Envelope, Frame, MacAddr, Message, RejectReason, DEFAULT_ETHERTYPE, SECTOR_SIZE,
 };
@@ -94,7 +96,13 @@ fn run_forgetting(
                     let msg = Message::Connect(m);
                     let key = Psk::new(target_key);
                     let keyed = Some(KeyedConnect { key: &key, target_nonce });
-                    match a.handle_keyed(now, target(), init(), &env, &msg, &mut || 42, &mut out, keyed) {
+                    match a.handle_keyed(
+                        now,
+                        HandshakeFrame { local: target(), src: init(), env: &env, msg: &msg },
+                        &mut || 42,
+                        &mut out,
+                        keyed,
+                    ) {
                         Some(Accepted::Channel { len, .. }) => {
                             if let Some(at) = tamper {
                                 out[14 + at] ^= 1;
@@ -175,7 +183,9 @@ fn plain_handle_still_refuses_a_keyed_export() {
     let env = Envelope { dst: target(), src: init(), ethertype: DEFAULT_ETHERTYPE, channel: 0, session: 0 };
     let m = Message::Connect(tyche_wire::Connect { nonce: 1, params: params(), proof: None, export: "k", host: None });
     let mut out = [0u8; 512];
-    let Some(Accepted::Reply(n)) = a.handle(Instant(1), target(), init(), &env, &m, &mut || 5, &mut out) else {
+    let Some(Accepted::Reply(n)) =
+        a.handle(Instant(1), HandshakeFrame { local: target(), src: init(), env: &env, msg: &m }, &mut || 5, &mut out)
+    else {
         panic!("expected a reply")
     };
     let f = Frame::new_checked(&out[..n], DEFAULT_ETHERTYPE).expect("valid");

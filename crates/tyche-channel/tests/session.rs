@@ -4,7 +4,7 @@ mod util;
 
 use std::time::Duration;
 
-use tyche_channel::{Accepted, Acceptor, ConnectError, Connector, ExportSpec, Instant, IoError};
+use tyche_channel::{Accepted, Acceptor, ConnectError, Connector, ExportSpec, HandshakeFrame, Instant, IoError};
 use tyche_wire::{Accept, ChannelParams, Envelope, Frame, Kind, Message, RejectReason, Status, DEFAULT_ETHERTYPE};
 use util::{pattern, test_timers, Dir, Fate, Pair, PairConfig};
 
@@ -183,8 +183,14 @@ fn to_acceptor(acc: &mut Acceptor, now: Instant, k: u16, bytes: &[u8], ids: &mut
         *ids += 1;
         0x5000 + *ids
     };
-    let a =
-        acc.handle(now, util::target_mac(k), f.src(), &env, &msg, &mut next, &mut out).expect("a CONNECT is handled");
+    let a = acc
+        .handle(
+            now,
+            HandshakeFrame { local: util::target_mac(k), src: f.src(), env: &env, msg: &msg },
+            &mut next,
+            &mut out,
+        )
+        .expect("a CONNECT is handled");
     let len = match &a {
         Accepted::Reply(len) | Accepted::Channel { len, .. } => *len,
     };

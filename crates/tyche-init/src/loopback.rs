@@ -13,7 +13,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tyche_channel::{
-    Accepted, Acceptor, ExportGeometry, ExportSpec, Instant, TargetEvent, TargetInbound, TargetSession, Timers,
+    Accepted, Acceptor, ExportGeometry, ExportSpec, HandshakeFrame, Instant, TargetEvent, TargetInbound, TargetSession,
+    Timers,
 };
 use tyche_transport::{FaultConfig, FaultInjector, FrameTransport, MemLink, MemPort, SplitMix64};
 use tyche_wire::{
@@ -339,7 +340,12 @@ impl TargetLoop {
                         let env = Envelope::of(&frame);
                         let mut ids = || rng.next_u64();
                         let mut out = vec![0u8; 1600];
-                        match acceptor.handle(now, macs[k], frame.src(), &env, &msg, &mut ids, &mut out) {
+                        match acceptor.handle(
+                            now,
+                            HandshakeFrame { local: macs[k], src: frame.src(), env: &env, msg: &msg },
+                            &mut ids,
+                            &mut out,
+                        ) {
                             Some(Accepted::Reply(len)) => replies.push(out[..len].to_vec()),
                             Some(Accepted::Channel { session, channel, len, .. }) => {
                                 let g =

@@ -35,8 +35,8 @@ use std::time::Duration;
 
 use tyche_channel::{
     Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt, ExportGeometry, ExportSpec,
-    FirstOpen, Inbound, InitiatorSession, Instant, IoError, IoRequest, KeyedConnect, Opening, ReconnectPolicy, Setup,
-    TargetEvent, TargetInbound, Timers, VolumeConfig, VolumeEvent,
+    FirstOpen, HandshakeFrame, Inbound, InitiatorSession, Instant, IoError, IoRequest, KeyedConnect, Opening,
+    ReconnectPolicy, Setup, TargetEvent, TargetInbound, Timers, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
@@ -753,16 +753,8 @@ impl World {
             let keyed = keyed.map(|target_nonce| KeyedConnect { key: &psk, target_nonce });
             let rng = &mut self.rng;
             let mut ids = || rng.next_u64();
-            match self.acceptor.handle_keyed(
-                self.now,
-                self.target_macs[k],
-                frame.src(),
-                &env,
-                &msg,
-                &mut ids,
-                &mut out,
-                keyed,
-            ) {
+            let arrived = HandshakeFrame { local: self.target_macs[k], src: frame.src(), env: &env, msg: &msg };
+            match self.acceptor.handle_keyed(self.now, arrived, &mut ids, &mut out, keyed) {
                 Some(Accepted::Reply(len)) => self.send(k, Dir::ToInitiator, &out[..len]),
                 Some(Accepted::Channel { session, channel, len, .. }) => {
                     if let (Some(_), tyche_wire::Message::Connect(c)) = (keyed, &msg) {

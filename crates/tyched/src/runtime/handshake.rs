@@ -18,7 +18,7 @@ use std::time::Duration;
 use tyche_channel::PartId;
 
 use tyche_channel::auth::{self, ProofInput, Psk};
-use tyche_channel::{Accepted, Channel, ExportGeometry, Instant, KeyedConnect};
+use tyche_channel::{Accepted, Channel, ExportGeometry, HandshakeFrame, Instant, KeyedConnect};
 use tyche_wire::{Challenge, Connect, Envelope, Frame, MacAddr, Message, Reject, RejectReason};
 
 use super::control::{ChannelEntry, Control, Entry, Opening, ShardMsg};
@@ -151,6 +151,13 @@ struct Peer {
     env_in: Envelope,
     /// The replies' addressing (session 0).
     reply: Envelope,
+}
+
+impl Peer {
+    /// `msg`, as it arrived from this peer, for the acceptor.
+    fn frame<'a>(&'a self, msg: &'a Message<'a>) -> HandshakeFrame<'a> {
+        HandshakeFrame { local: self.local, src: self.src, env: &self.env_in, msg }
+    }
 }
 
 /// What a handshake frame gives the thread that received it.
@@ -288,7 +295,7 @@ impl Control {
             let mut ids = auth::random_u64;
             let mut buf = vec![0u8; REPLY_BUF];
             if let Some(Accepted::Reply(len)) =
-                self.acceptor.handle_keyed(now, peer.local, src, env_in, msg, &mut ids, &mut buf, None)
+                self.acceptor.handle_keyed(now, peer.frame(msg), &mut ids, &mut buf, None)
             {
                 buf.truncate(len);
                 out.replies.push(buf);
@@ -401,17 +408,7 @@ impl Control {
             _ => (peer.k, None),
         };
         let channel_addr = channel_addr.unwrap_or(peer.local);
-        match self.acceptor.handle_steered(
-            now,
-            peer.local,
-            channel_addr,
-            peer.src,
-            &peer.env_in,
-            msg,
-            &mut ids,
-            &mut buf,
-            keyed,
-        ) {
+        match self.acceptor.handle_steered(now, peer.frame(msg), channel_addr, &mut ids, &mut buf, keyed) {
             Some(Accepted::Reply(len)) => {
                 if self.acceptor.busy() != busy_before && PEER_LOGS.allow() {
                     tracing::warn!(src = %peer.src, busy = ?self.acceptor.busy(), "refused a CONNECT: a session or channel limit is full");
