@@ -201,8 +201,10 @@ pub fn run(args: SimArgs) -> Result<()> {
     panic::set_hook(default_hook);
     let t = totals.into_inner().expect("totals");
     eprintln!(
-        "sim: {:.1}s, {} frames, {} retransmits, {} failed requests, {} dead channels, {} duplicate modifications suppressed",
+        "sim: {:.1}s ({:.1} ms virtual per seed), {} frames, {} retransmits, {} failed requests, {} dead channels, \
+         {} duplicate modifications suppressed",
         started.elapsed().as_secs_f64(),
+        t.virtual_nanos as f64 / 1e6 / t.seeds.max(1) as f64,
         t.frames,
         t.retransmits,
         t.failed,

@@ -440,6 +440,10 @@ pub struct ChannelStats {
     pub retransmits: u64,
     /// Retransmission timer expiries.
     pub timeouts: u64,
+    /// Expiries found spurious: after the timer retransmitted only the oldest frame, frames it
+    /// did not resend were acknowledged (they had been delayed, not lost), so the rest of the
+    /// window was not sent again (F-RTO, RFC 5682).
+    pub spurious_timeouts: u64,
     /// Standalone ACKs sent.
     pub acks_tx: u64,
     /// NACKs sent.
@@ -467,6 +471,9 @@ struct TxEntry {
     retx: u16,
     sacked: bool,
     queued: bool,
+    /// Unacknowledged when the retransmission timer expired and not resent by it: if it is
+    /// acknowledged now, it was delayed, not lost ([`Channel::frto`]).
+    suspect: bool,
 }
 
 #[derive(Debug)]
@@ -546,6 +553,15 @@ pub struct Channel {
     srtt: Option<Duration>,
     rttvar: Duration,
     rto_deadline: Option<Instant>,
+    /// After a timer expiry that resent only the oldest frame (F-RTO): whether the next
+    /// acknowledgement says the others were delayed (spurious expiry: nothing more is resent)
+    /// or lost (the rest of the window is resent then).
+    frto: bool,
+    /// When the channel last saw a frame lost (a NACK received, or an F-RTO expiry found
+    /// real): F-RTO runs only on a channel that has seen none for `max_rto`, where an expiry
+    /// is more likely a descheduled peer than a loss; on a lossy one an expiry resends the
+    /// whole window at once, as it always did.
+    loss_seen: Option<Instant>,
 
     // Receive ring: everything below rx_expected arrived; rx_seen marks arrivals above it.
     rx_expected: u32,
@@ -617,6 +633,8 @@ impl Channel {
             srtt: None,
             rttvar: Duration::ZERO,
             rto_deadline: None,
+            frto: false,
+            loss_seen: None,
             rx_expected: 0,
             rx_end: 0,
             rx_seen: Bitmap::new(ring),
@@ -971,8 +989,11 @@ impl Channel {
             Message::Data(d) => d.header.seq,
             Message::Ack(a) => {
                 self.heard(now);
-                self.on_ack(now, a.cumulative);
-                self.on_sack(now, a.cumulative, a.sack);
+                let cumulative = self.on_ack(now, a.cumulative);
+                let selective = self.on_sack(now, a.cumulative, a.sack);
+                if cumulative.is_some() || selective.is_some() {
+                    self.frto_decide(now, cumulative == Some(true) || selective == Some(true));
+                }
                 self.stats.frames_rx += 1;
                 return Received::Consumed;
             }
@@ -1011,7 +1032,9 @@ impl Channel {
             return self.drop_frame(DropReason::WrongRole);
         }
         self.heard(now);
-        self.on_ack(now, seq.ack);
+        if let Some(delayed) = self.on_ack(now, seq.ack) {
+            self.frto_decide(now, delayed);
+        }
         // Receive window: [rx_expected, rx_expected + ring).
         let off = diff(seq.seq, self.rx_expected);
         if off < 0 {
@@ -1263,18 +1286,22 @@ impl Channel {
     // ------------------------------------------------------------------------------------------
     // Acknowledgements and retransmission (sender side).
 
-    fn on_ack(&mut self, now: Instant, cumulative: u32) {
+    /// A cumulative acknowledgement: `None` when it acknowledges nothing new, else whether it
+    /// acknowledged a suspect frame that was not resent (an F-RTO expiry was spurious).
+    fn on_ack(&mut self, now: Instant, cumulative: u32) -> Option<bool> {
         let advance = diff(cumulative, self.tx_base);
         if advance <= 0 || diff(cumulative, self.tx_next) > 0 {
-            return; // old, or acknowledges positions never sent (ignored)
+            return None; // old, or acknowledges positions never sent (ignored)
         }
         let ring = self.params.ring as u32;
         let mut sample = None;
+        let mut delayed = false;
         while self.tx_base != cumulative {
             let e = self.tx[(self.tx_base % ring) as usize].take().expect("sent position has an entry");
             if e.retx == 0 {
                 sample = Some(now.since(e.first_sent));
             }
+            delayed |= e.suspect && e.retx == 0;
             self.tx_base = self.tx_base.wrapping_add(1);
         }
         if let Some(s) = sample {
@@ -1283,11 +1310,14 @@ impl Channel {
         self.rto = self.rto_base();
         self.last_progress = now;
         self.rto_deadline = (self.tx_base != self.tx_next).then(|| now + self.rto);
+        Some(delayed)
     }
 
-    fn on_sack(&mut self, now: Instant, cumulative: u32, bits: u64) {
+    /// Selective acknowledgements: as [`Channel::on_ack`], `None` when nothing new.
+    fn on_sack(&mut self, now: Instant, cumulative: u32, bits: u64) -> Option<bool> {
         let ring = self.params.ring as u32;
         let mut progress = false;
+        let mut delayed = false;
         let mut b = bits;
         while b != 0 {
             let i = b.trailing_zeros();
@@ -1296,6 +1326,7 @@ impl Channel {
             if diff(s, self.tx_base) >= 0 && diff(s, self.tx_next) < 0 {
                 if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
                     progress |= !e.sacked;
+                    delayed |= !e.sacked && e.suspect && e.retx == 0;
                     e.sacked = true;
                 }
             }
@@ -1303,9 +1334,38 @@ impl Channel {
         if progress {
             self.last_progress = now;
         }
+        progress.then_some(delayed)
+    }
+
+    /// The first acknowledgement after an F-RTO expiry: if a suspect frame (not resent) was
+    /// acknowledged, the expiry was spurious and nothing more is resent; else the suspects are
+    /// taken for lost and resent now.
+    fn frto_decide(&mut self, now: Instant, delayed: bool) {
+        if !std::mem::take(&mut self.frto) {
+            return;
+        }
+        if delayed {
+            self.stats.spurious_timeouts += 1;
+        } else {
+            self.loss_seen = Some(now);
+        }
+        let ring = self.params.ring as u32;
+        let mut s = self.tx_base;
+        while s != self.tx_next {
+            if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
+                if std::mem::take(&mut e.suspect) && !delayed && !e.sacked && !e.queued {
+                    e.queued = true;
+                    self.retx.push_back(s);
+                }
+            }
+            s = s.wrapping_add(1);
+        }
     }
 
     fn on_nack(&mut self, now: Instant, base: u32, missing: u64) {
+        if missing != 0 {
+            self.loss_seen = Some(now);
+        }
         let ring = self.params.ring as u32;
         let gap = self.srtt.unwrap_or(self.timers.min_rto).max(self.timers.min_rto / 2);
         let mut b = missing;
@@ -1386,17 +1446,29 @@ impl Channel {
         }
         if self.rto_deadline.is_some_and(|d| d <= now) {
             self.stats.timeouts += 1;
+            // The first expiry resends the oldest frame only and marks the others suspect; a
+            // second one before any acknowledgement resends the whole window.
+            let lossless = self.loss_seen.is_none_or(|t| now.since(t) >= self.timers.max_rto);
+            let first_only = !std::mem::take(&mut self.frto) && lossless;
             let ring = self.params.ring as u32;
             let mut s = self.tx_base;
+            let mut resent = 0usize;
             while s != self.tx_next {
                 if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
+                    e.suspect = false;
                     if !e.sacked && !e.queued && now.since(e.last_sent) >= self.rto {
-                        e.queued = true;
-                        self.retx.push_back(s);
+                        if first_only && resent > 0 {
+                            e.suspect = true;
+                        } else {
+                            e.queued = true;
+                            self.retx.push_back(s);
+                            resent += 1;
+                        }
                     }
                 }
                 s = s.wrapping_add(1);
             }
+            self.frto = first_only && resent > 0;
             self.rto = (self.rto * 2).min(self.timers.max_rto);
             self.rto_deadline = Some(now + self.rto);
         }
@@ -1565,8 +1637,15 @@ impl Channel {
             // The ring was empty: the wait for acknowledgements starts now.
             self.last_progress = now;
         }
-        self.tx[(s % ring) as usize] =
-            Some(TxEntry { frame, first_sent: now, last_sent: now, retx: 0, sacked: false, queued: false });
+        self.tx[(s % ring) as usize] = Some(TxEntry {
+            frame,
+            first_sent: now,
+            last_sent: now,
+            retx: 0,
+            sacked: false,
+            queued: false,
+            suspect: false,
+        });
         if self.rto_deadline.is_none() {
             self.rto_deadline = Some(now + self.rto);
         }

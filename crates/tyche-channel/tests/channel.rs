@@ -196,6 +196,68 @@ fn lost_data_segment_recovered_by_nack_before_rto() {
     assert!(pair.storage[65536..65536 + 4096] == data[..]);
 }
 
+/// F-RTO: acknowledgements held back past the retransmission timer (a peer's thread
+/// descheduled on a busy core) cost one frame sent again, not the whole window.
+#[test]
+fn a_delayed_acknowledgement_costs_one_retransmission_not_the_window() {
+    let mut pair = Pair::new();
+    round_trip(&mut pair, 1, 0, 512);
+    let rto = pair.ich(0).rto();
+    let until = pair.now + rto;
+    pair.fault =
+        Box::new(
+            move |p| {
+                if p.dir == Dir::ToInitiator && p.at <= until {
+                    Fate::Delay(rto * 2)
+                } else {
+                    Fate::Deliver
+                }
+            },
+        );
+    let data = pattern(7, 16384);
+    pair.write(7, 0, &data);
+    pair.drive_until("write 7 completes", |p| p.result(7).is_some());
+    pair.expect_ok(7);
+    let s = *pair.ich(0).stats();
+    assert_eq!((s.timeouts, s.spurious_timeouts), (1, 1), "{s:?}");
+    assert_eq!(s.retransmits, 1, "only the oldest frame was sent again: {s:?}");
+    pair.drive();
+    assert!(pair.target_dropped(DropReason::Duplicate) <= 1);
+    assert!(pair.storage[..16384] == data[..]);
+}
+
+/// F-RTO: when the frames were lost (a tail loss: nothing after them for the receiver to
+/// NACK), the acknowledgement of the one frame the timer resent says so, and the rest is
+/// resent at once.
+#[test]
+fn a_lost_window_is_resent_after_the_first_acknowledgement() {
+    let mut pair = Pair::new();
+    round_trip(&mut pair, 1, 0, 512);
+    let rto = pair.ich(0).rto();
+    let until = pair.now + rto / 2;
+    pair.fault =
+        Box::new(
+            move |p| {
+                if p.dir == Dir::ToTarget && p.seq().is_some() && p.at <= until {
+                    Fate::Drop
+                } else {
+                    Fate::Deliver
+                }
+            },
+        );
+    let data = pattern(8, 16384);
+    let start = pair.now;
+    pair.write(8, 0, &data);
+    pair.drive_until("write 8 completes", |p| p.result(8).is_some());
+    pair.expect_ok(8);
+    let took = pair.completed.iter().find(|c| c.0 == 8).unwrap().2 - start;
+    let s = *pair.ich(0).stats();
+    assert_eq!((s.timeouts, s.spurious_timeouts), (1, 0), "{s:?}");
+    assert!(took < rto * 3, "recovery took {took:?} with an RTO of {rto:?}: {s:?}");
+    pair.drive();
+    assert!(pair.storage[..16384] == data[..]);
+}
+
 #[test]
 fn blackout_recovered_by_rto_with_exponential_backoff() {
     let mut pair = Pair::new();

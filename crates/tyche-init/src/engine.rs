@@ -605,6 +605,8 @@ impl Shared {
                     frames_tx: cs.frames_tx,
                     frames_rx: cs.frames_rx,
                     retransmits: cs.retransmits,
+                    timeouts: cs.timeouts,
+                    spurious_timeouts: cs.spurious_timeouts,
                     thread: thread.clone(),
                 });
             }

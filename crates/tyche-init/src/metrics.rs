@@ -155,7 +155,7 @@ impl Collector for Scrape {
             let open = r.nbd.iter().filter(|c| c.open).count() as u64;
             family(enc, "nbd_connections", "NBD connections open now.", Gauge, self.one(open))?;
         }
-        let per_channel: [PerChannel; 6] = [
+        let per_channel: [PerChannel; 8] = [
             ("channel_live", "Whether the channel is alive.", Gauge, |c| u64::from(c.live)),
             ("channel_tx_payload_bytes", "Payload bytes sent (write data, retransmissions included).", Counter, |c| {
                 c.payload_tx
@@ -164,6 +164,13 @@ impl Collector for Scrape {
             ("channel_tx_frames", "Frames sent.", Counter, |c| c.frames_tx),
             ("channel_rx_frames", "Frames received.", Counter, |c| c.frames_rx),
             ("channel_retransmits", "Retransmissions.", Counter, |c| c.retransmits),
+            ("channel_rto_expiries", "Retransmission timer expiries.", Counter, |c| c.timeouts),
+            (
+                "channel_spurious_rto_expiries",
+                "Timer expiries whose frames were delayed, not lost (only the oldest was resent).",
+                Counter,
+                |c| c.spurious_timeouts,
+            ),
         ];
         for (name, help, kind, value) in per_channel {
             let rows = r

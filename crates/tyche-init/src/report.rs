@@ -33,6 +33,12 @@ pub struct ChannelReport {
     pub frames_rx: u64,
     /// Retransmissions.
     pub retransmits: u64,
+    /// Retransmission timer expiries.
+    #[serde(default)]
+    pub timeouts: u64,
+    /// Of which spurious (delayed frames, not lost ones: only the oldest was resent).
+    #[serde(default)]
+    pub spurious_timeouts: u64,
     /// The thread serving it (the engine thread), as it sees itself.
     pub thread: ThreadPlacement,
 }
@@ -245,9 +251,9 @@ impl Report {
         for c in &self.channels {
             let _ = writeln!(
                 s,
-                "  ch {:<3} {:<12} target {} node {:<7} {}  payload tx {} B rx {} B  frames tx {} rx {}  retransmits {}  thread {} cpus {:?}",
+                "  ch {:<3} {:<12} target {} node {:<7} {}  payload tx {} B rx {} B  frames tx {} rx {}  retransmits {} (timer {}, spurious {})  thread {} cpus {:?}",
                 c.channel, c.link, c.target, node(c.node), if c.live { "live" } else { "dead" }, c.payload_tx, c.payload_rx,
-                c.frames_tx, c.frames_rx, c.retransmits, c.thread.name, c.thread.cpus
+                c.frames_tx, c.frames_rx, c.retransmits, c.timeouts, c.spurious_timeouts, c.thread.name, c.thread.cpus
             );
         }
         let _ = writeln!(s, "\nLinks (pages on the NIC's node / elsewhere / not present):");

@@ -1222,6 +1222,8 @@ impl World {
 pub struct Totals {
     /// Seeds run.
     pub seeds: u64,
+    /// Virtual time the seeds took, together (how fast the workload got through its faults).
+    pub virtual_nanos: u64,
     /// Requests completed (successfully or with an error status).
     pub requests: u64,
     /// Of which failed.
@@ -1268,6 +1270,7 @@ impl Totals {
     /// Adds one seed's report.
     pub fn add(&mut self, r: &SeedReport) {
         self.seeds += 1;
+        self.virtual_nanos += r.virtual_nanos;
         self.requests += r.completed + r.failed;
         self.failed += r.failed;
         self.mismatches += r.mismatches;

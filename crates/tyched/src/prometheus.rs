@@ -182,6 +182,14 @@ impl Collector for SnapshotCollector {
                 .collect::<Vec<_>>()
         };
         family(enc, "channel_retransmits", "Retransmissions.", Counter, ch(&|c| c.retransmits))?;
+        family(enc, "channel_rto_expiries", "Retransmission timer expiries.", Counter, ch(&|c| c.timeouts))?;
+        family(
+            enc,
+            "channel_spurious_rto_expiries",
+            "Timer expiries whose frames were delayed, not lost (only the oldest was resent).",
+            Counter,
+            ch(&|c| c.spurious_timeouts),
+        )?;
         family(enc, "channel_executing", "Requests executing.", Gauge, ch(&|c| c.executing))?;
         Ok(())
     }
@@ -306,7 +314,7 @@ mod tests {
         // `tyched_uptime_milliseconds` was typed `counter` (prometheus-client names every
         // counter `*_total`, so it is a gauge now to keep its name), and families added since:
         // `tyched_poll_contended_total`, `tyched_nic_irqs*`, `tyched_storage_jobs_total`,
-        // `tyched_config_*`.
+        // `tyched_config_*`, `tyched_channel_*rto_expiries_total`.
         // And `tyched_build_info` first, whose labels are this build's.
         let expected = include_str!("../testdata/metrics-sample.prom")
             .replace("@VERSION@", env!("CARGO_PKG_VERSION"))
@@ -317,7 +325,7 @@ mod tests {
         assert!(text.contains("tyched_nic_rx_frames_total{nic=\"we\\\"ird\\\\\"} 0\n"), "{text}");
         assert!(text.contains("tyched_export_errors_total{export=\"a\\nb\"} 0\n"), "{text}");
         assert!(!text.contains("# EOF"), "the 0.0.4 text format has no EOF marker");
-        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 31);
+        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 33);
     }
 
     #[test]

@@ -187,6 +187,13 @@ pub struct ChannelSnapshot {
     pub payload_rx: u64,
     /// Retransmissions.
     pub retransmits: u64,
+    /// Retransmission timer expiries.
+    #[serde(default)]
+    pub timeouts: u64,
+    /// Of which spurious: the frames were acknowledged without being sent again (delayed,
+    /// not lost), and only the oldest was resent.
+    #[serde(default)]
+    pub spurious_timeouts: u64,
     /// Drops by reason.
     pub drops: BTreeMap<String, u64>,
     /// How its frames are protected: `none`, `digest` (CRC32C of data), `authenticated` or
@@ -518,9 +525,9 @@ impl Snapshot {
         for c in &self.channels {
             let _ = writeln!(
                 s,
-                "  session {:016x} ch {} {} on {} ({}) from {}{}  {}  tx {} frames {} B  rx {} frames {} B  retransmits {}  executing {}  drops {:?}",
+                "  session {:016x} ch {} {} on {} ({}) from {}{}  {}  tx {} frames {} B  rx {} frames {} B  retransmits {} (timer {}, spurious {})  executing {}  drops {:?}",
                 c.session, c.channel, c.export, c.nic, c.addr, c.peer, if c.dead { " (dead)" } else { "" }, c.protection, c.frames_tx,
-                c.payload_tx, c.frames_rx, c.payload_rx, c.retransmits, c.executing, c.drops
+                c.payload_tx, c.frames_rx, c.payload_rx, c.retransmits, c.timeouts, c.spurious_timeouts, c.executing, c.drops
             );
         }
         s

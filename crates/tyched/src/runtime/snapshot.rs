@@ -188,6 +188,8 @@ impl Network {
                     payload_tx: cs.payload_tx,
                     payload_rx: cs.payload_rx,
                     retransmits: cs.retransmits,
+                    timeouts: cs.timeouts,
+                    spurious_timeouts: cs.spurious_timeouts,
                     drops,
                     executing: s.executing.get(&ch).copied().unwrap_or(0),
                     node,
