@@ -40,6 +40,10 @@ pub enum GuestTest {
     /// Tyche volumes of two targets as members of md RAID1 and RAID10 arrays (failfast, bitmap):
     /// a target killed under fio, the member failed, re-added and resynced.
     Mirror,
+    /// Crash consistency at the target's disk: ext4 under a fsync-heavy workload over a target
+    /// whose disk is a dm-log-writes device, the log replayed to every flush and FUA and each
+    /// image fsck'd (calm, and with the target killed mid-workload).
+    Crash,
     /// A Debian guest booted with systemd and the `.deb` installed: units from `/etc/tyche`, ext4
     /// from fstab across a reboot, a restart of the attachment unit (its own guest, not `/init`).
     Boot,
@@ -52,6 +56,7 @@ impl GuestTest {
             GuestTest::Numa => "numa",
             GuestTest::Nbd => "nbd",
             GuestTest::Mirror => "mirror",
+            GuestTest::Crash => "crash",
             GuestTest::Boot => "boot",
         }
     }
@@ -65,8 +70,8 @@ pub struct VmTestArgs {
     /// Run only these tests (default: all).
     #[arg(long = "only", value_enum)]
     only: Vec<GuestTest>,
-    /// Seconds the whole VM run may take.
-    #[arg(long, default_value_t = 900)]
+    /// Seconds each boot may take (the suite's initramfs boot runs about 10 minutes under TCG).
+    #[arg(long, default_value_t = 1500)]
     timeout: u64,
     /// Accelerator: try KVM first, or force TCG.
     #[arg(long)]
@@ -76,7 +81,7 @@ pub struct VmTestArgs {
 impl VmTestArgs {
     /// What `cargo xtask test` runs.
     pub fn standard() -> VmTestArgs {
-        VmTestArgs { no_install: false, only: Vec::new(), timeout: 900, tcg: false }
+        VmTestArgs { no_install: false, only: Vec::new(), timeout: 1500, tcg: false }
     }
 
     /// The standard run of these guest tests only.
@@ -110,7 +115,7 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
     let kernel = fetch_kernel(&cache)?;
     eprintln!("vm-test: kernel {}", kernel.version);
     let tests: Vec<GuestTest> = if args.only.is_empty() {
-        vec![GuestTest::Ublk, GuestTest::Numa, GuestTest::Nbd, GuestTest::Boot]
+        vec![GuestTest::Ublk, GuestTest::Numa, GuestTest::Nbd, GuestTest::Mirror, GuestTest::Crash, GuestTest::Boot]
     } else {
         args.only.iter().copied().collect::<BTreeSet<_>>().into_iter().collect()
     };
@@ -268,7 +273,7 @@ fn verdict(log: &Path, tests: &[GuestTest], outcome: &Outcome) -> Result<Vec<Str
             line.push(format!("recovery ok ({r})"));
         }
     }
-    for t in [GuestTest::Numa, GuestTest::Nbd, GuestTest::Mirror, GuestTest::Boot] {
+    for t in [GuestTest::Numa, GuestTest::Nbd, GuestTest::Mirror, GuestTest::Crash, GuestTest::Boot] {
         if let Some(s) = part(t) {
             line.push(format!("{} ok ({s})", t.name()));
         }
@@ -683,6 +688,12 @@ fn build_initramfs(root: &Path, cache: &Path, kernel: &Kernel, tests: &[GuestTes
         let mdadm = debian_package(cache, "mdadm")?.join("sbin/mdadm");
         fs_.program(&mdadm, Path::new("/usr/local/bin/mdadm"))?;
     }
+    if tests.contains(&GuestTest::Crash) {
+        // The crash test's device-mapper and loop tools (busybox's losetup has no --show).
+        for prog in ["dmsetup", "losetup"] {
+            fs_.program(&which(prog)?, &Path::new("/usr/local/bin").join(prog))?;
+        }
+    }
     if Path::new("/etc/mke2fs.conf").exists() {
         fs_.copy(Path::new("/etc/mke2fs.conf"), Path::new("/etc/mke2fs.conf"), 0o644)?;
     }
@@ -693,6 +704,9 @@ fn build_initramfs(root: &Path, cache: &Path, kernel: &Kernel, tests: &[GuestTes
     }
     if tests.contains(&GuestTest::Mirror) {
         wanted.extend(["md_mod", "raid1", "raid10"]);
+    }
+    if tests.contains(&GuestTest::Crash) {
+        wanted.extend(["loop", "dm_mod", "dm_log_writes"]);
     }
     for m in module_order(kernel, &wanted)? {
         let name = format!("{}.ko", m.name);
@@ -892,6 +906,7 @@ pub fn guest(test: GuestTest) -> Result<()> {
         GuestTest::Numa => crate::vm_numa::guest(),
         GuestTest::Nbd => crate::vm_nbd::guest(),
         GuestTest::Mirror => crate::vm_mirror::guest(),
+        GuestTest::Crash => crate::vm_crash::guest(),
         // None: the guest reboots, the verdict comes from its next boot.
         GuestTest::Boot => return crate::vm_boot::guest(),
     };

@@ -1,22 +1,30 @@
 //! `vm-test`'s mirror test (issue #30): Tyche volumes as members of Linux md arrays, in the VM.
 //!
-//! Two `tyched` targets in the guest's target namespace, each on veth links of its own (target
-//! 0 on `tyt0` and `tyt2`, target 1 on `tyt1` and `tyt3`: one AF_XDP socket per queue, so each
-//! attachment of a target needs a link of its own), each exporting files on the guest's tmpfs (kept across a
-//! SIGKILL, so a restarted target serves the same data). `tyche-init attach` makes a ublk device
-//! of each export, over that target's link only; md mirrors across the targets.
+//! Three `tyched` targets in the guest's target namespace, each on veth links of its own (target
+//! 0 on `tyt0` and `tyt2`, target 1 on `tyt1` and `tyt3`, target 2 on `tyt4`: one AF_XDP socket
+//! per queue, so each attachment of a target needs a link of its own), each exporting files on
+//! the guest's tmpfs (kept across a SIGKILL, so a restarted target serves the same data).
+//! `tyche-init attach` makes a ublk device of each export, over that target's link only; md
+//! mirrors across the targets.
 //!
 //! - **raid1**: `mdadm --create /dev/md0 --level=1 --raid-devices=2 --bitmap=internal
-//!   --failfast` over one export of each target, the initial sync waited for, ext4, a tree of
+//!   --failfast` over one export of targets 0 and 1, the initial sync waited for, ext4, a tree of
 //!   files, then fio (`--verify=crc32c`, direct I/O) in passes for the whole scenario, every pass
 //!   must exit 0. Round 1: target 0 SIGKILLed and restarted at once. Round 2: target 0 SIGKILLed
-//!   and kept down past the members' I/O deadline ([`IO_DEADLINE`]), then restarted. In each
-//!   round, if md marked the member faulty, the time from the kill is measured, the member is
-//!   removed and re-added (`mdadm --re-add`) once its target serves again, and the resync is
-//!   measured against the array (the bitmap's dirty chunks on the surviving member just before
-//!   the re-add, and the time to a clean array). Then `mdadm --detail` must show both members
-//!   active and none failed, fio stops, unmount, `e2fsck -fn` clean, the tree and fio's file
-//!   verified, and md's own `check` must find `mismatch_cnt` 0 (both legs equal, byte for byte).
+//!   and kept down past the members' I/O deadline ([`IO_DEADLINE`]), then restarted. Rounds 3
+//!   and 4: the member's link down ([`LINK_OUTAGES`]: 20 s, and 120 s, past the initiator's
+//!   no-path timeout and the target's session reclaim). In each round, if md marked the member
+//!   faulty, the time from the fault is measured (rounds 2 to 4 must see it within the deadline
+//!   and 5 s), the member is removed and re-added (`mdadm --re-add`) once it serves again, and
+//!   the resync is measured against the array (the bitmap's dirty chunks on the surviving member
+//!   just before the re-add, and the time to a clean array). Then: `tyche-init` of a member
+//!   killed under the array and recovered (`attach --recover`), md must keep both members with
+//!   no resync; a second host (its own host id, over the targets' other links) attaching the
+//!   members must be refused naming the holder; the member of target 0 moved to target 2 with no
+//!   downtime (added, array grown to 3 and synced, the old one failed and removed, shrunk to 2).
+//!   Then `mdadm --detail` must show both members active and none failed, fio stops, unmount,
+//!   `e2fsck -fn` clean, the tree and fio's file verified, and md's own `check` must find
+//!   `mismatch_cnt` 0 (both legs equal, byte for byte).
 //! - **raid10**: `--level=10` over four devices (two exports per target, mirrored pairs across
 //!   the targets), ext4, tree and fio verified, fsck clean, `mismatch_cnt` 0.
 
@@ -41,6 +49,10 @@ use crate::stack::{self, Daemon};
 const IO_DEADLINE: (&str, u64) = ("--io-timeout", 5);
 /// How long round 2 keeps the target down: past the deadline, so md must fail the member.
 const DOWN: Duration = Duration::from_secs(3 * IO_DEADLINE.1);
+/// Rounds 3 and 4 take the member's link down this long, seconds: shorter than the initiator's
+/// `--no-path-timeout` (30 s) and the target's session reclaim (35 s), and past both (the
+/// initiator opens a new session when the link is back).
+const LINK_OUTAGES: [u64; 2] = [20, 120];
 /// Each RAID1 member (an export of each target), MiB.
 const R1_MIB: u64 = 64;
 /// Each RAID10 member (two exports of each target), MiB.
@@ -62,13 +74,12 @@ struct Target {
 }
 
 impl Target {
-    fn new(lab: &Lab, k: usize, work: &Path) -> Target {
+    /// Target `k` on the lab's `pairs`.
+    fn new(lab: &Lab, k: usize, pairs: &[usize], work: &Path) -> Target {
         let img = |name: &str, mib: u64| format!("{name}={}:{mib}M", work.join(format!("t{k}-{name}.img")).display());
         Target {
             k,
-            // Pair k and pair k + 2: one AF_XDP socket per queue, so each attachment of a target
-            // at once needs a link of its own (RAID10 attaches two exports of each target).
-            ifaces: vec![lab.pairs[k].target_if.clone(), lab.pairs[k + 2].target_if.clone()],
+            ifaces: pairs.iter().map(|&p| lab.pairs[p].target_if.clone()).collect(),
             exports: vec![img("r1", R1_MIB), img("r10a", R10_MIB), img("r10b", R10_MIB)],
             stats: work.join(format!("tyched{k}.sock")),
             work: work.to_path_buf(),
@@ -119,21 +130,49 @@ struct Member {
     daemon: Daemon,
     log: PathBuf,
     dev: String,
+    /// The lab's pair it attached over, and the export.
+    k: usize,
+    export: String,
+}
+
+/// `tyche-init attach` of `export` over the lab's pair `k`, with `extra` arguments.
+fn attach_cmd(lab: &Lab, k: usize, export: &str, extra: &[&str]) -> Command {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &lab.initiator_ns]).arg(stack::bin(Path::new("/"), "tyche-init")).arg("attach");
+    cmd.arg("--iface").arg(&lab.pairs[k].initiator_if).arg("--target").arg(lab.pairs[k].target_mac.to_string());
+    cmd.args(["--export", export, "--queues", "1", "--depth", "32"]).args(extra).env("TYCHE_LOG", "info");
+    cmd
 }
 
 impl Member {
     /// Attaches `export` over the lab's pair `k` (target `k % 2`).
     fn attach(lab: &Lab, k: usize, export: &str, work: &Path) -> Result<Member> {
         let log = work.join(format!("attach-{k}-{export}.log"));
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &lab.initiator_ns]).arg(stack::bin(Path::new("/"), "tyche-init")).arg("attach");
-        cmd.arg("--iface").arg(&lab.pairs[k].initiator_if).arg("--target").arg(lab.pairs[k].target_mac.to_string());
         // --retry: under TCG a target's first answer came after the attach's own timeout.
-        cmd.args(["--export", export, "--queues", "1", "--depth", "32", "--retry"]);
-        cmd.arg(IO_DEADLINE.0).arg(IO_DEADLINE.1.to_string()).env("TYCHE_LOG", "info");
+        let deadline = IO_DEADLINE.1.to_string();
+        let mut cmd = attach_cmd(lab, k, export, &["--retry", IO_DEADLINE.0, &deadline]);
         let mut daemon = Daemon::spawn("tyche-init attach", &mut cmd, &log)?;
         let dev = crate::vm_ublk::wait_started(&mut daemon, &log, "ublk device started")?;
-        Ok(Member { daemon, log, dev })
+        Ok(Member { daemon, log, dev, k, export: export.to_string() })
+    }
+
+    /// Kills the serving `tyche-init attach` (SIGKILL) and takes the device over with `attach
+    /// --recover`, as its unit's restart does; returns the time from the kill to the device
+    /// serving again.
+    fn kill_and_recover(&mut self, lab: &Lab, work: &Path) -> Result<Duration> {
+        let killed = Instant::now();
+        self.daemon.kill()?;
+        ensure!(Path::new(&self.dev).exists(), "{} went away with its server", self.dev);
+        let log = work.join(format!("attach-{}-{}-recover.log", self.k, self.export));
+        let deadline = IO_DEADLINE.1.to_string();
+        let mut cmd =
+            attach_cmd(lab, self.k, &self.export, &["--retry", IO_DEADLINE.0, &deadline, "--recover", &self.dev]);
+        let mut daemon = Daemon::spawn("tyche-init attach --recover", &mut cmd, &log)?;
+        let dev = crate::vm_ublk::wait_started(&mut daemon, &log, "ublk device recovered")?;
+        ensure!(dev == self.dev, "--recover {} printed {dev}", self.dev);
+        self.daemon = daemon;
+        self.log = log;
+        Ok(killed.elapsed())
     }
 
     /// `ublkbN`, md's name for the member in sysfs (`dev-ublkbN`).
@@ -271,16 +310,27 @@ fn fio(file: &Path, verify_only: bool) -> Result<()> {
     Ok(())
 }
 
+/// What a fault round does to the victim member's target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// SIGKILL to the target's `tyched`, started again after the outage.
+    Kill,
+    /// The victim's link taken down at both ends, brought up again after the outage (the
+    /// target host unreachable; the target keeps running).
+    LinkDown,
+}
+
 /// What one fault round of the raid1 scenario saw.
 struct Round {
-    /// From the kill to md marking the member faulty, if it did.
+    fault: Fault,
+    /// From the fault to md marking the member faulty, if it did.
     failed_after: Option<Duration>,
     /// Bitmap chunks dirty on the surviving member at the re-add, of all, and the chunk's bytes.
     dirty: Option<(u64, u64, u64)>,
     /// From the re-add to a clean array.
     resync: Option<Duration>,
-    /// From the kill to the target serving again.
-    restarted_after: Duration,
+    /// From the fault to the target serving (or its link up) again.
+    back_after: Duration,
 }
 
 /// `mdadm -X` (`--examine-bitmap`) of `dev`: (dirty chunks, chunks).
@@ -294,8 +344,17 @@ fn bitmap_dirty(dev: &str) -> Result<(u64, u64)> {
     Ok((dirty.with_context(|| format!("mdadm -X: {line}"))?, bits))
 }
 
-/// Kills `target`, restarts it after `down`, and watches `md` through it: a member md failed is
-/// removed and re-added once its device serves again, and the resync waited for.
+/// Sets the lab's pair `k` down or up, at both ends.
+fn set_link(lab: &Lab, k: usize, up: bool) -> Result<()> {
+    let state = if up { "up" } else { "down" };
+    let p = &lab.pairs[k];
+    crate::lab::ip(&["-n", &lab.target_ns, "link", "set", "dev", &p.target_if, state])?;
+    crate::lab::ip(&["-n", &lab.initiator_ns, "link", "set", "dev", &p.initiator_if, state])
+}
+
+/// Does `fault` to `target` (or to the victim's link), undoes it after `down`, and watches `md`
+/// through it: a member md failed is removed and re-added once its device serves again, and the
+/// resync waited for.
 fn fault_round(
     md: &str,
     lab: &Lab,
@@ -303,11 +362,14 @@ fn fault_round(
     victim: &Member,
     survivor: &Member,
     fio: &FioLoop,
-    down: Duration,
+    (fault, down): (Fault, Duration),
 ) -> Result<Round> {
     let state = format!("dev-{}/state", victim.name());
     let killed = Instant::now();
-    target.kill()?;
+    match fault {
+        Fault::Kill => target.kill()?,
+        Fault::LinkDown => set_link(lab, victim.k, false)?,
+    }
     let mut failed_after = None;
     let watch = |failed_after: &mut Option<Duration>| -> Result<()> {
         if failed_after.is_none() && md_attr(md, &state).unwrap_or_default().contains("faulty") {
@@ -319,8 +381,11 @@ fn fault_round(
         watch(&mut failed_after)?;
         std::thread::sleep(Duration::from_millis(100));
     }
-    target.start(lab)?;
-    let restarted_after = killed.elapsed();
+    match fault {
+        Fault::Kill => target.start(lab)?,
+        Fault::LinkDown => set_link(lab, victim.k, true)?,
+    }
+    let back_after = killed.elapsed();
     // The initiator reconnects; requests that waited are re-issued. Watch a while longer: a
     // member whose requests failed meanwhile is marked faulty now.
     let settle = Instant::now();
@@ -328,7 +393,7 @@ fn fault_round(
         watch(&mut failed_after)?;
         std::thread::sleep(Duration::from_millis(100));
     }
-    let mut round = Round { failed_after, dirty: None, resync: None, restarted_after };
+    let mut round = Round { fault, failed_after, dirty: None, resync: None, back_after };
     if round.failed_after.is_some() {
         let mdstat = fs::read_to_string("/proc/mdstat").unwrap_or_default();
         println!("mirror: {} faulty, /proc/mdstat:\n{}", victim.dev, mdstat.trim_end());
@@ -363,12 +428,121 @@ fn fault_round(
     Ok(round)
 }
 
+/// Scenario 3: the serving `tyche-init` of `member` killed under the assembled array and its
+/// device recovered: md must keep both members (nothing failed, no resync). Returns the time to
+/// recovery.
+fn recover_under_array(md: &str, lab: &Lab, member: &mut Member, fio: &FioLoop, work: &Path) -> Result<Duration> {
+    let state = format!("dev-{}/state", member.name());
+    let took = member.kill_and_recover(lab, work)?;
+    // Watch past the I/O deadline: a request that failed meanwhile shows as a faulty member.
+    let watch = Instant::now();
+    while watch.elapsed() < Duration::from_secs(IO_DEADLINE.1 + 3) {
+        fio.check()?;
+        let st = md_attr(md, &state)?;
+        ensure!(
+            !st.contains("faulty"),
+            "md failed {} after its tyche-init was killed and recovered ({st})",
+            member.dev
+        );
+        ensure!(md_attr(md, "degraded")? == "0", "{md} degraded after the recovery");
+        ensure!(md_attr(md, "sync_action")? == "idle", "{md} resyncs after the recovery");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(took)
+}
+
+/// Scenario 4: a second initiator host attaching the array's members (over the targets' other
+/// links, with a host id of its own) is refused, naming the holder; the array goes on.
+fn second_host(lab: &Lab, members: [&Member; 2], fio: &FioLoop, work: &Path) -> Result<String> {
+    let before: Vec<String> = ublk_devices();
+    let mut said = Vec::new();
+    for m in members {
+        let k = m.k + 2;
+        let log = work.join(format!("attach-host-b-{k}.log"));
+        let mut cmd = attach_cmd(lab, k, &m.export, &["--host-id", "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"]);
+        let mut b = Daemon::spawn("host B's tyche-init attach", &mut cmd, &log)?;
+        let status = b.wait(Duration::from_secs(60)).context("host B's attach should give up")?;
+        let text = fs::read_to_string(&log).unwrap_or_default();
+        let holder = lab.pairs[m.k].initiator_mac.to_string();
+        ensure!(
+            !status.success() && text.contains(&holder),
+            "host B's attach of {} on target {} was not refused naming {holder} ({status}):\n{text}",
+            m.export,
+            m.k % 2
+        );
+        said.push(holder);
+        fio.check()?;
+    }
+    ensure!(ublk_devices() == before, "host B's refused attaches left devices: {:?} (was {before:?})", ublk_devices());
+    Ok(format!("both members refused to host B, naming {}", said.join(" and ")))
+}
+
+/// Scenario 6: the member `old` moved to `target` (not serving yet) with no downtime, as an
+/// operator retires a host: the new target's export attached, added, the array grown to three
+/// members and synced, then the old member failed, removed and the array shrunk back to two.
+/// Returns the new member and the verdict's words.
+fn move_member(
+    md: &str,
+    lab: &Lab,
+    target: &mut Target,
+    old: &Member,
+    fio: &FioLoop,
+    work: &Path,
+) -> Result<(Member, String)> {
+    target.start(lab)?;
+    let pair = lab.pairs.iter().position(|p| target.ifaces.contains(&p.target_if)).context("target 2's link")?;
+    let new = Member::attach(lab, pair, "r1", work)?;
+    run(Command::new("mdadm").args([md, "--add", &new.dev]))?;
+    run(Command::new("mdadm").args(["--grow", md, "--raid-devices=3"]))?;
+    let synced = wait_in_sync(md, Duration::from_secs(180)).context("the new member's sync")?;
+    fio.check()?;
+    run(Command::new("mdadm").args([md, "--fail", &old.dev]))?;
+    run(Command::new("mdadm").args([md, "--remove", &old.dev]))?;
+    run(Command::new("mdadm").args(["--grow", md, "--raid-devices=2"]))?;
+    wait_in_sync(md, Duration::from_secs(60)).context("the array shrunk back to two members")?;
+    fio.check()?;
+    let detail = run(Command::new("mdadm").args(["--detail", md]))?;
+    ensure!(detail.contains(&new.dev) && !detail.contains(&old.dev), "after the move, mdadm --detail {md}:\n{detail}");
+    let mdstat = fs::read_to_string("/proc/mdstat")?;
+    ensure!(mdstat.contains("[UU]"), "after the move, /proc/mdstat:\n{mdstat}");
+    let words = format!(
+        "moved from target {} to target {} ({} added, synced in {:.1} s, {} failed and removed, back to 2 members) \
+         under fio without an error",
+        old.k % 2,
+        target.k,
+        new.dev,
+        synced.as_secs_f64(),
+        old.dev
+    );
+    Ok((new, words))
+}
+
+/// The `/dev/ublkbN` devices present, sorted.
+fn ublk_devices() -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir("/dev")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("ublkb"))
+        .collect();
+    v.sort();
+    v
+}
+
 fn describe(round: &Round, array: u64) -> String {
-    let mut s = format!("target serving again {:.1} s after the kill, ", round.restarted_after.as_secs_f64());
+    let what = match round.fault {
+        Fault::Kill => "the kill",
+        Fault::LinkDown => "the link went down",
+    };
+    let mut s = match round.fault {
+        Fault::Kill => format!("target serving again {:.1} s after the kill, ", round.back_after.as_secs_f64()),
+        Fault::LinkDown => format!("link up again {:.1} s after it went down, ", round.back_after.as_secs_f64()),
+    };
     match round.failed_after {
         None => s.push_str("md kept the member (no request failed)"),
         Some(t) => {
-            s.push_str(&format!("md failed the member {:.1} s after the kill", t.as_secs_f64()));
+            s.push_str(&format!("md failed the member {:.1} s after {what}", t.as_secs_f64()));
             if let (Some((dirty, bits, chunk)), Some(resync)) = (round.dirty, round.resync) {
                 s.push_str(&format!(
                     ", re-added: {} MiB resynced ({dirty} of {bits} bitmap chunks dirty) of {} MiB in {:.1} s",
@@ -395,9 +569,9 @@ fn verify_all(md: &str, disk: &mut BlockFs, tree: &Tree) -> Result<()> {
     check_mirrors(md)
 }
 
-fn raid1(lab: &Lab, targets: &mut [Target; 2], work: &Path) -> Result<String> {
+fn raid1(lab: &Lab, targets: &mut [Target; 2], third: &mut Target, work: &Path) -> Result<String> {
     let md = "/dev/md0";
-    let m0 = Member::attach(lab, 0, "r1", work)?;
+    let mut m0 = Member::attach(lab, 0, "r1", work)?;
     let m1 = Member::attach(lab, 1, "r1", work)?;
     let sync = create(md, "1", &[&m0.dev, &m1.dev])?;
     let mut disk = BlockFs::new(md, work);
@@ -417,19 +591,49 @@ fn raid1(lab: &Lab, targets: &mut [Target; 2], work: &Path) -> Result<String> {
     let fio = FioLoop::start(mnt.join("fio.dat"));
     fio.wait_passes(1, Duration::from_secs(120))?;
 
-    let quick = fault_round(md, lab, &mut targets[0], &m0, &m1, &fio, Duration::ZERO).context("round 1")?;
+    let quick =
+        fault_round(md, lab, &mut targets[0], &m0, &m1, &fio, (Fault::Kill, Duration::ZERO)).context("round 1")?;
     println!("mirror: round 1 (kill -9, restart at once): {}", describe(&quick, array));
     fio.wait_passes(1, Duration::from_secs(120))?;
-    let long = fault_round(md, lab, &mut targets[0], &m0, &m1, &fio, DOWN).context("round 2")?;
+    let long = fault_round(md, lab, &mut targets[0], &m0, &m1, &fio, (Fault::Kill, DOWN)).context("round 2")?;
     println!("mirror: round 2 (kill -9, down {} s): {}", DOWN.as_secs(), describe(&long, array));
-    ensure!(
-        long.failed_after.is_some(),
-        "md did not fail the member with its target down {} s (I/O deadline {} s)",
-        DOWN.as_secs(),
-        IO_DEADLINE.1
+    let mut outages = Vec::new();
+    for (i, secs) in LINK_OUTAGES.into_iter().enumerate() {
+        fio.wait_passes(1, Duration::from_secs(120))?;
+        let down = Duration::from_secs(secs);
+        let r = fault_round(md, lab, &mut targets[0], &m0, &m1, &fio, (Fault::LinkDown, down))
+            .with_context(|| format!("round {} (link down {secs} s)", i + 3))?;
+        println!("mirror: round {} (link down {secs} s): {}", i + 3, describe(&r, array));
+        outages.push((secs, r));
+    }
+    for (what, r) in [(format!("target down {} s", DOWN.as_secs()), &long)]
+        .into_iter()
+        .chain(outages.iter().map(|(secs, r)| (format!("link down {secs} s"), r)))
+    {
+        ensure!(
+            r.failed_after.is_some_and(|t| t < Duration::from_secs(IO_DEADLINE.1 + 5)),
+            "md did not fail the member within {} s of the fault ({what}, I/O deadline {} s): {}",
+            IO_DEADLINE.1 + 5,
+            IO_DEADLINE.1,
+            describe(r, array)
+        );
+    }
+    fio.wait_passes(1, Duration::from_secs(120))?;
+    let recovered = recover_under_array(md, lab, &mut m0, &fio, work).context("scenario 3")?;
+    println!(
+        "mirror: tyche-init of {} killed (-9) and recovered in {:.1} s under the array: md kept both members, no resync",
+        m0.dev,
+        recovered.as_secs_f64()
     );
     fio.wait_passes(1, Duration::from_secs(120))?;
+    let refused = second_host(lab, [&m0, &m1], &fio, work).context("scenario 4")?;
+    println!("mirror: a second host assembling the array: {refused}");
+    fio.wait_passes(1, Duration::from_secs(120))?;
+    let (m2, moved) = move_member(md, lab, third, &m0, &fio, work).context("scenario 6")?;
+    println!("mirror: {moved}");
+    fio.wait_passes(1, Duration::from_secs(120))?;
     let passes = fio.finish()?;
+    third.check_alive()?;
     targets.iter_mut().try_for_each(Target::check_alive)?;
     verify_all(md, &mut disk, &tree)?;
     println!("mirror: raid1: {passes} fio passes without an error, fsck clean, tree and fio verified, mismatch_cnt 0");
@@ -437,16 +641,24 @@ fn raid1(lab: &Lab, targets: &mut [Target; 2], work: &Path) -> Result<String> {
     run(Command::new("mdadm").args(["--stop", md]))?;
     m0.detach()?;
     m1.detach()?;
+    m2.detach()?;
     Ok(format!(
         "raid1: {} MiB, initial sync {:.1} s, {passes} fio crc32c passes without an error; kill -9 + restart: {}; \
-         kill -9, down {} s ({} {}): {}; fsck clean, all verified, mismatch_cnt 0",
+         kill -9, down {} s ({} {}): {}; {}; tyche-init killed (-9) under the array and recovered in {:.1} s: md kept \
+         both members, no resync; second host: {refused}; {moved}; fsck clean, all verified, mismatch_cnt 0",
         array >> 20,
         sync.as_secs_f64(),
         describe(&quick, array),
         DOWN.as_secs(),
         IO_DEADLINE.0,
         IO_DEADLINE.1,
-        describe(&long, array)
+        describe(&long, array),
+        outages
+            .iter()
+            .map(|(secs, r)| format!("link down {secs} s: {}", describe(r, array)))
+            .collect::<Vec<_>>()
+            .join("; "),
+        recovered.as_secs_f64()
     ))
 }
 
@@ -497,13 +709,17 @@ pub fn guest() -> Result<String> {
     let out = Command::new("mdadm").arg("--version").output().context("mdadm (in the initramfs?)")?;
     ensure!(out.status.success(), "mdadm --version failed: {}", String::from_utf8_lossy(&out.stderr));
     let mdadm = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    let lab = Lab::create("vmt", "vmi", 4, 1500)?;
-    let mut targets = [Target::new(&lab, 0, &work), Target::new(&lab, 1, &work)];
+    let lab = Lab::create("vmt", "vmi", 5, 1500)?;
+    // Targets 0 and 1 on pairs k and k + 2: one AF_XDP socket per queue, so each attachment of a
+    // target at once needs a link of its own (RAID10 attaches two exports of each target).
+    let mut targets = [Target::new(&lab, 0, &[0, 2], &work), Target::new(&lab, 1, &[1, 3], &work)];
     for t in &mut targets {
         t.start(&lab)?;
     }
     println!("mirror: {mdadm}; tyched on {} and {}", targets[0].ifaces.join(","), targets[1].ifaces.join(","));
-    let r1 = raid1(&lab, &mut targets, &work)?;
+    // Target 2, on pair 4, is where the raid1 scenario moves target 0's member.
+    let mut third = Target::new(&lab, 2, &[4], &work);
+    let r1 = raid1(&lab, &mut targets, &mut third, &work)?;
     let r10 = raid10(&lab, &mut targets, &work)?;
     Ok(format!("{r1}; {r10}"))
 }
