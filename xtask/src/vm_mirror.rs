@@ -556,6 +556,43 @@ fn describe(round: &Round, array: u64) -> String {
     s
 }
 
+/// The raid1 array's filesystem with fio running in passes, checked between scenarios.
+struct Checked {
+    disk: BlockFs,
+    tree: Tree,
+    fio: Option<FioLoop>,
+    /// fio passes of the loops stopped so far.
+    passes: u64,
+    /// Checkpoints passed.
+    checks: u64,
+}
+
+impl Checked {
+    fn running(&self) -> Result<&FioLoop> {
+        self.fio.as_ref().context("fio is not running")
+    }
+
+    /// After a scenario: one more fio pass, fio stopped, unmount, caches dropped, `e2fsck -fn`
+    /// clean, mounted again, the tree and fio's file verified, fio started again.
+    fn checkpoint(&mut self) -> Result<()> {
+        let running = self.fio.take().context("fio is not running")?;
+        running.wait_passes(1, Duration::from_secs(120))?;
+        self.passes += running.finish()?;
+        self.disk.umount()?;
+        self.disk.drop_caches()?;
+        self.disk.fsck().with_context(|| format!("after scenario {}", self.checks + 1))?;
+        let mnt = self.disk.mount()?;
+        self.tree.verify(&mnt.join("tree"), &mut |_| {})?;
+        fio(&mnt.join("fio.dat"), true).context("fio --verify_only")?;
+        self.fio = Some(FioLoop::start(mnt.join("fio.dat")));
+        // Let the next pass begin writing before the next fault.
+        std::thread::sleep(Duration::from_secs(2));
+        self.running()?.check()?;
+        self.checks += 1;
+        Ok(())
+    }
+}
+
 /// Unmounts, drops caches, `e2fsck -fn`, mounts again and verifies the tree and fio's file,
 /// unmounts; then md's `check`.
 fn verify_all(md: &str, disk: &mut BlockFs, tree: &Tree) -> Result<()> {
@@ -588,20 +625,20 @@ fn raid1(lab: &Lab, targets: &mut [Target; 2], third: &mut Target, work: &Path) 
     let tree = Tree::new(0x0d1e_a5e1, 24, 8 << 20);
     fs::create_dir_all(mnt.join("tree"))?;
     tree.write(&mnt.join("tree"), &mut |_| {})?;
-    let fio = FioLoop::start(mnt.join("fio.dat"));
-    fio.wait_passes(1, Duration::from_secs(120))?;
+    let mut w = Checked { disk, tree, fio: Some(FioLoop::start(mnt.join("fio.dat"))), passes: 0, checks: 0 };
+    w.running()?.wait_passes(1, Duration::from_secs(120))?;
 
-    let quick =
-        fault_round(md, lab, &mut targets[0], &m0, &m1, &fio, (Fault::Kill, Duration::ZERO)).context("round 1")?;
+    let quick = fault_round(md, lab, &mut targets[0], &m0, &m1, w.running()?, (Fault::Kill, Duration::ZERO))
+        .context("round 1")?;
     println!("mirror: round 1 (kill -9, restart at once): {}", describe(&quick, array));
-    fio.wait_passes(1, Duration::from_secs(120))?;
-    let long = fault_round(md, lab, &mut targets[0], &m0, &m1, &fio, (Fault::Kill, DOWN)).context("round 2")?;
+    w.checkpoint()?;
+    let long = fault_round(md, lab, &mut targets[0], &m0, &m1, w.running()?, (Fault::Kill, DOWN)).context("round 2")?;
     println!("mirror: round 2 (kill -9, down {} s): {}", DOWN.as_secs(), describe(&long, array));
     let mut outages = Vec::new();
     for (i, secs) in LINK_OUTAGES.into_iter().enumerate() {
-        fio.wait_passes(1, Duration::from_secs(120))?;
+        w.checkpoint()?;
         let down = Duration::from_secs(secs);
-        let r = fault_round(md, lab, &mut targets[0], &m0, &m1, &fio, (Fault::LinkDown, down))
+        let r = fault_round(md, lab, &mut targets[0], &m0, &m1, w.running()?, (Fault::LinkDown, down))
             .with_context(|| format!("round {} (link down {secs} s)", i + 3))?;
         println!("mirror: round {} (link down {secs} s): {}", i + 3, describe(&r, array));
         outages.push((secs, r));
@@ -618,32 +655,38 @@ fn raid1(lab: &Lab, targets: &mut [Target; 2], third: &mut Target, work: &Path) 
             describe(r, array)
         );
     }
-    fio.wait_passes(1, Duration::from_secs(120))?;
-    let recovered = recover_under_array(md, lab, &mut m0, &fio, work).context("scenario 3")?;
+    w.checkpoint()?;
+    let recovered = recover_under_array(md, lab, &mut m0, w.running()?, work).context("scenario 3")?;
     println!(
         "mirror: tyche-init of {} killed (-9) and recovered in {:.1} s under the array: md kept both members, no resync",
         m0.dev,
         recovered.as_secs_f64()
     );
-    fio.wait_passes(1, Duration::from_secs(120))?;
-    let refused = second_host(lab, [&m0, &m1], &fio, work).context("scenario 4")?;
+    w.checkpoint()?;
+    let refused = second_host(lab, [&m0, &m1], w.running()?, work).context("scenario 4")?;
     println!("mirror: a second host assembling the array: {refused}");
-    fio.wait_passes(1, Duration::from_secs(120))?;
-    let (m2, moved) = move_member(md, lab, third, &m0, &fio, work).context("scenario 6")?;
+    w.checkpoint()?;
+    let (m2, moved) = move_member(md, lab, third, &m0, w.running()?, work).context("scenario 6")?;
     println!("mirror: {moved}");
+    let fio = w.fio.take().context("fio is not running")?;
     fio.wait_passes(1, Duration::from_secs(120))?;
-    let passes = fio.finish()?;
+    let passes = w.passes + fio.finish()?;
     third.check_alive()?;
     targets.iter_mut().try_for_each(Target::check_alive)?;
-    verify_all(md, &mut disk, &tree)?;
-    println!("mirror: raid1: {passes} fio passes without an error, fsck clean, tree and fio verified, mismatch_cnt 0");
-    drop(disk);
+    verify_all(md, &mut w.disk, &w.tree)?;
+    let checks = w.checks + 1;
+    println!(
+        "mirror: raid1: {passes} fio passes without an error; after each of {checks} scenarios fsck clean, tree and \
+         fio verified; mismatch_cnt 0"
+    );
+    drop(w);
     run(Command::new("mdadm").args(["--stop", md]))?;
     m0.detach()?;
     m1.detach()?;
     m2.detach()?;
     Ok(format!(
-        "raid1: {} MiB, initial sync {:.1} s, {passes} fio crc32c passes without an error; kill -9 + restart: {}; \
+        "raid1: {} MiB, initial sync {:.1} s, {passes} fio crc32c passes without an error; after each of {checks} \
+         scenarios e2fsck -fn clean and the tree and fio's file verified; kill -9 + restart: {}; \
          kill -9, down {} s ({} {}): {}; {}; tyche-init killed (-9) under the array and recovered in {:.1} s: md kept \
          both members, no resync; second host: {refused}; {moved}; fsck clean, all verified, mismatch_cnt 0",
         array >> 20,
@@ -721,5 +764,14 @@ pub fn guest() -> Result<String> {
     let mut third = Target::new(&lab, 2, &[4], &work);
     let r1 = raid1(&lab, &mut targets, &mut third, &work)?;
     let r10 = raid10(&lab, &mut targets, &work)?;
+    // The exports' files live in the guest's memory (tmpfs); the tests after this one need it.
+    for t in targets.iter_mut().chain([&mut third]) {
+        t.daemon = None;
+    }
+    for e in fs::read_dir(&work)?.flatten() {
+        if e.path().extension().is_some_and(|x| x == "img") {
+            fs::remove_file(e.path())?;
+        }
+    }
     Ok(format!("{r1}; {r10}"))
 }
