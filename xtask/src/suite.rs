@@ -68,23 +68,23 @@ pub fn run(args: TestArgs) -> Result<()> {
     step("cargo xtask demo (the README's quick start, as written)", cargo().args(["xtask", "demo"]))?;
     eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
     crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
-    eprintln!(
-        "xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage, ublk recovery in the VM)"
-    );
-    crate::faults::faults(&crate::root(), &crate::faults::FaultsArgs::standard())?;
+    eprintln!("xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage)");
+    crate::faults::faults(&crate::root(), &crate::faults::FaultsArgs::suite())?;
     eprintln!("xtask test: flood (100,000 CONNECTs from 1,000 MACs while fio verifies)");
     crate::flood::flood(&crate::root(), &crate::flood::FloodArgs::standard())?;
     eprintln!("xtask test: attack (a third namespace on the segment attacks a keyed session)");
     crate::attack::attack(&crate::root(), &crate::attack::AttackArgs::standard())?;
     eprintln!(
-        "xtask test: vm-test (NUMA placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients; \
-         md mirrors across two targets; crash consistency at the target's disk with dm-log-writes; the .deb on a \
-         systemd guest across a reboot)"
+        "xtask test: vm-test (ext4 on ublk and the faults' ublk recovery: kill -9 of tyche-init mid-write; NUMA \
+         placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients; md mirrors across targets; \
+         crash consistency at the target's disk with dm-log-writes; the .deb on a systemd guest across a reboot)"
     );
-    // The VM's ublk test (with its kill -9 and recovery) ran as the last fault scenario.
+    // Every initramfs test in one boot (the faults' ublk-recovery scenario is the ublk test's
+    // second half), then the systemd guest's.
     crate::vm::vm_test(
         &crate::root(),
         &crate::vm::VmTestArgs::only(&[
+            crate::vm::GuestTest::Ublk,
             crate::vm::GuestTest::Numa,
             crate::vm::GuestTest::Nbd,
             crate::vm::GuestTest::Mirror,

@@ -38,7 +38,7 @@ const DISK_MIB: u64 = 32;
 /// The log device, MiB (a sparse file on tmpfs: only what is logged takes memory).
 const LOG_MIB: u64 = 512;
 /// Workload operations per variant.
-const OPS: u64 = 120;
+const OPS: u64 = 100;
 /// The mark after mkfs: the replay checks from there.
 const START: &str = "mkfs";
 /// Images checked at once (each a copy of the scratch image at one point; the replay goes on).
