@@ -37,8 +37,9 @@ pub enum GuestTest {
     Numa,
     /// The kernel's NBD client (nbd-client) and qemu's (virtio disks) on `tyche-init serve-nbd`.
     Nbd,
-    /// Tyche volumes of two targets as members of md RAID1 and RAID10 arrays (failfast, bitmap):
-    /// a target killed under fio, the member failed, re-added and resynced.
+    /// Tyche volumes of several targets as members of md RAID1 and RAID10 arrays (failfast,
+    /// bitmap) under fio: targets killed, links down 20 s and 120 s, members failed, re-added and
+    /// resynced; tyche-init killed and recovered; a second host refused; a member moved.
     Mirror,
     /// Crash consistency at the target's disk: ext4 under a fsync-heavy workload over a target
     /// whose disk is a dm-log-writes device, the log replayed to every flush and FUA and each
