@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use tyche_init::{connect_blocking, Client, EngineThreads, InitiatorConfig, Link, SchedulerKind};
 use tyche_runtime::poll::{PollConfig, PollMode};
-use tyche_transport::replay::{ReplayControl, ReplayPlan, ReplayPort};
+use tyche_tools::replay::{ReplayControl, ReplayPlan, ReplayPort};
 use tyche_transport::MemLink;
 use tyche_wire::{MacAddr, DEFAULT_ETHERTYPE};
 use tyched::config::NetworkThreads;

@@ -2,7 +2,7 @@
 //!
 //! Builds and runs the `scale` example of `tyche-init` in release mode (examples/scale.rs): the
 //! real `tyched` network threads and the real `tyche-init` engine threads, each over in-memory
-//! links whose far end replays frames built in advance (`tyche_transport::replay`), 1 channel
+//! links whose far end replays frames built in advance (`tyche_tools::replay`), 1 channel
 //! on 1 thread pinned to CPU 1 against 2 channels on 2 threads pinned to CPUs 0 and 1, the same
 //! total work, alternating, `--repeats` times. Prints its table and, last, `scale: target
 //! 2x=<r>x initiator 2x=<r>x` (median rate with 2 channels over the median with 1). A benchmark,

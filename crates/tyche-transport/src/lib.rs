@@ -3,10 +3,9 @@
 //! [`FrameTransport`] is the boundary between the sans-IO channel engine and the world: AF_XDP
 //! sockets (`tyche-xdp`), the TCP baseline, and the in-memory [`MemPort`] used by examples,
 //! benches and tests all implement it, so the engine runs unchanged on each. [`FaultInjector`]
-//! wraps any transport and drops, duplicates or delays frames from a seeded generator.
-//! [`replay::ReplayPort`] stands in for a daemon's peer with frames built in advance (the channel
-//! scaling bench). What the daemons' threads share around their frame loops (the adaptive poller,
-//! the wake eventfd, the stats socket) is in `tyche-runtime`.
+//! wraps any transport and drops, duplicates or delays frames from a seeded generator. What the
+//! daemons' threads share around their frame loops (the adaptive poller, the wake eventfd, the
+//! stats socket) is in `tyche-runtime`; the benches' replay peer is in `tyche-tools`.
 //!
 //! # Contract
 //! - Frames are whole Ethernet frames (header included, FCS excluded). A transport delivers a
@@ -45,7 +44,6 @@
 mod fault;
 mod lent;
 mod mem;
-pub mod replay;
 
 use std::io;
 use std::os::fd::BorrowedFd;

@@ -2,7 +2,7 @@
 //! advance, so that a benchmark measures one side's frame handling alone (`cargo xtask bench
 //! scale`, docs/benchmarks.md, "Channel scaling").
 //!
-//! A replay port wraps one end of a [`MemLink`](crate::MemLink) and goes through three phases
+//! A replay port wraps one end of a [`MemLink`](tyche_transport::MemLink) and goes through three phases
 //! ([`ReplayControl`]):
 //!
 //! 1. **Live**: a plain in-memory port between the daemon under test and a real peer. The
@@ -40,7 +40,7 @@ use std::time::Instant;
 
 use tyche_wire::{layout, Envelope, Frame, Kind, MacAddr, Message, Op, Request, Seq, Status, ETH_HEADER_LEN};
 
-use crate::{FrameTransport, Lease, MemPort, OnLentFrame, Sent, TxChunk};
+use tyche_transport::{FrameTransport, Lease, MemPort, OnLentFrame, Sent, TxChunk};
 
 const LIVE: u8 = 0;
 const HOLD: u8 = 1;
@@ -569,7 +569,7 @@ impl FrameTransport for ReplayPort {
                 let mut seen = Vec::new();
                 let n = self.inner.recv_lend(budget, &mut |pieces, lease| {
                     let mut copy = Vec::new();
-                    crate::gather(pieces, &mut copy);
+                    tyche_transport::gather(pieces, &mut copy);
                     seen.push(copy);
                     on_frame(pieces, lease)
                 })?;
@@ -634,7 +634,7 @@ impl FrameTransport for ReplayPort {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::MemLink;
+    use tyche_transport::MemLink;
     use tyche_wire::{Completion, DEFAULT_ETHERTYPE};
 
     fn env(src: MacAddr, dst: MacAddr) -> Envelope {
