@@ -110,12 +110,24 @@ pub trait FrameTransport {
     /// As [`FrameTransport::send`], where `fill` may also answer [`Sent::Chunk`]: send one of the
     /// chunks this transport lent ([`FrameTransport::lend_tx_chunks`]) instead of the buffer it
     /// was given, after copying the first `header` bytes of that buffer to the start of the
-    /// chunk's frame. The default knows no chunks.
+    /// chunk's frame. The default knows no chunks: a [`Sent::Chunk`] ends the batch with an
+    /// `InvalidInput` error (the frames filled before it were queued).
     fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
-        self.send(budget, &mut |buf| match fill(buf)? {
+        let mut chunk = None;
+        let queued = self.send(budget, &mut |buf| match fill(buf)? {
             Sent::Here(len) => Some(len),
-            Sent::Chunk { .. } => panic!("this transport lent no transmit chunk"),
-        })
+            Sent::Chunk { id, .. } => {
+                chunk = Some(id);
+                None
+            }
+        })?;
+        match chunk {
+            None => Ok(queued),
+            Some(id) => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("transmit chunk {id}: this transport lent no transmit chunk"),
+            )),
+        }
     }
 
     /// Hands the caller up to `max` transmit chunks for good (none by default): memory it
@@ -298,5 +310,56 @@ impl SplitMix64 {
             return self.next_u64();
         }
         lo + self.next_u64() % (span + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A transport with only the required methods: every default in use.
+    struct Plain(Vec<Vec<u8>>);
+
+    impl FrameTransport for Plain {
+        fn frame_capacity(&self) -> usize {
+            64
+        }
+        fn mtu(&self) -> usize {
+            50
+        }
+        fn local_mac(&self) -> MacAddr {
+            MacAddr::local(1)
+        }
+        fn recv(&mut self, _budget: usize, _on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+            Ok(0)
+        }
+        fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+            let mut n = 0;
+            while n < budget {
+                let mut buf = vec![0; 64];
+                let Some(len) = fill(&mut buf) else { break };
+                buf.truncate(len);
+                self.0.push(buf);
+                n += 1;
+            }
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_chunk_on_a_transport_that_lent_none_is_an_error() {
+        let mut t = Plain(Vec::new());
+        let mut k = 0;
+        let e = t
+            .send_with(4, &mut |buf| {
+                k += 1;
+                buf[0] = k;
+                Some(if k == 2 { Sent::Chunk { id: 7, header: 14, len: 60 } } else { Sent::Here(20) })
+            })
+            .expect_err("no chunk was lent");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("transmit chunk 7"), "{e}");
+        assert_eq!(t.0.len(), 1, "the frame before the chunk was queued");
+        assert_eq!(t.send_with(2, &mut |_| Some(Sent::Here(20))).expect("plain frames"), 2);
     }
 }
