@@ -1,6 +1,8 @@
 //! `cargo xtask test`: everything CI checks, in order, stopping at the first failure.
 
 use std::process::Command;
+use std::sync::Mutex;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -23,8 +25,29 @@ fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
 }
 
+/// Names each step as it begins, with how long the one before took and the time so far, so a
+/// run's log shows where its time goes (the suite is held under 45 minutes).
+struct Steps {
+    start: Instant,
+    current: Option<(String, Instant)>,
+}
+
+static STEPS: Mutex<Option<Steps>> = Mutex::new(None);
+
+/// Announces a step (and closes the one before).
+fn begin(name: &str) {
+    let mut steps = STEPS.lock().expect("steps lock");
+    let now = Instant::now();
+    let s = steps.get_or_insert_with(|| Steps { start: now, current: None });
+    if let Some((last, since)) = s.current.take() {
+        eprintln!("xtask test: ({last}: {:.0} s)", (now - since).as_secs_f64());
+    }
+    eprintln!("xtask test: {name} [{:.1} min in]", (now - s.start).as_secs_f64() / 60.0);
+    s.current = Some((name.to_string(), now));
+}
+
 fn step(name: &str, cmd: &mut Command) -> Result<()> {
-    eprintln!("xtask test: {name}");
+    begin(name);
     let status = cmd.status().with_context(|| format!("running {name}"))?;
     if !status.success() {
         bail!("{name} failed ({status})");
@@ -47,37 +70,37 @@ pub fn run(args: TestArgs) -> Result<()> {
         step("cargo clippy", cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     }
     step("cargo test", cargo().args(["test", "--workspace"]))?;
-    eprintln!("xtask test: bpf/tyche_wire.h matches tyche_wire::layout");
+    begin("bpf/tyche_wire.h matches tyche_wire::layout");
     crate::bpfgen::run(&crate::root(), true)?;
-    eprintln!("xtask test: package (cargo-deb: binaries, units, udev rule, man pages, completions, licences)");
+    begin("package (cargo-deb: binaries, units, udev rule, man pages, completions, licences)");
     crate::package::package(&crate::root())?;
-    eprintln!("xtask test: xdp-smoke");
+    begin("xdp-smoke");
     crate::xdp::smoke(&crate::root(), &crate::xdp::SmokeArgs::standard())?;
     // ext4 over nbdfuse over tyche-init's NBD server; AF_XDP over veth with a failing link.
     // `--workspace`, not `-p tyche-init`: the same feature set as `cargo test` above, so its test
     // binary is reused (with `-p`, cargo built tyche-init and its dependencies again: 4.5 min).
     step("tyche-init root tests", cargo().args(["test", "--workspace", "--test", "nbd", "--", "--ignored"]))?;
-    eprintln!("xtask test: nbd-clients (qemu-img, qemu-io and libnbd on both NBD I/O paths and both targets)");
+    begin("nbd-clients (qemu-img, qemu-io and libnbd on both NBD I/O paths and both targets)");
     let clients = crate::nbd_clients::nbd_clients(&crate::root(), &crate::nbd_clients::NbdClientsArgs::standard())?;
     eprintln!("xtask test: {clients}");
-    eprintln!("xtask test: xdp-share (discover and a second tyched beside a live attachment, fio verify)");
+    begin("xdp-share (discover and a second tyched beside a live attachment, fio verify)");
     crate::xdp_share::xdp_share(&crate::root(), &crate::xdp_share::XdpShareArgs::standard())?;
-    eprintln!("xtask test: readme (the README's two-host walkthrough, as written, in a veth lab)");
+    begin("readme (the README's two-host walkthrough, as written, in a veth lab)");
     crate::readme::readme(&crate::root(), &crate::readme::ReadmeArgs::standard())?;
     // The README's quick start, the command exactly as written.
     step("cargo xtask demo (the README's quick start, as written)", cargo().args(["xtask", "demo"]))?;
-    eprintln!("xtask test: e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
+    begin("e2e (ext4 over tyche; 3% loss; a link down mid-copy)");
     crate::e2e::e2e(&crate::root(), &crate::e2e::E2eArgs::standard())?;
-    eprintln!("xtask test: faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage)");
+    begin("faults (target restarts, SIGKILL, a 20 s outage, fencing, hung storage)");
     crate::faults::faults(&crate::root(), &crate::faults::FaultsArgs::suite())?;
-    eprintln!("xtask test: flood (100,000 CONNECTs from 1,000 MACs while fio verifies)");
+    begin("flood (100,000 CONNECTs from 1,000 MACs while fio verifies)");
     crate::flood::flood(&crate::root(), &crate::flood::FloodArgs::standard())?;
-    eprintln!("xtask test: attack (a third namespace on the segment attacks a keyed session)");
+    begin("attack (a third namespace on the segment attacks a keyed session)");
     crate::attack::attack(&crate::root(), &crate::attack::AttackArgs::standard())?;
-    eprintln!(
-        "xtask test: vm-test (ext4 on ublk and the faults' ublk recovery: kill -9 of tyche-init mid-write; NUMA \
+    begin(
+        "vm-test (ext4 on ublk and the faults' ublk recovery: kill -9 of tyche-init mid-write; NUMA \
          placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients; md mirrors across targets; \
-         crash consistency at the target's disk with dm-log-writes; the .deb on a systemd guest across a reboot)"
+         crash consistency at the target's disk with dm-log-writes; the .deb on a systemd guest across a reboot)",
     );
     // Every initramfs test in one boot (the faults' ublk-recovery scenario is the ublk test's
     // second half), then the systemd guest's.
@@ -98,17 +121,16 @@ pub fn run(args: TestArgs) -> Result<()> {
         "xtask test: {}; libnbd's nbdfuse and nbdsh ok (tyche-init root tests); qemu vm ok, kernel nbd ok (vm-test nbd)",
         clients.clients
     );
-    eprintln!("xtask test: fuzz (every regression input, then a few seconds per target)");
+    begin("fuzz (every regression input, then a few seconds per target)");
     crate::fuzz::run(&crate::root(), &crate::fuzz::FuzzArgs::short())?;
-    eprintln!("xtask test: simulator contract (loss 5%)");
+    begin("simulator contract (loss 5%)");
     sim::run(SimArgs::contract(args.sim_seeds, 0.05))?;
-    eprintln!("xtask test: simulator contract (loss 30%)");
+    begin("simulator contract (loss 30%)");
     sim::run(SimArgs::contract(args.sim_seeds, 0.3))?;
-    eprintln!(
-        "xtask test: simulator contract (loss 5%, target restarts, partitions, engine restarts; sessions in 2 parts)"
-    );
+    begin("simulator contract (loss 5%, target restarts, partitions, engine restarts; sessions in 2 parts)");
     sim::run(SimArgs::restarts_contract(args.sim_seeds))?;
-    eprintln!("xtask test: simulator contract (the same on an encrypted keyed export)");
+    begin("simulator contract (the same on an encrypted keyed export)");
     sim::run(SimArgs::keyed_contract(args.sim_seeds))?;
+    begin("done");
     Ok(())
 }

@@ -616,6 +616,23 @@ impl Initramfs {
     /// Copies a dynamically linked program and every shared library `ldd` names for it.
     fn program(&mut self, from: &Path, inside: &Path) -> Result<()> {
         self.copy(from, inside, 0o755)?;
+        self.libraries(from)
+    }
+
+    /// As [`Initramfs::program`], without the program's debug info (`strip --strip-debug`; its
+    /// symbols stay, so a backtrace still names functions). Our release binaries carry ~100 MB
+    /// of it, which the emulated guest would unpack at every boot for nothing.
+    fn stripped_program(&mut self, from: &Path, inside: &Path) -> Result<()> {
+        let to = self.path(inside);
+        fs::create_dir_all(to.parent().expect("absolute"))?;
+        run(Command::new("strip").arg("--strip-debug").arg("-o").arg(&to).arg(from))
+            .with_context(|| format!("strip --strip-debug {} (binutils)", from.display()))?;
+        fs::set_permissions(&to, fs::Permissions::from_mode(0o755))?;
+        self.libraries(from)
+    }
+
+    /// Copies every shared library `ldd` names for `from`.
+    fn libraries(&mut self, from: &Path) -> Result<()> {
         let out = Command::new("ldd").arg(from).output().context("ldd")?;
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let lib = match line.split_once("=>") {
@@ -669,9 +686,9 @@ fn build_initramfs(root: &Path, cache: &Path, kernel: &Kernel, tests: &[GuestTes
     fs_.copy(&busybox, Path::new("/bin/busybox"), 0o755)?;
     let release = crate::xdp::target_dir(root).join("release");
     for b in ["tyched", "tyche-init"] {
-        fs_.program(&release.join(b), &Path::new(GUEST_TARGET_DIR).join("release").join(b))?;
+        fs_.stripped_program(&release.join(b), &Path::new(GUEST_TARGET_DIR).join("release").join(b))?;
     }
-    fs_.program(&std::env::current_exe()?, Path::new("/usr/local/bin/xtask"))?;
+    fs_.stripped_program(&std::env::current_exe()?, Path::new("/usr/local/bin/xtask"))?;
     for (prog, name) in
         [("ip", "ip"), ("mkfs.ext4", "mkfs.ext4"), ("e2fsck", "e2fsck"), ("lstopo-no-graphics", "lstopo-no-graphics")]
     {
