@@ -19,7 +19,7 @@ pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 /// Checks for root, installs missing packages (unless `no_install`) and builds `tyched`,
 /// `tyche-init` and the lab tools (`tyche-tools`: tyche-attack, tyche-flood) in release mode. `what` names the command in the error for non-root users.
 pub fn prepare(root: &Path, what: &str, no_install: bool) -> Result<()> {
-    ensure!(crate::suite::is_root(), "{what} needs root (network namespaces, AF_XDP, loop devices)");
+    ensure!(tyche_testkit::is_root(), "{what} needs root (network namespaces, AF_XDP, loop devices)");
     if !no_install {
         ensure_packages(root)?;
     }

@@ -56,7 +56,8 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tyche_wire::{flags, layout, ChannelParams, MacAddr, ETH_HEADER_LEN, ETH_MIN_FRAME_LEN};
 
-use crate::channel::{DropReason, Role};
+use crate::drop_reason::DropReason;
+use crate::role::Role;
 
 /// A pre-shared key in memory: zeroed when dropped, never printed.
 #[derive(Clone)]

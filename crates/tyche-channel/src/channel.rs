@@ -12,17 +12,11 @@ use crate::config::{max_queued, Timers};
 use crate::seq::{diff, Bitmap};
 use crate::time::{earliest, Instant};
 
+pub use crate::drop_reason::DropReason;
+pub use crate::role::Role;
+
 /// Copies of DISCONNECT a closing channel sends (it is not sequenced, so not retransmitted).
 pub const DISCONNECT_COPIES: u8 = 3;
-
-/// Which end of the channel this is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Submits requests, sends write data, receives read data and completions.
-    Initiator,
-    /// Executes requests, receives write data, sends read data and completions.
-    Target,
-}
 
 /// A request as the initiator hands it to a channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,69 +93,6 @@ pub struct Placement<'a> {
     /// request or its early data, or released (a refused request's early segments), so a
     /// caller that keeps payloads by slot drops those of an older generation.
     pub generation: u32,
-}
-
-/// Why a frame was not used.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DropReason {
-    /// Already received (a retransmission whose original arrived).
-    Duplicate,
-    /// Ring position outside the receive window.
-    OutOfWindow,
-    /// A message this end's role never receives (e.g. a REQUEST at the initiator).
-    WrongRole,
-    /// A slot index out of range or in the wrong state.
-    BadSlot,
-    /// Data or a completion for a request the slot no longer holds.
-    Stale,
-    /// Segment fields that disagree with each other or with the negotiated parameters.
-    Inconsistent,
-    /// The channel is dead.
-    Dead,
-    /// A message that does not belong on an established channel (CONNECT, DISCOVER, ...).
-    Unexpected,
-    /// On a keyed channel: no authentication trailer, or a tag that does not verify (a forged
-    /// or altered frame).
-    Unauthenticated,
-    /// On a keyed channel: an authentic frame whose counter was already accepted, or is older
-    /// than the replay window (a replayed frame).
-    Replayed,
-    /// On a channel with feature DIGEST: a DATA frame whose payload does not match its CRC32C
-    /// (corrupted on the way; it is sent again).
-    BadDigest,
-}
-
-impl DropReason {
-    /// Every reason, for counters.
-    pub const ALL: [DropReason; 11] = [
-        DropReason::Duplicate,
-        DropReason::OutOfWindow,
-        DropReason::WrongRole,
-        DropReason::BadSlot,
-        DropReason::Stale,
-        DropReason::Inconsistent,
-        DropReason::Dead,
-        DropReason::Unexpected,
-        DropReason::Unauthenticated,
-        DropReason::Replayed,
-        DropReason::BadDigest,
-    ];
-    /// A short stable name for counters and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DropReason::Duplicate => "duplicate",
-            DropReason::OutOfWindow => "out_of_window",
-            DropReason::WrongRole => "wrong_role",
-            DropReason::BadSlot => "bad_slot",
-            DropReason::Stale => "stale",
-            DropReason::Inconsistent => "inconsistent",
-            DropReason::Dead => "dead",
-            DropReason::Unexpected => "unexpected",
-            DropReason::Unauthenticated => "unauthenticated",
-            DropReason::Replayed => "replayed",
-            DropReason::BadDigest => "bad_digest",
-        }
-    }
 }
 
 /// Why a volume or a target session did not use a frame.

@@ -30,11 +30,13 @@ mod board;
 mod channel;
 /// Limits and timer settings.
 pub mod config;
+mod drop_reason;
 mod handshake;
 mod initiator;
 mod ledger;
 mod parts;
 mod reconnect;
+mod role;
 mod scheduler;
 mod seq;
 mod session;

@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use tyche_init::attachfile::{path_component, AttachFile};
-use tyche_init::frontend::{device_in_use, ublk_id, UblkFrontend};
+use tyche_init::frontend::{device_in_use, ublk_id};
 use tyche_init::report::Health;
 use tyche_init::state::{self, Attachment};
+use tyche_init::ublk_frontend::UblkFrontend;
 
 /// How long `detach` waits for the attachment to be gone.
 pub const DETACH_WAIT: Duration = Duration::from_secs(30);

@@ -5,80 +5,14 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 use tyche_wire::Op;
 
-use crate::config::SendMode;
-use crate::engine::{Bell, Buf, Cmd, Completion, IoCmd, Shared};
+use crate::bell::Bell;
+use crate::buf::Buf;
+use crate::config::{InitiatorConfig, Link, SendMode};
+use crate::engine::{Cmd, Completion, IoCmd, Shared, Started};
 use crate::engine_front::Front;
-use crate::error::Error;
-
-/// What the session attached.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExportInfo {
-    /// Export name.
-    pub export: String,
-    /// Size in bytes.
-    pub size: u64,
-    /// Logical block size.
-    pub block_size: u32,
-    /// Whether the export is read-only.
-    pub read_only: bool,
-    /// Whether DISCARD is supported.
-    pub discard: bool,
-    /// Session id.
-    pub session: u64,
-    /// Largest request part the first channel carries (larger requests are split).
-    pub max_io: u32,
-}
-
-/// Counters of a session.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stats {
-    /// Channels open now.
-    pub live_channels: usize,
-    /// Channels configured (links × channels per link).
-    pub channels: usize,
-    /// Requests in the volume.
-    pub outstanding: usize,
-    /// Requests waiting for room in the volume.
-    pub queued: usize,
-    /// Requests completed successfully.
-    pub completed: u64,
-    /// Requests failed.
-    pub failed: u64,
-    /// Bytes read.
-    pub bytes_read: u64,
-    /// Bytes written.
-    pub bytes_written: u64,
-    /// Channels reopened after dying.
-    pub reconnects: u64,
-    /// Retransmitted frames on the open channels.
-    pub retransmits: u64,
-    /// Frames the open channels refused as forged or altered (a keyed export's bad tags).
-    pub unauthenticated: u64,
-    /// Frames the open channels refused as replays (a keyed export's replay window).
-    pub replayed: u64,
-    /// DATA frames the open channels refused for a wrong CRC32C (feature DIGEST).
-    pub bad_digest: u64,
-    /// Requests the thread that had them submitted and sent itself (inline send mode: the
-    /// application's thread; an NBD connection in inline mode: the engine thread that reads it).
-    pub sent_inline: u64,
-    /// Requests handed to an engine thread over a queue (queue send mode: a submitter thread's
-    /// batches; an NBD connection in queue mode: its reader thread's requests).
-    pub handed_over: u64,
-    /// Inline submissions whose frames were left to an engine thread after all (the request
-    /// waited in the backlog, or a group's transports were busy).
-    pub inline_fallbacks: u64,
-    /// Inline sends after which an engine thread whose links cannot wake it on arrival
-    /// (in-memory links) was rung to look for the reply.
-    pub inline_wakes: u64,
-    /// Parts of requests one engine thread's part of the volume handed to another's (its links
-    /// were all down): see docs/architecture.md, "The initiator: a volume in parts".
-    pub handoffs: u64,
-    /// The durability epoch of the current session, once a channel of it is open.
-    pub durability_epoch: Option<tyche_wire::DurabilityEpoch>,
-    /// What the volume owes about the writes it completed (`Volume::durability_debt`):
-    /// recorded in the attachment's state file for `attach --recover`.
-    pub durability_debt: tyche_channel::DurabilityDebt,
-}
+use crate::error::{ConnectError, Error};
+use crate::export_info::ExportInfo;
+use crate::stats::Stats;
 
 #[derive(Debug)]
 struct Inner {
@@ -128,18 +62,17 @@ fn engine_for(node_engine: &[(Option<u32>, usize)], node: Option<u32>) -> usize 
     node_engine.iter().find(|(n, _)| *n == node).map_or(0, |(_, g)| *g)
 }
 
+/// Opens the session and starts the engine threads (blocking version of [`crate::connect`]).
+pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client, ConnectError> {
+    crate::engine::start(cfg, links).map(Client::new)
+}
+
 impl Client {
-    pub(crate) fn new(
-        engines: Vec<(Sender<Cmd>, Arc<Bell>)>,
-        node_engine: Vec<(Option<u32>, usize)>,
-        info: ExportInfo,
-        mode: SendMode,
-        nodes: &[Option<u32>],
-        shared: Arc<Shared>,
-    ) -> Self {
+    fn new(started: Started) -> Self {
+        let Started { engines, node_engine, info, mode, nodes, shared } = started;
         let mut queues = HashMap::new();
         if mode == SendMode::Queue {
-            let mut keys: Vec<Option<u32>> = nodes.to_vec();
+            let mut keys: Vec<Option<u32>> = nodes.clone();
             keys.push(None);
             keys.sort_unstable();
             keys.dedup();
@@ -289,7 +222,7 @@ impl Client {
     }
 
     /// Hands a front end to the engine thread of this handle's node, which serves it from then
-    /// on (see [`crate::front`]). It starts first, on the calling thread ([`Front::start`]: in
+    /// on (see [`crate::engine_front`]). It starts first, on the calling thread ([`Front::start`]: in
     /// queue send mode a reader thread of its own, on the calling thread's CPUs and memory
     /// policy, may read its requests and hand them over).
     pub(crate) fn serve_front(&self, mut front: Box<dyn Front>) -> std::io::Result<()> {

@@ -141,7 +141,7 @@ pub struct InitiatorConfig {
     /// Channel scheduler.
     pub scheduler: SchedulerKind,
     /// Where the affinity scheduler falls back when a buffer's node has no usable channel
-    /// (`crate::sched::fallback_order`: bandwidth classes, else distances); `None`: by node id.
+    /// (the scheduler's fallback order: bandwidth classes, else distances); `None`: by node id.
     pub node_order: Option<tyche_numa::NodeOrder>,
     /// Send mode.
     pub send_mode: SendMode,

@@ -34,15 +34,17 @@ use tyche_channel::{
     Refusal, Scheduler, Setup, SubmitError, Volume, VolumeBoard, VolumeConfig, VolumeEvent,
 };
 use tyche_runtime::poll::{Next, PollStats, Poller, SchedStat};
-use tyche_runtime::wake::WakeFd;
 use tyche_transport::{FrameTransport, MemoryArea};
 use tyche_wire::{flags, ChannelParams, DisconnectReason, Envelope, Frame, Kind, Op, DATA_FRAME_OVERHEAD};
 
-use crate::client::{Client, ExportInfo, Stats};
-use crate::config::{EngineThreads, InitiatorConfig, Link, SchedulerKind};
+use crate::bell::Bell;
+use crate::buf::{Buf, Outcome};
+use crate::config::{EngineThreads, InitiatorConfig, Link, SchedulerKind, SendMode};
 use crate::engine_front::{Front, FrontIo, Token, WaitFd};
 use crate::error::{ConnectError, Error};
+use crate::export_info::ExportInfo;
 use crate::sched::NumaScheduler;
+use crate::stats::Stats;
 
 /// Frames handled per transport per loop iteration.
 const RX_BUDGET: usize = 64;
@@ -57,33 +59,6 @@ const IDLE_SLEEP: Duration = Duration::from_millis(2);
 /// Longest a closing engine waits for requests in flight.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
-/// Wakes an engine thread when it sleeps: clients ring it after queueing a command, other engine
-/// threads after leaving it frames to send.
-#[derive(Debug)]
-pub(crate) struct Bell {
-    efd: WakeFd,
-    sleeping: AtomicBool,
-}
-
-impl Bell {
-    fn new() -> std::io::Result<Self> {
-        Ok(Bell { efd: WakeFd::new()?, sleeping: AtomicBool::new(false) })
-    }
-
-    /// Wakes the engine if it sleeps (one syscall only then).
-    pub(crate) fn ring(&self) {
-        if self.sleeping.swap(false, Ordering::AcqRel) {
-            self.efd.wake();
-        }
-    }
-
-    /// Wakes the engine whether or not it has said it sleeps.
-    fn force(&self) {
-        self.sleeping.store(false, Ordering::Release);
-        self.efd.wake();
-    }
-}
-
 /// A request as the client hands it to the engine.
 #[derive(Debug)]
 pub(crate) struct IoCmd {
@@ -96,53 +71,6 @@ pub(crate) struct IoCmd {
     pub node: Option<u32>,
     pub reply: Completion,
 }
-
-/// A request's data: a heap buffer (the [`Client`] API's `Vec`), or pages bound to a NUMA node
-/// (front ends served by the engine, see [`crate::front`]).
-#[derive(Debug)]
-pub(crate) enum Buf {
-    Heap(Vec<u8>),
-    /// The first `len` bytes of a region bound to its node.
-    Node(tyche_numa::alloc::NodeRegion, usize),
-}
-
-impl Buf {
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            Buf::Heap(v) => v.len(),
-            Buf::Node(_, len) => *len,
-        }
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub(crate) fn as_slice(&self) -> &[u8] {
-        match self {
-            Buf::Heap(v) => v,
-            Buf::Node(r, len) => &r.as_slice()[..*len],
-        }
-    }
-
-    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
-        match self {
-            Buf::Heap(v) => v,
-            Buf::Node(r, len) => &mut r.as_mut_slice()[..*len],
-        }
-    }
-
-    /// The data as a `Vec` (a copy only for node-bound buffers, which `Client` never makes).
-    pub(crate) fn into_vec(self) -> Vec<u8> {
-        match self {
-            Buf::Heap(v) => v,
-            Buf::Node(..) => self.as_slice().to_vec(),
-        }
-    }
-}
-
-/// What a request gives back: its op and its buffer (read data for a read).
-pub(crate) type Outcome = Result<(Op, Buf), Error>;
 
 /// Where a request's outcome goes.
 #[derive(Debug)]
@@ -1561,8 +1489,22 @@ fn groups_of(layout: EngineThreads, nodes: &[Option<u32>]) -> Vec<usize> {
     }
 }
 
-/// Opens the session and starts the engine threads (blocking version of [`crate::connect`]).
-pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client, ConnectError> {
+/// A session opened and its engine threads running: what a [`Client`](crate::Client) is made of.
+#[derive(Debug)]
+pub(crate) struct Started {
+    /// Each engine thread's command queue and bell.
+    pub(crate) engines: Vec<(Sender<Cmd>, Arc<Bell>)>,
+    /// The engine thread serving each node's links.
+    pub(crate) node_engine: Vec<(Option<u32>, usize)>,
+    pub(crate) info: ExportInfo,
+    pub(crate) mode: SendMode,
+    /// The NUMA node of each link's NIC.
+    pub(crate) nodes: Vec<Option<u32>>,
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// Opens the session and starts the engine threads (`crate::connect_blocking`).
+pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, ConnectError> {
     cfg.validate().map_err(ConnectError::Config)?;
     if links.is_empty() {
         return Err(ConnectError::NoLinks);
@@ -1726,7 +1668,7 @@ pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client
             })
             .map_err(|e| ConnectError::Os { what: "start an engine thread", source: e })?;
     }
-    Ok(Client::new(queues, node_group, info, send_mode, &nodes, shared))
+    Ok(Started { engines: queues, node_engine: node_group, info, mode: send_mode, nodes, shared })
 }
 
 /// An engine thread's loop over its group (`shared.groups[g]`); `fds` are duplicates of its

@@ -19,8 +19,9 @@ use std::sync::Arc;
 use nix::poll::PollFlags;
 use tyche_wire::Op;
 
+use crate::bell::Bell;
+use crate::buf::{Buf, Outcome};
 use crate::config::SendMode;
-use crate::engine::{Bell, Buf, Outcome};
 
 /// A front end's key for a request in the engine, handed back with its outcome. Opaque to the
 /// engine.

@@ -1,13 +1,9 @@
 //! Block front ends: how an attached export becomes a device.
 //!
 //! [`BlockFrontend`] is the seam between the initiator library and the kernel interface. The
-//! ublk front end (`/dev/ublkbN` through libublk) needs `/dev/ublk-control`; where that is
-//! missing, [`UblkFrontend::probe`] says so and points to the NBD mode (`tyche-init serve-nbd`),
-//! which needs no kernel driver.
-
-use std::path::Path;
-
-use crate::client::Client;
+//! ublk front end (`/dev/ublkbN` through libublk, `UblkFrontend` in `ublk_frontend`) needs
+//! `/dev/ublk-control`; where that is missing, its `probe` says so ([`FrontendError::NoUblk`])
+//! and points to the NBD mode (`tyche-init serve-nbd`), which needs no kernel driver.
 
 /// The control device of the ublk driver.
 pub const UBLK_CONTROL: &str = "/dev/ublk-control";
@@ -32,7 +28,7 @@ pub enum FrontendError {
     Other(String),
 }
 
-/// A kernel-facing block device backed by a [`Client`].
+/// A kernel-facing block device backed by a [`Client`](crate::Client).
 pub trait BlockFrontend {
     /// The device path (`/dev/ublkb0`) or socket path the front end serves.
     fn path(&self) -> String;
@@ -51,81 +47,10 @@ pub struct UblkOptions {
     pub depth: u16,
     /// Create the device with `UBLK_F_USER_RECOVERY` (and `UBLK_F_USER_RECOVERY_REISSUE`) where
     /// the driver offers them: when the serving process dies the device stays, its I/O waits,
-    /// and [`UblkFrontend::recover`] in a new process resumes it.
+    /// and `UblkFrontend::recover` in a new process resumes it.
     pub recovery: bool,
     /// The device number to ask for (`/dev/ublkbN`); `None`: the kernel picks one.
     pub dev_id: Option<u32>,
-}
-
-/// The ublk front end.
-#[derive(Debug)]
-pub struct UblkFrontend;
-
-impl UblkFrontend {
-    /// Checks that the kernel offers ublk.
-    pub fn probe() -> Result<(), FrontendError> {
-        if !Path::new(UBLK_CONTROL).exists() {
-            return Err(FrontendError::NoUblk);
-        }
-        Ok(())
-    }
-
-    /// Creates `/dev/ublkbN` for `client`.
-    pub fn create(client: Client, opts: UblkOptions) -> Result<Box<dyn BlockFrontend + Send>, FrontendError> {
-        Self::probe()?;
-        #[cfg(feature = "ublk")]
-        {
-            Ok(Box::new(crate::ublk::UblkDevice::new(client, opts)?))
-        }
-        #[cfg(not(feature = "ublk"))]
-        {
-            let _ = (client, opts);
-            Err(FrontendError::NotBuilt)
-        }
-    }
-
-    /// Takes over `/dev/ublkb{id}` (created with recovery by a process that died) for `client`.
-    pub fn recover(client: Client, id: u32) -> Result<Box<dyn BlockFrontend + Send>, FrontendError> {
-        Self::probe()?;
-        #[cfg(feature = "ublk")]
-        {
-            Ok(Box::new(crate::ublk::UblkDevice::recover(client, id)?))
-        }
-        #[cfg(not(feature = "ublk"))]
-        {
-            let _ = (client, id);
-            Err(FrontendError::NotBuilt)
-        }
-    }
-
-    /// The process that serves `/dev/ublkb{id}` (the kernel's `ublksrv_pid`), if the device
-    /// exists and has been started.
-    pub fn server_pid(id: u32) -> Option<i32> {
-        Self::probe().ok()?;
-        #[cfg(feature = "ublk")]
-        {
-            crate::ublk::server_pid(id)
-        }
-        #[cfg(not(feature = "ublk"))]
-        {
-            let _ = id;
-            None
-        }
-    }
-
-    /// Deletes `/dev/ublkb{id}`, a device whose server is gone; I/O still waiting on it fails.
-    pub fn delete(id: u32) -> Result<(), FrontendError> {
-        Self::probe()?;
-        #[cfg(feature = "ublk")]
-        {
-            crate::ublk::delete(id)
-        }
-        #[cfg(not(feature = "ublk"))]
-        {
-            let _ = id;
-            Err(FrontendError::NotBuilt)
-        }
-    }
 }
 
 /// The device number of `/dev/ublkbN`, `ublkbN` or `N`.

@@ -30,12 +30,15 @@
 #![warn(missing_docs)]
 
 pub mod attachfile;
+mod bell;
+mod buf;
 mod client;
 mod config;
 mod discover;
 mod engine;
 mod engine_front;
 mod error;
+mod export_info;
 pub mod frontend;
 pub mod loopback;
 pub mod metrics;
@@ -43,15 +46,18 @@ pub mod nbd;
 pub mod report;
 pub mod sched;
 pub mod state;
+mod stats;
 #[cfg(feature = "ublk")]
 pub mod ublk;
+pub mod ublk_frontend;
 
-pub use client::{Client, ExportInfo, Stats};
+pub use client::{connect_blocking, Client};
 pub use config::{machine_id, parse_host_id, EngineThreads, InitiatorConfig, Link, SchedulerKind, SendMode};
 pub use discover::{discover, discover_with_nonce, new_nonce, DiscoveredExport, DiscoveredTarget};
-pub use engine::connect_blocking;
 pub use error::{ConnectError, Error};
+pub use export_info::ExportInfo;
 pub use report::{ChannelReport, Health, LinkReport, NbdConnReport, NbdStats, Paths, Report};
+pub use stats::Stats;
 
 /// Opens a session to `config.export` over `links` and starts the engine thread.
 ///

@@ -47,6 +47,9 @@ use serde::Serialize;
 
 use crate::{BandwidthModel, NumaError, Topology};
 
+/// Where the running kernel lists NUMA nodes and their CPUs.
+pub const SYSFS_NODES: &str = "/sys/devices/system/node";
+
 /// One channel to place: which NIC it uses, its index on that NIC, and the NIC's node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ChannelSpec {
@@ -444,7 +447,7 @@ pub fn pin_current_thread(cpus: &[u32]) -> Result<(), NumaError> {
 /// (`/sys/devices/system/node/node<N>/cpulist`). A node without that file is
 /// [`NumaError::NoSuchNode`]; a list that does not parse, or an empty one, is an error too.
 pub fn node_cpus(node: u32) -> Result<Vec<u32>, NumaError> {
-    node_cpus_in(std::path::Path::new(crate::report::SYSFS_NODES), node)
+    node_cpus_in(std::path::Path::new(SYSFS_NODES), node)
 }
 
 /// [`node_cpus`] under another sysfs `devices/system/node` directory (tests).

@@ -139,8 +139,7 @@ pub fn nodes_of_cpus(cpus: &[u32]) -> Vec<u32> {
     nodes
 }
 
-/// Where the running kernel lists NUMA nodes and their CPUs.
-pub const SYSFS_NODES: &str = "/sys/devices/system/node";
+pub use crate::placement::SYSFS_NODES;
 
 /// Every node in sysfs with its CPU list.
 pub fn node_cpus_from_sysfs() -> Vec<(u32, Vec<u32>)> {

@@ -28,6 +28,14 @@ pub fn serve(
     listener.serve(THREAD, move || encode(&source()))
 }
 
+impl Snapshot {
+    /// The counters in the Prometheus text exposition format (by prometheus-client; the text
+    /// `GET /metrics` answers, [`encode`]).
+    pub fn prometheus(&self) -> String {
+        encode(self)
+    }
+}
+
 /// `snapshot` in the Prometheus text exposition format (0.0.4), by prometheus-client: the
 /// text `tyched stats --prometheus` prints and `GET /metrics` answers.
 pub fn encode(snapshot: &Snapshot) -> String {

@@ -532,12 +532,6 @@ impl Snapshot {
         }
         s
     }
-
-    /// The counters in the Prometheus text exposition format (by prometheus-client; the text
-    /// `GET /metrics` answers, [`crate::prometheus::encode`]).
-    pub fn prometheus(&self) -> String {
-        crate::prometheus::encode(self)
-    }
 }
 
 #[cfg(test)]

@@ -29,8 +29,9 @@ use super::{
     block_status_reply, hole_aware, read_plan, reply_head, status_query, Negotiated, Piece, REPLY_BATCH,
     REQUEST_BUFFER, SECTOR,
 };
+use crate::bell::Bell;
+use crate::buf::{Buf, Outcome};
 use crate::config::SendMode;
-use crate::engine::{Bell, Buf, Outcome};
 use crate::engine_front::{Front, FrontIo, Token, WaitFd};
 use crate::error::Error;
 use crate::report::NbdStats;

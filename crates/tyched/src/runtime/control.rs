@@ -27,7 +27,7 @@ use tyche_channel::{Acceptor, Channel, Directory, ExportGeometry, Instant, PartM
 use tyche_runtime::wake::WakeFd;
 use tyche_wire::MacAddr;
 
-use super::handshake::Challenges;
+use super::challenges::Challenges;
 use super::{Export, PEER_LOGS};
 
 /// A session whose channels are all dead is dropped after this grace period when it never

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use tyche_channel::{Instant, Pieces, TargetEvent, MAX_PIECES};
-use tyche_transport::{Lease, TxChunk};
+use tyche_channel::{Instant, TargetEvent};
+use tyche_transport::TxChunk;
 use tyche_wire::{flags, layout, Op, Request, Status, DATA_FRAME_OVERHEAD};
 
 use crate::backend::{Backend, Memory};
@@ -25,7 +25,7 @@ use crate::stats::StorageQueueStats;
 use crate::workers::{JobQueues, ThreadStat};
 
 use super::sessions::slot_idle;
-use super::slots::SlotKey;
+use super::slots::{LentSegment, Region, SlotKey};
 use super::{Network, PEER_LOGS};
 
 /// A storage request for a worker.
@@ -49,49 +49,6 @@ pub(crate) struct Job {
     pub(crate) fence: Option<Arc<AtomicBool>>,
     /// The NIC of its channel: its node's queue runs it, and its network thread completes it.
     pub(crate) nic: Option<usize>,
-}
-
-/// Transmit chunks a NIC's transport lent for good, holding one request's read data: segment
-/// `i` (of `seg` bytes) lies right after the room for a DATA frame's headers in chunk `i`, so
-/// the frame is sent from there once the headers are written in front.
-#[derive(Debug)]
-pub(crate) struct Region {
-    pub(crate) chunks: Vec<TxChunk>,
-    pub(crate) seg: u32,
-    pub(crate) nic: usize,
-    /// The read whose data it holds.
-    pub(crate) tag: u64,
-}
-
-/// Write data left in the received frame it arrived in: its pieces (one, or one per buffer of
-/// a multi-buffer frame: `(addr, len)`, in order) are bytes `offset..offset + len` of the
-/// request's data. The lease keeps them there, unchanged.
-#[derive(Debug)]
-pub(crate) struct LentSegment {
-    pub(crate) offset: u32,
-    pub(crate) len: u32,
-    parts: [(usize, u32); MAX_PIECES],
-    count: u8,
-    /// The NIC whose transport lent the frame (it gets the lease back).
-    pub(crate) nic: usize,
-    pub(crate) lease: Lease,
-}
-
-impl LentSegment {
-    /// The payload `payload` (at `offset` of the request's data) kept in the frame `lease`
-    /// names, lent by NIC `nic`'s transport. The caller checked that the lease covers it.
-    pub(crate) fn new(offset: u32, payload: &Pieces<'_>, nic: usize, lease: Lease) -> LentSegment {
-        let mut parts = [(0usize, 0u32); MAX_PIECES];
-        for (slot, p) in parts.iter_mut().zip(payload.parts()) {
-            *slot = (p.as_ptr() as usize, p.len() as u32);
-        }
-        LentSegment { offset, len: payload.len() as u32, parts, count: payload.parts().len() as u8, nic, lease }
-    }
-
-    /// The pieces of the payload: `(addr, len)`, in order.
-    pub(crate) fn parts(&self) -> &[(usize, u32)] {
-        &self.parts[..self.count as usize]
-    }
 }
 
 impl Job {

@@ -19,8 +19,8 @@ use crate::config::{Config, ExportConfig, NetworkThreads, MAX_EXPORTS};
 use crate::stats::{ExportStats, NicStats, StorageQueueStats};
 use crate::workers::{DoneRoute, JobQueues, StoragePlan, ThreadStat, JOB_QUEUE};
 
+use super::challenges::Challenges;
 use super::control::{Control, Postal};
-use super::handshake::Challenges;
 use super::jobs::{Done, Storage};
 use super::network::{serve_group, NicState};
 use super::slots::SlotTable;
