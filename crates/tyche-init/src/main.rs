@@ -245,6 +245,10 @@ struct ConnArgs {
     /// Engine threads: per-node (one per NUMA node of the NICs, pinned there) or one.
     #[arg(long, default_value = "per-node")]
     engine_threads: EngineThreads,
+    /// AF_XDP zero copy: auto (where the driver offers it), copy (never) or zero-copy (or
+    /// fail to attach).
+    #[arg(long, value_name = "MODE", default_value = "auto")]
+    xdp_copy: tyche_xdp::CopyMode,
     /// How engine threads wait when idle: adaptive (poll a while after work, then sleep),
     /// sleep or spin.
     #[arg(long, default_value = "adaptive")]
@@ -507,14 +511,15 @@ impl ConnArgs {
             }
         };
         for (k, ifname) in self.ifaces.iter().enumerate().filter(|_| self.tcp.is_empty()) {
-            let cfg = tyche_xdp::PortConfig { ethertype: self.ethertype, numa, ..Default::default() };
+            let cfg =
+                tyche_xdp::PortConfig { ethertype: self.ethertype, numa, copy: self.xdp_copy, ..Default::default() };
             let ports = tyche_xdp::XdpPort::open_queues(ifname, queues, &cfg)
                 .with_context(|| format!("opening AF_XDP sockets on {ifname} (queues 0..{queues})"))?;
             for (q, port) in ports.into_iter().enumerate() {
                 // Scheduled by the NIC's node, wherever the experiment put the memory.
                 let node =
                     if self.channel_memory_node.is_some() { tyche_numa::nic_node(ifname) } else { port.numa_node() };
-                info!(iface = %ifname, queue = q, ?node, mode = ?port.mode(), "AF_XDP socket open");
+                info!(iface = %ifname, queue = q, ?node, mode = ?port.mode(), zero_copy = port.zero_copy(), "AF_XDP socket open");
                 let name = if queues > 1 { format!("{ifname}/{q}") } else { ifname.clone() };
                 links.push(Link { name, transport: Box::new(port), target: target_of(k), node });
             }

@@ -35,8 +35,8 @@ pub use error::Error;
 pub use iface::{queue_count, InterfaceInfo};
 pub use packet::{packet_socket, PacketTransport};
 pub use port::{
-    plan_frames, BusyPoll, FramePlan, NumaPlacement, PortConfig, PortStats, XdpPort, BUFFER_CAPACITY, CHUNK_SIZE,
-    FRAME_HEADROOM, MAX_SG_FRAME, XDP_HEADROOM,
+    plan_frames, BusyPoll, CopyMode, FramePlan, NumaPlacement, PortConfig, PortStats, XdpPort, BUFFER_CAPACITY,
+    CHUNK_SIZE, FRAME_HEADROOM, MAX_SG_FRAME, XDP_HEADROOM,
 };
 pub use program::{AttachMode, AttachedMode, DiscoveryTap, SteerStats, XdpProgram};
 pub use share::RUN_DIR;

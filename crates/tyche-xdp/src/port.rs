@@ -80,6 +80,23 @@ pub struct BusyPoll {
     pub budget: u32,
 }
 
+/// Whether the kernel may, must, or must not bind a socket in zero-copy mode, where the driver
+/// works on the UMEM itself (ice, mlx5; veth and drivers without AF_XDP support copy every
+/// frame between their buffers and the UMEM).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CopyMode {
+    /// Zero copy where the driver offers it, else copy mode (the kernel's choice; the port
+    /// says which it got: [`XdpPort::zero_copy`]).
+    #[default]
+    Auto,
+    /// Copy mode always (`XDP_COPY`).
+    Copy,
+    /// Zero copy or fail (`XDP_ZEROCOPY`): opening the port is an error where the driver
+    /// cannot (no AF_XDP zero-copy support, or none for multi-buffer frames).
+    ZeroCopy,
+}
+
 /// How to open a port.
 #[derive(Debug, Clone)]
 pub struct PortConfig {
@@ -109,6 +126,8 @@ pub struct PortConfig {
     pub pin_thread: bool,
     /// EtherType to steer and expect.
     pub ethertype: u16,
+    /// Copy or zero-copy mode.
+    pub copy: CopyMode,
 }
 
 impl Default for PortConfig {
@@ -125,6 +144,7 @@ impl Default for PortConfig {
             numa: NumaPlacement::Auto,
             pin_thread: false,
             ethertype: tyche_wire::DEFAULT_ETHERTYPE,
+            copy: CopyMode::Auto,
         }
     }
 }
@@ -184,6 +204,8 @@ pub struct XdpPort {
     _queue_lock: std::fs::File,
     program: Arc<XdpProgram>,
     info: InterfaceInfo,
+    /// Bound in zero-copy mode (`XDP_OPTIONS_ZEROCOPY`).
+    zero_copy: bool,
     queue: u32,
     plan: FramePlan,
     batch: usize,
@@ -258,9 +280,42 @@ fn xsk_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Xsk { what: what.to_string(), detail: e.to_string() }
 }
 
+/// An error with its sources, `a: b: c` (xsk-rs keeps the kernel's errno in the source).
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    text
+}
+
 const SO_BUSY_POLL: libc::c_int = 46;
 const SO_PREFER_BUSY_POLL: libc::c_int = 69;
 const SO_BUSY_POLL_BUDGET: libc::c_int = 70;
+
+/// Whether the kernel bound the AF_XDP socket `fd` in zero-copy mode (`XDP_OPTIONS`): the
+/// driver's own rings over our UMEM; else copy mode (every frame copied between the driver's
+/// buffers and the UMEM, as on veth).
+fn bound_zero_copy(fd: i32) -> io::Result<bool> {
+    let mut opts = libc::xdp_options { flags: 0 };
+    let mut len = std::mem::size_of::<libc::xdp_options>() as libc::socklen_t;
+    // SAFETY: `opts` is a live xdp_options and `len` its size; the kernel writes at most that.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_XDP,
+            libc::XDP_OPTIONS,
+            &mut opts as *mut libc::xdp_options as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(opts.flags & libc::XDP_OPTIONS_ZEROCOPY != 0)
+}
 
 fn set_sockopt_int(fd: i32, level: libc::c_int, opt: libc::c_int, value: u32) -> io::Result<()> {
     let v = value as libc::c_int;
@@ -361,11 +416,16 @@ impl XdpPort {
         let (umem, descs) =
             tyche_numa::alloc::with_thread_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
                 .map_err(|e| Error::numa("binding the UMEM to the NIC's NUMA node", e))?
-                .map_err(|e| xsk_err("creating the UMEM", e))?;
+                .map_err(|e| xsk_err("creating the UMEM", with_sources(&e)))?;
 
         let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
         if plan.multi_buffer {
             bind |= BindFlags::XDP_USE_SG;
+        }
+        match config.copy {
+            CopyMode::Auto => {}
+            CopyMode::Copy => bind |= BindFlags::XDP_COPY,
+            CopyMode::ZeroCopy => bind |= BindFlags::XDP_ZEROCOPY,
         }
         let socket_config = SocketConfig::builder()
             .rx_queue_size(q(half)?)
@@ -383,10 +443,21 @@ impl XdpPort {
         })
         .map_err(|e| Error::numa("binding the rings to the NIC's NUMA node", e))?
         .map_err(|e| {
-            let hint = if plan.multi_buffer { " (multi-buffer needs kernel 6.6+ and driver support)" } else { "" };
-            xsk_err(&format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue), e)
+            let hint = match (config.copy, plan.multi_buffer) {
+                (CopyMode::ZeroCopy, true) => {
+                    " in zero-copy mode (the driver needs AF_XDP zero-copy support, for multi-buffer frames too)"
+                }
+                (CopyMode::ZeroCopy, false) => " in zero-copy mode (the driver needs AF_XDP zero-copy support)",
+                (_, true) => " (multi-buffer needs kernel 6.6+ and driver support)",
+                (_, false) => "",
+            };
+            xsk_err(
+                &format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue),
+                with_sources(&e),
+            )
         })?;
         let (mut fq, cq) = rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
+        let zero_copy = bound_zero_copy(rx.fd().as_raw_fd()).map_err(|e| Error::io("getsockopt XDP_OPTIONS", e))?;
 
         if let Some(bp) = config.busy_poll {
             let fd = rx.fd().as_raw_fd();
@@ -455,7 +526,14 @@ impl XdpPort {
             numa_node,
             umem_area: (umem_base, umem_len),
             info,
+            zero_copy,
         })
+    }
+
+    /// Whether the kernel bound this socket in zero-copy mode (the driver works on the UMEM
+    /// itself, as ice and mlx5 do), or in copy mode (veth; drivers without AF_XDP support).
+    pub fn zero_copy(&self) -> bool {
+        self.zero_copy
     }
 
     /// The frame plan (capacity, multi-buffer, segment size) chosen for this link.

@@ -136,6 +136,8 @@ fn exchange(
     let config =
         PortConfig { busy_poll: busy_poll.then_some(BusyPoll { usecs: 20, budget: 64 }), ..PortConfig::default() };
     let mut port = XdpPort::open(ifname, &config).expect("open AF_XDP port");
+    // veth has no AF_XDP zero-copy support: the kernel binds in copy mode, and says so.
+    assert!(!port.zero_copy(), "veth bound in zero-copy mode");
     let segment = port.plan().segment_size as usize;
     let env = env(me, peer);
     mtu_ok.wait();

@@ -88,6 +88,10 @@ pub struct Config {
     /// Network threads: one per NIC (default) or one for all.
     #[serde(default)]
     pub network_threads: NetworkThreads,
+    /// AF_XDP sockets in zero-copy mode where the driver offers it (`auto`), never (`copy`), or
+    /// zero copy or refuse to start (`zero-copy`).
+    #[serde(default)]
+    pub xdp_copy: tyche_xdp::CopyMode,
     /// File and block exports use io_uring where the kernel allows it (else, and when false,
     /// the worker threads).
     #[serde(default = "default_true")]
@@ -354,6 +358,7 @@ impl Default for Config {
             ethertype: default_ethertype(),
             workers: 0,
             network_threads: NetworkThreads::default(),
+            xdp_copy: tyche_xdp::CopyMode::Auto,
             io_uring: true,
             poll: PollMode::default(),
             poll_budget_us: default_poll_budget_us(),
@@ -671,6 +676,9 @@ impl Config {
             return Err(invalid("channels_per_nic", "must be 1 to 64"));
         }
         self.validate_steer()?;
+        if self.xdp_copy != tyche_xdp::CopyMode::Auto && self.transport != TransportKind::Xdp {
+            return Err(invalid("xdp_copy", "applies to AF_XDP sockets: needs transport = \"xdp\""));
+        }
         if self.ethertype < 0x0600 {
             return Err(invalid("ethertype", "must be at least 0x0600 (an EtherType, not a length)"));
         }
@@ -861,6 +869,20 @@ mod tests {
         assert!(e.to_string().starts_with("export[0].allow[0]:"), "{e}");
         let text = "[[export]]\nname = \"a\"\nsize = \"1M\"\nkey = \"short\"";
         assert!(Config::from_toml(text).expect_err("short key").to_string().starts_with("export[0].key:"));
+    }
+
+    #[test]
+    fn xdp_copy_reads_each_mode_and_is_refused_off_af_xdp() {
+        let base = "[[export]]\nname = \"a\"\nsize = \"1M\"\n";
+        let with = |extra: &str| Config::from_toml(&format!("{extra}\n{base}"));
+        use tyche_xdp::CopyMode;
+        assert_eq!(with("").unwrap().xdp_copy, CopyMode::Auto);
+        assert_eq!(with("xdp_copy = \"copy\"").unwrap().xdp_copy, CopyMode::Copy);
+        assert_eq!(with("xdp_copy = \"zero-copy\"").unwrap().xdp_copy, CopyMode::ZeroCopy);
+        let e = with("xdp_copy = \"zerocopy\"").expect_err("unknown mode");
+        assert!(e.to_string().contains("xdp_copy"), "{e}");
+        let e = with("xdp_copy = \"zero-copy\"\ntransport = \"tcp\"").expect_err("not AF_XDP");
+        assert!(e.to_string().starts_with("xdp_copy:"), "{e}");
     }
 
     #[test]

@@ -87,6 +87,10 @@ struct ServeArgs {
     /// Network threads: per-nic (one per NIC, pinned to its node) or one.
     #[arg(long)]
     network_threads: Option<NetworkThreads>,
+    /// AF_XDP zero copy: auto (where the driver offers it), copy (never) or zero-copy (or
+    /// refuse to start).
+    #[arg(long, value_name = "MODE")]
+    xdp_copy: Option<tyche_xdp::CopyMode>,
     /// File and block exports use the worker threads, not io_uring.
     #[arg(long)]
     no_io_uring: bool,
@@ -235,6 +239,9 @@ fn load_config(args: &ServeArgs) -> Result<Config> {
     }
     if let Some(w) = args.workers {
         config.workers = w;
+    }
+    if let Some(m) = args.xdp_copy {
+        config.xdp_copy = m;
     }
     if let Some(t) = args.network_threads {
         config.network_threads = t;
@@ -495,6 +502,7 @@ fn open_nics(config: &Config, term: &AtomicBool, steering: &mut Steering) -> Res
                     ethertype: config.ethertype,
                     lend_frames: tyched::LEND_FRAMES,
                     tx_lend_frames: tyched::TX_LEND_FRAMES,
+                    copy: config.xdp_copy,
                     ..Default::default()
                 };
                 let queues = u32::from(config.channels_per_nic);
@@ -505,7 +513,7 @@ fn open_nics(config: &Config, term: &AtomicBool, steering: &mut Steering) -> Res
                     steer_iface(config, i, name, nic, ports.len(), steering)?;
                 }
                 for (q, port) in ports.into_iter().enumerate() {
-                    tracing::info!(iface = %name, queue = q, mode = %port.mode(), "AF_XDP port open");
+                    tracing::info!(iface = %name, queue = q, mode = %port.mode(), zero_copy = port.zero_copy(), "AF_XDP port open");
                     let label = if config.channels_per_nic > 1 { format!("{name}/{q}") } else { name.clone() };
                     nics.push(Nic { name: label, transport: Box::new(port) });
                 }

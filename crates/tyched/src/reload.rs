@@ -76,6 +76,7 @@ fn daemon_fields(a: &Config, b: &Config) -> Vec<String> {
             ethertype,
             workers,
             network_threads,
+            xdp_copy,
             io_uring,
             poll,
             poll_budget_us,
