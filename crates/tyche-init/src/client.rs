@@ -64,11 +64,13 @@ fn engine_for(node_engine: &[(Option<u32>, usize)], node: Option<u32>) -> usize 
 
 /// Opens the session and starts the engine threads (blocking version of [`crate::connect`]).
 pub fn connect_blocking(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Client, ConnectError> {
-    crate::engine::start(cfg, links).map(Client::new)
+    crate::engine::start(cfg, links).and_then(Client::new)
 }
 
 impl Client {
-    fn new(started: Started) -> Self {
+    /// The client of a started session; in queue mode, with a submitter thread per node (an
+    /// OS refusal to start one fails the connect; the engine threads stop with the session).
+    fn new(started: Started) -> Result<Self, ConnectError> {
         let Started { engines, node_engine, info, mode, nodes, shared } = started;
         let mut queues = HashMap::new();
         if mode == SendMode::Queue {
@@ -84,14 +86,17 @@ impl Client {
                 std::thread::Builder::new()
                     .name(name)
                     .spawn(move || submitter(rx, engine, bell))
-                    .expect("cannot start a submitter thread");
+                    .map_err(|e| ConnectError::Os { what: "start a submitter thread", source: e })?;
                 queues.insert(node, tx);
             }
         }
         let mut known: Vec<u32> = nodes.iter().flatten().copied().collect();
         known.sort_unstable();
         known.dedup();
-        Client { inner: Arc::new(Inner { engines, node_engine, queues, info, nodes: known, mode, shared }), node: None }
+        Ok(Client {
+            inner: Arc::new(Inner { engines, node_engine, queues, info, nodes: known, mode, shared }),
+            node: None,
+        })
     }
 
     /// A handle whose requests say their buffers live on NUMA node `node` (the scheduler sends

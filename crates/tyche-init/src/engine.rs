@@ -1516,40 +1516,8 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
         .map(|_| Bell::new().map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(|e| ConnectError::Os { what: "create an eventfd", source: e })?;
-    let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
-    let mut metas = Vec::with_capacity(links.len());
-    for (k, l) in links.into_iter().enumerate() {
-        let t = &l.transport;
-        metas.push(LinkMeta {
-            name: l.name,
-            target: l.target,
-            node: l.node,
-            local_mac: t.local_mac(),
-            mtu: t.mtu(),
-            frame_capacity: t.frame_capacity(),
-            memory_node: t.numa_node(),
-            areas: t.memory_areas(),
-            group: group[k],
-        });
-        by_group[group[k]].push((k, l.transport));
-    }
-    // What each engine thread sleeps on besides its bell: duplicates of its transports'
-    // readiness descriptors, so that it sleeps without holding its group.
-    let mut sleep_fds: Vec<Vec<std::os::fd::OwnedFd>> = Vec::with_capacity(groups);
-    let mut wakes = Vec::with_capacity(groups);
-    for mine in &by_group {
-        let mut fds = Vec::new();
-        for (_, t) in mine {
-            if let Some(fd) = t.readiness_fd() {
-                let fd = fd
-                    .try_clone_to_owned()
-                    .map_err(|e| ConnectError::Os { what: "duplicate a readiness descriptor", source: e })?;
-                fds.push(fd);
-            }
-        }
-        wakes.push(fds.len() == mine.len());
-        sleep_fds.push(fds);
-    }
+    let (metas, by_group) = link_groups(links, &group, groups);
+    let (sleep_fds, wakes) = sleep_descriptors(&by_group)?;
     let mine: Vec<Vec<usize>> = by_group.iter().map(|m| m.iter().map(|(k, _)| *k).collect()).collect();
     let per = cfg.channels_per_link;
     let slot_count = metas.len() * per;
@@ -1582,12 +1550,67 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
         exited: AtomicUsize::new(0),
         turn: AtomicUsize::new(0),
     });
-    // The session opens on this thread, over every link. Bounded: every connector gives up
-    // after `connect_attempts * connect_retry`.
+    let info = open_session(&shared, groups)?;
+    let mode = shared.cfg.send_mode;
+    let (engines, node_engine) = spawn_engines(&shared, mine, sleep_fds, &bells, &nodes)?;
+    Ok(Started { engines, node_engine, info, mode, nodes, shared })
+}
+
+/// Each link's description, and its transport in the list of its engine thread's group
+/// (`group[k]` of `groups`), with its index.
+fn link_groups(links: Vec<Link>, group: &[usize], groups: usize) -> (Vec<LinkMeta>, Vec<Vec<(usize, Transport)>>) {
+    let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
+    let mut metas = Vec::with_capacity(links.len());
+    for (k, l) in links.into_iter().enumerate() {
+        let t = &l.transport;
+        metas.push(LinkMeta {
+            name: l.name,
+            target: l.target,
+            node: l.node,
+            local_mac: t.local_mac(),
+            mtu: t.mtu(),
+            frame_capacity: t.frame_capacity(),
+            memory_node: t.numa_node(),
+            areas: t.memory_areas(),
+            group: group[k],
+        });
+        by_group[group[k]].push((k, l.transport));
+    }
+    (metas, by_group)
+}
+
+/// What each engine thread sleeps on besides its bell: duplicates of its transports' readiness
+/// descriptors, so that it sleeps without holding its group; and whether every one of its
+/// transports has one (else it must wake up to poll).
+type SleepFds = (Vec<Vec<std::os::fd::OwnedFd>>, Vec<bool>);
+
+fn sleep_descriptors(by_group: &[Vec<(usize, Transport)>]) -> Result<SleepFds, ConnectError> {
+    let mut sleep_fds = Vec::with_capacity(by_group.len());
+    let mut wakes = Vec::with_capacity(by_group.len());
+    for mine in by_group {
+        let mut fds = Vec::new();
+        for (_, t) in mine {
+            if let Some(fd) = t.readiness_fd() {
+                let fd = fd
+                    .try_clone_to_owned()
+                    .map_err(|e| ConnectError::Os { what: "duplicate a readiness descriptor", source: e })?;
+                fds.push(fd);
+            }
+        }
+        wakes.push(fds.len() == mine.len());
+        sleep_fds.push(fds);
+    }
+    Ok((sleep_fds, wakes))
+}
+
+/// Opens the session on the calling thread, over every link, turning each group in turn until
+/// every channel is placed. Bounded: every connector gives up after `connect_attempts *
+/// connect_retry`.
+fn open_session(shared: &Arc<Shared>, groups: usize) -> Result<ExportInfo, ConnectError> {
     loop {
         let now = shared.now();
         for g in 0..groups {
-            shared.group(g).pass(&shared, now);
+            shared.group(g).pass(shared, now);
         }
         let mut c = shared.control();
         if let Some(e) = c.fatal.take() {
@@ -1616,7 +1639,22 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
         engine_threads = groups,
         "session open"
     );
-    let send_mode = shared.cfg.send_mode;
+    Ok(info)
+}
+
+/// An engine thread's command queue and bell, and the engine thread serving each node's links.
+type Engines = (Vec<(Sender<Cmd>, Arc<Bell>)>, Vec<(Option<u32>, usize)>);
+
+/// Starts an engine thread per group (`mine[g]`: the indices of its links, whose NICs are on
+/// `nodes[k]`), each sleeping on its `sleep_fds[g]` and `bells[g]`.
+fn spawn_engines(
+    shared: &Arc<Shared>,
+    mine: Vec<Vec<usize>>,
+    sleep_fds: Vec<Vec<std::os::fd::OwnedFd>>,
+    bells: &[Arc<Bell>],
+    nodes: &[Option<u32>],
+) -> Result<Engines, ConnectError> {
+    let groups = mine.len();
     // The placement experiment: every engine thread on one given node.
     let thread_node = shared.cfg.engine_thread_node;
     let mut queues: Vec<(Sender<Cmd>, Arc<Bell>)> = Vec::with_capacity(groups);
@@ -1624,7 +1662,7 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
     let mut all_nodes: Vec<u32> = nodes.iter().flatten().copied().collect();
     all_nodes.sort_unstable();
     all_nodes.dedup();
-    for (g, ((mine, fds), bell)) in mine.into_iter().zip(sleep_fds).zip(&bells).enumerate() {
+    for (g, ((mine, fds), bell)) in mine.into_iter().zip(sleep_fds).zip(bells).enumerate() {
         let mut spread: Vec<u32> = mine.iter().filter_map(|k| nodes[*k]).collect();
         spread.sort_unstable();
         spread.dedup();
@@ -1649,7 +1687,7 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
             (1, _) | (_, None) => "tyche-engine".to_owned(),
             (_, Some(n)) => format!("tyche-engine{n}"),
         };
-        let shared = Arc::clone(&shared);
+        let shared = Arc::clone(shared);
         let all_nodes = all_nodes.clone();
         std::thread::Builder::new()
             .name(name)
@@ -1668,7 +1706,7 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
             })
             .map_err(|e| ConnectError::Os { what: "start an engine thread", source: e })?;
     }
-    Ok(Started { engines: queues, node_engine: node_group, info, mode: send_mode, nodes, shared })
+    Ok((queues, node_group))
 }
 
 /// An engine thread's loop over its group (`shared.groups[g]`); `fds` are duplicates of its
