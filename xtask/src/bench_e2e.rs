@@ -134,6 +134,69 @@ struct Bench<'a> {
     idle: std::cell::RefCell<Vec<(String, u32, f64, f64)>>,
     /// Per Tyche system: both daemons' polling summaries after its jobs.
     polls: std::cell::RefCell<Vec<String>>,
+    /// Per Tyche job: the frames both daemons sent, retransmitted and dropped as duplicates.
+    frames: std::cell::RefCell<Vec<String>>,
+}
+
+/// The processes of a system under test, for CPU time (`target`, `initiator`: their pids) and,
+/// for Tyche, the frame counters of their stats.
+struct Daemons<'a> {
+    target: &'a [u32],
+    initiator: &'a [u32],
+    /// `tyched`'s stats socket and `tyche-init`'s pid.
+    stats: Option<(&'a Path, u32)>,
+}
+
+/// One daemon's frame counters, summed over its channels.
+#[derive(Debug, Default, Clone, Copy)]
+struct Frames {
+    sent: u64,
+    retransmits: u64,
+    /// Frames dropped as already received (the peer's retransmissions of frames that had come).
+    duplicates: u64,
+}
+
+impl Frames {
+    /// The counters in `channels` (a stats document's array of channels).
+    fn of(channels: &serde_json::Value) -> Frames {
+        let mut f = Frames::default();
+        for c in channels.as_array().into_iter().flatten() {
+            f.sent += c["frames_tx"].as_u64().unwrap_or(0);
+            f.retransmits += c["retransmits"].as_u64().unwrap_or(0);
+            f.duplicates += c["drops"]["duplicate"].as_u64().unwrap_or(0);
+        }
+        f
+    }
+
+    fn since(self, before: Frames) -> Frames {
+        Frames {
+            sent: self.sent.saturating_sub(before.sent),
+            retransmits: self.retransmits.saturating_sub(before.retransmits),
+            duplicates: self.duplicates.saturating_sub(before.duplicates),
+        }
+    }
+
+    fn describe(self) -> String {
+        let pct = self.retransmits as f64 / self.sent.max(1) as f64 * 100.0;
+        format!(
+            "{} retransmits of {} frames sent ({pct:.4}%), {} duplicates dropped",
+            self.retransmits, self.sent, self.duplicates
+        )
+    }
+}
+
+/// Both daemons' frame counters now (`tyched stats --json`, `tyche-init stats --json`).
+fn frames(root: &Path, tsock: &Path, init_pid: u32) -> Result<(Frames, Frames)> {
+    let json = |out: String, what: &str| -> Result<serde_json::Value> {
+        serde_json::from_str(&out).with_context(|| format!("{what} --json"))
+    };
+    let t =
+        json(run(Command::new(bin(root, "tyched")).args(["stats", "--json", "--socket"]).arg(tsock))?, "tyched stats")?;
+    let i = json(
+        run(Command::new(bin(root, "tyche-init")).args(["stats", "--json"]).arg(init_pid.to_string()))?,
+        "tyche-init stats",
+    )?;
+    Ok((Frames::of(&t["channels"]), Frames::of(&i["channels"])))
 }
 
 /// How long the daemons are watched, idle, after the jobs.
@@ -164,18 +227,10 @@ impl Bench<'_> {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn fio(
-        &self,
-        system: &str,
-        nics: u32,
-        ns: &str,
-        uri: &str,
-        job: Job,
-        target: &[u32],
-        initiator: &[u32],
-    ) -> Result<Row> {
+    fn fio(&self, system: &str, nics: u32, ns: &str, uri: &str, job: Job, daemons: &Daemons<'_>) -> Result<Row> {
+        let Daemons { target, initiator, stats } = *daemons;
         let out = self.work.join(format!("fio-{system}-{nics}-{}.json", job.name));
+        let frames_before = stats.map(|(tsock, pid)| frames(self.root, tsock, pid)).transpose()?;
         let before_t: f64 = target.iter().map(|&p| cpu_seconds(p)).sum();
         let before_i: f64 = initiator.iter().map(|&p| cpu_seconds(p)).sum();
         run(Command::new("ip").args(["netns", "exec", ns, "fio", "--name", job.name, "--ioengine=nbd"]).args([
@@ -194,6 +249,15 @@ impl Bench<'_> {
         .with_context(|| format!("fio {} against {system}", job.name))?;
         let cpu_t = target.iter().map(|&p| cpu_seconds(p)).sum::<f64>() - before_t;
         let cpu_i = initiator.iter().map(|&p| cpu_seconds(p)).sum::<f64>() - before_i;
+        if let (Some((tsock, pid)), Some((t0, i0))) = (stats, frames_before) {
+            let (t1, i1) = frames(self.root, tsock, pid)?;
+            self.frames.borrow_mut().push(format!(
+                "- {system} ({nics} NIC) {}: target {}; initiator {}",
+                job.name,
+                t1.since(t0).describe(),
+                i1.since(i0).describe()
+            ));
+        }
         let text = fs::read_to_string(&out)?;
         let json = &text[text.find('{').context("fio wrote no JSON")?..];
         let v: serde_json::Value = serde_json::from_str(json).context("fio's JSON")?;
@@ -253,7 +317,8 @@ impl Bench<'_> {
         let pid = d.pid();
         self.fill("nbdkit-tcp", &lab.initiator_ns, &uri)?;
         for job in self.jobs() {
-            rows.push(self.fio("nbdkit-tcp", 1, &lab.initiator_ns, &uri, job, &[pid], &[])?);
+            let daemons = Daemons { target: &[pid], initiator: &[], stats: None };
+            rows.push(self.fio("nbdkit-tcp", 1, &lab.initiator_ns, &uri, job, &daemons)?);
         }
         Ok(())
     }
@@ -307,16 +372,10 @@ impl Bench<'_> {
         let init = start_initiator(self.root, lab, link, "bench", &sock, ilog, &extra)?;
         let uri = format!("nbd+unix:///bench?socket={}", sock.display());
         self.fill(system, &lab.initiator_ns, &uri)?;
+        let (tpid, ipid) = (tyched.daemon.pid(), init.daemon.pid());
+        let daemons = Daemons { target: &[tpid], initiator: &[ipid], stats: Some((&tsock, ipid)) };
         for job in self.jobs() {
-            rows.push(self.fio(
-                system,
-                nics,
-                &lab.initiator_ns,
-                &uri,
-                job,
-                &[tyched.daemon.pid()],
-                &[init.daemon.pid()],
-            )?);
+            rows.push(self.fio(system, nics, &lab.initiator_ns, &uri, job, &daemons)?);
         }
         // Idle: attached, no I/O. After a second (polling budgets run out within a millisecond),
         // the CPU both daemons use in IDLE_WATCH (issue #16: under 2% each).
@@ -360,6 +419,7 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
         jobs: &args.jobs,
         idle: Default::default(),
         polls: Default::default(),
+        frames: Default::default(),
     };
     let known = ["nbdkit-tcp", "tyche-tcp", "tyche-xdp", "tyche-xdp-auth", "tyche-xdp-encrypt", "tyche-xdp-digest"];
     if let Some(bad) = args.only.iter().find(|s| !known.contains(&s.as_str())) {
@@ -448,8 +508,9 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
         writeln!(idle, "- {system} ({nics} NIC): tyched {t:.2}%, tyche-init {i:.2}%")?;
     }
     let polls = bench.polls.borrow().join("\n");
+    let frames = bench.frames.borrow().join("\n");
     let ratios = format!(
-        "{ratios}\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nIdle CPU of one core, attached and without I/O, {} s watched one second after the last job (target: under 2% each):\n\n{idle}\nHow the daemons' threads waited, over all jobs of each system:\n\n{polls}\n\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}",
+        "{ratios}\nFrames per job (target of issue #32: retransmits at most 0.01% of the frames sent on a lossless link):\n\n{frames}\n\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nIdle CPU of one core, attached and without I/O, {} s watched one second after the last job (target: under 2% each):\n\n{idle}\nHow the daemons' threads waited, over all jobs of each system:\n\n{polls}\n\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}",
         IDLE_WATCH.as_secs()
     );
     println!("{table}\n{ratios}");
