@@ -152,6 +152,9 @@ struct Daemons<'a> {
 struct Frames {
     sent: u64,
     retransmits: u64,
+    /// Retransmission timer expiries, and those the next acknowledgement showed were spurious.
+    timeouts: u64,
+    spurious: u64,
     /// Frames dropped as already received (the peer's retransmissions of frames that had come).
     duplicates: u64,
 }
@@ -163,6 +166,8 @@ impl Frames {
         for c in channels.as_array().into_iter().flatten() {
             f.sent += c["frames_tx"].as_u64().unwrap_or(0);
             f.retransmits += c["retransmits"].as_u64().unwrap_or(0);
+            f.timeouts += c["timeouts"].as_u64().unwrap_or(0);
+            f.spurious += c["spurious_timeouts"].as_u64().unwrap_or(0);
             f.duplicates += c["drops"]["duplicate"].as_u64().unwrap_or(0);
         }
         f
@@ -172,6 +177,8 @@ impl Frames {
         Frames {
             sent: self.sent.saturating_sub(before.sent),
             retransmits: self.retransmits.saturating_sub(before.retransmits),
+            timeouts: self.timeouts.saturating_sub(before.timeouts),
+            spurious: self.spurious.saturating_sub(before.spurious),
             duplicates: self.duplicates.saturating_sub(before.duplicates),
         }
     }
@@ -179,8 +186,8 @@ impl Frames {
     fn describe(self) -> String {
         let pct = self.retransmits as f64 / self.sent.max(1) as f64 * 100.0;
         format!(
-            "{} retransmits of {} frames sent ({pct:.4}%), {} duplicates dropped",
-            self.retransmits, self.sent, self.duplicates
+            "{} retransmits ({} timer expiries, {} found spurious) of {} frames sent ({pct:.4}%), {} duplicates dropped",
+            self.retransmits, self.timeouts, self.spurious, self.sent, self.duplicates
         )
     }
 }
