@@ -1270,26 +1270,35 @@ impl Channel {
 
     /// The first acknowledgement after an F-RTO expiry: if a suspect frame (not resent) was
     /// acknowledged, the expiry was spurious and nothing more is resent; else the suspects are
-    /// taken for lost and resent now.
+    /// taken for lost and resent now. An expiry that left no suspect (the frame it resent was
+    /// the only one waiting) proves nothing either way: the acknowledgement may be the
+    /// original's (a descheduled peer) or the resend's, so it neither counts as spurious nor
+    /// marks the channel lossy (which would turn F-RTO off for `max_rto`, and every expiry in
+    /// that time would resend the whole window).
     fn frto_decide(&mut self, now: Instant, delayed: bool) {
         if !std::mem::take(&mut self.frto) {
             return;
         }
         if delayed {
             self.stats.spurious_timeouts += 1;
-        } else {
-            self.loss_seen = Some(now);
         }
         let ring = self.params.ring as u32;
         let mut s = self.tx_base;
+        let mut suspects = false;
         while s != self.tx_next {
             if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
-                if std::mem::take(&mut e.suspect) && !delayed && !e.sacked && !e.queued {
-                    e.queued = true;
-                    self.retx.push_back(s);
+                if std::mem::take(&mut e.suspect) {
+                    suspects = true;
+                    if !delayed && !e.sacked && !e.queued {
+                        e.queued = true;
+                        self.retx.push_back(s);
+                    }
                 }
             }
             s = s.wrapping_add(1);
+        }
+        if !delayed && suspects {
+            self.loss_seen = Some(now);
         }
     }
 

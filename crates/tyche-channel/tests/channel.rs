@@ -226,6 +226,47 @@ fn a_delayed_acknowledgement_costs_one_retransmission_not_the_window() {
     assert!(pair.storage[..16384] == data[..]);
 }
 
+/// F-RTO: an expiry with one frame outstanding (a lone READ request) proves nothing about loss
+/// when its acknowledgement comes; it must not turn F-RTO off, or the next delayed
+/// acknowledgement would cost the whole window.
+#[test]
+fn a_lone_frames_delayed_acknowledgement_leaves_frto_on() {
+    let mut pair = Pair::new();
+    round_trip(&mut pair, 1, 0, 512);
+    let rto = pair.ich(0).rto();
+    let hold = |pair: &mut Pair| {
+        let until = pair.now + rto;
+        pair.fault =
+            Box::new(
+                move |p| {
+                    if p.dir == Dir::ToInitiator && p.at <= until {
+                        Fate::Delay(rto * 2)
+                    } else {
+                        Fate::Deliver
+                    }
+                },
+            );
+    };
+    hold(&mut pair);
+    pair.read(2, 0, 512);
+    pair.drive_until("read 2 completes", |p| p.result(2).is_some());
+    pair.expect_ok(2);
+    pair.drive();
+    let lone = *pair.ich(0).stats();
+    assert_eq!((lone.timeouts, lone.retransmits), (1, 1), "{lone:?}");
+    // The next delayed acknowledgement, of a window of frames: F-RTO still resends one.
+    hold(&mut pair);
+    let data = pattern(9, 16384);
+    pair.write(9, 0, &data);
+    pair.drive_until("write 9 completes", |p| p.result(9).is_some());
+    pair.expect_ok(9);
+    let s = *pair.ich(0).stats();
+    assert_eq!((s.timeouts - lone.timeouts, s.spurious_timeouts), (1, 1), "{s:?}");
+    assert_eq!(s.retransmits - lone.retransmits, 1, "only the oldest frame was sent again: {s:?}");
+    pair.drive();
+    assert!(pair.storage[..16384] == data[..]);
+}
+
 /// F-RTO: when the frames were lost (a tail loss: nothing after them for the receiver to
 /// NACK), the acknowledgement of the one frame the timer resent says so, and the rest is
 /// resent at once.
