@@ -68,7 +68,10 @@ pub fn target_dir(root: &Path) -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(|d| root.join(d)).unwrap_or_else(|| root.join("target"))
 }
 
-fn build(root: &Path) -> Result<PathBuf> {
+/// Builds every release binary and library of the workspace but xtask, with the whole
+/// workspace's features: the one release build the suite's steps share (a build of some
+/// packages alone unifies their dependencies' features differently and rebuilds them).
+pub fn build(root: &Path) -> Result<PathBuf> {
     // Not xtask itself: built with the whole workspace's features it is a different binary from
     // the `cargo xtask` one, and replacing the running binary leaves `current_exe()` pointing at
     // a deleted file (which `cargo xtask test` then fails to copy into the VM of vm-test).
