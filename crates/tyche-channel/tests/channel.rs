@@ -196,13 +196,9 @@ fn lost_data_segment_recovered_by_nack_before_rto() {
     assert!(pair.storage[65536..65536 + 4096] == data[..]);
 }
 
-/// F-RTO: acknowledgements held back past the retransmission timer (a peer's thread
-/// descheduled on a busy core) cost one frame sent again, not the whole window.
-#[test]
-fn a_delayed_acknowledgement_costs_one_retransmission_not_the_window() {
-    let mut pair = Pair::new();
-    round_trip(&mut pair, 1, 0, 512);
-    let rto = pair.ich(0).rto();
+/// Holds back every frame to the initiator sent within the next `rto` by twice that (a
+/// target thread descheduled on a busy core): its acknowledgements come after the timer fires.
+fn hold_acknowledgements(pair: &mut Pair, rto: Duration) {
     let until = pair.now + rto;
     pair.fault =
         Box::new(
@@ -214,6 +210,16 @@ fn a_delayed_acknowledgement_costs_one_retransmission_not_the_window() {
                 }
             },
         );
+}
+
+/// F-RTO: acknowledgements held back past the retransmission timer (a peer's thread
+/// descheduled on a busy core) cost one frame sent again, not the whole window.
+#[test]
+fn a_delayed_acknowledgement_costs_one_retransmission_not_the_window() {
+    let mut pair = Pair::new();
+    round_trip(&mut pair, 1, 0, 512);
+    let rto = pair.ich(0).rto();
+    hold_acknowledgements(&mut pair, rto);
     let data = pattern(7, 16384);
     pair.write(7, 0, &data);
     pair.drive_until("write 7 completes", |p| p.result(7).is_some());
@@ -234,20 +240,7 @@ fn a_lone_frames_delayed_acknowledgement_leaves_frto_on() {
     let mut pair = Pair::new();
     round_trip(&mut pair, 1, 0, 512);
     let rto = pair.ich(0).rto();
-    let hold = |pair: &mut Pair| {
-        let until = pair.now + rto;
-        pair.fault =
-            Box::new(
-                move |p| {
-                    if p.dir == Dir::ToInitiator && p.at <= until {
-                        Fate::Delay(rto * 2)
-                    } else {
-                        Fate::Deliver
-                    }
-                },
-            );
-    };
-    hold(&mut pair);
+    hold_acknowledgements(&mut pair, rto);
     pair.read(2, 0, 512);
     pair.drive_until("read 2 completes", |p| p.result(2).is_some());
     pair.expect_ok(2);
@@ -255,7 +248,7 @@ fn a_lone_frames_delayed_acknowledgement_leaves_frto_on() {
     let lone = *pair.ich(0).stats();
     assert_eq!((lone.timeouts, lone.retransmits), (1, 1), "{lone:?}");
     // The next delayed acknowledgement, of a window of frames: F-RTO still resends one.
-    hold(&mut pair);
+    hold_acknowledgements(&mut pair, rto);
     let data = pattern(9, 16384);
     pair.write(9, 0, &data);
     pair.drive_until("write 9 completes", |p| p.result(9).is_some());
