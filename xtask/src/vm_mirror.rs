@@ -12,8 +12,10 @@
 //!   files, then fio (`--verify=crc32c`, direct I/O) in passes for the whole scenario, every pass
 //!   must exit 0. Round 1: target 0 SIGKILLed and restarted at once. Round 2: target 0 SIGKILLed
 //!   and kept down past the members' I/O deadline ([`IO_DEADLINE`]), then restarted. Rounds 3
-//!   and 4: the member's link down ([`LINK_OUTAGES`]: 20 s, and 120 s, past the initiator's
-//!   no-path timeout and the target's session reclaim). In each round, if md marked the member
+//!   and 4: the member's link down ([`LINK_OUTAGES`]: 11 s, and 30 s, past the initiator's
+//!   no-path timeout and the target's session reclaim, both shortened from their defaults by
+//!   [`NO_PATH`] and [`RECLAIM_MS`] so that the long outage lasts 30 s, not the 120 s the
+//!   defaults would need). In each round, if md marked the member
 //!   faulty, the time from the fault is measured (rounds 2 to 4 must see it within the deadline
 //!   and 5 s), the member is removed and re-added (`mdadm --re-add`) once it serves again, and
 //!   the resync is measured against the array (the bitmap's dirty chunks on the surviving member
@@ -49,10 +51,17 @@ use crate::stack::{self, Daemon};
 const IO_DEADLINE: (&str, u64) = ("--io-timeout", 5);
 /// How long round 2 keeps the target down: past the deadline, so md must fail the member.
 const DOWN: Duration = Duration::from_secs(3 * IO_DEADLINE.1);
+/// The members' `--no-path-timeout`, seconds (default 30): with no path for this long the
+/// initiator gives its session up and opens a new one when a path returns.
+const NO_PATH: (&str, u64) = ("--no-path-timeout", 15);
+/// The targets' `reclaim_after_ms` (default 35 000): a session whose channels are all dead
+/// (`dead_after_ms`, 3 s) is kept this much longer before it is reclaimed.
+const RECLAIM_MS: u64 = 15_000;
 /// Rounds 3 and 4 take the member's link down this long, seconds: shorter than the initiator's
-/// `--no-path-timeout` (30 s) and the target's session reclaim (35 s), and past both (the
-/// initiator opens a new session when the link is back).
-const LINK_OUTAGES: [u64; 2] = [20, 120];
+/// no-path timeout ([`NO_PATH`]) and the target's session reclaim (3 s + [`RECLAIM_MS`]) but past
+/// the I/O deadline (md fails the member about 5 s in), and past both (the initiator opens a
+/// new session when the link is back, the target has reclaimed the old one).
+const LINK_OUTAGES: [u64; 2] = [11, 30];
 /// Each RAID1 member (an export of each target), MiB.
 const R1_MIB: u64 = 64;
 /// Each RAID10 member (two exports of each target), MiB.
@@ -101,6 +110,10 @@ impl Target {
         for i in &self.ifaces {
             cmd.arg("--iface").arg(i);
         }
+        let config = self.work.join(format!("tyched{}.toml", self.k));
+        fs::write(&config, format!("reclaim_after_ms = {RECLAIM_MS}\n"))
+            .with_context(|| format!("writing {}", config.display()))?;
+        cmd.arg("--config").arg(&config);
         cmd.arg("--stats-socket").arg(&self.stats).env("TYCHE_LOG", "info");
         let mut d = Daemon::spawn("tyched", &mut cmd, &log)?;
         stack::wait_for("tyched", Duration::from_secs(30), || {
@@ -149,8 +162,8 @@ impl Member {
     fn attach(lab: &Lab, k: usize, export: &str, work: &Path) -> Result<Member> {
         let log = work.join(format!("attach-{k}-{export}.log"));
         // --retry: under TCG a target's first answer came after the attach's own timeout.
-        let deadline = IO_DEADLINE.1.to_string();
-        let mut cmd = attach_cmd(lab, k, export, &["--retry", IO_DEADLINE.0, &deadline]);
+        let (deadline, no_path) = (IO_DEADLINE.1.to_string(), NO_PATH.1.to_string());
+        let mut cmd = attach_cmd(lab, k, export, &["--retry", IO_DEADLINE.0, &deadline, NO_PATH.0, &no_path]);
         let mut daemon = Daemon::spawn("tyche-init attach", &mut cmd, &log)?;
         let dev = crate::vm_ublk::wait_started(&mut daemon, &log, "ublk device started")?;
         Ok(Member { daemon, log, dev, k, export: export.to_string() })
@@ -164,9 +177,9 @@ impl Member {
         self.daemon.kill()?;
         ensure!(Path::new(&self.dev).exists(), "{} went away with its server", self.dev);
         let log = work.join(format!("attach-{}-{}-recover.log", self.k, self.export));
-        let deadline = IO_DEADLINE.1.to_string();
-        let mut cmd =
-            attach_cmd(lab, self.k, &self.export, &["--retry", IO_DEADLINE.0, &deadline, "--recover", &self.dev]);
+        let (deadline, no_path) = (IO_DEADLINE.1.to_string(), NO_PATH.1.to_string());
+        let args = ["--retry", IO_DEADLINE.0, &deadline, NO_PATH.0, &no_path, "--recover", &self.dev];
+        let mut cmd = attach_cmd(lab, self.k, &self.export, &args);
         let mut daemon = Daemon::spawn("tyche-init attach --recover", &mut cmd, &log)?;
         let dev = crate::vm_ublk::wait_started(&mut daemon, &log, "ublk device recovered")?;
         ensure!(dev == self.dev, "--recover {} printed {dev}", self.dev);
