@@ -18,6 +18,10 @@ pub use crate::role::Role;
 /// Copies of DISCONNECT a closing channel sends (it is not sequenced, so not retransmitted).
 pub const DISCONNECT_COPIES: u8 = 3;
 
+/// How long the RTO's floor, raised by spurious expiries, stays before each halving back
+/// toward `min_rto`.
+pub const FLOOR_DECAY: Duration = Duration::from_secs(1);
+
 /// A request as the initiator hands it to a channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Submission {
@@ -373,7 +377,8 @@ pub struct ChannelStats {
     pub timeouts: u64,
     /// Expiries found spurious: after the timer retransmitted only the oldest frame, frames it
     /// did not resend were acknowledged (they had been delayed, not lost), so the rest of the
-    /// window was not sent again (F-RTO, RFC 5682).
+    /// window was not sent again (F-RTO, RFC 5682); or the frame it resent alone reached the
+    /// peer twice (an ACK with flag DUPLICATE covered it). Each raises the RTO's floor.
     pub spurious_timeouts: u64,
     /// Standalone ACKs sent.
     pub acks_tx: u64,
@@ -493,11 +498,24 @@ pub struct Channel {
     /// is more likely a descheduled peer than a loss; on a lossy one an expiry resends the
     /// whole window at once, as it always did.
     loss_seen: Option<Instant>,
+    /// The frame an expiry resent alone (nothing else was waiting), and when: an ACK with flag
+    /// DUPLICATE that covers it within `max_rto` says the original had arrived too, so the
+    /// expiry was spurious (F-RTO cannot tell with one frame outstanding).
+    lone_resend: Option<(u32, Instant)>,
+    /// The RTO's lower bound: `min_rto`, doubled (up to `max_rto`) by each expiry found
+    /// spurious and halved after each [`FLOOR_DECAY`] without one, so that a peer whose thread
+    /// is descheduled for longer than `min_rto` stops costing a resend at each pause.
+    rto_floor: Duration,
+    /// When the floor last rose or decayed (None: it is `min_rto`).
+    floor_changed: Option<Instant>,
 
     // Receive ring: everything below rx_expected arrived; rx_seen marks arrivals above it.
     rx_expected: u32,
     rx_end: u32,
     rx_seen: Bitmap,
+    /// A sequenced frame already received arrived again since the last standalone ACK: the
+    /// next ACK goes out at once, flagged DUPLICATE.
+    dup_seen: bool,
     unacked: u32,
     ack_deadline: Option<Instant>,
     ack_now: bool,
@@ -566,9 +584,13 @@ impl Channel {
             rto_deadline: None,
             frto: false,
             loss_seen: None,
+            lone_resend: None,
+            rto_floor: timers.min_rto,
+            floor_changed: None,
             rx_expected: 0,
             rx_end: 0,
             rx_seen: Bitmap::new(ring),
+            dup_seen: false,
             unacked: 0,
             ack_deadline: None,
             ack_now: false,
@@ -925,6 +947,9 @@ impl Channel {
                 if cumulative.is_some() || selective.is_some() {
                     self.frto_decide(now, cumulative == Some(true) || selective == Some(true));
                 }
+                if a.duplicate {
+                    self.on_duplicate_report(now, a.cumulative, a.sack);
+                }
                 self.stats.frames_rx += 1;
                 return Received::Consumed;
             }
@@ -970,6 +995,7 @@ impl Channel {
         let off = diff(seq.seq, self.rx_expected);
         if off < 0 {
             self.ack_now = true; // the peer missed our ack
+            self.dup_seen = true;
             return self.drop_frame(DropReason::Duplicate);
         }
         if off as u32 >= self.params.ring as u32 {
@@ -978,6 +1004,7 @@ impl Channel {
         let pos = (seq.seq % self.params.ring as u32) as usize;
         if self.rx_seen.get(pos) {
             self.ack_now = true;
+            self.dup_seen = true;
             return self.drop_frame(DropReason::Duplicate);
         }
         // Accept the ring position first: even a frame whose content we refuse below must not
@@ -1238,6 +1265,7 @@ impl Channel {
         if let Some(s) = sample {
             self.rtt_sample(s);
         }
+        self.decay_floor(now);
         self.rto = self.rto_base();
         self.last_progress = now;
         self.rto_deadline = (self.tx_base != self.tx_next).then(|| now + self.rto);
@@ -1280,7 +1308,7 @@ impl Channel {
             return;
         }
         if delayed {
-            self.stats.spurious_timeouts += 1;
+            self.spurious_expiry(now);
         }
         let ring = self.params.ring as u32;
         let mut s = self.tx_base;
@@ -1299,6 +1327,35 @@ impl Channel {
         }
         if !delayed && suspects {
             self.loss_seen = Some(now);
+        }
+    }
+
+    /// An ACK flagged DUPLICATE: the peer received some frame twice. If it covers the frame an
+    /// expiry resent alone, not long ago, the original had arrived: the expiry was spurious.
+    fn on_duplicate_report(&mut self, now: Instant, cumulative: u32, sack: u64) {
+        let Some((s, at)) = self.lone_resend else { return };
+        let ahead = diff(s, cumulative);
+        let covered = ahead < 0 || ((1..=64).contains(&ahead) && sack & (1 << (ahead - 1)) != 0);
+        if covered && now.since(at) <= self.timers.max_rto {
+            self.lone_resend = None;
+            self.spurious_expiry(now);
+        }
+    }
+
+    /// An expiry found spurious: counted, and the RTO's floor doubled (up to `max_rto`).
+    fn spurious_expiry(&mut self, now: Instant) {
+        self.stats.spurious_timeouts += 1;
+        self.rto_floor = (self.rto_floor * 2).min(self.timers.max_rto);
+        self.floor_changed = Some(now);
+        self.rto = self.rto.max(self.rto_floor);
+    }
+
+    /// Halves the RTO's floor (toward `min_rto`) once per [`FLOOR_DECAY`] without a spurious
+    /// expiry.
+    fn decay_floor(&mut self, now: Instant) {
+        if self.floor_changed.is_some_and(|t| now.since(t) >= FLOOR_DECAY) {
+            self.rto_floor = (self.rto_floor / 2).max(self.timers.min_rto);
+            self.floor_changed = (self.rto_floor > self.timers.min_rto).then_some(now);
         }
     }
 
@@ -1343,8 +1400,8 @@ impl Channel {
 
     fn rto_base(&self) -> Duration {
         match self.srtt {
-            Some(srtt) => (srtt + self.rttvar * 4).clamp(self.timers.min_rto, self.timers.max_rto),
-            None => self.timers.initial_rto,
+            Some(srtt) => (srtt + self.rttvar * 4).clamp(self.rto_floor, self.timers.max_rto),
+            None => self.timers.initial_rto.max(self.rto_floor),
         }
     }
 
@@ -1393,22 +1450,27 @@ impl Channel {
             let ring = self.params.ring as u32;
             let mut s = self.tx_base;
             let mut resent = 0usize;
+            let mut suspects = false;
+            let mut first = None;
             while s != self.tx_next {
                 if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
                     e.suspect = false;
                     if !e.sacked && !e.queued && now.since(e.last_sent) >= self.rto {
                         if first_only && resent > 0 {
                             e.suspect = true;
+                            suspects = true;
                         } else {
                             e.queued = true;
                             self.retx.push_back(s);
                             resent += 1;
+                            first = first.or(Some(s));
                         }
                     }
                 }
                 s = s.wrapping_add(1);
             }
             self.frto = first_only && resent > 0;
+            self.lone_resend = first.filter(|_| first_only && resent == 1 && !suspects).map(|s| (s, now));
             self.rto = (self.rto * 2).min(self.timers.max_rto);
             self.rto_deadline = Some(now + self.rto);
         }
@@ -1484,7 +1546,7 @@ impl Channel {
         }
         let holes = self.rx_expected != self.rx_end;
         let have_sequenced = !self.retx.is_empty() || (!self.queue.is_empty() && self.has_credit());
-        if self.ack_now && (holes || !have_sequenced) {
+        if self.ack_now && (holes || self.dup_seen || !have_sequenced) {
             let ring = self.params.ring as u32;
             let mut sack = 0u64;
             for i in 0..64u32 {
@@ -1496,7 +1558,7 @@ impl Channel {
                     sack |= 1 << i;
                 }
             }
-            let ack = Ack { cumulative: self.rx_expected, sack };
+            let ack = Ack { cumulative: self.rx_expected, sack, duplicate: std::mem::take(&mut self.dup_seen) };
             self.acked_all();
             self.stats.acks_tx += 1;
             return Some(self.control(Message::Ack(ack), buf));

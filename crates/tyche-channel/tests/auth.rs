@@ -334,7 +334,7 @@ fn sealed_frame_fixtures() {
         channel: 3,
         session: 0x0102_0304_0506_0708,
     };
-    let ack = Message::Ack(tyche_wire::Ack { cumulative: 34, sack: 0x8000_0000_0000_0005 });
+    let ack = Message::Ack(tyche_wire::Ack { cumulative: 34, sack: 0x8000_0000_0000_0005, duplicate: false });
     for (encrypt, want) in [(false, AUTH), (true, ENCRYPTED)] {
         let mut buf = vec![0u8; 128];
         ack.emit(&env, &mut buf);

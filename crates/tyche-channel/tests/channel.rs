@@ -234,7 +234,8 @@ fn a_delayed_acknowledgement_costs_one_retransmission_not_the_window() {
 
 /// F-RTO: an expiry with one frame outstanding (a lone READ request) proves nothing about loss
 /// when its acknowledgement comes; it must not turn F-RTO off, or the next delayed
-/// acknowledgement would cost the whole window.
+/// acknowledgement would cost the whole window. (The target's ACK flagged DUPLICATE finds it
+/// spurious instead: see the next test.)
 #[test]
 fn a_lone_frames_delayed_acknowledgement_leaves_frto_on() {
     let mut pair = Pair::new();
@@ -246,18 +247,49 @@ fn a_lone_frames_delayed_acknowledgement_leaves_frto_on() {
     pair.expect_ok(2);
     pair.drive();
     let lone = *pair.ich(0).stats();
-    assert_eq!((lone.timeouts, lone.retransmits), (1, 1), "{lone:?}");
+    assert_eq!((lone.timeouts, lone.retransmits, lone.spurious_timeouts), (1, 1, 1), "{lone:?}");
     // The next delayed acknowledgement, of a window of frames: F-RTO still resends one.
+    let rto = pair.ich(0).rto();
     hold_acknowledgements(&mut pair, rto);
     let data = pattern(9, 16384);
     pair.write(9, 0, &data);
     pair.drive_until("write 9 completes", |p| p.result(9).is_some());
     pair.expect_ok(9);
     let s = *pair.ich(0).stats();
-    assert_eq!((s.timeouts - lone.timeouts, s.spurious_timeouts), (1, 1), "{s:?}");
+    assert_eq!((s.timeouts - lone.timeouts, s.spurious_timeouts - lone.spurious_timeouts), (1, 1), "{s:?}");
     assert_eq!(s.retransmits - lone.retransmits, 1, "only the oldest frame was sent again: {s:?}");
     pair.drive();
     assert!(pair.storage[..16384] == data[..]);
+}
+
+/// D-SACK: the target receives the lone READ twice (the original was only delayed) and flags
+/// its ACK DUPLICATE; the initiator counts the expiry spurious and doubles its RTO's floor, so
+/// the same pause does not cost another resend; the floor decays after `FLOOR_DECAY`.
+#[test]
+fn a_duplicate_report_raises_the_rto_floor_until_it_decays() {
+    let mut pair = Pair::new();
+    round_trip(&mut pair, 1, 0, 512);
+    let base = pair.ich(0).rto();
+    hold_acknowledgements(&mut pair, base);
+    pair.read(2, 0, 512);
+    pair.drive_until("read 2 completes", |p| p.result(2).is_some());
+    pair.expect_ok(2);
+    pair.drive();
+    let s = *pair.ich(0).stats();
+    assert_eq!((s.timeouts, s.retransmits, s.spurious_timeouts), (1, 1, 1), "{s:?}");
+    assert_eq!(pair.target_dropped(DropReason::Duplicate), 1);
+    let raised = pair.ich(0).rto();
+    assert!(raised >= base * 2, "RTO {raised:?} after a spurious expiry (was {base:?})");
+    // A pause that cost an expiry before (acknowledgements held 1.5 old RTOs): none now.
+    hold_acknowledgements(&mut pair, base * 3 / 4);
+    pair.read(3, 0, 512);
+    pair.drive_until("read 3 completes", |p| p.result(3).is_some());
+    pair.expect_ok(3);
+    assert_eq!(pair.ich(0).stats().timeouts, 1, "{:?}", pair.ich(0).stats());
+    // A quiet FLOOR_DECAY later, the next acknowledgement halves the floor back.
+    pair.run_for(tyche_channel::FLOOR_DECAY);
+    round_trip(&mut pair, 4, 0, 512);
+    assert!(pair.ich(0).rto() < raised, "RTO {:?} still at the raised floor {raised:?}", pair.ich(0).rto());
 }
 
 /// F-RTO: when the frames were lost (a tail loss: nothing after them for the receiver to

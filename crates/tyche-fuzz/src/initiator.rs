@@ -116,6 +116,7 @@ pub enum Action {
         ch: u16,
         cumulative: AckSel,
         sack: u64,
+        duplicate: bool,
     },
     Nack {
         ch: u16,
@@ -441,9 +442,9 @@ impl World {
                     self.emit(s.channel, &Message::Completion(m));
                 }
             }
-            Action::Ack { ch, cumulative, sack } => {
+            Action::Ack { ch, cumulative, sack, duplicate } => {
                 let s = self.seq(ch, SeqSel::Raw(0), cumulative);
-                self.emit(ch, &Message::Ack(Ack { cumulative: s.ack, sack }));
+                self.emit(ch, &Message::Ack(Ack { cumulative: s.ack, sack, duplicate }));
             }
             Action::Nack { ch, base, missing } => {
                 let s = self.seq(ch, SeqSel::Raw(0), base);

@@ -273,8 +273,8 @@ pub enum Action {
     Read { ch: Ch, remq: u8, damq: u8, sectors: u16, offset: u16 },
     /// A well-formed FLUSH, DISCARD or WRITE_ZEROES.
     Range { ch: Ch, remq: u8, op: u8, sectors: u16, offset: u16 },
-    /// A standalone ACK.
-    Ack { ch: Ch, cumulative: AckSel, sack: u64 },
+    /// A standalone ACK (with or without flag DUPLICATE).
+    Ack { ch: Ch, cumulative: AckSel, sack: u64, duplicate: bool },
     /// A NACK.
     Nack { ch: Ch, base: AckSel, missing: u64 },
     /// A KEEPALIVE (probe or echo).
@@ -882,10 +882,10 @@ impl World {
                 };
                 self.emit(env, &Message::Request(r));
             }
-            Action::Ack { ch, cumulative, sack } => {
+            Action::Ack { ch, cumulative, sack, duplicate } => {
                 let env = self.env(ch);
                 let s = self.seq(&env, SeqSel::Raw(0), cumulative);
-                self.emit(env, &Message::Ack(Ack { cumulative: s.ack, sack }));
+                self.emit(env, &Message::Ack(Ack { cumulative: s.ack, sack, duplicate }));
             }
             Action::Nack { ch, base, missing } => {
                 let env = self.env(ch);

@@ -217,6 +217,9 @@ wire_enum! {
 pub mod flags {
     /// KEEPALIVE: this frame answers a probe.
     pub const REPLY: u16 = 0x0001;
+    /// ACK: since its previous ACK the sender dropped a sequenced frame it had already
+    /// received (D-SACK, RFC 2883 in spirit): a retransmission was not needed.
+    pub const DUPLICATE: u16 = 0x0001;
     /// CONNECT/ACCEPT: the proof field holds a key proof.
     pub const PROOF: u16 = 0x0001;
     /// CONNECT: the initiator's host id follows the export name.
@@ -837,6 +840,8 @@ pub struct Ack {
     pub cumulative: u32,
     /// Bit `i`: `cumulative + 1 + i` was received.
     pub sack: u64,
+    /// Flag DUPLICATE: a frame already received arrived again since the previous ACK.
+    pub duplicate: bool,
 }
 
 /// NACK.
@@ -947,6 +952,7 @@ impl<'a> Message<'a> {
     fn flags(&self) -> u16 {
         match self {
             Message::Keepalive(k) if k.reply => flags::REPLY,
+            Message::Ack(a) if a.duplicate => flags::DUPLICATE,
             Message::Connect(c) => {
                 (if c.proof.is_some() { flags::PROOF } else { 0 }) | (if c.host.is_some() { flags::HOST_ID } else { 0 })
             }
@@ -1075,9 +1081,11 @@ impl<'a> Message<'a> {
                 }
                 Message::Data(Data { header, payload })
             }
-            Kind::Ack => {
-                Message::Ack(Ack { cumulative: get_u32(m, layout::ack::SEQ), sack: get_u64(m, layout::ack::BITMAP) })
-            }
+            Kind::Ack => Message::Ack(Ack {
+                cumulative: get_u32(m, layout::ack::SEQ),
+                sack: get_u64(m, layout::ack::BITMAP),
+                duplicate: flags & flags::DUPLICATE != 0,
+            }),
             Kind::Nack => {
                 Message::Nack(Nack { base: get_u32(m, layout::ack::SEQ), missing: get_u64(m, layout::ack::BITMAP) })
             }

@@ -786,7 +786,7 @@ fn fixtures() -> Vec<(&'static str, &'static [u8], Envelope, Message<'static>)> 
             }),
         ),
         ("DATA", &DATA[..], to_ini, Message::Data(data_value())),
-        ("ACK", &ACK[..], to_tgt, Message::Ack(Ack { cumulative: 34, sack: 0x8000_0000_0000_0005 })),
+        ("ACK", &ACK[..], to_tgt, Message::Ack(Ack { cumulative: 34, sack: 0x8000_0000_0000_0005, duplicate: false })),
         ("NACK", &NACK[..], to_tgt, Message::Nack(Nack { base: 35, missing: 3 })),
         (
             "KEEPALIVE",
@@ -1427,4 +1427,15 @@ fn wire_errors_have_distinct_names() {
             assert_ne!(shown[i], shown[j], "Display");
         }
     }
+}
+
+#[test]
+fn ack_flag_duplicate_round_trips() {
+    let (_, _, envelope, _) = fixtures().into_iter().find(|f| f.0 == "ACK").expect("the ACK fixture");
+    let flagged = patch(&ACK, abs(layout::common::FLAGS.start), &flags::DUPLICATE.to_be_bytes());
+    let want = Message::Ack(Ack { cumulative: 34, sack: 0x8000_0000_0000_0005, duplicate: true });
+    assert_eq!(frame(&flagged).parse().expect("parses"), want);
+    let mut buf = vec![0xee; flagged.len()];
+    assert_eq!(want.emit(&envelope, &mut buf), flagged.len());
+    assert_eq!(buf, flagged, "emitted bytes");
 }

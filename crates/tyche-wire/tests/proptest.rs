@@ -155,7 +155,11 @@ fn owned() -> impl Strategy<Value = Owned> {
         (seq(), pick(Status::ALL), any::<u16>(), any::<u16>(), any::<u64>()).prop_map(
             |(seq, status, remq, damq, tag)| Message::Completion(Completion { seq, status, remq, damq, tag })
         ),
-        (any::<u32>(), any::<u64>()).prop_map(|(cumulative, sack)| Message::Ack(Ack { cumulative, sack })),
+        (any::<u32>(), any::<u64>(), any::<bool>()).prop_map(|(cumulative, sack, duplicate)| Message::Ack(Ack {
+            cumulative,
+            sack,
+            duplicate
+        })),
         (any::<u32>(), any::<u64>()).prop_map(|(base, missing)| Message::Nack(Nack { base, missing })),
         (any::<u64>(), any::<u64>(), any::<bool>())
             .prop_map(|(nonce, timestamp, reply)| { Message::Keepalive(Keepalive { nonce, timestamp, reply }) }),

@@ -287,7 +287,8 @@ fn run_lab(transport: &str) {
             session: 0xdead_beef_0000 + k as u64,
         };
         let mut buf = [0u8; 128];
-        let n = tyche_wire::Message::Ack(tyche_wire::Ack { cumulative: 9, sack: 0 }).emit(&env, &mut buf);
+        let n =
+            tyche_wire::Message::Ack(tyche_wire::Ack { cumulative: 9, sack: 0, duplicate: false }).emit(&env, &mut buf);
         common::send(&mut ini.ports[k], &buf[..n]);
         buf[15] = 0x7f; // an unknown kind
         common::send(&mut ini.ports[k], &buf[..n]);

@@ -285,7 +285,11 @@ fn garbage_frames_are_counted_and_ignored() {
                 session,
             };
             let mut buf = [0u8; 128];
-            let m = tyche_wire::Message::Ack(tyche_wire::Ack { cumulative: rng.next_u64() as u32, sack: 0 });
+            let m = tyche_wire::Message::Ack(tyche_wire::Ack {
+                cumulative: rng.next_u64() as u32,
+                sack: 0,
+                duplicate: false,
+            });
             let n = m.emit(&env, &mut buf);
             common::send(&mut ini.ports[0], &buf[..n]);
         }

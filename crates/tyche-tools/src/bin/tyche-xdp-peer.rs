@@ -290,7 +290,7 @@ fn run_link(
             let cumulative = o.received as u32;
             let sent = port
                 .t()
-                .send(1, &mut |buf| Some(Message::Ack(Ack { cumulative, sack: 0 }).emit(&env, buf)))
+                .send(1, &mut |buf| Some(Message::Ack(Ack { cumulative, sack: 0, duplicate: false }).emit(&env, buf)))
                 .map_err(|e| format!("{ifname}: send ack: {e}"))?;
             if sent == 1 {
                 ack_sent = o.received;
