@@ -13,7 +13,8 @@ use tyche_init::{connect, Client, InitiatorConfig};
 const MIB: u64 = 1 << 20;
 
 fn setup(rt: &Runtime) -> (Client, RamTarget) {
-    let (links, _switches, target) = mem_links(RamExport::new("bench", 256 * MIB), 2);
+    let (links, _switches, target) =
+        mem_links(RamExport::new("bench", 256 * MIB), 2).expect("the in-process target starts");
     let mut cfg = InitiatorConfig::new("bench");
     cfg.timers = initiator_timers();
     let client = rt.block_on(connect(cfg, links)).expect("connect");

@@ -15,7 +15,8 @@ const MIB: u64 = 1 << 20;
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     // Two in-memory links to a 64 MiB RAM export, two channels on each.
-    let (links, _switches, _target) = mem_links(RamExport::new("demo", 64 * MIB), 2);
+    let (links, _switches, _target) =
+        mem_links(RamExport::new("demo", 64 * MIB), 2).expect("the in-process target starts");
     let mut cfg = InitiatorConfig::new("demo");
     cfg.channels_per_link = 2;
     cfg.timers = initiator_timers();

@@ -22,8 +22,9 @@
 //! - **Who owns the memory.** Request buffers live on the engine side from submission to
 //!   completion: write data is moved in with the request, read data is placed into a buffer the
 //!   engine allocates and hands back on completion.
-//! - [`loopback`] holds an in-process RAM target over the in-memory link, shared by the tests,
-//!   the examples and the benches; it needs no privileges.
+//! - [`loopback`] holds an in-process target (`tyched`'s library on an export in RAM) over the
+//!   in-memory link, shared by the tests, the examples, the benches and `--loopback-mib`; it
+//!   needs no privileges.
 //!
 //! [`FrameTransport`]: tyche_transport::FrameTransport
 #![forbid(unsafe_code)]

@@ -132,7 +132,7 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Testing aid: serve an in-process RAM export on AF_XDP interfaces (a minimal target).
+    /// Testing aid: serve an in-process RAM export on AF_XDP interfaces (tyched's library).
     #[command(hide = true)]
     RamTarget {
         /// Interfaces to serve on.
@@ -454,7 +454,8 @@ impl ConnArgs {
     /// The links to the target, and the in-process target when `--loopback-mib` asks for one.
     fn links(&self) -> Result<(Vec<Link>, Option<RamTarget>)> {
         if let Some(mib) = self.loopback_mib {
-            let (links, _switches, target) = mem_links(RamExport::new(self.export(), mib << 20), 2);
+            let (links, _switches, target) = mem_links(RamExport::new(self.export(), mib << 20), 2)
+                .context("starting the in-process target of --loopback-mib")?;
             return Ok((links, Some(target)));
         }
         let targets: Vec<MacAddr> = self
@@ -1100,7 +1101,7 @@ async fn ram_target(ifaces: Vec<String>, export: String, mib: u64) -> Result<()>
         println!("{ifname} {}", tyche_transport::FrameTransport::local_mac(&port));
         ports.push(Box::new(port));
     }
-    let target = RamTarget::spawn(RamExport::new(&export, mib << 20), ports, tyche_init::loopback::target_timers());
+    let target = RamTarget::spawn(RamExport::new(&export, mib << 20), ports).context("starting the RAM target")?;
     info!(export = %export, mib, "RAM target serving");
     terminated().await?;
     drop(target);

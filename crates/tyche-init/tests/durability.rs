@@ -4,23 +4,24 @@
 use std::time::Duration;
 
 use tyche_channel::DurabilityDebt;
-use tyche_init::loopback::{initiator_timers, mem_links, RamExport};
+use tyche_init::loopback::{initiator_timers, mem_links, RamExport, RamTarget, Restart};
 use tyche_init::{connect, Client, Error, InitiatorConfig};
 use tyche_wire::{DurabilityEpoch, Status};
 
 const MIB: u64 = 1 << 20;
 const LIMIT: Duration = Duration::from_secs(30);
-const E: DurabilityEpoch = DurabilityEpoch([0x5a; 16]);
-
-async fn attach(prior: DurabilityDebt) -> (Client, tyche_init::loopback::RamTarget) {
-    let export = RamExport { durability_epoch: Some(E), ..RamExport::new("ram", 4 * MIB) };
-    let (links, _sw, target) = mem_links(export, 1);
+/// An attachment whose earlier process owed what `prior` says, given the target's epoch (the
+/// in-process target derives it from its export's file, as `tyched` does); the client, the
+/// target and its epoch.
+async fn attach(prior: impl FnOnce(DurabilityEpoch) -> DurabilityDebt) -> (Client, RamTarget, DurabilityEpoch) {
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 4 * MIB), 1).expect("the in-process target starts");
+    let epoch = target.durability_epoch().expect("the export's epoch");
     let mut cfg = InitiatorConfig::new("ram");
     cfg.timers = initiator_timers();
     cfg.connect_retry = Duration::from_millis(50);
-    cfg.prior_writes = prior;
+    cfg.prior_writes = prior(epoch);
     let client = tokio::time::timeout(LIMIT, connect(cfg, links)).await.expect("in time").expect("connect");
-    (client, target)
+    (client, target, epoch)
 }
 
 async fn flush(c: &Client) -> Result<(), Error> {
@@ -29,11 +30,11 @@ async fn flush(c: &Client) -> Result<(), Error> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_session_reports_its_epoch_and_what_it_owes() {
-    let (c, _t) = attach(DurabilityDebt::Clear).await;
+    let (c, _t, e) = attach(|_| DurabilityDebt::Clear).await;
     let s = c.stats().await.unwrap();
-    assert_eq!((s.durability_epoch, s.durability_debt), (Some(E), DurabilityDebt::Clear));
+    assert_eq!((s.durability_epoch, s.durability_debt), (Some(e), DurabilityDebt::Clear));
     c.write(0, &[7; 4096]).await.unwrap();
-    assert_eq!(c.stats().await.unwrap().durability_debt, DurabilityDebt::AtRisk(E));
+    assert_eq!(c.stats().await.unwrap().durability_debt, DurabilityDebt::AtRisk(e));
     flush(&c).await.unwrap();
     assert_eq!(c.stats().await.unwrap().durability_debt, DurabilityDebt::Clear);
     c.close().await;
@@ -41,15 +42,18 @@ async fn the_session_reports_its_epoch_and_what_it_owes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_earlier_process_writes_are_kept_under_the_same_epoch_and_owed_under_another() {
-    // (what the dead process owed, whether the first FLUSH fails)
-    for (prior, fails) in [
-        (DurabilityDebt::Clear, false),
-        (DurabilityDebt::AtRisk(E), false),
-        (DurabilityDebt::AtRisk(DurabilityEpoch([0x11; 16])), true),
-        (DurabilityDebt::Owed, true),
-    ] {
-        let (c, _t) = attach(prior).await;
-        if prior == DurabilityDebt::AtRisk(E) {
+    // (what the dead process owed, given the target's epoch; whether the first FLUSH fails)
+    type Owed = fn(DurabilityEpoch) -> DurabilityDebt;
+    let cases: [(Owed, bool); 4] = [
+        (|_| DurabilityDebt::Clear, false),
+        (DurabilityDebt::AtRisk, false),
+        (|_| DurabilityDebt::AtRisk(DurabilityEpoch([0x11; 16])), true),
+        (|_| DurabilityDebt::Owed, true),
+    ];
+    for (owed, fails) in cases {
+        let (c, _t, e) = attach(owed).await;
+        let prior = owed(e);
+        if prior == DurabilityDebt::AtRisk(e) {
             // Kept, and still not flushed: handed on as it came until a FLUSH covers it.
             assert_eq!(c.stats().await.unwrap().durability_debt, prior);
         }
@@ -67,13 +71,13 @@ async fn an_earlier_process_writes_are_kept_under_the_same_epoch_and_owed_under_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_restart_that_kept_its_storage_costs_no_flush_error() {
-    // The loopback target's RAM outlives its restart, as a file export's page cache outlives a
-    // killed tyched: the same epoch, so the writes not flushed before the crash are there and
+    // The loopback target's memfd outlives its restart, as a file export's page cache outlives
+    // a killed tyched: the same epoch, so the writes not flushed before the crash are there and
     // the FLUSH after it succeeds.
-    let (c, t) = attach(DurabilityDebt::Clear).await;
+    let (c, t, e) = attach(|_| DurabilityDebt::Clear).await;
     let first = c.stats().await.unwrap().reconnects;
     c.write(0, &[9; 65536]).await.unwrap();
-    t.restart(tyche_init::loopback::Restart::Crash);
+    t.restart(Restart::Crash).expect("the target restarts");
     let t0 = std::time::Instant::now();
     loop {
         // A read goes through the new session once the engine has moved to it.
@@ -84,7 +88,7 @@ async fn a_target_restart_that_kept_its_storage_costs_no_flush_error() {
         assert!(t0.elapsed() < LIMIT, "the engine never moved to a new session");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(c.stats().await.unwrap().durability_debt, DurabilityDebt::AtRisk(E));
+    assert_eq!(c.stats().await.unwrap().durability_debt, DurabilityDebt::AtRisk(e));
     flush(&c).await.expect("the FLUSH after a restart that lost nothing");
     assert!(t.snapshot(0, 65536).iter().all(|&b| b == 9));
     c.close().await;

@@ -39,7 +39,7 @@ async fn bounded<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_trips_of_many_sizes_over_two_links() {
-    let (links, _sw, target) = mem_links(RamExport::new("ram", 64 * MIB), 2);
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 64 * MIB), 2).expect("the in-process target starts");
     let mut cfg = config();
     cfg.channels_per_link = 2;
     let client = bounded("connect", connect(cfg, links)).await.expect("connect");
@@ -64,14 +64,14 @@ async fn round_trips_of_many_sizes_over_two_links() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flush_fua_discard_and_write_zeroes() {
-    let (links, _sw, target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 8 * MIB), 1).expect("the in-process target starts");
     let client = bounded("connect", connect(config(), links)).await.expect("connect");
     let data = pattern(7, 256 << 10);
     client.write(0, &data).await.expect("write");
     client.write_owned(MIB, data.clone(), true).await.expect("fua write");
     client.flush().await.expect("flush");
-    assert!(target.counters().flushes.load(std::sync::atomic::Ordering::Relaxed) >= 1);
-    assert!(target.counters().fua_writes.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    let done = target.counters();
+    assert!(done.flushes >= 1 && done.fua_writes >= 1, "{done:?}");
     client.discard(4096, 8192).await.expect("discard");
     client.write_zeroes(MIB + 65536, 65536, false).await.expect("write zeroes");
     let a = client.read(0, data.len()).await.expect("read");
@@ -107,7 +107,7 @@ async fn concurrent(client: &Client, n: u64, len: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_requests() {
-    let (links, _sw, _target) = mem_links(RamExport::new("ram", 64 * MIB), 2);
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", 64 * MIB), 2).expect("the in-process target starts");
     let mut cfg = config();
     cfg.max_requests = 32; // fewer than the requests: the engine's backlog is exercised
     cfg.scheduler = SchedulerKind::RoundRobin;
@@ -119,7 +119,7 @@ async fn many_concurrent_requests() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_send_mode_round_trips() {
-    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1);
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1).expect("the in-process target starts");
     let mut cfg = config();
     cfg.send_mode = SendMode::Queue;
     let client = connect(cfg, links).await.expect("connect");
@@ -134,7 +134,7 @@ async fn queue_send_mode_round_trips() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inline_send_mode_sends_on_the_submitting_thread() {
-    let (links, _sw, target) = mem_links(RamExport::new("ram", 16 * MIB), 2);
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 16 * MIB), 2).expect("the in-process target starts");
     let mut cfg = config();
     cfg.channels_per_link = 2;
     assert_eq!(cfg.send_mode, SendMode::Inline, "inline is the default");
@@ -155,7 +155,7 @@ async fn inline_send_mode_sends_on_the_submitting_thread() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inline_send_mode_falls_back_to_the_engine_when_the_volume_is_full() {
-    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1);
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1).expect("the in-process target starts");
     let mut cfg = config();
     cfg.max_requests = 4; // fewer than the requests: some wait in the backlog
     let client = connect(cfg, links).await.expect("connect");
@@ -172,7 +172,7 @@ async fn inline_send_mode_falls_back_to_the_engine_when_the_volume_is_full() {
 #[test]
 fn inline_send_mode_with_concurrent_submitters_on_several_threads() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (links, _sw, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let (links, _sw, target) = mem_links(RamExport::new("ram", 32 * MIB), 2).expect("the in-process target starts");
     let client = rt.block_on(connect(config(), links)).expect("connect");
     let threads: Vec<_> = (0..6u64)
         .map(|t| {
@@ -209,7 +209,7 @@ fn inline_send_mode_with_concurrent_submitters_on_several_threads() {
 #[test]
 fn inline_send_mode_close_while_submitting_and_after() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1);
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", 16 * MIB), 1).expect("the in-process target starts");
     let client = rt.block_on(connect(config(), links)).expect("connect");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let threads: Vec<_> = (0..4u64)
@@ -275,7 +275,8 @@ async fn failover_between_parts_of_the_volume_when_one_nodes_link_goes_down() {
 /// comes back with the hand-back, into the caller's buffers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_handed_between_parts_bring_their_data_back() {
-    let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let (mut links, switches, target) =
+        mem_links(RamExport::new("ram", 32 * MIB), 2).expect("the in-process target starts");
     let mut cfg = config();
     cfg.reconnect_warnings = 2;
     links_on_two_nodes(&mut links, &mut cfg);
@@ -303,7 +304,8 @@ async fn reads_handed_between_parts_bring_their_data_back() {
 }
 
 async fn failover_when_one_of_two_links_goes_down_with(parts: bool) -> tyche_init::Stats {
-    let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let (mut links, switches, target) =
+        mem_links(RamExport::new("ram", 32 * MIB), 2).expect("the in-process target starts");
     let mut cfg = config();
     cfg.reconnect_warnings = 2;
     if parts {
@@ -338,7 +340,8 @@ async fn failover_when_one_of_two_links_goes_down_with(parts: bool) -> tyche_ini
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_link_reconnects_when_it_comes_back() {
-    let (links, switches, _target) = mem_links(RamExport::new("ram", 8 * MIB), 2);
+    let (links, switches, _target) =
+        mem_links(RamExport::new("ram", 8 * MIB), 2).expect("the in-process target starts");
     let mut cfg = config();
     cfg.reconnect_warnings = 50;
     let client = connect(cfg, links).await.expect("connect");
@@ -379,7 +382,7 @@ async fn target_restarts_are_invisible_to_a_volume_in_parts() {
 }
 
 async fn target_restarts_are_invisible_with(parts: bool) {
-    let (mut links, _sw, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let (mut links, _sw, target) = mem_links(RamExport::new("ram", 32 * MIB), 2).expect("the in-process target starts");
     let mut cfg = config();
     if parts {
         links_on_two_nodes(&mut links, &mut cfg);
@@ -394,7 +397,7 @@ async fn target_restarts_are_invisible_with(parts: bool) {
             let c = client.clone();
             set.spawn(async move { c.write_owned((base + i) * len as u64, pattern(base + i, len), false).await });
             if i == 16 {
-                target.restart(how);
+                target.restart(how).expect("the target restarts");
             }
         }
         while let Some(r) = bounded("writes across a target restart", set.join_next()).await {
@@ -416,7 +419,8 @@ async fn target_restarts_are_invisible_with(parts: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_path_fails_requests_after_the_timeout_and_never_hangs() {
-    let (links, switches, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
+    let (links, switches, _target) =
+        mem_links(RamExport::new("ram", 8 * MIB), 1).expect("the in-process target starts");
     let mut cfg = config();
     cfg.no_path_timeout = Duration::from_millis(500);
     cfg.reconnect_warnings = 1;
@@ -437,7 +441,8 @@ async fn no_path_fails_requests_after_the_timeout_and_never_hangs() {
 /// serves again (the device would stay attached).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn io_timeout_fails_requests_fast_and_the_volume_serves_again() {
-    let (links, switches, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
+    let (links, switches, _target) =
+        mem_links(RamExport::new("ram", 8 * MIB), 1).expect("the in-process target starts");
     let mut cfg = config();
     cfg.no_path_timeout = Duration::from_secs(120);
     cfg.io_timeout = Some(Duration::from_millis(1500));
@@ -465,7 +470,7 @@ async fn io_timeout_fails_requests_fast_and_the_volume_serves_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_errors_say_what_went_wrong() {
-    let (links, _sw, _target) = mem_links(RamExport::new("ram", MIB), 1);
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", MIB), 1).expect("the in-process target starts");
     let err = connect(InitiatorConfig { export: "nope".into(), ..config() }, links).await.unwrap_err();
     assert!(matches!(err, ConnectError::UnknownExport { .. }), "{err}");
     assert!(err.to_string().contains("no export named \"nope\""), "{err}");
@@ -483,7 +488,7 @@ async fn connection_errors_say_what_went_wrong() {
 
 #[test]
 fn discover_lists_the_target_and_its_export() {
-    let (mut links, _sw, _target) = mem_links(RamExport::new("ram", 4 * MIB), 2);
+    let (mut links, _sw, _target) = mem_links(RamExport::new("ram", 4 * MIB), 2).expect("the in-process target starts");
     let found = tyche_init::discover(&mut links, tyche_wire::DEFAULT_ETHERTYPE, Duration::from_millis(300));
     assert_eq!(found.len(), 2, "one target per link: {found:?}");
     for (k, t) in found.iter().enumerate() {
@@ -506,7 +511,8 @@ fn discover_lists_the_target_and_its_export() {
 /// which the node-1 thread wakes); closing stops both threads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_engine_thread_per_node_shares_the_session() {
-    let (mut links, switches, target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let (mut links, switches, target) =
+        mem_links(RamExport::new("ram", 32 * MIB), 2).expect("the in-process target starts");
     links[0].node = Some(0);
     links[1].node = Some(1);
     let mut cfg = config();
@@ -557,7 +563,8 @@ async fn one_engine_thread_per_node_shares_the_session() {
 /// VM's NUMA check caught this: node 1's channel carried everything).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_spreads_one_nodes_requests_over_every_part() {
-    let (mut links, _sw, _target) = mem_links(RamExport::new("ram", 32 * MIB), 2);
+    let (mut links, _sw, _target) =
+        mem_links(RamExport::new("ram", 32 * MIB), 2).expect("the in-process target starts");
     let mut cfg = config();
     links_on_two_nodes(&mut links, &mut cfg);
     cfg.scheduler = SchedulerKind::RoundRobin;
@@ -588,7 +595,7 @@ async fn round_robin_spreads_one_nodes_requests_over_every_part() {
 async fn every_poll_mode_serves_requests_and_counts_its_waits() {
     use tyche_runtime::poll::{PollConfig, PollMode};
     for mode in [PollMode::Adaptive, PollMode::Sleep, PollMode::Spin] {
-        let (links, _sw, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1);
+        let (links, _sw, _target) = mem_links(RamExport::new("ram", 8 * MIB), 1).expect("the in-process target starts");
         let mut cfg = config();
         cfg.poll = PollConfig::new(mode, 50).expect("budget in range");
         let client = bounded("connect", connect(cfg, links)).await.expect("connect");

@@ -88,7 +88,7 @@ async fn server_export(export: RamExport, opts: NbdOptions, mode: SendMode) -> S
 async fn server_links(export: RamExport, opts: NbdOptions, mode: SendMode, two_nodes: Option<SchedulerKind>) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("nbd.sock");
-    let (mut links, _sw, target) = mem_links(export, 2);
+    let (mut links, _sw, target) = mem_links(export, 2).expect("the in-process target starts");
     let mut cfg = InitiatorConfig::new("ram");
     cfg.timers = initiator_timers();
     cfg.send_mode = mode;

@@ -33,7 +33,7 @@ fn env_or(name: &str, default: u64) -> u64 {
 
 /// One run: IOPS and the median latency in microseconds.
 async fn run(mode: SendMode, qd: usize, secs: u64) -> (f64, f64) {
-    let (links, _sw, _target) = mem_links(RamExport::new("ram", EXPORT), 2);
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", EXPORT), 2).expect("the in-process target starts");
     let mut cfg = InitiatorConfig::new("ram");
     cfg.timers = initiator_timers();
     cfg.send_mode = mode;
@@ -90,7 +90,7 @@ async fn run(mode: SendMode, qd: usize, secs: u64) -> (f64, f64) {
 async fn run_nbd(mode: SendMode, qd: usize, secs: u64) -> Option<(f64, f64)> {
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("nbd.sock");
-    let (links, _sw, _target) = mem_links(RamExport::new("ram", EXPORT), 2);
+    let (links, _sw, _target) = mem_links(RamExport::new("ram", EXPORT), 2).expect("the in-process target starts");
     let mut cfg = InitiatorConfig::new("ram");
     cfg.timers = initiator_timers();
     cfg.send_mode = mode;

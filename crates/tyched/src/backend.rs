@@ -736,7 +736,14 @@ impl Backend for FileBackend {
         let r = if self.block {
             self.blk_range(blk::BLKZEROOUT, offset, len)
         } else {
-            self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+            match self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+                // A file system without zero ranges (tmpfs, a memfd) may still punch holes,
+                // which read as zeroes too (and free the memory).
+                Err(e) if unsupported(&e) => {
+                    self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+                }
+                r => r,
+            }
         };
         match r {
             Err(e) if unsupported(&e) => self.write_zero_bytes(offset, len),
@@ -876,6 +883,23 @@ mod tests {
         b.discard(8192, 4096).unwrap();
         assert_eq!(b.block_status(0, 65536, 31).unwrap().unwrap(), [ext(65536, HZ)]);
         assert!(b.block_status(8 << 20, 512, 31).is_err(), "past the end");
+    }
+
+    /// tmpfs has no FALLOC_FL_ZERO_RANGE: WRITE_ZEROES punches a hole there (zeroes, and a hole
+    /// in BLOCK_STATUS, as qemu-img map expects), rather than writing zero bytes.
+    #[test]
+    fn write_zeroes_on_tmpfs_leaves_a_hole() {
+        let fd = nix::sys::memfd::memfd_create("tyched-test", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).expect("memfd");
+        let path = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        let b = FileBackend::open(&path, Some(1 << 20), false, false).expect("open");
+        b.write_at(&[7; 65536], 0, false).unwrap();
+        b.write_zeroes(16384, 32768).unwrap();
+        let mut back = vec![1; 65536];
+        b.read_at(&mut back, 0).unwrap();
+        assert!(back[..16384].iter().all(|&x| x == 7) && back[49152..].iter().all(|&x| x == 7));
+        assert!(back[16384..49152].iter().all(|&x| x == 0), "the zeroed range reads zeroes");
+        let got = b.block_status(0, 65536, 31).unwrap().expect("tmpfs has SEEK_DATA");
+        assert_eq!(got, [ext(16384, 0), ext(32768, HOLE), ext(16384, 0)], "{got:?}");
     }
 
     #[test]

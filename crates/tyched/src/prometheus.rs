@@ -132,6 +132,7 @@ impl Collector for SnapshotCollector {
         };
         family(enc, "export_read_bytes", "Bytes read from storage.", Counter, ex(&|e| e.bytes_read))?;
         family(enc, "export_written_bytes", "Bytes written to storage.", Counter, ex(&|e| e.bytes_written))?;
+        family(enc, "export_fua_writes", "WRITEs with FUA executed.", Counter, ex(&|e| e.fua_writes))?;
         family(enc, "export_errors", "Requests completed with an error.", Counter, ex(&|e| e.errors))?;
         family(enc, "export_denied", "CONNECTs refused.", Counter, ex(&|e| e.denied))?;
         let th = |f: &dyn Fn(&PollStats) -> u64| {
@@ -322,7 +323,7 @@ mod tests {
         // `tyched_uptime_milliseconds` was typed `counter` (prometheus-client names every
         // counter `*_total`, so it is a gauge now to keep its name), and families added since:
         // `tyched_poll_contended_total`, `tyched_nic_irqs*`, `tyched_storage_jobs_total`,
-        // `tyched_config_*`, `tyched_channel_*rto_expiries_total`.
+        // `tyched_config_*`, `tyched_channel_*rto_expiries_total`, `tyched_export_fua_writes_total`.
         // And `tyched_build_info` first, whose labels are this build's.
         let expected = include_str!("../testdata/metrics-sample.prom")
             .replace("@VERSION@", env!("CARGO_PKG_VERSION"))
@@ -333,7 +334,7 @@ mod tests {
         assert!(text.contains("tyched_nic_rx_frames_total{nic=\"we\\\"ird\\\\\"} 0\n"), "{text}");
         assert!(text.contains("tyched_export_errors_total{export=\"a\\nb\"} 0\n"), "{text}");
         assert!(!text.contains("# EOF"), "the 0.0.4 text format has no EOF marker");
-        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 33);
+        assert_eq!(Snapshot::default().prometheus().lines().filter(|l| l.starts_with("# TYPE")).count(), 34);
     }
 
     #[test]

@@ -129,6 +129,9 @@ pub struct ExportStats {
     pub bytes_read: u64,
     /// Bytes written to storage.
     pub bytes_written: u64,
+    /// WRITEs with FUA (force unit access) executed, whatever their outcome.
+    #[serde(default)]
+    pub fua_writes: u64,
     /// Requests that completed with an error status (from storage, or aborted at shutdown).
     pub errors: u64,
     /// CONNECTs refused (MAC or key).

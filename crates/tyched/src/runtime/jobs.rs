@@ -572,6 +572,7 @@ impl Network {
         self.slots.job_ended(key, lent, d.region.take(), d.buf.take(), live, status == Status::Ok);
         let es = &mut self.counters.exports[d.export];
         es.requests.bump(r.op);
+        es.fua_writes += u64::from(r.op == Op::Write && r.fua);
         if status == Status::Ok {
             match r.op {
                 Op::Read => es.bytes_read += r.length as u64,

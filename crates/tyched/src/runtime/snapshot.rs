@@ -247,6 +247,7 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
             es.requests.add(&pe.requests);
             es.bytes_read += pe.bytes_read;
             es.bytes_written += pe.bytes_written;
+            es.fua_writes += pe.fua_writes;
             es.errors += pe.errors;
         }
     }
