@@ -1529,35 +1529,15 @@ impl Channel {
         if self.nack_now {
             self.nack_now = false;
             self.gap_since = Some(now); // NACK again after another delay if holes remain
-            let base = self.rx_expected;
-            let ring = self.params.ring as u32;
-            let mut missing = 0u64;
-            for i in 0..64u32 {
-                let s = base.wrapping_add(i);
-                if diff(s, self.rx_end) >= 0 {
-                    break;
-                }
-                if !self.rx_seen.get((s % ring) as usize) {
-                    missing |= 1 << i;
-                }
-            }
+            let (arrived, covered) = self.received_bits(self.rx_expected);
+            let nack = Nack { base: self.rx_expected, missing: covered & !arrived };
             self.stats.nacks_tx += 1;
-            return Some(self.control(Message::Nack(Nack { base, missing }), buf));
+            return Some(self.control(Message::Nack(nack), buf));
         }
         let holes = self.rx_expected != self.rx_end;
         let have_sequenced = !self.retx.is_empty() || (!self.queue.is_empty() && self.has_credit());
         if self.ack_now && (holes || self.dup_seen || !have_sequenced) {
-            let ring = self.params.ring as u32;
-            let mut sack = 0u64;
-            for i in 0..64u32 {
-                let s = self.rx_expected.wrapping_add(1 + i);
-                if diff(s, self.rx_end) >= 0 {
-                    break;
-                }
-                if self.rx_seen.get((s % ring) as usize) {
-                    sack |= 1 << i;
-                }
-            }
+            let (sack, _) = self.received_bits(self.rx_expected.wrapping_add(1));
             let ack = Ack { cumulative: self.rx_expected, sack, duplicate: std::mem::take(&mut self.dup_seen) };
             self.acked_all();
             self.stats.acks_tx += 1;
@@ -1570,6 +1550,55 @@ impl Channel {
             let k = Keepalive { nonce: self.probe_nonce, timestamp: now.0, reply: false };
             return Some(self.control(Message::Keepalive(k), buf));
         }
+        if let Some(t) = self.retransmit(now, buf) {
+            return Some(t);
+        }
+        if !self.has_credit() {
+            return None;
+        }
+        let frame = self.next_frame()?;
+        let s = self.tx_next;
+        self.tx_next = s.wrapping_add(1);
+        if self.tx_base == s {
+            // The ring was empty: the wait for acknowledgements starts now.
+            self.last_progress = now;
+        }
+        self.tx[(s % self.params.ring as u32) as usize] = Some(TxEntry {
+            frame,
+            first_sent: now,
+            last_sent: now,
+            retx: 0,
+            sacked: false,
+            queued: false,
+            suspect: false,
+        });
+        if self.rto_deadline.is_none() {
+            self.rto_deadline = Some(now + self.rto);
+        }
+        Some(self.emit_sequenced(now, frame, s, buf))
+    }
+
+    /// The 64 receive positions from `from`: bit `i` of the first value set when `from + i`
+    /// has arrived, of the second when it is below `rx_end` (positions past the last arrival
+    /// are neither arrived nor missing).
+    fn received_bits(&self, from: u32) -> (u64, u64) {
+        let ring = self.params.ring as u32;
+        let (mut arrived, mut covered) = (0u64, 0u64);
+        for i in 0..64u32 {
+            let s = from.wrapping_add(i);
+            if diff(s, self.rx_end) >= 0 {
+                break;
+            }
+            covered |= 1 << i;
+            if self.rx_seen.get((s % ring) as usize) {
+                arrived |= 1 << i;
+            }
+        }
+        (arrived, covered)
+    }
+
+    /// The next frame queued for retransmission that still needs it, emitted into `buf`.
+    fn retransmit(&mut self, now: Instant, buf: &mut [u8]) -> Option<Transmit> {
         let ring = self.params.ring as u32;
         while let Some(s) = self.retx.pop_front() {
             let Some(e) = self.tx[(s % ring) as usize].as_mut() else { continue };
@@ -1593,10 +1622,13 @@ impl Channel {
             self.stats.retransmits += 1;
             return Some(self.emit_sequenced(now, frame, s, buf));
         }
-        if !self.has_credit() {
-            return None;
-        }
-        let frame = match self.queue.front_mut()? {
+        None
+    }
+
+    /// Takes the next new frame off the queue (a whole control frame, or the next segment of
+    /// a data message).
+    fn next_frame(&mut self) -> Option<TxFrame> {
+        Some(match self.queue.front_mut()? {
             Outgoing::Frame(_) => {
                 let Some(Outgoing::Frame(f)) = self.queue.pop_front() else { unreachable!() };
                 if let TxFrame::Completion(c) = f {
@@ -1632,26 +1664,7 @@ impl Channel {
                 }
                 TxFrame::Data(h, len)
             }
-        };
-        let s = self.tx_next;
-        self.tx_next = s.wrapping_add(1);
-        if self.tx_base == s {
-            // The ring was empty: the wait for acknowledgements starts now.
-            self.last_progress = now;
-        }
-        self.tx[(s % ring) as usize] = Some(TxEntry {
-            frame,
-            first_sent: now,
-            last_sent: now,
-            retx: 0,
-            sacked: false,
-            queued: false,
-            suspect: false,
-        });
-        if self.rto_deadline.is_none() {
-            self.rto_deadline = Some(now + self.rto);
-        }
-        Some(self.emit_sequenced(now, frame, s, buf))
+        })
     }
 
     fn acked_all(&mut self) {

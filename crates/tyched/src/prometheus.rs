@@ -49,159 +49,190 @@ struct SnapshotCollector(Snapshot);
 
 impl Collector for SnapshotCollector {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
-        use MetricType::{Counter, Gauge};
-        let s = &self.0;
-        let enc = &mut enc;
-        let one = |v: u64| vec![(Labels::new(), v)];
-        build_info(enc, env!("CARGO_PKG_VERSION"))?;
-        // Milliseconds since start: a gauge, so that the name keeps no `_total`.
-        family(enc, "uptime_milliseconds", "Time since start.", Gauge, one(s.uptime_ms))?;
-        family(enc, "sessions", "Live sessions.", Gauge, one(s.sessions))?;
-        family(enc, "sessions_reclaimed", "Sessions reclaimed.", Counter, one(s.sessions_reclaimed))?;
-        family(
-            enc,
-            "payload_copied_bytes",
-            "Payload bytes copied in user space.",
-            Counter,
-            one(s.payload_copied_bytes),
-        )?;
-        family(enc, "storage_inflight", "Storage requests queued or running.", Gauge, one(s.storage_inflight))?;
-        let r = &s.reload;
-        let reloads = vec![
-            (vec![("result", "applied".to_owned())], r.applied),
-            (vec![("result", "refused".to_owned())], r.failed),
-        ];
-        family(enc, "config_reloads", "Configuration reloads (SIGHUP), by outcome.", Counter, reloads)?;
-        family(
-            enc,
-            "config_last_reload_successful",
-            "Whether the last configuration reload was applied (1; also before any) or refused (0).",
-            Gauge,
-            one(u64::from(r.last_error.is_none())),
-        )?;
-        family(
-            enc,
-            "config_changes_need_restart",
-            "Changes in the configuration file that the running daemon applies only at its next start.",
-            Gauge,
-            one(r.needs_restart.len() as u64),
-        )?;
-        let nic = |f: &dyn Fn(&NicStats) -> u64| {
-            s.nics.iter().map(|n| (vec![("nic", n.name.clone())], f(n))).collect::<Vec<_>>()
-        };
-        family(enc, "nic_rx_frames", "Frames received.", Counter, nic(&|n| n.frames_rx))?;
-        family(enc, "nic_rx_bytes", "Bytes received.", Counter, nic(&|n| n.bytes_rx))?;
-        family(enc, "nic_tx_frames", "Frames sent.", Counter, nic(&|n| n.frames_tx))?;
-        family(enc, "nic_tx_bytes", "Bytes sent.", Counter, nic(&|n| n.bytes_tx))?;
-        let mut drops = Vec::new();
-        for n in &s.nics {
-            let d = &n.drops;
-            for (reason, v) in [
-                ("malformed", d.malformed),
-                ("unknown_session", d.unknown_session),
-                ("not_ours", d.not_ours),
-                ("slot_busy", d.slot_busy),
-                ("denied_mac", d.denied_mac),
-                ("denied_key", d.denied_key),
-                ("shutting_down", d.shutting_down),
-            ] {
-                drops.push((vec![("nic", n.name.clone()), ("reason", reason.to_owned())], v));
-            }
-            for (reason, v) in &d.channel {
-                drops.push((vec![("nic", n.name.clone()), ("reason", format!("channel_{reason}"))], *v));
-            }
-        }
-        family(enc, "nic_drops", "Frames dropped, by reason.", Counter, drops)?;
-        let mut reqs = Vec::new();
-        for e in &s.exports {
-            let r = &e.requests;
-            for (op, v) in [
-                ("read", r.read),
-                ("write", r.write),
-                ("flush", r.flush),
-                ("discard", r.discard),
-                ("write_zeroes", r.write_zeroes),
-                ("block_status", r.block_status),
-            ] {
-                reqs.push((vec![("export", e.name.clone()), ("op", op.to_owned())], v));
-            }
-        }
-        family(enc, "export_requests", "Requests executed, by op.", Counter, reqs)?;
-        let ex = |f: &dyn Fn(&ExportStats) -> u64| {
-            s.exports.iter().map(|e| (vec![("export", e.name.clone())], f(e))).collect::<Vec<_>>()
-        };
-        family(enc, "export_read_bytes", "Bytes read from storage.", Counter, ex(&|e| e.bytes_read))?;
-        family(enc, "export_written_bytes", "Bytes written to storage.", Counter, ex(&|e| e.bytes_written))?;
-        family(enc, "export_fua_writes", "WRITEs with FUA executed.", Counter, ex(&|e| e.fua_writes))?;
-        family(enc, "export_errors", "Requests completed with an error.", Counter, ex(&|e| e.errors))?;
-        family(enc, "export_denied", "CONNECTs refused.", Counter, ex(&|e| e.denied))?;
-        let th = |f: &dyn Fn(&PollStats) -> u64| {
-            s.poll.threads.iter().enumerate().map(|(k, t)| (vec![("thread", k.to_string())], f(t))).collect::<Vec<_>>()
-        };
-        family(enc, "poll_nanoseconds", "Time network threads spent polling.", Counter, th(&|t| t.poll_ns))?;
-        family(enc, "poll_hits", "Polls that found work (wake-ups saved).", Counter, th(&|t| t.poll_hits))?;
-        family(enc, "poll_misses", "Polls that ran out of budget and slept.", Counter, th(&|t| t.poll_misses))?;
-        family(enc, "poll_sleeps", "Sleeps of network threads.", Counter, th(&|t| t.sleeps))?;
-        family(enc, "poll_wakeups", "Sleeps that ended in work.", Counter, th(&|t| t.wakeups))?;
-        family(enc, "poll_budget_nanoseconds", "The adaptive poll budget now.", Gauge, th(&|t| t.budget_ns))?;
-        family(
-            enc,
-            "poll_contended",
-            "Times polling was given up because the thread waited for a CPU.",
-            Counter,
-            th(&|t| t.contended),
-        )?;
-        let irq = |f: &dyn Fn(&tyche_numa::IrqReport) -> u64| {
-            s.irqs.iter().map(|r| (vec![("nic", r.nic.clone())], f(r))).collect::<Vec<_>>()
-        };
-        family(enc, "nic_irqs", "IRQs of the interface (0: virtual NIC).", Gauge, irq(&|r| r.irqs.len() as u64))?;
-        family(
-            enc,
-            "nic_irqs_on_network_core",
-            "IRQs of the interface delivered on the core of its network thread.",
-            Gauge,
-            irq(&|r| r.sharing_network_core),
-        )?;
-        let storage = s
-            .storage_threads
-            .iter()
-            .map(|t| {
-                let node = t.node.map_or_else(|| "none".to_owned(), |n| n.to_string());
-                (vec![("thread", t.name.clone()), ("node", node)], t.jobs)
-            })
-            .collect();
-        family(
-            enc,
-            "storage_jobs",
-            "Storage jobs executed by a worker or io_uring thread, with its queue's node.",
-            Counter,
-            storage,
-        )?;
-        let ch = |f: &dyn Fn(&ChannelSnapshot) -> u64| {
-            s.channels
-                .iter()
-                .map(|c| {
-                    let labels = vec![
-                        ("session", format!("{:016x}", c.session)),
-                        ("channel", c.channel.to_string()),
-                        ("nic", c.nic.clone()),
-                    ];
-                    (labels, f(c))
-                })
-                .collect::<Vec<_>>()
-        };
-        family(enc, "channel_retransmits", "Retransmissions.", Counter, ch(&|c| c.retransmits))?;
-        family(enc, "channel_rto_expiries", "Retransmission timer expiries.", Counter, ch(&|c| c.timeouts))?;
-        family(
-            enc,
-            "channel_spurious_rto_expiries",
-            "Timer expiries whose frames were delayed, not lost (only the oldest was resent).",
-            Counter,
-            ch(&|c| c.spurious_timeouts),
-        )?;
-        family(enc, "channel_executing", "Requests executing.", Gauge, ch(&|c| c.executing))?;
+        let (s, enc) = (&self.0, &mut enc);
+        daemon(enc, s)?;
+        nics(enc, s)?;
+        exports(enc, s)?;
+        poll(enc, s)?;
+        irqs_and_storage(enc, s)?;
+        channels(enc, s)?;
         Ok(())
     }
+}
+
+/// The daemon's own families: build, uptime, sessions, copies, reloads.
+fn daemon(enc: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let one = |v: u64| vec![(Labels::new(), v)];
+    build_info(enc, env!("CARGO_PKG_VERSION"))?;
+    // Milliseconds since start: a gauge, so that the name keeps no `_total`.
+    family(enc, "uptime_milliseconds", "Time since start.", Gauge, one(s.uptime_ms))?;
+    family(enc, "sessions", "Live sessions.", Gauge, one(s.sessions))?;
+    family(enc, "sessions_reclaimed", "Sessions reclaimed.", Counter, one(s.sessions_reclaimed))?;
+    family(enc, "payload_copied_bytes", "Payload bytes copied in user space.", Counter, one(s.payload_copied_bytes))?;
+    family(enc, "storage_inflight", "Storage requests queued or running.", Gauge, one(s.storage_inflight))?;
+    let r = &s.reload;
+    let reloads =
+        vec![(vec![("result", "applied".to_owned())], r.applied), (vec![("result", "refused".to_owned())], r.failed)];
+    family(enc, "config_reloads", "Configuration reloads (SIGHUP), by outcome.", Counter, reloads)?;
+    family(
+        enc,
+        "config_last_reload_successful",
+        "Whether the last configuration reload was applied (1; also before any) or refused (0).",
+        Gauge,
+        one(u64::from(r.last_error.is_none())),
+    )?;
+    family(
+        enc,
+        "config_changes_need_restart",
+        "Changes in the configuration file that the running daemon applies only at its next start.",
+        Gauge,
+        one(r.needs_restart.len() as u64),
+    )?;
+    Ok(())
+}
+
+/// Per NIC: frames, bytes and drops by reason.
+fn nics(enc: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    use MetricType::Counter;
+    let nic =
+        |f: &dyn Fn(&NicStats) -> u64| s.nics.iter().map(|n| (vec![("nic", n.name.clone())], f(n))).collect::<Vec<_>>();
+    family(enc, "nic_rx_frames", "Frames received.", Counter, nic(&|n| n.frames_rx))?;
+    family(enc, "nic_rx_bytes", "Bytes received.", Counter, nic(&|n| n.bytes_rx))?;
+    family(enc, "nic_tx_frames", "Frames sent.", Counter, nic(&|n| n.frames_tx))?;
+    family(enc, "nic_tx_bytes", "Bytes sent.", Counter, nic(&|n| n.bytes_tx))?;
+    let mut drops = Vec::new();
+    for n in &s.nics {
+        let d = &n.drops;
+        for (reason, v) in [
+            ("malformed", d.malformed),
+            ("unknown_session", d.unknown_session),
+            ("not_ours", d.not_ours),
+            ("slot_busy", d.slot_busy),
+            ("denied_mac", d.denied_mac),
+            ("denied_key", d.denied_key),
+            ("shutting_down", d.shutting_down),
+        ] {
+            drops.push((vec![("nic", n.name.clone()), ("reason", reason.to_owned())], v));
+        }
+        for (reason, v) in &d.channel {
+            drops.push((vec![("nic", n.name.clone()), ("reason", format!("channel_{reason}"))], *v));
+        }
+    }
+    family(enc, "nic_drops", "Frames dropped, by reason.", Counter, drops)?;
+    Ok(())
+}
+
+/// Per export: requests by op, bytes, FUA writes, errors, refusals.
+fn exports(enc: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    use MetricType::Counter;
+    let mut reqs = Vec::new();
+    for e in &s.exports {
+        let r = &e.requests;
+        for (op, v) in [
+            ("read", r.read),
+            ("write", r.write),
+            ("flush", r.flush),
+            ("discard", r.discard),
+            ("write_zeroes", r.write_zeroes),
+            ("block_status", r.block_status),
+        ] {
+            reqs.push((vec![("export", e.name.clone()), ("op", op.to_owned())], v));
+        }
+    }
+    family(enc, "export_requests", "Requests executed, by op.", Counter, reqs)?;
+    let ex = |f: &dyn Fn(&ExportStats) -> u64| {
+        s.exports.iter().map(|e| (vec![("export", e.name.clone())], f(e))).collect::<Vec<_>>()
+    };
+    family(enc, "export_read_bytes", "Bytes read from storage.", Counter, ex(&|e| e.bytes_read))?;
+    family(enc, "export_written_bytes", "Bytes written to storage.", Counter, ex(&|e| e.bytes_written))?;
+    family(enc, "export_fua_writes", "WRITEs with FUA executed.", Counter, ex(&|e| e.fua_writes))?;
+    family(enc, "export_errors", "Requests completed with an error.", Counter, ex(&|e| e.errors))?;
+    family(enc, "export_denied", "CONNECTs refused.", Counter, ex(&|e| e.denied))?;
+    Ok(())
+}
+
+/// Per network thread: the adaptive poller.
+fn poll(enc: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let th = |f: &dyn Fn(&PollStats) -> u64| {
+        s.poll.threads.iter().enumerate().map(|(k, t)| (vec![("thread", k.to_string())], f(t))).collect::<Vec<_>>()
+    };
+    family(enc, "poll_nanoseconds", "Time network threads spent polling.", Counter, th(&|t| t.poll_ns))?;
+    family(enc, "poll_hits", "Polls that found work (wake-ups saved).", Counter, th(&|t| t.poll_hits))?;
+    family(enc, "poll_misses", "Polls that ran out of budget and slept.", Counter, th(&|t| t.poll_misses))?;
+    family(enc, "poll_sleeps", "Sleeps of network threads.", Counter, th(&|t| t.sleeps))?;
+    family(enc, "poll_wakeups", "Sleeps that ended in work.", Counter, th(&|t| t.wakeups))?;
+    family(enc, "poll_budget_nanoseconds", "The adaptive poll budget now.", Gauge, th(&|t| t.budget_ns))?;
+    family(
+        enc,
+        "poll_contended",
+        "Times polling was given up because the thread waited for a CPU.",
+        Counter,
+        th(&|t| t.contended),
+    )?;
+    Ok(())
+}
+
+/// Per NIC its IRQs, per storage thread its jobs.
+fn irqs_and_storage(enc: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let irq = |f: &dyn Fn(&tyche_numa::IrqReport) -> u64| {
+        s.irqs.iter().map(|r| (vec![("nic", r.nic.clone())], f(r))).collect::<Vec<_>>()
+    };
+    family(enc, "nic_irqs", "IRQs of the interface (0: virtual NIC).", Gauge, irq(&|r| r.irqs.len() as u64))?;
+    family(
+        enc,
+        "nic_irqs_on_network_core",
+        "IRQs of the interface delivered on the core of its network thread.",
+        Gauge,
+        irq(&|r| r.sharing_network_core),
+    )?;
+    let storage = s
+        .storage_threads
+        .iter()
+        .map(|t| {
+            let node = t.node.map_or_else(|| "none".to_owned(), |n| n.to_string());
+            (vec![("thread", t.name.clone()), ("node", node)], t.jobs)
+        })
+        .collect();
+    family(
+        enc,
+        "storage_jobs",
+        "Storage jobs executed by a worker or io_uring thread, with its queue's node.",
+        Counter,
+        storage,
+    )?;
+    Ok(())
+}
+
+/// Per channel: retransmissions, timer expiries and the rest of its counters.
+fn channels(enc: &mut DescriptorEncoder<'_>, s: &Snapshot) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let ch = |f: &dyn Fn(&ChannelSnapshot) -> u64| {
+        s.channels
+            .iter()
+            .map(|c| {
+                let labels = vec![
+                    ("session", format!("{:016x}", c.session)),
+                    ("channel", c.channel.to_string()),
+                    ("nic", c.nic.clone()),
+                ];
+                (labels, f(c))
+            })
+            .collect::<Vec<_>>()
+    };
+    family(enc, "channel_retransmits", "Retransmissions.", Counter, ch(&|c| c.retransmits))?;
+    family(enc, "channel_rto_expiries", "Retransmission timer expiries.", Counter, ch(&|c| c.timeouts))?;
+    family(
+        enc,
+        "channel_spurious_rto_expiries",
+        "Timer expiries whose frames were delayed, not lost (only the oldest was resent).",
+        Counter,
+        ch(&|c| c.spurious_timeouts),
+    )?;
+    family(enc, "channel_executing", "Requests executing.", Gauge, ch(&|c| c.executing))?;
+    Ok(())
 }
 
 #[cfg(test)]
