@@ -317,7 +317,7 @@ where
     if cflags & !(codec::FLAG_C_FIXED_NEWSTYLE | codec::FLAG_C_NO_ZEROES) != 0 {
         return Err(invalid("unknown client flags"));
     }
-    let no_zeroes = cflags & codec::FLAG_C_NO_ZEROES != 0;
+    let export = Haggled { size, flags, opts, no_zeroes: cflags & codec::FLAG_C_NO_ZEROES != 0 };
     let mut neg = Negotiated::default();
     loop {
         let mut h = [0u8; 16];
@@ -339,24 +339,55 @@ where
         }
         let mut data = vec![0u8; h.length as usize];
         rd.read_exact(&mut data).await?;
-        let matches = |name: &str| name.is_empty() || name == opts.name;
-        match h.option {
+        let (reply, next) = export.answer(h.option, &data, &mut neg)?;
+        wr.write_all(&reply).await?;
+        match next {
+            Next::Haggle => {}
+            Next::Transmit => return Ok(Some(neg)),
+            Next::Abort => return Ok(None),
+        }
+    }
+}
+
+/// What follows an option's reply.
+enum Next {
+    /// More options.
+    Haggle,
+    /// The transmission phase.
+    Transmit,
+    /// Nothing (the client aborted).
+    Abort,
+}
+
+/// The export being haggled over, and how the client greeted.
+struct Haggled<'a> {
+    size: u64,
+    flags: u16,
+    opts: &'a NbdOptions,
+    no_zeroes: bool,
+}
+
+impl Haggled<'_> {
+    fn matches(&self, name: &str) -> bool {
+        name.is_empty() || name == self.opts.name
+    }
+
+    /// The reply to `option` with payload `data` (what the client negotiated goes to `neg`),
+    /// and what follows it; an error ends the connection.
+    fn answer(&self, option: u32, data: &[u8], neg: &mut Negotiated) -> io::Result<(Vec<u8>, Next)> {
+        let only = |reply: u32| codec::option_reply(option, reply, &[]);
+        Ok(match option {
             opt::EXPORT_NAME => {
-                let name = String::from_utf8_lossy(&data);
-                if !matches(&name) {
+                if !self.matches(&String::from_utf8_lossy(data)) {
                     return Err(invalid("unknown export requested with NBD_OPT_EXPORT_NAME"));
                 }
                 if neg.extended {
                     // The protocol forbids it (no way to answer an error): end the session.
                     return Err(invalid("NBD_OPT_EXPORT_NAME after NBD_OPT_EXTENDED_HEADERS"));
                 }
-                wr.write_all(&codec::export_name_reply(size, neg.flags(flags), no_zeroes)).await?;
-                return Ok(Some(neg));
+                (codec::export_name_reply(self.size, neg.flags(self.flags), self.no_zeroes), Next::Transmit)
             }
-            opt::ABORT => {
-                wr.write_all(&codec::option_reply(h.option, rep::ACK, &[])).await?;
-                return Ok(None);
-            }
+            opt::ABORT => (only(rep::ACK), Next::Abort),
             opt::STRUCTURED_REPLY => {
                 let reply = if !data.is_empty() {
                     rep::ERR_INVALID
@@ -367,7 +398,7 @@ where
                     neg.structured = true;
                     rep::ACK
                 };
-                wr.write_all(&codec::option_reply(h.option, reply, &[])).await?;
+                (only(reply), Next::Haggle)
             }
             opt::EXTENDED_HEADERS => {
                 // Implies structured replies (extended chunks); asking again changes nothing.
@@ -378,74 +409,72 @@ where
                 } else {
                     rep::ERR_INVALID
                 };
-                wr.write_all(&codec::option_reply(h.option, reply, &[])).await?;
+                (only(reply), Next::Haggle)
             }
-            opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => {
-                let set = h.option == opt::SET_META_CONTEXT;
-                let Some((name, queries)) = codec::parse_meta_request(&data) else {
-                    wr.write_all(&codec::option_reply(h.option, rep::ERR_INVALID, &[])).await?;
-                    continue;
-                };
-                if set && !neg.structured {
-                    // Block status replies are structured: no context without them.
-                    wr.write_all(&codec::option_reply(h.option, rep::ERR_INVALID, &[])).await?;
-                    continue;
-                }
-                if !matches(&name) {
-                    wr.write_all(&codec::option_reply(h.option, rep::ERR_UNKNOWN, &[])).await?;
-                    continue;
-                }
-                // LIST: no query, "base:" or the name itself; SET: the name itself.
-                let wanted = (!set && queries.is_empty())
-                    || queries.iter().any(|q| q == codec::BASE_ALLOCATION || (!set && q == "base:"));
-                let mut r = Vec::new();
-                if wanted {
-                    let ctx = codec::rep_meta_context(codec::BASE_ALLOCATION_ID, codec::BASE_ALLOCATION);
-                    r.extend(codec::option_reply(h.option, rep::META_CONTEXT, &ctx));
-                }
-                if set {
-                    neg.allocation = wanted;
-                }
-                r.extend(codec::option_reply(h.option, rep::ACK, &[]));
-                wr.write_all(&r).await?;
+            opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => (self.meta_context(option, data, neg), Next::Haggle),
+            opt::LIST if data.is_empty() => {
+                let mut r = codec::option_reply(option, rep::SERVER, &codec::rep_server(&self.opts.name));
+                r.extend(only(rep::ACK));
+                (r, Next::Haggle)
             }
-            opt::LIST => {
-                let reply = if data.is_empty() {
-                    let mut r = codec::option_reply(h.option, rep::SERVER, &codec::rep_server(&opts.name));
-                    r.extend(codec::option_reply(h.option, rep::ACK, &[]));
-                    r
-                } else {
-                    codec::option_reply(h.option, rep::ERR_INVALID, &[])
-                };
-                wr.write_all(&reply).await?;
-            }
-            opt::INFO | opt::GO => {
-                let Some((name, items)) = codec::parse_info_request(&data) else {
-                    wr.write_all(&codec::option_reply(h.option, rep::ERR_INVALID, &[])).await?;
-                    continue;
-                };
-                if !matches(&name) {
-                    wr.write_all(&codec::option_reply(h.option, rep::ERR_UNKNOWN, &[])).await?;
-                    continue;
-                }
-                let mut r = codec::option_reply(h.option, rep::INFO, &codec::info_export(size, neg.flags(flags)));
-                let (min, preferred, max) = block_sizes(size);
-                r.extend(codec::option_reply(h.option, rep::INFO, &codec::info_block_size(min, preferred, max)));
-                if items.contains(&info_item::NAME) {
-                    r.extend(codec::option_reply(h.option, rep::INFO, &codec::info_text(info_item::NAME, &opts.name)));
-                }
-                if items.contains(&info_item::DESCRIPTION) {
-                    let d = codec::info_text(info_item::DESCRIPTION, &opts.description);
-                    r.extend(codec::option_reply(h.option, rep::INFO, &d));
-                }
-                r.extend(codec::option_reply(h.option, rep::ACK, &[]));
-                wr.write_all(&r).await?;
-                if h.option == opt::GO {
-                    return Ok(Some(neg));
-                }
-            }
-            _ => wr.write_all(&codec::option_reply(h.option, rep::ERR_UNSUP, &[])).await?,
+            opt::LIST => (only(rep::ERR_INVALID), Next::Haggle),
+            opt::INFO | opt::GO => match self.info(option, data, neg) {
+                Ok(r) if option == opt::GO => (r, Next::Transmit),
+                Ok(r) | Err(r) => (r, Next::Haggle),
+            },
+            _ => (only(rep::ERR_UNSUP), Next::Haggle),
+        })
+    }
+
+    /// NBD_OPT_LIST_META_CONTEXT and NBD_OPT_SET_META_CONTEXT: `base:allocation` only.
+    fn meta_context(&self, option: u32, data: &[u8], neg: &mut Negotiated) -> Vec<u8> {
+        let set = option == opt::SET_META_CONTEXT;
+        let Some((name, queries)) = codec::parse_meta_request(data) else {
+            return codec::option_reply(option, rep::ERR_INVALID, &[]);
+        };
+        if set && !neg.structured {
+            // Block status replies are structured: no context without them.
+            return codec::option_reply(option, rep::ERR_INVALID, &[]);
         }
+        if !self.matches(&name) {
+            return codec::option_reply(option, rep::ERR_UNKNOWN, &[]);
+        }
+        // LIST: no query, "base:" or the name itself; SET: the name itself.
+        let wanted = (!set && queries.is_empty())
+            || queries.iter().any(|q| q == codec::BASE_ALLOCATION || (!set && q == "base:"));
+        let mut r = Vec::new();
+        if wanted {
+            let ctx = codec::rep_meta_context(codec::BASE_ALLOCATION_ID, codec::BASE_ALLOCATION);
+            r.extend(codec::option_reply(option, rep::META_CONTEXT, &ctx));
+        }
+        if set {
+            neg.allocation = wanted;
+        }
+        r.extend(codec::option_reply(option, rep::ACK, &[]));
+        r
+    }
+
+    /// NBD_OPT_INFO and NBD_OPT_GO: the export's size, flags, block sizes and what else was
+    /// asked for; or the error reply (a malformed request, another export's name).
+    fn info(&self, option: u32, data: &[u8], neg: &Negotiated) -> Result<Vec<u8>, Vec<u8>> {
+        let Some((name, items)) = codec::parse_info_request(data) else {
+            return Err(codec::option_reply(option, rep::ERR_INVALID, &[]));
+        };
+        if !self.matches(&name) {
+            return Err(codec::option_reply(option, rep::ERR_UNKNOWN, &[]));
+        }
+        let mut r = codec::option_reply(option, rep::INFO, &codec::info_export(self.size, neg.flags(self.flags)));
+        let (min, preferred, max) = block_sizes(self.size);
+        r.extend(codec::option_reply(option, rep::INFO, &codec::info_block_size(min, preferred, max)));
+        if items.contains(&info_item::NAME) {
+            r.extend(codec::option_reply(option, rep::INFO, &codec::info_text(info_item::NAME, &self.opts.name)));
+        }
+        if items.contains(&info_item::DESCRIPTION) {
+            let d = codec::info_text(info_item::DESCRIPTION, &self.opts.description);
+            r.extend(codec::option_reply(option, rep::INFO, &d));
+        }
+        r.extend(codec::option_reply(option, rep::ACK, &[]));
+        Ok(r)
     }
 }
 
@@ -707,34 +736,111 @@ pub(crate) fn block_status_reply(
     (Head::block_status(extended, req, codec::BASE_ALLOCATION_ID, out.len()), data)
 }
 
+/// Writes replies as they come: those ready together go out in one vectored write, headers
+/// and payloads from their own buffers (no copy).
+async fn reply_writer(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) -> io::Result<()> {
+    let mut batch: Vec<Reply> = Vec::with_capacity(REPLY_BATCH);
+    while let Some(first) = rx.recv().await {
+        batch.push(first);
+        while batch.len() < REPLY_BATCH {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        write_replies(&mut wr, &batch).await?;
+        batch.clear();
+    }
+    wr.shutdown().await
+}
+
+/// One request of the task path, run in its own task.
+struct Job {
+    client: Client,
+    tx: mpsc::Sender<Reply>,
+    stats: crate::NbdStats,
+    /// The connection's index in `stats`.
+    idx: u64,
+    /// The node the request's buffers should be on, when this request is sampled for it.
+    node: Option<u32>,
+    neg: Negotiated,
+    size: u64,
+    req: codec::Request,
+    action: Result<Action, u32>,
+    /// A WRITE's payload.
+    data: Vec<u8>,
+    /// A READ answered hole-aware.
+    holes: bool,
+    probe: Arc<HoleProbe>,
+}
+
+impl Job {
+    async fn run(self) {
+        let Job { client, tx, stats, idx, node, neg, size, req, action, data, holes, probe } = self;
+        if req.command == cmd::BLOCK_STATUS {
+            let reply = match action {
+                Err(e) => Reply { header: reply_head(neg, &req, e, 0), data: Vec::new() },
+                Ok(_) => {
+                    let answer = match status_query(req.offset, req.length, size) {
+                        Some((start, len)) => (start, client.block_status(start, len).await),
+                        None => (req.offset, Err(Error::Target(Status::Unsupported))),
+                    };
+                    let (header, data) = block_status_reply(neg.extended, &req, answer.0, answer.1);
+                    Reply { header, data }
+                }
+            };
+            let _ = tx.send(reply).await;
+            return;
+        }
+        if holes {
+            if let Some(replies) = read_with_holes(&client, &req, size, neg, &probe).await {
+                let read: u64 = replies.iter().map(|r| r.data.len() as u64).sum();
+                stats.update(idx, |r| r.bytes_read += read);
+                for r in replies {
+                    let _ = tx.send(r).await;
+                }
+                return;
+            }
+        }
+        let written = data.len() as u64;
+        let mut pages = node.and_then(|n| tyche_numa::report::count_slice(&data, Some(n)).ok());
+        let (error, data) = match execute(&client, &req, action, data).await {
+            Ok(d) => (0, d),
+            Err(e) => (e, Vec::new()),
+        };
+        let header = reply_head(neg, &req, error, data.len());
+        if node.is_some() && !data.is_empty() {
+            pages = tyche_numa::report::count_slice(&data, node).ok();
+        }
+        let read = data.len() as u64;
+        stats.update(idx, |r| {
+            if error == 0 {
+                r.bytes_written += written;
+                r.bytes_read += read;
+            }
+            if let Some(p) = pages.filter(|p| p.pages > 0) {
+                if r.buffers.pages == 0 {
+                    r.buffers.expected_node = node;
+                }
+                r.buffers.add(&p);
+            }
+        });
+        let _ = tx.send(Reply { header, data }).await;
+    }
+}
+
 /// Reads requests, runs each in its own task, writes replies as they complete.
 async fn transmission(
     rd: OwnedReadHalf,
-    mut wr: OwnedWriteHalf,
+    wr: OwnedWriteHalf,
     client: Client,
     opts: &NbdOptions,
     idx: u64,
     node: Option<u32>,
     neg: Negotiated,
 ) -> io::Result<()> {
-    let (tx, mut rx) = mpsc::channel::<Reply>(opts.max_inflight);
-    let writer = tokio::spawn(async move {
-        // Replies that are ready together go out in one vectored write, headers and payloads
-        // from their own buffers (no copy).
-        let mut batch: Vec<Reply> = Vec::with_capacity(REPLY_BATCH);
-        while let Some(first) = rx.recv().await {
-            batch.push(first);
-            while batch.len() < REPLY_BATCH {
-                match rx.try_recv() {
-                    Ok(r) => batch.push(r),
-                    Err(_) => break,
-                }
-            }
-            write_replies(&mut wr, &batch).await?;
-            batch.clear();
-        }
-        wr.shutdown().await
-    });
+    let (tx, rx) = mpsc::channel::<Reply>(opts.max_inflight);
+    let writer = tokio::spawn(reply_writer(wr, rx));
     // Several requests that arrive together are parsed from one read.
     let mut rd = tokio::io::BufReader::with_capacity(REQUEST_BUFFER, rd);
     let slots = Arc::new(Semaphore::new(opts.max_inflight));
@@ -773,6 +879,7 @@ async fn transmission(
         let units =
             if held > 0 || req.command == cmd::READ { held.div_ceil(BYTE_UNIT as u64).max(1) as u32 } else { 0 };
         let bytes_permit = Arc::clone(&bytes).acquire_many_owned(units).await.expect("semaphore never closed");
+        let permits = (permit, bytes_permit);
         let mut data = Vec::new();
         if let Some(n) = payload {
             data = vec![0u8; n as usize];
@@ -780,7 +887,6 @@ async fn transmission(
                 break Err(e);
             }
         }
-        let (client, tx, stats) = (client.clone(), tx.clone(), opts.stats.clone());
         // Where request buffers are, page by page (a move_pages(2) call), is checked on
         // connections served for a node only, and there on the first requests and one in
         // BUFFER_SAMPLE after: a syscall per request would cost more than the request.
@@ -788,60 +894,23 @@ async fn transmission(
         seq += 1;
         let action = codec::check_request(&req, &rules);
         let holes = action == Ok(Action::Read) && hole_aware(&req, neg, opts.hole_read_min, &probe);
-        let probe = Arc::clone(&probe);
+        let job = Job {
+            client: client.clone(),
+            tx: tx.clone(),
+            stats: opts.stats.clone(),
+            idx,
+            node: node.filter(|_| sample),
+            neg,
+            size,
+            req,
+            action,
+            data,
+            holes,
+            probe: Arc::clone(&probe),
+        };
         tokio::spawn(async move {
-            let written = data.len() as u64;
-            let mut pages = sample.then(|| tyche_numa::report::count_slice(&data, node).ok()).flatten();
-            if req.command == cmd::BLOCK_STATUS {
-                let reply = match action {
-                    Err(e) => Reply { header: reply_head(neg, &req, e, 0), data: Vec::new() },
-                    Ok(_) => {
-                        let answer = match status_query(req.offset, req.length, size) {
-                            Some((start, len)) => (start, client.block_status(start, len).await),
-                            None => (req.offset, Err(Error::Target(Status::Unsupported))),
-                        };
-                        let (header, data) = block_status_reply(neg.extended, &req, answer.0, answer.1);
-                        Reply { header, data }
-                    }
-                };
-                let _ = tx.send(reply).await;
-                drop((permit, bytes_permit));
-                return;
-            }
-            if holes {
-                if let Some(replies) = read_with_holes(&client, &req, size, neg, &probe).await {
-                    let read: u64 = replies.iter().map(|r| r.data.len() as u64).sum();
-                    stats.update(idx, |r| r.bytes_read += read);
-                    for r in replies {
-                        let _ = tx.send(r).await;
-                    }
-                    drop((permit, bytes_permit));
-                    return;
-                }
-            }
-            let (error, data) = match execute(&client, &req, action, data).await {
-                Ok(d) => (0, d),
-                Err(e) => (e, Vec::new()),
-            };
-            let header = reply_head(neg, &req, error, data.len());
-            if sample && !data.is_empty() {
-                pages = tyche_numa::report::count_slice(&data, node).ok();
-            }
-            let read = data.len() as u64;
-            stats.update(idx, |r| {
-                if error == 0 {
-                    r.bytes_written += written;
-                    r.bytes_read += read;
-                }
-                if let Some(p) = pages.filter(|p| p.pages > 0) {
-                    if r.buffers.pages == 0 {
-                        r.buffers.expected_node = node;
-                    }
-                    r.buffers.add(&p);
-                }
-            });
-            let _ = tx.send(Reply { header, data }).await;
-            drop((permit, bytes_permit));
+            job.run().await;
+            drop(permits);
         });
     };
     // Let requests in flight finish and their replies go out, then close.
