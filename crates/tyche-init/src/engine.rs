@@ -1724,41 +1724,12 @@ fn serve(sh: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd
     let mut next: Option<Cmd> = None;
     // Stats and reports read every thread's group: answered without holding this one's.
     let mut asked: Vec<Cmd> = Vec::new();
-    let answer = |asked: &mut Vec<Cmd>| {
-        for cmd in asked.drain(..) {
-            match cmd {
-                Cmd::Stats(reply) => {
-                    let _ = reply.send(sh.snapshot());
-                }
-                Cmd::Report(reply) => {
-                    let _ = reply.send(sh.report());
-                }
-                _ => {}
-            }
-        }
-    };
+    let answer = |asked: &mut Vec<Cmd>| answer(sh, asked);
     loop {
         let mut grp = sh.group(g);
         let now = sh.now();
         let mut work = false;
-        let mut command = |grp: &mut Group, cmd: Cmd| match cmd {
-            Cmd::Batch(ios) => {
-                grp.stats.handed_over += ios.len() as u64;
-                for io in ios {
-                    grp.submit(sh, io, now);
-                }
-            }
-            Cmd::Stats(_) | Cmd::Report(_) => asked.push(cmd),
-            Cmd::Close(done) => sh.close(Some(done), now),
-            Cmd::Front(front) => {
-                front.placed(Some(placed.clone()));
-                if grp.closing || sh.closing() {
-                    front.close(true);
-                } else {
-                    grp.fronts.insert(front.key(), front);
-                }
-            }
-        };
+        let mut command = |grp: &mut Group, cmd: Cmd| command(sh, grp, cmd, now, &placed, &mut asked);
         if let Some(cmd) = next.take() {
             command(&mut grp, cmd);
             work = true;
@@ -1801,31 +1772,7 @@ fn serve(sh: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd
             }
             continue;
         }
-        let busy = !grp.inflight.is_empty()
-            || !grp.connectors.is_empty()
-            || grp.part.as_ref().is_some_and(|v| v.adopted_parts() > 0);
-        let mut wait = match (busy, all_fds) {
-            (true, false) => BUSY_SLEEP,
-            (true, true) => BUSY_SLEEP_FD,
-            (false, _) => IDLE_SLEEP,
-        };
-        if let Some(v) = &grp.part {
-            if let Some(t) = v.poll_timeout() {
-                wait = wait.min(t.since(now));
-            }
-            if let Some(t) = v.refresh_at().filter(|_| grp.reads_board()) {
-                wait = wait.min(t.since(now));
-            }
-        }
-        if !sh.closing() {
-            let due = sh.control_due.load(Ordering::Acquire);
-            if due != u64::MAX {
-                wait = wait.min(Instant(due).since(now));
-            }
-        } else if grp.closing {
-            // Closing waits for the other threads' requests too: look again soon.
-            wait = wait.min(BUSY_SLEEP_FD);
-        }
+        let wait = sleep_time(sh, &grp, now, all_fds);
         let sockets = grp.fronts_poll_set();
         // Say so before letting go of the group: a thread that then leaves work for this one
         // (a command, mail, frames on its links, an inline request it must receive the reply
@@ -1862,6 +1809,84 @@ fn serve(sh: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd
         bell.sleeping.store(false, Ordering::Release);
         bell.efd.drain();
     }
+}
+
+/// Answers the stats and report requests in `asked` (read from every thread's group, so never
+/// while holding one).
+fn answer(sh: &Shared, asked: &mut Vec<Cmd>) {
+    for cmd in asked.drain(..) {
+        match cmd {
+            Cmd::Stats(reply) => {
+                let _ = reply.send(sh.snapshot());
+            }
+            Cmd::Report(reply) => {
+                let _ = reply.send(sh.report());
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A command from a client (or the engine's control) to thread `grp`; stats and reports are
+/// put in `asked`, to be answered once the group is let go.
+fn command(
+    sh: &Shared,
+    grp: &mut Group,
+    cmd: Cmd,
+    now: Instant,
+    placed: &tyche_numa::report::ThreadPlacement,
+    asked: &mut Vec<Cmd>,
+) {
+    match cmd {
+        Cmd::Batch(ios) => {
+            grp.stats.handed_over += ios.len() as u64;
+            for io in ios {
+                grp.submit(sh, io, now);
+            }
+        }
+        Cmd::Stats(_) | Cmd::Report(_) => asked.push(cmd),
+        Cmd::Close(done) => sh.close(Some(done), now),
+        Cmd::Front(front) => {
+            front.placed(Some(placed.clone()));
+            if grp.closing || sh.closing() {
+                front.close(true);
+            } else {
+                grp.fronts.insert(front.key(), front);
+            }
+        }
+    }
+}
+
+/// How long an engine thread with nothing to do now may sleep: briefly while requests,
+/// connections or adopted parts wait (polling links that have no readiness descriptor), long
+/// when idle, and never past its timers (the volume's, the board's refresh, the control's).
+fn sleep_time(sh: &Shared, grp: &Group, now: Instant, all_fds: bool) -> Duration {
+    let busy = !grp.inflight.is_empty()
+        || !grp.connectors.is_empty()
+        || grp.part.as_ref().is_some_and(|v| v.adopted_parts() > 0);
+    let mut wait = match (busy, all_fds) {
+        (true, false) => BUSY_SLEEP,
+        (true, true) => BUSY_SLEEP_FD,
+        (false, _) => IDLE_SLEEP,
+    };
+    if let Some(v) = &grp.part {
+        if let Some(t) = v.poll_timeout() {
+            wait = wait.min(t.since(now));
+        }
+        if let Some(t) = v.refresh_at().filter(|_| grp.reads_board()) {
+            wait = wait.min(t.since(now));
+        }
+    }
+    if !sh.closing() {
+        let due = sh.control_due.load(Ordering::Acquire);
+        if due != u64::MAX {
+            wait = wait.min(Instant(due).since(now));
+        }
+    } else if grp.closing {
+        // Closing waits for the other threads' requests too: look again soon.
+        wait = wait.min(BUSY_SLEEP_FD);
+    }
+    wait
 }
 
 /// Sleeps until a client or another engine thread rings, a transport becomes readable (`fds`),

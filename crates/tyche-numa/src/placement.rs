@@ -180,6 +180,49 @@ pub fn plan_with_model(topo: &Topology, req: &PlacementRequest, model: Option<&B
     }
 
     // 1. The node of each channel.
+    let mut channel_node = channel_nodes(topo, req, &with_cpus, model, &mut out);
+
+    // 2. With a model: channels that would share a core move to a class-1 node with a spare one.
+    let consumers: BTreeSet<u32> = req.consumer_cpus.iter().copied().collect();
+    if let Some(model) = model {
+        spill(topo, req, model, &consumers, &mut channel_node, &mut out);
+    }
+
+    // 3. Per node: cores for network threads and for completion workers.
+    let mut network_cpu: Vec<(u32, bool)> = vec![(0, false); req.channels.len()];
+    for node in topo.nodes.iter().filter(|n| !n.cpus.is_empty()) {
+        let mine: Vec<usize> = (0..req.channels.len()).filter(|&i| channel_node[i] == node.id).collect();
+        place_on_node(node, &mine, &consumers, &mut network_cpu, &mut out);
+    }
+
+    out.channels = req
+        .channels
+        .iter()
+        .zip(channel_node)
+        .zip(network_cpu)
+        .map(|((spec, node), (cpu, exclusive))| ChannelPlacement {
+            nic: spec.nic.clone(),
+            channel: spec.channel,
+            nic_node: spec.nic_node,
+            node,
+            memory_node: spec.nic_node.filter(|&k| topo.node(k).is_some_and(|n| n.memory_bytes > 0)).unwrap_or(node),
+            network_cpu: cpu,
+            exclusive_core: exclusive,
+        })
+        .collect();
+    out
+}
+
+/// Step 1 of [`plan_with_model`]: the node of each channel (its NIC's; the nearest with CPUs,
+/// by the model where there is one, for a NIC on a node without; for a NIC of unknown node the
+/// node with CPUs that has the fewest channels so far).
+fn channel_nodes(
+    topo: &Topology,
+    req: &PlacementRequest,
+    with_cpus: &[u32],
+    model: Option<&BandwidthModel>,
+    out: &mut Plan,
+) -> Vec<u32> {
     let mut per_node: Vec<usize> = vec![0; topo.nodes.len()];
     let idx_of = |id: u32| topo.nodes.iter().position(|n| n.id == id);
     let mut channel_node: Vec<u32> = Vec::with_capacity(req.channels.len());
@@ -193,14 +236,14 @@ pub fn plan_with_model(topo: &Topology, req: &PlacementRequest, model: Option<&B
             if with_cpus.contains(&node) {
                 return Some(node);
             }
-            let (near, class) = nearest_with_cpus(topo, node, &with_cpus, model);
+            let (near, class) = nearest_with_cpus(topo, node, with_cpus, model);
             if warned_nics.insert(c.nic.clone()) {
                 let why = match class {
                     Some(class) => format!("bandwidth class {class} for NICs on node {node}, the best with CPUs"),
                     None => "the nearest with CPUs".to_string(),
                 };
                 warn(
-                    &mut out,
+                    out,
                     format!(
                         "NIC {} is on node {node}, which has no CPUs: its channels run on node {near} ({why})",
                         c.nic
@@ -223,7 +266,7 @@ pub fn plan_with_model(topo: &Topology, req: &PlacementRequest, model: Option<&B
             *node = Some(least);
             if warned_nics.insert(spec.nic.clone()) {
                 warn(
-                    &mut out,
+                    out,
                     format!(
                         "NIC {} has no known NUMA node: its channels are spread over the nodes \
                          with the fewest channels, starting on node {least}",
@@ -234,102 +277,85 @@ pub fn plan_with_model(topo: &Topology, req: &PlacementRequest, model: Option<&B
         }
         channel_node.push(node.expect("every channel has a node now"));
     }
+    channel_node
+}
 
-    // 2. With a model: channels that would share a core move to a class-1 node with a spare one.
-    let consumers: BTreeSet<u32> = req.consumer_cpus.iter().copied().collect();
-    if let Some(model) = model {
-        spill(topo, req, model, &consumers, &mut channel_node, &mut out);
-    }
-
-    // 3. Per node: cores for network threads and for completion workers.
-    let mut network_cpu: Vec<(u32, bool)> = vec![(0, false); req.channels.len()];
-    for node in topo.nodes.iter().filter(|n| !n.cpus.is_empty()) {
-        let mine: Vec<usize> = (0..req.channels.len()).filter(|&i| channel_node[i] == node.id).collect();
-        let n = mine.len();
-        let mut free: Vec<&Vec<u32>> =
-            node.cores.iter().filter(|core| !core.iter().any(|c| consumers.contains(c))).collect();
-        let mut worker_cores: Vec<&Vec<u32>> = Vec::new();
-        if n == 0 {
-            worker_cores = free;
+/// Step 3 of [`plan_with_model`] for one node with CPUs: cores for the network threads of its
+/// channels `mine` (into `network_cpu`) and for completion workers (into `out`).
+fn place_on_node(
+    node: &crate::Node,
+    mine: &[usize],
+    consumers: &BTreeSet<u32>,
+    network_cpu: &mut [(u32, bool)],
+    out: &mut Plan,
+) {
+    let n = mine.len();
+    let mut free: Vec<&Vec<u32>> =
+        node.cores.iter().filter(|core| !core.iter().any(|c| consumers.contains(c))).collect();
+    let mut worker_cores: Vec<&Vec<u32>> = Vec::new();
+    if n == 0 {
+        worker_cores = free;
+    } else {
+        let all_busy = free.is_empty();
+        if all_busy {
+            warn(
+                out,
+                format!(
+                    "node {}: consumers run on all {} cores, so its {n} network threads share \
+                     their cores",
+                    node.id,
+                    node.cores.len()
+                ),
+            );
+            free = node.cores.iter().collect();
+        }
+        let net_cores: Vec<&Vec<u32>>;
+        if free.len() > n {
+            net_cores = free[free.len() - n..].to_vec();
+            worker_cores = free[..free.len() - n].to_vec();
+        } else if free.len() >= 2 {
+            net_cores = free[1..].to_vec();
+            worker_cores = free[..1].to_vec();
+            warn(
+                out,
+                format!(
+                    "node {}: {n} network threads but only {} free cores: they share the \
+                     hardware threads of {} core(s), one core is kept for completion workers",
+                    node.id,
+                    free.len(),
+                    net_cores.len()
+                ),
+            );
         } else {
-            let all_busy = free.is_empty();
-            if all_busy {
-                warn(
-                    &mut out,
-                    format!(
-                        "node {}: consumers run on all {} cores, so its {n} network threads share \
-                         their cores",
-                        node.id,
-                        node.cores.len()
-                    ),
-                );
-                free = node.cores.iter().collect();
+            net_cores = free.clone();
+            if consumers.is_empty() {
+                worker_cores = free.clone();
             }
-            let net_cores: Vec<&Vec<u32>>;
-            if free.len() > n {
-                net_cores = free[free.len() - n..].to_vec();
-                worker_cores = free[..free.len() - n].to_vec();
-            } else if free.len() >= 2 {
-                net_cores = free[1..].to_vec();
-                worker_cores = free[..1].to_vec();
-                warn(
-                    &mut out,
-                    format!(
-                        "node {}: {n} network threads but only {} free cores: they share the \
-                         hardware threads of {} core(s), one core is kept for completion workers",
-                        node.id,
-                        free.len(),
-                        net_cores.len()
-                    ),
-                );
-            } else {
-                net_cores = free.clone();
-                if consumers.is_empty() {
-                    worker_cores = free.clone();
-                }
-                warn(
-                    &mut out,
-                    format!(
-                        "node {}: a single free core: {n} network threads{} share it",
-                        node.id,
-                        if consumers.is_empty() { " and the completion worker" } else { "" }
-                    ),
-                );
-            }
-            if all_busy {
-                // Those cores already run consumers: no completion worker goes there.
-                worker_cores.clear();
-            }
-            let exclusive = free.len() > n && !all_busy;
-            // Hardware threads in PU-major order: first PU of every core, then the second...
-            let max_pus = net_cores.iter().map(|c| c.len()).max().unwrap_or(0);
-            let slots: Vec<u32> =
-                (0..max_pus).flat_map(|k| net_cores.iter().filter_map(move |c| c.get(k).copied())).collect();
-            for (j, &ch) in mine.iter().enumerate() {
-                network_cpu[ch] = (slots[j % slots.len()], exclusive);
-            }
+            warn(
+                out,
+                format!(
+                    "node {}: a single free core: {n} network threads{} share it",
+                    node.id,
+                    if consumers.is_empty() { " and the completion worker" } else { "" }
+                ),
+            );
         }
-        for core in worker_cores {
-            out.completion_workers.push(CompletionWorker { node: node.id, cpu: core[0] });
+        if all_busy {
+            // Those cores already run consumers: no completion worker goes there.
+            worker_cores.clear();
+        }
+        let exclusive = free.len() > n && !all_busy;
+        // Hardware threads in PU-major order: first PU of every core, then the second...
+        let max_pus = net_cores.iter().map(|c| c.len()).max().unwrap_or(0);
+        let slots: Vec<u32> =
+            (0..max_pus).flat_map(|k| net_cores.iter().filter_map(move |c| c.get(k).copied())).collect();
+        for (j, &ch) in mine.iter().enumerate() {
+            network_cpu[ch] = (slots[j % slots.len()], exclusive);
         }
     }
-
-    out.channels = req
-        .channels
-        .iter()
-        .zip(channel_node)
-        .zip(network_cpu)
-        .map(|((spec, node), (cpu, exclusive))| ChannelPlacement {
-            nic: spec.nic.clone(),
-            channel: spec.channel,
-            nic_node: spec.nic_node,
-            node,
-            memory_node: spec.nic_node.filter(|&k| topo.node(k).is_some_and(|n| n.memory_bytes > 0)).unwrap_or(node),
-            network_cpu: cpu,
-            exclusive_core: exclusive,
-        })
-        .collect();
-    out
+    for core in worker_cores {
+        out.completion_workers.push(CompletionWorker { node: node.id, cpu: core[0] });
+    }
 }
 
 /// Free cores of `node`: those that run no consumer.
