@@ -387,19 +387,8 @@ impl XdpPort {
             queue: config.queue,
             pid,
         })?;
-        assert!(
-            config.frame_count.is_power_of_two() && config.frame_count >= 64,
-            "frame_count must be a power of two >= 64"
-        );
         let half = config.frame_count / 2;
         let q = |n: u32| QueueSize::new(n).map_err(|e| xsk_err("ring size", e));
-        let umem_config = UmemConfig::builder()
-            .frame_size(FrameSize::new(CHUNK_SIZE as u32).map_err(|e| xsk_err("frame size", e))?)
-            .frame_headroom(FRAME_HEADROOM as u32)
-            .fill_queue_size(q(half)?)
-            .comp_queue_size(q(half)?)
-            .build()
-            .map_err(|e| xsk_err("UMEM config", e))?;
         let numa_node = match config.numa {
             NumaPlacement::Auto => tyche_numa::nic_node(&info.name),
             NumaPlacement::Node(n) => Some(n),
@@ -409,29 +398,12 @@ impl XdpPort {
             tyche_numa::pin_current_thread_to_node(node)
                 .map_err(|e| Error::numa(format!("pinning to NUMA node {node}"), e))?;
         }
-        let frame_count =
-            NonZeroU32::new(config.frame_count + config.lend_frames + config.tx_lend_frames).expect("frame_count > 0");
-        // Umem::new maps with MAP_POPULATE: binding the memory policy around it places every
-        // page on the NIC's node.
-        let (umem, descs) =
-            tyche_numa::alloc::with_thread_memory_on(numa_node, || Umem::new(umem_config, frame_count, false))
-                .map_err(|e| Error::numa("binding the UMEM to the NIC's NUMA node", e))?
-                .map_err(|e| xsk_err("creating the UMEM", with_sources(&e)))?;
-
-        let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
-        if plan.multi_buffer {
-            bind |= BindFlags::XDP_USE_SG;
-        }
-        match config.copy {
-            CopyMode::Auto => {}
-            CopyMode::Copy => bind |= BindFlags::XDP_COPY,
-            CopyMode::ZeroCopy => bind |= BindFlags::XDP_ZEROCOPY,
-        }
+        let (umem, descs, frame_count) = create_umem(config, numa_node)?;
         let socket_config = SocketConfig::builder()
             .rx_queue_size(q(half)?)
             .tx_queue_size(q(half)?)
             .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
-            .bind_flags(bind)
+            .bind_flags(bind_flags(config.copy, plan.multi_buffer))
             .build();
         let iface: Interface = info.name.parse().map_err(|_| Error::NoInterface(info.name.clone()))?;
         // The RX and TX rings are allocated by the kernel when the socket is set up, under the
@@ -443,14 +415,7 @@ impl XdpPort {
         })
         .map_err(|e| Error::numa("binding the rings to the NIC's NUMA node", e))?
         .map_err(|e| {
-            let hint = match (config.copy, plan.multi_buffer) {
-                (CopyMode::ZeroCopy, true) => {
-                    " in zero-copy mode (the driver needs AF_XDP zero-copy support, for multi-buffer frames too)"
-                }
-                (CopyMode::ZeroCopy, false) => " in zero-copy mode (the driver needs AF_XDP zero-copy support)",
-                (_, true) => " (multi-buffer needs kernel 6.6+ and driver support)",
-                (_, false) => "",
-            };
+            let hint = bind_hint(config.copy, plan.multi_buffer);
             xsk_err(
                 &format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue),
                 with_sources(&e),
@@ -460,15 +425,7 @@ impl XdpPort {
         let zero_copy = bound_zero_copy(rx.fd().as_raw_fd()).map_err(|e| Error::io("getsockopt XDP_OPTIONS", e))?;
 
         if let Some(bp) = config.busy_poll {
-            let fd = rx.fd().as_raw_fd();
-            for (opt, v, name) in [
-                (SO_PREFER_BUSY_POLL, 1, "SO_PREFER_BUSY_POLL"),
-                (SO_BUSY_POLL, bp.usecs, "SO_BUSY_POLL"),
-                (SO_BUSY_POLL_BUDGET, bp.budget, "SO_BUSY_POLL_BUDGET"),
-            ] {
-                set_sockopt_int(fd, libc::SOL_SOCKET, opt, v)
-                    .map_err(|e| Error::io(format!("setsockopt {name}"), e))?;
-            }
+            set_busy_poll(rx.fd().as_raw_fd(), bp)?;
         }
 
         // The UMEM's first chunk has address 0, so its data pointer is the start of the area.
@@ -1113,4 +1070,69 @@ impl FrameTransport for XdpPort {
     fn memory_areas(&self) -> Vec<tyche_transport::MemoryArea> {
         XdpPort::memory_areas(self)
     }
+}
+
+/// The UMEM of a port: `frame_count` chunks for its rings plus those it lends, on `node` (its
+/// pages placed there as they are mapped); the chunks' descriptors and their count.
+fn create_umem(config: &PortConfig, node: Option<u32>) -> Result<(Umem, Vec<FrameDesc>, NonZeroU32), Error> {
+    assert!(
+        config.frame_count.is_power_of_two() && config.frame_count >= 64,
+        "frame_count must be a power of two >= 64"
+    );
+    let half = config.frame_count / 2;
+    let q = |n: u32| QueueSize::new(n).map_err(|e| xsk_err("ring size", e));
+    let umem_config = UmemConfig::builder()
+        .frame_size(FrameSize::new(CHUNK_SIZE as u32).map_err(|e| xsk_err("frame size", e))?)
+        .frame_headroom(FRAME_HEADROOM as u32)
+        .fill_queue_size(q(half)?)
+        .comp_queue_size(q(half)?)
+        .build()
+        .map_err(|e| xsk_err("UMEM config", e))?;
+    let frame_count =
+        NonZeroU32::new(config.frame_count + config.lend_frames + config.tx_lend_frames).expect("frame_count > 0");
+    // Umem::new maps with MAP_POPULATE: binding the memory policy around it places every page on
+    // the NIC's node.
+    let (umem, descs) = tyche_numa::alloc::with_thread_memory_on(node, || Umem::new(umem_config, frame_count, false))
+        .map_err(|e| Error::numa("binding the UMEM to the NIC's NUMA node", e))?
+        .map_err(|e| xsk_err("creating the UMEM", with_sources(&e)))?;
+    Ok((umem, descs, frame_count))
+}
+
+/// The socket's bind flags: wake-ups only when needed, scatter-gather for multi-buffer frames,
+/// and the copy mode asked for.
+fn bind_flags(copy: CopyMode, multi_buffer: bool) -> BindFlags {
+    let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
+    if multi_buffer {
+        bind |= BindFlags::XDP_USE_SG;
+    }
+    match copy {
+        CopyMode::Auto => {}
+        CopyMode::Copy => bind |= BindFlags::XDP_COPY,
+        CopyMode::ZeroCopy => bind |= BindFlags::XDP_ZEROCOPY,
+    }
+    bind
+}
+
+/// What a failed bind most likely lacked, for its error.
+fn bind_hint(copy: CopyMode, multi_buffer: bool) -> &'static str {
+    match (copy, multi_buffer) {
+        (CopyMode::ZeroCopy, true) => {
+            " in zero-copy mode (the driver needs AF_XDP zero-copy support, for multi-buffer frames too)"
+        }
+        (CopyMode::ZeroCopy, false) => " in zero-copy mode (the driver needs AF_XDP zero-copy support)",
+        (_, true) => " (multi-buffer needs kernel 6.6+ and driver support)",
+        (_, false) => "",
+    }
+}
+
+/// Busy polling on the socket `fd` (preferred, its time and budget).
+fn set_busy_poll(fd: std::os::fd::RawFd, bp: BusyPoll) -> Result<(), Error> {
+    for (opt, v, name) in [
+        (SO_PREFER_BUSY_POLL, 1, "SO_PREFER_BUSY_POLL"),
+        (SO_BUSY_POLL, bp.usecs, "SO_BUSY_POLL"),
+        (SO_BUSY_POLL_BUDGET, bp.budget, "SO_BUSY_POLL_BUDGET"),
+    ] {
+        set_sockopt_int(fd, libc::SOL_SOCKET, opt, v).map_err(|e| Error::io(format!("setsockopt {name}"), e))?;
+    }
+    Ok(())
 }
