@@ -90,7 +90,7 @@ fn a_missing_interface_is_waited_for_with_an_attachment_file() {
 #[test]
 fn attach_without_ublk_points_to_nbd() {
     if Path::new("/dev/ublk-control").exists() {
-        eprintln!("SKIP: this kernel has ublk");
+        tyche_testkit::cannot_run("attach_without_ublk_points_to_nbd", "this kernel has ublk");
         return;
     }
     fails_with(&["attach", "--loopback-mib", "16", "--export", "x"], "tyche-init serve-nbd --socket PATH");
@@ -205,7 +205,10 @@ fn stats_show_per_channel_bytes_and_nbd_buffers_on_their_node() {
     if Command::new("nbdcopy").arg("--version").output().is_err()
         || !Path::new("/sys/devices/system/node/node0").exists()
     {
-        eprintln!("SKIP: needs nbdcopy (libnbd-bin) and sysfs NUMA nodes");
+        tyche_testkit::cannot_run(
+            "stats_show_per_channel_bytes_and_nbd_buffers_on_their_node",
+            "needs nbdcopy (libnbd-bin) and sysfs NUMA nodes",
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -14,10 +14,14 @@ use tyche_init::{connect, EngineThreads, InitiatorConfig, SchedulerKind, SendMod
 
 const MIB: u64 = 1 << 20;
 
+/// The system's own directories: nbdsh is a Python script run by the `python3` first on the
+/// PATH, and python3-libnbd is the system Python's (a user's pyenv or venv has no `nbd`).
+const SYSTEM_PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
+
 fn have(tool: &str) -> bool {
-    let found = Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
+    let found = Command::new(tool).arg("--version").env("PATH", SYSTEM_PATH).output().is_ok_and(|o| o.status.success());
     if !found {
-        eprintln!("SKIP: {tool} not installed (apt-get install libnbd-bin)");
+        tyche_testkit::cannot_run(tool, "not installed (apt-get install libnbd-bin)");
     }
     found
 }
@@ -26,6 +30,12 @@ fn have(tool: &str) -> bool {
 fn run(cmd: &mut Command) -> String {
     let mut full = Command::new("timeout");
     full.arg("120").arg(cmd.get_program()).args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => full.env(k, v),
+            None => full.env_remove(k),
+        };
+    }
     let out = full.output().expect("spawn");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
@@ -681,7 +691,10 @@ fn xdp_veth_nbdcopy_with_failover() {
 async fn fio_random_writes_verify() {
     let engine = Command::new("fio").arg("--enghelp=nbd").output();
     if !engine.is_ok_and(|o| o.status.success()) {
-        eprintln!("SKIP: fio with the nbd engine not installed (apt-get install fio)");
+        tyche_testkit::cannot_run(
+            "fio_random_writes_verify",
+            "fio with the nbd engine not installed (apt-get install fio)",
+        );
         return;
     }
     let s = server(64 * MIB).await;
@@ -711,8 +724,12 @@ async fn fio_random_writes_verify() {
 fn interop_with_tyched() {
     let me = Path::new(env!("CARGO_BIN_EXE_tyche-init"));
     let tyched = me.with_file_name("tyched");
-    if !tyched.exists() || !have("nbdcopy") {
-        eprintln!("SKIP: no tyched binary at {} (cargo build -p tyched)", tyched.display());
+    if !have("nbdcopy") {
+        return;
+    }
+    if !tyched.exists() {
+        let why = format!("no tyched binary at {} (cargo build -p tyched)", tyched.display());
+        tyche_testkit::cannot_run("interop_with_tyched", &why);
         return;
     }
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
@@ -1098,7 +1115,11 @@ assert buf == bytes(want) and len(chunks) == 1 and chunks[0][0] == nbd.READ_DATA
 print("PREAD STRUCTURED OK", len(chunks))
 "#
         .replace("URI", &format!("{u:?}"));
-        let out = tokio::task::spawn_blocking(move || run(Command::new("nbdsh").arg("-c").arg(script))).await.unwrap();
+        let out = tokio::task::spawn_blocking(move || {
+            run(Command::new("nbdsh").env("PATH", SYSTEM_PATH).arg("-c").arg(script))
+        })
+        .await
+        .unwrap();
         assert!(out.contains("PREAD STRUCTURED OK"), "engine_io {engine_io}: {out}");
     }
 }
