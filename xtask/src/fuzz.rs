@@ -66,22 +66,55 @@ fn host_triple() -> Result<String> {
     text.lines().find_map(|l| l.strip_prefix("host: ")).map(str::to_owned).context("rustc -vV names no host")
 }
 
-fn build(root: &Path, triple: &str) -> Result<PathBuf> {
-    eprintln!("fuzz: building the fuzz targets (release, coverage-instrumented, stable toolchain)");
-    let status = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-        .current_dir(root.join("fuzz"))
+/// `cargo build` of the fuzz targets, through `prefix` (e.g. `nice`) when not empty.
+fn build_command(root: &Path, triple: &str, prefix: &[&str]) -> Command {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = match prefix.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(cargo);
+            c
+        }
+        None => Command::new(cargo),
+    };
+    cmd.current_dir(root.join("fuzz"))
         .args(["build", "--release", "--bins", "--target", triple])
         // Only the target's code is instrumented: with an explicit --target, RUSTFLAGS skip
         // build scripts and proc macros.
         .env("RUSTFLAGS", RUSTFLAGS)
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .env("CARGO_TARGET_DIR", root.join("fuzz/target"))
+        .env("CARGO_TARGET_DIR", root.join("fuzz/target"));
+    cmd
+}
+
+const BUILD_FAILED: &str = "building the fuzz targets failed; libfuzzer-sys needs a C++ compiler (c++)";
+
+fn build(root: &Path, triple: &str) -> Result<PathBuf> {
+    eprintln!("fuzz: building the fuzz targets (release, coverage-instrumented, stable toolchain)");
+    let status = build_command(root, triple, &[]).status().context("running cargo build for fuzz/")?;
+    if !status.success() {
+        bail!("{BUILD_FAILED} ({status})");
+    }
+    Ok(root.join("fuzz/target").join(triple).join("release"))
+}
+
+/// Builds the fuzz targets at the lowest priority, cargo's output in `log`: `cargo xtask test`
+/// runs this while the VM guests run, on the cores their vCPUs leave idle (the fuzz step then
+/// finds them built). On failure the error carries the log's tail.
+pub fn prebuild(root: &Path, log: &Path) -> Result<()> {
+    let triple = host_triple()?;
+    let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let status = build_command(root, &triple, &["nice", "-n", "19"])
+        .stdout(out.try_clone()?)
+        .stderr(out)
         .status()
         .context("running cargo build for fuzz/")?;
     if !status.success() {
-        bail!("building the fuzz targets failed ({status}); libfuzzer-sys needs a C++ compiler (c++)");
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect();
+        bail!("{BUILD_FAILED} ({status}); the last lines of {}:\n{}", log.display(), tail.join("\n"));
     }
-    Ok(root.join("fuzz/target").join(triple).join("release"))
+    Ok(())
 }
 
 fn files_in(dir: &Path) -> Vec<PathBuf> {

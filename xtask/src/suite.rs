@@ -97,6 +97,13 @@ pub fn run(args: TestArgs) -> Result<()> {
     crate::flood::flood(&crate::root(), &crate::flood::FloodArgs::standard())?;
     begin("attack (a third namespace on the segment attacks a keyed session)");
     crate::attack::attack(&crate::root(), &crate::attack::AttackArgs::standard())?;
+    // The fuzz targets build (3.5 min of both cores alone) at the lowest priority while the VM
+    // guests run: their vCPUs leave about a quarter of the machine idle.
+    let fuzz_log = crate::xdp::target_dir(&crate::root()).join("fuzz-build.log");
+    let fuzz_build = std::thread::spawn({
+        let (root, log) = (crate::root(), fuzz_log.clone());
+        move || crate::fuzz::prebuild(&root, &log)
+    });
     begin(
         "vm-test (ext4 on ublk and the faults' ublk recovery: kill -9 of tyche-init mid-write; NUMA \
          placement in a VM with two NUMA nodes; the kernel's and qemu's NBD clients; md mirrors across targets; \
@@ -104,7 +111,7 @@ pub fn run(args: TestArgs) -> Result<()> {
     );
     // Every initramfs test in one boot (the faults' ublk-recovery scenario is the ublk test's
     // second half), then the systemd guest's.
-    crate::vm::vm_test(
+    let vm = crate::vm::vm_test(
         &crate::root(),
         &crate::vm::VmTestArgs::only(&[
             crate::vm::GuestTest::Ublk,
@@ -114,7 +121,12 @@ pub fn run(args: TestArgs) -> Result<()> {
             crate::vm::GuestTest::Crash,
             crate::vm::GuestTest::Boot,
         ]),
-    )?;
+    );
+    if vm.is_err() {
+        // Leave no build running behind the failure.
+        let _ = fuzz_build.join();
+        return vm;
+    }
     // Every NBD client people run, in one line: the host's (nbd-clients, the tyche-init root
     // tests' nbdfuse and nbdsh) and the VM's (the kernel's, and qemu as a VM's disk).
     eprintln!(
@@ -122,6 +134,7 @@ pub fn run(args: TestArgs) -> Result<()> {
         clients.clients
     );
     begin("fuzz (every regression input, then a few seconds per target)");
+    fuzz_build.join().expect("the fuzz build's thread panicked")?;
     crate::fuzz::run(&crate::root(), &crate::fuzz::FuzzArgs::short())?;
     begin("simulator contract (loss 5%)");
     sim::run(SimArgs::contract(args.sim_seeds, 0.05))?;

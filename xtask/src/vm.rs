@@ -124,11 +124,22 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
     // initramfs boot.
     let (boot_test, tests): (Vec<GuestTest>, Vec<GuestTest>) = tests.into_iter().partition(|t| *t == GuestTest::Boot);
     let mut line = Vec::new();
-    if !tests.is_empty() {
-        line.extend(initramfs_tests(root, &cache, &kernel, &tests, args)?);
-    }
-    if !boot_test.is_empty() {
-        let guest = crate::vm_boot::prepare(root, &cache, &kernel)?;
+    // The systemd guest's disk (its root file system built with mmdebstrap, ~1 min) is made
+    // while the initramfs guest runs: that guest waits on timers and outages for much of its
+    // run, and the image build runs at the lowest priority.
+    // (The initramfs is built first: both fetch packages with the same private apt lists.)
+    let initrd = if tests.is_empty() { None } else { Some(build_initramfs(root, &cache, &kernel, &tests)?) };
+    let (initramfs, boot_guest) = std::thread::scope(|s| {
+        let boot_guest = (!boot_test.is_empty()).then(|| s.spawn(|| crate::vm_boot::prepare(root, &cache, &kernel)));
+        let initramfs = match initrd {
+            Some(initrd) => initramfs_tests(root, &cache, &kernel, initrd, &tests, args),
+            None => Ok(Vec::new()),
+        };
+        (initramfs, boot_guest.map(|h| h.join().expect("the boot guest's preparation panicked")))
+    });
+    line.extend(initramfs?);
+    if let Some(guest) = boot_guest {
+        let guest = guest?;
         let log = cache.join("console-boot.log");
         let outcome = run_guest(&guest, &log, args)?;
         line.extend(verdict(&log, &boot_test, &outcome)?);
@@ -137,15 +148,15 @@ pub fn vm_test(root: &Path, args: &VmTestArgs) -> Result<()> {
     Ok(())
 }
 
-/// The ublk, numa and nbd tests, in one boot of the initramfs guest.
+/// The initramfs guest's tests (ublk, numa, nbd, mirror, crash), in one boot of `initrd`.
 fn initramfs_tests(
     root: &Path,
     cache: &Path,
     kernel: &Kernel,
+    initrd: PathBuf,
     tests: &[GuestTest],
     args: &VmTestArgs,
 ) -> Result<Vec<String>> {
-    let initrd = build_initramfs(root, cache, kernel, tests)?;
     let log = cache.join("console.log");
     // The nbd test's virtio disks: exports of `tyche-init serve-nbd` processes on this host, which
     // run for the whole boot and are stopped when `servers` drops.
