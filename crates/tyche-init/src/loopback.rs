@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -35,18 +35,32 @@ pub const MEM_DEPTH: usize = 4096;
 pub const TARGET_DEAD_AFTER: Duration = Duration::from_secs(2);
 
 /// A transport shared between its user and a test (or a restarted target) that holds it too.
+/// It keeps a duplicate of the transport's readiness descriptor, so its user sleeps on it as on
+/// the transport's own (a descriptor cannot be borrowed through the lock).
 #[derive(Debug)]
-pub struct Shared<T>(pub Arc<Mutex<T>>);
+pub struct Shared<T> {
+    inner: Arc<Mutex<T>>,
+    ready: Option<Arc<OwnedFd>>,
+}
 
 impl<T> Clone for Shared<T> {
     fn clone(&self) -> Self {
-        Shared(Arc::clone(&self.0))
+        Shared { inner: Arc::clone(&self.inner), ready: self.ready.clone() }
+    }
+}
+
+impl<T: FrameTransport> Shared<T> {
+    /// Shares `transport`. Fails when its readiness descriptor cannot be duplicated (the
+    /// process is out of descriptors).
+    pub fn new(transport: T) -> io::Result<Shared<T>> {
+        let ready = transport.readiness_fd().map(|fd| fd.try_clone_to_owned()).transpose()?.map(Arc::new);
+        Ok(Shared { inner: Arc::new(Mutex::new(transport)), ready })
     }
 }
 
 impl<T> Shared<T> {
     fn lock(&self) -> MutexGuard<'_, T> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -68,6 +82,9 @@ impl<T: FrameTransport> FrameTransport for Shared<T> {
     }
     fn flush(&mut self) -> io::Result<()> {
         self.lock().flush()
+    }
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.ready.as_deref().map(AsFd::as_fd)
     }
 }
 
@@ -185,14 +202,9 @@ impl RamTarget {
             .enumerate()
             .map(|(k, p)| {
                 let seed = 0x7a26_0000 + k as u64;
-                Shared(Arc::new(Mutex::new(FaultInjector::new(
-                    p,
-                    FaultConfig::default(),
-                    FaultConfig::default(),
-                    seed,
-                ))))
+                Shared::new(FaultInjector::new(p, FaultConfig::default(), FaultConfig::default(), seed))
             })
-            .collect();
+            .collect::<io::Result<_>>()?;
         let handle = start(&config, &ports)?;
         let running = Mutex::new(Running { handle: Some(handle), before: TargetCounters::default() });
         Ok(RamTarget { storage, config, ports, running })
@@ -291,7 +303,7 @@ pub fn mem_links(export: RamExport, n: usize) -> io::Result<(Vec<Link>, Vec<Faul
         let (imac, tmac) = (MacAddr::local(0x100 + k as u32), MacAddr::local(0x200 + k as u32));
         let (i, t) = MemLink::pair((imac, tmac), MEM_MTU, MEM_FRAME, MEM_DEPTH);
         let f = FaultInjector::new(i, FaultConfig::default(), FaultConfig::default(), 0x5eed + k as u64);
-        let shared = Shared(Arc::new(Mutex::new(f)));
+        let shared = Shared::new(f)?;
         switches.push(shared.clone());
         links.push(Link { name: format!("mem{k}"), transport: Box::new(shared), target: tmac, node: None });
         target_ports.push(Box::new(t));

@@ -4,7 +4,6 @@
 //! flushed and said DISCONNECT SHUTDOWN), and everything reads back.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::task::JoinSet;
@@ -53,7 +52,7 @@ async fn a_graceful_target_restart_is_invisible_to_the_application() {
     for k in 0..2u32 {
         let (imac, tmac) = (MacAddr::local(0x100 + k), MacAddr::local(0x200 + k));
         let (i, t) = MemLink::pair((imac, tmac), 9000, 9014, 8192);
-        ports.push(Shared(Arc::new(Mutex::new(t))));
+        ports.push(Shared::new(t).expect("share a port"));
         links.push(Link { name: format!("mem{k}"), transport: Box::new(i), target: tmac, node: None });
     }
     assert_eq!(ports[0].local_mac(), MacAddr::local(0x200));

@@ -1,6 +1,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::sync::{Arc, Mutex};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use tyche_wire::MacAddr;
 
@@ -21,10 +24,50 @@ type ChunkMemory = Arc<Box<[AtomicU8]>>;
 /// One direction of an in-memory link: a bounded queue of frames with a pool of spare buffers so
 /// that steady-state traffic allocates nothing. Buffers keep their full capacity (a frame's length
 /// travels beside it), so they are zeroed once, when first allocated, never per frame.
+///
+/// A lane also has an eventfd that is readable whenever frames wait in it (the receiving port's
+/// [`FrameTransport::readiness_fd`]), so a runtime sleeps in `poll(2)` on an in-memory link as
+/// on a NIC's socket instead of waking every millisecond to look.
 #[derive(Debug, Default)]
 struct Lane {
     frames: VecDeque<(Vec<u8>, usize)>,
     spare: Vec<Vec<u8>>,
+    /// Readable while `frames` is not empty: written when the first frame arrives in an empty
+    /// lane, read (reset) when a receiver finds the lane empty, both under the lane's lock, so
+    /// a frame is never waiting behind a reset descriptor. `None` when the process could not
+    /// create one (out of descriptors): the port then has no readiness descriptor, and runtimes
+    /// poll it on a short timer as they do any transport without one.
+    ready: Option<Arc<EventFd>>,
+}
+
+impl Lane {
+    fn new() -> Lane {
+        let ready = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK).ok().map(Arc::new);
+        Lane { ready, ..Lane::default() }
+    }
+
+    /// Queues a frame, signalling the descriptor when the lane was empty.
+    fn push(&mut self, frame: Vec<u8>, len: usize) {
+        if self.frames.is_empty() {
+            if let Some(ready) = &self.ready {
+                // Non-blocking; fails only once the counter is saturated, readable all the same.
+                let _ = ready.write(1);
+            }
+        }
+        self.frames.push_back((frame, len));
+    }
+
+    /// The oldest frame; when there is none, resets the descriptor.
+    fn pop(&mut self) -> Option<(Vec<u8>, usize)> {
+        let frame = self.frames.pop_front();
+        if frame.is_none() {
+            if let Some(ready) = &self.ready {
+                // EAGAIN when it was already reset: nothing to do.
+                let _ = ready.read();
+            }
+        }
+        frame
+    }
 }
 
 /// An in-memory point-to-point Ethernet link between two [`MemPort`]s, for examples, benches
@@ -38,9 +81,10 @@ impl MemLink {
     /// direction).
     pub fn pair(macs: (MacAddr, MacAddr), mtu: usize, frame_capacity: usize, depth: usize) -> (MemPort, MemPort) {
         assert!(depth > 0 && frame_capacity >= tyche_wire::ETH_MIN_FRAME_LEN);
-        let ab = Arc::new(Mutex::new(Lane::default()));
-        let ba = Arc::new(Mutex::new(Lane::default()));
+        let ab = Arc::new(Mutex::new(Lane::new()));
+        let ba = Arc::new(Mutex::new(Lane::new()));
         let port = |mac, tx: &Arc<Mutex<Lane>>, rx: &Arc<Mutex<Lane>>| MemPort {
+            ready: rx.lock().expect("a new lane").ready.clone(),
             mac,
             mtu,
             frame_capacity,
@@ -63,6 +107,8 @@ impl MemLink {
 /// One end of a [`MemLink`].
 #[derive(Debug)]
 pub struct MemPort {
+    /// The receive lane's descriptor ([`Lane::ready`]).
+    ready: Option<Arc<EventFd>>,
     mac: MacAddr,
     mtu: usize,
     frame_capacity: usize,
@@ -137,7 +183,7 @@ impl FrameTransport for MemPort {
         let mut n = 0;
         while n < budget {
             // Take one frame out under the lock, hand it over outside it.
-            let Some((frame, len)) = self.rx.lock().expect("lane poisoned").frames.pop_front() else {
+            let Some((frame, len)) = self.rx().pop() else {
                 break;
             };
             on_frame(&frame[..len]);
@@ -158,7 +204,7 @@ impl FrameTransport for MemPort {
     fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let mut n = 0;
         while n < budget {
-            let Some((frame, len)) = self.rx.lock().expect("lane poisoned").frames.pop_front() else {
+            let Some((frame, len)) = self.rx().pop() else {
                 break;
             };
             n += 1;
@@ -235,6 +281,10 @@ impl FrameTransport for MemPort {
 
     fn leases_out(&self) -> usize {
         self.lent.len()
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.ready.as_deref().map(AsFd::as_fd)
     }
 
     fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
@@ -328,7 +378,7 @@ impl FrameTransport for MemPort {
                 self.dropped += 1;
                 lane.spare.push(buf);
             } else {
-                lane.frames.push_back((buf, len));
+                lane.push(buf, len);
             }
             n += 1;
         }
@@ -337,6 +387,10 @@ impl FrameTransport for MemPort {
 }
 
 impl MemPort {
+    fn rx(&self) -> MutexGuard<'_, Lane> {
+        self.rx.lock().expect("lane poisoned")
+    }
+
     /// Puts a buffer back in the spare pool once no lease shares it.
     fn recycle(&mut self, frame: Arc<Vec<u8>>) {
         if let Ok(frame) = Arc::try_unwrap(frame) {
@@ -366,6 +420,31 @@ mod tests {
         assert_eq!(seen, [1, 2, 3, 4]);
         assert_eq!(b.recv(10, &mut |_| panic!("queue is empty")).unwrap(), 0);
         assert_eq!(a.send(10, &mut |_| None).unwrap(), 0);
+    }
+
+    /// Whether `port`'s readiness descriptor is readable now.
+    fn readable(port: &MemPort) -> bool {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let mut fds = [PollFd::new(port.readiness_fd().expect("a descriptor"), PollFlags::POLLIN)];
+        poll(&mut fds, PollTimeout::ZERO).expect("poll") == 1
+    }
+
+    #[test]
+    fn the_readiness_descriptor_is_readable_exactly_while_frames_wait() {
+        let (mut a, mut b) = MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 1500, 1514, 8);
+        assert!(!readable(&b) && !readable(&a));
+        a.send(3, &mut |_| Some(60)).unwrap();
+        assert!(readable(&b), "frames wait");
+        assert!(!readable(&a), "the other direction is empty");
+        // A receiver that stops before the lane is empty leaves it readable.
+        assert_eq!(b.recv(2, &mut |_| {}).unwrap(), 2);
+        assert!(readable(&b), "a frame still waits");
+        assert_eq!(b.recv(8, &mut |_| {}).unwrap(), 1);
+        assert!(!readable(&b), "drained");
+        a.send(1, &mut |_| Some(60)).unwrap();
+        assert!(readable(&b), "a new frame after a drain");
+        assert_eq!(b.recv_lend(8, &mut |_, lease| lease).unwrap(), 1);
+        assert!(!readable(&b));
     }
 
     #[test]

@@ -302,7 +302,15 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
         placement: nics.iter().map(|n| n.2.clone()).collect(),
         nics: nics.into_iter().map(|n| n.1).collect(),
         exports,
-        channels: pieces.iter().flat_map(|p| p.channels.iter().cloned()).collect(),
+        // A thread's piece can predate a reclaim the control made since (the Forget is on its
+        // way to the thread): only channels of sessions the registry still holds, so that the
+        // snapshot agrees with itself (`sessions` 0 and a channel listed, otherwise).
+        channels: pieces
+            .iter()
+            .flat_map(|p| p.channels.iter())
+            .filter(|c| ctl.registry.contains_key(&c.session))
+            .cloned()
+            .collect(),
         // Read by the daemon's stats source (tyched's main), not the engine.
         irqs: Vec::new(),
         limits,
