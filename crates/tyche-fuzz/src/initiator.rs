@@ -383,11 +383,10 @@ impl World {
         s
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn segment(&mut self, s: Seen, seg_index: u16, seg_count: u16, offset: u32, len: usize, seq: Seq, fill: u8) {
+    /// A DATA segment of `header` on `channel`: `len` bytes of `fill`.
+    fn segment(&mut self, channel: u16, header: DataHeader, len: usize, fill: u8) {
         let payload = vec![fill; len.min(FRAME - tyche_wire::DATA_FRAME_OVERHEAD)];
-        let header = DataHeader { seq, damq: s.damq, seg_index, seg_count, tag: s.tag, offset };
-        self.emit(s.channel, &Message::Data(Data { header, payload: &payload }));
+        self.emit(channel, &Message::Data(Data { header, payload: &payload }));
     }
 
     fn act(&mut self, a: &Action) {
@@ -420,7 +419,8 @@ impl World {
                 let offset = offset.unwrap_or((seg_index as u32).wrapping_mul(seg));
                 let len = len.map_or(seg.min(s.length.saturating_sub(offset)).max(1) as usize, |l| l as usize);
                 let seq = self.seq(s.channel, seq, ack);
-                self.segment(s, seg_index, count, offset, len, seq, fill);
+                let header = DataHeader { seq, damq: s.damq, seg_index, seg_count: count, tag: s.tag, offset };
+                self.segment(s.channel, header, len, fill);
             }
             Action::Serve { which, skip, complete } => {
                 let s = self.pick(which, Bend::None);
@@ -433,7 +433,9 @@ impl World {
                         }
                         let seq = self.seq(s.channel, SeqSel::Next, AckSel::Honest);
                         let len = seg.min(s.length - i * seg) as usize;
-                        self.segment(s, i as u16, count as u16, i * seg, len, seq, s.tag as u8);
+                        let (seg_index, seg_count, offset) = (i as u16, count as u16, i * seg);
+                        let header = DataHeader { seq, damq: s.damq, seg_index, seg_count, tag: s.tag, offset };
+                        self.segment(s.channel, header, len, s.tag as u8);
                     }
                 }
                 if complete {

@@ -30,7 +30,7 @@ use std::os::unix::net::UnixStream;
 
 use arbitrary::{Arbitrary, Unstructured};
 use tyche_init::nbd::codec::{self, cmd, opt};
-use tyche_init::nbd::fuzzing::{self, Conn, Io};
+use tyche_init::nbd::fuzzing::{self, Conn, Io, Options};
 use tyche_init::Error;
 use tyche_wire::{Op, Status};
 
@@ -529,9 +529,16 @@ fn transmission_with(input: &Input, size: u64, stream: Option<&[u8]>) {
     let Ok((server, client)) = UnixStream::pair() else { return };
     let max = input.max_inflight as usize % 64 + 1;
     let hole_min = input.hole_reads.then_some(4096);
-    let Ok(mut conn) =
-        Conn::new(server, size, input.read_only, input.discard, max, input.structured, input.extended, hole_min)
-    else {
+    let options = Options {
+        size,
+        read_only: input.read_only,
+        discard: input.discard,
+        max_inflight: max,
+        structured: input.structured,
+        extended: input.extended,
+        hole_read_min: hole_min,
+    };
+    let Ok(mut conn) = Conn::new(server, options) else {
         return;
     };
     client.set_nonblocking(true).expect("non-blocking");

@@ -390,6 +390,21 @@ struct Hostile {
     buf: Vec<u8>,
 }
 
+/// A well-formed write as [`World::write`] sends it: `sectors` at byte `offset` on slots `remq`
+/// and `damq`, its DATA segments those `mask` names (all when 0), in reverse order or not,
+/// before or after the request.
+#[derive(Debug, Clone, Copy)]
+struct WellFormedWrite {
+    remq: u16,
+    damq: u16,
+    sectors: u32,
+    offset: u64,
+    mask: u16,
+    reverse: bool,
+    data_first: bool,
+    fua: bool,
+}
+
 struct World {
     h: Harness,
     clock: Clock,
@@ -758,20 +773,9 @@ impl World {
         self.emit(env, &Message::Data(Data { header, payload }));
     }
 
-    /// A well-formed write on `env` of `sectors` at `offset`, segments as `mask` says.
-    #[allow(clippy::too_many_arguments)]
-    fn write(
-        &mut self,
-        env: Envelope,
-        remq: u16,
-        damq: u16,
-        sectors: u32,
-        offset: u64,
-        mask: u16,
-        reverse: bool,
-        data_first: bool,
-        fua: bool,
-    ) {
+    /// The well-formed write `w` on `env`.
+    fn write(&mut self, env: Envelope, w: WellFormedWrite) {
+        let WellFormedWrite { remq, damq, sectors, offset, mask, reverse, data_first, fua } = w;
         let p = self.params_of(&env);
         let length = (sectors * 512).min(p.max_io).max(512);
         let seg = p.segment as u32;
@@ -835,7 +839,8 @@ impl World {
                 let env = self.env(ch);
                 let p = self.params_of(&env);
                 let (remq, damq) = (remq as u16 % p.remq_slots.max(1), damq as u16 % p.damq_slots.max(1));
-                self.write(env, remq, damq, sectors as u32 % 257, offset as u64 * 512, mask, reverse, data_first, fua);
+                let (sectors, offset) = (u32::from(sectors) % 257, u64::from(offset) * 512);
+                self.write(env, WellFormedWrite { remq, damq, sectors, offset, mask, reverse, data_first, fua });
             }
             Action::Read { ch, remq, damq, sectors, offset } => {
                 let env = self.env(ch);

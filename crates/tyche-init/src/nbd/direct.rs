@@ -477,23 +477,35 @@ pub(crate) struct DirectConn {
     done: Option<oneshot::Sender<io::Result<()>>>,
 }
 
+/// What a connection in transmission serves, what its handshake settled, and its limits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnSpec {
+    /// The export's size, bytes.
+    pub size: u64,
+    /// Writes, trims and zeroes are refused.
+    pub read_only: bool,
+    /// NBD_CMD_TRIM is offered.
+    pub discard: bool,
+    /// What the handshake settled.
+    pub neg: Negotiated,
+    /// Requests read ahead of their replies, at most (at least 1).
+    pub max_inflight: usize,
+    /// Reads of this many bytes or more are hole-aware (`--hole-read-min`).
+    pub hole_read_min: Option<u64>,
+}
+
 impl DirectConn {
-    /// A connection on `stream` (any blocking mode; it is made non-blocking) for an export of
-    /// `size` bytes. `done` learns how it ended.
-    #[allow(clippy::too_many_arguments)]
+    /// Connection `id` on `stream` (any blocking mode; it is made non-blocking), serving as
+    /// `spec` says, its report in `stats`, its buffers on `node`. `done` learns how it ended.
     pub(crate) fn new(
         stream: UnixStream,
         id: u64,
-        size: u64,
-        read_only: bool,
-        discard: bool,
-        neg: Negotiated,
+        spec: ConnSpec,
         node: Option<u32>,
         stats: NbdStats,
-        max_inflight: usize,
-        hole_read_min: Option<u64>,
         done: oneshot::Sender<io::Result<()>>,
     ) -> io::Result<Self> {
+        let ConnSpec { size, read_only, discard, neg, max_inflight, hole_read_min } = spec;
         stream.set_nonblocking(true)?;
         let stream = Arc::new(stream);
         Ok(DirectConn {

@@ -246,19 +246,15 @@ async fn connection(
     let stream = rd.reunite(wr).map_err(|e| io::Error::other(e.to_string()))?.into_std()?;
     let (done, finished) = tokio::sync::oneshot::channel();
     let info = client.info();
-    let conn = direct::DirectConn::new(
-        stream,
-        idx,
-        info.size,
-        info.read_only,
-        info.discard,
+    let spec = direct::ConnSpec {
+        size: info.size,
+        read_only: info.read_only,
+        discard: info.discard,
         neg,
-        node,
-        opts.stats.clone(),
-        opts.max_inflight,
-        opts.hole_read_min,
-        done,
-    )?;
+        max_inflight: opts.max_inflight,
+        hole_read_min: opts.hole_read_min,
+    };
+    let conn = direct::DirectConn::new(stream, idx, spec, node, opts.stats.clone(), done)?;
     client.serve_front(Box::new(conn))?;
     finished.await.unwrap_or_else(|_| Err(io::Error::other("the engine stopped")))
 }
@@ -1287,41 +1283,36 @@ pub mod fuzzing {
     #[derive(Debug)]
     pub struct Conn(Option<DirectConn>);
 
+    /// How a [`Conn`] serves.
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct Options {
+        /// The export's size, bytes.
+        pub size: u64,
+        /// Writes, trims and zeroes are refused.
+        pub read_only: bool,
+        /// NBD_CMD_TRIM is offered.
+        pub discard: bool,
+        /// Requests read ahead of their replies, at most (at least 1).
+        pub max_inflight: usize,
+        /// As after NBD_OPT_STRUCTURED_REPLY and NBD_OPT_SET_META_CONTEXT `base:allocation`.
+        pub structured: bool,
+        /// As after NBD_OPT_EXTENDED_HEADERS too.
+        pub extended: bool,
+        /// Reads of this many bytes or more are hole-aware.
+        pub hole_read_min: Option<u64>,
+    }
+
     impl Conn {
-        /// Serves `stream` (made non-blocking) for an export of `size` bytes (read-only or not,
-        /// discarding or not); with `structured`, as after NBD_OPT_STRUCTURED_REPLY and
-        /// NBD_OPT_SET_META_CONTEXT `base:allocation`; with `extended`, as after
-        /// NBD_OPT_EXTENDED_HEADERS too. Reads of `hole_read_min` bytes or more are hole-aware.
-        #[allow(clippy::too_many_arguments)]
-        pub fn new(
-            stream: UnixStream,
-            size: u64,
-            read_only: bool,
-            discard: bool,
-            max_inflight: usize,
-            structured: bool,
-            extended: bool,
-            hole_read_min: Option<u64>,
-        ) -> io::Result<Conn> {
+        /// Serves `stream` (made non-blocking) as `options` say.
+        pub fn new(stream: UnixStream, options: Options) -> io::Result<Conn> {
             let (done, _) = tokio::sync::oneshot::channel();
             let stats = crate::report::NbdStats::default();
             let idx = stats.add(crate::report::NbdConnReport::default());
+            let Options { size, read_only, discard, max_inflight, structured, extended, hole_read_min } = options;
             let structured = structured || extended;
             let neg = super::Negotiated { structured, extended, allocation: structured };
-            let conn = DirectConn::new(
-                stream,
-                idx,
-                size,
-                read_only,
-                discard,
-                neg,
-                None,
-                stats,
-                max_inflight,
-                hole_read_min,
-                done,
-            )?;
-            Ok(Conn(Some(conn)))
+            let spec = super::direct::ConnSpec { size, read_only, discard, neg, max_inflight, hole_read_min };
+            Ok(Conn(Some(DirectConn::new(stream, idx, spec, None, stats, done)?)))
         }
         fn conn(&mut self) -> &mut DirectConn {
             self.0.as_mut().expect("open")

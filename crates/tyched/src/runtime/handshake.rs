@@ -78,20 +78,29 @@ struct Admission {
     fence: Vec<u64>,
 }
 
+/// Where a handshake frame arrived: the network thread and the NIC.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Arrival {
+    /// The network thread (`g`).
+    pub(super) thread: usize,
+    /// Whether that thread is stopping (it no longer takes channels).
+    pub(super) stopping: bool,
+    /// The NIC (`k`).
+    pub(super) nic: usize,
+    /// That NIC's MAC.
+    pub(super) local: MacAddr,
+}
+
 impl Control {
-    /// Handles a DISCOVER or CONNECT (`msg`, parsed from `frame`) received on NIC `k`, whose
-    /// MAC is `local`, by network thread `g` (`stopping`: it no longer takes channels).
-    #[allow(clippy::too_many_arguments)]
+    /// Handles a DISCOVER or CONNECT (`msg`, parsed from `frame`) that arrived as `at` says.
     pub(super) fn on_handshake(
         &mut self,
         now: Instant,
-        g: usize,
-        k: usize,
-        local: MacAddr,
+        at: Arrival,
         frame: &Frame<&[u8]>,
         msg: &Message<'_>,
-        stopping: bool,
     ) -> Answer {
+        let Arrival { thread: g, stopping, nic: k, local } = at;
         let mut out = Answer::default();
         let src = frame.src();
         let env_in = Envelope::of(frame);
@@ -135,10 +144,7 @@ impl Control {
             self.refuse(peer, i, c.nonce, RejectReason::NotAllowed, None, out);
             return None;
         }
-        let keyed = match e.key.clone() {
-            Some(key) => Some((self.check_key(now, peer, c, msg, i, &key, out)?, key)),
-            None => None,
-        };
+        let keyed = if e.key.is_some() { Some(self.check_key(now, peer, c, msg, i, out)?) } else { None };
         // One initiator at a time (unless shared); the same initiator again fences its old
         // sessions. Only for a CONNECT that creates a session (not a retransmitted one), and
         // only once it passed the MAC and key checks.
@@ -156,9 +162,8 @@ impl Control {
 
     /// The key check of a CONNECT of keyed export `i`: without a proof it gets a CHALLENGE; a
     /// retry of a granted CONNECT gets the same ACCEPT again; else its proof must answer a live
-    /// challenge. Returns the challenge's target nonce when the proof checked out, `None` when
-    /// the CONNECT was answered here.
-    #[allow(clippy::too_many_arguments)]
+    /// challenge. Returns the challenge's target nonce and the export's key when the proof
+    /// checked out, `None` when the CONNECT was answered here.
     fn check_key(
         &mut self,
         now: Instant,
@@ -166,9 +171,9 @@ impl Control {
         c: &Connect<'_>,
         msg: &Message<'_>,
         i: usize,
-        key: &Psk,
         out: &mut Answer,
-    ) -> Option<u64> {
+    ) -> Option<(u64, Psk)> {
+        let key = self.exports[i].key.clone().expect("check_key is called for keyed exports only");
         let (src, env_in) = (peer.src, &peer.env_in);
         let Some(proof) = c.proof else {
             let tn = match self.challenges.live(now, src, c.nonce) {
@@ -216,7 +221,7 @@ impl Control {
             host: c.host,
             asked: c.params,
         };
-        let ok = pending.filter(|&tn| auth::verify_initiator(key, &input(tn), &proof));
+        let ok = pending.filter(|&tn| auth::verify_initiator(&key, &input(tn), &proof));
         if ok.is_none() {
             self.challenges.forget(src, c.nonce);
             if PEER_LOGS.allow() {
@@ -225,7 +230,7 @@ impl Control {
             out.drops.denied_key += 1;
             self.refuse(peer, i, c.nonce, RejectReason::AuthFailed, None, out);
         }
-        ok
+        ok.map(|tn| (tn, key))
     }
 
     /// Whether a CONNECT may join the session it names (if that exists): a session created

@@ -526,10 +526,17 @@ struct Network {
     published: u64,
     /// When this thread next may ask the control to reclaim sessions.
     next_reclaim_check: Instant,
+    /// Buffers a received frame may need, kept across frames.
+    rx_buffers: RxBuffers,
+}
+
+/// A network thread's buffers for received frames, kept so that they are not reallocated.
+#[derive(Debug, Default)]
+struct RxBuffers {
     /// The plaintext of the last frame of an encrypting channel.
-    rx_scratch: Vec<u8>,
+    scratch: Vec<u8>,
     /// The last frame that arrived in pieces and had to be whole (a sealed or DIGEST channel's).
-    rx_gather: Vec<u8>,
+    gather: Vec<u8>,
 }
 
 impl Network {

@@ -26,9 +26,10 @@ use tyche_wire::{Frame, Kind, MacAddr, Message, DATA_FRAME_OVERHEAD};
 use crate::stats::NicStats;
 
 use super::control::lock;
+use super::handshake::Arrival;
 use super::sessions::{slot_acked, slot_idle};
-use super::slots::{Placed, SlotKey, SlotTable};
-use super::{Network, Nic};
+use super::slots::{Placed, SlotKey, SlotTable, WriteSegment};
+use super::{Network, Nic, RxBuffers};
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
@@ -282,8 +283,8 @@ impl Network {
     /// thread's NICs is installed here.
     fn on_handshake(&mut self, now: Instant, k: usize, local: MacAddr, frame: &Frame<&[u8]>, msg: &Message<'_>) {
         let control = Arc::clone(&self.control);
-        let stopping = self.stopping.is_some();
-        let answer = lock(&control).on_handshake(now, self.g, k, local, frame, msg, stopping);
+        let at = Arrival { thread: self.g, stopping: self.stopping.is_some(), nic: k, local };
+        let answer = lock(&control).on_handshake(now, at, frame, msg);
         self.nics[k].stats.drops.add(&answer.drops);
         for r in answer.replies {
             self.queue_control(k, r);
@@ -360,11 +361,9 @@ impl Network {
         let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // The plaintext of an encrypting channel's frame goes here (kept, not reallocated),
             // and a frame in pieces that must be whole (sealed, DIGEST) is gathered there.
-            let mut scratch = std::mem::take(&mut self.rx_scratch);
-            let mut gather = std::mem::take(&mut self.rx_gather);
-            let kept = self.on_session_frame(now, k, (sid, src), pieces, lease, &mut scratch, &mut gather);
-            self.rx_scratch = scratch;
-            self.rx_gather = gather;
+            let mut buffers = std::mem::take(&mut self.rx_buffers);
+            let kept = self.on_session_frame(now, k, (sid, src), pieces, lease, &mut buffers);
+            self.rx_buffers = buffers;
             kept
         }));
         handled.unwrap_or_else(|_| {
@@ -375,7 +374,6 @@ impl Network {
 
     /// A frame of session `sid` from `src`: this thread's part of the session takes it, and the
     /// payload of a DATA frame it places goes into the slot table.
-    #[allow(clippy::too_many_arguments)]
     fn on_session_frame(
         &mut self,
         now: Instant,
@@ -383,8 +381,7 @@ impl Network {
         (sid, src): (u64, MacAddr),
         pieces: &[&[u8]],
         lease: Option<Lease>,
-        scratch: &mut Vec<u8>,
-        gather: &mut Vec<u8>,
+        buffers: &mut RxBuffers,
     ) -> Option<Lease> {
         let st = &mut self.nics[k].stats;
         let Some(s) = self.sessions.get_mut(&sid) else {
@@ -393,7 +390,7 @@ impl Network {
             return lease;
         };
         let (channel, damq, offset, payload, generation, tag) =
-            match s.session.handle_frame_pieces(now, pieces, scratch, gather) {
+            match s.session.handle_frame_pieces(now, pieces, &mut buffers.scratch, &mut buffers.gather) {
                 TargetInbound::Consumed => {
                     s.established = true;
                     return lease;
@@ -415,10 +412,13 @@ impl Network {
         let lend = self.exports[s.meta.export].lend;
         let node = self.nics[k].node;
         let sessions = &self.sessions;
-        let (placed, lease) =
-            self.slots.place_write(key, k, (tag, generation), offset, &payload, lease, lend, node, |key| {
-                slot_idle(sessions, key)
-            });
+        let (placed, lease) = self.slots.place_write(
+            WriteSegment { key, tag, generation, offset, payload: &payload },
+            k,
+            lease,
+            (lend, node),
+            |key| slot_idle(sessions, key),
+        );
         let st = &mut self.nics[k].stats;
         match placed {
             Placed::Kept => st.frames_kept += 1,
@@ -457,16 +457,18 @@ impl Network {
             order.extend(s.nic_of.iter().filter(|&(_, &n)| n == k).map(|(&c, _)| (sid, c)));
         }
         let mut cursor = 0;
-        let mut tx = TxCount::default();
         // Chunks the kernel still sends cannot be rewritten or sent again yet. (The two sets are
         // kept per NIC between turns, so a turn allocates and rehashes nothing; their keys are
         // the transport's own chunk ids, never a peer's.)
-        let (mut busy, mut used) =
-            (std::mem::take(&mut self.nics[k].tx_busy), std::mem::take(&mut self.nics[k].tx_used));
-        busy.clear();
-        used.clear();
+        let mut turn = TxTurn {
+            busy: std::mem::take(&mut self.nics[k].tx_busy),
+            used: std::mem::take(&mut self.nics[k].tx_used),
+            count: TxCount::default(),
+        };
+        turn.busy.clear();
+        turn.used.clear();
         if self.slots.has_regions(k) {
-            busy.extend(nic.transport.tx_chunks_in_flight());
+            turn.busy.extend(nic.transport.tx_chunks_in_flight());
         }
         let control = &mut self.nics[k].control;
         let sessions = &mut self.sessions;
@@ -474,8 +476,8 @@ impl Network {
         let r = nic.transport.send_with(TX_BUDGET, &mut |buf| {
             if let Some(f) = control.pop_front() {
                 buf[..f.len()].copy_from_slice(&f);
-                tx.frames += 1;
-                tx.bytes += f.len() as u64;
+                turn.count.frames += 1;
+                turn.count.bytes += f.len() as u64;
                 return Some(Sent::Here(f.len()));
             }
             while cursor < order.len() {
@@ -487,7 +489,7 @@ impl Network {
                         None => Sent::Here(t.len),
                         Some(p) => {
                             let key = (sid, ch, epoch, p.damq);
-                            fill_payload(slots, key, &p, t.len, buf, &busy, &mut used, &mut tx)
+                            fill_payload(slots, key, &p, t.len, buf, &mut turn)
                         }
                     };
                     let sent = match sent {
@@ -495,8 +497,8 @@ impl Network {
                         other => other,
                     };
                     if sent != Sent::Here(0) {
-                        tx.frames += 1;
-                        tx.bytes += t.len as u64;
+                        turn.count.frames += 1;
+                        turn.count.bytes += t.len as u64;
                     }
                     return Some(sent);
                 }
@@ -504,6 +506,7 @@ impl Network {
             }
             None
         });
+        let TxTurn { busy, used, count: tx } = turn;
         let n = &mut self.nics[k];
         (n.tx_busy, n.tx_used) = (busy, used);
         n.stats.frames_sent_in_place += tx.in_place;
@@ -527,6 +530,16 @@ impl Network {
 // A frame's pieces: what a transport lends at most is what the engine takes.
 const _: () = assert!(tyche_channel::MAX_PIECES == tyche_transport::MAX_PIECES);
 
+/// One [`Network::transmit_on`]'s transmit chunks and counts.
+struct TxTurn {
+    /// Chunks the kernel still sends: not rewritten or sent again yet.
+    busy: FxHashSet<u64>,
+    /// Chunks sent earlier in this turn.
+    used: FxHashSet<u64>,
+    /// What the turn sent.
+    count: TxCount,
+}
+
 /// What one [`Network::transmit_on`] sent.
 #[derive(Default)]
 struct TxCount {
@@ -545,17 +558,15 @@ struct TxCount {
 /// the kernel still has that chunk, `busy`, or it goes out earlier in this batch, `used`), else
 /// copied from slot memory behind the headers. Read data always lies in its slot (or region)
 /// until the completion is sent: a payload found in neither is not sent, never stale bytes.
-#[allow(clippy::too_many_arguments)]
 fn fill_payload(
     slots: &SlotTable,
     key: SlotKey,
     p: &PayloadRef,
     len: usize,
     buf: &mut [u8],
-    busy: &FxHashSet<u64>,
-    used: &mut FxHashSet<u64>,
-    tx: &mut TxCount,
+    turn: &mut TxTurn,
 ) -> Sent {
+    let TxTurn { busy, used, count: tx } = turn;
     if let Some(region) = slots.region(&key, p.tag) {
         let at = (p.offset % region.seg == 0).then(|| region.chunks.get((p.offset / region.seg) as usize));
         let Some(Some(c)) = at else { return Sent::Here(0) };

@@ -89,6 +89,17 @@ struct NicLending {
     tx_draining: Vec<TxChunk>,
 }
 
+/// A DATA segment of a write, as its channel handed it over: slot `key`, the request's `tag`
+/// and slot `generation`, where it goes in the request's data (`offset`), and its bytes.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WriteSegment<'a, 'b> {
+    pub(super) key: SlotKey,
+    pub(super) tag: u64,
+    pub(super) generation: u32,
+    pub(super) offset: u32,
+    pub(super) payload: &'a Pieces<'b>,
+}
+
 /// How [`SlotTable::place_write`] placed a DATA payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Placed {
@@ -238,27 +249,22 @@ impl SlotTable {
     // -------------------------------------------------------------------------------------
     // Receive: write data.
 
-    /// Places a DATA payload of write `tag` (slot generation `generation`) at `offset` of slot
-    /// `key`, received on NIC `k`, in one piece or across the pieces of a multi-buffer frame.
-    /// Kept in its frame when the transport lent it (`lease`), the lease covers every piece of
-    /// the payload and the export writes from frames (`lend`); else copied into the
-    /// slot's memory (allocated on `node` if the slot has none, `idle` naming slots whose memory
-    /// may be taken back). Segments kept for another tag or slot generation (a write that never
-    /// executed, early data of a refused request) or at this offset go back first. Returns how
-    /// it went and the lease unless the frame is kept.
-    #[allow(clippy::too_many_arguments)]
+    /// Places segment `seg`, received on NIC `k`, in one piece or across the pieces of a
+    /// multi-buffer frame. Kept in its frame when the transport lent it (`lease`), the lease
+    /// covers every piece of the payload and the export writes from frames (`lend`); else
+    /// copied into the slot's memory (allocated on `node` if the slot has none, `idle` naming
+    /// slots whose memory may be taken back). Segments kept for another tag or slot generation
+    /// (a write that never executed, early data of a refused request) or at this offset go back
+    /// first. Returns how it went and the lease unless the frame is kept.
     pub(super) fn place_write(
         &mut self,
-        key: SlotKey,
+        seg: WriteSegment<'_, '_>,
         k: usize,
-        (tag, generation): (u64, u32),
-        offset: u32,
-        payload: &Pieces<'_>,
         lease: Option<Lease>,
-        lend: bool,
-        node: Option<u32>,
+        (lend, node): (bool, Option<u32>),
         idle: impl Fn(&SlotKey) -> bool,
     ) -> (Placed, Option<Lease>) {
+        let WriteSegment { key, tag, generation, offset, payload } = seg;
         let mut stale = Vec::new();
         if let Some(ls) = self.lent.get_mut(&key) {
             if ls.tag != tag || ls.generation != generation {
@@ -566,22 +572,42 @@ mod tests {
         let mut t = SlotTable::new(1, LEN, 2 * LEN as u64);
         let never = |_: &SlotKey| false;
         for damq in 0..2 {
-            let (placed, _) =
-                t.place_write((1, 0, 0, damq), 0, (7, 1), 0, &Pieces::one(&[1; 512]), None, false, None, never);
+            let (placed, _) = t.place_write(
+                WriteSegment {
+                    key: (1, 0, 0, damq),
+                    tag: 7,
+                    generation: 1,
+                    offset: 0,
+                    payload: &Pieces::one(&[1; 512]),
+                },
+                0,
+                None,
+                (false, None),
+                never,
+            );
             assert_eq!(placed, Placed::Copied(512));
         }
         assert_eq!(t.bytes(), 2 * LEN as u64);
         // A third slot finds the budget spent and no idle slot: that write falls short.
-        let (placed, _) = t.place_write((1, 0, 0, 2), 0, (8, 1), 0, &Pieces::one(&[1; 512]), None, false, None, never);
+        let (placed, _) = t.place_write(
+            WriteSegment { key: (1, 0, 0, 2), tag: 8, generation: 1, offset: 0, payload: &Pieces::one(&[1; 512]) },
+            0,
+            None,
+            (false, None),
+            never,
+        );
         assert_eq!(placed, Placed::Short);
         assert_eq!(t.memory_waits(), 1);
         let (_, short) = t.reuse((1, 0, 0, 2), &write(8, 2, 512), 1);
         assert!(short, "the write whose data was not kept fails");
         // An idle slot's memory is taken back for a new one, within the budget.
-        let (placed, _) =
-            t.place_write((1, 0, 0, 3), 0, (9, 1), 0, &Pieces::one(&[1; 512]), None, false, None, |k: &SlotKey| {
-                k.3 == 0
-            });
+        let (placed, _) = t.place_write(
+            WriteSegment { key: (1, 0, 0, 3), tag: 9, generation: 1, offset: 0, payload: &Pieces::one(&[1; 512]) },
+            0,
+            None,
+            (false, None),
+            |k: &SlotKey| k.3 == 0,
+        );
         assert_eq!(placed, Placed::Copied(512));
         assert_eq!(t.bytes(), 2 * LEN as u64);
         // The session goes: all of it is free again.
@@ -594,8 +620,13 @@ mod tests {
     fn copied_data_outside_the_slot_is_short_never_written() {
         let mut t = SlotTable::new(1, LEN, 4 * LEN as u64);
         let key = (1, 0, 0, 0);
-        let (placed, _) =
-            t.place_write(key, 0, (7, 3), LEN as u32 - 10, &Pieces::one(&[1; 20]), None, false, None, |_| false);
+        let (placed, _) = t.place_write(
+            WriteSegment { key, tag: 7, generation: 3, offset: LEN as u32 - 10, payload: &Pieces::one(&[1; 20]) },
+            0,
+            None,
+            (false, None),
+            |_| false,
+        );
         assert_eq!(placed, Placed::Short);
         // Another generation of the slot is not affected.
         let (_, short) = t.reuse(key, &write(7, 0, 512), 4);
@@ -609,10 +640,13 @@ mod tests {
         let mut frames = Vec::new();
         for (i, nic) in [(0u32, 0usize), (1, 1), (2, 0)] {
             let (mem, lease) = frame(i as u64, vec![0xab; 1024]);
-            let (placed, back) =
-                t.place_write(key, nic, (11, 2), i * 512, &Pieces::one(&mem[..512]), Some(lease), true, None, |_| {
-                    false
-                });
+            let (placed, back) = t.place_write(
+                WriteSegment { key, tag: 11, generation: 2, offset: i * 512, payload: &Pieces::one(&mem[..512]) },
+                nic,
+                Some(lease),
+                (true, None),
+                |_| false,
+            );
             assert_eq!(placed, Placed::Kept);
             assert!(back.is_none());
             frames.push(mem);
@@ -620,8 +654,13 @@ mod tests {
         assert_eq!(t.leases_held(), 3);
         // The same offset again replaces the segment there: the old frame goes back first.
         let (mem, lease) = frame(9, vec![0xcd; 1024]);
-        let (placed, _) =
-            t.place_write(key, 0, (11, 2), 512, &Pieces::one(&mem[..512]), Some(lease), true, None, |_| false);
+        let (placed, _) = t.place_write(
+            WriteSegment { key, tag: 11, generation: 2, offset: 512, payload: &Pieces::one(&mem[..512]) },
+            0,
+            Some(lease),
+            (true, None),
+            |_| false,
+        );
         assert_eq!(placed, Placed::Kept);
         assert_eq!(t.leases_held(), 3);
         assert_eq!(t.nics[1].release.len(), 1);
@@ -632,8 +671,13 @@ mod tests {
         assert_eq!(t.nics[0].release.len() + t.nics[1].release.len(), 4);
         // A payload the lease does not cover is copied, and the frame comes straight back.
         let (_, lease) = frame(10, vec![0; 16]);
-        let (placed, back) =
-            t.place_write(key, 0, (12, 1), 0, &Pieces::one(&[3; 64]), Some(lease), true, None, |_| false);
+        let (placed, back) = t.place_write(
+            WriteSegment { key, tag: 12, generation: 1, offset: 0, payload: &Pieces::one(&[3; 64]) },
+            0,
+            Some(lease),
+            (true, None),
+            |_| false,
+        );
         assert_eq!(placed, Placed::Copied(64));
         assert!(back.is_some());
         t.drop_where(|k| k.0 == 5);

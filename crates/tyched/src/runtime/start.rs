@@ -25,7 +25,7 @@ use super::jobs::{Done, Storage};
 use super::network::{serve_group, NicState};
 use super::slots::SlotTable;
 use super::snapshot::Counters;
-use super::{pin, Clock, Export, Network, Nic, Placement, Shared, StartError, StorageKinds};
+use super::{pin, Clock, Export, Network, Nic, Placement, RxBuffers, Shared, StartError, StorageKinds};
 
 /// A target's network threads' state, its NICs and its storage threads, before any network
 /// thread runs.
@@ -169,8 +169,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
             stopping: None,
             published: 0,
             next_reclaim_check: Instant(0),
-            rx_scratch: Vec::new(),
-            rx_gather: Vec::new(),
+            rx_buffers: RxBuffers::default(),
         })
         .collect();
     tracing::info!(nics = n_nics, threads = groups.len(), "serving");
@@ -325,7 +324,12 @@ fn start_storage(
         }
     }
     let uring = if files {
-        start_uring(config, &storage, exports, &backends, &route, &jobs, n_workers, &mut threads, &mut workers)?
+        let (queues, started) = start_uring(config, &storage, exports, &backends, &route, &jobs)?;
+        for (stat, handle) in started {
+            threads.push(stat);
+            workers.push(handle);
+        }
+        queues
     } else {
         Vec::new()
     };
@@ -354,9 +358,11 @@ fn start_storage(
     Ok((per_thread, workers, kinds))
 }
 
+/// The io_uring rings started, and each ring's thread with its stats.
+type UringStarted = (Vec<crate::uring::UringQueue>, Vec<(Arc<ThreadStat>, JoinHandle<()>)>);
+
 /// File and block exports use io_uring where the kernel allows it (a ring per storage queue,
-/// on that queue's node), else the pool of `n_workers`: the rings, none if not.
-#[allow(clippy::too_many_arguments)]
+/// on that queue's node), else the pool of storage workers: the rings, none if not.
 fn start_uring(
     config: &Config,
     storage: &StoragePlan,
@@ -364,11 +370,10 @@ fn start_uring(
     backends: &Arc<BackendTable>,
     route: &DoneRoute,
     jobs: &JobQueues,
-    n_workers: usize,
-    threads: &mut Vec<Arc<ThreadStat>>,
-    workers: &mut Vec<JoinHandle<()>>,
-) -> Result<Vec<crate::uring::UringQueue>, StartError> {
+) -> Result<UringStarted, StartError> {
+    let n_workers: usize = storage.nodes.iter().map(|n| n.workers.len()).sum();
     let mut uring = Vec::new();
+    let mut started = Vec::new();
     let rings: Result<Vec<_>, crate::uring::RingError> = if config.io_uring {
         storage.nodes.iter().map(|_| crate::uring::open()).collect()
     } else {
@@ -380,11 +385,10 @@ fn start_uring(
             for (q, (ring, node)) in rings.into_iter().zip(&storage.nodes).enumerate() {
                 let stat =
                     ThreadStat::new(format!("tyched-uring{q}"), "io_uring", node.node, node.ring_cpus.clone(), q);
-                threads.push(Arc::clone(&stat));
                 let (queue, thread) =
-                    crate::uring::start(ring, Arc::clone(backends), route.clone(), jobs.sender(q), stat)?;
+                    crate::uring::start(ring, Arc::clone(backends), route.clone(), jobs.sender(q), Arc::clone(&stat))?;
                 fallocate &= queue.fallocate;
-                workers.push(thread);
+                started.push((stat, thread));
                 uring.push(queue);
             }
             tracing::info!(depth = crate::uring::DEPTH, rings = uring.len(), fallocate, "io_uring storage engine");
@@ -402,7 +406,7 @@ fn start_uring(
             tracing::info!(workers = n_workers, "io_uring {reason}: file and block exports use the thread pool")
         }
     }
-    Ok(uring)
+    Ok((uring, started))
 }
 
 /// Starts network thread `net.g` (of `groups`), serving `mine` (NIC index and NIC) on `cpus`,
