@@ -38,6 +38,9 @@ struct Lane {
     /// create one (out of descriptors): the port then has no readiness descriptor, and runtimes
     /// poll it on a short timer as they do any transport without one.
     ready: Option<Arc<EventFd>>,
+    /// Whether `ready` was written and not reset since: a system call only when it changes,
+    /// not on every frame or every look at an empty lane.
+    signalled: bool,
 }
 
 impl Lane {
@@ -48,10 +51,11 @@ impl Lane {
 
     /// Queues a frame, signalling the descriptor when the lane was empty.
     fn push(&mut self, frame: Vec<u8>, len: usize) {
-        if self.frames.is_empty() {
+        if !self.signalled {
             if let Some(ready) = &self.ready {
                 // Non-blocking; fails only once the counter is saturated, readable all the same.
                 let _ = ready.write(1);
+                self.signalled = true;
             }
         }
         self.frames.push_back((frame, len));
@@ -60,10 +64,11 @@ impl Lane {
     /// The oldest frame; when there is none, resets the descriptor.
     fn pop(&mut self) -> Option<(Vec<u8>, usize)> {
         let frame = self.frames.pop_front();
-        if frame.is_none() {
+        if frame.is_none() && self.signalled {
             if let Some(ready) = &self.ready {
-                // EAGAIN when it was already reset: nothing to do.
+                // Non-blocking; the counter is not 0, as `signalled` says.
                 let _ = ready.read();
+                self.signalled = false;
             }
         }
         frame
