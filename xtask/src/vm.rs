@@ -38,7 +38,7 @@ pub enum GuestTest {
     /// The kernel's NBD client (nbd-client) and qemu's (virtio disks) on `tyche-init serve-nbd`.
     Nbd,
     /// Tyche volumes of several targets as members of md RAID1 and RAID10 arrays (failfast,
-    /// bitmap) under fio: targets killed, links down 20 s and 120 s, members failed, re-added and
+    /// bitmap) under fio: targets killed, links down 11 s and 30 s, members failed, re-added and
     /// resynced; tyche-init killed and recovered; a second host refused; a member moved.
     Mirror,
     /// Crash consistency at the target's disk: ext4 under a fsync-heavy workload over a target
