@@ -22,6 +22,7 @@ mod sim;
 mod stack;
 mod suite;
 mod vm;
+mod vm_base;
 mod vm_boot;
 mod vm_crash;
 mod vm_mirror;

@@ -26,7 +26,7 @@ use anyhow::{bail, ensure, Context, Result};
 
 use crate::disk::{run, BlockFs, Tree};
 use crate::stack::wait_for;
-use crate::vm::{nic_mac, Apt, Guest, Kernel};
+use crate::vm_base::{nic_mac, report, Apt, Guest, GuestTest, Kernel};
 
 /// Debian packages of the guest, besides the kernel and the `.deb`'s dependencies.
 const PACKAGES: &[&str] = &["systemd-sysv", "udev", "kmod", "e2fsprogs", "iproute2", "fio", "initramfs-tools"];
@@ -304,7 +304,7 @@ pub fn guest() -> Result<()> {
         }
     }
     let rebooting = matches!(result, Ok(None));
-    let reported = crate::vm::report(crate::vm::GuestTest::Boot, result);
+    let reported = report(GuestTest::Boot, result);
     let how: &[&str] = match (rebooting, reported.is_ok()) {
         (true, _) => &["--no-block", "reboot"],
         (false, true) => &["--no-block", "poweroff"],
