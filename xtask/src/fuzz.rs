@@ -111,8 +111,7 @@ pub fn prebuild(root: &Path, log: &Path) -> Result<()> {
         .context("running cargo build for fuzz/")?;
     if !status.success() {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect();
-        bail!("{BUILD_FAILED} ({status}); the last lines of {}:\n{}", log.display(), tail.join("\n"));
+        bail!("{BUILD_FAILED} ({status}); the last lines of {}:\n{}", log.display(), tail(&text, 30));
     }
     Ok(())
 }

@@ -99,10 +99,9 @@ pub fn run(args: TestArgs) -> Result<()> {
     crate::attack::attack(&crate::root(), &crate::attack::AttackArgs::standard())?;
     // The fuzz targets build (3.5 min of both cores alone) at the lowest priority while the VM
     // guests run: their vCPUs leave about a quarter of the machine idle.
-    let fuzz_log = crate::xdp::target_dir(&crate::root()).join("fuzz-build.log");
-    let fuzz_build = std::thread::spawn({
-        let (root, log) = (crate::root(), fuzz_log.clone());
-        move || crate::fuzz::prebuild(&root, &log)
+    let fuzz_build = std::thread::spawn(|| {
+        let root = crate::root();
+        crate::fuzz::prebuild(&root, &crate::xdp::target_dir(&root).join("fuzz-build.log"))
     });
     begin(
         "vm-test (ext4 on ublk and the faults' ublk recovery: kill -9 of tyche-init mid-write; NUMA \
