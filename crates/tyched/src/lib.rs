@@ -31,8 +31,10 @@
 pub mod backend;
 pub mod config;
 pub mod epoch;
+mod job;
 pub mod packet;
 pub mod prometheus;
+mod rate_limit;
 pub mod reload;
 pub mod runtime;
 pub mod stats;

@@ -1,15 +1,15 @@
 //! The io_uring storage engine for file and block-device exports.
 //!
 //! One thread owns one ring and keeps up to [`DEPTH`] requests in flight: the network thread
-//! hands it [`Job`]s through a channel and an eventfd (which the ring itself polls, so new work
+//! hands it `Job`s (`crate::job`) through a channel and an eventfd (which the ring itself polls, so new work
 //! wakes a thread that is waiting for completions), it submits READ / WRITE straight from and
 //! into the request's slot memory (the O_DIRECT descriptor when buffer, length and offset are
 //! aligned), FUA as a WRITE with `RWF_DSYNC`, FLUSH as `IORING_OP_FSYNC` with `DATASYNC`, and on
 //! regular files DISCARD / WRITE_ZEROES as `IORING_OP_FALLOCATE` (punch hole / zero range).
 //! Block-device DISCARD / WRITE_ZEROES (ioctls, which io_uring has no op for on the kernels we
 //! target), and a FALLOCATE the file system refuses, go to the thread pool's existing path. Short
-//! transfers are resubmitted for the rest. Completions go back as [`Done`], as from the pool, to
-//! the done queue of the network thread that serves the job's NIC ([`DoneRoute`]).
+//! transfers are resubmitted for the rest. Completions go back as `Done`, as from the pool, to
+//! the done queue of the network thread that serves the job's NIC (`DoneRoute`).
 //!
 //! The target starts one engine (one ring, one thread) per storage queue: per NUMA node with
 //! channels when the placement plan is used (`crate::workers`), pinned to the first completion
@@ -30,7 +30,7 @@ use io_uring::{opcode, types, IoUring, Probe};
 use tyche_wire::{Op, Status};
 
 use crate::backend::{Backend, BackendTable, FileBackend};
-use crate::runtime::{Done, Job};
+use crate::job::{Done, Job};
 use crate::workers::{DoneRoute, ThreadStat};
 use tyche_runtime::wake::WakeFd;
 
@@ -583,7 +583,7 @@ mod tests {
                 }
                 if let Ok(mut job) = self.pool.try_recv() {
                     self.pooled.set(self.pooled.get() + 1);
-                    let st = crate::runtime::execute(&*self.backend, &mut job);
+                    let st = crate::job::execute(&*self.backend, &mut job);
                     return (st, job.buf);
                 }
             }

@@ -14,9 +14,9 @@
 //!   would reach them.
 //! - [`StoragePlan::pool`]: without a topology, or with `workers = N` given, the old pool: one
 //!   queue, `N` workers on the CPUs the placement names (or anywhere).
-//! - [`JobQueues`]: one bounded queue ([`JOB_QUEUE`] jobs) per node; a job goes to the queue of
+//! - `JobQueues`: one bounded queue ([`JOB_QUEUE`] jobs) per node; a job goes to the queue of
 //!   its channel's NIC's node; what does not fit waits, in order, until the queue has room.
-//! - [`DoneRoute`]: a finished job goes back to the done queue of the network thread that
+//! - `DoneRoute`: a finished job goes back to the done queue of the network thread that
 //!   serves its channel's NIC, and that thread's eventfd is signalled.
 //!
 //! The io_uring engine follows the same plan: one ring thread per queue, pinned to the first
@@ -33,8 +33,18 @@ use tyche_runtime::wake::WakeFd;
 use tyche_wire::Status;
 
 use crate::backend::BackendTable;
-use crate::runtime::{execute_contained, pin, Done, Job};
+use crate::job::{execute_contained, Done, Job};
 use crate::stats::StorageThreadStats;
+
+/// Pins the calling thread (the `what`, for the warning when it cannot) to `cpus`; none: not
+/// pinned.
+pub(crate) fn pin(cpus: &[u32], what: &str) {
+    if !cpus.is_empty() {
+        if let Err(e) = tyche_numa::pin_current_thread(cpus) {
+            tracing::warn!(?cpus, "could not pin the {what}: {e}");
+        }
+    }
+}
 
 /// Storage jobs queued at most per node's queue (beyond it, jobs wait on the network thread in
 /// their node's overflow list, whose length the sessions' `damq` slots bound).

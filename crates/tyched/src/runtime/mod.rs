@@ -34,7 +34,7 @@
 //!   takes, timers, dead channels, reclaim reports.
 //! - `slots`: the `SlotTable`, the one owner of all per-`damq`-slot state (slot memory, write
 //!   data kept in frames, read data in transmit chunks, short writes) and its accounting.
-//! - `jobs`: storage jobs ([`Job`]) from preparation to completion, and `Storage` (queues,
+//! - `jobs`: storage jobs (`crate::job::Job`) from preparation to completion, and `Storage` (queues,
 //!   io_uring, done queue, deadlines).
 //! - `snapshot`: a thread's counters (`Counters`) and its piece of a snapshot, the merge, the
 //!   placement report, limit counters.
@@ -71,9 +71,7 @@ mod slots;
 mod snapshot;
 mod start;
 
-#[cfg(test)]
-pub(crate) use jobs::execute;
-pub(crate) use jobs::{execute_contained, Done, Job};
+pub(crate) use crate::rate_limit::PEER_LOGS;
 
 use control::{Control, Postal, ShardMsg};
 use jobs::Storage;
@@ -246,45 +244,6 @@ impl Shared {
     }
 }
 
-/// A rate limit for log lines a peer can cause (refusals, sessions and channels opening and
-/// dying, storage errors): at most [`RateLimit::PER_SECOND`] lines a second pass, the rest are
-/// counted (`limits.warnings_suppressed`). Lock-free: storage threads use it too.
-#[derive(Debug)]
-pub(crate) struct RateLimit {
-    second: AtomicU64,
-    used: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl RateLimit {
-    const PER_SECOND: u64 = 20;
-
-    const fn new() -> Self {
-        RateLimit { second: AtomicU64::new(0), used: AtomicU64::new(0), suppressed: AtomicU64::new(0) }
-    }
-
-    /// Whether a line may be logged now.
-    pub(crate) fn allow(&self) -> bool {
-        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-        let now = START.get_or_init(std::time::Instant::now).elapsed().as_secs() + 1;
-        if self.second.swap(now, Ordering::Relaxed) != now {
-            self.used.store(0, Ordering::Relaxed);
-        }
-        if self.used.fetch_add(1, Ordering::Relaxed) < Self::PER_SECOND {
-            return true;
-        }
-        self.suppressed.fetch_add(1, Ordering::Relaxed);
-        false
-    }
-
-    fn suppressed(&self) -> u64 {
-        self.suppressed.load(Ordering::Relaxed)
-    }
-}
-
-/// The log rate limit of this process's targets.
-pub(crate) static PEER_LOGS: RateLimit = RateLimit::new();
-
 /// Starts targets.
 #[derive(Debug)]
 pub struct Target;
@@ -325,16 +284,6 @@ impl Target {
             network.push(spawn_network(net, groups.len(), mine, cpus, memory_nodes)?);
         }
         Ok(TargetHandle { shared, config, storage_kinds, network, workers })
-    }
-}
-
-/// Pins the calling thread (the `what`, for the warning when it cannot) to `cpus`; none: not
-/// pinned.
-pub(crate) fn pin(cpus: &[u32], what: &str) {
-    if !cpus.is_empty() {
-        if let Err(e) = tyche_numa::pin_current_thread(cpus) {
-            tracing::warn!(?cpus, "could not pin the {what}: {e}");
-        }
     }
 }
 

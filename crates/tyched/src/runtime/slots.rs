@@ -2,7 +2,7 @@
 //!
 //! A slot is named by a [`SlotKey`] (session, channel, channel epoch, `damq` slot). For each it
 //! holds the slot memory copied data goes through (or `None` while a storage job has it), the
-//! write data kept in received frames ([`LentSegment`]s, with their leases), the read data held
+//! write data kept in received frames ([`LentSegment`]s of `crate::job`, with their leases), the read data held
 //! in lent transmit chunks ([`Region`]) until every frame of it is acknowledged, and whether
 //! copied write data of a slot generation fell short (that write fails instead of writing
 //! holes). Beside them it owns what those hold of each NIC's transport (leases to give back,
@@ -16,54 +16,12 @@ use std::collections::BTreeMap;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use tyche_channel::{Pieces, MAX_PIECES};
+use tyche_channel::Pieces;
 use tyche_transport::{FrameTransport, Lease, TxChunk};
 use tyche_wire::Request;
 
 use crate::backend::Memory;
-
-/// Transmit chunks a NIC's transport lent for good, holding one request's read data: segment
-/// `i` (of `seg` bytes) lies right after the room for a DATA frame's headers in chunk `i`, so
-/// the frame is sent from there once the headers are written in front.
-#[derive(Debug)]
-pub(crate) struct Region {
-    pub(crate) chunks: Vec<TxChunk>,
-    pub(crate) seg: u32,
-    pub(crate) nic: usize,
-    /// The read whose data it holds.
-    pub(crate) tag: u64,
-}
-
-/// Write data left in the received frame it arrived in: its pieces (one, or one per buffer of
-/// a multi-buffer frame: `(addr, len)`, in order) are bytes `offset..offset + len` of the
-/// request's data. The lease keeps them there, unchanged.
-#[derive(Debug)]
-pub(crate) struct LentSegment {
-    pub(crate) offset: u32,
-    pub(crate) len: u32,
-    parts: [(usize, u32); MAX_PIECES],
-    count: u8,
-    /// The NIC whose transport lent the frame (it gets the lease back).
-    pub(crate) nic: usize,
-    pub(crate) lease: Lease,
-}
-
-impl LentSegment {
-    /// The payload `payload` (at `offset` of the request's data) kept in the frame `lease`
-    /// names, lent by NIC `nic`'s transport. The caller checked that the lease covers it.
-    pub(crate) fn new(offset: u32, payload: &Pieces<'_>, nic: usize, lease: Lease) -> LentSegment {
-        let mut parts = [(0usize, 0u32); MAX_PIECES];
-        for (slot, p) in parts.iter_mut().zip(payload.parts()) {
-            *slot = (p.as_ptr() as usize, p.len() as u32);
-        }
-        LentSegment { offset, len: payload.len() as u32, parts, count: payload.parts().len() as u8, nic, lease }
-    }
-
-    /// The pieces of the payload: `(addr, len)`, in order.
-    pub(crate) fn parts(&self) -> &[(usize, u32)] {
-        &self.parts[..self.count as usize]
-    }
-}
+use crate::job::{LentSegment, Region};
 
 /// (session, channel, channel epoch, `damq` slot).
 pub(super) type SlotKey = (u64, u16, u64, u16);

@@ -21,11 +21,13 @@ use crate::workers::{DoneRoute, JobQueues, StoragePlan, ThreadStat, JOB_QUEUE};
 
 use super::challenges::Challenges;
 use super::control::{Control, Postal};
-use super::jobs::{Done, Storage};
+use super::jobs::Storage;
 use super::network::{serve_group, NicState};
 use super::slots::SlotTable;
 use super::snapshot::Counters;
-use super::{pin, Clock, Export, Network, Nic, Placement, RxBuffers, Shared, StartError, StorageKinds};
+use super::{Clock, Export, Network, Nic, Placement, RxBuffers, Shared, StartError, StorageKinds};
+use crate::job::Done;
+use crate::workers::pin;
 
 /// A target's network threads' state, its NICs and its storage threads, before any network
 /// thread runs.
