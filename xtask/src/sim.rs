@@ -51,7 +51,7 @@ pub struct SimArgs {
     /// Parts each target session is held in (as by tyched's network threads): a copy of a
     /// modifying request arriving on a part other than its home's is decided there by message.
     #[arg(long, default_value_t = 1)]
-    shards: usize,
+    target_parts: usize,
     /// Parts the initiator's volume is held in (as by tyche-init's engine threads, one per
     /// node): tags from each part's residue class, floors shared on a timer read late.
     #[arg(long, default_value_t = 1)]
@@ -77,7 +77,7 @@ impl SimArgs {
             requests: 200,
             keyed: false,
             encrypt: false,
-            shards: 1,
+            target_parts: 1,
             init_parts: 1,
             jobs: None,
         }
@@ -88,7 +88,7 @@ impl SimArgs {
     /// decided by its home's part, by message) and the initiator's volume in two parts (tags by
     /// residue class, floors read late, a failed path's requests handed to the other part).
     pub fn restarts_contract(seeds: u64) -> Self {
-        SimArgs { restarts: true, shards: 2, init_parts: 2, ..SimArgs::contract(seeds, 0.05) }
+        SimArgs { restarts: true, target_parts: 2, init_parts: 2, ..SimArgs::contract(seeds, 0.05) }
     }
 
     /// Issue 14's: the restarts contract on an encrypted keyed export (every channel through
@@ -109,8 +109,8 @@ impl SimArgs {
         if self.restarts {
             s.push_str(" --restarts");
         }
-        if self.shards != 1 {
-            s.push_str(&format!(" --shards {}", self.shards));
+        if self.target_parts != 1 {
+            s.push_str(&format!(" --target-parts {}", self.target_parts));
         }
         if self.init_parts != 1 {
             s.push_str(&format!(" --init-parts {}", self.init_parts));
@@ -133,8 +133,8 @@ pub fn run(args: SimArgs) -> Result<()> {
     if args.paths == 0 || args.paths > 16 {
         bail!("--paths must be between 1 and 16");
     }
-    if args.shards == 0 || args.shards > 16 {
-        bail!("--shards must be between 1 and 16");
+    if args.target_parts == 0 || args.target_parts > 16 {
+        bail!("--target-parts must be between 1 and 16");
     }
     if args.init_parts == 0 || args.init_parts > 16 {
         bail!("--init-parts must be between 1 and 16");
@@ -148,7 +148,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         restarts: args.restarts,
         keyed: (args.keyed || args.encrypt).then_some(args.encrypt),
         requests: args.requests,
-        shards: args.shards,
+        target_parts: args.target_parts,
         init_parts: args.init_parts,
         ..SimConfig::default()
     };
@@ -227,10 +227,10 @@ pub fn run(args: SimArgs) -> Result<()> {
     if args.init_parts > 1 {
         eprintln!("sim: volumes in {} parts: {} requests handed from one part to another", args.init_parts, t.handoffs);
     }
-    if args.shards > 1 {
+    if args.target_parts > 1 {
         eprintln!(
             "sim: sessions in {} parts: {} copies decided by their home's part, {} messages between parts, {} stray",
-            args.shards, t.forwarded, t.part_messages, t.stray_messages
+            args.target_parts, t.forwarded, t.part_messages, t.stray_messages
         );
     }
     println!("sim: {} seeds, {} requests, {} mismatches, {} stuck", t.seeds, t.requests, t.mismatches, t.stuck);

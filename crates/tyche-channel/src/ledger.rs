@@ -1,15 +1,15 @@
-//! The target's at-most-once ledger, in shards by home channel.
+//! The target's at-most-once ledger, in one home ledger per home channel.
 //!
 //! Every REQUEST names its tag's home (`HOME`: the channel the initiator first issued the tag on
 //! in this session; a re-issue on another channel keeps it). The record of tag *t* lives in the
-//! shard of channel `HOME(t)`. Normally a tag arrives on its home channel, so the decision needs
-//! nothing but that channel's shard; a copy re-issued elsewhere after a path failed is decided by
-//! the home shard all the same. This is what lets channels be owned by different threads later:
-//! a shard moves with its channel, and only the rare re-issued copy must reach another thread.
+//! home ledger of channel `HOME(t)`. Normally a tag arrives on its home channel, so the decision needs
+//! nothing but that channel's home ledger; a copy re-issued elsewhere after a path failed is decided by
+//! the home ledger all the same. This is what lets channels be owned by different threads later:
+//! a home ledger moves with its channel, and only the rare re-issued copy must reach another thread.
 //!
-//! The floor is the session's (the largest `FLOOR` any request carried): a shard takes it when
-//! one of its tags comes or completes, and every shard takes it when the records together reach
-//! their bound, so a shard whose channel died cannot keep stale records that crowd out the
+//! The floor is the session's (the largest `FLOOR` any request carried): a home ledger takes it when
+//! one of its tags comes or completes, and every home ledger takes it when the records together reach
+//! their bound, so a home ledger whose channel died cannot keep stale records that crowd out the
 //! live ones. Forgetting a record only below a floor the initiator sent is what makes it safe:
 //! every tag below it has completed at the initiator and is never sent again.
 
@@ -35,10 +35,10 @@ enum Entry {
     Done(Status),
 }
 
-/// What the home shard decides for a copy of a modifying request.
+/// What the home ledger decides for a copy of a modifying request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Admission {
-    /// First copy: execute it, then [`Shard::record`] its status.
+    /// First copy: execute it, then [`HomeLedger::record`] its status.
     Execute,
     /// Another copy is executing: this one waits for its status.
     Wait,
@@ -48,24 +48,24 @@ pub(crate) enum Admission {
 
 /// One home channel's part of the ledger.
 #[derive(Debug, Default)]
-pub(crate) struct Shard {
+pub(crate) struct HomeLedger {
     floor: u64,
     entries: BTreeMap<u64, Entry>,
 }
 
-impl Shard {
-    /// Records in this shard.
+impl HomeLedger {
+    /// Records in this home ledger.
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
-    /// Whether `tag` lies below this shard's floor (a stale copy: refuse it).
+    /// Whether `tag` lies below this home ledger's floor (a stale copy: refuse it).
     pub(crate) fn stale(&self, tag: u64) -> bool {
         tag < self.floor
     }
 
     /// Takes a request's `FLOOR`: executed tags below it can only come again as stale copies,
-    /// which [`Shard::stale`] refuses, so their records go (those still executing stay).
+    /// which [`HomeLedger::stale`] refuses, so their records go (those still executing stay).
     pub(crate) fn raise_floor(&mut self, floor: u64) {
         if floor <= self.floor {
             return;
@@ -116,40 +116,40 @@ impl Shard {
     }
 }
 
-/// The shards of one session, by home channel, with a bound on their records together.
+/// The home ledgers of one session, by home channel, with a bound on their records together.
 #[derive(Debug, Default)]
 pub(crate) struct Ledger {
-    shards: BTreeMap<u16, Shard>,
+    homes: BTreeMap<u16, HomeLedger>,
     records: usize,
 }
 
 impl Ledger {
-    /// Records in every shard.
+    /// Records in every home ledger.
     pub(crate) fn records(&self) -> usize {
         self.records
     }
 
-    /// Shards (homes that have sent a request).
+    /// Home ledgers (homes that have sent a request).
     #[cfg(test)]
-    pub(crate) fn shards(&self) -> usize {
-        self.shards.len()
+    pub(crate) fn homes(&self) -> usize {
+        self.homes.len()
     }
 
-    /// Raises every shard's floor to `floor` (when the records reach their bound).
+    /// Raises every home ledger's floor to `floor` (when the records reach their bound).
     pub(crate) fn raise_all(&mut self, floor: u64) {
-        for shard in self.shards.values_mut() {
-            self.records -= shard.len();
-            shard.raise_floor(floor);
-            self.records += shard.len();
+        for home_ledger in self.homes.values_mut() {
+            self.records -= home_ledger.len();
+            home_ledger.raise_floor(floor);
+            self.records += home_ledger.len();
         }
     }
 
-    /// Runs `f` on the shard of `home` (created empty on first use), keeping the record count.
-    pub(crate) fn with<R>(&mut self, home: u16, f: impl FnOnce(&mut Shard, usize) -> R) -> R {
-        let shard = self.shards.entry(home).or_default();
-        let before = shard.len();
-        let out = f(shard, self.records);
-        self.records = self.records - before + shard.len();
+    /// Runs `f` on the home ledger of `home` (created empty on first use), keeping the record count.
+    pub(crate) fn with<R>(&mut self, home: u16, f: impl FnOnce(&mut HomeLedger, usize) -> R) -> R {
+        let home_ledger = self.homes.entry(home).or_default();
+        let before = home_ledger.len();
+        let out = f(home_ledger, self.records);
+        self.records = self.records - before + home_ledger.len();
         out
     }
 }
@@ -172,7 +172,7 @@ mod tests {
         assert_eq!(l.with(1, |s, _| s.admit(w(3, 1, 10), true)), Some(Admission::Recorded(Status::Ok)));
         // Another home knows nothing of it (the initiator names one home per tag and session).
         assert_eq!(l.with(2, |s, _| s.admit(w(2, 1, 10), true)), Some(Admission::Execute));
-        assert_eq!((l.records(), l.shards()), (2, 2));
+        assert_eq!((l.records(), l.homes()), (2, 2));
     }
 
     #[test]

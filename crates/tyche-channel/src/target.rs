@@ -2,7 +2,7 @@
 //!
 //! A session may be held in **parts**, one per thread that owns some of its channels (tyched's
 //! network threads each own their NICs' channels): a [`TargetSession`] is one part. Each part
-//! holds its own channels and the ledger shards of the homes that first joined on it; the only
+//! holds its own channels and the home ledgers of the homes that first joined on it; the only
 //! session-wide state is the [`Directory`] (which part holds which home's ledger), written when a
 //! channel joins and read when a request names a home the part has not seen. A request that
 //! arrives on the part of its home (the normal case: a tag is first issued on its home channel)
@@ -90,7 +90,7 @@ pub enum TargetInboundOf<P> {
     Dropped(FrameDrop),
 }
 
-/// Bound on the records of a session part's ledger, all its home shards together: the initiator
+/// Bound on the records of a session part's ledger, all its home ledgers together: the initiator
 /// keeps its tags within [`TAG_WINDOW`] of its floor.
 const LEDGER_LIMIT: usize = TAG_WINDOW as usize;
 
@@ -215,7 +215,7 @@ pub struct TargetSession {
     retired: Vec<Channel>,
     /// The largest `FLOOR` any request carried.
     floor: u64,
-    /// The at-most-once records, in shards by the tags' home channels.
+    /// The at-most-once records, in one home ledger per tag's home channel.
     ledger: Ledger,
     events: VecDeque<TargetEvent>,
     duplicates_suppressed: u64,
@@ -268,7 +268,7 @@ impl TargetSession {
     pub fn bad_home(&self) -> u64 {
         self.bad_home
     }
-    /// At-most-once records held by this part, all its home shards together (at most the tag
+    /// At-most-once records held by this part, all its home ledgers together (at most the tag
     /// window).
     pub fn ledger_records(&self) -> usize {
         self.ledger.records()
@@ -441,10 +441,10 @@ impl TargetSession {
     }
 
     /// A request is ready on channel `idx`: check it, deduplicate it in its home channel's
-    /// ledger shard (here, or on the home's part), hand it to the caller.
+    /// home ledger (here, or on the home's part), hand it to the caller.
     fn admit(&mut self, idx: u16, r: Request, generation: u32) {
         // The home must be a channel of this session (a reconnect keeps the index): a made-up
-        // one would open shards without bound.
+        // one would open home ledgers without bound.
         let Some(home_part) = self.home_part(r.home) else {
             self.bad_home += 1;
             return self.reply(idx, &r, Status::Invalid);
@@ -488,23 +488,23 @@ impl TargetSession {
         self.events.push_back(TargetEvent::Execute { channel: idx, request: r, generation });
     }
 
-    /// Whether `tag` lies below the floor of `home`'s shard (here), after raising it to ours.
+    /// Whether `tag` lies below the floor of `home`'s home ledger (here), after raising it to ours.
     fn stale_at_home(&mut self, home: u16, tag: u64) -> bool {
         let floor = self.floor;
-        self.ledger.with(home, |shard, _| {
-            shard.raise_floor(floor);
-            shard.stale(tag)
+        self.ledger.with(home, |home_ledger, _| {
+            home_ledger.raise_floor(floor);
+            home_ledger.stale(tag)
         })
     }
 
     /// The ledger's decision for copy `w` (not stale) of a modifying request of `home` (whose
-    /// shard is here); `None`: refuse it (the records are full).
+    /// home ledger is here); `None`: refuse it (the records are full).
     fn decide(&mut self, home: u16, w: Waiter) -> Option<Admission> {
         if self.ledger.records() >= LEDGER_LIMIT {
             // Records of homes that have sent nothing lately may lie below the floor.
             self.ledger.raise_all(self.floor);
         }
-        let admitted = self.ledger.with(home, |shard, records| shard.admit(w, records < LEDGER_LIMIT));
+        let admitted = self.ledger.with(home, |home_ledger, records| home_ledger.admit(w, records < LEDGER_LIMIT));
         if matches!(admitted, Some(Admission::Wait | Admission::Recorded(_))) {
             self.duplicates_suppressed += 1;
         }
@@ -522,13 +522,13 @@ impl TargetSession {
         }
     }
 
-    /// Records how `tag` of `home` (whose shard is here) went, and answers the copies that
+    /// Records how `tag` of `home` (whose home ledger is here) went, and answers the copies that
     /// waited for it.
     fn record(&mut self, home: u16, tag: u64, status: Status) {
         let floor = self.floor;
-        let waiters = self.ledger.with(home, |shard, _| {
-            shard.raise_floor(floor);
-            shard.record(tag, status)
+        let waiters = self.ledger.with(home, |home_ledger, _| {
+            home_ledger.raise_floor(floor);
+            home_ledger.record(tag, status)
         });
         for w in waiters {
             self.settle(w, status);

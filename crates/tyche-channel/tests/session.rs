@@ -100,7 +100,7 @@ fn late_copy_below_floor_is_refused() {
 
 #[test]
 fn request_naming_no_channel_as_home_is_refused_and_counted() {
-    // HOME picks the ledger shard: a made-up one must not open shards, nor run the request.
+    // HOME picks the home ledger: a made-up one must not open home ledgers, nor run the request.
     let mut pair = Pair::new();
     let first = std::rc::Rc::new(std::cell::Cell::new(true));
     let f = std::rc::Rc::clone(&first);

@@ -2,7 +2,7 @@
 //! transports of its node's links and pinned to that node's CPUs. Each thread owns its part of
 //! the session's volume ([`Volume::part`]: the channels of its links and the requests submitted
 //! to it, with their buffers), its transports, its connectors and its front ends, in a
-//! [`Group`] behind a lock that only it takes on its frame path (an inline submitter of its
+//! [`Part`] behind a lock that only it takes on its frame path (an inline submitter of its
 //! node takes it too: [`Shared::submit_inline`]). No lock another engine thread takes per frame:
 //!
 //! - what threads hand each other goes by [`Mail`] into the receiver's mailbox, with its bell
@@ -77,8 +77,8 @@ pub(crate) struct IoCmd {
 pub(crate) enum Completion {
     /// A [`Client`] call waits for it.
     Client(oneshot::Sender<Result<Vec<u8>, Error>>),
-    /// A front end served by engine thread `group` (its key) turns it into a reply.
-    Front { group: usize, key: u64, token: Token },
+    /// A front end served by engine thread `part` (its key) turns it into a reply.
+    Front { part: usize, key: u64, token: Token },
 }
 
 /// What the client sends an engine thread.
@@ -118,7 +118,7 @@ struct LinkMeta {
     /// The transport's memory (UMEM, rings), for placement reports.
     areas: Vec<MemoryArea>,
     /// The engine thread serving the link.
-    group: usize,
+    part: usize,
 }
 
 /// What one engine thread hands another (see the module docs). A mailbox holds at most what
@@ -206,12 +206,12 @@ struct Control {
     channel_link: HashMap<u16, usize>,
 }
 
-/// One engine thread's share of the session: its part of the volume, its transports, its
-/// connectors, the requests submitted to its part and their buffers, its front ends.
-pub(crate) struct Group {
+/// One engine thread's part of the session: its part of the volume (`volume`), its transports,
+/// its connectors, the requests submitted to it and their buffers, its front ends.
+pub(crate) struct Part {
     g: usize,
     io: Vec<(usize, Transport)>,
-    part: Option<Volume>,
+    volume: Option<Volume>,
     /// The control's resumes this part has followed.
     resumes: u64,
     /// The control's generation last synced with.
@@ -251,16 +251,16 @@ pub(crate) struct Group {
     finished: bool,
 }
 
-impl std::fmt::Debug for Group {
+impl std::fmt::Debug for Part {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Group").field("g", &self.g).field("inflight", &self.inflight.len()).finish_non_exhaustive()
+        f.debug_struct("Part").field("g", &self.g).field("inflight", &self.inflight.len()).finish_non_exhaustive()
     }
 }
 
 /// What the engine threads (and, in inline send mode, the submitting threads) share.
 ///
-/// Lock order: a group, then the control (or the control alone); never two groups at once,
-/// and never a group while holding the control. Mailboxes and the volume's board are leaves.
+/// Lock order: a part, then the control (or the control alone); never two parts at once,
+/// and never a part while holding the control. Mailboxes and the volume's board are leaves.
 pub(crate) struct Shared {
     cfg: InitiatorConfig,
     clock: std::time::Instant,
@@ -272,10 +272,10 @@ pub(crate) struct Shared {
     /// When the control's reconnect timer is next due (nanoseconds of the clock; `u64::MAX`:
     /// never).
     control_due: AtomicU64,
-    groups: Vec<Mutex<Group>>,
+    parts: Vec<Mutex<Part>>,
     mail: Vec<Mailbox>,
     bells: Vec<Arc<Bell>>,
-    /// Whether every transport of a group wakes its thread on arrival (a readiness descriptor).
+    /// Whether every transport of a part wakes its thread on arrival (a readiness descriptor).
     wakes: Vec<bool>,
     /// Live channels of each thread's part, as of its last pass.
     live: Vec<Published>,
@@ -292,7 +292,7 @@ pub(crate) struct Shared {
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared").field("groups", &self.groups.len()).finish_non_exhaustive()
+        f.debug_struct("Shared").field("parts", &self.parts.len()).finish_non_exhaustive()
     }
 }
 
@@ -368,10 +368,10 @@ impl Shared {
         Instant(self.clock.elapsed().as_nanos() as u64 + 1)
     }
 
-    /// Group `g`, also when a thread panicked while holding it (its state is still consistent
+    /// Part `g`, also when a thread panicked while holding it (its state is still consistent
     /// enough to fail requests and close).
-    fn group(&self, g: usize) -> MutexGuard<'_, Group> {
-        self.groups[g].lock().unwrap_or_else(|p| p.into_inner())
+    fn part(&self, g: usize) -> MutexGuard<'_, Part> {
+        self.parts[g].lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The control; its reconnect timer is published again when it is let go of.
@@ -416,14 +416,14 @@ impl Shared {
     /// The thread whose part a request goes to: with the affinity scheduler, the one serving
     /// its buffers' node (its first link there); with round-robin, or for buffers on no link's
     /// node, the threads in turn (each part's scheduler then picks among its own channels).
-    fn group_for(&self, node: Option<u32>) -> usize {
-        let n = self.groups.len();
+    fn part_for(&self, node: Option<u32>) -> usize {
+        let n = self.parts.len();
         if n == 1 {
             return 0;
         }
         if self.cfg.scheduler == SchedulerKind::Affinity && node.is_some() {
             if let Some(l) = self.links.iter().find(|l| l.node == node) {
-                return l.group;
+                return l.part;
             }
         }
         self.turn.fetch_add(1, Ordering::Relaxed) % n
@@ -441,24 +441,24 @@ impl Shared {
     /// rung after an inline send all the same, so that it looks for the reply (counted in
     /// [`Stats::inline_wakes`]).
     pub(crate) fn submit_inline(&self, io: IoCmd) {
-        let g = self.group_for(io.node);
-        let mut grp = self.group(g);
+        let g = self.part_for(io.node);
+        let mut part = self.part(g);
         let now = self.now();
-        if grp.finished || grp.closing || self.closing() || grp.part.is_none() {
-            grp.complete(self, io.reply, Err(Error::Closed));
+        if part.finished || part.closing || self.closing() || part.volume.is_none() {
+            part.complete(self, io.reply, Err(Error::Closed));
             return;
         }
-        let waits = !grp.backlog.is_empty();
-        grp.submit_here(self, io, now);
-        if waits || !grp.backlog.is_empty() {
-            grp.stats.inline_fallbacks += 1;
+        let waits = !part.backlog.is_empty();
+        part.submit_here(self, io, now);
+        if waits || !part.backlog.is_empty() {
+            part.stats.inline_fallbacks += 1;
             self.bells[g].ring();
             return;
         }
-        grp.transmit(self, now);
-        grp.stats.sent_inline += 1;
+        part.transmit(self, now);
+        part.stats.sent_inline += 1;
         if !self.wakes[g] && self.bells[g].sleeping.load(Ordering::Acquire) {
-            grp.stats.inline_wakes += 1;
+            part.stats.inline_wakes += 1;
             self.bells[g].ring();
         }
     }
@@ -467,9 +467,9 @@ impl Shared {
     fn snapshot(&self) -> Stats {
         let mut s = Stats::default();
         let mut debt = DurabilityDebt::Clear;
-        for g in 0..self.groups.len() {
-            let grp = self.group(g);
-            let p = &grp.stats;
+        for g in 0..self.parts.len() {
+            let part = self.part(g);
+            let p = &part.stats;
             s.completed += p.completed;
             s.failed += p.failed;
             s.bytes_read += p.bytes_read;
@@ -479,9 +479,9 @@ impl Shared {
             s.inline_fallbacks += p.inline_fallbacks;
             s.inline_wakes += p.inline_wakes;
             s.handoffs += p.handoffs;
-            s.outstanding += grp.inflight.len();
-            s.queued += grp.backlog.len();
-            if let Some(v) = &grp.part {
+            s.outstanding += part.inflight.len();
+            s.queued += part.backlog.len();
+            if let Some(v) = &part.volume {
                 s.live_channels += v.live_channels();
                 let channels = || v.channel_indices().filter_map(|i| v.channel(i));
                 s.retransmits += channels().map(|c| c.stats().retransmits).sum::<u64>();
@@ -505,19 +505,19 @@ impl Shared {
         use crate::report::{ChannelReport, LinkReport, Report};
         let s = self.snapshot();
         let here = tyche_numa::report::this_thread();
-        let mut threads = Vec::with_capacity(self.groups.len());
-        let mut poll = Vec::with_capacity(self.groups.len());
+        let mut threads = Vec::with_capacity(self.parts.len());
+        let mut poll = Vec::with_capacity(self.parts.len());
         let mut channels = Vec::new();
         let (session, channel_link) = {
             let c = self.control();
             (c.session.connected().map_or(0, |c| c.session), c.channel_link.clone())
         };
-        for g in 0..self.groups.len() {
-            let grp = self.group(g);
-            let thread = grp.thread.clone().unwrap_or_else(|| here.clone());
-            threads.push(grp.thread.clone());
-            poll.push(grp.poll);
-            let Some(v) = &grp.part else { continue };
+        for g in 0..self.parts.len() {
+            let part = self.part(g);
+            let thread = part.thread.clone().unwrap_or_else(|| here.clone());
+            threads.push(part.thread.clone());
+            poll.push(part.poll);
+            let Some(v) = &part.volume else { continue };
             for ch in v.channel_indices() {
                 let Some(c) = v.channel(ch) else { continue };
                 let link = channel_link.get(&ch).copied();
@@ -540,7 +540,7 @@ impl Shared {
             }
         }
         channels.sort_by_key(|c| c.channel);
-        let thread_of = |k: usize| threads[self.links[k].group].clone().unwrap_or_else(|| here.clone());
+        let thread_of = |k: usize| threads[self.links[k].part].clone().unwrap_or_else(|| here.clone());
         let mut r = Report {
             export: self.cfg.export.clone(),
             session,
@@ -656,12 +656,12 @@ impl Shared {
             debug!(link = %name, "reconnect attempt {} on {name}", plan.failures + 1);
         }
         let opening = InitiatorSession::opening(&plan, connector);
-        c.connects[self.links[link].group].push((plan.channel, opening));
+        c.connects[self.links[link].part].push((plan.channel, opening));
     }
 
     /// An engine thread is done; the last one wakes the closers.
     fn exit_thread(&self) {
-        if self.exited.fetch_add(1, Ordering::AcqRel) + 1 == self.groups.len() {
+        if self.exited.fetch_add(1, Ordering::AcqRel) + 1 == self.parts.len() {
             for w in self.control().closers.drain(..) {
                 let _ = w.send(());
             }
@@ -708,12 +708,12 @@ fn adopted_range(
     data.get_mut(at..at.checked_add(len)?)
 }
 
-impl Group {
+impl Part {
     fn new(g: usize, io: Vec<(usize, Transport)>) -> Self {
-        Group {
+        Part {
             g,
             io,
-            part: None,
+            volume: None,
             resumes: 0,
             seen: 0,
             connectors: HashMap::new(),
@@ -779,8 +779,8 @@ impl Group {
     }
 
     fn take_part(&mut self, c: &mut Control) {
-        if self.part.is_none() {
-            self.part = c.parts.get_mut(self.g).and_then(Option::take);
+        if self.volume.is_none() {
+            self.volume = c.parts.get_mut(self.g).and_then(Option::take);
         }
     }
 
@@ -789,7 +789,7 @@ impl Group {
         if self.resumes >= c.session.resumes() {
             return;
         }
-        let (Some(v), Some(conn)) = (self.part.as_mut(), c.session.connected()) else { return };
+        let (Some(v), Some(conn)) = (self.volume.as_mut(), c.session.connected()) else { return };
         self.resumes = c.session.resumes();
         if v.session() != conn.session {
             v.resume(conn.session, now);
@@ -802,9 +802,9 @@ impl Group {
     /// Publishes what the other threads read of this one: its live channels (where hand-offs
     /// go) and what it holds (what closing waits for).
     fn publish(&self, sh: &Shared) {
-        let live = self.part.as_ref().map_or(0, Volume::live_channels);
+        let live = self.volume.as_ref().map_or(0, Volume::live_channels);
         let busy =
-            if self.finished { 0 } else { self.inflight.len() + self.part.as_ref().map_or(0, Volume::adopted_parts) };
+            if self.finished { 0 } else { self.inflight.len() + self.volume.as_ref().map_or(0, Volume::adopted_parts) };
         for (slot, v) in [(&sh.live[self.g], live), (&sh.busy[self.g], busy)] {
             if slot.0.load(Ordering::Relaxed) != v {
                 slot.0.store(v, Ordering::Release);
@@ -821,7 +821,7 @@ impl Group {
                 Mail::Submit(io) => self.submit_here(sh, io, now),
                 Mail::Complete(c, outcome) => self.complete(sh, c, outcome),
                 Mail::Handoff { from, handoff, data } => {
-                    let Some(v) = self.part.as_mut() else { continue };
+                    let Some(v) = self.volume.as_mut() else { continue };
                     let key = (handoff.id(), handoff.req_offset());
                     match data {
                         Some(d) => {
@@ -835,7 +835,7 @@ impl Group {
                     v.adopt(now, from, handoff);
                 }
                 Mail::Handback { back, data } => {
-                    let Some(v) = self.part.as_mut() else { continue };
+                    let Some(v) = self.volume.as_mut() else { continue };
                     if let Some(d) = data.filter(|_| back.session == v.session()) {
                         let at = back.req_offset() as usize;
                         if let Some(dst) = self
@@ -858,12 +858,12 @@ impl Group {
     /// thread whose part has one (with their write data), and what this part adopted and is
     /// done with (or cannot do) back to their origins (with read data).
     fn exchange(&mut self, sh: &Shared) {
-        let n = sh.groups.len();
+        let n = sh.parts.len();
         if n == 1 {
             return;
         }
         let g = self.g;
-        let Some(v) = self.part.as_mut() else { return };
+        let Some(v) = self.volume.as_mut() else { return };
         let mut out = Vec::new();
         if v.live_channels() == 0 && v.queued_parts() > 0 {
             if let Some(to) = (1..n).map(|i| (g + i) % n).find(|&q| sh.live[q].0.load(Ordering::Acquire) > 0) {
@@ -909,9 +909,9 @@ impl Group {
         }
     }
 
-    /// Routes a request to the part it belongs in ([`Shared::group_for`]).
+    /// Routes a request to the part it belongs in ([`Shared::part_for`]).
     fn submit(&mut self, sh: &Shared, io: IoCmd, now: Instant) {
-        let to = sh.group_for(io.node);
+        let to = sh.part_for(io.node);
         if to == self.g || self.closing {
             self.submit_here(sh, io, now);
         } else {
@@ -921,7 +921,7 @@ impl Group {
 
     /// Submits a request into this thread's part (or its backlog while the part is full).
     fn submit_here(&mut self, sh: &Shared, io: IoCmd, now: Instant) {
-        if self.closing || self.finished || self.part.is_none() {
+        if self.closing || self.finished || self.volume.is_none() {
             self.complete(sh, io.reply, Err(Error::Closed));
             return;
         }
@@ -940,14 +940,14 @@ impl Group {
     #[allow(clippy::result_large_err)]
     fn try_submit(&mut self, sh: &Shared, io: IoCmd, now: Instant) -> Result<(), IoCmd> {
         let id = self.next_id;
-        let Some(vol) = self.part.as_mut() else {
+        let Some(vol) = self.volume.as_mut() else {
             self.complete(sh, io.reply, Err(Error::Closed));
             return Ok(());
         };
         let req = IoRequest { id, op: io.op, fua: io.fua, offset: io.offset, length: io.length, node: io.node };
         match vol.submit(now, req) {
             Ok(()) => {
-                self.next_id += sh.groups.len() as u64;
+                self.next_id += sh.parts.len() as u64;
                 // Read data lands in the buffer the caller allocated (on its thread's node),
                 // when it gave one.
                 let buf = if io.op == Op::Read && io.data.len() != io.length as usize {
@@ -990,7 +990,7 @@ impl Group {
         let mut outcomes = Vec::new();
         let mut n = 0;
         let ethertype = sh.cfg.ethertype;
-        let Group { io, connectors, part, inflight, adopted, stats, rx_scratch, rx_gather, .. } = self;
+        let Part { io, connectors, volume, inflight, adopted, stats, rx_scratch, rx_gather, .. } = self;
         for (k, transport) in io.iter_mut() {
             let link = &sh.links[*k];
             // A multi-buffer DATA frame (a jumbo link) comes in its pieces: its read data is
@@ -1009,7 +1009,7 @@ impl Group {
                         }
                     }
                 }
-                let Some(v) = part.as_mut() else { return };
+                let Some(v) = volume.as_mut() else { return };
                 if let InboundOf::Read { id, offset, payload } =
                     v.handle_frame_pieces(now, pieces, rx_scratch, rx_gather)
                 {
@@ -1092,7 +1092,7 @@ impl Group {
                 return;
             }
         };
-        let Some(vol) = self.part.as_mut() else { return };
+        let Some(vol) = self.volume.as_mut() else { return };
         vol.add_channel(channel, sh.links[link].node, now);
         c.channel_link.insert(ch, link);
         self.channel_link.insert(ch, link);
@@ -1115,8 +1115,8 @@ impl Group {
             max_requests: sh.cfg.max_requests,
         };
         let nodes: Vec<u32> = sh.links.iter().filter_map(|l| l.node).collect();
-        let board = VolumeBoard::new(sh.groups.len(), conn.session);
-        let mut parts: Vec<Option<Volume>> = (0..sh.groups.len())
+        let board = VolumeBoard::new(sh.parts.len(), conn.session);
+        let mut parts: Vec<Option<Volume>> = (0..sh.parts.len())
             .map(|q| {
                 let scheduler: Box<dyn Scheduler> =
                     Box::new(NumaScheduler::with_order(sh.cfg.scheduler, &nodes, sh.cfg.node_order.as_ref()));
@@ -1128,7 +1128,7 @@ impl Group {
         // An earlier process's unflushed writes: kept if this session presents the epoch they
         // were acknowledged under, else the next FLUSH fails.
         mine.inherit_debt(sh.cfg.prior_writes);
-        self.part = Some(mine);
+        self.volume = Some(mine);
         c.parts = parts;
     }
 
@@ -1153,7 +1153,7 @@ impl Group {
             );
         }
         self.take_part(c);
-        let Some(vol) = self.part.as_ref() else { return false };
+        let Some(vol) = self.volume.as_ref() else { return false };
         let waiting = vol.outstanding();
         let (was, unflushed) = (vol.durability_epoch(), vol.unflushed_writes());
         self.follow(c, now);
@@ -1178,7 +1178,7 @@ impl Group {
     fn events(&mut self, sh: &Shared, now: Instant) -> bool {
         // A part whose channels all died hands its queue over; adopters report back.
         self.exchange(sh);
-        let Some(vol) = self.part.as_mut() else { return false };
+        let Some(vol) = self.volume.as_mut() else { return false };
         let mut work = false;
         let mut dead = Vec::new();
         let mut no_path = 0usize;
@@ -1262,26 +1262,26 @@ impl Group {
                 let _ =
                     reply.send(result.map(|(op, buf)| if op.has_read_data() { buf.into_vec() } else { Vec::new() }));
             }
-            Completion::Front { group, key, token } if group == self.g => {
+            Completion::Front { part, key, token } if part == self.g => {
                 if let Some(f) = self.fronts.get_mut(&key) {
                     f.complete(token, result);
                 }
             }
-            c @ Completion::Front { group, .. } => self.post(sh, group, Mail::Complete(c, result)),
+            c @ Completion::Front { part, .. } => self.post(sh, part, Mail::Complete(c, result)),
         }
     }
 
     fn transmit(&mut self, sh: &Shared, now: Instant) -> bool {
         let mut sent = 0;
         let per = sh.cfg.channels_per_link.max(1);
-        let Group { io, connectors, part, inflight, adopted, channel_link, .. } = self;
+        let Part { io, connectors, volume, inflight, adopted, channel_link, .. } = self;
         for (k, t) in io.iter_mut() {
             let (k, link) = (*k, &sh.links[*k]);
             for p in connectors.values_mut().filter(|p| p.slot / per == k) {
                 let r = t.send(1, &mut |buf| p.connector.poll_transmit(now, buf));
                 sent += r.unwrap_or(0);
             }
-            if let Some(vol) = part.as_mut() {
+            if let Some(vol) = volume.as_mut() {
                 for (&ch, _) in channel_link.iter().filter(|(_, &l)| l == k) {
                     if !vol.wants_transmit(ch) {
                         continue;
@@ -1328,7 +1328,7 @@ impl Group {
     fn timers(&mut self, sh: &Shared, now: Instant) -> bool {
         let mut work = false;
         let reads_board = self.reads_board();
-        if let Some(vol) = self.part.as_mut() {
+        if let Some(vol) = self.volume.as_mut() {
             let due = vol.poll_timeout().is_some_and(|t| t <= now);
             // The no-path clock starts inside handle_timeout: run it regularly too.
             if due || now.since(self.last_timeout_run) >= Duration::from_millis(1) {
@@ -1363,7 +1363,7 @@ impl Group {
     /// Whether this thread's part must keep reading the board: it holds requests, or another
     /// part does (an idle part's next tag would hold the session's floor down).
     fn reads_board(&self) -> bool {
-        self.part.as_ref().is_some_and(|v| v.outstanding() > 0 || v.adopted_parts() > 0 || v.volume_busy())
+        self.volume.as_ref().is_some_and(|v| v.outstanding() > 0 || v.adopted_parts() > 0 || v.volume_busy())
     }
 
     /// Takes and submits the requests of this thread's front ends.
@@ -1389,7 +1389,7 @@ impl Group {
                 self.stats.sent_inline += n as u64;
             }
             for io in drain.by_ref().take(n) {
-                let reply = Completion::Front { group: self.g, key, token: io.token };
+                let reply = Completion::Front { part: self.g, key, token: io.token };
                 let FrontIo { op, fua, offset, length, data, .. } = io;
                 self.submit(sh, IoCmd { op, fua, offset, length, data, node, reply }, now);
             }
@@ -1459,7 +1459,7 @@ impl Group {
         for m in sh.mail[self.g].close() {
             self.refused(sh, m);
         }
-        if let Some(v) = self.part.as_mut() {
+        if let Some(v) = self.volume.as_mut() {
             v.close();
         }
         self.transmit(sh, now);
@@ -1470,7 +1470,7 @@ impl Group {
 
 /// Which engine thread serves each link: one per distinct node (in order of first appearance)
 /// with [`EngineThreads::PerNode`], else all on one.
-fn groups_of(layout: EngineThreads, nodes: &[Option<u32>]) -> Vec<usize> {
+fn parts_of(layout: EngineThreads, nodes: &[Option<u32>]) -> Vec<usize> {
     match layout {
         EngineThreads::One => vec![0; nodes.len()],
         EngineThreads::PerNode => {
@@ -1510,15 +1510,15 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
         return Err(ConnectError::NoLinks);
     }
     let nodes: Vec<Option<u32>> = links.iter().map(|l| l.node).collect();
-    let group = groups_of(cfg.engine_threads, &nodes);
-    let groups = group.iter().max().map_or(1, |g| g + 1);
-    let bells = (0..groups)
+    let part_of = parts_of(cfg.engine_threads, &nodes);
+    let parts = part_of.iter().max().map_or(1, |g| g + 1);
+    let bells = (0..parts)
         .map(|_| Bell::new().map(Arc::new))
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(|e| ConnectError::Os { what: "create an eventfd", source: e })?;
-    let (metas, by_group) = link_groups(links, &group, groups);
-    let (sleep_fds, wakes) = sleep_descriptors(&by_group)?;
-    let mine: Vec<Vec<usize>> = by_group.iter().map(|m| m.iter().map(|(k, _)| *k).collect()).collect();
+    let (metas, by_part) = link_parts(links, &part_of, parts);
+    let (sleep_fds, wakes) = sleep_descriptors(&by_part)?;
+    let mine: Vec<Vec<usize>> = by_part.iter().map(|m| m.iter().map(|(k, _)| *k).collect()).collect();
     let per = cfg.channels_per_link;
     let slot_count = metas.len() * per;
     let slot_links: Vec<usize> = (0..slot_count).map(|i| i / per).collect();
@@ -1527,7 +1527,7 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
     let control = Control {
         session: InitiatorSession::new(slot_links, policy, FirstOpen::GiveUp, Instant::ZERO),
         parts: Vec::new(),
-        connects: (0..groups).map(|_| Vec::new()).collect(),
+        connects: (0..parts).map(|_| Vec::new()).collect(),
         fatal: None,
         closers: Vec::new(),
         channel_link: HashMap::new(),
@@ -1540,26 +1540,26 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
         control: Mutex::new(control),
         generation: AtomicU64::new(0),
         control_due: AtomicU64::new(0),
-        groups: by_group.into_iter().enumerate().map(|(g, io)| Mutex::new(Group::new(g, io))).collect(),
-        mail: (0..groups).map(|_| Mailbox::default()).collect(),
+        parts: by_part.into_iter().enumerate().map(|(g, io)| Mutex::new(Part::new(g, io))).collect(),
+        mail: (0..parts).map(|_| Mailbox::default()).collect(),
         bells: bells.clone(),
         wakes,
-        live: (0..groups).map(|_| Published::default()).collect(),
-        busy: (0..groups).map(|_| Published::default()).collect(),
+        live: (0..parts).map(|_| Published::default()).collect(),
+        busy: (0..parts).map(|_| Published::default()).collect(),
         closing_at: AtomicU64::new(0),
         exited: AtomicUsize::new(0),
         turn: AtomicUsize::new(0),
     });
-    let info = open_session(&shared, groups)?;
+    let info = open_session(&shared, parts)?;
     let mode = shared.cfg.send_mode;
     let (engines, node_engine) = spawn_engines(&shared, mine, sleep_fds, &bells, &nodes)?;
     Ok(Started { engines, node_engine, info, mode, nodes, shared })
 }
 
-/// Each link's description, and its transport in the list of its engine thread's group
-/// (`group[k]` of `groups`), with its index.
-fn link_groups(links: Vec<Link>, group: &[usize], groups: usize) -> (Vec<LinkMeta>, Vec<Vec<(usize, Transport)>>) {
-    let mut by_group: Vec<Vec<(usize, Transport)>> = (0..groups).map(|_| Vec::new()).collect();
+/// Each link's description, and its transport in the list of its engine thread's part
+/// (`part_of[k]` of `parts`), with its index.
+fn link_parts(links: Vec<Link>, part_of: &[usize], parts: usize) -> (Vec<LinkMeta>, Vec<Vec<(usize, Transport)>>) {
+    let mut by_part: Vec<Vec<(usize, Transport)>> = (0..parts).map(|_| Vec::new()).collect();
     let mut metas = Vec::with_capacity(links.len());
     for (k, l) in links.into_iter().enumerate() {
         let t = &l.transport;
@@ -1572,22 +1572,22 @@ fn link_groups(links: Vec<Link>, group: &[usize], groups: usize) -> (Vec<LinkMet
             frame_capacity: t.frame_capacity(),
             memory_node: t.numa_node(),
             areas: t.memory_areas(),
-            group: group[k],
+            part: part_of[k],
         });
-        by_group[group[k]].push((k, l.transport));
+        by_part[part_of[k]].push((k, l.transport));
     }
-    (metas, by_group)
+    (metas, by_part)
 }
 
 /// What each engine thread sleeps on besides its bell: duplicates of its transports' readiness
-/// descriptors, so that it sleeps without holding its group; and whether every one of its
+/// descriptors, so that it sleeps without holding its part; and whether every one of its
 /// transports has one (else it must wake up to poll).
 type SleepFds = (Vec<Vec<std::os::fd::OwnedFd>>, Vec<bool>);
 
-fn sleep_descriptors(by_group: &[Vec<(usize, Transport)>]) -> Result<SleepFds, ConnectError> {
-    let mut sleep_fds = Vec::with_capacity(by_group.len());
-    let mut wakes = Vec::with_capacity(by_group.len());
-    for mine in by_group {
+fn sleep_descriptors(by_part: &[Vec<(usize, Transport)>]) -> Result<SleepFds, ConnectError> {
+    let mut sleep_fds = Vec::with_capacity(by_part.len());
+    let mut wakes = Vec::with_capacity(by_part.len());
+    for mine in by_part {
         let mut fds = Vec::new();
         for (_, t) in mine {
             if let Some(fd) = t.readiness_fd() {
@@ -1603,14 +1603,14 @@ fn sleep_descriptors(by_group: &[Vec<(usize, Transport)>]) -> Result<SleepFds, C
     Ok((sleep_fds, wakes))
 }
 
-/// Opens the session on the calling thread, over every link, turning each group in turn until
+/// Opens the session on the calling thread, over every link, turning each part in turn until
 /// every channel is placed. Bounded: every connector gives up after `connect_attempts *
 /// connect_retry`.
-fn open_session(shared: &Arc<Shared>, groups: usize) -> Result<ExportInfo, ConnectError> {
+fn open_session(shared: &Arc<Shared>, parts: usize) -> Result<ExportInfo, ConnectError> {
     loop {
         let now = shared.now();
-        for g in 0..groups {
-            shared.group(g).pass(shared, now);
+        for g in 0..parts {
+            shared.part(g).pass(shared, now);
         }
         let mut c = shared.control();
         if let Some(e) = c.fatal.take() {
@@ -1618,7 +1618,7 @@ fn open_session(shared: &Arc<Shared>, groups: usize) -> Result<ExportInfo, Conne
         }
         let placed = c.session.opened() && c.parts.iter().all(Option::is_none) && c.connects.iter().all(Vec::is_empty);
         drop(c);
-        if placed && (0..groups).all(|g| shared.group(g).connectors.is_empty()) {
+        if placed && (0..parts).all(|g| shared.part(g).connectors.is_empty()) {
             break;
         }
         std::thread::sleep(Duration::from_micros(200));
@@ -1635,8 +1635,8 @@ fn open_session(shared: &Arc<Shared>, groups: usize) -> Result<ExportInfo, Conne
     };
     info!(
         export = %info.export, session = format_args!("{:#x}", info.session), size = info.size,
-        channels = (0..groups).map(|g| shared.group(g).part.as_ref().map_or(0, Volume::live_channels)).sum::<usize>(),
-        engine_threads = groups,
+        channels = (0..parts).map(|g| shared.part(g).volume.as_ref().map_or(0, Volume::live_channels)).sum::<usize>(),
+        engine_threads = parts,
         "session open"
     );
     Ok(info)
@@ -1645,7 +1645,7 @@ fn open_session(shared: &Arc<Shared>, groups: usize) -> Result<ExportInfo, Conne
 /// An engine thread's command queue and bell, and the engine thread serving each node's links.
 type Engines = (Vec<(Sender<Cmd>, Arc<Bell>)>, Vec<(Option<u32>, usize)>);
 
-/// Starts an engine thread per group (`mine[g]`: the indices of its links, whose NICs are on
+/// Starts an engine thread per part (`mine[g]`: the indices of its links, whose NICs are on
 /// `nodes[k]`), each sleeping on its `sleep_fds[g]` and `bells[g]`.
 fn spawn_engines(
     shared: &Arc<Shared>,
@@ -1654,11 +1654,11 @@ fn spawn_engines(
     bells: &[Arc<Bell>],
     nodes: &[Option<u32>],
 ) -> Result<Engines, ConnectError> {
-    let groups = mine.len();
+    let parts = mine.len();
     // The placement experiment: every engine thread on one given node.
     let thread_node = shared.cfg.engine_thread_node;
-    let mut queues: Vec<(Sender<Cmd>, Arc<Bell>)> = Vec::with_capacity(groups);
-    let mut node_group: Vec<(Option<u32>, usize)> = Vec::new();
+    let mut queues: Vec<(Sender<Cmd>, Arc<Bell>)> = Vec::with_capacity(parts);
+    let mut node_part: Vec<(Option<u32>, usize)> = Vec::new();
     let mut all_nodes: Vec<u32> = nodes.iter().flatten().copied().collect();
     all_nodes.sort_unstable();
     all_nodes.dedup();
@@ -1677,13 +1677,13 @@ fn spawn_engines(
             _ => None,
         };
         for k in &mine {
-            if !node_group.iter().any(|(n, _)| *n == nodes[*k]) {
-                node_group.push((nodes[*k], g));
+            if !node_part.iter().any(|(n, _)| *n == nodes[*k]) {
+                node_part.push((nodes[*k], g));
             }
         }
         let (tx, rx) = std::sync::mpsc::channel();
         queues.push((tx, Arc::clone(bell)));
-        let name = match (groups, home) {
+        let name = match (parts, home) {
             (1, _) | (_, None) => "tyche-engine".to_owned(),
             (_, Some(n)) => format!("tyche-engine{n}"),
         };
@@ -1706,38 +1706,38 @@ fn spawn_engines(
             })
             .map_err(|e| ConnectError::Os { what: "start an engine thread", source: e })?;
     }
-    Ok((queues, node_group))
+    Ok((queues, node_part))
 }
 
-/// An engine thread's loop over its group (`shared.groups[g]`); `fds` are duplicates of its
+/// An engine thread's loop over its part (`shared.parts[g]`); `fds` are duplicates of its
 /// transports' readiness descriptors. Returns when the session is closed (after every client is
 /// gone or one asked) and this thread has sent its DISCONNECTs.
 fn serve(sh: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd>) {
     let bell = Arc::clone(&sh.bells[g]);
     let placed = tyche_numa::report::this_thread();
-    sh.group(g).thread = Some(placed.clone());
+    sh.part(g).thread = Some(placed.clone());
     // Links without a readiness descriptor (in-memory ones) are polled: sleep briefly.
     let all_fds = sh.wakes[g];
     let mut poller = Poller::new(sh.cfg.poll);
     let run_queue = SchedStat::of_this_thread();
     let mut disconnected = false;
     let mut next: Option<Cmd> = None;
-    // Stats and reports read every thread's group: answered without holding this one's.
+    // Stats and reports read every thread's part: answered without holding this one's.
     let mut asked: Vec<Cmd> = Vec::new();
     let answer = |asked: &mut Vec<Cmd>| answer(sh, asked);
     loop {
-        let mut grp = sh.group(g);
+        let mut part = sh.part(g);
         let now = sh.now();
         let mut work = false;
-        let mut command = |grp: &mut Group, cmd: Cmd| command(sh, grp, cmd, now, &placed, &mut asked);
+        let mut command = |part: &mut Part, cmd: Cmd| command(sh, part, cmd, now, &placed, &mut asked);
         if let Some(cmd) = next.take() {
-            command(&mut grp, cmd);
+            command(&mut part, cmd);
             work = true;
         }
         loop {
             match rx.try_recv() {
                 Ok(cmd) => {
-                    command(&mut grp, cmd);
+                    command(&mut part, cmd);
                     work = true;
                 }
                 Err(TryRecvError::Empty) => break,
@@ -1750,21 +1750,21 @@ fn serve(sh: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd
                 }
             }
         }
-        work |= grp.pass(sh, now);
-        if grp.may_finish(sh, now) {
-            grp.finish(sh, now);
+        work |= part.pass(sh, now);
+        if part.may_finish(sh, now) {
+            part.finish(sh, now);
             // The transports go with the thread.
-            drop(std::mem::take(&mut grp.io));
-            drop(grp);
+            drop(std::mem::take(&mut part.io));
+            drop(part);
             answer(&mut asked);
             sh.exit_thread();
             return;
         }
-        grp.poll = poller.stats();
+        part.poll = poller.stats();
         let at = std::time::Instant::now();
         run_queue.feed(&mut poller, at);
         if poller.turn(at, work) == Next::Poll {
-            drop(grp);
+            drop(part);
             answer(&mut asked);
             if !work {
                 // Polling with nothing to do: let a thread that shares the core run.
@@ -1772,21 +1772,21 @@ fn serve(sh: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd
             }
             continue;
         }
-        let wait = sleep_time(sh, &grp, now, all_fds);
-        let sockets = grp.fronts_poll_set();
-        // Say so before letting go of the group: a thread that then leaves work for this one
+        let wait = sleep_time(sh, &part, now, all_fds);
+        let sockets = part.fronts_poll_set();
+        // Say so before letting go of the part: a thread that then leaves work for this one
         // (a command, mail, frames on its links, an inline request it must receive the reply
         // of, a front end's reader thread's request) rings, and the sleep below returns at once.
         bell.sleeping.store(!disconnected, Ordering::SeqCst);
-        if grp.fronts_handed_waiting() || sh.mail[g].has_mail() || sh.generation.load(Ordering::Acquire) != grp.seen {
+        if part.fronts_handed_waiting() || sh.mail[g].has_mail() || sh.generation.load(Ordering::Acquire) != part.seen {
             // Requests a reader thread handed over, or mail, before it could see this thread
             // sleep.
             bell.sleeping.store(false, Ordering::Release);
-            drop(grp);
+            drop(part);
             answer(&mut asked);
             continue;
         }
-        drop(grp);
+        drop(part);
         answer(&mut asked);
         if disconnected {
             std::thread::sleep(wait);
@@ -1811,7 +1811,7 @@ fn serve(sh: &Shared, g: usize, fds: Vec<std::os::fd::OwnedFd>, rx: Receiver<Cmd
     }
 }
 
-/// Answers the stats and report requests in `asked` (read from every thread's group, so never
+/// Answers the stats and report requests in `asked` (read from every thread's part, so never
 /// while holding one).
 fn answer(sh: &Shared, asked: &mut Vec<Cmd>) {
     for cmd in asked.drain(..) {
@@ -1827,11 +1827,11 @@ fn answer(sh: &Shared, asked: &mut Vec<Cmd>) {
     }
 }
 
-/// A command from a client (or the engine's control) to thread `grp`; stats and reports are
-/// put in `asked`, to be answered once the group is let go.
+/// A command from a client (or the engine's control) to thread `part`; stats and reports are
+/// put in `asked`, to be answered once the part is let go.
 fn command(
     sh: &Shared,
-    grp: &mut Group,
+    part: &mut Part,
     cmd: Cmd,
     now: Instant,
     placed: &tyche_numa::report::ThreadPlacement,
@@ -1839,19 +1839,19 @@ fn command(
 ) {
     match cmd {
         Cmd::Batch(ios) => {
-            grp.stats.handed_over += ios.len() as u64;
+            part.stats.handed_over += ios.len() as u64;
             for io in ios {
-                grp.submit(sh, io, now);
+                part.submit(sh, io, now);
             }
         }
         Cmd::Stats(_) | Cmd::Report(_) => asked.push(cmd),
         Cmd::Close(done) => sh.close(Some(done), now),
         Cmd::Front(front) => {
             front.placed(Some(placed.clone()));
-            if grp.closing || sh.closing() {
+            if part.closing || sh.closing() {
                 front.close(true);
             } else {
-                grp.fronts.insert(front.key(), front);
+                part.fronts.insert(front.key(), front);
             }
         }
     }
@@ -1860,20 +1860,20 @@ fn command(
 /// How long an engine thread with nothing to do now may sleep: briefly while requests,
 /// connections or adopted parts wait (polling links that have no readiness descriptor), long
 /// when idle, and never past its timers (the volume's, the board's refresh, the control's).
-fn sleep_time(sh: &Shared, grp: &Group, now: Instant, all_fds: bool) -> Duration {
-    let busy = !grp.inflight.is_empty()
-        || !grp.connectors.is_empty()
-        || grp.part.as_ref().is_some_and(|v| v.adopted_parts() > 0);
+fn sleep_time(sh: &Shared, part: &Part, now: Instant, all_fds: bool) -> Duration {
+    let busy = !part.inflight.is_empty()
+        || !part.connectors.is_empty()
+        || part.volume.as_ref().is_some_and(|v| v.adopted_parts() > 0);
     let mut wait = match (busy, all_fds) {
         (true, false) => BUSY_SLEEP,
         (true, true) => BUSY_SLEEP_FD,
         (false, _) => IDLE_SLEEP,
     };
-    if let Some(v) = &grp.part {
+    if let Some(v) = &part.volume {
         if let Some(t) = v.poll_timeout() {
             wait = wait.min(t.since(now));
         }
-        if let Some(t) = v.refresh_at().filter(|_| grp.reads_board()) {
+        if let Some(t) = v.refresh_at().filter(|_| part.reads_board()) {
             wait = wait.min(t.since(now));
         }
     }
@@ -1882,7 +1882,7 @@ fn sleep_time(sh: &Shared, grp: &Group, now: Instant, all_fds: bool) -> Duration
         if due != u64::MAX {
             wait = wait.min(Instant(due).since(now));
         }
-    } else if grp.closing {
+    } else if part.closing {
         // Closing waits for the other threads' requests too: look again soon.
         wait = wait.min(BUSY_SLEEP_FD);
     }
@@ -1905,10 +1905,10 @@ mod tests {
     #[test]
     fn links_are_grouped_by_node_in_order_of_first_appearance() {
         let nodes = [Some(1), Some(0), Some(1), None, Some(0)];
-        assert_eq!(groups_of(EngineThreads::PerNode, &nodes), [0, 1, 0, 2, 1]);
-        assert_eq!(groups_of(EngineThreads::One, &nodes), [0; 5]);
-        assert_eq!(groups_of(EngineThreads::PerNode, &[None, None]), [0, 0]);
-        assert_eq!(groups_of(EngineThreads::PerNode, &[Some(3)]), [0]);
+        assert_eq!(parts_of(EngineThreads::PerNode, &nodes), [0, 1, 0, 2, 1]);
+        assert_eq!(parts_of(EngineThreads::One, &nodes), [0; 5]);
+        assert_eq!(parts_of(EngineThreads::PerNode, &[None, None]), [0, 0]);
+        assert_eq!(parts_of(EngineThreads::PerNode, &[Some(3)]), [0]);
     }
 
     fn request() -> (Mail, oneshot::Receiver<Result<Vec<u8>, Error>>) {

@@ -28,7 +28,7 @@ use crate::config::SendMode;
 pub(crate) type Token = u64;
 
 /// A descriptor an engine thread sleeps on (shared, so that it outlives the engine thread's
-/// group lock the front end lives under: the thread sleeps without holding it).
+/// part lock the front end lives under: the thread sleeps without holding it).
 pub(crate) type WaitFd = Arc<dyn AsFd + Send + Sync>;
 
 /// A request a front end hands the engine.

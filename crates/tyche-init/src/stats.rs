@@ -36,7 +36,7 @@ pub struct Stats {
     /// batches; an NBD connection in queue mode: its reader thread's requests).
     pub handed_over: u64,
     /// Inline submissions whose frames were left to an engine thread after all (the request
-    /// waited in the backlog, or a group's transports were busy).
+    /// waited in the backlog, or a part's transports were busy).
     pub inline_fallbacks: u64,
     /// Inline sends after which an engine thread whose links cannot wake it on arrival
     /// (in-memory links) was rung to look for the reply.

@@ -27,8 +27,8 @@
 
 pub mod model;
 pub mod net;
-mod parted;
-mod sharded;
+mod session_parts;
+mod volume_parts;
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::time::Duration;
@@ -46,8 +46,8 @@ use tyche_wire::{
 
 use model::{FlushCover, Model};
 use net::{Delivery, Dir, Failure, NetConfig, Network};
-use parted::PartedVolume;
-use sharded::{new_session, Sharded, ShardedSession};
+use session_parts::{new_session, ByPath, PartedSession};
+use volume_parts::PartedVolume;
 
 /// What to simulate. Everything else derives from the seed.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,9 +76,9 @@ pub struct SimConfig {
     /// `Some(true)` also encrypts them.
     pub keyed: Option<bool>,
     /// Parts each target session is held in (tyched's network threads): path `k`'s channels
-    /// belong to part `k % shards`, and a copy of a modifying request arriving on a part other
+    /// belong to part `k % target_parts`, and a copy of a modifying request arriving on a part other
     /// than its home's is decided there by message, with seeded delays between parts.
-    pub shards: usize,
+    pub target_parts: usize,
     /// Parts the initiator's volume is held in (tyche-init's engine threads): path `k`'s
     /// channels belong to part `k % init_parts`, a request to part `id % init_parts` (or the
     /// next with a live channel), tags from each part's residue class, and each part reads the
@@ -101,7 +101,7 @@ impl Default for SimConfig {
             requests: 200,
             export_bytes: 16 << 20,
             keyed: None,
-            shards: 1,
+            target_parts: 1,
             init_parts: 1,
         }
     }
@@ -151,7 +151,7 @@ pub struct SeedReport {
     pub durability_errors: u64,
     /// Virtual time the run took.
     pub virtual_nanos: u64,
-    /// With [`SimConfig::shards`] above 1: copies of modifying requests that arrived on a part
+    /// With [`SimConfig::target_parts`] above 1: copies of modifying requests that arrived on a part
     /// other than their home's and were decided there by message.
     pub forwarded: u64,
     /// Messages between parts of a session.
@@ -312,7 +312,7 @@ struct World {
     /// Crashes of the target so far.
     crashes: u64,
     acceptor: Acceptor,
-    sessions: BTreeMap<u64, ShardedSession>,
+    sessions: BTreeMap<u64, PartedSession>,
     /// The path of every target channel.
     target_path: HashMap<(u64, u16), usize>,
     /// What reads see.
@@ -543,7 +543,7 @@ impl World {
 
     /// Adds what a session of the target counted to the report (when it goes: reclaimed, lost
     /// with the target, or at the end).
-    fn account(&mut self, s: &ShardedSession) {
+    fn account(&mut self, s: &PartedSession) {
         self.report.duplicates_suppressed += s.duplicates_suppressed();
         for i in s.channel_indices() {
             self.report.retransmits += s.channel(i).map_or(0, |c| c.stats().retransmits);
@@ -762,7 +762,7 @@ impl World {
                     }
                     let geometry = ExportGeometry { size: self.cfg.export_bytes, read_only: false, discard: true };
                     self.target_path.insert((session, channel.envelope().channel), k);
-                    let (parts, seed, now) = (self.cfg.shards, self.report.seed, self.now);
+                    let (parts, seed, now) = (self.cfg.target_parts, self.report.seed, self.now);
                     self.sessions
                         .entry(session)
                         .or_insert_with(|| new_session(session, DEFAULT_ETHERTYPE, geometry, parts, seed))
@@ -1313,7 +1313,7 @@ mod tests {
             dup: 0.01,
             fail_path: true,
             requests: 120,
-            shards: 2,
+            target_parts: 2,
             ..SimConfig::default()
         };
         let (mut forwarded, mut messages) = (0, 0);
@@ -1327,7 +1327,7 @@ mod tests {
         assert!(forwarded > 0 && messages >= 2 * forwarded, "no copy went to its home's part: {forwarded} {messages}");
         assert_eq!(run_seed(&cfg, 3), run_seed(&cfg, 3), "the same seed replays the same run");
         // One part: nothing is ever forwarded.
-        let r = run_seed(&SimConfig { shards: 1, ..cfg }, 3);
+        let r = run_seed(&SimConfig { target_parts: 1, ..cfg }, 3);
         assert_eq!((r.forwarded, r.part_messages), (0, 0));
     }
 

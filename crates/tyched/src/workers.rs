@@ -219,33 +219,33 @@ impl ThreadStat {
     }
 }
 
-/// Finished jobs back to the network thread (group) serving their channel's NIC.
+/// Finished jobs back to the network thread serving their channel's NIC.
 #[derive(Clone, Debug)]
 pub(crate) struct DoneRoute {
     txs: Vec<mpsc::Sender<Done>>,
     wakes: Vec<Arc<WakeFd>>,
-    /// NIC → group.
-    group_of: Arc<[usize]>,
+    /// NIC → network thread.
+    thread_of: Arc<[usize]>,
 }
 
 impl DoneRoute {
-    pub(crate) fn new(txs: Vec<mpsc::Sender<Done>>, wakes: Vec<Arc<WakeFd>>, group_of: Vec<usize>) -> Self {
-        assert_eq!(txs.len(), wakes.len(), "one done queue and eventfd per group");
-        DoneRoute { txs, wakes, group_of: group_of.into() }
+    pub(crate) fn new(txs: Vec<mpsc::Sender<Done>>, wakes: Vec<Arc<WakeFd>>, thread_of: Vec<usize>) -> Self {
+        assert_eq!(txs.len(), wakes.len(), "one done queue and eventfd per network thread");
+        DoneRoute { txs, wakes, thread_of: thread_of.into() }
     }
 
-    /// The group a job's completion goes to: its NIC's (group 0 when it has none).
-    pub(crate) fn group_of(&self, job: &Job) -> usize {
-        job.nic.and_then(|k| self.group_of.get(k).copied()).filter(|&g| g < self.txs.len()).unwrap_or(0)
+    /// The network thread a job's completion goes to: its NIC's (thread 0 when it has none).
+    pub(crate) fn thread_of(&self, job: &Job) -> usize {
+        job.nic.and_then(|k| self.thread_of.get(k).copied()).filter(|&g| g < self.txs.len()).unwrap_or(0)
     }
 
-    /// Queues `done` for its group; the group to wake, or `None` if that thread is gone.
+    /// Queues `done` for its network thread; the thread to wake, or `None` if that thread is gone.
     pub(crate) fn send(&self, done: Done) -> Option<usize> {
-        let g = self.group_of(&done.job);
+        let g = self.thread_of(&done.job);
         self.txs[g].send(done).ok().map(|()| g)
     }
 
-    /// Signals group `g`'s network thread.
+    /// Signals thread `g`'s network thread.
     pub(crate) fn wake(&self, g: usize) {
         if let Some(w) = self.wakes.get(g) {
             w.wake();

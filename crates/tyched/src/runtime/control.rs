@@ -10,7 +10,7 @@
 //!   channels (which thread and NIC serve each, and whether it died), and the [`SessionMeta`]
 //!   its parts share.
 //!
-//! Everything that crosses threads goes as a [`ShardMsg`] in the destination thread's queue,
+//! Everything that crosses threads goes as a [`ThreadMsg`] in the destination thread's queue,
 //! with a ring of its doorbell ([`Postal`]): a channel accepted on another thread's NIC, a
 //! channel index that moved to another thread, a fence, a reclaimed session, and the messages
 //! between the parts of a session ([`PartMessage`]). The queues are unbounded channels whose
@@ -156,7 +156,7 @@ pub(super) struct Opening {
 
 /// A message to a network thread.
 #[derive(Debug)]
-pub(super) enum ShardMsg {
+pub(super) enum ThreadMsg {
     /// Install a channel.
     Open(Box<Opening>),
     /// Channel index `channel` of session `sid` joined again on another thread: abort it here,
@@ -173,20 +173,20 @@ pub(super) enum ShardMsg {
 /// Every network thread's queue and doorbell.
 #[derive(Debug, Clone)]
 pub(super) struct Postal {
-    tx: Vec<mpsc::Sender<ShardMsg>>,
+    tx: Vec<mpsc::Sender<ThreadMsg>>,
     wakes: Vec<Arc<WakeFd>>,
 }
 
 impl Postal {
     /// The queues of `wakes.len()` threads, and each thread's receiving end.
-    pub(super) fn new(wakes: Vec<Arc<WakeFd>>) -> (Postal, Vec<mpsc::Receiver<ShardMsg>>) {
+    pub(super) fn new(wakes: Vec<Arc<WakeFd>>) -> (Postal, Vec<mpsc::Receiver<ThreadMsg>>) {
         let (tx, rx) = wakes.iter().map(|_| mpsc::channel()).unzip();
         (Postal { tx, wakes }, rx)
     }
 
     /// Sends thread `h` a message and rings its doorbell. (A thread that has exited, at
     /// shutdown, takes nothing more: the message goes with it.)
-    pub(super) fn send(&self, h: usize, msg: ShardMsg) {
+    pub(super) fn send(&self, h: usize, msg: ThreadMsg) {
         if let Some(tx) = self.tx.get(h) {
             let _ = tx.send(msg);
             self.wakes[h].wake();
@@ -266,7 +266,7 @@ pub(super) struct Control {
     /// Queue addresses: which transport serves a new channel and the address ACCEPT names.
     pub(super) queue_addresses: crate::steer::QueueAddresses,
     /// The network thread serving each NIC.
-    pub(super) group_of: Vec<usize>,
+    pub(super) thread_of: Vec<usize>,
     /// Each NIC's name (for log lines).
     pub(super) nic_names: Vec<String>,
     pub(super) post: Postal,
@@ -294,7 +294,7 @@ impl Control {
         let Some(e) = self.registry.remove(&sid) else { return };
         self.acceptor.forget_session(sid);
         for (h, _) in e.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
-            self.post.send(h, ShardMsg::Forget { sid });
+            self.post.send(h, ThreadMsg::Forget { sid });
         }
     }
 

@@ -20,7 +20,7 @@ use tyche_channel::auth::{self, ProofInput, Psk};
 use tyche_channel::{Accepted, Channel, ExportGeometry, HandshakeFrame, Instant, KeyedConnect};
 use tyche_wire::{Challenge, Connect, Envelope, Frame, MacAddr, Message, Reject, RejectReason};
 
-use super::control::{ChannelEntry, Control, Entry, Opening, ShardMsg};
+use super::control::{ChannelEntry, Control, Entry, Opening, ThreadMsg};
 use super::PEER_LOGS;
 use crate::stats::Drops;
 
@@ -349,7 +349,7 @@ impl Control {
         let src = peer.src;
         let idx = channel.envelope().channel;
         let Admission { identity, fence, .. } = admission;
-        let h = self.group_of.get(k).copied().unwrap_or(g);
+        let h = self.thread_of.get(k).copied().unwrap_or(g);
         let log = PEER_LOGS.allow();
         if !self.registry.contains_key(&session) {
             for &old in &fence {
@@ -383,7 +383,7 @@ impl Control {
         let dead = Arc::new(AtomicBool::new(false));
         let entry = ChannelEntry { thread: h, nic: k, peer: src, dead: Arc::clone(&dead) };
         if let Some(old) = e.channels.insert(idx, entry).filter(|old| old.thread != h) {
-            self.post.send(old.thread, ShardMsg::Leave { sid: session, channel: idx, dead: old.dead });
+            self.post.send(old.thread, ThreadMsg::Leave { sid: session, channel: idx, dead: old.dead });
         }
         e.posted[h] += 1;
         e.last_join = now;
@@ -398,7 +398,7 @@ impl Control {
         if h == g {
             out.open = Some(opening);
         } else {
-            self.post.send(h, ShardMsg::Open(opening));
+            self.post.send(h, ThreadMsg::Open(opening));
         }
     }
 
@@ -419,7 +419,7 @@ impl Control {
             );
         }
         for (h, _) in e.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
-            self.post.send(h, ShardMsg::Fence { old });
+            self.post.send(h, ThreadMsg::Fence { old });
         }
     }
 

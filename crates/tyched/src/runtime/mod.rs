@@ -25,7 +25,7 @@
 //! - `start`: opening exports, starting storage threads, building the control and each thread's
 //!   state, spawning the network threads.
 //! - `control`: the control (acceptor, challenges, session registry, reclaim decisions), what
-//!   a session's parts share (`SessionMeta`), the threads' queues (`Postal`, `ShardMsg`).
+//!   a session's parts share (`SessionMeta`), the threads' queues (`Postal`, `ThreadMsg`).
 //! - `network`: the per-thread loop (turns, receive, transmit, sleep, shutdown) and per-NIC
 //!   state (`NicState`).
 //! - `handshake`: DISCOVER/CONNECT checks in front of the acceptor, key challenges
@@ -73,7 +73,7 @@ mod start;
 
 pub(crate) use crate::rate_limit::PEER_LOGS;
 
-use control::{Control, Postal, ShardMsg};
+use control::{Control, Postal, ThreadMsg};
 use jobs::Storage;
 use network::NicState;
 use sessions::SessionState;
@@ -269,19 +269,20 @@ impl Target {
 
     /// As [`Target::start`], placing memory and threads as `placement` says.
     pub fn start_placed(config: Config, nics: Vec<Nic>, placement: Placement) -> Result<TargetHandle, StartError> {
-        let Built { shards, nics, groups, shared, workers, storage_kinds, config } = build(config, nics, &placement)?;
+        let Built { networks, nics, nics_of, shared, workers, storage_kinds, config } =
+            build(config, nics, &placement)?;
         let mut slots: Vec<Option<Nic>> = nics.into_iter().map(Some).collect();
         let mut network = Vec::new();
-        for (members, net) in groups.iter().zip(shards) {
+        for (members, net) in nics_of.iter().zip(networks) {
             let mine: Vec<(usize, Nic)> =
-                members.iter().map(|&k| (k, slots[k].take().expect("each NIC in one group"))).collect();
+                members.iter().map(|&k| (k, slots[k].take().expect("each NIC on one thread"))).collect();
             let cpus = match members[..] {
                 [k] => placement.nic_cpus.get(k).filter(|c| !c.is_empty()).unwrap_or(&placement.network_cpus).clone(),
                 _ => placement.network_cpus.clone(),
             };
             // A thread serving NICs on several nodes binds its memory policy to them.
             let memory_nodes = if members.len() > 1 { placement.memory_nodes.clone() } else { Vec::new() };
-            network.push(spawn_network(net, groups.len(), mine, cpus, memory_nodes)?);
+            network.push(spawn_network(net, nics_of.len(), mine, cpus, memory_nodes)?);
         }
         Ok(TargetHandle { shared, config, storage_kinds, network, workers })
     }
@@ -358,18 +359,18 @@ impl Drop for TargetHandle {
 #[doc(hidden)]
 pub struct Harness {
     /// Each network thread's state and its NICs.
-    shards: Vec<(Network, Vec<(usize, Nic)>)>,
+    networks: Vec<(Network, Vec<(usize, Nic)>)>,
     _workers: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Harness {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Harness").field("threads", &self.shards.len()).finish_non_exhaustive()
+        f.debug_struct("Harness").field("threads", &self.networks.len()).finish_non_exhaustive()
     }
 }
 
 impl Harness {
-    /// Opens the exports of `config` and serves them on `nics` (one group, on this thread).
+    /// Opens the exports of `config` and serves them on `nics` (one network thread, this one).
     pub fn new(mut config: Config, nics: Vec<Nic>) -> Result<Harness, StartError> {
         config.network_threads = NetworkThreads::One;
         Harness::with_threads(config, nics)
@@ -378,23 +379,23 @@ impl Harness {
     /// As [`Harness::new`], with the network threads `config` asks for (`per-nic`: one per
     /// NIC), all driven by [`Harness::turn`] on this thread.
     pub fn with_threads(config: Config, nics: Vec<Nic>) -> Result<Harness, StartError> {
-        let Built { shards, nics, groups, workers, .. } = build(config, nics, &Placement::default())?;
+        let Built { networks, nics, nics_of, workers, .. } = build(config, nics, &Placement::default())?;
         let mut slots: Vec<Option<Nic>> = nics.into_iter().map(Some).collect();
-        let shards = shards
+        let networks = networks
             .into_iter()
-            .zip(groups)
+            .zip(nics_of)
             .map(|(net, members)| {
-                let mine = members.iter().map(|&k| (k, slots[k].take().expect("each NIC in one group"))).collect();
+                let mine = members.iter().map(|&k| (k, slots[k].take().expect("each NIC on one thread"))).collect();
                 (net, mine)
             })
             .collect();
-        Ok(Harness { shards, _workers: workers })
+        Ok(Harness { networks, _workers: workers })
     }
 
     /// One turn of every network thread's loop over its NICs; whether anything happened.
     pub fn turn(&mut self) -> bool {
         let mut busy = false;
-        for (net, nics) in self.shards.iter_mut() {
+        for (net, nics) in self.networks.iter_mut() {
             busy |= net.turn(nics).busy;
             for (_, nic) in nics.iter_mut() {
                 let _ = nic.transport.flush();
@@ -405,16 +406,16 @@ impl Harness {
 
     /// Moves the target's clock forward (timers, dead channels, reclaim).
     pub fn advance(&mut self, by: Duration) {
-        for (net, _) in self.shards.iter_mut() {
+        for (net, _) in self.networks.iter_mut() {
             net.clock.skew += by;
         }
     }
 
     /// The counters now.
     pub fn snapshot(&self) -> Snapshot {
-        let net = &self.shards[0].0;
+        let net = &self.networks[0].0;
         let now = net.now();
-        let pieces: Vec<Piece> = self.shards.iter().map(|(n, _)| n.piece(now)).collect();
+        let pieces: Vec<Piece> = self.networks.iter().map(|(n, _)| n.piece(now)).collect();
         snapshot::merge(&control::lock(&net.control), &pieces, net.poll, now)
     }
 }
@@ -450,7 +451,7 @@ struct Network {
     /// Storage jobs of this thread's channels: queues, io_uring, completions, deadlines,
     /// deferred requests.
     storage: Storage,
-    /// Per NIC (all of the target's; those of this thread, `group == g`, are used): counters,
+    /// Per NIC (all of the target's; those of this thread, `served_by == g`, are used): counters,
     /// control queue, link state, memory placement, serving thread.
     nics: Vec<NicState>,
     /// What the threads share, behind its lock (handshakes, reclaim, failures).
@@ -458,7 +459,7 @@ struct Network {
     /// Every thread's queue and doorbell.
     post: Postal,
     /// This thread's queue.
-    inbox: mpsc::Receiver<ShardMsg>,
+    inbox: mpsc::Receiver<ThreadMsg>,
     /// How the network threads wait for work, and this one's counters.
     poll: PollConfig,
     poll_stats: PollStats,

@@ -1,4 +1,4 @@
-//! The per-thread loop: each network thread serves its group of NICs ([`serve_group`]) with
+//! The per-thread loop: each network thread serves its NICs ([`serve`]) with
 //! turns ([`Network::turn`]: its queue, receive, completions, deadlines, timers, events,
 //! transmit, messages to other threads, reclaim reports), flushes its transports, and sleeps in
 //! `poll(2)` when its [`Poller`] says so. Receiving checks each frame once and hands the
@@ -57,8 +57,8 @@ pub(super) struct NicState {
     pub(super) areas: Vec<tyche_transport::MemoryArea>,
     /// Its serving thread, as it saw itself when it started.
     pub(super) thread: Option<tyche_numa::report::ThreadPlacement>,
-    /// The network thread (group) that serves it.
-    pub(super) group: usize,
+    /// The network thread that serves it.
+    pub(super) served_by: usize,
     /// Scratch of each transmit turn: its transmit chunks the kernel still holds, and those
     /// the turn has used.
     pub(super) tx_busy: FxHashSet<u64>,
@@ -87,7 +87,7 @@ impl Turn {
 /// turn, then the transports' flush (the AF_XDP kick) and, when the poller says so
 /// ([`Poller`]: after a while without work), the sleep. No lock is taken for a frame of an
 /// established channel.
-pub(super) fn serve_group(mut net: Network, mut nics: Vec<(usize, Nic)>) {
+pub(super) fn serve(mut net: Network, mut nics: Vec<(usize, Nic)>) {
     let mut poller = Poller::new(net.poll);
     let run_queue = SchedStat::of_this_thread();
     let wake = Arc::clone(&net.post.wakes()[net.g]);

@@ -1,6 +1,6 @@
 //! A network thread's parts of sessions: what it keeps per session beside the channel engine's
 //! [`TargetSession`] part ([`SessionState`]), the messages it takes from other threads and the
-//! control ([`ShardMsg`]), timers, channels dying, and parts ending (reclaimed once every part
+//! control ([`ThreadMsg`]), timers, channels dying, and parts ending (reclaimed once every part
 //! of the session has been dead long enough, which the control decides from each thread's
 //! report, or failed at once when handling them hit a bug).
 //!
@@ -16,7 +16,7 @@ use std::sync::{Arc, Weak};
 use tyche_channel::{DeadReason, Instant, TargetSession};
 use tyche_wire::DisconnectReason;
 
-use super::control::{lock, report, Opening, SessionMeta, ShardMsg, RECLAIM_CHECK, RECLAIM_GRACE};
+use super::control::{lock, report, Opening, SessionMeta, ThreadMsg, RECLAIM_CHECK, RECLAIM_GRACE};
 use super::slots::SlotKey;
 use super::{Network, PEER_LOGS};
 
@@ -84,11 +84,11 @@ impl Network {
         while let Ok(msg) = self.inbox.try_recv() {
             any = true;
             match msg {
-                ShardMsg::Open(o) => self.install(*o),
-                ShardMsg::Leave { sid, channel, dead } => self.leave(sid, channel, &dead),
-                ShardMsg::Fence { old } => self.fence_local(old),
-                ShardMsg::Forget { sid } => self.forget_local(sid),
-                ShardMsg::Part { sid, msg } => {
+                ThreadMsg::Open(o) => self.install(*o),
+                ThreadMsg::Leave { sid, channel, dead } => self.leave(sid, channel, &dead),
+                ThreadMsg::Fence { old } => self.fence_local(old),
+                ThreadMsg::Forget { sid } => self.forget_local(sid),
+                ThreadMsg::Part { sid, msg } => {
                     // A part that is gone (the session failed, or was reclaimed) takes nothing.
                     let Some(s) = self.sessions.get_mut(&sid) else { continue };
                     let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.session.handle_message(msg)));
@@ -174,7 +174,7 @@ impl Network {
         for (&sid, s) in self.sessions.iter_mut() {
             while let Some((to, msg)) = s.session.poll_message() {
                 self.counters.part_messages += 1;
-                self.post.send(to as usize, ShardMsg::Part { sid, msg });
+                self.post.send(to as usize, ThreadMsg::Part { sid, msg });
             }
         }
     }

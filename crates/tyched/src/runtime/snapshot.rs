@@ -130,7 +130,7 @@ impl Network {
         self.nics
             .iter()
             .enumerate()
-            .filter(|(_, n)| n.group == self.g)
+            .filter(|(_, n)| n.served_by == self.g)
             .map(|(k, n)| {
                 let node = n.node;
                 let mut p = NicPlacement {

@@ -1,6 +1,6 @@
 //! Start-up: opening the exports, sizing the channels, starting the storage threads (workers
 //! per node, io_uring rings), building the engine state ([`build`]), and starting one network
-//! thread per group of NICs ([`spawn_network`]). [`super::Harness`] uses [`build`] alone and
+//! thread per set of NICs ([`spawn_network`]). [`super::Harness`] uses [`build`] alone and
 //! turns the engine on its caller's thread.
 
 use std::collections::BTreeMap;
@@ -22,7 +22,7 @@ use crate::workers::{DoneRoute, JobQueues, StoragePlan, ThreadStat, JOB_QUEUE};
 use super::challenges::Challenges;
 use super::control::{Control, Postal};
 use super::jobs::Storage;
-use super::network::{serve_group, NicState};
+use super::network::{serve, NicState};
 use super::slots::SlotTable;
 use super::snapshot::Counters;
 use super::{Clock, Export, Network, Nic, Placement, RxBuffers, Shared, StartError, StorageKinds};
@@ -33,10 +33,10 @@ use crate::workers::pin;
 /// thread runs.
 pub(super) struct Built {
     /// What each network thread owns, in order.
-    pub(super) shards: Vec<Network>,
+    pub(super) networks: Vec<Network>,
     pub(super) nics: Vec<Nic>,
     /// NIC indices served by each network thread.
-    pub(super) groups: Vec<Vec<usize>>,
+    pub(super) nics_of: Vec<Vec<usize>>,
     pub(super) shared: Arc<Shared>,
     pub(super) workers: Vec<JoinHandle<()>>,
     /// What a reload needs of the storage threads.
@@ -61,28 +61,28 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
     )
     .with_limits(config.limits.acceptor());
     let n_nics = nics.len();
-    let groups: Vec<Vec<usize>> = match config.network_threads {
+    let nics_of: Vec<Vec<usize>> = match config.network_threads {
         NetworkThreads::One => vec![(0..n_nics).collect()],
         NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
     };
-    let mut group_of = vec![0; n_nics];
-    for (g, members) in groups.iter().enumerate() {
+    let mut thread_of = vec![0; n_nics];
+    for (g, members) in nics_of.iter().enumerate() {
         for &k in members {
-            group_of[k] = g;
+            thread_of[k] = g;
         }
     }
-    let group_wakes = groups.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
+    let thread_wakes = nics_of.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
     let (storage, workers, storage_kinds) =
-        start_storage(&config, placement, &mut exports, &nics, &group_of, &group_wakes)?;
+        start_storage(&config, placement, &mut exports, &nics, &thread_of, &thread_wakes)?;
     let l = config.limits;
     // The slot memory budget is shared out between the threads (each has at least one slot).
-    let budget = (l.slot_memory.0 / groups.len() as u64).max(l.max_io as u64);
-    let mut slots: Vec<SlotTable> = groups.iter().map(|_| SlotTable::new(n_nics, l.max_io as usize, budget)).collect();
+    let budget = (l.slot_memory.0 / nics_of.len() as u64).max(l.max_io as u64);
+    let mut slots: Vec<SlotTable> = nics_of.iter().map(|_| SlotTable::new(n_nics, l.max_io as usize, budget)).collect();
     // Read data goes straight into transmit chunks the transports lend, where the exports
     // can read into them.
     if exports.iter().any(|e| e.lend) {
         for (k, n) in nics.iter_mut().enumerate() {
-            slots[group_of[k]].lend_tx(k, n.transport.lend_tx_chunks(usize::MAX));
+            slots[thread_of[k]].lend_tx(k, n.transport.lend_tx_chunks(usize::MAX));
         }
     }
     // Slot memory of a channel goes on its NIC's node (where the transport put its UMEM),
@@ -102,14 +102,14 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
                 node: n.transport.numa_node().or(placement.node),
                 areas: n.transport.memory_areas(),
                 thread: None,
-                group: group_of[k],
+                served_by: thread_of[k],
                 tx_busy: Default::default(),
                 tx_used: Default::default(),
             })
             .collect()
     };
     let exports: Arc<[Export]> = exports.into();
-    let (post, inboxes) = Postal::new(group_wakes.clone());
+    let (post, inboxes) = Postal::new(thread_wakes.clone());
     let control = Arc::new(Mutex::new(Control {
         ethertype: config.ethertype,
         exports: Arc::clone(&exports),
@@ -117,7 +117,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         challenges: Challenges::new(l.challenges, l.challenges_per_mac),
         registry: BTreeMap::new(),
         queue_addresses: queue_addresses(&placement.queue_addresses, n_nics)?,
-        group_of: group_of.clone(),
+        thread_of: thread_of.clone(),
         nic_names: nics.iter().map(|n| n.name.clone()).collect(),
         post: post.clone(),
         denied: vec![0; exports.len()],
@@ -130,12 +130,12 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
     let clock = Clock::default();
     let shared = Arc::new(Shared {
         stop: AtomicBool::new(false),
-        wakes: group_wakes.clone(),
+        wakes: thread_wakes.clone(),
         stats_requested: AtomicU64::new(0),
-        pieces: Mutex::new(vec![None; groups.len()]),
+        pieces: Mutex::new(vec![None; nics_of.len()]),
         published: Condvar::new(),
         last: Mutex::new(None),
-        quiet: groups.iter().map(|_| AtomicBool::new(false)).collect(),
+        quiet: nics_of.iter().map(|_| AtomicBool::new(false)).collect(),
         closing: AtomicBool::new(false),
         exited: AtomicUsize::new(0),
         control: Arc::clone(&control),
@@ -143,7 +143,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         start: clock.start,
     });
     let export_counters: Vec<ExportStats> = exports.iter().map(|_| ExportStats::default()).collect();
-    let shards = storage
+    let networks = storage
         .into_iter()
         .zip(slots)
         .zip(inboxes)
@@ -174,8 +174,8 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
             rx_buffers: RxBuffers::default(),
         })
         .collect();
-    tracing::info!(nics = n_nics, threads = groups.len(), "serving");
-    Ok(Built { shards, nics, groups, shared, workers, storage_kinds, config })
+    tracing::info!(nics = n_nics, threads = nics_of.len(), "serving");
+    Ok(Built { networks, nics, nics_of, shared, workers, storage_kinds, config })
 }
 
 /// The queue addresses of the placement, checked against the NICs given.
@@ -285,23 +285,23 @@ type StorageStarted = (Vec<Storage>, Vec<JoinHandle<()>>, StorageKinds);
 /// Starts the storage threads of file and block exports (RAM exports execute on the network
 /// thread): the workers of each node's queue, and the io_uring rings where the kernel allows
 /// them (marking the exports that use them). Completions go back to the network thread
-/// (group, `group_of`) of their channel's NIC, woken on its eventfd.
+/// (`thread_of`) of their channel's NIC, woken on its eventfd.
 fn start_storage(
     config: &Config,
     placement: &Placement,
     exports: &mut [Export],
     nics: &[Nic],
-    group_of: &[usize],
-    group_wakes: &[Arc<WakeFd>],
+    thread_of: &[usize],
+    thread_wakes: &[Arc<WakeFd>],
 ) -> Result<StorageStarted, StartError> {
     let n_nics = nics.len();
-    let groups = group_wakes.len();
+    let nics_of = thread_wakes.len();
     let backends = Arc::new(BackendTable::new(MAX_EXPORTS));
     for (i, e) in exports.iter().enumerate() {
         assert!(backends.set(i, Arc::clone(&e.backend)), "validated: at most MAX_EXPORTS exports");
     }
-    let (done_txs, done_rx): (Vec<_>, Vec<_>) = (0..groups).map(|_| mpsc::channel::<Done>()).unzip();
-    let route = DoneRoute::new(done_txs, group_wakes.to_vec(), group_of.to_vec());
+    let (done_txs, done_rx): (Vec<_>, Vec<_>) = (0..nics_of).map(|_| mpsc::channel::<Done>()).unzip();
+    let route = DoneRoute::new(done_txs, thread_wakes.to_vec(), thread_of.to_vec());
     let files = exports.iter().any(|e| e.backend.as_file().is_some());
     let storage = match &placement.storage {
         Some(plan) if config.workers == 0 && plan.nic_queue.len() == n_nics => plan.clone(),
@@ -411,17 +411,17 @@ fn start_uring(
     Ok((uring, started))
 }
 
-/// Starts network thread `net.g` (of `groups`), serving `mine` (NIC index and NIC) on `cpus`,
+/// Starts network thread `net.g` (of `nics_of`), serving `mine` (NIC index and NIC) on `cpus`,
 /// with its memory policy bound to `memory_nodes` if any.
 pub(super) fn spawn_network(
     mut net: Network,
-    groups: usize,
+    nics_of: usize,
     mine: Vec<(usize, Nic)>,
     cpus: Vec<u32>,
     memory_nodes: Vec<u32>,
 ) -> std::io::Result<JoinHandle<()>> {
     let g = net.g;
-    let name = if groups == 1 { "tyched-net".to_owned() } else { format!("tyched-net{g}") };
+    let name = if nics_of == 1 { "tyched-net".to_owned() } else { format!("tyched-net{g}") };
     std::thread::Builder::new().name(name).spawn(move || {
         pin(&cpus, "network thread");
         if !memory_nodes.is_empty() {
@@ -434,6 +434,6 @@ pub(super) fn spawn_network(
         for (k, _) in &mine {
             net.nics[*k].thread = Some(me.clone());
         }
-        serve_group(net, mine);
+        serve(net, mine);
     })
 }

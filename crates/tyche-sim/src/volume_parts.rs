@@ -32,7 +32,7 @@ pub(crate) struct HandDelays {
 
 impl HandCourier for HandDelays {
     fn post(&mut self, now: Instant, from: usize, to: usize, msg: HandMessage) {
-        let due = crate::sharded::due(&mut self.rng, &mut self.last_due, now, from, to);
+        let due = crate::session_parts::due(&mut self.rng, &mut self.last_due, now, from, to);
         self.sent += 1;
         self.in_flight.insert((due, self.sent), (to, msg));
     }

@@ -50,16 +50,10 @@ pub(crate) fn due(
 }
 
 /// One session of the simulated target, in parts.
-pub(crate) type ShardedSession = SessionParts<Delays>;
+pub(crate) type PartedSession = SessionParts<Delays>;
 
 /// A session of `parts` parts whose messages are delayed by a stream of `seed`'s own.
-pub(crate) fn new_session(
-    id: u64,
-    ethertype: u16,
-    geometry: ExportGeometry,
-    parts: usize,
-    seed: u64,
-) -> ShardedSession {
+pub(crate) fn new_session(id: u64, ethertype: u16, geometry: ExportGeometry, parts: usize, seed: u64) -> PartedSession {
     let delays = Delays {
         in_flight: BTreeMap::new(),
         last_due: HashMap::new(),
@@ -70,7 +64,7 @@ pub(crate) fn new_session(
 }
 
 /// What the simulator needs of a session in parts beyond [`SessionParts`].
-pub(crate) trait Sharded {
+pub(crate) trait ByPath {
     /// A frame that arrived on `path`: the part of that path takes it.
     fn frame_on_path<'a>(
         &mut self,
@@ -87,7 +81,7 @@ pub(crate) trait Sharded {
     fn deliver_due(&mut self, now: Instant);
 }
 
-impl Sharded for ShardedSession {
+impl ByPath for PartedSession {
     fn frame_on_path<'a>(
         &mut self,
         now: Instant,
