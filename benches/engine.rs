@@ -18,11 +18,12 @@ use tyche::channel::{
     Channel, ExportGeometry, Inbound, Instant, IoRequest, LeastBytes, Role, TargetEvent, TargetInbound, TargetSession,
     Timers, Volume, VolumeConfig,
 };
-use tyche::transport::{FrameTransport, MemLink, MemPort};
+use tyche::transport::{MemLink, MemPort};
 use tyche::wire::{
     ChannelParams, DataHeader, Envelope, Frame, MacAddr, Message, Op, Request, Seq, Status, DATA_FRAME_OVERHEAD,
     DEFAULT_ETHERTYPE,
 };
+use tyche_transport::FrameTransportExt;
 
 const BLOCK: usize = 4096;
 const DEPTH: u64 = 64;

@@ -23,6 +23,7 @@ use tyche_channel::{
     Channel, Connected, Connector, Inbound, Instant, IoError, IoRequest, LeastBytes, Timers, Volume, VolumeConfig,
     VolumeEvent,
 };
+use tyche_transport::FrameTransportExt;
 use tyche_transport::{FrameTransport, MemLink, MemPort};
 use tyche_wire::{
     Ack, ChannelParams, Completion, Connect, Data, DataHeader, Disconnect, DisconnectReason, Envelope, Frame,

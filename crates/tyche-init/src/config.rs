@@ -21,7 +21,7 @@ impl fmt::Debug for Link {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Link")
             .field("name", &self.name)
-            .field("local", &self.transport.local_mac())
+            .field("local", &self.transport.capabilities().local_mac)
             .field("target", &self.target)
             .field("node", &self.node)
             .finish()

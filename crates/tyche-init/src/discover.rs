@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use tyche_wire::{Discover, Envelope, Frame, MacAddr, Message};
 
 use crate::config::Link;
+use tyche_transport::FrameTransportExt;
 
 /// One export as a target listed it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +58,7 @@ pub fn discover_with_nonce(links: &mut [Link], ethertype: u16, wait: Duration, n
         if Instant::now() >= next_send {
             next_send = Instant::now() + retry;
             for (k, link) in links.iter_mut().enumerate() {
-                let src = link.transport.local_mac();
+                let src = link.transport.capabilities().local_mac;
                 // Broadcast the first page; ask each target that has more for the rest.
                 let mut asks = vec![(MacAddr::BROADCAST, 0u16)];
                 for ((l, mac), (total, got)) in &seen {

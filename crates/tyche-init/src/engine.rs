@@ -45,6 +45,7 @@ use crate::error::{ConnectError, Error};
 use crate::export_info::ExportInfo;
 use crate::sched::NumaScheduler;
 use crate::stats::Stats;
+use tyche_transport::FrameTransportExt;
 
 /// Frames handled per transport per loop iteration.
 const RX_BUDGET: usize = 64;
@@ -1562,16 +1563,16 @@ fn link_parts(links: Vec<Link>, part_of: &[usize], parts: usize) -> (Vec<LinkMet
     let mut by_part: Vec<Vec<(usize, Transport)>> = (0..parts).map(|_| Vec::new()).collect();
     let mut metas = Vec::with_capacity(links.len());
     for (k, l) in links.into_iter().enumerate() {
-        let t = &l.transport;
+        let caps = l.transport.capabilities();
         metas.push(LinkMeta {
             name: l.name,
             target: l.target,
             node: l.node,
-            local_mac: t.local_mac(),
-            mtu: t.mtu(),
-            frame_capacity: t.frame_capacity(),
-            memory_node: t.numa_node(),
-            areas: t.memory_areas(),
+            local_mac: caps.local_mac,
+            mtu: caps.mtu,
+            frame_capacity: caps.frame_capacity,
+            memory_node: caps.numa_node,
+            areas: caps.memory_areas,
             part: part_of[k],
         });
         by_part[part_of[k]].push((k, l.transport));

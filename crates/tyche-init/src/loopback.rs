@@ -17,7 +17,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tyche_channel::Timers;
-use tyche_transport::{FaultConfig, FaultInjector, FrameTransport, MemLink, MemPort};
+use tyche_transport::{
+    Capabilities, FaultConfig, FaultInjector, FrameTransport, MemLink, MemPort, OnLentFrame, Rx, Sent,
+};
 use tyche_wire::{MacAddr, SECTOR_SIZE};
 use tyched::{Config, ExportConfig, Nic, Snapshot, Target, TargetHandle};
 
@@ -65,20 +67,18 @@ impl<T> Shared<T> {
 }
 
 impl<T: FrameTransport> FrameTransport for Shared<T> {
-    fn frame_capacity(&self) -> usize {
-        self.lock().frame_capacity()
+    fn capabilities(&self) -> Capabilities {
+        self.lock().capabilities()
     }
-    fn mtu(&self) -> usize {
-        self.lock().mtu()
+    /// Whole frames, never lent (a lease would have to come back through the lock).
+    fn receive(&mut self, budget: usize, _rx: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        self.lock().receive(budget, Rx::Whole, &mut |pieces, lease| {
+            on_frame(pieces, None);
+            lease
+        })
     }
-    fn local_mac(&self) -> MacAddr {
-        self.lock().local_mac()
-    }
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
-        self.lock().recv(budget, on_frame)
-    }
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
-        self.lock().send(budget, fill)
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        self.lock().transmit(budget, fill)
     }
     fn flush(&mut self) -> io::Result<()> {
         self.lock().flush()

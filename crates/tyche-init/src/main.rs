@@ -1098,7 +1098,7 @@ async fn ram_target(ifaces: Vec<String>, export: String, mib: u64) -> Result<()>
     for ifname in &ifaces {
         let cfg = tyche_xdp::PortConfig::default();
         let port = tyche_xdp::XdpPort::open(ifname, &cfg).with_context(|| format!("AF_XDP socket on {ifname}"))?;
-        println!("{ifname} {}", tyche_transport::FrameTransport::local_mac(&port));
+        println!("{ifname} {}", tyche_transport::FrameTransport::capabilities(&port).local_mac);
         ports.push(Box::new(port));
     }
     let target = RamTarget::spawn(RamExport::new(&export, mib << 20), ports).context("starting the RAM target")?;

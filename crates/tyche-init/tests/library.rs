@@ -479,7 +479,12 @@ async fn connection_errors_say_what_went_wrong() {
     let (i, t) = MemLink::pair((MacAddr::local(1), MacAddr::local(2)), 1500, 1514, 64);
     let mut cfg = config();
     cfg.connect_attempts = 3;
-    let link = tyche_init::Link { name: "silent0".into(), transport: Box::new(i), target: t.local_mac(), node: None };
+    let link = tyche_init::Link {
+        name: "silent0".into(),
+        transport: Box::new(i),
+        target: t.capabilities().local_mac,
+        node: None,
+    };
     let err = bounded("connect to nobody", connect(cfg, vec![link])).await.unwrap_err();
     assert!(matches!(err, ConnectError::Timeout { .. }), "{err}");
     assert!(err.to_string().contains("silent0"), "{err}");

@@ -55,7 +55,7 @@ async fn a_graceful_target_restart_is_invisible_to_the_application() {
         ports.push(Shared::new(t).expect("share a port"));
         links.push(Link { name: format!("mem{k}"), transport: Box::new(i), target: tmac, node: None });
     }
-    assert_eq!(ports[0].local_mac(), MacAddr::local(0x200));
+    assert_eq!(ports[0].capabilities().local_mac, MacAddr::local(0x200));
     let target = start_target(&file, &ports);
     let mut cfg = InitiatorConfig::new("f");
     cfg.timers = initiator_timers();

@@ -15,7 +15,7 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::{AsFd, BorrowedFd};
 
-use tyche_transport::FrameTransport;
+use tyche_transport::{transmit_here, Capabilities, FrameTransport, OnLentFrame, Rx, Sent};
 use tyche_wire::{MacAddr, ETH_HEADER_LEN};
 
 /// Bytes of length prefix in front of each frame.
@@ -114,19 +114,11 @@ impl TcpTransport {
 }
 
 impl FrameTransport for TcpTransport {
-    fn frame_capacity(&self) -> usize {
-        self.mtu + ETH_HEADER_LEN
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(self.frame_capacity(), self.mtu, self.mac)
     }
 
-    fn mtu(&self) -> usize {
-        self.mtu
-    }
-
-    fn local_mac(&self) -> MacAddr {
-        self.mac
-    }
-
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+    fn receive(&mut self, budget: usize, _rx: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let mut n = 0;
         let mut read = false;
         while n < budget {
@@ -151,14 +143,33 @@ impl FrameTransport for TcpTransport {
                 continue;
             }
             let at = self.rx_start + PREFIX;
-            on_frame(&self.rx[at..at + len]);
+            on_frame(&[&self.rx[at..at + len]], None);
             self.rx_start = at + len;
             n += 1;
         }
         Ok(n)
     }
 
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        transmit_here(budget, fill, |budget, fill| self.send_here(budget, fill))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.write_out()
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.stream.as_fd())
+    }
+}
+
+impl TcpTransport {
+    /// The largest frame, Ethernet header included.
+    pub fn frame_capacity(&self) -> usize {
+        self.mtu + ETH_HEADER_LEN
+    }
+
+    fn send_here(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         let cap = self.frame_capacity();
         let mut n = 0;
         while n < budget {
@@ -187,14 +198,6 @@ impl FrameTransport for TcpTransport {
         self.write_out()?;
         Ok(n)
     }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.write_out()
-    }
-
-    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
-        Some(self.stream.as_fd())
-    }
 }
 
 #[cfg(test)]
@@ -203,6 +206,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
+    use tyche_transport::FrameTransportExt;
 
     #[test]
     fn frames_cross_loopback_in_order_and_intact() {

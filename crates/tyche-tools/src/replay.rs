@@ -38,9 +38,9 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use tyche_wire::{layout, Envelope, Frame, Kind, MacAddr, Message, Op, Request, Seq, Status, ETH_HEADER_LEN};
+use tyche_wire::{layout, Envelope, Frame, Kind, Message, Op, Request, Seq, Status, ETH_HEADER_LEN};
 
-use tyche_transport::{FrameTransport, Lease, MemPort, OnLentFrame, Sent, TxChunk};
+use tyche_transport::{Capabilities, FrameTransport, Lease, MemPort, OnLentFrame, Rx, Sent, TxChunk};
 
 const LIVE: u8 = 0;
 const HOLD: u8 = 1;
@@ -264,7 +264,7 @@ impl ReplayPort {
 
     fn new(inner: MemPort, ethertype: u16, stand: Stand) -> (ReplayPort, Arc<ReplayControl>) {
         let ctl = ReplayControl::new();
-        let scratch = vec![0; inner.frame_capacity()];
+        let scratch = vec![0; inner.capabilities().frame_capacity];
         let port = ReplayPort {
             inner,
             ctl: Arc::clone(&ctl),
@@ -421,7 +421,7 @@ impl ReplayPort {
         let env = Envelope::of(&frame);
         let templates = (0..plan.window)
             .map(|i| {
-                let mut buf = vec![0; self.inner.frame_capacity()];
+                let mut buf = vec![0; self.inner.capabilities().frame_capacity];
                 let q = Request { seq: Seq { seq: 0, ack: 0 }, remq: i, damq: i, tag: r.floor, fua: false, ..r };
                 let len = Message::Request(q).emit(&env, &mut buf);
                 buf.truncate(len);
@@ -535,39 +535,15 @@ impl ReplayPort {
 }
 
 impl FrameTransport for ReplayPort {
-    fn frame_capacity(&self) -> usize {
-        self.inner.frame_capacity()
-    }
-    fn mtu(&self) -> usize {
-        self.inner.mtu()
-    }
-    fn local_mac(&self) -> MacAddr {
-        self.inner.local_mac()
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+    fn receive(&mut self, budget: usize, rx: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         match self.phase() {
             LIVE => {
                 let mut seen = Vec::new();
-                let n = self.inner.recv(budget, &mut |bytes| {
-                    seen.push(bytes.to_vec());
-                    on_frame(bytes);
-                })?;
-                for f in seen {
-                    self.record_peer(&f);
-                }
-                Ok(n)
-            }
-            HOLD => Ok(0),
-            _ => Ok(self.deliver(budget, on_frame)),
-        }
-    }
-
-    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
-        match self.phase() {
-            LIVE => {
-                let mut seen = Vec::new();
-                let n = self.inner.recv_lend(budget, &mut |pieces, lease| {
+                let n = self.inner.receive(budget, rx, &mut |pieces, lease| {
                     let mut copy = Vec::new();
                     tyche_transport::gather(pieces, &mut copy);
                     seen.push(copy);
@@ -594,16 +570,12 @@ impl FrameTransport for ReplayPort {
         self.inner.leases_out()
     }
 
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
-        self.send_with(budget, &mut |buf| fill(buf).map(Sent::Here))
-    }
-
-    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
         if self.phase() != LIVE {
             return Ok(self.swallow(budget, fill));
         }
         let mut seen = Vec::new();
-        let n = self.inner.send_with(budget, &mut |buf| {
+        let n = self.inner.transmit(budget, &mut |buf| {
             let sent = fill(buf)?;
             let len = match sent {
                 Sent::Here(len) => len,
@@ -634,8 +606,8 @@ impl FrameTransport for ReplayPort {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tyche_transport::MemLink;
-    use tyche_wire::{Completion, DEFAULT_ETHERTYPE};
+    use tyche_transport::{FrameTransportExt, MemLink};
+    use tyche_wire::{Completion, MacAddr, DEFAULT_ETHERTYPE};
 
     fn env(src: MacAddr, dst: MacAddr) -> Envelope {
         Envelope { dst, src, ethertype: DEFAULT_ETHERTYPE, channel: 3, session: 0x77 }

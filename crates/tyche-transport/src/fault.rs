@@ -2,9 +2,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::BorrowedFd;
 
-use tyche_wire::MacAddr;
-
-use crate::{FrameTransport, Lease, OnLentFrame, Sent, SplitMix64, TxChunk};
+use crate::{Capabilities, FrameTransport, Lease, OnLentFrame, Rx, Sent, SplitMix64, TxChunk};
 
 /// What a [`FaultInjector`] does to frames, in each direction independently.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -70,63 +68,16 @@ impl<T: FrameTransport> FaultInjector<T> {
 }
 
 impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
-    fn frame_capacity(&self) -> usize {
-        self.inner.frame_capacity()
-    }
-    fn mtu(&self) -> usize {
-        self.inner.mtu()
-    }
-    fn local_mac(&self) -> MacAddr {
-        self.inner.local_mac()
-    }
-    fn numa_node(&self) -> Option<u32> {
-        self.inner.numa_node()
-    }
-    fn memory_areas(&self) -> Vec<crate::MemoryArea> {
-        self.inner.memory_areas()
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
-        let (rx, rng, held, stats) = (self.rx, &mut self.rng, &mut self.held, &mut self.stats);
-        let mut delivered = 0;
-        let n = self.inner.recv(budget, &mut |frame| {
-            if rx.down || rng.chance(rx.loss) {
-                stats.rx_dropped += 1;
-                return;
-            }
-            if rng.chance(rx.reorder) {
-                stats.reordered += 1;
-                held.push_back(frame.to_vec());
-                return;
-            }
-            on_frame(frame);
-            delivered += 1;
-            if rng.chance(rx.duplicate) {
-                stats.duplicated += 1;
-                on_frame(frame);
-                delivered += 1;
-            }
-            if let Some(late) = held.pop_front() {
-                on_frame(&late);
-                delivered += 1;
-            }
-        })?;
-        if n == 0 {
-            // Nothing new arrived: release what was held so it is late, not lost.
-            while let Some(late) = self.held.pop_front() {
-                on_frame(&late);
-                delivered += 1;
-            }
-        }
-        Ok(delivered)
-    }
-
-    /// Frames that pass straight through keep the inner transport's lease; a duplicate is
+    /// Frames that pass straight through keep the inner transport's lease (and pieces); a duplicate is
     /// offered again without one, and a frame held back for reordering is a copy (no lease).
-    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+    fn receive(&mut self, budget: usize, mode: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let (rx, rng, held, stats) = (self.rx, &mut self.rng, &mut self.held, &mut self.stats);
         let mut delivered = 0;
-        let n = self.inner.recv_lend(budget, &mut |frame, lease| {
+        let n = self.inner.receive(budget, mode, &mut |frame, lease| {
             if rx.down || rng.chance(rx.loss) {
                 stats.rx_dropped += 1;
                 return lease;
@@ -168,21 +119,9 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
         self.inner.leases_out()
     }
 
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
         let (tx, rng, stats) = (self.tx, &mut self.rng, &mut self.stats);
-        self.inner.send(budget, &mut |buf| {
-            let len = fill(buf)?;
-            if tx.down || rng.chance(tx.loss) {
-                stats.tx_dropped += 1;
-                return Some(0);
-            }
-            Some(len)
-        })
-    }
-
-    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
-        let (tx, rng, stats) = (self.tx, &mut self.rng, &mut self.stats);
-        self.inner.send_with(budget, &mut |buf| {
+        self.inner.transmit(budget, &mut |buf| {
             let sent = fill(buf)?;
             if tx.down || rng.chance(tx.loss) {
                 stats.tx_dropped += 1;
@@ -208,7 +147,8 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::MemLink;
+    use crate::{FrameTransportExt, MemLink};
+    use tyche_wire::MacAddr;
 
     #[test]
     fn loss_is_seeded_and_counted() {

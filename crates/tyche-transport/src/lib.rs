@@ -10,23 +10,23 @@
 //! # Contract
 //! - Frames are whole Ethernet frames (header included, FCS excluded). A transport delivers a
 //!   frame intact or not at all; it may lose, reorder or duplicate frames.
-//! - `recv` and `send` never block. A transport that can sleep exposes a file descriptor through
+//! - `receive` and `transmit` never block. A transport that can sleep exposes a file descriptor through
 //!   [`FrameTransport::readiness_fd`] for the runtime to wait on.
 //! - Buffers handed to the callbacks live in the transport's own memory (a UMEM chunk for
 //!   AF_XDP): reading or writing them in place is the zero-copy path.
 //! - A receiver may *keep* a received frame instead of copying its bytes out
-//!   ([`FrameTransport::recv_lend`]): the frame's buffer is then lent to it as a [`Lease`] and
+//!   ([`Rx::Lend`]): the frame's buffer is then lent to it as a [`Lease`] and
 //!   stays where it is, unchanged, until [`FrameTransport::release`] gives it back. A transport
 //!   that cannot lend (or has no buffer to spare right now) offers no lease, and the receiver
 //!   copies.
 //! - A frame may come in several pieces (a multi-buffer AF_XDP frame over several UMEM chunks,
-//!   at most [`MAX_PIECES`]): [`FrameTransport::recv_lend`] hands the receiver the pieces in
+//!   at most [`MAX_PIECES`]): [`FrameTransport::receive`] hands the receiver the pieces in
 //!   order, the first holding at least the Ethernet header and the Tyche headers whenever the
-//!   frame is longer than [`MIN_FIRST_PIECE`]; its lease covers every piece. [`FrameTransport::recv`]
-//!   always hands over one contiguous frame (a transport gathers the pieces for it).
+//!   frame is longer than [`MIN_FIRST_PIECE`]; its lease covers every piece. With [`Rx::Whole`]
+//!   it hands over one contiguous frame (a transport gathers the pieces for it).
 //! - A sender may prepare frames in transmit memory the transport lends it for good
 //!   ([`FrameTransport::lend_tx_chunks`]): it writes payloads there ahead of time (a storage read
-//!   straight into them), and [`FrameTransport::send_with`] then sends such a chunk after writing
+//!   straight into them), and [`FrameTransport::transmit`] then sends such a chunk after writing
 //!   only the headers in front of its payload ([`Sent::Chunk`]). A chunk the kernel still
 //!   transmits ([`FrameTransport::tx_chunks_in_flight`]) must be neither rewritten nor sent again:
 //!   its [`ChunkState`], shared by the chunk and the transport, refuses a writer
@@ -54,42 +54,36 @@ pub use mem::{MemLink, MemPort};
 use tyche_wire::MacAddr;
 
 /// A link that moves whole Ethernet frames.
+///
+/// Nine methods, after smoltcp's `Device` (receive, transmit, capabilities): what the transport
+/// is ([`FrameTransport::capabilities`]), receiving ([`FrameTransport::receive`], with the lent
+/// receive buffers given back by [`FrameTransport::release`]), transmitting
+/// ([`FrameTransport::transmit`], with the transmit memory lent for good by
+/// [`FrameTransport::lend_tx_chunks`]), pushing out and sleeping. The shorthands callers use
+/// ([`FrameTransportExt::recv`], [`FrameTransportExt::recv_pieces`],
+/// [`FrameTransportExt::recv_lend`], [`FrameTransportExt::send`]) are built on them, for every
+/// transport alike.
 pub trait FrameTransport {
-    /// The largest frame one transmit or receive buffer holds, Ethernet header included.
-    fn frame_capacity(&self) -> usize;
-
-    /// The link MTU (bytes after the Ethernet header).
-    fn mtu(&self) -> usize;
-
-    /// This end's MAC address.
-    fn local_mac(&self) -> MacAddr;
+    /// What this transport is: frame size, MTU, address, the memory it owns. For setting up
+    /// and for reports, not per frame (a transport may look its memory areas up in the system).
+    fn capabilities(&self) -> Capabilities;
 
     /// Receives up to `budget` frames, calling `on_frame` on each, in place, in arrival order.
     /// Returns how many frames were delivered; zero when none is waiting.
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize>;
-
-    /// As [`FrameTransport::recv`], offering with each frame a [`Lease`] on its buffer when the
-    /// transport can spare it. `on_frame` keeps the frame by keeping the lease (the bytes then stay
+    ///
+    /// `rx` says how the receiver takes them: [`Rx::Whole`], each frame in one piece (a
+    /// transport gathers a multi-buffer frame for it); [`Rx::Pieces`], a frame that arrived in
+    /// several buffers in its pieces (at most [`MAX_PIECES`], in order), sparing the gather's
+    /// copy; [`Rx::Lend`], in its pieces and, when the transport can spare the buffers, with a
+    /// [`Lease`] on them. `on_frame` keeps a lent frame by keeping the lease (the bytes then stay
     /// at the same address, unchanged, until the lease goes back through
     /// [`FrameTransport::release`]) and returns `None`; it gives the lease back (returns it) to
-    /// let the buffer be reused at once. Frames offered without a lease must be copied to be kept.
-    ///
-    /// The default offers no lease (transports whose frames are copies anyway: TCP, AF_PACKET).
-    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
-        self.recv(budget, &mut |bytes| {
-            on_frame(&[bytes], None);
-        })
-    }
+    /// let the buffers be reused at once. Frames offered without a lease must be copied to be
+    /// kept. A transport whose frames are copies anyway (TCP, AF_PACKET) hands every frame
+    /// whole, without a lease, whatever `rx` asks.
+    fn receive(&mut self, budget: usize, rx: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize>;
 
-    /// As [`FrameTransport::recv`], handing a frame that arrived in several buffers (a
-    /// multi-buffer frame, at most [`MAX_PIECES`]) over in its pieces, in order, without
-    /// gathering them and without a lease (a receiver that copies the payload out anyway saves
-    /// the gather's copy). The default hands each frame whole, as one piece.
-    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
-        self.recv(budget, &mut |bytes| on_frame(&[bytes]))
-    }
-
-    /// Gives back the buffer of a frame kept from [`FrameTransport::recv_lend`] of this
+    /// Gives back the buffers of a frame kept from [`FrameTransport::receive`] of this
     /// transport, to be reused for receiving.
     fn release(&mut self, lease: Lease) {
         drop(lease);
@@ -101,34 +95,15 @@ pub trait FrameTransport {
     }
 
     /// Transmits up to `budget` frames. For each free transmit buffer, `fill` writes one frame
-    /// at the start of the buffer it is given and returns its length, `Some(0)` to skip this
-    /// buffer and go on (nothing is sent for it), or `None` when it has nothing more to send (the
-    /// buffer is then not used). Returns how many frames were queued; fewer than asked when the
-    /// transmit ring is full.
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize>;
-
-    /// As [`FrameTransport::send`], where `fill` may also answer [`Sent::Chunk`]: send one of the
-    /// chunks this transport lent ([`FrameTransport::lend_tx_chunks`]) instead of the buffer it
-    /// was given, after copying the first `header` bytes of that buffer to the start of the
-    /// chunk's frame. The default knows no chunks: a [`Sent::Chunk`] ends the batch with an
-    /// `InvalidInput` error (the frames filled before it were queued).
-    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
-        let mut chunk = None;
-        let queued = self.send(budget, &mut |buf| match fill(buf)? {
-            Sent::Here(len) => Some(len),
-            Sent::Chunk { id, .. } => {
-                chunk = Some(id);
-                None
-            }
-        })?;
-        match chunk {
-            None => Ok(queued),
-            Some(id) => Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("transmit chunk {id}: this transport lent no transmit chunk"),
-            )),
-        }
-    }
+    /// at the start of the buffer it is given and answers [`Sent::Here`] with its length (0:
+    /// skip this buffer and go on, nothing is sent for it), [`Sent::Chunk`] to send one of the
+    /// chunks this transport lent ([`FrameTransport::lend_tx_chunks`]) instead, after copying
+    /// the first `header` bytes of that buffer to the start of the chunk's frame, or `None`
+    /// when it has nothing more to send (the buffer is then not used). Returns how many frames
+    /// were queued; fewer than asked when the transmit ring is full. A transport that lent no
+    /// chunk ends the batch at a [`Sent::Chunk`] with an `InvalidInput` error (the frames filled
+    /// before it were queued; [`transmit_here`] does that for it).
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize>;
 
     /// Hands the caller up to `max` transmit chunks for good (none by default): memory it
     /// prepares frames in ahead of time and sends with [`Sent::Chunk`]. Where frames span
@@ -154,20 +129,113 @@ pub trait FrameTransport {
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
         None
     }
+}
 
+/// What a transport is, for setting up channels over it and for placement reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The largest frame one transmit or receive buffer holds, Ethernet header included.
+    pub frame_capacity: usize,
+    /// The link MTU (bytes after the Ethernet header).
+    pub mtu: usize,
+    /// This end's MAC address.
+    pub local_mac: MacAddr,
     /// The NUMA node the transport placed its memory on (`None`: none in particular).
-    fn numa_node(&self) -> Option<u32> {
-        None
-    }
-
+    pub numa_node: Option<u32>,
     /// The memory the transport owns for frames (UMEM, rings), for placement reports. The
     /// areas are only described, never to be dereferenced through this.
-    fn memory_areas(&self) -> Vec<MemoryArea> {
-        Vec::new()
+    pub memory_areas: Vec<MemoryArea>,
+}
+
+impl Capabilities {
+    /// A transport of `frame_capacity`-byte frames on a link of `mtu` at `local_mac`, with no
+    /// memory of its own to report.
+    pub fn new(frame_capacity: usize, mtu: usize, local_mac: MacAddr) -> Self {
+        Capabilities { frame_capacity, mtu, local_mac, numa_node: None, memory_areas: Vec::new() }
     }
 }
 
-/// What [`FrameTransport::recv_lend`] calls with each frame: its pieces (one for a frame in one
+/// How a receiver takes frames from [`FrameTransport::receive`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rx {
+    /// Each frame in one piece (a multi-buffer frame gathered), never lent.
+    Whole,
+    /// In its pieces, never lent.
+    Pieces,
+    /// In its pieces, lent when a spare buffer can take the frame's place.
+    Lend,
+}
+
+/// The shorthands over [`FrameTransport`], the same for every transport.
+pub trait FrameTransportExt: FrameTransport {
+    /// Receives up to `budget` frames, each whole, calling `on_frame` on each in place
+    /// ([`Rx::Whole`]).
+    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+        self.receive(budget, Rx::Whole, &mut |pieces, lease| {
+            match pieces {
+                [bytes] => on_frame(bytes),
+                // A transport that gathered nothing (it owes a whole frame): gather here.
+                _ => {
+                    let mut whole = Vec::new();
+                    gather(pieces, &mut whole);
+                    on_frame(&whole)
+                }
+            }
+            lease
+        })
+    }
+
+    /// Receives up to `budget` frames in their pieces, without a lease ([`Rx::Pieces`]).
+    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
+        self.receive(budget, Rx::Pieces, &mut |pieces, lease| {
+            on_frame(pieces);
+            lease
+        })
+    }
+
+    /// Receives up to `budget` frames in their pieces, with a lease where the transport can
+    /// spare the buffers ([`Rx::Lend`]).
+    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        self.receive(budget, Rx::Lend, on_frame)
+    }
+
+    /// Transmits up to `budget` frames written in the buffers the transport gives `fill`
+    /// ([`FrameTransport::transmit`] with [`Sent::Here`] only): `fill` returns a frame's length,
+    /// `Some(0)` to skip the buffer, `None` when it has nothing more to send.
+    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+        self.transmit(budget, &mut |buf| fill(buf).map(Sent::Here))
+    }
+}
+
+impl<T: FrameTransport + ?Sized> FrameTransportExt for T {}
+
+/// [`FrameTransport::transmit`] for a transport that lends no transmit chunk: `send` transmits
+/// frames from its own buffers (a frame's length from its callback, `None` to stop), and a
+/// [`Sent::Chunk`] ends the batch with an `InvalidInput` error naming the chunk (the frames
+/// filled before it were queued).
+pub fn transmit_here(
+    budget: usize,
+    fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>,
+    send: impl FnOnce(usize, &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize>,
+) -> io::Result<usize> {
+    let mut chunk = None;
+    let queued = send(budget, &mut |buf| match fill(buf)? {
+        Sent::Here(len) => Some(len),
+        Sent::Chunk { id, .. } => {
+            chunk = Some(id);
+            None
+        }
+    })?;
+    match chunk {
+        None => Ok(queued),
+        Some(id) => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("transmit chunk {id}: this transport lent no transmit chunk"),
+        )),
+    }
+}
+
+/// What [`FrameTransport::receive`] calls with each frame: its pieces (one for a frame in one
 /// buffer; at most [`MAX_PIECES`], in order) and, when the transport can lend the buffers, a
 /// lease on them; returns the lease unless it keeps the frame.
 pub type OnLentFrame<'a> = dyn FnMut(&[&[u8]], Option<Lease>) -> Option<Lease> + 'a;
@@ -195,7 +263,7 @@ pub fn pieces_len(pieces: &[&[u8]]) -> usize {
     pieces.iter().map(|p| p.len()).sum()
 }
 
-/// What a [`FrameTransport::send_with`] callback did with the buffer it was given.
+/// What a [`FrameTransport::transmit`] callback did with the buffer it was given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sent {
     /// Send `len` bytes of the buffer (0: skip it, send nothing).
@@ -226,23 +294,11 @@ pub struct MemoryArea {
 }
 
 impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
-    fn frame_capacity(&self) -> usize {
-        (**self).frame_capacity()
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
     }
-    fn mtu(&self) -> usize {
-        (**self).mtu()
-    }
-    fn local_mac(&self) -> MacAddr {
-        (**self).local_mac()
-    }
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
-        (**self).recv(budget, on_frame)
-    }
-    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
-        (**self).recv_lend(budget, on_frame)
-    }
-    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
-        (**self).recv_pieces(budget, on_frame)
+    fn receive(&mut self, budget: usize, rx: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        (**self).receive(budget, rx, on_frame)
     }
     fn release(&mut self, lease: Lease) {
         (**self).release(lease)
@@ -250,11 +306,8 @@ impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
     fn leases_out(&self) -> usize {
         (**self).leases_out()
     }
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
-        (**self).send(budget, fill)
-    }
-    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
-        (**self).send_with(budget, fill)
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        (**self).transmit(budget, fill)
     }
     fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
         (**self).lend_tx_chunks(max)
@@ -267,12 +320,6 @@ impl<T: FrameTransport + ?Sized> FrameTransport for Box<T> {
     }
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
         (**self).readiness_fd()
-    }
-    fn numa_node(&self) -> Option<u32> {
-        (**self).numa_node()
-    }
-    fn memory_areas(&self) -> Vec<MemoryArea> {
-        (**self).memory_areas()
     }
 }
 
@@ -321,28 +368,24 @@ mod tests {
     struct Plain(Vec<Vec<u8>>);
 
     impl FrameTransport for Plain {
-        fn frame_capacity(&self) -> usize {
-            64
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::new(64, 50, MacAddr::local(1))
         }
-        fn mtu(&self) -> usize {
-            50
-        }
-        fn local_mac(&self) -> MacAddr {
-            MacAddr::local(1)
-        }
-        fn recv(&mut self, _budget: usize, _on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+        fn receive(&mut self, _budget: usize, _rx: Rx, _on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
             Ok(0)
         }
-        fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
-            let mut n = 0;
-            while n < budget {
-                let mut buf = vec![0; 64];
-                let Some(len) = fill(&mut buf) else { break };
-                buf.truncate(len);
-                self.0.push(buf);
-                n += 1;
-            }
-            Ok(n)
+        fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+            transmit_here(budget, fill, |budget, fill| {
+                let mut n = 0;
+                while n < budget {
+                    let mut buf = vec![0; 64];
+                    let Some(len) = fill(&mut buf) else { break };
+                    buf.truncate(len);
+                    self.0.push(buf);
+                    n += 1;
+                }
+                Ok(n)
+            })
         }
     }
 
@@ -351,7 +394,7 @@ mod tests {
         let mut t = Plain(Vec::new());
         let mut k = 0;
         let e = t
-            .send_with(4, &mut |buf| {
+            .transmit(4, &mut |buf| {
                 k += 1;
                 buf[0] = k;
                 Some(if k == 2 { Sent::Chunk { id: 7, header: 14, len: 60 } } else { Sent::Here(20) })
@@ -360,6 +403,6 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
         assert!(e.to_string().contains("transmit chunk 7"), "{e}");
         assert_eq!(t.0.len(), 1, "the frame before the chunk was queued");
-        assert_eq!(t.send_with(2, &mut |_| Some(Sent::Here(20))).expect("plain frames"), 2);
+        assert_eq!(t.transmit(2, &mut |_| Some(Sent::Here(20))).expect("plain frames"), 2);
     }
 }

@@ -9,7 +9,7 @@ use tyche_wire::MacAddr;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use crate::{ChunkState, FrameTransport, Lease, OnLentFrame, Sent, TxChunk, TxPiece, MAX_PIECES};
+use crate::{Capabilities, ChunkState, FrameTransport, Lease, OnLentFrame, Rx, Sent, TxChunk, TxPiece, MAX_PIECES};
 
 /// Bytes of filler between the pieces of a frame a [`MemPort`] splits ([`MemPort::set_pieces`]),
 /// so that a receiver reading past a piece's end reads filler, not the next piece.
@@ -174,39 +174,118 @@ impl MemPort {
 }
 
 impl FrameTransport for MemPort {
-    fn frame_capacity(&self) -> usize {
-        self.frame_capacity
-    }
-    fn mtu(&self) -> usize {
-        self.mtu
-    }
-    fn local_mac(&self) -> MacAddr {
-        self.mac
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(self.frame_capacity, self.mtu, self.mac)
     }
 
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+    fn receive(&mut self, budget: usize, rx: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        match rx {
+            Rx::Whole => self.recv_whole(budget, on_frame),
+            // The pieces as lent (when [`MemPort::set_pieces`] cuts frames), every lease given back.
+            Rx::Pieces => self.recv_lent(budget, &mut |pieces, lease| {
+                on_frame(pieces, None);
+                lease
+            }),
+            Rx::Lend => self.recv_lent(budget, on_frame),
+        }
+    }
+
+    fn release(&mut self, lease: Lease) {
+        let frame = self.lent.remove(&lease.id()).expect("a lease this port lent");
+        assert!(Arc::ptr_eq(&(Arc::clone(&frame) as Arc<dyn std::any::Any + Send + Sync>), lease.memory()));
+        drop(lease);
+        self.recycle(frame);
+    }
+
+    fn leases_out(&self) -> usize {
+        self.lent.len()
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.ready.as_deref().map(AsFd::as_fd)
+    }
+
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        let chunks = std::mem::take(&mut self.tx_lent);
+        let (piece, capacity) = (self.piece, self.frame_capacity);
+        let r = self.send_here(budget, &mut |buf| match fill(buf)? {
+            Sent::Here(len) => Some(len),
+            Sent::Chunk { id, header, len } => {
+                let (chunk, state) = chunks.get(&id).expect("a chunk this port lent");
+                assert!(state.begin_send(), "chunk {id} is sent while its sender writes it");
+                // Where each piece of the chunk starts, and how much it holds.
+                let (cap, stride) = match piece {
+                    Some(p) => (p, p + PIECE_GAP),
+                    None => (chunk.len(), chunk.len()),
+                };
+                assert!(header <= len && header <= cap && len <= capacity, "a frame within its chunk");
+                for (c, b) in chunk[..header].iter().zip(&buf[..header]) {
+                    c.store(*b, Ordering::Relaxed);
+                }
+                for (i, out) in buf[..len].chunks_mut(cap).enumerate() {
+                    let at = i * stride;
+                    let n = out.len();
+                    for (b, c) in out.iter_mut().zip(&chunk[at..at + n]) {
+                        *b = c.load(Ordering::Relaxed);
+                    }
+                }
+                // Copied out: the frame is sent, the chunk is its sender's again.
+                state.end_send();
+                Some(len)
+            }
+        });
+        self.tx_lent = chunks;
+        r
+    }
+
+    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
+        let n = max.min(self.tx_lend_limit.saturating_sub(self.tx_lent.len()));
+        let (cap, count) = match self.piece {
+            Some(p) if p < self.frame_capacity => (p, self.frame_capacity.div_ceil(p)),
+            _ => (self.frame_capacity, 1),
+        };
+        if count > MAX_PIECES {
+            return Vec::new();
+        }
+        (0..n)
+            .map(|_| {
+                let id = self.next_lease;
+                self.next_lease += 1;
+                let stride = if count > 1 { cap + PIECE_GAP } else { cap };
+                let mem: ChunkMemory = Arc::new((0..count * stride).map(|_| AtomicU8::new(FILLER)).collect());
+                let addr = mem.as_ptr() as usize;
+                let pieces: Vec<TxPiece> =
+                    (0..count).map(|i| TxPiece { addr: addr + i * stride, capacity: cap }).collect();
+                // SAFETY: the Arc keeps the chunk's bytes (atomics: this port reads and writes
+                // them through shared references, while it sends); the pieces lie apart within
+                // this chunk's own allocation; this port touches them only in `transmit`,
+                // between begin_send and end_send on the chunk's state.
+                #[allow(unsafe_code)]
+                let chunk =
+                    unsafe { TxChunk::new_pieces(id, &pieces, Arc::clone(&mem) as _) }.expect("1 to MAX_PIECES pieces");
+                self.tx_lent.insert(id, (mem, Arc::clone(chunk.state())));
+                chunk
+            })
+            .collect()
+    }
+}
+
+impl MemPort {
+    fn recv_whole(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let mut n = 0;
         while n < budget {
             // Take one frame out under the lock, hand it over outside it.
             let Some((frame, len)) = self.rx().pop() else {
                 break;
             };
-            on_frame(&frame[..len]);
+            on_frame(&[&frame[..len]], None);
             self.rx.lock().expect("lane poisoned").spare.push(frame);
             n += 1;
         }
         Ok(n)
     }
 
-    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
-        // The pieces as lent (when [`MemPort::set_pieces`] cuts frames), every lease given back.
-        self.recv_lend(budget, &mut |pieces, lease| {
-            on_frame(pieces);
-            lease
-        })
-    }
-
-    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+    fn recv_lent(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let mut n = 0;
         while n < budget {
             let Some((frame, len)) = self.rx().pop() else {
@@ -277,86 +356,7 @@ impl FrameTransport for MemPort {
         Ok(n)
     }
 
-    fn release(&mut self, lease: Lease) {
-        let frame = self.lent.remove(&lease.id()).expect("a lease this port lent");
-        assert!(Arc::ptr_eq(&(Arc::clone(&frame) as Arc<dyn std::any::Any + Send + Sync>), lease.memory()));
-        drop(lease);
-        self.recycle(frame);
-    }
-
-    fn leases_out(&self) -> usize {
-        self.lent.len()
-    }
-
-    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.ready.as_deref().map(AsFd::as_fd)
-    }
-
-    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
-        let chunks = std::mem::take(&mut self.tx_lent);
-        let (piece, capacity) = (self.piece, self.frame_capacity);
-        let r = self.send(budget, &mut |buf| match fill(buf)? {
-            Sent::Here(len) => Some(len),
-            Sent::Chunk { id, header, len } => {
-                let (chunk, state) = chunks.get(&id).expect("a chunk this port lent");
-                assert!(state.begin_send(), "chunk {id} is sent while its sender writes it");
-                // Where each piece of the chunk starts, and how much it holds.
-                let (cap, stride) = match piece {
-                    Some(p) => (p, p + PIECE_GAP),
-                    None => (chunk.len(), chunk.len()),
-                };
-                assert!(header <= len && header <= cap && len <= capacity, "a frame within its chunk");
-                for (c, b) in chunk[..header].iter().zip(&buf[..header]) {
-                    c.store(*b, Ordering::Relaxed);
-                }
-                for (i, out) in buf[..len].chunks_mut(cap).enumerate() {
-                    let at = i * stride;
-                    let n = out.len();
-                    for (b, c) in out.iter_mut().zip(&chunk[at..at + n]) {
-                        *b = c.load(Ordering::Relaxed);
-                    }
-                }
-                // Copied out: the frame is sent, the chunk is its sender's again.
-                state.end_send();
-                Some(len)
-            }
-        });
-        self.tx_lent = chunks;
-        r
-    }
-
-    fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
-        let n = max.min(self.tx_lend_limit.saturating_sub(self.tx_lent.len()));
-        let (cap, count) = match self.piece {
-            Some(p) if p < self.frame_capacity => (p, self.frame_capacity.div_ceil(p)),
-            _ => (self.frame_capacity, 1),
-        };
-        if count > MAX_PIECES {
-            return Vec::new();
-        }
-        (0..n)
-            .map(|_| {
-                let id = self.next_lease;
-                self.next_lease += 1;
-                let stride = if count > 1 { cap + PIECE_GAP } else { cap };
-                let mem: ChunkMemory = Arc::new((0..count * stride).map(|_| AtomicU8::new(FILLER)).collect());
-                let addr = mem.as_ptr() as usize;
-                let pieces: Vec<TxPiece> =
-                    (0..count).map(|i| TxPiece { addr: addr + i * stride, capacity: cap }).collect();
-                // SAFETY: the Arc keeps the chunk's bytes (atomics: this port reads and writes
-                // them through shared references, while it sends); the pieces lie apart within
-                // this chunk's own allocation; this port touches them only in `send_with`,
-                // between begin_send and end_send on the chunk's state.
-                #[allow(unsafe_code)]
-                let chunk =
-                    unsafe { TxChunk::new_pieces(id, &pieces, Arc::clone(&mem) as _) }.expect("1 to MAX_PIECES pieces");
-                self.tx_lent.insert(id, (mem, Arc::clone(chunk.state())));
-                chunk
-            })
-            .collect()
-    }
-
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+    fn send_here(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         let mut n = 0;
         while n < budget {
             let mut buf = {
@@ -389,9 +389,7 @@ impl FrameTransport for MemPort {
         }
         Ok(n)
     }
-}
 
-impl MemPort {
     fn rx(&self) -> MutexGuard<'_, Lane> {
         self.rx.lock().expect("lane poisoned")
     }
@@ -407,6 +405,7 @@ impl MemPort {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::FrameTransportExt;
 
     #[test]
     fn frames_cross_in_order_and_full_queue_stops_send() {
@@ -561,7 +560,7 @@ mod tests {
         }
         let id = c.id();
         let mut once = false;
-        a.send_with(4, &mut |buf| {
+        a.transmit(4, &mut |buf| {
             if once {
                 return None;
             }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tyche_transport::FrameTransport;
+use tyche_transport::FrameTransportExt;
 use tyche_wire::{DataHeader, Envelope, Frame, Seq, DATA_FRAME_OVERHEAD};
 use tyche_xdp::{PortConfig, XdpPort};
 
@@ -61,8 +62,8 @@ fn bench(c: &mut Criterion) {
     let mut rx = XdpPort::open("tyb", &PortConfig::default()).expect("port b");
     let segment = tx.plan().segment_size as usize;
     let env = Envelope {
-        dst: rx.local_mac(),
-        src: tx.local_mac(),
+        dst: rx.capabilities().local_mac,
+        src: tx.capabilities().local_mac,
         ethertype: tyche_wire::DEFAULT_ETHERTYPE,
         channel: 0,
         session: 1,

@@ -6,6 +6,7 @@ use std::os::fd::OwnedFd;
 
 use tokio::io::unix::AsyncFd;
 use tyche_transport::FrameTransport;
+use tyche_transport::FrameTransportExt;
 
 /// A transport registered with the tokio reactor.
 ///

@@ -8,7 +8,7 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
-use tyche_transport::FrameTransport;
+use tyche_transport::{transmit_here, Capabilities, FrameTransport, OnLentFrame, Rx, Sent};
 use tyche_wire::MacAddr;
 
 /// `PACKET_IGNORE_OUTGOING` from `<linux/if_packet.h>`.
@@ -117,7 +117,7 @@ impl PacketTransport {
     }
 
     /// Sends one whole frame as it is, source MAC included (the kernel sends what it is given),
-    /// without waiting. Unlike [`FrameTransport::send`], which counts a frame the kernel could
+    /// without waiting. Unlike [`FrameTransport::transmit`], which counts a frame the kernel could
     /// not take as lost, this says why: `WouldBlock` when the socket's buffer is full, `ENOBUFS`
     /// when the device dropped it (a veth whose peer's ring is full), so that a caller (the flood
     /// test's sender, `tyche-flood`) can retry it.
@@ -132,17 +132,11 @@ impl PacketTransport {
 }
 
 impl FrameTransport for PacketTransport {
-    fn frame_capacity(&self) -> usize {
-        self.mtu + tyche_wire::ETH_HEADER_LEN
-    }
-    fn mtu(&self) -> usize {
-        self.mtu
-    }
-    fn local_mac(&self) -> MacAddr {
-        self.mac
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(self.mtu + tyche_wire::ETH_HEADER_LEN, self.mtu, self.mac)
     }
 
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+    fn receive(&mut self, budget: usize, _rx: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let mut n = 0;
         while n < budget {
             // SAFETY: writes at most `self.rx.len()` bytes into the live buffer.
@@ -156,13 +150,23 @@ impl FrameTransport for PacketTransport {
                     _ => Err(e),
                 };
             }
-            on_frame(&self.rx[..got as usize]);
+            on_frame(&[&self.rx[..got as usize]], None);
             n += 1;
         }
         Ok(n)
     }
 
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+        transmit_here(budget, fill, |budget, fill| self.send_here(budget, fill))
+    }
+
+    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.fd.as_fd())
+    }
+}
+
+impl PacketTransport {
+    fn send_here(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
         let mut n = 0;
         while n < budget {
             let Some(len) = fill(&mut self.tx) else { break };
@@ -184,9 +188,5 @@ impl FrameTransport for PacketTransport {
             n += 1;
         }
         Ok(n)
-    }
-
-    fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
-        Some(self.fd.as_fd())
     }
 }

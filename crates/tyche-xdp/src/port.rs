@@ -5,8 +5,9 @@ use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 
-use tyche_transport::{ChunkState, FrameTransport, Lease, OnLentFrame, Sent, TxChunk, TxPiece, MAX_PIECES};
-use tyche_wire::MacAddr;
+use tyche_transport::{
+    Capabilities, ChunkState, FrameTransport, Lease, OnLentFrame, Rx, Sent, TxChunk, TxPiece, MAX_PIECES,
+};
 use xsk_rs::config::{BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, SocketConfig, UmemConfig};
 use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
 
@@ -335,17 +336,6 @@ fn set_sockopt_int(fd: i32, level: libc::c_int, opt: libc::c_int, value: u32) ->
     Ok(())
 }
 
-/// How [`XdpPort`]'s receive hands frames over.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rx {
-    /// Whole: a multi-buffer frame gathered into one buffer (`recv`).
-    Whole,
-    /// Lent when a spare buffer can take the frame's place (`recv_lend`).
-    Lend,
-    /// In its pieces, never lent (`recv_pieces`).
-    Pieces,
-}
-
 impl XdpPort {
     /// Opens a port on `ifname` (in the calling thread's network namespace), loading and
     /// attaching the steering program for it.
@@ -632,7 +622,7 @@ impl XdpPort {
     }
 
     /// Receives frames, offering leases when `lend` (and a spare chunk is left).
-    fn receive(&mut self, budget: usize, mode: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+    fn receive_frames(&mut self, budget: usize, mode: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let lend = mode == Rx::Lend;
         let mut delivered = 0;
         let mut refill = Vec::with_capacity(self.batch);
@@ -855,37 +845,18 @@ impl Drop for XdpPort {
 }
 
 impl FrameTransport for XdpPort {
-    fn frame_capacity(&self) -> usize {
-        self.plan.frame_capacity
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            frame_capacity: self.plan.frame_capacity,
+            mtu: self.info.mtu,
+            local_mac: self.info.mac,
+            numa_node: self.numa_node,
+            memory_areas: self.memory_areas(),
+        }
     }
 
-    fn mtu(&self) -> usize {
-        self.info.mtu
-    }
-
-    fn local_mac(&self) -> MacAddr {
-        self.info.mac
-    }
-
-    fn recv(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
-        self.receive(budget, Rx::Whole, &mut |pieces, lease| {
-            // Whole frames only here: `receive` gathers multi-buffer frames when not lending.
-            if let [bytes] = pieces {
-                on_frame(bytes);
-            }
-            lease
-        })
-    }
-
-    fn recv_lend(&mut self, budget: usize, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
-        self.receive(budget, Rx::Lend, on_frame)
-    }
-
-    fn recv_pieces(&mut self, budget: usize, on_frame: &mut dyn FnMut(&[&[u8]])) -> io::Result<usize> {
-        self.receive(budget, Rx::Pieces, &mut |pieces, lease| {
-            on_frame(pieces);
-            lease
-        })
+    fn receive(&mut self, budget: usize, rx: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
+        self.receive_frames(budget, rx, on_frame)
     }
 
     fn release(&mut self, lease: Lease) {
@@ -903,10 +874,6 @@ impl FrameTransport for XdpPort {
 
     fn leases_out(&self) -> usize {
         self.lent_frames
-    }
-
-    fn send(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>) -> io::Result<usize> {
-        self.send_with(budget, &mut |buf| fill(buf).map(Sent::Here))
     }
 
     fn lend_tx_chunks(&mut self, max: usize) -> Vec<TxChunk> {
@@ -949,7 +916,7 @@ impl FrameTransport for XdpPort {
         self.tx_lent_busy.clone()
     }
 
-    fn send_with(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
+    fn transmit(&mut self, budget: usize, fill: &mut dyn FnMut(&mut [u8]) -> Option<Sent>) -> io::Result<usize> {
         self.reclaim();
         if !self.push_pending()? {
             return Ok(0);
@@ -1061,14 +1028,6 @@ impl FrameTransport for XdpPort {
 
     fn readiness_fd(&self) -> Option<BorrowedFd<'_>> {
         Some(self.rx.fd_borrowed())
-    }
-
-    fn numa_node(&self) -> Option<u32> {
-        self.numa_node
-    }
-
-    fn memory_areas(&self) -> Vec<tyche_transport::MemoryArea> {
-        XdpPort::memory_areas(self)
     }
 }
 

@@ -11,6 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use tyche_transport::FrameTransport;
+use tyche_transport::FrameTransportExt;
 use tyche_wire::{DataHeader, Envelope, Frame, MacAddr, Message, Seq, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
 use tyche_xdp::{AsyncTransport, BusyPoll, Error, PortConfig, SteerStats, XdpPort};
 
@@ -290,7 +291,7 @@ fn umem_and_rings_are_on_the_asked_node_page_by_page() {
             .iter()
             .map(|a| (a.what, tyche_numa::report::count_area(a.addr, a.len, Some(0)).expect("move_pages")))
             .collect();
-        (counts, FrameTransport::numa_node(&port))
+        (counts, FrameTransport::capabilities(&port).numa_node)
     })
     .join()
     .expect("thread");
@@ -411,7 +412,7 @@ fn lend_on(tag: &'static str, mtu: u32) {
             }
             let mut next = 0;
             let sent = port
-                .send_with(8, &mut |buf| {
+                .transmit(8, &mut |buf| {
                     let &i = order.get(next)?;
                     let len = data_frame(&env, seq(i), segment, buf);
                     buf[DATA_FRAME_OVERHEAD..len].fill(0xEE); // must not be what goes out

@@ -509,7 +509,7 @@ fn open_nics(config: &Config, term: &AtomicBool, steering: &mut Steering) -> Res
                 let ports = tyche_xdp::XdpPort::open_queues(name, queues, &pc)
                     .with_context(|| format!("{name} (queues 0..{queues}): AF_XDP"))?;
                 if let Some(first) = ports.first() {
-                    let nic = tyche_transport::FrameTransport::local_mac(first);
+                    let nic = tyche_transport::FrameTransport::capabilities(first).local_mac;
                     steer_iface(config, i, name, nic, ports.len(), steering)?;
                 }
                 for (q, port) in ports.into_iter().enumerate() {

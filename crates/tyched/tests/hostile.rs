@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tyche_transport::FrameTransport;
+use tyche_transport::FrameTransportExt;
 use tyche_wire::{Data, DataHeader, Envelope, Frame, Kind, Message, Op, Request, Seq, DEFAULT_ETHERTYPE, NO_SLOT};
 use tyched::{Config, ExportConfig, TargetHandle};
 

@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use tyche_transport::FrameTransportExt;
 use tyche_wire::{
     flags, layout, Disconnect, DisconnectReason, Envelope, Frame, Kind, Message, Op, RejectReason, Request, Seq,
     DEFAULT_ETHERTYPE,

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use common::{pattern, Initiator};
 use tyche_channel::{ConnectError, IoError};
+use tyche_transport::FrameTransportExt;
 use tyche_wire::{Op, RejectReason, Status};
 use tyched::config::{Config, ExportConfig, NetworkThreads};
 

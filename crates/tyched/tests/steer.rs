@@ -12,7 +12,7 @@ use std::time::Duration;
 use tyche_channel::{
     Connected, Connector, Inbound, Instant, IoRequest, LeastBytes, Timers, Volume, VolumeConfig, VolumeEvent,
 };
-use tyche_transport::{FrameTransport, MemLink};
+use tyche_transport::{FrameTransportExt, MemLink};
 use tyche_wire::{Envelope, Frame, Kind, MacAddr, Op, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
 use tyched::steer::QueueAddresses;
 use tyched::{Config, ExportConfig, Nic, Placement, Target};

@@ -20,6 +20,7 @@ use tyche_transport::FrameTransport;
 use tyche_wire::{Ack, DataHeader, Envelope, Frame, MacAddr, Message, Seq, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
 
 use tyche_tcp::TcpTransport;
+use tyche_transport::FrameTransportExt;
 use tyche_xdp::{AttachMode, InterfaceInfo, PortConfig, XdpPort};
 
 /// `--tcp-listen` / `--tcp-connect`: carry the same frames over TCP (the TSockets baseline)
@@ -217,7 +218,13 @@ fn run_link(
         }
         (None, None) => unreachable!("an XDP port or a TCP role"),
     };
-    let env = Envelope { dst: peer, src: port.t().local_mac(), ethertype: DEFAULT_ETHERTYPE, channel: 0, session: 1 };
+    let env = Envelope {
+        dst: peer,
+        src: port.t().capabilities().local_mac,
+        ethertype: DEFAULT_ETHERTYPE,
+        channel: 0,
+        session: 1,
+    };
     let mut o = Outcome::default();
     let mut acked: u64 = 0;
     let mut ack_sent: u64 = 0;

@@ -30,6 +30,7 @@ use super::handshake::Arrival;
 use super::sessions::{slot_acked, slot_idle};
 use super::slots::{Placed, SlotKey, SlotTable, WriteSegment};
 use super::{Network, Nic, RxBuffers};
+use tyche_transport::FrameTransportExt;
 
 /// Frames received per transport per loop turn.
 const RX_BUDGET: usize = 64;
@@ -59,6 +60,8 @@ pub(super) struct NicState {
     pub(super) thread: Option<tyche_numa::report::ThreadPlacement>,
     /// The network thread that serves it.
     pub(super) served_by: usize,
+    /// Its transport's MAC address (read once, from its capabilities).
+    pub(super) local_mac: MacAddr,
     /// Scratch of each transmit turn: its transmit chunks the kernel still holds, and those
     /// the turn has used.
     pub(super) tx_busy: FxHashSet<u64>,
@@ -260,7 +263,7 @@ impl Network {
         if self.nics[k].down {
             return false;
         }
-        let local = nic.transport.local_mac();
+        let local = self.nics[k].local_mac;
         match nic.transport.recv_lend(RX_BUDGET, &mut |pieces, lease| self.on_frame(now, k, local, pieces, lease)) {
             Ok(n) => n > 0,
             Err(e) => {
@@ -473,7 +476,7 @@ impl Network {
         let control = &mut self.nics[k].control;
         let sessions = &mut self.sessions;
         let slots = &self.slots;
-        let r = nic.transport.send_with(TX_BUDGET, &mut |buf| {
+        let r = nic.transport.transmit(TX_BUDGET, &mut |buf| {
             if let Some(f) = control.pop_front() {
                 buf[..f.len()].copy_from_slice(&f);
                 turn.count.frames += 1;

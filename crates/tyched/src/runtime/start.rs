@@ -91,20 +91,20 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
     let nic_states = || -> Vec<NicState> {
         nics.iter()
             .enumerate()
-            .map(|(k, n)| NicState {
-                stats: NicStats {
-                    name: n.name.clone(),
-                    mac: n.transport.local_mac().to_string(),
-                    ..NicStats::default()
-                },
-                control: Default::default(),
-                down: false,
-                node: n.transport.numa_node().or(placement.node),
-                areas: n.transport.memory_areas(),
-                thread: None,
-                served_by: thread_of[k],
-                tx_busy: Default::default(),
-                tx_used: Default::default(),
+            .map(|(k, n)| {
+                let caps = n.transport.capabilities();
+                NicState {
+                    stats: NicStats { name: n.name.clone(), mac: caps.local_mac.to_string(), ..NicStats::default() },
+                    control: Default::default(),
+                    down: false,
+                    node: caps.numa_node.or(placement.node),
+                    areas: caps.memory_areas,
+                    thread: None,
+                    served_by: thread_of[k],
+                    local_mac: caps.local_mac,
+                    tx_busy: Default::default(),
+                    tx_used: Default::default(),
+                }
             })
             .collect()
     };
@@ -262,7 +262,8 @@ pub(super) fn open_export(e: &ExportConfig, index: usize, node: Option<u32>) -> 
 fn channel_limits(config: &Config, nics: &[Nic]) -> ChannelParams {
     let segment = nics
         .iter()
-        .filter_map(|n| tyche_wire::segment_size_for(n.transport.mtu(), n.transport.frame_capacity()))
+        .map(|n| n.transport.capabilities())
+        .filter_map(|c| tyche_wire::segment_size_for(c.mtu, c.frame_capacity))
         .min()
         .unwrap_or(SECTOR_SIZE)
         .min(config.limits.segment as u32) as u16;

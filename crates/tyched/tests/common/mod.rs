@@ -9,6 +9,7 @@ use tyche_channel::{
     ConnectError, Connected, Connector, Inbound, Instant, IoError, IoRequest, LeastBytes, Timers, Volume, VolumeConfig,
     VolumeEvent,
 };
+use tyche_transport::FrameTransportExt;
 use tyche_transport::{FrameTransport, MemLink};
 use tyche_wire::{ChannelParams, Envelope, Frame, MacAddr, Op, DATA_FRAME_OVERHEAD, DEFAULT_ETHERTYPE};
 use tyched::{Config, Nic, Target, TargetHandle};
