@@ -15,6 +15,7 @@ mod flood;
 mod fuzz;
 mod lab;
 mod logwrites;
+mod modcycles;
 mod nbd_clients;
 mod package;
 mod readme;
@@ -85,6 +86,8 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
+    /// Fails if modules within a crate import each other in a cycle (CONTRIBUTING.md).
+    ModuleCycles,
     /// ext4 over an NBD Unix socket (nbdfuse, loop): mkfs, write, fsck, remount, verify (root).
     FsCheck(disk::FsCheckArgs),
     /// qemu-img, qemu-io (qemu 10 and 7.2) and libnbd against tyche-init's NBD server: both NBD
@@ -157,6 +160,7 @@ fn main() -> Result<()> {
         Command::Bench { what: BenchCommand::SendMode(args) } => bench_send_mode::bench_send_mode(&root(), &args),
         Command::Bench { what: BenchCommand::Scale(args) } => bench_scale::bench_scale(&root(), &args),
         Command::GenBpfHeader { check } => bpfgen::run(&root(), check),
+        Command::ModuleCycles => modcycles::check(&root()),
         Command::FsCheck(a) => disk::fs_check(a),
         Command::NbdClients(a) => {
             println!("{}", nbd_clients::nbd_clients(&root(), &a)?);

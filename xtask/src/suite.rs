@@ -68,6 +68,8 @@ pub fn run(args: TestArgs) -> Result<()> {
     if !args.no_lint {
         step("cargo fmt --check", cargo().args(["fmt", "--all", "--", "--check"]))?;
         step("cargo clippy", cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+        begin("module cycles (none within a crate)");
+        crate::modcycles::check(&crate::root())?;
     }
     step("cargo test", cargo().args(["test", "--workspace"]))?;
     begin("bpf/tyche_wire.h matches tyche_wire::layout");
