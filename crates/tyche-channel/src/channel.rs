@@ -19,8 +19,12 @@ pub use crate::role::Role;
 pub const DISCONNECT_COPIES: u8 = 3;
 
 /// How long the RTO's floor, raised by spurious expiries, stays before each halving back
-/// toward `min_rto`.
+/// toward `min_rto`, at first: a halving that a spurious expiry follows within the wait doubles
+/// the wait (up to [`MAX_FLOOR_DECAY`]), and the floor back at `min_rto` resets it.
 pub const FLOOR_DECAY: Duration = Duration::from_secs(1);
+
+/// The longest wait between two halvings of the RTO's floor.
+pub const MAX_FLOOR_DECAY: Duration = Duration::from_secs(16);
 
 /// A request as the initiator hands it to a channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -503,11 +507,18 @@ pub struct Channel {
     /// expiry was spurious (F-RTO cannot tell with one frame outstanding).
     lone_resend: Option<(u32, Instant)>,
     /// The RTO's lower bound: `min_rto`, doubled (up to `max_rto`) by each expiry found
-    /// spurious and halved after each [`FLOOR_DECAY`] without one, so that a peer whose thread
+    /// spurious and halved after each `floor_decay` without one, so that a peer whose thread
     /// is descheduled for longer than `min_rto` stops costing a resend at each pause.
     rto_floor: Duration,
     /// When the floor last rose or decayed (None: it is `min_rto`).
     floor_changed: Option<Instant>,
+    /// The wait before the floor's next halving: [`FLOOR_DECAY`], doubled (up to
+    /// [`MAX_FLOOR_DECAY`]) each time a spurious expiry follows a halving within the wait (the
+    /// halving went below what the peer's pauses need), back to [`FLOOR_DECAY`] once the floor
+    /// is down to `min_rto`.
+    floor_decay: Duration,
+    /// When the floor was last halved, until an expiry is found spurious.
+    floor_lowered: Option<Instant>,
 
     // Receive ring: everything below rx_expected arrived; rx_seen marks arrivals above it.
     rx_expected: u32,
@@ -587,6 +598,8 @@ impl Channel {
             lone_resend: None,
             rto_floor: timers.min_rto,
             floor_changed: None,
+            floor_decay: FLOOR_DECAY,
+            floor_lowered: None,
             rx_expected: 0,
             rx_end: 0,
             rx_seen: Bitmap::new(ring),
@@ -1342,20 +1355,29 @@ impl Channel {
         }
     }
 
-    /// An expiry found spurious: counted, and the RTO's floor doubled (up to `max_rto`).
+    /// An expiry found spurious: counted, and the RTO's floor doubled (up to `max_rto`); if it
+    /// follows a halving of the floor within the wait, the next halving waits twice as long.
     fn spurious_expiry(&mut self, now: Instant) {
         self.stats.spurious_timeouts += 1;
+        if self.floor_lowered.take().is_some_and(|t| now.since(t) < self.floor_decay) {
+            self.floor_decay = (self.floor_decay * 2).min(MAX_FLOOR_DECAY);
+        }
         self.rto_floor = (self.rto_floor * 2).min(self.timers.max_rto);
         self.floor_changed = Some(now);
         self.rto = self.rto.max(self.rto_floor);
     }
 
-    /// Halves the RTO's floor (toward `min_rto`) once per [`FLOOR_DECAY`] without a spurious
+    /// Halves the RTO's floor (toward `min_rto`) once per `floor_decay` without a spurious
     /// expiry.
     fn decay_floor(&mut self, now: Instant) {
-        if self.floor_changed.is_some_and(|t| now.since(t) >= FLOOR_DECAY) {
+        if self.floor_changed.is_some_and(|t| now.since(t) >= self.floor_decay) {
             self.rto_floor = (self.rto_floor / 2).max(self.timers.min_rto);
-            self.floor_changed = (self.rto_floor > self.timers.min_rto).then_some(now);
+            let above = self.rto_floor > self.timers.min_rto;
+            self.floor_changed = above.then_some(now);
+            self.floor_lowered = Some(now);
+            if !above {
+                self.floor_decay = FLOOR_DECAY;
+            }
         }
     }
 

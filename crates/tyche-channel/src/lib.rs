@@ -48,7 +48,7 @@ pub use board::VolumeBoard;
 pub use channel::data_head;
 pub use channel::{
     Channel, ChannelEvent, ChannelStats, DeadReason, DropReason, FrameDrop, PayloadRef, Pieces, Placement,
-    ReadyRequest, Received, Role, Submission, Transmit, DATA_HEAD_COPY, FLOOR_DECAY, MAX_PIECES,
+    ReadyRequest, Received, Role, Submission, Transmit, DATA_HEAD_COPY, FLOOR_DECAY, MAX_FLOOR_DECAY, MAX_PIECES,
 };
 pub use config::Timers;
 pub use handshake::{

@@ -264,7 +264,8 @@ fn a_lone_frames_delayed_acknowledgement_leaves_frto_on() {
 
 /// D-SACK: the target receives the lone READ twice (the original was only delayed) and flags
 /// its ACK DUPLICATE; the initiator counts the expiry spurious and doubles its RTO's floor, so
-/// the same pause does not cost another resend; the floor decays after `FLOOR_DECAY`.
+/// the same pause does not cost another resend; the floor decays after `FLOOR_DECAY`, and a
+/// halving that the pauses prove too soon makes the next one wait twice as long.
 #[test]
 fn a_duplicate_report_raises_the_rto_floor_until_it_decays() {
     let mut pair = Pair::new();
@@ -290,6 +291,23 @@ fn a_duplicate_report_raises_the_rto_floor_until_it_decays() {
     pair.run_for(tyche_channel::FLOOR_DECAY);
     round_trip(&mut pair, 4, 0, 512);
     assert!(pair.ich(0).rto() < raised, "RTO {:?} still at the raised floor {raised:?}", pair.ich(0).rto());
+    // The same pause right after that halving: another spurious expiry, the floor doubled again,
+    // and the halving too soon, so the next one waits twice as long.
+    let lowered = pair.ich(0).rto();
+    hold_acknowledgements(&mut pair, lowered);
+    pair.read(5, 0, 512);
+    pair.drive_until("read 5 completes", |p| p.result(5).is_some());
+    pair.expect_ok(5);
+    pair.drive();
+    assert_eq!(pair.ich(0).stats().spurious_timeouts, 2, "{:?}", pair.ich(0).stats());
+    let raised_again = pair.ich(0).rto();
+    assert!(raised_again > lowered, "RTO {raised_again:?} after the second spurious expiry");
+    pair.run_for(tyche_channel::FLOOR_DECAY);
+    round_trip(&mut pair, 6, 0, 512);
+    assert!(pair.ich(0).rto() >= raised_again, "halved after one FLOOR_DECAY: {:?}", pair.ich(0).rto());
+    pair.run_for(tyche_channel::FLOOR_DECAY);
+    round_trip(&mut pair, 7, 0, 512);
+    assert!(pair.ich(0).rto() < raised_again, "not halved after two: {:?}", pair.ich(0).rto());
 }
 
 /// F-RTO: when the frames were lost (a tail loss: nothing after them for the receiver to
