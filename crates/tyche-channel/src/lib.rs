@@ -59,7 +59,7 @@ pub use initiator::{
     DurabilityDebt, Handback, Handoff, Inbound, InboundOf, IoError, IoRequest, OutFrame, SubmitError, Volume,
     VolumeConfig, VolumeEvent,
 };
-pub use parts::{Courier, SessionParts};
+pub use parts::{post_messages, Courier, SessionParts};
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};
 pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
 pub use session::{FirstOpen, InitiatorSession, Opening, Refusal, Setup};
@@ -67,4 +67,4 @@ pub use target::{
     Directory, ExportGeometry, PartId, PartMessage, TargetEvent, TargetInbound, TargetInboundOf, TargetSession,
 };
 pub use time::Instant;
-pub use volume_parts::{AtOnce, HandCourier, HandMessage, VolumeParts};
+pub use volume_parts::{exchange_part, AtOnce, HandCourier, HandMessage, VolumeParts};

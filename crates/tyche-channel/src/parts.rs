@@ -220,10 +220,19 @@ impl<C: Courier> SessionParts<C> {
     /// Hands every part's new messages to the courier.
     fn post(&mut self) {
         for from in 0..self.parts.len() {
-            while let Some((to, msg)) = self.parts[from].poll_message() {
-                self.posted += 1;
-                self.courier.post(self.now, from, to as usize, msg);
-            }
+            self.posted += post_messages(&mut self.parts[from], from, self.now, &mut self.courier);
         }
     }
+}
+
+/// Hands the new messages of part `from` of a session to `courier`, in order; how many. The
+/// same wherever the parts live: [`SessionParts`] (the simulator) and tyched's network threads
+/// (whose courier is their queues to each other).
+pub fn post_messages(part: &mut TargetSession, from: usize, now: Instant, courier: &mut impl Courier) -> u64 {
+    let mut posted = 0;
+    while let Some((to, msg)) = part.poll_message() {
+        posted += 1;
+        courier.post(now, from, to as usize, msg);
+    }
+    posted
 }

@@ -37,6 +37,39 @@ pub trait HandCourier {
     fn post(&mut self, now: Instant, from: usize, to: usize, msg: HandMessage);
 }
 
+/// Part `p`'s (of `n`) side of the exchange between a volume's parts, the same wherever the
+/// parts live (the simulator's [`VolumeParts`], tyche-init's engine threads): while the part has
+/// no live channel, its queued requests go to the next part in ring order that has one
+/// ([`Volume::take_stranded`], as [`HandMessage::Handoff`]); what it adopted and is done with
+/// goes back to its origin ([`Volume::poll_handback`], as [`HandMessage::Handback`]).
+/// `live(q)`: whether part `q` has a live channel, as the caller knows it. Returns the handoffs
+/// posted.
+pub fn exchange_part(
+    volume: &mut Volume,
+    p: usize,
+    n: usize,
+    live: impl Fn(usize) -> bool,
+    now: Instant,
+    courier: &mut impl HandCourier,
+) -> u64 {
+    if n <= 1 {
+        return 0;
+    }
+    let mut handoffs = 0;
+    if volume.live_channels() == 0 && volume.queued_parts() > 0 {
+        if let Some(to) = (1..n).map(|i| (p + i) % n).find(|&q| live(q)) {
+            for handoff in volume.take_stranded() {
+                handoffs += 1;
+                courier.post(now, p, to, HandMessage::Handoff { from: p, handoff });
+            }
+        }
+    }
+    while let Some((to, back)) = volume.poll_handback() {
+        courier.post(now, p, to, HandMessage::Handback(back));
+    }
+    handoffs
+}
+
 /// Delivers every message at the owner's next [`VolumeParts::exchange`].
 #[derive(Debug, Default)]
 pub struct AtOnce(VecDeque<(usize, HandMessage)>);
@@ -221,27 +254,18 @@ impl<C: HandCourier> VolumeParts<C> {
     }
 
     /// Posts the queued requests of parts without a live channel to the next part that has one,
-    /// and what adopters report back to the origins.
+    /// and what adopters report back to the origins ([`exchange_part`] for each part).
     pub fn exchange(&mut self, now: Instant) {
         let n = self.parts.len();
         if n == 1 {
             return;
         }
+        let live: Vec<bool> = self.parts.iter().map(|v| v.live_channels() > 0).collect();
         for p in 0..n {
             // Checks the part's count of adopted parts against its parts (debug builds: the
             // simulator and the fuzz targets).
             let _ = self.parts[p].adopted_parts();
-            if self.parts[p].live_channels() == 0 && self.parts[p].queued_parts() > 0 {
-                if let Some(to) = (1..n).map(|i| (p + i) % n).find(|&q| self.parts[q].live_channels() > 0) {
-                    for handoff in self.parts[p].take_stranded() {
-                        self.handoffs += 1;
-                        self.courier.post(now, p, to, HandMessage::Handoff { from: p, handoff });
-                    }
-                }
-            }
-            while let Some((to, back)) = self.parts[p].poll_handback() {
-                self.courier.post(now, p, to, HandMessage::Handback(back));
-            }
+            self.handoffs += exchange_part(&mut self.parts[p], p, n, |q| live[q], now, &mut self.courier);
         }
     }
 

@@ -29,9 +29,10 @@ use nix::sys::time::TimeSpec;
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 use tyche_channel::{
-    ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, DurabilityDebt, Failed,
-    FirstOpen, Handback, Handoff, InboundOf, InitiatorSession, Instant, IoError, IoRequest, Opening, ReconnectPolicy,
-    Refusal, Scheduler, Setup, SubmitError, Volume, VolumeBoard, VolumeConfig, VolumeEvent,
+    exchange_part, ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, DurabilityDebt,
+    Failed, FirstOpen, HandCourier, HandMessage, Handback, Handoff, InboundOf, InitiatorSession, Instant, IoError,
+    IoRequest, Opening, ReconnectPolicy, Refusal, Scheduler, Setup, SubmitError, Volume, VolumeBoard, VolumeConfig,
+    VolumeEvent,
 };
 use tyche_runtime::poll::{Next, PollStats, Poller, SchedStat};
 use tyche_transport::{FrameTransport, MemoryArea};
@@ -135,6 +136,41 @@ enum Mail {
     Handoff { from: usize, handoff: Handoff, data: Option<Vec<u8>> },
     /// What became of a part the receiver handed over, with its read data when it was read.
     Handback { back: Handback, data: Option<Vec<u8>> },
+}
+
+/// The engine's courier for the hand-offs between parts: each message goes out as mail with
+/// its data (a handoff's write data from the request's buffer; a handback's read data from the
+/// buffer the adopter read into).
+struct MailOut<'a> {
+    inflight: &'a HashMap<u64, InFlight>,
+    adopted: &'a mut BTreeMap<(u64, u64), (Vec<u8>, bool)>,
+    out: Vec<(usize, Mail)>,
+}
+
+impl HandCourier for MailOut<'_> {
+    fn post(&mut self, _now: Instant, _from: usize, to: usize, msg: HandMessage) {
+        match msg {
+            HandMessage::Handoff { from, handoff } => {
+                let data = handoff.op().has_write_data().then(|| {
+                    let at = handoff.req_offset() as usize;
+                    let len = handoff.length() as usize;
+                    self.inflight
+                        .get(&handoff.id())
+                        .and_then(|r| r.buf.as_slice().get(at..at + len))
+                        .map(<[u8]>::to_vec)
+                        .unwrap_or_default()
+                });
+                self.out.push((to, Mail::Handoff { from, handoff, data }));
+            }
+            HandMessage::Handback(back) => {
+                let data = self
+                    .adopted
+                    .remove(&(back.id(), back.req_offset()))
+                    .and_then(|(d, read)| (read && back.succeeded()).then_some(d));
+                self.out.push((to, Mail::Handback { back, data }));
+            }
+        }
+    }
 }
 
 /// An engine thread's mailbox: a flag read on every pass (an atomic on a line of its own,
@@ -775,7 +811,7 @@ impl Part {
         let connects = std::mem::take(&mut c.connects[self.g]);
         drop(c);
         self.connectors.extend(connects);
-        self.exchange(sh);
+        self.exchange(sh, now);
         true
     }
 
@@ -851,46 +887,22 @@ impl Part {
                 }
             }
         }
-        self.exchange(sh);
+        self.exchange(sh, now);
         true
     }
 
     /// Hands the queued parts of this thread's part, while it has no live channel, to the next
     /// thread whose part has one (with their write data), and what this part adopted and is
-    /// done with (or cannot do) back to their origins (with read data).
-    fn exchange(&mut self, sh: &Shared) {
+    /// done with (or cannot do) back to their origins (with read data): the decisions are
+    /// `tyche_channel::exchange_part`'s, as in the simulator; [`MailOut`] adds the data.
+    fn exchange(&mut self, sh: &Shared, now: Instant) {
         let n = sh.parts.len();
-        if n == 1 {
-            return;
-        }
-        let g = self.g;
-        let Some(v) = self.volume.as_mut() else { return };
-        let mut out = Vec::new();
-        if v.live_channels() == 0 && v.queued_parts() > 0 {
-            if let Some(to) = (1..n).map(|i| (g + i) % n).find(|&q| sh.live[q].0.load(Ordering::Acquire) > 0) {
-                for handoff in v.take_stranded() {
-                    let data = handoff.op().has_write_data().then(|| {
-                        let at = handoff.req_offset() as usize;
-                        let len = handoff.length() as usize;
-                        self.inflight
-                            .get(&handoff.id())
-                            .and_then(|r| r.buf.as_slice().get(at..at + len))
-                            .map(<[u8]>::to_vec)
-                            .unwrap_or_default()
-                    });
-                    self.stats.handoffs += 1;
-                    out.push((to, Mail::Handoff { from: g, handoff, data }));
-                }
-            }
-        }
-        while let Some((to, back)) = v.poll_handback() {
-            let data = self
-                .adopted
-                .remove(&(back.id(), back.req_offset()))
-                .and_then(|(d, read)| (read && back.succeeded()).then_some(d));
-            out.push((to, Mail::Handback { back, data }));
-        }
-        for (to, m) in out {
+        let Part { g, volume, inflight, adopted, stats, .. } = self;
+        let Some(v) = volume.as_mut() else { return };
+        let mut mail = MailOut { inflight, adopted, out: Vec::new() };
+        let live = |q: usize| sh.live[q].0.load(Ordering::Acquire) > 0;
+        stats.handoffs += exchange_part(v, *g, n, live, now, &mut mail);
+        for (to, m) in mail.out {
             self.post(sh, to, m);
         }
     }
@@ -1102,7 +1114,7 @@ impl Part {
             sh.bump();
         }
         self.publish(sh);
-        self.exchange(sh);
+        self.exchange(sh, now);
     }
 
     /// The session's first channel opened: the volume is made, a part per engine thread; this
@@ -1178,7 +1190,7 @@ impl Part {
     /// Completions and channel deaths of this thread's part.
     fn events(&mut self, sh: &Shared, now: Instant) -> bool {
         // A part whose channels all died hands its queue over; adopters report back.
-        self.exchange(sh);
+        self.exchange(sh, now);
         let Some(vol) = self.volume.as_mut() else { return false };
         let mut work = false;
         let mut dead = Vec::new();
@@ -1342,7 +1354,7 @@ impl Part {
                 vol.refresh(now);
             }
         }
-        self.exchange(sh);
+        self.exchange(sh, now);
         // Connectors that ran out of attempts.
         let timed_out: Vec<u16> = self
             .connectors

@@ -171,7 +171,7 @@ impl Network {
         for (k, nic) in nics.iter_mut() {
             busy |= self.transmit_on(now, *k, nic);
         }
-        self.post_part_messages();
+        self.post_part_messages(now);
         self.reclaim(now);
         for (k, nic) in nics.iter_mut() {
             self.give_back(*k, nic);

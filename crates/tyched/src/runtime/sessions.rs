@@ -13,10 +13,10 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
-use tyche_channel::{DeadReason, Instant, TargetSession};
+use tyche_channel::{post_messages, Courier, DeadReason, Instant, PartMessage, TargetSession};
 use tyche_wire::DisconnectReason;
 
-use super::control::{lock, report, Opening, SessionMeta, ThreadMsg, RECLAIM_CHECK, RECLAIM_GRACE};
+use super::control::{lock, report, Opening, Postal, SessionMeta, ThreadMsg, RECLAIM_CHECK, RECLAIM_GRACE};
 use super::slots::SlotKey;
 use super::{Network, PEER_LOGS};
 
@@ -169,13 +169,12 @@ impl Network {
         }
     }
 
-    /// Hands the messages this thread's parts wrote for other threads' parts to those threads.
-    pub(super) fn post_part_messages(&mut self) {
+    /// Hands the messages this thread's parts wrote for other threads' parts to those threads
+    /// (`tyche_channel::post_messages`, as in the simulator, with the threads' queues for courier).
+    pub(super) fn post_part_messages(&mut self, now: Instant) {
         for (&sid, s) in self.sessions.iter_mut() {
-            while let Some((to, msg)) = s.session.poll_message() {
-                self.counters.part_messages += 1;
-                self.post.send(to as usize, ThreadMsg::Part { sid, msg });
-            }
+            let mut mail = PartMail { post: &self.post, sid };
+            self.counters.part_messages += post_messages(&mut s.session, self.g, now, &mut mail);
         }
     }
 
@@ -298,4 +297,17 @@ fn bump_epoch(st: &mut SessionState, idx: u16) -> u64 {
     let old = *epoch;
     *epoch += 1;
     old
+}
+
+/// The network threads' courier for the messages between a session's parts: each goes on the
+/// receiving thread's queue, its doorbell rung.
+struct PartMail<'a> {
+    post: &'a Postal,
+    sid: u64,
+}
+
+impl Courier for PartMail<'_> {
+    fn post(&mut self, _now: Instant, _from: usize, to: usize, msg: PartMessage) {
+        self.post.send(to, ThreadMsg::Part { sid: self.sid, msg });
+    }
 }
