@@ -27,6 +27,7 @@
 /// Pre-shared key proofs for the CHALLENGE round.
 pub mod auth;
 mod board;
+mod challenges;
 mod channel;
 /// Limits and timer settings.
 pub mod config;
@@ -45,6 +46,7 @@ mod time;
 mod volume_parts;
 
 pub use board::VolumeBoard;
+pub use challenges::{Challenges, ConnectFrom, KeyCheck, PendingChallenge, CHALLENGE_LIFETIME};
 pub use channel::data_head;
 pub use channel::{
     Channel, ChannelEvent, ChannelStats, DeadReason, DropReason, FrameDrop, PayloadRef, Pieces, Placement,

@@ -34,9 +34,10 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::time::Duration;
 
 use tyche_channel::{
-    Accepted, Acceptor, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt, ExportGeometry, ExportSpec,
-    FirstOpen, HandshakeFrame, Inbound, InitiatorSession, Instant, IoError, IoRequest, KeyedConnect, Opening,
-    ReconnectPolicy, Setup, TargetEvent, TargetInbound, Timers, VolumeConfig, VolumeEvent,
+    Accepted, Acceptor, Challenges, ConnectError, ConnectFrom, ConnectPlan, Connected, Connector, DurabilityDebt,
+    ExportGeometry, ExportSpec, FirstOpen, HandshakeFrame, Inbound, InitiatorSession, Instant, IoError, IoRequest,
+    KeyCheck, KeyedConnect, Opening, ReconnectPolicy, Setup, TargetEvent, TargetInbound, Timers, VolumeConfig,
+    VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
@@ -331,8 +332,9 @@ struct World {
     buf: Vec<u8>,
     /// The plaintext of the last frame of an encrypting channel.
     scratch: Vec<u8>,
-    /// CHALLENGEs sent and not yet answered (a keyed run), by (initiator MAC, CONNECT nonce).
-    challenges: HashMap<(MacAddr, u64), u64>,
+    /// CHALLENGEs sent and not yet answered (a keyed run): tyched's table, with its default
+    /// bounds.
+    challenges: Challenges,
 }
 
 /// Runs one seed.
@@ -443,7 +445,7 @@ impl World {
             report: SeedReport { seed, ..SeedReport::default() },
             buf: vec![0; 9216],
             scratch: Vec::new(),
-            challenges: HashMap::new(),
+            challenges: Challenges::new(4096, 8),
         }
     }
 
@@ -703,49 +705,34 @@ impl World {
             let Ok(msg) = frame.parse() else { return };
             let env = Envelope::of(&frame);
             let mut out = vec![0u8; 256];
-            // A keyed export: the CHALLENGE round as the target daemon runs it (a challenge buys
-            // one grant, and a wrong proof spends it; a retry of a granted CONNECT gets its
-            // ACCEPT again).
+            // A keyed export: the key check tyched runs (`Challenges::check`: a challenge buys
+            // one grant, a wrong proof spends it, a retry of a granted CONNECT gets its ACCEPT
+            // again).
             let mut keyed = None;
             if let (Some(_), tyche_wire::Message::Connect(c)) = (self.cfg.keyed, &msg) {
                 let src = frame.src();
                 let local = self.target_macs[k];
                 let reply_env = Envelope { dst: src, src: local, ..env };
-                match c.proof {
-                    None => {
-                        let rng = &mut self.rng;
-                        let tn = *self.challenges.entry((src, c.nonce)).or_insert_with(|| rng.next_u64());
+                let retry = c.proof.is_some() && self.acceptor.is_retry(src, &env, c);
+                let from = ConnectFrom { src, local, env: &env, connect: c };
+                let rng = &mut self.rng;
+                match self.challenges.check(self.now, SIM_KEY, from, retry, || rng.next_u64()) {
+                    KeyCheck::Challenge(tn) => {
                         let ch = tyche_wire::Challenge { nonce: c.nonce, target_nonce: tn };
                         let len = tyche_wire::Message::Challenge(ch).emit(&reply_env, &mut out);
                         return self.send(k, Dir::ToInitiator, &out[..len]);
                     }
-                    Some(_) if self.acceptor.is_retry(src, &env, c) => {}
-                    Some(proof) => {
-                        let input = |tn| tyche_channel::auth::ProofInput {
+                    KeyCheck::NoRoom => return,
+                    KeyCheck::Retry => {}
+                    KeyCheck::Proven(tn) => keyed = Some(tn),
+                    KeyCheck::Failed => {
+                        let r = tyche_wire::Reject {
                             nonce: c.nonce,
-                            target_nonce: tn,
-                            session: env.session,
-                            channel: env.channel,
-                            export: c.export,
-                            initiator: src,
-                            target: local,
-                            host: c.host,
-                            asked: c.params,
+                            reason: tyche_wire::RejectReason::AuthFailed,
+                            holder: None,
                         };
-                        let tn = self.challenges.get(&(src, c.nonce)).copied();
-                        match tn.filter(|&tn| tyche_channel::auth::verify_initiator(SIM_KEY, &input(tn), &proof)) {
-                            Some(tn) => keyed = Some(tn),
-                            None => {
-                                self.challenges.remove(&(src, c.nonce));
-                                let r = tyche_wire::Reject {
-                                    nonce: c.nonce,
-                                    reason: tyche_wire::RejectReason::AuthFailed,
-                                    holder: None,
-                                };
-                                let len = tyche_wire::Message::Reject(r).emit(&reply_env, &mut out);
-                                return self.send(k, Dir::ToInitiator, &out[..len]);
-                            }
-                        }
+                        let len = tyche_wire::Message::Reject(r).emit(&reply_env, &mut out);
+                        return self.send(k, Dir::ToInitiator, &out[..len]);
                     }
                 }
             }
@@ -758,7 +745,7 @@ impl World {
                 Some(Accepted::Reply(len)) => self.send(k, Dir::ToInitiator, &out[..len]),
                 Some(Accepted::Channel { session, channel, len, .. }) => {
                     if let (Some(_), tyche_wire::Message::Connect(c)) = (keyed, &msg) {
-                        self.challenges.remove(&(frame.src(), c.nonce)); // spent by its grant
+                        self.challenges.granted(frame.src(), c.nonce); // spent by its grant
                     }
                     let geometry = ExportGeometry { size: self.cfg.export_bytes, read_only: false, discard: true };
                     self.target_path.insert((session, channel.envelope().channel), k);

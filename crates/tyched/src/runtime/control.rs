@@ -27,8 +27,8 @@ use tyche_channel::{Acceptor, Channel, Directory, ExportGeometry, Instant, PartM
 use tyche_runtime::wake::WakeFd;
 use tyche_wire::MacAddr;
 
-use super::challenges::Challenges;
 use super::{Export, PEER_LOGS};
+use tyche_channel::Challenges;
 
 /// A session whose channels are all dead is dropped after this grace period when it never
 /// carried a frame after its handshake (`reclaim_after_ms` otherwise).

@@ -2,7 +2,7 @@
 //!
 //! In front of the channel engine's [`tyche_channel::Acceptor`] the target checks a CONNECT
 //! itself ([`Control::on_handshake`], under the control's lock): the export's MAC allow-list, its key (a CHALLENGE round,
-//! the initiator's proof checked against a pending challenge, [`Challenges`](super::challenges::Challenges)), who may join an
+//! the initiator's proof checked against a pending challenge, `tyche_channel::Challenges`), who may join an
 //! existing session, and who holds an export that is not `shared`. A CONNECT that creates a
 //! session fences the older sessions of the same initiator ([`Control::fence`]). What the
 //! handshake gives the thread that received the frame ([`Answer`]: replies for its NIC's
@@ -16,8 +16,9 @@ use std::sync::Arc;
 
 use tyche_channel::PartId;
 
-use tyche_channel::auth::{self, ProofInput, Psk};
+use tyche_channel::auth::{self, Psk};
 use tyche_channel::{Accepted, Channel, ExportGeometry, HandshakeFrame, Instant, KeyedConnect};
+use tyche_channel::{ConnectFrom, KeyCheck};
 use tyche_wire::{Challenge, Connect, Envelope, Frame, MacAddr, Message, Reject, RejectReason};
 
 use super::control::{ChannelEntry, Control, Entry, Opening, ThreadMsg};
@@ -175,62 +176,38 @@ impl Control {
     ) -> Option<(u64, Psk)> {
         let key = self.exports[i].key.clone().expect("check_key is called for keyed exports only");
         let (src, env_in) = (peer.src, &peer.env_in);
-        let Some(proof) = c.proof else {
-            let tn = match self.challenges.live(now, src, c.nonce) {
-                Some(tn) => tn,
-                None => {
-                    let tn = auth::random_u64();
-                    if !self.challenges.remember(now, src, c.nonce, tn) {
-                        return None; // the table is full of live challenges: no answer
-                    }
-                    tn
+        let retry = c.proof.is_some() && self.acceptor.is_retry(src, env_in, c);
+        let from = ConnectFrom { src, local: peer.local, env: env_in, connect: c };
+        match self.challenges.check(now, &key, from, retry, auth::random_u64) {
+            KeyCheck::Challenge(tn) => {
+                let env = Envelope { session: env_in.session, ..peer.reply };
+                reply(&env, &Message::Challenge(Challenge { nonce: c.nonce, target_nonce: tn }), out);
+                None
+            }
+            KeyCheck::NoRoom => None, // the table is full of live challenges: no answer
+            KeyCheck::Retry => {
+                // A retry of a CONNECT that was granted (its ACCEPT lost): the same ACCEPT,
+                // nothing else.
+                let mut ids = auth::random_u64;
+                let mut buf = vec![0u8; REPLY_BUF];
+                if let Some(Accepted::Reply(len)) =
+                    self.acceptor.handle_keyed(now, peer.frame(msg), &mut ids, &mut buf, None)
+                {
+                    buf.truncate(len);
+                    out.replies.push(buf);
                 }
-            };
-            let env = Envelope { session: env_in.session, ..peer.reply };
-            reply(&env, &Message::Challenge(Challenge { nonce: c.nonce, target_nonce: tn }), out);
-            return None;
-        };
-        // A retry of a CONNECT that was granted (its ACCEPT lost): the same ACCEPT, nothing
-        // else. Its challenge is spent.
-        if self.acceptor.is_retry(src, env_in, c) {
-            let mut ids = auth::random_u64;
-            let mut buf = vec![0u8; REPLY_BUF];
-            if let Some(Accepted::Reply(len)) =
-                self.acceptor.handle_keyed(now, peer.frame(msg), &mut ids, &mut buf, None)
-            {
-                buf.truncate(len);
-                out.replies.push(buf);
+                None
             }
-            return None;
-        }
-        // A challenge buys one grant, within its lifetime: the grant spends it (`accept`), and
-        // a replayed proof then finds none. A proof that checks out but whose CONNECT is
-        // refused for another reason (an unknown session, IN_USE, a full table) leaves it live,
-        // so the initiator's retransmission gets that refusal again, not AUTH_FAILED. A wrong
-        // proof spends it. The proof covers the session and channel the CONNECT names, its
-        // parameters and host id, so it is good for nothing else either.
-        let pending = self.challenges.live(now, src, c.nonce);
-        let input = |tn| ProofInput {
-            nonce: c.nonce,
-            target_nonce: tn,
-            session: env_in.session,
-            channel: env_in.channel,
-            export: c.export,
-            initiator: src,
-            target: peer.local,
-            host: c.host,
-            asked: c.params,
-        };
-        let ok = pending.filter(|&tn| auth::verify_initiator(&key, &input(tn), &proof));
-        if ok.is_none() {
-            self.challenges.forget(src, c.nonce);
-            if PEER_LOGS.allow() {
-                tracing::warn!(%src, export = %c.export, "refused: wrong or replayed key proof");
+            KeyCheck::Proven(tn) => Some((tn, key)),
+            KeyCheck::Failed => {
+                if PEER_LOGS.allow() {
+                    tracing::warn!(%src, export = %c.export, "refused: wrong or replayed key proof");
+                }
+                out.drops.denied_key += 1;
+                self.refuse(peer, i, c.nonce, RejectReason::AuthFailed, None, out);
+                None
             }
-            out.drops.denied_key += 1;
-            self.refuse(peer, i, c.nonce, RejectReason::AuthFailed, None, out);
         }
-        ok.map(|tn| (tn, key))
     }
 
     /// Whether a CONNECT may join the session it names (if that exists): a session created
@@ -319,7 +296,7 @@ impl Control {
             }
             Some(Accepted::Channel { session, export, channel, len }) => {
                 if let (Some(_), Message::Connect(c)) = (&admission.keyed, msg) {
-                    self.challenges.forget(peer.src, c.nonce); // spent by its grant
+                    self.challenges.granted(peer.src, c.nonce); // spent by its grant
                 }
                 let at = Joining { g, k: serve_on, session, export };
                 self.open_channel(now, peer, at, channel, admission, out);

@@ -60,7 +60,6 @@ use crate::config::{Config, NetworkThreads};
 use crate::stats::Snapshot;
 use crate::workers::StoragePlan;
 
-mod challenges;
 mod control;
 mod handshake;
 mod jobs;

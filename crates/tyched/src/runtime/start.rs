@@ -19,7 +19,6 @@ use crate::config::{Config, ExportConfig, NetworkThreads, MAX_EXPORTS};
 use crate::stats::{ExportStats, NicStats, StorageQueueStats};
 use crate::workers::{DoneRoute, JobQueues, StoragePlan, ThreadStat, JOB_QUEUE};
 
-use super::challenges::Challenges;
 use super::control::{Control, Postal};
 use super::jobs::Storage;
 use super::network::{serve, NicState};
@@ -28,6 +27,7 @@ use super::snapshot::Counters;
 use super::{Clock, Export, Network, Nic, Placement, RxBuffers, Shared, StartError, StorageKinds};
 use crate::job::Done;
 use crate::workers::pin;
+use tyche_channel::Challenges;
 
 /// A target's network threads' state, its NICs and its storage threads, before any network
 /// thread runs.
