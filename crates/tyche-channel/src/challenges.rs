@@ -6,26 +6,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use tyche_wire::{Connect, Envelope, MacAddr};
+use tyche_wire::{MacAddr, Message};
 
 use crate::auth::{verify_initiator, ProofInput};
-use crate::Instant;
+use crate::{HandshakeFrame, Instant};
 
 /// How long a CHALLENGE may be answered.
 pub const CHALLENGE_LIFETIME: Duration = Duration::from_secs(5);
-
-/// A CONNECT of a keyed export as it arrived: from `src` to this end's `local` address.
-#[derive(Debug, Clone, Copy)]
-pub struct ConnectFrom<'a> {
-    /// The initiator's MAC (the frame's source).
-    pub src: MacAddr,
-    /// The address it was sent to.
-    pub local: MacAddr,
-    /// Its envelope (the session and channel the proof covers).
-    pub env: &'a Envelope,
-    /// The CONNECT.
-    pub connect: &'a Connect<'a>,
-}
 
 /// What a keyed export's CONNECT gets ([`Challenges::check`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,7 +135,8 @@ impl Challenges {
 }
 
 impl Challenges {
-    /// The key check of CONNECT `from` of an export keyed with `key`. Without a proof it gets a
+    /// The key check of CONNECT `from` of an export keyed with `key` (a frame that is no CONNECT
+    /// fails: there is nothing to prove). Without a proof it gets a
     /// CHALLENGE (a live one's nonce again, else a new one from `fresh`); with one, a retry of a
     /// granted CONNECT (`retry`, the acceptor knows) gets its ACCEPT again; else the proof must
     /// answer a live challenge. The proof covers the session and channel the CONNECT names,
@@ -157,11 +145,11 @@ impl Challenges {
         &mut self,
         now: Instant,
         key: &[u8],
-        from: ConnectFrom<'_>,
+        from: HandshakeFrame<'_>,
         retry: bool,
         fresh: impl FnOnce() -> u64,
     ) -> KeyCheck {
-        let c = from.connect;
+        let Message::Connect(c) = from.msg else { return KeyCheck::Failed };
         let Some(proof) = c.proof else {
             if let Some(tn) = self.live(now, from.src, c.nonce) {
                 return KeyCheck::Challenge(tn);
@@ -222,6 +210,8 @@ impl Challenges {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::initiator_proof;
+    use tyche_wire::{Connect, Envelope};
 
     fn mac(n: u32) -> MacAddr {
         MacAddr::local(n)
@@ -262,10 +252,6 @@ mod tests {
         let env = Envelope { dst: mac(9), src: mac(1), ethertype: 0x88b5, channel: 0, session: 0 };
         let params = crate::config::default_params(1024);
         let bare = Connect { nonce: 7, params, proof: None, export: "e", host: None };
-        let from = |connect| ConnectFrom { src: mac(1), local: mac(9), env: &env, connect };
-        // No proof: a CHALLENGE, and the same one to a retransmission.
-        assert_eq!(c.check(t0, key, from(&bare), false, || 42), KeyCheck::Challenge(42));
-        assert_eq!(c.check(t0, key, from(&bare), false, || 43), KeyCheck::Challenge(42));
         let input = |tn| ProofInput {
             nonce: 7,
             target_nonce: tn,
@@ -277,22 +263,27 @@ mod tests {
             host: None,
             asked: params,
         };
+        let proven =
+            |key: &[u8], tn| Message::Connect(Connect { proof: Some(initiator_proof(key, &input(tn))), ..bare });
+        let (bare, wrong, right_42, right_44) =
+            (Message::Connect(bare), proven(b"another key", 42), proven(key, 42), proven(key, 44));
+        let from = |msg| HandshakeFrame { src: mac(1), local: mac(9), env: &env, msg };
+        // No proof: a CHALLENGE, and the same one to a retransmission.
+        assert_eq!(c.check(t0, key, from(&bare), false, || 42), KeyCheck::Challenge(42));
+        assert_eq!(c.check(t0, key, from(&bare), false, || 43), KeyCheck::Challenge(42));
         // A wrong proof fails and spends the challenge: the right one then finds none.
-        let wrong = Connect { proof: Some(crate::auth::initiator_proof(b"another key", &input(42))), ..bare };
         assert_eq!(c.check(t0, key, from(&wrong), false, || 0), KeyCheck::Failed);
-        let right = Connect { proof: Some(crate::auth::initiator_proof(key, &input(42))), ..bare };
-        assert_eq!(c.check(t0, key, from(&right), false, || 0), KeyCheck::Failed);
+        assert_eq!(c.check(t0, key, from(&right_42), false, || 0), KeyCheck::Failed);
         // A new challenge, answered: proven; granted, it is spent; a retry gets its ACCEPT.
         assert_eq!(c.check(t0, key, from(&bare), false, || 44), KeyCheck::Challenge(44));
-        let right = Connect { proof: Some(crate::auth::initiator_proof(key, &input(44))), ..bare };
-        assert_eq!(c.check(t0, key, from(&right), false, || 0), KeyCheck::Proven(44));
+        assert_eq!(c.check(t0, key, from(&right_44), false, || 0), KeyCheck::Proven(44));
         c.granted(mac(1), 7);
         assert!(c.is_empty());
-        assert_eq!(c.check(t0, key, from(&right), true, || 0), KeyCheck::Retry);
+        assert_eq!(c.check(t0, key, from(&right_44), true, || 0), KeyCheck::Retry);
         // A table full of live challenges answers nothing.
         let mut full = Challenges::new(1, 1);
         assert_eq!(full.check(t0, key, from(&bare), false, || 1), KeyCheck::Challenge(1));
-        let other = ConnectFrom { src: mac(2), ..from(&bare) };
+        let other = HandshakeFrame { src: mac(2), ..from(&bare) };
         assert_eq!(full.check(t0, key, other, false, || 2), KeyCheck::NoRoom);
         assert_eq!(full.refused, 1);
     }

@@ -46,7 +46,7 @@ mod time;
 mod volume_parts;
 
 pub use board::VolumeBoard;
-pub use challenges::{Challenges, ConnectFrom, KeyCheck, PendingChallenge, CHALLENGE_LIFETIME};
+pub use challenges::{Challenges, KeyCheck, PendingChallenge, CHALLENGE_LIFETIME};
 pub use channel::data_head;
 pub use channel::{
     Channel, ChannelEvent, ChannelStats, DeadReason, DropReason, FrameDrop, PayloadRef, Pieces, Placement,

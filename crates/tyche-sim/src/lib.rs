@@ -34,10 +34,9 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::time::Duration;
 
 use tyche_channel::{
-    Accepted, Acceptor, Challenges, ConnectError, ConnectFrom, ConnectPlan, Connected, Connector, DurabilityDebt,
-    ExportGeometry, ExportSpec, FirstOpen, HandshakeFrame, Inbound, InitiatorSession, Instant, IoError, IoRequest,
-    KeyCheck, KeyedConnect, Opening, ReconnectPolicy, Setup, TargetEvent, TargetInbound, Timers, VolumeConfig,
-    VolumeEvent,
+    Accepted, Acceptor, Challenges, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt, ExportGeometry,
+    ExportSpec, FirstOpen, HandshakeFrame, Inbound, InitiatorSession, Instant, IoError, IoRequest, KeyCheck,
+    KeyedConnect, Opening, ReconnectPolicy, Setup, TargetEvent, TargetInbound, Timers, VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
@@ -714,7 +713,7 @@ impl World {
                 let local = self.target_macs[k];
                 let reply_env = Envelope { dst: src, src: local, ..env };
                 let retry = c.proof.is_some() && self.acceptor.is_retry(src, &env, c);
-                let from = ConnectFrom { src, local, env: &env, connect: c };
+                let from = HandshakeFrame { local, src, env: &env, msg: &msg };
                 let rng = &mut self.rng;
                 match self.challenges.check(self.now, SIM_KEY, from, retry, || rng.next_u64()) {
                     KeyCheck::Challenge(tn) => {

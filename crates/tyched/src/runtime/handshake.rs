@@ -17,8 +17,8 @@ use std::sync::Arc;
 use tyche_channel::PartId;
 
 use tyche_channel::auth::{self, Psk};
+use tyche_channel::KeyCheck;
 use tyche_channel::{Accepted, Channel, ExportGeometry, HandshakeFrame, Instant, KeyedConnect};
-use tyche_channel::{ConnectFrom, KeyCheck};
 use tyche_wire::{Challenge, Connect, Envelope, Frame, MacAddr, Message, Reject, RejectReason};
 
 use super::control::{ChannelEntry, Control, Entry, Opening, ThreadMsg};
@@ -177,8 +177,7 @@ impl Control {
         let key = self.exports[i].key.clone().expect("check_key is called for keyed exports only");
         let (src, env_in) = (peer.src, &peer.env_in);
         let retry = c.proof.is_some() && self.acceptor.is_retry(src, env_in, c);
-        let from = ConnectFrom { src, local: peer.local, env: env_in, connect: c };
-        match self.challenges.check(now, &key, from, retry, auth::random_u64) {
+        match self.challenges.check(now, &key, peer.frame(msg), retry, auth::random_u64) {
             KeyCheck::Challenge(tn) => {
                 let env = Envelope { session: env_in.session, ..peer.reply };
                 reply(&env, &Message::Challenge(Challenge { nonce: c.nonce, target_nonce: tn }), out);
