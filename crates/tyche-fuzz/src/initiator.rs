@@ -1,4 +1,4 @@
-//! The initiator side: a [`Volume`] with requests outstanding, fed by a hostile target.
+//! The initiator side: a [`Volume`](tyche_channel::Volume) with requests outstanding, fed by a hostile target.
 //!
 //! Sans-IO and on a virtual clock, so an input replays exactly. The hostile target sees every
 //! frame the volume sends (it learns the requests' slots and tags) and answers with anything:

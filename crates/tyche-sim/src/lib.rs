@@ -1,7 +1,7 @@
 //! A deterministic simulator for Tyche (in the spirit of TigerBeetle's VOPR).
 //!
-//! One [`run_seed`] builds a world from a single `u64` seed: an initiator [`Volume`] and a target
-//! ([`Acceptor`] + [`TargetSession`]s over an in-memory export) joined by N simulated paths with
+//! One [`run_seed`] builds a world from a single `u64` seed: an initiator [`Volume`](tyche_channel::Volume) and a target
+//! ([`Acceptor`] + [`TargetSession`](tyche_channel::TargetSession)s over an in-memory export) joined by N simulated paths with
 //! seeded loss, reordering, duplication, delay and jitter, and optionally a path that fails mid-run
 //! (either going dark, or holding its frames and delivering them after the initiator has given
 //! the path up, so late duplicates reach a target that still listens). Channels are opened with

@@ -28,7 +28,7 @@ pub struct LeasePiece {
 }
 
 /// A received frame's buffer, lent by the transport to the receiver that keeps the frame
-/// ([`crate::FrameTransport::recv_lend`]).
+/// ([`crate::FrameTransport::receive`] with [`crate::Rx::Lend`]).
 ///
 /// While the lease lives, the frame's bytes stay where they are and nothing writes them: the
 /// transport does not reuse the buffer until the lease comes back through

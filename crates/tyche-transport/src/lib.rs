@@ -10,15 +10,14 @@
 //! # Contract
 //! - Frames are whole Ethernet frames (header included, FCS excluded). A transport delivers a
 //!   frame intact or not at all; it may lose, reorder or duplicate frames.
-//! - `receive` and `transmit` never block. A transport that can sleep exposes a file descriptor through
-//!   [`FrameTransport::readiness_fd`] for the runtime to wait on.
+//! - `receive` and `transmit` never block. A transport that can sleep exposes a file descriptor
+//!   through [`FrameTransport::readiness_fd`] for the runtime to wait on.
 //! - Buffers handed to the callbacks live in the transport's own memory (a UMEM chunk for
 //!   AF_XDP): reading or writing them in place is the zero-copy path.
-//! - A receiver may *keep* a received frame instead of copying its bytes out
-//!   ([`Rx::Lend`]): the frame's buffer is then lent to it as a [`Lease`] and
-//!   stays where it is, unchanged, until [`FrameTransport::release`] gives it back. A transport
-//!   that cannot lend (or has no buffer to spare right now) offers no lease, and the receiver
-//!   copies.
+//! - A receiver may *keep* a received frame instead of copying its bytes out ([`Rx::Lend`]): the
+//!   frame's buffer is then lent to it as a [`Lease`] and stays where it is, unchanged, until
+//!   [`FrameTransport::release`] gives it back. A transport that cannot lend (or has no buffer to
+//!   spare right now) offers no lease, and the receiver copies.
 //! - A frame may come in several pieces (a multi-buffer AF_XDP frame over several UMEM chunks,
 //!   at most [`MAX_PIECES`]): [`FrameTransport::receive`] hands the receiver the pieces in
 //!   order, the first holding at least the Ethernet header and the Tyche headers whenever the

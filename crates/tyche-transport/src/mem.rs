@@ -121,7 +121,7 @@ pub struct MemPort {
     tx: Arc<Mutex<Lane>>,
     rx: Arc<Mutex<Lane>>,
     dropped: u64,
-    /// Frames that may be lent at once ([`FrameTransport::recv_lend`]); 0: none.
+    /// Frames that may be lent at once ([`FrameTransportExt::recv_lend`](crate::FrameTransportExt::recv_lend)); 0: none.
     lend_limit: usize,
     /// Frames lent and not yet released, by lease id.
     lent: HashMap<u64, Arc<Vec<u8>>>,
@@ -142,7 +142,7 @@ impl MemPort {
         self.dropped
     }
 
-    /// Lets [`FrameTransport::recv_lend`] lend up to `frames` received frames at once (none by
+    /// Lets [`FrameTransportExt::recv_lend`](crate::FrameTransportExt::recv_lend) lend up to `frames` received frames at once (none by
     /// default: a receiver then copies, as over TCP).
     pub fn set_lending(&mut self, frames: usize) {
         self.lend_limit = frames;
@@ -156,7 +156,7 @@ impl MemPort {
     }
 
     /// Simulates a multi-buffer link whose buffers hold `piece` bytes of frame (a test option):
-    /// [`FrameTransport::recv_lend`] hands over a longer frame in pieces of `piece` bytes, laid
+    /// [`FrameTransportExt::recv_lend`](crate::FrameTransportExt::recv_lend) hands over a longer frame in pieces of `piece` bytes, laid
     /// out apart from each other with filler between them (so a receiver that reads one piece
     /// past its end reads filler), under one lease over all of them; a frame that needs more
     /// than [`MAX_PIECES`] pieces is dropped and counted ([`MemPort::too_many_pieces`]). Transmit

@@ -106,7 +106,7 @@ pub struct PortConfig {
     /// UMEM chunks, a power of two; half receive, half transmit.
     pub frame_count: u32,
     /// Extra receive chunks, so that received frames of up to this many chunks in all can be
-    /// lent to the receiver ([`FrameTransport::recv_lend`]) while the fill ring stays full (a
+    /// lent to the receiver ([`FrameTransport::receive`] with `Rx::Lend`) while the fill ring stays full (a
     /// multi-buffer frame takes one per piece); 0: frames are never lent.
     pub lend_frames: u32,
     /// Extra chunks the sender may take for good ([`FrameTransport::lend_tx_chunks`]) to prepare
@@ -189,7 +189,7 @@ pub struct PortStats {
 /// ([`FrameTransport::lend_tx_chunks`]) goes out as one multi-buffer frame from where it is.
 ///
 /// With [`PortConfig::lend_frames`], `lend_frames` more chunks are spare receive buffers: when
-/// the receiver keeps a frame ([`FrameTransport::recv_lend`]), a spare chunk goes on the fill
+/// the receiver keeps a frame ([`FrameTransport::receive`] with `Rx::Lend`), a spare chunk goes on the fill
 /// ring in its place, and the kept chunk becomes a spare again when it is released. So kept
 /// frames never starve the fill ring; when no spare is left, frames are offered without a lease
 /// (the receiver copies).
