@@ -72,8 +72,9 @@ impl<T: FrameTransport> FrameTransport for FaultInjector<T> {
         self.inner.capabilities()
     }
 
-    /// Frames that pass straight through keep the inner transport's lease (and pieces); a duplicate is
-    /// offered again without one, and a frame held back for reordering is a copy (no lease).
+    /// Frames that pass straight through keep the inner transport's lease (and pieces); a
+    /// duplicate is offered again without one, and a frame held back for reordering is a copy
+    /// (no lease).
     fn receive(&mut self, budget: usize, mode: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let (rx, rng, held, stats) = (self.rx, &mut self.rng, &mut self.held, &mut self.stats);
         let mut delivered = 0;
