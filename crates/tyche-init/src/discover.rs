@@ -54,11 +54,13 @@ pub fn discover_with_nonce(links: &mut [Link], ethertype: u16, wait: Duration, n
     let start = Instant::now();
     let mut next_send = start;
     let mut buf = vec![0u8; 256];
+    // Read once: a transport's capabilities may look its memory up in the system.
+    let macs: Vec<MacAddr> = links.iter().map(|l| l.transport.capabilities().local_mac).collect();
     while start.elapsed() < wait {
         if Instant::now() >= next_send {
             next_send = Instant::now() + retry;
             for (k, link) in links.iter_mut().enumerate() {
-                let src = link.transport.capabilities().local_mac;
+                let src = macs[k];
                 // Broadcast the first page; ask each target that has more for the rest.
                 let mut asks = vec![(MacAddr::BROADCAST, 0u16)];
                 for ((l, mac), (total, got)) in &seen {
