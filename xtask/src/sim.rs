@@ -214,12 +214,14 @@ pub fn run(args: SimArgs) -> Result<()> {
     if args.restarts {
         eprintln!(
             "sim: {} target restarts ({} process kills keeping the cache), {} partitions, {} engine restarts, \
-             {} sessions resumed, {} errors surfaced, {} FLUSHes failed for writes a crash may have lost",
+             {} sessions resumed, {} sessions fenced, {} errors surfaced, {} FLUSHes failed for writes a crash may \
+             have lost",
             t.target_restarts,
             t.target_kills,
             t.partitions,
             t.engine_restarts,
             t.resumes,
+            t.fenced,
             t.surfaced,
             t.durability_errors
         );
@@ -232,6 +234,9 @@ pub fn run(args: SimArgs) -> Result<()> {
             "sim: sessions in {} parts: {} copies decided by their home's part, {} messages between parts, {} stray",
             args.target_parts, t.forwarded, t.part_messages, t.stray_messages
         );
+    }
+    if t.refused > 0 {
+        eprintln!("sim: {} CONNECTs refused by the target's admission", t.refused);
     }
     println!("sim: {} seeds, {} requests, {} mismatches, {} stuck", t.seeds, t.requests, t.mismatches, t.stuck);
     if t.failed_seeds > 0 {

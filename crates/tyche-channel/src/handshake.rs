@@ -462,6 +462,11 @@ impl Acceptor {
         }
     }
 
+    /// The EtherType of its replies.
+    pub fn ethertype(&self) -> u16 {
+        self.ethertype
+    }
+
     /// The same acceptor granting at most `limits`.
     pub fn with_limits(mut self, limits: AcceptorLimits) -> Self {
         self.limits = limits;

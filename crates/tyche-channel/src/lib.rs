@@ -24,6 +24,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod admission;
 /// Pre-shared key proofs for the CHALLENGE round.
 pub mod auth;
 mod board;
@@ -45,6 +46,9 @@ mod target;
 mod time;
 mod volume_parts;
 
+pub use admission::{
+    mac_identity, Admission, Admitted, ExportAccess, Grant, HeldChannel, Holder, Joined, Refused, Verdict,
+};
 pub use board::VolumeBoard;
 pub use challenges::{Challenges, KeyCheck, PendingChallenge, CHALLENGE_LIFETIME};
 pub use channel::data_head;

@@ -34,9 +34,10 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::time::Duration;
 
 use tyche_channel::{
-    Accepted, Acceptor, Challenges, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt, ExportGeometry,
-    ExportSpec, FirstOpen, HandshakeFrame, Inbound, InitiatorSession, Instant, IoError, IoRequest, KeyCheck,
-    KeyedConnect, Opening, ReconnectPolicy, Setup, TargetEvent, TargetInbound, Timers, VolumeConfig, VolumeEvent,
+    Accepted, Acceptor, Admission, Challenges, ConnectError, ConnectPlan, Connected, Connector, DurabilityDebt,
+    ExportAccess, ExportGeometry, ExportSpec, FirstOpen, Grant, HandshakeFrame, Inbound, InitiatorSession, Instant,
+    IoError, IoRequest, Opening, ReconnectPolicy, Refused, Setup, TargetEvent, TargetInbound, Timers, Verdict,
+    VolumeConfig, VolumeEvent,
 };
 use tyche_transport::SplitMix64;
 use tyche_wire::{
@@ -88,6 +89,11 @@ pub struct SimConfig {
 
 /// The pre-shared key of a keyed run.
 const SIM_KEY: &[u8] = b"the simulator's pre-shared key";
+
+/// The host id the initiator sends (as tyche-init does with `host_id`): its engine's sessions,
+/// whichever path created them, are one initiator's, so a restarted engine's new session
+/// fences the old one instead of being refused IN_USE.
+const SIM_HOST: [u8; 16] = *b"simulated-host-1";
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -161,6 +167,12 @@ pub struct SeedReport {
     /// With [`SimConfig::init_parts`] above 1: parts of requests one part of the volume handed
     /// to another (its paths were down).
     pub handoffs: u64,
+    /// Sessions the target fenced: a restarted engine's new session ran nothing before the old
+    /// session's storage operations had ended.
+    pub fenced: u64,
+    /// CONNECTs the target's admission refused (a join or takeover from another MAC of a
+    /// channel it still holds alive, a wrong proof, the export held by another initiator).
+    pub refused: u64,
 }
 
 impl SeedReport {
@@ -311,8 +323,15 @@ struct World {
     target_epoch: DurabilityEpoch,
     /// Crashes of the target so far.
     crashes: u64,
-    acceptor: Acceptor,
+    /// The target's handshake: tyched's admission (acceptor, key challenges with tyched's
+    /// default bounds, the sessions it made), with nothing kept beside its records.
+    admission: Admission<(), ()>,
+    /// The export's key in a keyed run.
+    psk: Option<tyche_channel::auth::Psk>,
     sessions: BTreeMap<u64, PartedSession>,
+    /// A session made by a restarted engine runs no storage operation before this (the end of
+    /// the last one of the sessions it fenced).
+    io_after: HashMap<u64, Instant>,
     /// The path of every target channel.
     target_path: HashMap<(u64, u16), usize>,
     /// What reads see.
@@ -331,9 +350,6 @@ struct World {
     buf: Vec<u8>,
     /// The plaintext of the last frame of an encrypting channel.
     scratch: Vec<u8>,
-    /// CHALLENGEs sent and not yet answered (a keyed run): tyched's table, with its default
-    /// bounds.
-    challenges: Challenges,
 }
 
 /// Runs one seed.
@@ -349,6 +365,11 @@ fn epoch_of(seed: u64, crashes: u64) -> DurabilityEpoch {
     b[..8].copy_from_slice(&seed.to_be_bytes());
     b[8..].copy_from_slice(&(crashes + 1).to_be_bytes());
     DurabilityEpoch(b)
+}
+
+/// The target's admission, as tyched starts it.
+fn new_admission(cfg: &SimConfig, durability_epoch: DurabilityEpoch) -> Admission<(), ()> {
+    Admission::new(new_acceptor(cfg, durability_epoch), Challenges::new(4096, 8))
 }
 
 fn new_acceptor(cfg: &SimConfig, durability_epoch: DurabilityEpoch) -> Acceptor {
@@ -429,8 +450,10 @@ impl World {
             target: TargetState::Up,
             target_epoch: epoch_of(seed, 0),
             crashes: 0,
-            acceptor: new_acceptor(&cfg, epoch_of(seed, 0)),
+            admission: new_admission(&cfg, epoch_of(seed, 0)),
+            psk: cfg.keyed.map(|_| tyche_channel::auth::Psk::new(SIM_KEY)),
             sessions: BTreeMap::new(),
+            io_after: HashMap::new(),
             target_path: HashMap::new(),
             storage: vec![0; cfg.export_bytes as usize],
             durable: vec![0; cfg.export_bytes as usize],
@@ -444,7 +467,6 @@ impl World {
             report: SeedReport { seed, ..SeedReport::default() },
             buf: vec![0; 9216],
             scratch: Vec::new(),
-            challenges: Challenges::new(4096, 8),
         }
     }
 
@@ -474,6 +496,7 @@ impl World {
         if self.cfg.keyed.is_some() {
             c = c.with_key(SIM_KEY);
         }
+        c = c.with_host(SIM_HOST);
         self.chan_path.insert(plan.channel, k);
         self.connectors.insert(plan.channel, InitiatorSession::opening(&plan, c));
     }
@@ -702,61 +725,7 @@ impl World {
                 return; // stopping: no new channels
             }
             let Ok(msg) = frame.parse() else { return };
-            let env = Envelope::of(&frame);
-            let mut out = vec![0u8; 256];
-            // A keyed export: the key check tyched runs (`Challenges::check`: a challenge buys
-            // one grant, a wrong proof spends it, a retry of a granted CONNECT gets its ACCEPT
-            // again).
-            let mut keyed = None;
-            if let (Some(_), tyche_wire::Message::Connect(c)) = (self.cfg.keyed, &msg) {
-                let src = frame.src();
-                let local = self.target_macs[k];
-                let reply_env = Envelope { dst: src, src: local, ..env };
-                let retry = c.proof.is_some() && self.acceptor.is_retry(src, &env, c);
-                let from = HandshakeFrame { local, src, env: &env, msg: &msg };
-                let rng = &mut self.rng;
-                match self.challenges.check(self.now, SIM_KEY, from, retry, || rng.next_u64()) {
-                    KeyCheck::Challenge(tn) => {
-                        let ch = tyche_wire::Challenge { nonce: c.nonce, target_nonce: tn };
-                        let len = tyche_wire::Message::Challenge(ch).emit(&reply_env, &mut out);
-                        return self.send(k, Dir::ToInitiator, &out[..len]);
-                    }
-                    KeyCheck::NoRoom => return,
-                    KeyCheck::Retry => {}
-                    KeyCheck::Proven(tn) => keyed = Some(tn),
-                    KeyCheck::Failed => {
-                        let r = tyche_wire::Reject {
-                            nonce: c.nonce,
-                            reason: tyche_wire::RejectReason::AuthFailed,
-                            holder: None,
-                        };
-                        let len = tyche_wire::Message::Reject(r).emit(&reply_env, &mut out);
-                        return self.send(k, Dir::ToInitiator, &out[..len]);
-                    }
-                }
-            }
-            let psk = tyche_channel::auth::Psk::new(SIM_KEY);
-            let keyed = keyed.map(|target_nonce| KeyedConnect { key: &psk, target_nonce });
-            let rng = &mut self.rng;
-            let mut ids = || rng.next_u64();
-            let arrived = HandshakeFrame { local: self.target_macs[k], src: frame.src(), env: &env, msg: &msg };
-            match self.acceptor.handle_keyed(self.now, arrived, &mut ids, &mut out, keyed) {
-                Some(Accepted::Reply(len)) => self.send(k, Dir::ToInitiator, &out[..len]),
-                Some(Accepted::Channel { session, channel, len, .. }) => {
-                    if let (Some(_), tyche_wire::Message::Connect(c)) = (keyed, &msg) {
-                        self.challenges.granted(frame.src(), c.nonce); // spent by its grant
-                    }
-                    let geometry = ExportGeometry { size: self.cfg.export_bytes, read_only: false, discard: true };
-                    self.target_path.insert((session, channel.envelope().channel), k);
-                    let (parts, seed, now) = (self.cfg.target_parts, self.report.seed, self.now);
-                    self.sessions
-                        .entry(session)
-                        .or_insert_with(|| new_session(session, DEFAULT_ETHERTYPE, geometry, parts, seed))
-                        .join_on_path(now, k, *channel);
-                    self.send(k, Dir::ToInitiator, &out[..len]);
-                }
-                None => {}
-            }
+            self.handshake(k, &frame, &msg);
             return;
         }
         let Some(s) = self.sessions.get_mut(&frame.session()) else { return };
@@ -767,6 +736,82 @@ impl World {
             mem[offset as usize..offset as usize + payload.len()].copy_from_slice(payload);
         }
         self.collect_target_events();
+    }
+
+    /// A DISCOVER or CONNECT on path `k`: tyched's admission decides (the key check, who may
+    /// join a session, who holds the export, which older sessions a new one fences), and the
+    /// world acts as tyched's control does.
+    fn handshake(&mut self, k: usize, frame: &Frame<&[u8]>, msg: &tyche_wire::Message<'_>) {
+        let env = Envelope::of(frame);
+        let local = self.target_macs[k];
+        let hf = HandshakeFrame { local, src: frame.src(), env: &env, msg };
+        let mut out = vec![0u8; 256];
+        let access = match msg {
+            tyche_wire::Message::Connect(c) if c.export == "sim" => {
+                Some(ExportAccess { index: 0, allow: &[], key: self.psk.as_ref(), shared: false })
+            }
+            _ => None,
+        };
+        let sessions = &self.sessions;
+        let live = |_: &()| {
+            let channel = sessions.get(&env.session).and_then(|s| s.channel(env.channel));
+            channel.is_some_and(|c| c.dead().is_none())
+        };
+        let rng = &mut self.rng;
+        let admitted = match self.admission.admit(self.now, hf, access, || rng.next_u64(), live, &mut out) {
+            Verdict::Admit(admitted) => admitted,
+            Verdict::Answer { len, refused } => {
+                if let Some(why) = refused {
+                    // The simulated initiator knows the export and its key and holds it alone.
+                    assert!(
+                        !matches!(why, Refused::MacNotAllowed | Refused::InUse(_)),
+                        "seed {}: {why:?}",
+                        self.report.seed
+                    );
+                    self.report.refused += 1;
+                }
+                return self.send(k, Dir::ToInitiator, &out[..len]);
+            }
+            Verdict::Quiet => return,
+        };
+        let rng = &mut self.rng;
+        let mut ids = || rng.next_u64();
+        match self.admission.accept(self.now, hf, &admitted, local, &mut ids, &mut out) {
+            Some(Accepted::Reply(len)) => self.send(k, Dir::ToInitiator, &out[..len]),
+            Some(Accepted::Channel { session, export, channel, len }) => {
+                let idx = channel.envelope().channel;
+                let grant = Grant { session, export, channel: idx, peer: frame.src() };
+                let joined = self.admission.join(grant, admitted, || (), ());
+                self.fence(session, &joined.fenced);
+                let geometry = ExportGeometry { size: self.cfg.export_bytes, read_only: false, discard: true };
+                self.target_path.insert((session, idx), k);
+                let (parts, seed, now) = (self.cfg.target_parts, self.report.seed, self.now);
+                self.sessions
+                    .entry(session)
+                    .or_insert_with(|| new_session(session, DEFAULT_ETHERTYPE, geometry, parts, seed))
+                    .join_on_path(now, k, *channel);
+                self.send(k, Dir::ToInitiator, &out[..len]);
+            }
+            None => {}
+        }
+    }
+
+    /// The new session `by` fenced sessions `old` (of the same initiator), as tyched's threads
+    /// do: their channels close, and `by` runs no storage operation before theirs have ended.
+    fn fence(&mut self, by: u64, old: &[u64]) {
+        let mut after = self.now;
+        for sid in old {
+            self.report.fenced += 1;
+            if let Some(s) = self.sessions.get_mut(sid) {
+                s.at(self.now);
+                s.close(DisconnectReason::Normal);
+            }
+            let ends = self.io.iter().filter(|o| o.0.session == *sid).map(|o| o.0.at);
+            after = ends.chain(self.io_after.get(sid).copied()).fold(after, Instant::max);
+        }
+        if after > self.now {
+            self.io_after.insert(by, after);
+        }
     }
 
     fn collect_target_events(&mut self) {
@@ -785,8 +830,9 @@ impl World {
                         let latency =
                             if slow { self.rng.range(200_000, 2_000_000) } else { self.rng.range(2_000, 50_000) };
                         self.io_order += 1;
+                        let start = self.io_after.get(&sid).map_or(self.now, |&t| t.max(self.now));
                         let op = StorageOp {
-                            at: self.now + Duration::from_nanos(latency),
+                            at: start + Duration::from_nanos(latency),
                             order: self.io_order,
                             session: sid,
                             channel,
@@ -887,8 +933,7 @@ impl World {
             }
             TargetState::Down { until } if self.now >= until => {
                 self.target = TargetState::Up;
-                self.acceptor = new_acceptor(&self.cfg, self.target_epoch);
-                self.challenges.clear();
+                self.admission = new_admission(&self.cfg, self.target_epoch);
             }
             _ => {}
         }
@@ -902,7 +947,8 @@ impl World {
             if let Some(s) = self.sessions.remove(&sid) {
                 self.account(&s);
             }
-            self.acceptor.forget_session(sid);
+            self.admission.forget(sid);
+            self.io_after.remove(&sid);
             self.damq_mem.retain(|k, _| k.0 != sid);
             self.target_path.retain(|k, _| k.0 != sid);
             self.report.reclaimed += 1;
@@ -1060,6 +1106,13 @@ impl World {
                 });
                 self.connectors.clear();
                 self.recovering = true;
+                // Half the restarts lost the old session's id too (a host that rebooted with
+                // its state on a tmpfs): the new session is created at once, and the target's
+                // fence keeps the old one's late writes from landing after the new one's. Drawn
+                // from a stream of its own, so the seed's other draws stay what they were.
+                let forgot =
+                    SplitMix64::new(self.report.seed ^ 0x666f_7267_6f74 ^ self.report.engine_restarts).range(0, 1) == 0;
+                let previous = if forgot { 0 } else { previous };
                 self.session = initiator_session(&self.cfg, now, previous);
             }
         }
@@ -1250,6 +1303,10 @@ pub struct Totals {
     pub stray_messages: u64,
     /// Parts of requests handed between parts of a volume.
     pub handoffs: u64,
+    /// Sessions fenced by a new session of the same initiator.
+    pub fenced: u64,
+    /// CONNECTs refused by the target's admission.
+    pub refused: u64,
 }
 
 impl Totals {
@@ -1277,6 +1334,8 @@ impl Totals {
         self.part_messages += r.part_messages;
         self.stray_messages += r.stray_messages;
         self.handoffs += r.handoffs;
+        self.fenced += r.fenced;
+        self.refused += r.refused;
     }
 }
 
@@ -1368,9 +1427,11 @@ mod tests {
             seen.partitions += r.partitions;
             seen.engine_restarts += r.engine_restarts;
             seen.resumes += r.resumes;
+            seen.fenced += r.fenced;
         }
         assert!(seen.target_restarts > 0 && seen.partitions > 0 && seen.engine_restarts > 0, "{seen:?}");
         assert!(seen.resumes > 0, "no session was resumed: {seen:?}");
+        assert!(seen.fenced > 0, "no restarted engine's session fenced its old one: {seen:?}");
     }
 
     /// Runs `seed` with exactly `faults` (request index, fault).

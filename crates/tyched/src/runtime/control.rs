@@ -5,10 +5,12 @@
 //! for a frame of an established channel. What belongs to no one thread is here, behind one
 //! mutex that a thread takes only for a DISCOVER or CONNECT frame, for a session it decides to
 //! reclaim (at most every [`RECLAIM_CHECK`]), and for a session that hit a bug:
-//! - the [`Acceptor`], the key challenges, the export allow-lists;
-//! - the session registry ([`Entry`]): each session's export, initiator identity, fencing,
-//!   channels (which thread and NIC serve each, and whether it died), and the [`SessionMeta`]
-//!   its parts share.
+//! - the [`Admission`] (the acceptor, the key challenges, and the sessions: each session's
+//!   export, initiator identity, fencing and channels), with what the daemon keeps beside each
+//!   session ([`SessionEntry`]: the [`SessionMeta`] its parts share, which threads were sent
+//!   its channels) and each channel ([`ChannelEntry`]: which thread and NIC serve it, and
+//!   whether it died);
+//! - the exports (their allow-lists, keys and sharing, which the admission checks).
 //!
 //! Everything that crosses threads goes as a [`ThreadMsg`] in the destination thread's queue,
 //! with a ring of its doorbell ([`Postal`]): a channel accepted on another thread's NIC, a
@@ -18,17 +20,14 @@
 //! session's channels, one opening per channel the acceptor admits (`limits.channels`), one
 //! fence or forget per session (`limits.sessions`).
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tyche_channel::{Acceptor, Channel, Directory, ExportGeometry, Instant, PartMessage};
+use tyche_channel::{Admission, Channel, Directory, ExportGeometry, Instant, PartMessage};
 use tyche_runtime::wake::WakeFd;
-use tyche_wire::MacAddr;
 
 use super::{Export, PEER_LOGS};
-use tyche_channel::Challenges;
 
 /// A session whose channels are all dead is dropped after this grace period when it never
 /// carried a frame after its handshake (`reclaim_after_ms` otherwise).
@@ -110,7 +109,7 @@ pub(super) struct SessionMeta {
     pub(super) executing: PerThread,
     /// Per thread: its part's reclaim report ([`report`]).
     pub(super) report: PerThread,
-    /// Per thread: channels it installed (against [`Entry::posted`]: none still on its way).
+    /// Per thread: channels it installed (against [`SessionEntry::posted`]: none still on its way).
     pub(super) installed: PerThread,
 }
 
@@ -206,31 +205,33 @@ pub(super) struct ChannelEntry {
     pub(super) thread: usize,
     /// Its NIC (transport).
     pub(super) nic: usize,
-    /// The initiator's MAC.
-    pub(super) peer: MacAddr,
     /// Set when it died.
     pub(super) dead: Arc<AtomicBool>,
 }
 
-/// A session as the control knows it.
+/// What the control keeps beside a session of the admission's.
 #[derive(Debug)]
-pub(super) struct Entry {
+pub(super) struct SessionEntry {
     pub(super) meta: Arc<SessionMeta>,
-    /// Who attached: the host id the initiator sent, else one made from its MAC.
-    pub(super) identity: [u8; 16],
-    /// The MAC that created it (named to another initiator refused IN_USE).
-    pub(super) mac: MacAddr,
     /// The sessions it fenced (their jobs end before its first runs).
     pub(super) waits_for: Vec<Weak<SessionMeta>>,
-    /// By channel index.
-    pub(super) channels: BTreeMap<u16, ChannelEntry>,
     /// Per thread: channels sent to it to install.
     pub(super) posted: Vec<u64>,
     /// When a channel last joined.
     pub(super) last_join: Instant,
 }
 
-impl Entry {
+impl SessionEntry {
+    /// Session `id` of export `export`, for `threads` network threads, made at `now`.
+    pub(super) fn new(id: u64, export: usize, geometry: ExportGeometry, threads: usize, now: Instant) -> SessionEntry {
+        SessionEntry {
+            meta: SessionMeta::new(id, export, geometry, threads),
+            waits_for: Vec::new(),
+            posted: vec![0; threads],
+            last_join: now,
+        }
+    }
+
     /// Whether every part of the session is dead (no live channel, storage job or undecided
     /// copy) and no channel is on its way to a thread: since when (the latest of the parts'
     /// reports and the last join), whether any part carried traffic, and whether every part
@@ -256,13 +257,9 @@ impl Entry {
 /// The control (see the module documentation).
 #[derive(Debug)]
 pub(super) struct Control {
-    pub(super) ethertype: u16,
     pub(super) exports: Arc<[Export]>,
-    pub(super) acceptor: Acceptor,
-    /// Key challenges pending.
-    pub(super) challenges: Challenges,
-    /// Sessions by id.
-    pub(super) registry: BTreeMap<u64, Entry>,
+    /// The handshake's checks and decisions, and the sessions they made.
+    pub(super) admission: Admission<SessionEntry, ChannelEntry>,
     /// Queue addresses: which transport serves a new channel and the address ACCEPT names.
     pub(super) queue_addresses: crate::steer::QueueAddresses,
     /// The network thread serving each NIC.
@@ -291,9 +288,8 @@ impl Control {
     /// Session `sid` is gone: the acceptor forgets it, and every thread holding a part drops
     /// it.
     pub(super) fn forget(&mut self, sid: u64) {
-        let Some(e) = self.registry.remove(&sid) else { return };
-        self.acceptor.forget_session(sid);
-        for (h, _) in e.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
+        let Some(e) = self.admission.forget(sid) else { return };
+        for (h, _) in e.data.posted.iter().enumerate().filter(|(_, &n)| n > 0) {
             self.post.send(h, ThreadMsg::Forget { sid });
         }
     }
@@ -303,9 +299,9 @@ impl Control {
     /// to which no channel is on its way.
     pub(super) fn reclaim(&mut self, now: Instant, candidates: &[u64]) {
         for &sid in candidates {
-            let Some(e) = self.registry.get(&sid) else { continue };
-            let Some((since, established, detached)) = e.parts_dead() else { continue };
-            let m = &e.meta;
+            let Some(e) = self.admission.session(sid) else { continue };
+            let Some((since, established, detached)) = e.data.parts_dead() else { continue };
+            let m = &e.data.meta;
             // A session that carried traffic is kept `reclaim_after_ms` so an initiator back in
             // time resumes it (its ledger too); one that never did (a CONNECT and nothing else,
             // as in a flood) goes at once. An initiator that said goodbye on every channel
@@ -327,16 +323,12 @@ impl Control {
 
     /// Live channels served on transport `k`.
     pub(super) fn channels_on(&self, k: usize) -> usize {
-        self.registry
+        self.admission
+            .sessions()
             .values()
             .flat_map(|e| e.channels.values())
-            .filter(|c| c.nic == k && !c.dead.load(Ordering::Relaxed))
+            .filter(|c| c.data.nic == k && !c.data.dead.load(Ordering::Relaxed))
             .count()
-    }
-
-    /// A new session's shared state.
-    pub(super) fn new_meta(&self, id: u64, export: usize, geometry: ExportGeometry) -> Arc<SessionMeta> {
-        SessionMeta::new(id, export, geometry, self.threads())
     }
 }
 
@@ -373,16 +365,9 @@ mod tests {
     #[test]
     fn a_session_is_dead_only_when_every_part_is_and_no_channel_is_on_its_way() {
         let geometry = ExportGeometry { size: 1 << 20, read_only: false, discard: true };
-        let mut e = Entry {
-            meta: SessionMeta::new(1, 0, geometry, 3),
-            identity: [0; 16],
-            mac: MacAddr::local(1),
-            waits_for: Vec::new(),
-            channels: BTreeMap::new(),
-            // Threads 0 and 1 were each sent a channel; thread 2 holds no part.
-            posted: vec![1, 1, 0],
-            last_join: Instant(50),
-        };
+        let mut e = SessionEntry::new(1, 0, geometry, 3, Instant(50));
+        // Threads 0 and 1 were each sent a channel; thread 2 holds no part.
+        e.posted = vec![1, 1, 0];
         let m = Arc::clone(&e.meta);
         m.installed.set(0, 1);
         m.report.set(0, 100 | report::ESTABLISHED);

@@ -9,12 +9,12 @@
 //!                          │  ▲
 //!      handshakes, reclaim │  │ channels, fences, forgets, messages between session parts
 //!                          ▼  │ (each thread's queue + eventfd)
-//!                   control (acceptor, challenges, session registry: one mutex)
+//!                   control (admission: acceptor, challenges, sessions; one mutex)
 //! ```
 //!
 //! A network thread polls the transports it was given, hands DISCOVER/CONNECT to the control
-//! (the MAC allow-list and the key proof in front of the [`tyche_channel::Acceptor`], under the
-//! control's lock), places write data into the request's `damq` slot memory, hands executable
+//! (the [`tyche_channel::Admission`]: the MAC allow-list, the key proof, joins and fencing in
+//! front of the acceptor, under the control's lock), places write data into the request's `damq` slot memory, hands executable
 //! requests to the workers of its channel's node (`crate::workers`) together with that slot
 //! memory, and sends completions and read data when the workers hand them back to it (each
 //! network thread has its own done queue). When nothing is due it sleeps in `poll(2)` on the
@@ -24,7 +24,7 @@
 //! What a thread owns (`Network`) and the control are grouped by job, one module each:
 //! - `start`: opening exports, starting storage threads, building the control and each thread's
 //!   state, spawning the network threads.
-//! - `control`: the control (acceptor, challenges, session registry, reclaim decisions), what
+//! - `control`: the control (exports, admission, reclaim decisions), what
 //!   a session's parts share (`SessionMeta`), the threads' queues (`Postal`, `ThreadMsg`).
 //! - `network`: the per-thread loop (turns, receive, transmit, sleep, shutdown) and per-NIC
 //!   state (`NicState`).

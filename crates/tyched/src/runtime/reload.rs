@@ -129,7 +129,7 @@ impl TargetHandle {
             e.uring = self.storage_kinds.uring && e.backend.as_file().is_some();
             // Into the storage threads' table before any session can name it.
             assert!(self.storage_kinds.backends.set(index, Arc::clone(&e.backend)), "slot {index} is free and in room");
-            let offered = ctl.acceptor.add_export(e.spec.clone());
+            let offered = ctl.admission.acceptor.add_export(e.spec.clone());
             assert_eq!(offered, Some(index), "the acceptor offers the control's exports, in order");
             tracing::info!(export = %e.spec.name, index, "export added by a reload");
             out.added.push(e.spec.name.clone());

@@ -251,14 +251,14 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
             es.errors += pe.errors;
         }
     }
-    for e in ctl.registry.values() {
-        if let Some(es) = exports.get_mut(e.meta.export) {
+    for e in ctl.admission.sessions().values() {
+        if let Some(es) = exports.get_mut(e.export) {
             es.sessions += 1;
             es.holders.push(Holder {
-                session: format!("{:#x}", e.meta.id),
+                session: format!("{:#x}", e.data.meta.id),
                 mac: e.mac.to_string(),
                 host: host_of(&e.identity),
-                channels: e.channels.values().filter(|c| !c.dead.load(Ordering::Relaxed)).count(),
+                channels: e.channels.values().filter(|c| !c.data.dead.load(Ordering::Relaxed)).count(),
             });
         }
     }
@@ -266,15 +266,15 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
         es.holders.sort_by(|a, b| a.session.cmp(&b.session));
     }
     let sum = |f: fn(&Piece) -> u64| pieces.iter().map(f).sum::<u64>();
-    let busy = ctl.acceptor.busy();
+    let busy = ctl.admission.acceptor.busy();
     let mut limits = LimitStats {
         busy_sessions: busy.sessions,
         busy_sessions_per_export: busy.sessions_per_export,
         busy_sessions_per_mac: busy.sessions_per_mac,
         busy_channels_per_session: busy.channels_per_session,
         busy_channels: busy.channels,
-        challenges_evicted: ctl.challenges.evicted,
-        challenges_refused: ctl.challenges.refused,
+        challenges_evicted: ctl.admission.challenges.evicted,
+        challenges_refused: ctl.admission.challenges.refused,
         warnings_suppressed: PEER_LOGS.suppressed(),
         ..LimitStats::default()
     };
@@ -288,7 +288,7 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
     Snapshot {
         uptime_ms: now.as_nanos() / 1_000_000,
         stopping: pieces.iter().any(|p| p.stopping),
-        sessions: ctl.registry.len() as u64,
+        sessions: ctl.admission.sessions().len() as u64,
         sessions_reclaimed: ctl.reclaimed,
         payload_copied_bytes: sum(|p| p.payload_copied),
         storage_timeouts: sum(|p| p.storage_timeouts),
@@ -308,7 +308,7 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
         channels: pieces
             .iter()
             .flat_map(|p| p.channels.iter())
-            .filter(|c| ctl.registry.contains_key(&c.session))
+            .filter(|c| ctl.admission.session(c.session).is_some())
             .cloned()
             .collect(),
         // Read by the daemon's stats source (tyched's main), not the engine.

@@ -9,7 +9,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use tyche_channel::{Acceptor, ExportSpec, Instant};
+use tyche_channel::{Acceptor, Admission, ExportSpec, Instant};
 use tyche_runtime::poll::PollStats;
 use tyche_runtime::wake::WakeFd;
 use tyche_wire::{flags, ChannelParams, SECTOR_SIZE};
@@ -111,11 +111,8 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
     let exports: Arc<[Export]> = exports.into();
     let (post, inboxes) = Postal::new(thread_wakes.clone());
     let control = Arc::new(Mutex::new(Control {
-        ethertype: config.ethertype,
         exports: Arc::clone(&exports),
-        acceptor,
-        challenges: Challenges::new(l.challenges, l.challenges_per_mac),
-        registry: BTreeMap::new(),
+        admission: Admission::new(acceptor, Challenges::new(l.challenges, l.challenges_per_mac)),
         queue_addresses: queue_addresses(&placement.queue_addresses, n_nics)?,
         thread_of: thread_of.clone(),
         nic_names: nics.iter().map(|n| n.name.clone()).collect(),
