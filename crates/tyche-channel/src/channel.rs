@@ -953,44 +953,7 @@ impl Channel {
             Message::Request(r) => r.seq,
             Message::Completion(c) => c.seq,
             Message::Data(d) => d.header.seq,
-            Message::Ack(a) => {
-                self.heard(now);
-                let cumulative = self.on_ack(now, a.cumulative);
-                let selective = self.on_sack(now, a.cumulative, a.sack);
-                if cumulative.is_some() || selective.is_some() {
-                    self.frto_decide(now, cumulative == Some(true) || selective == Some(true));
-                }
-                if a.duplicate {
-                    self.on_duplicate_report(now, a.cumulative, a.sack);
-                }
-                self.stats.frames_rx += 1;
-                return Received::Consumed;
-            }
-            Message::Nack(n) => {
-                self.heard(now);
-                self.stats.nacks_rx += 1;
-                self.on_nack(now, n.base, n.missing);
-                self.stats.frames_rx += 1;
-                return Received::Consumed;
-            }
-            Message::Keepalive(k) => {
-                self.heard(now);
-                if k.reply {
-                    if k.nonce == self.probe_nonce && k.timestamp <= now.0 {
-                        self.rtt_sample(now.since(Instant(k.timestamp)));
-                    }
-                } else {
-                    self.echo = Some(Keepalive { reply: true, ..*k });
-                }
-                self.stats.frames_rx += 1;
-                return Received::Consumed;
-            }
-            Message::Disconnect(d) => {
-                self.stats.frames_rx += 1;
-                self.die(DeadReason::PeerClosed(d.reason));
-                return Received::Consumed;
-            }
-            _ => return self.drop_frame(DropReason::Unexpected),
+            _ => return self.handle_unsequenced(now, msg),
         };
         let wrong_role = match msg {
             Message::Request(_) => self.role != Role::Target,
@@ -1004,29 +967,89 @@ impl Channel {
         if let Some(delayed) = self.on_ack(now, seq.ack) {
             self.frto_decide(now, delayed);
         }
-        // Receive window: [rx_expected, rx_expected + ring).
-        let off = diff(seq.seq, self.rx_expected);
+        if let Some(dropped) = self.take_position(now, seq.seq) {
+            return dropped;
+        }
+        self.stats.frames_rx += 1;
+        match *msg {
+            Message::Request(r) => self.on_request(r),
+            Message::Completion(c) => self.on_completion(c),
+            Message::Data(d) => self.on_data(d.header, data_len),
+            _ => unreachable!("only sequenced messages get here"),
+        }
+    }
+
+    /// An ACK, NACK, KEEPALIVE or DISCONNECT (messages outside the sequence), or a frame
+    /// this channel does not take.
+    fn handle_unsequenced(&mut self, now: Instant, msg: &Message<'_>) -> Received<'static> {
+        match msg {
+            Message::Ack(a) => {
+                self.heard(now);
+                let cumulative = self.on_ack(now, a.cumulative);
+                let selective = self.on_sack(now, a.cumulative, a.sack);
+                if cumulative.is_some() || selective.is_some() {
+                    self.frto_decide(now, cumulative == Some(true) || selective == Some(true));
+                }
+                if a.duplicate {
+                    self.on_duplicate_report(now, a.cumulative, a.sack);
+                }
+                self.stats.frames_rx += 1;
+                Received::Consumed
+            }
+            Message::Nack(n) => {
+                self.heard(now);
+                self.stats.nacks_rx += 1;
+                self.on_nack(now, n.base, n.missing);
+                self.stats.frames_rx += 1;
+                Received::Consumed
+            }
+            Message::Keepalive(k) => {
+                self.heard(now);
+                if k.reply {
+                    if k.nonce == self.probe_nonce && k.timestamp <= now.0 {
+                        self.rtt_sample(now.since(Instant(k.timestamp)));
+                    }
+                } else {
+                    self.echo = Some(Keepalive { reply: true, ..*k });
+                }
+                self.stats.frames_rx += 1;
+                Received::Consumed
+            }
+            Message::Disconnect(d) => {
+                self.stats.frames_rx += 1;
+                self.die(DeadReason::PeerClosed(d.reason));
+                Received::Consumed
+            }
+            _ => self.drop_frame(DropReason::Unexpected),
+        }
+    }
+
+    /// Takes ring position `seq` of the receive window (`[rx_expected, rx_expected + ring)`)
+    /// and schedules the acknowledgement; a duplicate or a frame outside the window is dropped
+    /// (the drop comes back).
+    fn take_position(&mut self, now: Instant, seq: u32) -> Option<Received<'static>> {
+        let off = diff(seq, self.rx_expected);
         if off < 0 {
             self.ack_now = true; // the peer missed our ack
             self.dup_seen = true;
-            return self.drop_frame(DropReason::Duplicate);
+            return Some(self.drop_frame(DropReason::Duplicate));
         }
         if off as u32 >= self.params.ring as u32 {
-            return self.drop_frame(DropReason::OutOfWindow);
+            return Some(self.drop_frame(DropReason::OutOfWindow));
         }
-        let pos = (seq.seq % self.params.ring as u32) as usize;
+        let pos = (seq % self.params.ring as u32) as usize;
         if self.rx_seen.get(pos) {
             self.ack_now = true;
             self.dup_seen = true;
-            return self.drop_frame(DropReason::Duplicate);
+            return Some(self.drop_frame(DropReason::Duplicate));
         }
         // Accept the ring position first: even a frame whose content we refuse below must not
         // be retransmitted forever.
         self.rx_seen.set(pos);
-        if diff(seq.seq.wrapping_add(1), self.rx_end) > 0 {
-            self.rx_end = seq.seq.wrapping_add(1);
+        if diff(seq.wrapping_add(1), self.rx_end) > 0 {
+            self.rx_end = seq.wrapping_add(1);
         }
-        let in_order = seq.seq == self.rx_expected;
+        let in_order = seq == self.rx_expected;
         while self.rx_seen.get((self.rx_expected % self.params.ring as u32) as usize) && self.rx_expected != self.rx_end
         {
             self.rx_seen.clear((self.rx_expected % self.params.ring as u32) as usize);
@@ -1046,13 +1069,7 @@ impl Channel {
         if self.ack_deadline.is_none() {
             self.ack_deadline = Some(now + self.timers.ack_delay);
         }
-        self.stats.frames_rx += 1;
-        match *msg {
-            Message::Request(r) => self.on_request(r),
-            Message::Completion(c) => self.on_completion(c),
-            Message::Data(d) => self.on_data(d.header, data_len),
-            _ => unreachable!("only sequenced messages get here"),
-        }
+        None
     }
 
     fn heard(&mut self, now: Instant) {

@@ -639,6 +639,33 @@ impl Acceptor {
         None
     }
 
+    /// The session a granted CONNECT of `export` from `src` (nonce `nonce`) joins: the one it
+    /// names (`session`), which must be of the same export, or a new one with an unpredictable
+    /// id when it names none. `None`: it names a session the acceptor does not have.
+    fn session_for(
+        &mut self,
+        export: usize,
+        src: MacAddr,
+        session: u64,
+        nonce: u64,
+        new_session_id: &mut dyn FnMut() -> u64,
+    ) -> Option<u64> {
+        match session {
+            0 => {
+                let mut sid = new_session_id();
+                while sid == 0 || self.sessions.contains_key(&sid) {
+                    sid = new_session_id();
+                }
+                self.sessions.insert(sid, SessionRecord { export, initiator: src, nonce, channels: HashMap::new() });
+                self.created.insert((src, nonce), sid);
+                Some(sid)
+            }
+            // Each NIC of the initiator has its own MAC: the session id (unpredictable) and the
+            // export identify the session. Proof of a key is the target daemon's business.
+            sid => self.sessions.get(&sid).filter(|s| s.export == export).map(|_| sid),
+        }
+    }
+
     fn connect(
         &mut self,
         now: Instant,
@@ -670,23 +697,8 @@ impl Acceptor {
             *full = full.saturating_add(1);
             return reject(RejectReason::Busy, buf);
         }
-        let sid = match env_in.session {
-            0 => {
-                let mut sid = new_session_id();
-                while sid == 0 || self.sessions.contains_key(&sid) {
-                    sid = new_session_id();
-                }
-                self.sessions
-                    .insert(sid, SessionRecord { export, initiator: src, nonce: c.nonce, channels: HashMap::new() });
-                self.created.insert((src, c.nonce), sid);
-                sid
-            }
-            sid => match self.sessions.get(&sid) {
-                // Each NIC of the initiator has its own MAC: the session id (unpredictable) and the
-                // export identify the session. Proof of a key is the target daemon's business.
-                Some(s) if s.export == export => sid,
-                _ => return reject(RejectReason::UnknownSession, buf),
-            },
+        let Some(sid) = self.session_for(export, src, env_in.session, c.nonce, new_session_id) else {
+            return reject(RejectReason::UnknownSession, buf);
         };
         let e = &self.exports[export];
         let grant = crate::auth::Grant {

@@ -963,25 +963,7 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     let metrics = conn.bind_metrics()?;
     let dir = state::dir();
     let device = resume_own_device(&conn, &dir, device)?;
-    if let Device::Recover(id) = device {
-        if !std::path::Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
-            bail!("--recover: there is no ublk device {id} (/dev/ublkc{id})");
-        }
-        if let Some(a) = state::list(&dir)?.into_iter().find(|a| a.path == format!("/dev/ublkb{id}")) {
-            bail!("--recover: /dev/ublkb{id} is still served by pid {} (detach it, or kill it first)", a.pid);
-        }
-    }
-    // What the dead process owed about its writes: it may have had writes not flushed,
-    // acknowledged under the epoch its record names; the new session's volume compares.
-    let (prior, dead) = match device {
-        Device::Recover(id) => {
-            let dead = state::dead_records_of(&dir, &format!("/dev/ublkb{id}"))?;
-            let prior = state::inherited_debt(&dead);
-            info!(records = dead.len(), ?prior, "what the process that served /dev/ublkb{id} owed about its writes");
-            (prior, dead)
-        }
-        Device::Create(_) => (DurabilityDebt::Clear, Vec::new()),
-    };
+    let (prior, dead) = recovery_of(&dir, &device)?;
     // Whether a device in use outlives this process (for recovery) when it is told to stop.
     let keeps_device = match device {
         Device::Create(o) => o.recovery,
@@ -991,25 +973,7 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     // its writes lands after ours.
     let opened = open_retrying(&conn, prior).await?;
     let client = opened.client.clone();
-    // libublk keeps its control ring per thread: the device is created and served on one thread.
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let ublk_client = client.clone();
-    let server = std::thread::Builder::new().name("tyche-ublk".into()).spawn(move || {
-        let dev = match device {
-            Device::Create(opts) => UblkFrontend::create(ublk_client, opts),
-            Device::Recover(id) => UblkFrontend::recover(ublk_client, id),
-        };
-        match dev {
-            Ok(dev) => {
-                let _ = tx.send(Ok((dev.path(), dev.stopper())));
-                dev.serve()
-            }
-            Err(e) => {
-                let _ = tx.send(Err(e));
-                Ok(())
-            }
-        }
-    })?;
+    let (server, rx) = spawn_ublk(client.clone(), device)?;
     let (path, stop) = match rx.await {
         Ok(Ok(created)) => created,
         Ok(Err(e)) => {
@@ -1066,6 +1030,62 @@ async fn attach(conn: ConnArgs, device: Device) -> Result<()> {
     state::remove(&dir, pid);
     result??;
     Ok(())
+}
+
+/// For `--recover`: the device must exist and be served by no live process; what the dead
+/// processes that served it owed about their writes, and their records.
+fn recovery_of(dir: &std::path::Path, device: &Device) -> Result<(DurabilityDebt, Vec<state::Attachment>)> {
+    if let Device::Recover(id) = device {
+        if !std::path::Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists() {
+            bail!("--recover: there is no ublk device {id} (/dev/ublkc{id})");
+        }
+        if let Some(a) = state::list(dir)?.into_iter().find(|a| a.path == format!("/dev/ublkb{id}")) {
+            bail!("--recover: /dev/ublkb{id} is still served by pid {} (detach it, or kill it first)", a.pid);
+        }
+    }
+    // What the dead process owed about its writes: it may have had writes not flushed,
+    // acknowledged under the epoch its record names; the new session's volume compares.
+    Ok(match device {
+        Device::Recover(id) => {
+            let dead = state::dead_records_of(dir, &format!("/dev/ublkb{id}"))?;
+            let prior = state::inherited_debt(&dead);
+            info!(records = dead.len(), ?prior, "what the process that served /dev/ublkb{id} owed about its writes");
+            (prior, dead)
+        }
+        Device::Create(_) => (DurabilityDebt::Clear, Vec::new()),
+    })
+}
+
+/// How the ublk thread's serving ended.
+type UblkServed = Result<(), tyche_init::frontend::FrontendError>;
+
+/// The ublk thread's word once the device exists (its path and stopper), or why it could not
+/// be made.
+type UblkMade =
+    tokio::sync::oneshot::Receiver<Result<(String, Box<dyn FnOnce() + Send>), tyche_init::frontend::FrontendError>>;
+
+/// Creates (or recovers) the ublk device and serves it on a thread of its own (libublk keeps
+/// its control ring per thread: the device is created and served on one thread). The receiver
+/// gets the device's path and its stopper once it exists, or why it could not be made.
+fn spawn_ublk(client: Client, device: Device) -> Result<(std::thread::JoinHandle<UblkServed>, UblkMade)> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let server = std::thread::Builder::new().name("tyche-ublk".into()).spawn(move || {
+        let dev = match device {
+            Device::Create(opts) => UblkFrontend::create(client, opts),
+            Device::Recover(id) => UblkFrontend::recover(client, id),
+        };
+        match dev {
+            Ok(dev) => {
+                let _ = tx.send(Ok((dev.path(), dev.stopper())));
+                dev.serve()
+            }
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                Ok(())
+            }
+        }
+    })?;
+    Ok((server, rx))
 }
 
 /// With `--config` (or `--dev-id N`): the device a dead process serving the same attachment

@@ -970,40 +970,8 @@ impl<'a> Message<'a> {
                 nonce: get_u32(m, layout::discover::NONCE),
                 start: get_u16(m, layout::discover::START),
             }),
-            Kind::DiscoverReply => {
-                use layout::discover_reply as f;
-                let count = get_u16(m, f::COUNT);
-                let bytes = &m[f::ENTRIES..];
-                let mut rest = bytes;
-                for _ in 0..count {
-                    rest = parse_export_entry(rest)?.1;
-                }
-                if !rest.is_empty() {
-                    return Err(WireError::BadLength);
-                }
-                Message::DiscoverReply(DiscoverReply {
-                    nonce: get_u32(m, f::NONCE),
-                    total: get_u16(m, f::TOTAL),
-                    start: get_u16(m, f::START),
-                    exports: ExportList::Wire { bytes, count },
-                })
-            }
-            Kind::Connect => {
-                use layout::connect as f;
-                let name_len = m[f::NAME_LEN] as usize;
-                let has_host = flags & flags::HOST_ID != 0;
-                let end = f::NAME + name_len;
-                if m.len() != end + if has_host { f::HOST_ID_LEN } else { 0 } {
-                    return Err(WireError::BadLength);
-                }
-                Message::Connect(Connect {
-                    nonce: get_u64(m, f::NONCE),
-                    params: ChannelParams::parse(m, f::RING)?,
-                    proof: parse_proof(m, f::PROOF, flags & flags::PROOF != 0),
-                    export: parse_name(&m[f::NAME..end])?,
-                    host: has_host.then(|| m[end..end + f::HOST_ID_LEN].try_into().expect("16 bytes")),
-                })
-            }
+            Kind::DiscoverReply => parse_discover_reply(m)?,
+            Kind::Connect => parse_connect(m, flags)?,
             Kind::Challenge => Message::Challenge(Challenge {
                 nonce: get_u64(m, layout::challenge::NONCE),
                 target_nonce: get_u64(m, layout::challenge::TARGET_NONCE),
@@ -1029,27 +997,7 @@ impl<'a> Message<'a> {
                     holder: (holder != MacAddr::ZERO).then_some(holder),
                 })
             }
-            Kind::Request => {
-                use layout::request as f;
-                let req_flags = m[f::REQ_FLAGS];
-                if req_flags & !flags::FUA != 0 {
-                    return Err(WireError::Malformed);
-                }
-                let r = Request {
-                    seq: parse_seq(m),
-                    op: Op::from_wire(m[f::OP])?,
-                    fua: req_flags & flags::FUA != 0,
-                    remq: get_u16(m, f::REMQ),
-                    damq: get_u16(m, f::DAMQ),
-                    home: get_u16(m, f::HOME),
-                    tag: get_u64(m, f::TAG),
-                    floor: get_u64(m, f::FLOOR),
-                    offset: get_u64(m, f::OFFSET),
-                    length: get_u32(m, f::LENGTH),
-                };
-                r.validate()?;
-                Message::Request(r)
-            }
+            Kind::Request => parse_request(m)?,
             Kind::Completion => {
                 use layout::completion as f;
                 Message::Completion(Completion {
@@ -1060,27 +1008,7 @@ impl<'a> Message<'a> {
                     tag: get_u64(m, f::TAG),
                 })
             }
-            Kind::Data => {
-                use layout::data as f;
-                let header = DataHeader {
-                    seq: parse_seq(m),
-                    damq: get_u16(m, f::DAMQ),
-                    seg_index: get_u16(m, f::SEG_INDEX),
-                    seg_count: get_u16(m, f::SEG_COUNT),
-                    tag: get_u64(m, f::TAG),
-                    offset: get_u32(m, f::OFFSET),
-                };
-                let payload = &m[f::PAYLOAD..];
-                let ok = header.seg_index < header.seg_count
-                    && header.damq != NO_SLOT
-                    && !payload.is_empty()
-                    && payload.len() % SECTOR_SIZE as usize == 0
-                    && header.offset % SECTOR_SIZE == 0;
-                if !ok {
-                    return Err(WireError::Malformed);
-                }
-                Message::Data(Data { header, payload })
-            }
+            Kind::Data => parse_data(m)?,
             Kind::Ack => Message::Ack(Ack {
                 cumulative: get_u32(m, layout::ack::SEQ),
                 sack: get_u64(m, layout::ack::BITMAP),
@@ -1121,71 +1049,19 @@ impl<'a> Message<'a> {
                 put_u32(m, layout::discover::NONCE, d.nonce);
                 put_u16(m, layout::discover::START, d.start);
             }
-            Message::DiscoverReply(r) => {
-                use layout::discover_reply as f;
-                let count = u16::try_from(r.exports.len()).expect("export count fits u16");
-                put_u32(m, f::NONCE, r.nonce);
-                put_u16(m, f::TOTAL, r.total);
-                put_u16(m, f::START, r.start);
-                put_u16(m, f::COUNT, count);
-                let mut at = f::ENTRIES;
-                for e in r.exports.iter() {
-                    assert!(!e.name.is_empty() && e.name.len() <= MAX_EXPORT_NAME);
-                    put_u64(m, at..at + 8, e.size);
-                    put_u32(m, at + 8..at + 12, e.block_size);
-                    put_u16(m, at + 12..at + 14, e.flags);
-                    m[at + 14] = e.name.len() as u8;
-                    m[at + 15] = 0;
-                    m[at + 16..at + 16 + e.name.len()].copy_from_slice(e.name.as_bytes());
-                    at += e.wire_len();
-                }
-            }
-            Message::Connect(c) => {
-                use layout::connect as f;
-                assert!(!c.export.is_empty() && c.export.len() <= MAX_EXPORT_NAME);
-                put_u64(m, f::NONCE, c.nonce);
-                c.params.emit(m, f::RING);
-                emit_proof(m, f::PROOF, c.proof);
-                m[f::NAME_LEN] = c.export.len() as u8;
-                let end = f::NAME + c.export.len();
-                m[f::NAME..end].copy_from_slice(c.export.as_bytes());
-                if let Some(host) = c.host {
-                    m[end..end + f::HOST_ID_LEN].copy_from_slice(&host);
-                }
-            }
+            Message::DiscoverReply(r) => r.emit_body(m),
+            Message::Connect(c) => c.emit_body(m),
             Message::Challenge(c) => {
                 put_u64(m, layout::challenge::NONCE, c.nonce);
                 put_u64(m, layout::challenge::TARGET_NONCE, c.target_nonce);
             }
-            Message::Accept(a) => {
-                use layout::accept as f;
-                put_u64(m, f::NONCE, a.nonce);
-                a.params.emit(m, f::RING);
-                put_u64(m, f::EXPORT_SIZE, a.export_size);
-                put_u32(m, f::BLOCK_SIZE, a.block_size);
-                put_u16(m, f::EXPORT_FLAGS, a.export_flags);
-                emit_proof(m, f::PROOF, a.proof);
-                m[f::DURABILITY_EPOCH].copy_from_slice(&a.durability_epoch.0);
-                m[f::CHANNEL_MAC].copy_from_slice(&a.channel_mac.octets());
-            }
+            Message::Accept(a) => a.emit_body(m),
             Message::Reject(r) => {
                 put_u64(m, layout::reject::NONCE, r.nonce);
                 put_u16(m, layout::reject::REASON, r.reason as u16);
                 m[layout::reject::HOLDER].copy_from_slice(&r.holder.unwrap_or(MacAddr::ZERO).octets());
             }
-            Message::Request(r) => {
-                use layout::request as f;
-                emit_seq(m, r.seq);
-                m[f::OP] = r.op as u8;
-                m[f::REQ_FLAGS] = if r.fua { flags::FUA } else { 0 };
-                put_u16(m, f::REMQ, r.remq);
-                put_u16(m, f::DAMQ, r.damq);
-                put_u16(m, f::HOME, r.home);
-                put_u64(m, f::TAG, r.tag);
-                put_u64(m, f::FLOOR, r.floor);
-                put_u64(m, f::OFFSET, r.offset);
-                put_u32(m, f::LENGTH, r.length);
-            }
+            Message::Request(r) => r.emit_body(m),
             Message::Completion(c) => {
                 use layout::completion as f;
                 emit_seq(m, c.seq);
@@ -1210,6 +1086,78 @@ impl<'a> Message<'a> {
             Message::Disconnect(d) => put_u16(m, layout::disconnect::REASON, d.reason as u16),
         }
         pad(buf, ETH_HEADER_LEN + msg_len)
+    }
+}
+
+impl DiscoverReply<'_> {
+    /// Writes the body (its entries after the fixed fields) into `m`, the message's bytes.
+    fn emit_body(&self, m: &mut [u8]) {
+        use layout::discover_reply as f;
+        let count = u16::try_from(self.exports.len()).expect("export count fits u16");
+        put_u32(m, f::NONCE, self.nonce);
+        put_u16(m, f::TOTAL, self.total);
+        put_u16(m, f::START, self.start);
+        put_u16(m, f::COUNT, count);
+        let mut at = f::ENTRIES;
+        for e in self.exports.iter() {
+            assert!(!e.name.is_empty() && e.name.len() <= MAX_EXPORT_NAME);
+            put_u64(m, at..at + 8, e.size);
+            put_u32(m, at + 8..at + 12, e.block_size);
+            put_u16(m, at + 12..at + 14, e.flags);
+            m[at + 14] = e.name.len() as u8;
+            m[at + 15] = 0;
+            m[at + 16..at + 16 + e.name.len()].copy_from_slice(e.name.as_bytes());
+            at += e.wire_len();
+        }
+    }
+}
+
+impl Connect<'_> {
+    /// Writes the body (the name, then the host id if any) into `m`, the message's bytes.
+    fn emit_body(&self, m: &mut [u8]) {
+        use layout::connect as f;
+        assert!(!self.export.is_empty() && self.export.len() <= MAX_EXPORT_NAME);
+        put_u64(m, f::NONCE, self.nonce);
+        self.params.emit(m, f::RING);
+        emit_proof(m, f::PROOF, self.proof);
+        m[f::NAME_LEN] = self.export.len() as u8;
+        let end = f::NAME + self.export.len();
+        m[f::NAME..end].copy_from_slice(self.export.as_bytes());
+        if let Some(host) = self.host {
+            m[end..end + f::HOST_ID_LEN].copy_from_slice(&host);
+        }
+    }
+}
+
+impl Accept {
+    /// Writes the body into `m`, the message's bytes.
+    fn emit_body(&self, m: &mut [u8]) {
+        use layout::accept as f;
+        put_u64(m, f::NONCE, self.nonce);
+        self.params.emit(m, f::RING);
+        put_u64(m, f::EXPORT_SIZE, self.export_size);
+        put_u32(m, f::BLOCK_SIZE, self.block_size);
+        put_u16(m, f::EXPORT_FLAGS, self.export_flags);
+        emit_proof(m, f::PROOF, self.proof);
+        m[f::DURABILITY_EPOCH].copy_from_slice(&self.durability_epoch.0);
+        m[f::CHANNEL_MAC].copy_from_slice(&self.channel_mac.octets());
+    }
+}
+
+impl Request {
+    /// Writes the body into `m`, the message's bytes.
+    fn emit_body(&self, m: &mut [u8]) {
+        use layout::request as f;
+        emit_seq(m, self.seq);
+        m[f::OP] = self.op as u8;
+        m[f::REQ_FLAGS] = if self.fua { flags::FUA } else { 0 };
+        put_u16(m, f::REMQ, self.remq);
+        put_u16(m, f::DAMQ, self.damq);
+        put_u16(m, f::HOME, self.home);
+        put_u64(m, f::TAG, self.tag);
+        put_u64(m, f::FLOOR, self.floor);
+        put_u64(m, f::OFFSET, self.offset);
+        put_u32(m, f::LENGTH, self.length);
     }
 }
 
@@ -1343,4 +1291,89 @@ pub fn emit_block_status(extents: impl IntoIterator<Item = Extent>, buf: &mut [u
     }
     put_u32(buf, l::COUNT, count as u32);
     covered
+}
+
+/// A DISCOVER_REPLY's body: its export entries must fill it exactly.
+fn parse_discover_reply(m: &[u8]) -> Result<Message<'_>> {
+    use layout::discover_reply as f;
+    let count = get_u16(m, f::COUNT);
+    let bytes = &m[f::ENTRIES..];
+    let mut rest = bytes;
+    for _ in 0..count {
+        rest = parse_export_entry(rest)?.1;
+    }
+    if !rest.is_empty() {
+        return Err(WireError::BadLength);
+    }
+    Ok(Message::DiscoverReply(DiscoverReply {
+        nonce: get_u32(m, f::NONCE),
+        total: get_u16(m, f::TOTAL),
+        start: get_u16(m, f::START),
+        exports: ExportList::Wire { bytes, count },
+    }))
+}
+
+/// A CONNECT's body: its name (and host id, when flagged) must end it exactly.
+fn parse_connect(m: &[u8], fl: u16) -> Result<Message<'_>> {
+    use layout::connect as f;
+    let name_len = m[f::NAME_LEN] as usize;
+    let has_host = fl & flags::HOST_ID != 0;
+    let end = f::NAME + name_len;
+    if m.len() != end + if has_host { f::HOST_ID_LEN } else { 0 } {
+        return Err(WireError::BadLength);
+    }
+    Ok(Message::Connect(Connect {
+        nonce: get_u64(m, f::NONCE),
+        params: ChannelParams::parse(m, f::RING)?,
+        proof: parse_proof(m, f::PROOF, fl & flags::PROOF != 0),
+        export: parse_name(&m[f::NAME..end])?,
+        host: has_host.then(|| m[end..end + f::HOST_ID_LEN].try_into().expect("16 bytes")),
+    }))
+}
+
+/// A REQUEST's body, checked ([`Request::validate`]).
+fn parse_request(m: &[u8]) -> Result<Message<'_>> {
+    use layout::request as f;
+    let req_flags = m[f::REQ_FLAGS];
+    if req_flags & !flags::FUA != 0 {
+        return Err(WireError::Malformed);
+    }
+    let r = Request {
+        seq: parse_seq(m),
+        op: Op::from_wire(m[f::OP])?,
+        fua: req_flags & flags::FUA != 0,
+        remq: get_u16(m, f::REMQ),
+        damq: get_u16(m, f::DAMQ),
+        home: get_u16(m, f::HOME),
+        tag: get_u64(m, f::TAG),
+        floor: get_u64(m, f::FLOOR),
+        offset: get_u64(m, f::OFFSET),
+        length: get_u32(m, f::LENGTH),
+    };
+    r.validate()?;
+    Ok(Message::Request(r))
+}
+
+/// A DATA message's header and payload: a segment within its count, of whole sectors at a
+/// sector offset, into a slot.
+fn parse_data(m: &[u8]) -> Result<Message<'_>> {
+    use layout::data as f;
+    let header = DataHeader {
+        seq: parse_seq(m),
+        damq: get_u16(m, f::DAMQ),
+        seg_index: get_u16(m, f::SEG_INDEX),
+        seg_count: get_u16(m, f::SEG_COUNT),
+        tag: get_u64(m, f::TAG),
+        offset: get_u32(m, f::OFFSET),
+    };
+    let payload = &m[f::PAYLOAD..];
+    let ok = header.seg_index < header.seg_count
+        && header.damq != NO_SLOT
+        && !payload.is_empty()
+        && payload.len() % SECTOR_SIZE as usize == 0
+        && header.offset % SECTOR_SIZE == 0;
+    if !ok {
+        return Err(WireError::Malformed);
+    }
+    Ok(Message::Data(Data { header, payload }))
 }

@@ -14,6 +14,56 @@ use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
 use crate::program::{AttachMode, AttachedMode, XdpProgram};
 use crate::{Error, InterfaceInfo};
 
+/// The NUMA node of the port's memory (`config.numa`), the calling thread pinned to it when
+/// `config.pin_thread` asks.
+fn place_thread(config: &PortConfig, ifname: &str) -> Result<Option<u32>, Error> {
+    let numa_node = match config.numa {
+        NumaPlacement::Auto => tyche_numa::nic_node(ifname),
+        NumaPlacement::Node(n) => Some(n),
+        NumaPlacement::Off => None,
+    };
+    if let (true, Some(node)) = (config.pin_thread, numa_node) {
+        tyche_numa::pin_current_thread_to_node(node)
+            .map_err(|e| Error::numa(format!("pinning to NUMA node {node}"), e))?;
+    }
+    Ok(numa_node)
+}
+
+/// Binds an AF_XDP socket on `umem` to `ifname`'s queue `config.queue`, its rings on
+/// `numa_node`: its TX and RX rings, and the UMEM's fill and completion rings. `umem` is fresh:
+/// no socket was bound to it yet.
+fn bind_socket(
+    config: &PortConfig,
+    ifname: &str,
+    umem: &Umem,
+    numa_node: Option<u32>,
+    multi_buffer: bool,
+) -> Result<(TxQueue, RxQueue, FillQueue, CompQueue), Error> {
+    let half = config.frame_count / 2;
+    let q = |n: u32| QueueSize::new(n).map_err(|e| xsk_err("ring size", e));
+    let socket_config = SocketConfig::builder()
+        .rx_queue_size(q(half)?)
+        .tx_queue_size(q(half)?)
+        .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
+        .bind_flags(bind_flags(config.copy, multi_buffer))
+        .build();
+    let iface: Interface = ifname.parse().map_err(|_| Error::NoInterface(ifname.to_string()))?;
+    // The RX and TX rings are allocated by the kernel when the socket is set up, under the
+    // calling thread's memory policy: bind it here too so they land beside the UMEM.
+    // SAFETY: this UMEM is bound to (ifname, queue) once, by this socket; the program is
+    // ours (INHIBIT_PROG_LOAD), so libxdp never detaches one it did not load.
+    let (tx, rx, rings) = tyche_numa::alloc::with_thread_memory_on(numa_node, || unsafe {
+        Socket::new(socket_config, umem, &iface, config.queue)
+    })
+    .map_err(|e| Error::numa("binding the rings to the NIC's NUMA node", e))?
+    .map_err(|e| {
+        let hint = bind_hint(config.copy, multi_buffer);
+        xsk_err(&format!("binding an AF_XDP socket to {ifname} queue {}{hint}", config.queue), with_sources(&e))
+    })?;
+    let (fq, cq) = rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
+    Ok((tx, rx, fq, cq))
+}
+
 /// UMEM chunk size: the largest the kernel accepts for an aligned-mode UMEM on 4 KiB pages
 /// (`xdp_umem_reg` refuses chunks below `XDP_UMEM_MIN_CHUNK_SIZE`, 2048 bytes, or above the page
 /// size, with `EINVAL`).
@@ -378,40 +428,9 @@ impl XdpPort {
             pid,
         })?;
         let half = config.frame_count / 2;
-        let q = |n: u32| QueueSize::new(n).map_err(|e| xsk_err("ring size", e));
-        let numa_node = match config.numa {
-            NumaPlacement::Auto => tyche_numa::nic_node(&info.name),
-            NumaPlacement::Node(n) => Some(n),
-            NumaPlacement::Off => None,
-        };
-        if let (true, Some(node)) = (config.pin_thread, numa_node) {
-            tyche_numa::pin_current_thread_to_node(node)
-                .map_err(|e| Error::numa(format!("pinning to NUMA node {node}"), e))?;
-        }
+        let numa_node = place_thread(config, &info.name)?;
         let (umem, descs, frame_count) = create_umem(config, numa_node)?;
-        let socket_config = SocketConfig::builder()
-            .rx_queue_size(q(half)?)
-            .tx_queue_size(q(half)?)
-            .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
-            .bind_flags(bind_flags(config.copy, plan.multi_buffer))
-            .build();
-        let iface: Interface = info.name.parse().map_err(|_| Error::NoInterface(info.name.clone()))?;
-        // The RX and TX rings are allocated by the kernel when the socket is set up, under the
-        // calling thread's memory policy: bind it here too so they land beside the UMEM.
-        // SAFETY: this UMEM is bound to (ifname, queue) once, by this socket; the program is
-        // ours (INHIBIT_PROG_LOAD), so libxdp never detaches one it did not load.
-        let (tx, rx, rings) = tyche_numa::alloc::with_thread_memory_on(numa_node, || unsafe {
-            Socket::new(socket_config, &umem, &iface, config.queue)
-        })
-        .map_err(|e| Error::numa("binding the rings to the NIC's NUMA node", e))?
-        .map_err(|e| {
-            let hint = bind_hint(config.copy, plan.multi_buffer);
-            xsk_err(
-                &format!("binding an AF_XDP socket to {} queue {}{hint}", info.name, config.queue),
-                with_sources(&e),
-            )
-        })?;
-        let (mut fq, cq) = rings.expect("first socket on a fresh UMEM gets the fill and completion rings");
+        let (tx, rx, mut fq, cq) = bind_socket(config, &info.name, &umem, numa_node, plan.multi_buffer)?;
         let zero_copy = bound_zero_copy(rx.fd().as_raw_fd()).map_err(|e| Error::io("getsockopt XDP_OPTIONS", e))?;
 
         if let Some(bp) = config.busy_poll {
@@ -621,6 +640,76 @@ impl XdpPort {
         Ok(false)
     }
 
+    /// The last buffer of a frame in pieces (`rx_partial`) arrived: hands the frame over as
+    /// `mode` asks (gathered, in pieces, or lent in place when spare chunks can take its
+    /// buffers' places on the fill ring). The buffers not kept go to `refill`. Whether a frame
+    /// was delivered (not one over the limits, counted and given back).
+    fn deliver_pieces(&mut self, mode: Rx, on_frame: &mut OnLentFrame<'_>, refill: &mut Vec<FrameDesc>) -> bool {
+        let total: usize = self.rx_partial.iter().map(|d| d.lengths().data()).sum();
+        let count = self.rx_partial.len();
+        if count > MAX_PIECES {
+            self.stats.rx_too_many_pieces += 1;
+            refill.append(&mut self.rx_partial);
+            return false;
+        }
+        if total > self.plan.frame_capacity {
+            self.stats.rx_oversized += 1;
+            refill.append(&mut self.rx_partial);
+            return false;
+        }
+        let mut pieces: [&[u8]; MAX_PIECES] = [&[]; MAX_PIECES];
+        for (p, d) in pieces.iter_mut().zip(&self.rx_partial) {
+            // SAFETY: each buffer of the frame was taken off the RX ring of this UMEM and is in
+            // no ring until it goes back on the fill ring; no mutable reference to it exists.
+            *p = unsafe { self.umem.data(d) }.contents();
+        }
+        let pieces = &pieces[..count];
+        if mode == Rx::Pieces {
+            on_frame(pieces, None);
+            refill.append(&mut self.rx_partial);
+            return true;
+        }
+        if mode != Rx::Lend {
+            // `recv` hands over whole frames: gather them.
+            tyche_transport::gather(pieces, &mut self.gather);
+            on_frame(&[&self.gather], None);
+            refill.append(&mut self.rx_partial);
+            return true;
+        }
+        if self.rx_spare.len() < count {
+            self.stats.lend_exhausted += 1;
+            on_frame(pieces, None);
+            refill.append(&mut self.rx_partial);
+            return true;
+        }
+        // SAFETY: the buffers lie in this UMEM, which `umem_keep` keeps mapped; a
+        // kept frame's buffers go on no ring (spare chunks take their places) until
+        // the lease comes back through `release`, so nothing writes them meanwhile.
+        let lease = unsafe {
+            Lease::new_pieces(
+                self.rx_partial.iter().zip(pieces).map(|(d, p)| (d.addr() as u64, *p)),
+                Arc::clone(&self.umem_keep),
+            )
+        }
+        .expect("1 to MAX_PIECES pieces");
+        match on_frame(pieces, Some(lease)) {
+            None => {
+                // Kept: as many spare chunks take their places on the fill ring.
+                for d in self.rx_partial.drain(..) {
+                    self.lent[chunk_index(d.addr() as u64)] = Some(d);
+                    refill.push(self.rx_spare.pop().expect("checked above"));
+                }
+                self.lent_frames += 1;
+                self.stats.lent += 1;
+            }
+            Some(lease) => {
+                drop(lease);
+                refill.append(&mut self.rx_partial);
+            }
+        }
+        true
+    }
+
     /// Receives frames, offering leases when `lend` (and a spare chunk is left).
     fn receive_frames(&mut self, budget: usize, mode: Rx, on_frame: &mut OnLentFrame<'_>) -> io::Result<usize> {
         let lend = mode == Rx::Lend;
@@ -635,14 +724,15 @@ impl XdpPort {
                 break;
             }
             refill.clear();
-            for desc in &self.rx_descs[..n] {
+            for i in 0..n {
+                let desc = self.rx_descs[i];
                 // SAFETY: the descriptor was just taken off the RX ring of this UMEM; the kernel
                 // does not touch the chunk again until it goes back on the fill ring (here, or
                 // when a lent chunk is released), and no mutable reference to it exists.
-                let data = unsafe { self.umem.data(desc) };
+                let data = unsafe { self.umem.data(&desc) };
                 let bytes = data.contents();
                 if self.plan.multi_buffer && (desc.has_more_frames() || !self.rx_partial.is_empty()) {
-                    self.rx_partial.push(*desc);
+                    self.rx_partial.push(desc);
                     if desc.has_more_frames() {
                         if self.rx_partial.len() >= RX_PARTIAL_LIMIT {
                             // Never more buffers than the kernel's fragment limit: a broken
@@ -653,68 +743,8 @@ impl XdpPort {
                         continue;
                     }
                     // The last buffer of the frame: hand it over in its pieces.
-                    let total: usize = self.rx_partial.iter().map(|d| d.lengths().data()).sum();
-                    let count = self.rx_partial.len();
-                    if count > MAX_PIECES {
-                        self.stats.rx_too_many_pieces += 1;
-                        refill.append(&mut self.rx_partial);
-                        continue;
-                    }
-                    if total > self.plan.frame_capacity {
-                        self.stats.rx_oversized += 1;
-                        refill.append(&mut self.rx_partial);
-                        continue;
-                    }
-                    delivered += 1;
-                    let mut pieces: [&[u8]; MAX_PIECES] = [&[]; MAX_PIECES];
-                    for (p, d) in pieces.iter_mut().zip(&self.rx_partial) {
-                        // SAFETY: as above: each buffer of the frame was taken off the RX ring
-                        // and is in no ring until it goes back on the fill ring.
-                        *p = unsafe { self.umem.data(d) }.contents();
-                    }
-                    let pieces = &pieces[..count];
-                    if mode == Rx::Pieces {
-                        on_frame(pieces, None);
-                        refill.append(&mut self.rx_partial);
-                        continue;
-                    }
-                    if !lend {
-                        // `recv` hands over whole frames: gather them.
-                        tyche_transport::gather(pieces, &mut self.gather);
-                        on_frame(&[&self.gather], None);
-                        refill.append(&mut self.rx_partial);
-                        continue;
-                    }
-                    if self.rx_spare.len() < count {
-                        self.stats.lend_exhausted += 1;
-                        on_frame(pieces, None);
-                        refill.append(&mut self.rx_partial);
-                        continue;
-                    }
-                    // SAFETY: the buffers lie in this UMEM, which `umem_keep` keeps mapped; a
-                    // kept frame's buffers go on no ring (spare chunks take their places) until
-                    // the lease comes back through `release`, so nothing writes them meanwhile.
-                    let lease = unsafe {
-                        Lease::new_pieces(
-                            self.rx_partial.iter().zip(pieces).map(|(d, p)| (d.addr() as u64, *p)),
-                            Arc::clone(&self.umem_keep),
-                        )
-                    }
-                    .expect("1 to MAX_PIECES pieces");
-                    match on_frame(pieces, Some(lease)) {
-                        None => {
-                            // Kept: as many spare chunks take their places on the fill ring.
-                            for d in self.rx_partial.drain(..) {
-                                self.lent[chunk_index(d.addr() as u64)] = Some(d);
-                                refill.push(self.rx_spare.pop().expect("checked above"));
-                            }
-                            self.lent_frames += 1;
-                            self.stats.lent += 1;
-                        }
-                        Some(lease) => {
-                            drop(lease);
-                            refill.append(&mut self.rx_partial);
-                        }
+                    if self.deliver_pieces(mode, on_frame, &mut refill) {
+                        delivered += 1;
                     }
                     continue;
                 }
@@ -724,7 +754,7 @@ impl XdpPort {
                         self.stats.lend_exhausted += 1;
                     }
                     on_frame(&[bytes], None);
-                    refill.push(*desc);
+                    refill.push(desc);
                     continue;
                 }
                 // SAFETY: as for a frame in pieces: mapped while `umem_keep` lives, on no ring
@@ -733,14 +763,14 @@ impl XdpPort {
                 match on_frame(&[bytes], Some(lease)) {
                     None => {
                         // Kept: a spare chunk takes its place on the fill ring.
-                        self.lent[chunk_index(desc.addr() as u64)] = Some(*desc);
+                        self.lent[chunk_index(desc.addr() as u64)] = Some(desc);
                         self.lent_frames += 1;
                         self.stats.lent += 1;
                         refill.push(self.rx_spare.pop().expect("checked above"));
                     }
                     Some(lease) => {
                         drop(lease);
-                        refill.push(*desc);
+                        refill.push(desc);
                     }
                 }
             }

@@ -702,6 +702,18 @@ impl Config {
                 return Err(invalid(format!("ifaces[{i}]"), "interface names are 1 to 15 bytes"));
             }
         }
+        self.validate_limits()?;
+        for (i, e) in self.exports.iter().enumerate() {
+            if self.exports[..i].iter().any(|o| o.name == e.name) {
+                return Err(invalid(format!("export[{i}].name"), format!("duplicate export name {:?}", e.name)));
+            }
+            e.validate(i)?;
+        }
+        Ok(())
+    }
+
+    /// The `[limits]` fields.
+    fn validate_limits(&self) -> Result<(), ConfigError> {
         let l = &self.limits;
         let p = tyche_wire::ChannelParams {
             ring: l.ring,
@@ -738,41 +750,44 @@ impl Config {
                 format!("{} is less than one slot (max_io {})", l.slot_memory.0, l.max_io),
             ));
         }
-        for (i, e) in self.exports.iter().enumerate() {
-            let f = |name: &str| format!("export[{i}].{name}");
-            if e.name.is_empty() || e.name.len() > tyche_wire::MAX_EXPORT_NAME || e.name.chars().any(char::is_control) {
-                return Err(invalid(f("name"), "1 to 64 bytes of UTF-8 without control characters"));
+        Ok(())
+    }
+}
+
+impl ExportConfig {
+    /// Checks export `i`'s fields (its name against the others' is the config's check).
+    fn validate(&self, i: usize) -> Result<(), ConfigError> {
+        let e = self;
+        let f = |name: &str| format!("export[{i}].{name}");
+        if e.name.is_empty() || e.name.len() > tyche_wire::MAX_EXPORT_NAME || e.name.chars().any(char::is_control) {
+            return Err(invalid(f("name"), "1 to 64 bytes of UTF-8 without control characters"));
+        }
+        match (&e.path, e.size) {
+            (None, None) => return Err(invalid(f("size"), "a RAM export (no path) needs a size")),
+            (_, Some(Size(s))) if s == 0 || s % SECTOR_SIZE as u64 != 0 => {
+                return Err(invalid(f("size"), format!("{s} is not a positive multiple of {SECTOR_SIZE}")));
             }
-            if self.exports[..i].iter().any(|o| o.name == e.name) {
-                return Err(invalid(f("name"), format!("duplicate export name {:?}", e.name)));
+            (Some(p), _) if p.as_os_str().is_empty() => return Err(invalid(f("path"), "empty path")),
+            _ => {}
+        }
+        for (j, m) in e.allow.iter().enumerate() {
+            if m.parse::<MacAddr>().is_err() {
+                return Err(invalid(format!("export[{i}].allow[{j}]"), format!("not a MAC address: {m:?}")));
             }
-            match (&e.path, e.size) {
-                (None, None) => return Err(invalid(f("size"), "a RAM export (no path) needs a size")),
-                (_, Some(Size(s))) if s == 0 || s % SECTOR_SIZE as u64 != 0 => {
-                    return Err(invalid(f("size"), format!("{s} is not a positive multiple of {SECTOR_SIZE}")));
-                }
-                (Some(p), _) if p.as_os_str().is_empty() => return Err(invalid(f("path"), "empty path")),
-                _ => {}
+        }
+        if e.key.is_some() && e.key_file.is_some() {
+            return Err(invalid(f("key_file"), "give key or key_file, not both"));
+        }
+        if let Some(k) = &e.key {
+            if k.expose().len() < 16 {
+                return Err(invalid(f("key"), "a pre-shared key has at least 16 bytes"));
             }
-            for (j, m) in e.allow.iter().enumerate() {
-                if m.parse::<MacAddr>().is_err() {
-                    return Err(invalid(format!("export[{i}].allow[{j}]"), format!("not a MAC address: {m:?}")));
-                }
-            }
-            if e.key.is_some() && e.key_file.is_some() {
-                return Err(invalid(f("key_file"), "give key or key_file, not both"));
-            }
-            if let Some(k) = &e.key {
-                if k.expose().len() < 16 {
-                    return Err(invalid(f("key"), "a pre-shared key has at least 16 bytes"));
-                }
-            }
-            if e.key_file.is_some() {
-                e.key_bytes().map_err(|m| invalid(f("key_file"), m))?;
-            }
-            if e.encrypt && !e.keyed() {
-                return Err(invalid(f("encrypt"), "encryption needs a key: give key_file"));
-            }
+        }
+        if e.key_file.is_some() {
+            e.key_bytes().map_err(|m| invalid(f("key_file"), m))?;
+        }
+        if e.encrypt && !e.keyed() {
+            return Err(invalid(f("encrypt"), "encryption needs a key: give key_file"));
         }
         Ok(())
     }

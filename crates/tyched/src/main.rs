@@ -308,27 +308,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         Some(addr) => Some(MetricsListener::bind(&addr).with_context(|| format!("prometheus_listen: binding {addr}"))?),
         None => None,
     };
-    if let Some(n) = config.channel_memory_node {
-        if !std::path::Path::new(&format!("/sys/devices/system/node/node{n}")).exists() {
-            bail!("channel_memory_node = {n}: this machine has no NUMA node {n}");
-        }
-        if config.transport != TransportKind::Xdp {
-            bail!("channel_memory_node applies to AF_XDP channels (transport = \"xdp\") only");
-        }
-        tracing::warn!(
-            node = n,
-            "placement experiment: every channel's memory on node {n}, not on its NIC's (channel_memory_node)"
-        );
-    }
-    if let Some(n) = config.network_thread_node {
-        if !std::path::Path::new(&format!("/sys/devices/system/node/node{n}")).exists() {
-            bail!("network_thread_node = {n}: this machine has no NUMA node {n}");
-        }
-        tracing::warn!(
-            node = n,
-            "placement experiment: every network thread and its completion workers on node {n}, not on its NIC's (network_thread_node)"
-        );
-    }
+    check_placement_experiments(&config)?;
     let mut steering = Steering::default();
     let nics = open_nics(&config, &term, &mut steering)?;
     if term.load(Ordering::SeqCst) {
@@ -385,6 +365,33 @@ fn serve(args: ServeArgs) -> Result<()> {
         bail!("the network thread stopped unexpectedly (see the log above)");
     }
     tracing::info!(sessions = snap.sessions, reclaimed = snap.sessions_reclaimed, "exited cleanly");
+    Ok(())
+}
+
+/// The placement experiments (`channel_memory_node`, `network_thread_node`): refused on a
+/// machine without the node, and warned about when set.
+fn check_placement_experiments(config: &Config) -> Result<()> {
+    if let Some(n) = config.channel_memory_node {
+        if !std::path::Path::new(&format!("/sys/devices/system/node/node{n}")).exists() {
+            bail!("channel_memory_node = {n}: this machine has no NUMA node {n}");
+        }
+        if config.transport != TransportKind::Xdp {
+            bail!("channel_memory_node applies to AF_XDP channels (transport = \"xdp\") only");
+        }
+        tracing::warn!(
+            node = n,
+            "placement experiment: every channel's memory on node {n}, not on its NIC's (channel_memory_node)"
+        );
+    }
+    if let Some(n) = config.network_thread_node {
+        if !std::path::Path::new(&format!("/sys/devices/system/node/node{n}")).exists() {
+            bail!("network_thread_node = {n}: this machine has no NUMA node {n}");
+        }
+        tracing::warn!(
+            node = n,
+            "placement experiment: every network thread and its completion workers on node {n}, not on its NIC's (network_thread_node)"
+        );
+    }
     Ok(())
 }
 

@@ -414,8 +414,18 @@ impl Snapshot {
 
     /// A human-readable rendering.
     pub fn human(&self) -> String {
-        use std::fmt::Write;
         let mut s = String::new();
+        self.human_summary(&mut s);
+        self.human_nics_and_exports(&mut s);
+        self.human_placement(&mut s);
+        self.human_storage(&mut s);
+        self.human_channels(&mut s);
+        s
+    }
+
+    /// The first lines: uptime, sessions, reloads, polling.
+    fn human_summary(&self, s: &mut String) {
+        use std::fmt::Write;
         let _ = writeln!(
             s,
             "uptime {:.1}s{}  sessions {} (reclaimed {})  storage in flight {}  payload copied {} B  duplicates suppressed {}",
@@ -446,6 +456,11 @@ impl Snapshot {
         }
         let p = &self.poll;
         let _ = writeln!(s, "{}", tyche_runtime::poll::summary(p.mode, p.budget_us, &p.threads));
+    }
+
+    /// Each NIC's traffic and drops, each export's requests and holders.
+    fn human_nics_and_exports(&self, s: &mut String) {
+        use std::fmt::Write;
         let _ = writeln!(s, "\nNICs:");
         for n in &self.nics {
             let d = &n.drops;
@@ -474,6 +489,11 @@ impl Snapshot {
                 );
             }
         }
+    }
+
+    /// Where each NIC's memory and thread are.
+    fn human_placement(&self, s: &mut String) {
+        use std::fmt::Write;
         let _ = writeln!(s, "\nPlacement (pages on the NIC's node / elsewhere / not present):");
         let pc = |c: &PageCounts| format!("{}/{}/{}", c.on_expected, c.elsewhere, c.not_present);
         for p in &self.placement {
@@ -490,6 +510,11 @@ impl Snapshot {
                 p.thread.nodes
             );
         }
+    }
+
+    /// The storage queues and threads, and the NICs' interrupts.
+    fn human_storage(&self, s: &mut String) {
+        use std::fmt::Write;
         if !self.storage_threads.is_empty() {
             let node = |n: Option<u32>| n.map_or("none".into(), |n| n.to_string());
             let _ = writeln!(s, "\nStorage (a queue per node; jobs executed):");
@@ -524,6 +549,11 @@ impl Snapshot {
                 let _ = writeln!(s, "  {:<10} {}", r.nic, r.describe());
             }
         }
+    }
+
+    /// Each channel's traffic.
+    fn human_channels(&self, s: &mut String) {
+        use std::fmt::Write;
         let _ = writeln!(s, "\nChannels:");
         for c in &self.channels {
             let _ = writeln!(
@@ -533,7 +563,6 @@ impl Snapshot {
                 c.payload_tx, c.frames_rx, c.payload_rx, c.retransmits, c.timeouts, c.spurious_timeouts, c.executing, c.drops
             );
         }
-        s
     }
 }
 

@@ -219,6 +219,52 @@ fn host_of(identity: &[u8; 16]) -> String {
 pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Instant) -> Snapshot {
     let mut nics: Vec<(usize, NicStats, NicPlacement)> = pieces.iter().flat_map(|p| p.nics.iter().cloned()).collect();
     nics.sort_by_key(|n| n.0);
+    let exports = export_stats(ctl, pieces);
+    let sum = |f: fn(&Piece) -> u64| pieces.iter().map(f).sum::<u64>();
+    let limits = limit_stats(ctl, pieces);
+    let first = pieces.first();
+    Snapshot {
+        uptime_ms: now.as_nanos() / 1_000_000,
+        stopping: pieces.iter().any(|p| p.stopping),
+        sessions: ctl.admission.sessions().len() as u64,
+        sessions_reclaimed: ctl.reclaimed,
+        payload_copied_bytes: sum(|p| p.payload_copied),
+        storage_timeouts: sum(|p| p.storage_timeouts),
+        sessions_fenced: ctl.fenced,
+        payload_copied_write_bytes: sum(|p| p.payload_copied_write),
+        leases_held: sum(|p| p.leases_held),
+        storage_inflight: sum(|p| p.storage_inflight),
+        duplicates_suppressed: sum(|p| p.duplicates),
+        decided_by_home: sum(|p| p.decided_by_home),
+        part_messages: sum(|p| p.part_messages),
+        placement: nics.iter().map(|n| n.2.clone()).collect(),
+        nics: nics.into_iter().map(|n| n.1).collect(),
+        exports,
+        // A thread's piece can predate a reclaim the control made since (the Forget is on its
+        // way to the thread): only channels of sessions the registry still holds, so that the
+        // snapshot agrees with itself (`sessions` 0 and a channel listed, otherwise).
+        channels: pieces
+            .iter()
+            .flat_map(|p| p.channels.iter())
+            .filter(|c| ctl.admission.session(c.session).is_some())
+            .cloned()
+            .collect(),
+        // Read by the daemon's stats source (tyched's main), not the engine.
+        irqs: Vec::new(),
+        limits,
+        storage_threads: first.map(|p| p.storage_threads.clone()).unwrap_or_default(),
+        storage_queues: first.map(|p| p.storage_queues.clone()).unwrap_or_default(),
+        poll: PollReport {
+            mode: poll.mode,
+            budget_us: poll.budget.as_micros() as u64,
+            threads: pieces.iter().map(|p| p.poll).collect(),
+        },
+        reload: ctl.reload.clone(),
+    }
+}
+
+/// Each export's counters (the threads' pieces summed) and holders.
+fn export_stats(ctl: &Control, pieces: &[Piece]) -> Vec<ExportStats> {
     let mut exports: Vec<ExportStats> = ctl
         .exports
         .iter()
@@ -265,7 +311,11 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
     for es in &mut exports {
         es.holders.sort_by(|a, b| a.session.cmp(&b.session));
     }
-    let sum = |f: fn(&Piece) -> u64| pieces.iter().map(f).sum::<u64>();
+    exports
+}
+
+/// The limits' counters: the acceptor's and the challenges', and the threads' summed.
+fn limit_stats(ctl: &Control, pieces: &[Piece]) -> LimitStats {
     let busy = ctl.admission.acceptor.busy();
     let mut limits = LimitStats {
         busy_sessions: busy.sessions,
@@ -284,45 +334,7 @@ pub(super) fn merge(ctl: &Control, pieces: &[Piece], poll: PollConfig, now: Inst
         limits.slot_memory_bytes += p.limits.slot_memory_bytes;
         limits.slot_memory_waits += p.limits.slot_memory_waits;
     }
-    let first = pieces.first();
-    Snapshot {
-        uptime_ms: now.as_nanos() / 1_000_000,
-        stopping: pieces.iter().any(|p| p.stopping),
-        sessions: ctl.admission.sessions().len() as u64,
-        sessions_reclaimed: ctl.reclaimed,
-        payload_copied_bytes: sum(|p| p.payload_copied),
-        storage_timeouts: sum(|p| p.storage_timeouts),
-        sessions_fenced: ctl.fenced,
-        payload_copied_write_bytes: sum(|p| p.payload_copied_write),
-        leases_held: sum(|p| p.leases_held),
-        storage_inflight: sum(|p| p.storage_inflight),
-        duplicates_suppressed: sum(|p| p.duplicates),
-        decided_by_home: sum(|p| p.decided_by_home),
-        part_messages: sum(|p| p.part_messages),
-        placement: nics.iter().map(|n| n.2.clone()).collect(),
-        nics: nics.into_iter().map(|n| n.1).collect(),
-        exports,
-        // A thread's piece can predate a reclaim the control made since (the Forget is on its
-        // way to the thread): only channels of sessions the registry still holds, so that the
-        // snapshot agrees with itself (`sessions` 0 and a channel listed, otherwise).
-        channels: pieces
-            .iter()
-            .flat_map(|p| p.channels.iter())
-            .filter(|c| ctl.admission.session(c.session).is_some())
-            .cloned()
-            .collect(),
-        // Read by the daemon's stats source (tyched's main), not the engine.
-        irqs: Vec::new(),
-        limits,
-        storage_threads: first.map(|p| p.storage_threads.clone()).unwrap_or_default(),
-        storage_queues: first.map(|p| p.storage_queues.clone()).unwrap_or_default(),
-        poll: PollReport {
-            mode: poll.mode,
-            budget_us: poll.budget.as_micros() as u64,
-            threads: pieces.iter().map(|p| p.poll).collect(),
-        },
-        reload: ctl.reload.clone(),
-    }
+    limits
 }
 
 impl Drops {

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tyche_channel::{Acceptor, Admission, ExportSpec, Instant};
-use tyche_runtime::poll::PollStats;
+use tyche_runtime::poll::{PollConfig, PollStats};
 use tyche_runtime::wake::WakeFd;
 use tyche_wire::{flags, ChannelParams, SECTOR_SIZE};
 
@@ -61,16 +61,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
     )
     .with_limits(config.limits.acceptor());
     let n_nics = nics.len();
-    let nics_of: Vec<Vec<usize>> = match config.network_threads {
-        NetworkThreads::One => vec![(0..n_nics).collect()],
-        NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
-    };
-    let mut thread_of = vec![0; n_nics];
-    for (g, members) in nics_of.iter().enumerate() {
-        for &k in members {
-            thread_of[k] = g;
-        }
-    }
+    let (nics_of, thread_of) = assign_threads(config.network_threads, n_nics);
     let thread_wakes = nics_of.iter().map(|_| WakeFd::new().map(Arc::new)).collect::<std::io::Result<Vec<_>>>()?;
     let (storage, workers, storage_kinds) =
         start_storage(&config, placement, &mut exports, &nics, &thread_of, &thread_wakes)?;
@@ -85,29 +76,6 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
             slots[thread_of[k]].lend_tx(k, n.transport.lend_tx_chunks(usize::MAX));
         }
     }
-    // Slot memory of a channel goes on its NIC's node (where the transport put its UMEM),
-    // else where the placement says. The transports' memory does not move: where it is is
-    // read once here, for the placement report.
-    let nic_states = || -> Vec<NicState> {
-        nics.iter()
-            .enumerate()
-            .map(|(k, n)| {
-                let caps = n.transport.capabilities();
-                NicState {
-                    stats: NicStats { name: n.name.clone(), mac: caps.local_mac.to_string(), ..NicStats::default() },
-                    control: Default::default(),
-                    down: false,
-                    node: caps.numa_node.or(placement.node),
-                    areas: caps.memory_areas,
-                    thread: None,
-                    served_by: thread_of[k],
-                    local_mac: caps.local_mac,
-                    tx_busy: Default::default(),
-                    tx_used: Default::default(),
-                }
-            })
-            .collect()
-    };
     let exports: Arc<[Export]> = exports.into();
     let (post, inboxes) = Postal::new(thread_wakes.clone());
     let control = Arc::new(Mutex::new(Control {
@@ -125,20 +93,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
     }));
     let poll = config.poll_config()?;
     let clock = Clock::default();
-    let shared = Arc::new(Shared {
-        stop: AtomicBool::new(false),
-        wakes: thread_wakes.clone(),
-        stats_requested: AtomicU64::new(0),
-        pieces: Mutex::new(vec![None; nics_of.len()]),
-        published: Condvar::new(),
-        last: Mutex::new(None),
-        quiet: nics_of.iter().map(|_| AtomicBool::new(false)).collect(),
-        closing: AtomicBool::new(false),
-        exited: AtomicUsize::new(0),
-        control: Arc::clone(&control),
-        poll,
-        start: clock.start,
-    });
+    let shared = Arc::new(Shared::new(thread_wakes.clone(), Arc::clone(&control), poll, clock.start));
     let export_counters: Vec<ExportStats> = exports.iter().map(|_| ExportStats::default()).collect();
     let networks = storage
         .into_iter()
@@ -154,7 +109,7 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
             sessions: BTreeMap::new(),
             slots,
             storage,
-            nics: nic_states(),
+            nics: nic_states(&nics, placement, &thread_of),
             control: Arc::clone(&control),
             post: post.clone(),
             inbox,
@@ -173,6 +128,71 @@ pub(super) fn build(config: Config, mut nics: Vec<Nic>, placement: &Placement) -
         .collect();
     tracing::info!(nics = n_nics, threads = nics_of.len(), "serving");
     Ok(Built { networks, nics, nics_of, shared, workers, storage_kinds, config })
+}
+
+/// Which NICs each network thread serves, and which thread serves each NIC.
+fn assign_threads(threads: NetworkThreads, n_nics: usize) -> (Vec<Vec<usize>>, Vec<usize>) {
+    let nics_of: Vec<Vec<usize>> = match threads {
+        NetworkThreads::One => vec![(0..n_nics).collect()],
+        NetworkThreads::PerNic => (0..n_nics).map(|k| vec![k]).collect(),
+    };
+    let mut thread_of = vec![0; n_nics];
+    for (g, members) in nics_of.iter().enumerate() {
+        for &k in members {
+            thread_of[k] = g;
+        }
+    }
+    (nics_of, thread_of)
+}
+
+/// A network thread's view of every NIC. Slot memory of a channel goes on its NIC's node
+/// (where the transport put its UMEM), else where the placement says. The transports' memory
+/// does not move: where it is is read once here, for the placement report.
+fn nic_states(nics: &[Nic], placement: &Placement, thread_of: &[usize]) -> Vec<NicState> {
+    nics.iter()
+        .enumerate()
+        .map(|(k, n)| {
+            let caps = n.transport.capabilities();
+            NicState {
+                stats: NicStats { name: n.name.clone(), mac: caps.local_mac.to_string(), ..NicStats::default() },
+                control: Default::default(),
+                down: false,
+                node: caps.numa_node.or(placement.node),
+                areas: caps.memory_areas,
+                thread: None,
+                served_by: thread_of[k],
+                local_mac: caps.local_mac,
+                tx_busy: Default::default(),
+                tx_used: Default::default(),
+            }
+        })
+        .collect()
+}
+
+impl Shared {
+    /// What the network threads (one per doorbell in `wakes`) and the daemon share.
+    fn new(
+        wakes: Vec<Arc<WakeFd>>,
+        control: Arc<Mutex<Control>>,
+        poll: PollConfig,
+        start: std::time::Instant,
+    ) -> Shared {
+        let threads = wakes.len();
+        Shared {
+            stop: AtomicBool::new(false),
+            wakes,
+            stats_requested: AtomicU64::new(0),
+            pieces: Mutex::new(vec![None; threads]),
+            published: Condvar::new(),
+            last: Mutex::new(None),
+            quiet: (0..threads).map(|_| AtomicBool::new(false)).collect(),
+            closing: AtomicBool::new(false),
+            exited: AtomicUsize::new(0),
+            control,
+            poll,
+            start,
+        }
+    }
 }
 
 /// The queue addresses of the placement, checked against the NICs given.
