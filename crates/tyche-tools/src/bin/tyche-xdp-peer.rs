@@ -150,36 +150,13 @@ fn run_link(
 ) -> Result<(), String> {
     let config =
         PortConfig { mode: args.mode, frame_count: args.umem_frames, batch: args.batch, ..PortConfig::default() };
-    let mut xdp = None;
-    let mut listener = None;
-    let (segment, window, mode, multi_buffer) = match &args.tcp {
-        None => {
-            let port = XdpPort::open(ifname, &config).map_err(|e| format!("{ifname}: {e}"))?;
-            let plan = port.plan();
-            // Keep the window within the peer's receive buffers (same configuration on both
-            // sides): a multi-buffer frame takes several chunks.
-            let chunks_per_frame = plan.frame_capacity.div_ceil(tyche_xdp::BUFFER_CAPACITY) as u64;
-            let rx_chunks = u64::from(config.frame_count / 2);
-            let window = args.window.min(rx_chunks * 3 / 4 / chunks_per_frame).max(1);
-            let mode = port.mode().to_string();
-            xdp = Some(port);
-            (plan.segment_size as usize, window, mode, plan.multi_buffer)
-        }
-        Some(tcp) => {
-            let info = InterfaceInfo::query(ifname).map_err(|e| format!("{ifname}: {e}"))?;
-            let segment = tyche_wire::segment_size_for(info.mtu, info.mtu + 14)
-                .ok_or(format!("{ifname}: MTU {} too small", info.mtu))?;
-            if let Tcp::Listen(addr) = tcp {
-                let l = TcpListener::bind(addr).map_err(|e| format!("listen {addr}: {e}"))?;
-                l.set_nonblocking(true).map_err(|e| format!("listener: {e}"))?;
-                listener = Some((l, info));
-            }
-            (segment as usize, args.window, "tcp".to_string(), false)
-        }
-    };
+    let prepared = prepare(ifname, args, &config)?;
     println!(
-        "READY link={ifname} mode={mode} segment={segment} frame={} multi_buffer={multi_buffer}",
-        segment + DATA_FRAME_OVERHEAD,
+        "READY link={ifname} mode={} segment={} frame={} multi_buffer={}",
+        prepared.mode,
+        prepared.segment,
+        prepared.segment + DATA_FRAME_OVERHEAD,
+        prepared.multi_buffer,
     );
     ready.wait();
     *passed_barrier = true;
@@ -190,34 +167,8 @@ fn run_link(
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let mut port = match (xdp, &args.tcp) {
-        (Some(p), _) => Port::Xdp(Box::new(p)),
-        (None, Some(tcp)) => {
-            let info = InterfaceInfo::query(ifname).map_err(|e| format!("{ifname}: {e}"))?;
-            let stream = match tcp {
-                Tcp::Connect(addr) => TcpStream::connect_timeout(addr, Duration::from_secs(10))
-                    .map_err(|e| format!("connect {addr}: {e}"))?,
-                Tcp::Listen(_) => {
-                    let (l, _) = listener.as_ref().expect("bound before READY");
-                    loop {
-                        match l.accept() {
-                            Ok((s, _)) => break s,
-                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                                if start_wait.elapsed() > args.timeout {
-                                    return Err(format!("{ifname}: no TCP peer"));
-                                }
-                                std::thread::sleep(Duration::from_millis(1));
-                            }
-                            Err(e) => return Err(format!("accept: {e}")),
-                        }
-                    }
-                }
-            };
-            let t = TcpTransport::new(stream, info.mtu, info.mac).map_err(|e| format!("{ifname}: tcp: {e}"))?;
-            Port::Tcp(t)
-        }
-        (None, None) => unreachable!("an XDP port or a TCP role"),
-    };
+    let (segment, window) = (prepared.segment, prepared.window);
+    let mut port = connect(ifname, args, prepared, start_wait)?;
     let env = Envelope {
         dst: peer,
         src: port.t().capabilities().local_mac,
@@ -225,24 +176,187 @@ fn run_link(
         channel: 0,
         session: 1,
     };
-    let mut o = Outcome::default();
-    let mut acked: u64 = 0;
-    let mut ack_sent: u64 = 0;
-    let mut last_ack_progress = Instant::now();
-    let deadline = Instant::now() + args.timeout;
-    let mut done_at: Option<Instant> = None;
-    let mut last_final_ack = Instant::now();
-    let mut last_ack_at = Instant::now();
-    let mut idle = 0u32;
-    loop {
-        let now = Instant::now();
-        if now > deadline {
-            o.timed_out = true;
-            break;
+    let o = Flow::new(args, env, segment, window).run(ifname, &mut port)?;
+    report(ifname, &port, &o);
+    Ok(())
+}
+
+/// A link as opened before READY: its AF_XDP port, or (over TCP, listening) its listener, and
+/// what its frames carry.
+struct Prepared {
+    xdp: Option<XdpPort>,
+    listener: Option<TcpListener>,
+    /// DATA payload bytes per frame.
+    segment: usize,
+    /// DATA frames sent and not yet acknowledged, at most.
+    window: u64,
+    mode: String,
+    multi_buffer: bool,
+}
+
+/// Opens `ifname`'s AF_XDP port (or, over TCP, binds the listener) before READY.
+fn prepare(ifname: &str, args: &Args, config: &PortConfig) -> Result<Prepared, String> {
+    match &args.tcp {
+        None => {
+            let port = XdpPort::open(ifname, config).map_err(|e| format!("{ifname}: {e}"))?;
+            let plan = port.plan();
+            // Keep the window within the peer's receive buffers (same configuration on both
+            // sides): a multi-buffer frame takes several chunks.
+            let chunks_per_frame = plan.frame_capacity.div_ceil(tyche_xdp::BUFFER_CAPACITY) as u64;
+            let rx_chunks = u64::from(config.frame_count / 2);
+            let window = args.window.min(rx_chunks * 3 / 4 / chunks_per_frame).max(1);
+            let mode = port.mode().to_string();
+            let (segment, multi_buffer) = (plan.segment_size as usize, plan.multi_buffer);
+            Ok(Prepared { xdp: Some(port), listener: None, segment, window, mode, multi_buffer })
         }
-        // Receive: count DATA in place, take ACKs.
+        Some(tcp) => {
+            let info = InterfaceInfo::query(ifname).map_err(|e| format!("{ifname}: {e}"))?;
+            let segment = tyche_wire::segment_size_for(info.mtu, info.mtu + 14)
+                .ok_or(format!("{ifname}: MTU {} too small", info.mtu))?;
+            let mut listener = None;
+            if let Tcp::Listen(addr) = tcp {
+                let l = TcpListener::bind(addr).map_err(|e| format!("listen {addr}: {e}"))?;
+                l.set_nonblocking(true).map_err(|e| format!("listener: {e}"))?;
+                listener = Some(l);
+            }
+            let (segment, window) = (segment as usize, args.window);
+            Ok(Prepared { xdp: None, listener, segment, window, mode: "tcp".into(), multi_buffer: false })
+        }
+    }
+}
+
+/// The port the link runs on after GO: the AF_XDP port, or a TCP connection made (or accepted
+/// within the timeout, counted from `start_wait`).
+fn connect(ifname: &str, args: &Args, prepared: Prepared, start_wait: Instant) -> Result<Port, String> {
+    let tcp = match (prepared.xdp, &args.tcp) {
+        (Some(p), _) => return Ok(Port::Xdp(Box::new(p))),
+        (None, Some(tcp)) => tcp,
+        (None, None) => unreachable!("an XDP port or a TCP role"),
+    };
+    let info = InterfaceInfo::query(ifname).map_err(|e| format!("{ifname}: {e}"))?;
+    let stream = match tcp {
+        Tcp::Connect(addr) => {
+            TcpStream::connect_timeout(addr, Duration::from_secs(10)).map_err(|e| format!("connect {addr}: {e}"))?
+        }
+        Tcp::Listen(_) => {
+            let l = prepared.listener.as_ref().expect("bound before READY");
+            loop {
+                match l.accept() {
+                    Ok((s, _)) => break s,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if start_wait.elapsed() > args.timeout {
+                            return Err(format!("{ifname}: no TCP peer"));
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(e) => return Err(format!("accept: {e}")),
+                }
+            }
+        }
+    };
+    let t = TcpTransport::new(stream, info.mtu, info.mac).map_err(|e| format!("{ifname}: tcp: {e}"))?;
+    Ok(Port::Tcp(t))
+}
+
+/// Both directions of a link: DATA out within the window, DATA in counted in place and
+/// acknowledged.
+struct Flow<'a> {
+    args: &'a Args,
+    env: Envelope,
+    segment: usize,
+    window: u64,
+    o: Outcome,
+    /// The peer's cumulative acknowledgement.
+    acked: u64,
+    /// The count of DATA received last acknowledged.
+    ack_sent: u64,
+    last_ack_progress: Instant,
+    done_at: Option<Instant>,
+    last_final_ack: Instant,
+    last_ack_at: Instant,
+    /// Turns in a row without traffic.
+    idle: u32,
+}
+
+impl<'a> Flow<'a> {
+    fn new(args: &'a Args, env: Envelope, segment: usize, window: u64) -> Flow<'a> {
+        let now = Instant::now();
+        Flow {
+            args,
+            env,
+            segment,
+            window,
+            o: Outcome::default(),
+            acked: 0,
+            ack_sent: 0,
+            last_ack_progress: now,
+            done_at: None,
+            last_final_ack: now,
+            last_ack_at: now,
+            idle: 0,
+        }
+    }
+
+    /// Runs both directions until both are done (and the peer had time for the final ACKs),
+    /// or the timeout.
+    fn run(mut self, ifname: &str, port: &mut Port) -> Result<Outcome, String> {
+        let deadline = Instant::now() + self.args.timeout;
+        loop {
+            let now = Instant::now();
+            if now > deadline {
+                self.o.timed_out = true;
+                break;
+            }
+            let got_data = match self.receive(port) {
+                Ok(n) => n,
+                // A TCP peer that finished first closes its end: fine once we are done too.
+                Err(_) if self.done_at.is_some() => break,
+                Err(e) => return Err(format!("{ifname}: recv: {e}")),
+            };
+            if got_data > 0 {
+                // One clock read per batch, not per frame.
+                let t = Instant::now();
+                self.o.first_rx.get_or_insert(now);
+                self.o.last_rx = Some(t);
+            }
+            self.acknowledge(port, now, got_data).map_err(|e| format!("{ifname}: send ack: {e}"))?;
+            let sent_now = self.send(port).map_err(|e| format!("{ifname}: send: {e}"))?;
+            port.t().flush().map_err(|e| format!("{ifname}: flush: {e}"))?;
+            // Busy: poll again at once. Idle for a while: sleep until a frame (DATA or the ACK
+            // that reopens the window) arrives, so a waiting side yields its CPU to the one
+            // working.
+            if got_data > 0 || sent_now > 0 {
+                self.idle = 0;
+            } else {
+                self.idle += 1;
+                if self.idle > self.args.spins {
+                    port.wait(Duration::from_millis(1)).map_err(|e| format!("{ifname}: poll: {e}"))?;
+                }
+            }
+            // A window that stops moving for a second means frames were lost: give up on them
+            // (the receiver's count shows the loss) rather than wait forever.
+            if self.acked < self.o.sent && now.duration_since(self.last_ack_progress) > Duration::from_secs(1) {
+                self.acked = self.o.sent;
+                self.last_ack_progress = now;
+            }
+            let send_done = self.o.sent >= self.args.frames && self.acked >= self.o.sent;
+            if send_done && self.o.received >= self.args.expect {
+                let t = *self.done_at.get_or_insert(now);
+                // Linger so the peer gets our final ACKs and finishes too.
+                if now.duration_since(t) > Duration::from_millis(300) {
+                    break;
+                }
+            }
+        }
+        Ok(self.o)
+    }
+
+    /// Receives a batch: DATA counted (and checked) in place, ACKs taken. The DATA frames.
+    fn receive(&mut self, port: &mut Port) -> std::io::Result<u64> {
+        let segment = self.segment;
+        let (o, acked, progress) = (&mut self.o, &mut self.acked, &mut self.last_ack_progress);
         let mut got_data = 0u64;
-        let rx_result = port.t().recv(args.batch * 2, &mut |buf| {
+        port.t().recv(self.args.batch * 2, &mut |buf| {
             let Ok(frame) = Frame::new_checked(buf, DEFAULT_ETHERTYPE) else {
                 o.corrupt += 1;
                 return;
@@ -266,103 +380,76 @@ fn run_link(
                 }
                 Ok(Message::Ack(a)) => {
                     let c = u64::from(a.cumulative);
-                    if c > acked {
-                        acked = c;
-                        last_ack_progress = Instant::now();
+                    if c > *acked {
+                        *acked = c;
+                        *progress = Instant::now();
                     }
                 }
                 _ => o.corrupt += 1,
             }
-        });
-        if let Err(e) = rx_result {
-            // A TCP peer that finished first closes its end: fine once we are done too.
-            if done_at.is_some() {
-                break;
-            }
-            return Err(format!("{ifname}: recv: {e}"));
-        }
-        if got_data > 0 {
-            // One clock read per batch, not per frame.
-            let t = Instant::now();
-            o.first_rx.get_or_insert(now);
-            o.last_rx = Some(t);
-        }
-
-        // Acknowledge: often enough to keep the peer's window open, never per frame.
-        let recv_done = o.received >= args.expect;
-        let idle_ack = got_data == 0 && now.duration_since(last_ack_at) > Duration::from_micros(50);
-        let want_ack = o.received > ack_sent && (o.received - ack_sent >= window / 8 || idle_ack || recv_done);
-        let final_ack = done_at.is_some() && now.duration_since(last_final_ack) > Duration::from_millis(5);
-        if want_ack || final_ack {
-            let cumulative = o.received as u32;
-            let sent = port
-                .t()
-                .send(1, &mut |buf| Some(Message::Ack(Ack { cumulative, sack: 0, duplicate: false }).emit(&env, buf)))
-                .map_err(|e| format!("{ifname}: send ack: {e}"))?;
-            if sent == 1 {
-                ack_sent = o.received;
-                last_final_ack = now;
-                last_ack_at = now;
-            }
-        }
-
-        // Send DATA within the window.
-        let mut sent_now = 0;
-        if o.sent < args.frames {
-            let room = (acked + window).saturating_sub(o.sent).min(args.frames - o.sent);
-            if room > 0 {
-                let mut next = o.sent;
-                let n = port
-                    .t()
-                    .send((room as usize).min(args.batch), &mut |buf| {
-                        let seq = next;
-                        let payload = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + segment];
-                        payload[..8].copy_from_slice(&seq.to_be_bytes());
-                        payload[segment - 8..].copy_from_slice(&seq.to_be_bytes());
-                        next += 1;
-                        let h = DataHeader {
-                            seq: Seq { seq: seq as u32, ack: 0 },
-                            damq: 0,
-                            seg_index: 0,
-                            seg_count: 1,
-                            tag: seq,
-                            offset: 0,
-                        };
-                        Some(h.emit_in_place(&env, segment, buf))
-                    })
-                    .map_err(|e| format!("{ifname}: send: {e}"))?;
-                o.sent += n as u64;
-                sent_now = n;
-            }
-        }
-        port.t().flush().map_err(|e| format!("{ifname}: flush: {e}"))?;
-        // Busy: poll again at once. Idle for a while: sleep until a frame (DATA or the ACK that
-        // reopens the window) arrives, so a waiting side yields its CPU to the one working.
-        if got_data > 0 || sent_now > 0 {
-            idle = 0;
-        } else {
-            idle += 1;
-            if idle > args.spins {
-                port.wait(Duration::from_millis(1)).map_err(|e| format!("{ifname}: poll: {e}"))?;
-            }
-        }
-
-        // A window that stops moving for a second means frames were lost: give up on them
-        // (the receiver's count shows the loss) rather than wait forever.
-        if acked < o.sent && now.duration_since(last_ack_progress) > Duration::from_secs(1) {
-            acked = o.sent;
-            last_ack_progress = now;
-        }
-        let send_done = o.sent >= args.frames && acked >= o.sent;
-        if send_done && recv_done {
-            let t = *done_at.get_or_insert(now);
-            // Linger so the peer gets our final ACKs and finishes too.
-            if now.duration_since(t) > Duration::from_millis(300) {
-                break;
-            }
-        }
+        })?;
+        Ok(got_data)
     }
-    let (stats, steer) = match &port {
+
+    /// Acknowledges what was received: often enough to keep the peer's window open, never per
+    /// frame; again every 5 ms once done, so that the peer finishes too.
+    fn acknowledge(&mut self, port: &mut Port, now: Instant, got_data: u64) -> std::io::Result<()> {
+        let o = &self.o;
+        let recv_done = o.received >= self.args.expect;
+        let idle_ack = got_data == 0 && now.duration_since(self.last_ack_at) > Duration::from_micros(50);
+        let want_ack =
+            o.received > self.ack_sent && (o.received - self.ack_sent >= self.window / 8 || idle_ack || recv_done);
+        let final_ack = self.done_at.is_some() && now.duration_since(self.last_final_ack) > Duration::from_millis(5);
+        if !(want_ack || final_ack) {
+            return Ok(());
+        }
+        let cumulative = o.received as u32;
+        let env = &self.env;
+        let ack = Message::Ack(Ack { cumulative, sack: 0, duplicate: false });
+        if port.t().send(1, &mut |buf| Some(ack.emit(env, buf)))? == 1 {
+            self.ack_sent = self.o.received;
+            self.last_final_ack = now;
+            self.last_ack_at = now;
+        }
+        Ok(())
+    }
+
+    /// Sends the DATA frames the window has room for (at most a batch). How many went.
+    fn send(&mut self, port: &mut Port) -> std::io::Result<usize> {
+        let (frames, sent) = (self.args.frames, self.o.sent);
+        if sent >= frames {
+            return Ok(0);
+        }
+        let room = (self.acked + self.window).saturating_sub(sent).min(frames - sent);
+        if room == 0 {
+            return Ok(0);
+        }
+        let (env, segment) = (&self.env, self.segment);
+        let mut next = sent;
+        let n = port.t().send((room as usize).min(self.args.batch), &mut |buf| {
+            let seq = next;
+            let payload = &mut buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + segment];
+            payload[..8].copy_from_slice(&seq.to_be_bytes());
+            payload[segment - 8..].copy_from_slice(&seq.to_be_bytes());
+            next += 1;
+            let h = DataHeader {
+                seq: Seq { seq: seq as u32, ack: 0 },
+                damq: 0,
+                seg_index: 0,
+                seg_count: 1,
+                tag: seq,
+                offset: 0,
+            };
+            Some(h.emit_in_place(env, segment, buf))
+        })?;
+        self.o.sent += n as u64;
+        Ok(n)
+    }
+}
+
+/// The RESULT line.
+fn report(ifname: &str, port: &Port, o: &Outcome) {
+    let (stats, steer) = match port {
         Port::Xdp(p) => (p.stats(), p.program().stats().unwrap_or_default()),
         Port::Tcp(_) => Default::default(),
     };
@@ -384,7 +471,6 @@ fn run_link(
         steer.steered,
         steer.passed,
     );
-    Ok(())
 }
 
 fn main() -> ExitCode {
