@@ -12,6 +12,11 @@
 //!   late is lower than the true one, which is still true. On the same timer a part moves its
 //!   next tag up to the highest next tag it reads (tags need not be dense), so that a part with
 //!   little to do does not hold the floor, and with it the tag window, down.
+//! - **The RTO's floor.** A part whose channel found an expiry spurious (a pause of the target's
+//!   threads) raises its other channels' floors at once and publishes the floor with a count of
+//!   its rises; the other parts read it on the same timer and raise their channels' floors to a
+//!   rise they have not seen, so that each channel of the volume does not find the same pause
+//!   with a resend of its own.
 //! - **Durability.** Each part counts the writes it completed (its own atomic). The rest (what
 //!   completed FLUSHes covered, the durability epoch of the current session, a loss not yet
 //!   reported, the FLUSHes outstanding at a lost session) changes only on a FLUSH, a new
@@ -33,6 +38,10 @@ struct Slot {
     next: AtomicU64,
     /// Modifications (without FUA) the part completed successfully so far.
     done: AtomicU64,
+    /// The part's last RTO floor rise: its count (high 32 bits) and the floor in microseconds
+    /// (low 32 bits), in one word so that a reader never pairs a count with another rise's
+    /// floor.
+    rto_floor: AtomicU64,
 }
 
 /// The session's durability state, shared by the parts (see the module docs).
@@ -92,6 +101,7 @@ impl VolumeBoard {
                 floor: AtomicU64::new(p as u64 + 1),
                 next: AtomicU64::new(p as u64 + 1),
                 done: AtomicU64::new(0),
+                rto_floor: AtomicU64::new(0),
             })
             .collect();
         let durable = Durable {
@@ -147,6 +157,36 @@ impl VolumeBoard {
         self.slots[p].next.store(next, Ordering::Release);
     }
 
+    /// Publishes a rise of part `p`'s RTO floor to `floor`.
+    pub(crate) fn publish_rto_floor(&self, p: usize, floor: std::time::Duration) {
+        let slot = &self.slots[p].rto_floor;
+        let count = (slot.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
+        let micros = u64::try_from(floor.as_micros()).unwrap_or(u64::MAX).min(0xffff_ffff);
+        slot.store(count << 32 | micros, Ordering::Release);
+    }
+
+    /// Each part's count of RTO floor rises, as published now.
+    pub(crate) fn rto_floor_counts(&self) -> Vec<u32> {
+        self.slots.iter().map(|s| (s.rto_floor.load(Ordering::Acquire) >> 32) as u32).collect()
+    }
+
+    /// The highest RTO floor the parts other than `p` published in a rise not in `seen` (each
+    /// part's count as last read, brought up to date).
+    pub(crate) fn rto_floor_rises(&self, p: usize, seen: &mut [u32]) -> Option<std::time::Duration> {
+        let mut highest = None;
+        for (q, (s, seen)) in self.slots.iter().zip(seen.iter_mut()).enumerate() {
+            let word = s.rto_floor.load(Ordering::Acquire);
+            let count = (word >> 32) as u32;
+            if q == p || count == *seen {
+                continue;
+            }
+            *seen = count;
+            let floor = std::time::Duration::from_micros(word & 0xffff_ffff);
+            highest = highest.max(Some(floor));
+        }
+        highest
+    }
+
     /// Whether some part published a floor below its next tag (it has requests outstanding).
     pub fn busy(&self) -> bool {
         self.slots.iter().any(|s| s.floor.load(Ordering::Acquire) < s.next.load(Ordering::Acquire))
@@ -167,5 +207,30 @@ impl VolumeBoard {
             }
         }
         Some((floor, next))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_part_reads_each_other_parts_rto_floor_rise_once() {
+        let b = VolumeBoard::new(3, 1);
+        let mut seen = b.rto_floor_counts();
+        assert_eq!(b.rto_floor_rises(0, &mut seen), None);
+        b.publish_rto_floor(1, Duration::from_micros(400));
+        b.publish_rto_floor(2, Duration::from_micros(800));
+        assert_eq!(b.rto_floor_rises(0, &mut seen), Some(Duration::from_micros(800)), "the highest new rise");
+        assert_eq!(b.rto_floor_rises(0, &mut seen), None, "each rise is read once");
+        b.publish_rto_floor(0, Duration::from_millis(5));
+        assert_eq!(b.rto_floor_rises(0, &mut seen), None, "not its own");
+        // A later rise to a lower floor (the part's floor decayed since) is still a rise.
+        b.publish_rto_floor(1, Duration::from_micros(200));
+        assert_eq!(b.rto_floor_rises(0, &mut seen), Some(Duration::from_micros(200)));
+        // A part made later starts from the counts there are: old rises are not news to it.
+        let mut late = b.rto_floor_counts();
+        assert_eq!(b.rto_floor_rises(2, &mut late), None);
     }
 }

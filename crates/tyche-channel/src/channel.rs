@@ -502,16 +502,24 @@ pub struct Channel {
     /// is more likely a descheduled peer than a loss; on a lossy one an expiry resends the
     /// whole window at once, as it always did.
     loss_seen: Option<Instant>,
-    /// The frame an expiry resent alone (nothing else was waiting), and when: an ACK with flag
-    /// DUPLICATE that covers it within `max_rto` says the original had arrived too, so the
-    /// expiry was spurious (F-RTO cannot tell with one frame outstanding).
-    lone_resend: Option<(u32, Instant)>,
-    /// The RTO's lower bound: `min_rto`, doubled (up to `max_rto`) by each expiry found
-    /// spurious and halved after each `floor_decay` without one, so that a peer whose thread
+    /// The frame an expiry resent alone (nothing else was waiting), when, and when it was sent
+    /// before: an ACK with flag DUPLICATE that covers it within `max_rto` says the earlier copy
+    /// had arrived too, so the expiry was spurious (F-RTO cannot tell with one frame
+    /// outstanding).
+    lone_resend: Option<(u32, Instant, Instant)>,
+    /// The longest wait for an acknowledgement that turned out delayed, not lost (a frame sent
+    /// once and acknowledged after the timer had expired: F-RTO's, or the lone frame's of a
+    /// duplicate report), since the last expiry found spurious: how long the peer paused.
+    pause_seen: Duration,
+    /// The RTO's lower bound: `min_rto`, doubled (up to `max_rto`; at once to the pause seen,
+    /// if longer) by each expiry found spurious and halved after each `floor_decay` without one, so that a peer whose thread
     /// is descheduled for longer than `min_rto` stops costing a resend at each pause.
     rto_floor: Duration,
     /// When the floor last rose or decayed (None: it is `min_rto`).
     floor_changed: Option<Instant>,
+    /// The floor rose for an expiry found spurious since [`Channel::take_floor_rise`] last
+    /// looked.
+    floor_rose: bool,
     /// The wait before the floor's next halving: [`FLOOR_DECAY`], doubled (up to
     /// [`MAX_FLOOR_DECAY`]) each time a spurious expiry follows a halving within the wait (the
     /// halving went below what the peer's pauses need), back to [`FLOOR_DECAY`] once the floor
@@ -596,8 +604,10 @@ impl Channel {
             frto: false,
             loss_seen: None,
             lone_resend: None,
+            pause_seen: Duration::ZERO,
             rto_floor: timers.min_rto,
             floor_changed: None,
+            floor_rose: false,
             floor_decay: FLOOR_DECAY,
             floor_lowered: None,
             rx_expected: 0,
@@ -726,6 +736,11 @@ impl Channel {
     /// Current retransmission timeout.
     pub fn rto(&self) -> Duration {
         self.rto
+    }
+    /// The RTO's lower bound now (`min_rto`, raised by expiries found spurious, this channel's
+    /// or another of its volume's).
+    pub fn rto_floor(&self) -> Duration {
+        self.rto_floor
     }
     /// Frames sent and not yet acknowledged.
     pub fn unacked_frames(&self) -> u32 {
@@ -1289,7 +1304,10 @@ impl Channel {
             if e.retx == 0 {
                 sample = Some(now.since(e.first_sent));
             }
-            delayed |= e.suspect && e.retx == 0;
+            if e.suspect && e.retx == 0 {
+                delayed = true;
+                self.pause_seen = self.pause_seen.max(now.since(e.first_sent));
+            }
             self.tx_base = self.tx_base.wrapping_add(1);
         }
         if let Some(s) = sample {
@@ -1315,7 +1333,10 @@ impl Channel {
             if diff(s, self.tx_base) >= 0 && diff(s, self.tx_next) < 0 {
                 if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
                     progress |= !e.sacked;
-                    delayed |= !e.sacked && e.suspect && e.retx == 0;
+                    if !e.sacked && e.suspect && e.retx == 0 {
+                        delayed = true;
+                        self.pause_seen = self.pause_seen.max(now.since(e.first_sent));
+                    }
                     e.sacked = true;
                 }
             }
@@ -1363,25 +1384,50 @@ impl Channel {
     /// An ACK flagged DUPLICATE: the peer received some frame twice. If it covers the frame an
     /// expiry resent alone, not long ago, the original had arrived: the expiry was spurious.
     fn on_duplicate_report(&mut self, now: Instant, cumulative: u32, sack: u64) {
-        let Some((s, at)) = self.lone_resend else { return };
+        let Some((s, at, sent)) = self.lone_resend else { return };
         let ahead = diff(s, cumulative);
         let covered = ahead < 0 || ((1..=64).contains(&ahead) && sack & (1 << (ahead - 1)) != 0);
         if covered && now.since(at) <= self.timers.max_rto {
             self.lone_resend = None;
+            self.pause_seen = self.pause_seen.max(now.since(sent));
             self.spurious_expiry(now);
         }
     }
 
-    /// An expiry found spurious: counted, and the RTO's floor doubled (up to `max_rto`); if it
-    /// follows a halving of the floor within the wait, the next halving waits twice as long.
+    /// An expiry found spurious: counted, and the RTO's floor doubled (and raised to the pause
+    /// the late acknowledgement took, if longer; up to `max_rto`); if it follows a halving of
+    /// the floor within the wait, the next halving waits twice as long.
     fn spurious_expiry(&mut self, now: Instant) {
         self.stats.spurious_timeouts += 1;
         if self.floor_lowered.take().is_some_and(|t| now.since(t) < self.floor_decay) {
             self.floor_decay = (self.floor_decay * 2).min(MAX_FLOOR_DECAY);
         }
-        self.rto_floor = (self.rto_floor * 2).min(self.timers.max_rto);
+        // At least doubled, and at once as long as the pause was (a climb by doublings alone
+        // would cost a resend at each).
+        let pause = std::mem::take(&mut self.pause_seen);
+        self.rto_floor = (self.rto_floor * 2).max(pause).min(self.timers.max_rto);
         self.floor_changed = Some(now);
+        self.floor_rose = true;
         self.rto = self.rto.max(self.rto_floor);
+    }
+
+    /// The RTO's floor, if it rose for an expiry found spurious since the last call: a volume
+    /// hands it to its other channels ([`Channel::share_floor`]), which talk to the same target
+    /// and would each find the same pause of its threads with a resend of their own.
+    pub fn take_floor_rise(&mut self) -> Option<Duration> {
+        std::mem::take(&mut self.floor_rose).then_some(self.rto_floor)
+    }
+
+    /// Raises the RTO's floor to `floor` (at most `max_rto`), as a channel to the same target
+    /// found it ([`Channel::take_floor_rise`]); it decays as the channel's own does. A lower
+    /// floor changes nothing.
+    pub fn share_floor(&mut self, floor: Duration, now: Instant) {
+        let floor = floor.min(self.timers.max_rto);
+        if floor > self.rto_floor {
+            self.rto_floor = floor;
+            self.floor_changed = Some(now);
+            self.rto = self.rto.max(floor);
+        }
     }
 
     /// Halves the RTO's floor (toward `min_rto`) once per `floor_decay` without a spurious
@@ -1490,7 +1536,7 @@ impl Channel {
             let mut s = self.tx_base;
             let mut resent = 0usize;
             let mut suspects = false;
-            let mut first = None;
+            let mut first: Option<(u32, Instant)> = None;
             while s != self.tx_next {
                 if let Some(e) = self.tx[(s % ring) as usize].as_mut() {
                     e.suspect = false;
@@ -1502,14 +1548,14 @@ impl Channel {
                             e.queued = true;
                             self.retx.push_back(s);
                             resent += 1;
-                            first = first.or(Some(s));
+                            first = first.or(Some((s, e.last_sent)));
                         }
                     }
                 }
                 s = s.wrapping_add(1);
             }
             self.frto = first_only && resent > 0;
-            self.lone_resend = first.filter(|_| first_only && resent == 1 && !suspects).map(|s| (s, now));
+            self.lone_resend = first.filter(|_| first_only && resent == 1 && !suspects).map(|(s, sent)| (s, now, sent));
             self.rto = (self.rto * 2).min(self.timers.max_rto);
             self.rto_deadline = Some(now + self.rto);
         }

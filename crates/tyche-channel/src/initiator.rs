@@ -333,6 +333,8 @@ pub struct Volume {
     stride: u64,
     /// The lowest floor the other parts published, as last read (`u64::MAX` with one part).
     others_floor: u64,
+    /// Each part's count of RTO floor rises as last read ([`Volume::refresh`]).
+    rto_floors_seen: Vec<u32>,
     /// When this part next publishes its floor and reads the others' ([`Volume::refresh`]).
     next_refresh: Instant,
     next_tag: u64,
@@ -387,6 +389,7 @@ impl Volume {
     ) -> Self {
         assert!(part < board.parts(), "part {part} of a board of {}", board.parts());
         let stride = board.parts() as u64;
+        let rto_floors_seen = board.rto_floor_counts();
         Volume {
             config,
             session,
@@ -398,6 +401,7 @@ impl Volume {
             stride,
             // No other part's floor read yet: the lowest there is.
             others_floor: if stride > 1 { 1 } else { u64::MAX },
+            rto_floors_seen,
             next_refresh: now,
             next_tag: part as u64 + 1,
             parts: BTreeMap::new(),
@@ -711,6 +715,11 @@ impl Volume {
         }
         self.board.publish(self.part, self.own_floor(), self.next_tag);
         self.others_floor = floor;
+        if let Some(rto_floor) = self.board.rto_floor_rises(self.part, &mut self.rto_floors_seen) {
+            for m in self.members.iter_mut().flatten() {
+                m.channel.share_floor(rto_floor, now);
+            }
+        }
         self.pump(now);
     }
 
@@ -962,6 +971,19 @@ impl Volume {
     }
 
     fn drain(&mut self, idx: u16, now: Instant) {
+        // A pause of the target's threads that one channel found with a spurious expiry is
+        // one the others would find too: they take its floor, the other parts' on their next
+        // refresh.
+        if let Some(floor) = self.members[idx as usize].as_mut().and_then(|m| m.channel.take_floor_rise()) {
+            for (i, m) in self.members.iter_mut().enumerate() {
+                if let Some(m) = m.as_mut().filter(|_| i != idx as usize) {
+                    m.channel.share_floor(floor, now);
+                }
+            }
+            if self.stride > 1 {
+                self.board.publish_rto_floor(self.part, floor);
+            }
+        }
         let mut dead = None;
         while let Some(ev) = self.members[idx as usize].as_mut().and_then(|m| m.channel.poll_event()) {
             match ev {

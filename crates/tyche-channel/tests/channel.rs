@@ -262,6 +262,29 @@ fn a_lone_frames_delayed_acknowledgement_leaves_frto_on() {
     assert!(pair.storage[..16384] == data[..]);
 }
 
+/// A pause of the target's threads found by one channel of a volume (a spurious expiry) is one
+/// its other channels would find too, each with a resend of its own: they take its raised floor.
+#[test]
+fn a_spurious_expiry_raises_the_floor_of_the_volumes_other_channels() {
+    let cfg = PairConfig { paths: 2, ..PairConfig::default() };
+    let min_rto = cfg.timers.min_rto;
+    let mut pair = Pair::with(cfg);
+    round_trip(&mut pair, 1, 0, 512);
+    let base = pair.ich(0).rto().max(pair.ich(1).rto());
+    hold_acknowledgements(&mut pair, base);
+    pair.read(2, 0, 512);
+    pair.drive_until("read 2 completes", |p| p.result(2).is_some());
+    pair.expect_ok(2);
+    pair.drive();
+    let (found, other) = if pair.ich(0).stats().spurious_timeouts > 0 { (0, 1) } else { (1, 0) };
+    assert_eq!(pair.ich(found).stats().spurious_timeouts, 1, "{:?}", pair.ich(found).stats());
+    assert_eq!(pair.ich(other).stats().spurious_timeouts, 0, "{:?}", pair.ich(other).stats());
+    let floor = pair.ich(found).rto_floor();
+    assert!(floor >= min_rto * 2, "floor {floor:?} after a spurious expiry");
+    assert_eq!(pair.ich(other).rto_floor(), floor, "the other channel took the raised floor");
+    assert!(pair.ich(other).rto() >= floor);
+}
+
 /// D-SACK: the target receives the lone READ twice (the original was only delayed) and flags
 /// its ACK DUPLICATE; the initiator counts the expiry spurious and doubles its RTO's floor, so
 /// the same pause does not cost another resend; the floor decays after `FLOOR_DECAY`, and a
