@@ -963,6 +963,7 @@ impl World {
         self.damq_mem.clear();
         self.target_path.clear();
         self.io.clear();
+        self.io_after.clear();
         let down = Duration::from_millis(self.rng.range(50, 1500));
         self.target = TargetState::Down { until: self.now + down };
         self.report.target_restarts += 1;
