@@ -315,7 +315,72 @@ fn report(rows: &[Row], failures: &[String], begun: Instant) -> Result<()> {
 fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
     let args = t.args;
     let tries = args.tries;
-    // A keyed file export; the key in a file only its owner can read.
+    let (config, image) = write_config(t)?;
+    let serve = ["--config".to_string(), config.display().to_string()];
+    let mut tyched = start_tyched_with(t.root, t.lab, Link::Xdp, &serve, &t.stats, t.work.join("tyched.log"))?;
+    let mut a = Attacker::start(t.root, t.lab, &t.work, args.decoy)?;
+    if args.decoy {
+        eprintln!("attack: decoy run: every attack frame goes out from a MAC no channel has");
+    }
+    let per_attack = Duration::from_secs(30 + u64::from(tries) / 50);
+    let mut rows = Vec::new();
+    let mut failures = Vec::new();
+
+    capture_short_session(t, &mut a)?;
+    rows.push(replay_connect(t, &mut a, per_attack)?);
+
+    // The live session; (7) the same CONNECT + PROOF re-addressed to it, on channel 9.
+    let mut live = t.initiator("live")?;
+    rows.push(readdress_connect(t, &mut a, per_attack)?);
+
+    // fio with verify through the live session while the rest runs.
+    let fio_secs = args.fio_secs.max(4);
+    let (mut fio, fio_out) = t.fio("verify", "live", &verify_job(args, fio_secs))?;
+    let fio_started = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let tv = a.cmd("wait-traffic 10", Duration::from_secs(20))?;
+    ensure!(tv["ok"] == true, "no requests seen on the live session: {tv}");
+
+    run_attacks(t, &mut a, &mut tyched, &mut rows, per_attack)?;
+    a.quit();
+
+    // fio finishes on its own, verify clean.
+    let fio_left = Duration::from_secs(fio_secs + 30).saturating_sub(fio_started.elapsed());
+    check_fio(t, &mut fio, &fio_out, fio_left, &mut failures);
+
+    // The session alive: both daemons, a live channel of the honest initiator, a fresh write and
+    // read-back through the same NBD socket.
+    if let Err(e) = tyched.check_alive() {
+        failures.push(format!("tyched died: {e:#}"));
+    }
+    if let Err(e) = live.check_alive() {
+        failures.push(format!("tyche-init died: {e:#}"));
+    }
+    if !honest_channel_alive(t) {
+        failures.push("tyched stats shows no live channel of the honest initiator".to_string());
+    }
+    report_refused(t);
+    let check: Vec<String> = ["--rw=write", "--bs=64k", "--iodepth=4", "--size=4m", "--offset=36m", "--do_verify=1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let (mut after, after_out) = t.fio("after", "live", &check)?;
+    check_after(&mut after, &after_out, &mut failures);
+
+    // The injected writes' data in the export's file.
+    if let Some(at) = marker_in(&image, INJECT_OFFSET, 4 << 20)? {
+        if let Some(row) = rows.iter_mut().find(|r| r.what.starts_with("injected WRITE")) {
+            row.evidence.push(format!("the export's file holds the injected data at byte {at}"));
+        }
+    }
+    live.daemon.stop();
+    tyched.daemon.stop();
+    Ok((rows, failures))
+}
+
+/// Writes a keyed file export's config, the key in a file only its owner can read; returns the
+/// config's path and the export's file.
+fn write_config(t: &Test<'_>) -> Result<(PathBuf, PathBuf)> {
     let key: String = {
         let mut raw = [0u8; 24];
         fs::File::open("/dev/urandom")?.read_exact(&mut raw)?;
@@ -336,17 +401,11 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
             t.key.display()
         ),
     )?;
-    let serve = ["--config".to_string(), config.display().to_string()];
-    let mut tyched = start_tyched_with(t.root, t.lab, Link::Xdp, &serve, &t.stats, t.work.join("tyched.log"))?;
-    let mut a = Attacker::start(t.root, t.lab, &t.work, args.decoy)?;
-    if args.decoy {
-        eprintln!("attack: decoy run: every attack frame goes out from a MAC no channel has");
-    }
-    let per_attack = Duration::from_secs(30 + u64::from(tries) / 50);
-    let mut rows = Vec::new();
-    let mut failures = Vec::new();
+    Ok((config, image))
+}
 
-    // A short keyed session whose handshake the attacker keeps; then its session is reclaimed.
+/// A short keyed session whose handshake the attacker keeps; then its session is reclaimed.
+fn capture_short_session(t: &Test<'_>, a: &mut Attacker) -> Result<()> {
     let mut short = t.initiator("short")?;
     let hs = a.cmd("wait-handshake 10", Duration::from_secs(20))?;
     ensure!(hs["ok"] == true, "the attacker captured no keyed handshake: {hs}");
@@ -365,32 +424,38 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
         ensure!(Instant::now() < deadline, "the short session was not reclaimed in 10 s: {}", v["sessions"]);
         std::thread::sleep(Duration::from_millis(50));
     }
+    Ok(())
+}
 
-    // (6) Its CONNECT + PROOF replayed, byte for byte, with no initiator running.
-    let v = a.cmd(&format!("replay-connect {tries}"), per_attack)?;
+/// (6) The short session's CONNECT + PROOF replayed, byte for byte, with no initiator running.
+fn replay_connect(t: &Test<'_>, a: &mut Attacker, per_attack: Duration) -> Result<Row> {
+    let v = a.cmd(&format!("replay-connect {}", t.args.tries), per_attack)?;
     let mut row = Row::from("CONNECT+PROOF replayed after reclaim", &v);
     let sessions = t.stats()?["sessions"].as_u64().unwrap_or(0);
     if sessions > 0 {
         row.evidence.push(format!("tyched stats: {sessions} session(s) live while no initiator runs"));
     }
-    rows.push(row);
+    Ok(row)
+}
 
-    // The live session; (7) the same CONNECT + PROOF re-addressed to it, on channel 9.
-    let mut live = t.initiator("live")?;
+/// Waits for the live session, then (7) re-addresses the short session's CONNECT + PROOF to it,
+/// on channel 9.
+fn readdress_connect(t: &Test<'_>, a: &mut Attacker, per_attack: Duration) -> Result<Row> {
     let lv = a.cmd("wait-live 10", Duration::from_secs(20))?;
     ensure!(lv["ok"] == true, "the attacker saw no live session: {lv}");
     let live_session = session_of(&lv).context("live session id")?;
     eprintln!("attack: live session {live_session:016x}");
-    let v = a.cmd(&format!("readdress {tries} {READDRESS_CHANNEL}"), per_attack)?;
+    let v = a.cmd(&format!("readdress {} {READDRESS_CHANNEL}", t.args.tries), per_attack)?;
     let mut row = Row::from("CONNECT+PROOF re-addressed to the live session, ch 9", &v);
     if channel_state(&t.stats()?, live_session, READDRESS_CHANNEL.into()).is_some() {
         row.evidence.push(format!("tyched stats: channel {READDRESS_CHANNEL} in the live session"));
     }
-    rows.push(row);
+    Ok(row)
+}
 
-    // fio with verify through the live session while the rest runs.
-    let fio_secs = args.fio_secs.max(4);
-    let job: Vec<String> = ["--rw=randwrite", "--bs=4k", "--iodepth=8", "--size=32m", "--time_based"]
+/// fio's options for the verify job that runs `fio_secs` seconds through the live session.
+fn verify_job(args: &AttackArgs, fio_secs: u64) -> Vec<String> {
+    ["--rw=randwrite", "--bs=4k", "--iodepth=8", "--size=32m", "--time_based"]
         .iter()
         .map(|s| s.to_string())
         .chain([
@@ -398,13 +463,18 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
             format!("--rate_iops={}", args.fio_iops),
             "--verify_backlog=64".to_string(),
         ])
-        .collect();
-    let (mut fio, fio_out) = t.fio("verify", "live", &job)?;
-    let fio_started = Instant::now();
-    std::thread::sleep(Duration::from_secs(1));
-    let tv = a.cmd("wait-traffic 10", Duration::from_secs(20))?;
-    ensure!(tv["ok"] == true, "no requests seen on the live session: {tv}");
+        .collect()
+}
 
+/// The attacks on the live session while fio runs, one at a time; a row for each.
+fn run_attacks(
+    t: &Test<'_>,
+    a: &mut Attacker,
+    tyched: &mut Running,
+    rows: &mut Vec<Row>,
+    per_attack: Duration,
+) -> Result<()> {
+    let tries = t.args.tries;
     let attacks: [(&str, &'static str); 6] = [
         ("forge-completion", "forged COMPLETION OK -> initiator"),
         ("inject-write", "injected WRITE (+ DATA) -> target"),
@@ -440,14 +510,15 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
         );
         rows.push(row);
     }
-    a.quit();
+    Ok(())
+}
 
-    // fio finishes on its own, verify clean.
-    let fio_left = Duration::from_secs(fio_secs + 30).saturating_sub(fio_started.elapsed());
+/// Waits up to `fio_left` for fio to finish on its own; a failure unless its verify is clean.
+fn check_fio(t: &Test<'_>, fio: &mut Guard, fio_out: &Path, fio_left: Duration, failures: &mut Vec<String>) {
     match fio.wait(fio_left) {
         Ok(status) => {
             let log = fs::read_to_string(t.work.join("verify.log")).unwrap_or_default();
-            match fio_result(&fio_out) {
+            match fio_result(fio_out) {
                 Ok((0, written, read)) if status.success() && written > 0 && read > 0 => eprintln!(
                     "attack: fio ok: {:.1} MiB written, {:.1} MiB read back and verified",
                     written as f64 / 1048576.0,
@@ -462,15 +533,10 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
         }
         Err(e) => failures.push(format!("fio did not finish: {e:#}")),
     }
+}
 
-    // The session alive: both daemons, a live channel of the honest initiator, a fresh write and
-    // read-back through the same NBD socket.
-    if let Err(e) = tyched.check_alive() {
-        failures.push(format!("tyched died: {e:#}"));
-    }
-    if let Err(e) = live.check_alive() {
-        failures.push(format!("tyche-init died: {e:#}"));
-    }
+/// Whether `tyched stats` shows a live channel of the honest initiator within 8 s.
+fn honest_channel_alive(t: &Test<'_>) -> bool {
     let initiator_mac = t.lab.pairs[0].initiator_mac.to_string();
     let alive = |v: &Value| {
         v["channels"].as_array().is_some_and(|cs| {
@@ -480,17 +546,17 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
         })
     };
     let deadline = Instant::now() + Duration::from_secs(8);
-    let alive_now = loop {
+    loop {
         match t.stats() {
             Ok(v) if alive(&v) => break true,
             _ if Instant::now() >= deadline => break false,
             _ => std::thread::sleep(Duration::from_millis(200)),
         }
-    };
-    if !alive_now {
-        failures.push("tyched stats shows no live channel of the honest initiator".to_string());
     }
-    // What the target refused, as it counted it (channel drops by reason, every NIC).
+}
+
+/// Reports what the target refused, as it counted it (channel drops by reason, every NIC).
+fn report_refused(t: &Test<'_>) {
     if let Ok(v) = t.stats() {
         let count = |reason: &str| -> u64 {
             v["nics"].as_array().map_or(0, |ns| ns.iter().filter_map(|n| n["drops"]["channel"][reason].as_u64()).sum())
@@ -504,13 +570,12 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
             denied
         );
     }
-    let check: Vec<String> = ["--rw=write", "--bs=64k", "--iodepth=4", "--size=4m", "--offset=36m", "--do_verify=1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let (mut after, after_out) = t.fio("after", "live", &check)?;
+}
+
+/// Waits for the fresh write and read-back through the live session; a failure unless it is ok.
+fn check_after(after: &mut Guard, after_out: &Path, failures: &mut Vec<String>) {
     match after.wait(Duration::from_secs(15)) {
-        Ok(status) => match fio_result(&after_out) {
+        Ok(status) => match fio_result(after_out) {
             Ok((0, w, r)) if status.success() && w == 4 << 20 && r == 4 << 20 => {
                 eprintln!("attack: the session is alive: a fresh 4 MiB write and read-back through it ok")
             }
@@ -521,14 +586,4 @@ fn run(t: &Test<'_>) -> Result<(Vec<Row>, Vec<String>)> {
         },
         Err(e) => failures.push(format!("the write and read-back after the attacks did not finish: {e:#}")),
     }
-
-    // The injected writes' data in the export's file.
-    if let Some(at) = marker_in(&image, INJECT_OFFSET, 4 << 20)? {
-        if let Some(row) = rows.iter_mut().find(|r| r.what.starts_with("injected WRITE")) {
-            row.evidence.push(format!("the export's file holds the injected data at byte {at}"));
-        }
-    }
-    live.daemon.stop();
-    tyched.daemon.stop();
-    Ok((rows, failures))
 }

@@ -19,7 +19,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -30,7 +30,9 @@ use clap::Args;
 use serde_json::Value;
 
 use crate::lab::Lab;
-use crate::stack::{bin, fio_nbd, fio_result, interrupted, prepare, start_initiator, start_tyched_with, Guard, Link};
+use crate::stack::{
+    bin, fio_nbd, fio_result, interrupted, prepare, start_initiator, start_tyched_with, Guard, Link, Running,
+};
 
 /// The bound on tyched's peak resident memory during the flood, in MiB (docs/tyched.md,
 /// "Limits under a flood"). Measured: about 105 MiB at rest with two AF_XDP NICs (UMEMs, rings,
@@ -251,23 +253,18 @@ pub fn flood(root: &Path, args: &FloodArgs) -> Result<()> {
     Ok(())
 }
 
+/// When each phase began and ended, in seconds on the sampler's clock.
+struct Marks {
+    fio_started: f64,
+    flood_started: f64,
+    flood_ended: f64,
+    fio_ended: f64,
+}
+
 /// Runs the test; returns the outcome and the peak RSS in KiB.
 fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
     let args = f.args;
-    // A shared export (several initiators at once), so that the flood's CONNECTs create
-    // sessions up to the limits; a non-shared one attached by the honest initiator would refuse
-    // them all with REJECT IN_USE, which holds nothing.
-    let config = f.work.join("tyched.toml");
-    let image = f.work.join("export.img");
-    fs::write(
-        &config,
-        format!(
-            "[[export]]\nname = \"{EXPORT}\"\npath = \"{}\"\nsize = \"{EXPORT_MIB}M\"\nshared = true\n",
-            image.display()
-        ),
-    )?;
-    let serve = ["--config".to_string(), config.display().to_string()];
-    let mut tyched = start_tyched_with(f.root, f.lab, Link::Xdp, &serve, &f.stats, f.work.join("tyched.log"))?;
+    let mut tyched = start_target(f)?;
     let extra = ["--no-path-timeout".to_string(), "30".to_string()];
     let socket = f.work.join("nbd.sock");
     let mut init = start_initiator(f.root, f.lab, Link::Xdp, EXPORT, &socket, f.work.join("init.log"), &extra)?;
@@ -278,13 +275,7 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
     // fio: random 4 KiB writes over the first half of the export, each read back and checked
     // (verify_backlog) while the job runs.
     let fio_secs = args.fio_secs.max(args.flood_secs + 4);
-    let job: Vec<String> =
-        ["--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=128m", "--time_based", "--verify_backlog=256"]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([format!("--runtime={fio_secs}")])
-            .collect();
-    let (mut fio, fio_out) = f.fio("verify", &job)?;
+    let (mut fio, fio_out) = f.fio("verify", &verify_job(fio_secs))?;
     let fio_started = sampler.now();
     std::thread::sleep(Duration::from_secs(2));
     tyched.check_alive()?;
@@ -294,11 +285,85 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
         "flood: {} CONNECTs from {} MACs into {} while fio runs ({} s)",
         args.connects, args.macs, f.lab.pairs[0].target_if, fio_secs
     );
-    let pair = &f.lab.pairs[0];
     let rx_before = nic_rx(&f.stats()?);
     let flood_out = f.work.join("flood.out");
     let flood_started = sampler.now();
-    let mut flooder = Guard(
+    let mut flooder = start_flooder(f, &flood_out)?;
+    let status = watch_flood(f, &mut flooder, &mut tyched, &mut o)?;
+    let flood_ended = sampler.now();
+    let flood_end = Instant::now();
+    read_flood_line(&mut o, &flood_out, flood_ended - flood_started);
+    eprintln!("flood: {}", o.flood_line);
+    ensure!(
+        status.success() && o.sent == args.connects,
+        "tyche-flood sent {} of {} CONNECTs ({status}): {}{}",
+        o.sent,
+        args.connects,
+        o.flood_line,
+        fs::read_to_string(f.work.join("flood.err")).unwrap_or_default()
+    );
+
+    // fio finishes on its own; the daemons must have lived through it.
+    let (fio_status, rx_after) = watch_fio(f, &mut fio, &mut tyched, &mut o, flood_end, fio_secs)?;
+    let fio_ended = sampler.now();
+    check_fio(f, &mut tyched, &mut init, fio_status, &fio_out, fio_secs)?;
+    let reclaim_secs = wait_reclaimed(f, &mut tyched)?;
+    check_after(f)?;
+
+    let v = f.stats()?;
+    o.hwm_kib = status_kib(tpid, "VmHWM").unwrap_or(0);
+    let rss_end = status_kib(tpid, "VmRSS").unwrap_or(0);
+    tyched.check_alive()?;
+    init.check_alive()?;
+    let samples = sampler.finish();
+    ensure!(!samples.killed, "tyched's RSS passed {} MiB; it was killed", args.kill_above_mib);
+
+    // Report.
+    let peak_kib = samples.peak().max(o.hwm_kib);
+    let marks = Marks { fio_started, flood_started, flood_ended, fio_ended };
+    report_rss(&o, &samples, &marks, rss_end);
+    report_sessions(f, &o, &v, reclaim_secs, rx_before, rx_after);
+    report_limits(&mut o, &v);
+    report_initiator(f);
+    init.daemon.stop();
+    tyched.daemon.stop();
+    check_outcome(args, &o, peak_kib)?;
+    Ok((o, peak_kib))
+}
+
+/// Writes tyched's config and starts it.
+///
+/// A shared export (several initiators at once), so that the flood's CONNECTs create sessions up
+/// to the limits; a non-shared one attached by the honest initiator would refuse them all with
+/// REJECT IN_USE, which holds nothing.
+fn start_target(f: &Flood<'_>) -> Result<Running> {
+    let config = f.work.join("tyched.toml");
+    let image = f.work.join("export.img");
+    fs::write(
+        &config,
+        format!(
+            "[[export]]\nname = \"{EXPORT}\"\npath = \"{}\"\nsize = \"{EXPORT_MIB}M\"\nshared = true\n",
+            image.display()
+        ),
+    )?;
+    let serve = ["--config".to_string(), config.display().to_string()];
+    start_tyched_with(f.root, f.lab, Link::Xdp, &serve, &f.stats, f.work.join("tyched.log"))
+}
+
+/// fio's options for the verify job that runs `fio_secs` seconds under the flood.
+fn verify_job(fio_secs: u64) -> Vec<String> {
+    ["--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=128m", "--time_based", "--verify_backlog=256"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("--runtime={fio_secs}")])
+        .collect()
+}
+
+/// Starts `tyche-flood` in the initiator namespace, into the first link; its stdout in `out`.
+fn start_flooder(f: &Flood<'_>, out: &Path) -> Result<Guard> {
+    let args = f.args;
+    let pair = &f.lab.pairs[0];
+    Ok(Guard(
         Command::new("ip")
             .args(["netns", "exec", &f.lab.initiator_ns])
             .arg(bin(f.root, "tyche-flood"))
@@ -306,13 +371,16 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
             .args(["--connects", &args.connects.to_string(), "--macs", &args.macs.to_string()])
             .args(["--seconds", &args.flood_secs.to_string(), "--rate", &args.rate.to_string()])
             .stdin(Stdio::null())
-            .stdout(fs::File::create(&flood_out)?)
+            .stdout(fs::File::create(out)?)
             .stderr(fs::File::create(f.work.join("flood.err"))?)
             .spawn()
             .context("starting tyche-flood")?,
-    );
-    // Watch while it runs: the daemons alive, the live sessions.
-    let flood_deadline = Instant::now() + Duration::from_secs(args.flood_secs + 10);
+    ))
+}
+
+/// Watches while the flood runs (the daemons alive, the live sessions); returns its exit status.
+fn watch_flood(f: &Flood<'_>, flooder: &mut Guard, tyched: &mut Running, o: &mut Outcome) -> Result<ExitStatus> {
+    let flood_deadline = Instant::now() + Duration::from_secs(f.args.flood_secs + 10);
     let mut next_stats = Instant::now();
     let status = loop {
         if let Some(status) = flooder.0.try_wait()? {
@@ -329,29 +397,31 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let flood_ended = sampler.now();
-    let flood_end = Instant::now();
-    o.flood_line = fs::read_to_string(&flood_out).unwrap_or_default().trim().to_string();
+    Ok(status)
+}
+
+/// Reads tyche-flood's summary line into `o` (frames sent, seconds, or `measured_secs` if the
+/// line does not say).
+fn read_flood_line(o: &mut Outcome, flood_out: &Path, measured_secs: f64) {
+    o.flood_line = fs::read_to_string(flood_out).unwrap_or_default().trim().to_string();
     let field = |k: &str| -> Option<u64> {
         o.flood_line.split_whitespace().find_map(|w| w.strip_prefix(k)?.strip_prefix('=')?.parse().ok())
     };
     o.sent = field("sent").unwrap_or(0);
-    o.flood_secs = o
-        .flood_line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("secs=")?.parse().ok())
-        .unwrap_or(flood_ended - flood_started);
-    eprintln!("flood: {}", o.flood_line);
-    ensure!(
-        status.success() && o.sent == args.connects,
-        "tyche-flood sent {} of {} CONNECTs ({status}): {}{}",
-        o.sent,
-        args.connects,
-        o.flood_line,
-        fs::read_to_string(f.work.join("flood.err")).unwrap_or_default()
-    );
+    o.flood_secs =
+        o.flood_line.split_whitespace().find_map(|w| w.strip_prefix("secs=")?.parse().ok()).unwrap_or(measured_secs);
+}
 
-    // fio finishes on its own; the daemons must have lived through it.
+/// Waits for fio to finish on its own, watching the daemons and the live sessions; returns its
+/// exit status and the first NIC's received frames 1 s after the flood's end (if sampled).
+fn watch_fio(
+    f: &Flood<'_>,
+    fio: &mut Guard,
+    tyched: &mut Running,
+    o: &mut Outcome,
+    flood_end: Instant,
+    fio_secs: u64,
+) -> Result<(ExitStatus, Option<u64>)> {
     let mut next_stats = Instant::now();
     let mut rx_after = None;
     let fio_deadline = Instant::now() + Duration::from_secs(fio_secs + 30);
@@ -373,12 +443,23 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let fio_ended = sampler.now();
+    Ok((fio_status, rx_after))
+}
+
+/// Checks that both daemons lived through fio and that fio verified without error.
+fn check_fio(
+    f: &Flood<'_>,
+    tyched: &mut Running,
+    init: &mut Running,
+    fio_status: ExitStatus,
+    fio_out: &Path,
+    fio_secs: u64,
+) -> Result<()> {
     tyched.check_alive().context("tyched died under the flood")?;
     init.check_alive().context("tyche-init died under the flood")?;
     let log = fs::read_to_string(f.work.join("verify.log")).unwrap_or_default();
     ensure!(fio_status.success(), "fio failed under the flood ({fio_status}):\n{log}");
-    let (err, written, read) = fio_result(&fio_out)?;
+    let (err, written, read) = fio_result(fio_out)?;
     ensure!(err == 0, "fio reports error {err} under the flood:\n{log}");
     ensure!(written > 0 && read > 0, "fio wrote {written} B and verified {read} B");
     eprintln!(
@@ -387,8 +468,12 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
         read as f64 / 1048576.0,
         fio_secs
     );
+    Ok(())
+}
 
-    // The flood's sessions go (their channels hear nothing, die, and are reclaimed).
+/// Waits up to 20 s for the flood's sessions to go (their channels hear nothing, die, and are
+/// reclaimed); returns the seconds it took.
+fn wait_reclaimed(f: &Flood<'_>, tyched: &mut Running) -> Result<f64> {
     let reclaim_from = Instant::now();
     let mut last = Value::Null;
     let mut reclaimed = false;
@@ -411,8 +496,11 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
         "{} sessions still live {reclaim_secs:.1} s after the flood (only the honest one should be)",
         last["sessions"]
     );
+    Ok(reclaim_secs)
+}
 
-    // A fresh write and read-back through the same initiator, outside fio's region.
+/// A fresh write and read-back through the same initiator, outside fio's region.
+fn check_after(f: &Flood<'_>) -> Result<()> {
     let check: Vec<String> = ["--rw=write", "--bs=64k", "--iodepth=4", "--size=8m", "--offset=200m", "--do_verify=1"]
         .iter()
         .map(|s| s.to_string())
@@ -424,29 +512,27 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
         status.success() && err == 0 && written == 8 << 20 && read == 8 << 20,
         "the write and read-back after the flood failed ({status}, error {err}, {written} B written, {read} B read)"
     );
+    Ok(())
+}
 
-    let v = f.stats()?;
-    o.hwm_kib = status_kib(tpid, "VmHWM").unwrap_or(0);
-    let rss_end = status_kib(tpid, "VmRSS").unwrap_or(0);
-    tyched.check_alive()?;
-    init.check_alive()?;
-    let samples = sampler.finish();
-    ensure!(!samples.killed, "tyched's RSS passed {} MiB; it was killed", args.kill_above_mib);
-
-    // Report.
-    let peak_kib = samples.peak().max(o.hwm_kib);
+/// Reports tyched's RSS in each phase.
+fn report_rss(o: &Outcome, samples: &Samples, marks: &Marks, rss_end: u64) {
     let before = samples.rss.first().map_or(0, |s| s.1);
     eprintln!(
         "flood: tyched RSS MiB: {:.1} at start, {:.1} peak under fio alone, {:.1} peak during the flood ({:.2} s), \
          {:.1} peak from its end to fio's, {:.1} at the end; VmHWM {:.1}",
         mib(before),
-        mib(samples.peak_between(fio_started, flood_started)),
-        mib(samples.peak_between(flood_started, flood_ended)),
+        mib(samples.peak_between(marks.fio_started, marks.flood_started)),
+        mib(samples.peak_between(marks.flood_started, marks.flood_ended)),
         o.flood_secs,
-        mib(samples.peak_between(flood_ended, fio_ended)),
+        mib(samples.peak_between(marks.flood_ended, marks.fio_ended)),
         mib(rss_end),
         mib(o.hwm_kib)
     );
+}
+
+/// Reports the sessions, the drops by NIC and the frames the first NIC received.
+fn report_sessions(f: &Flood<'_>, o: &Outcome, v: &Value, reclaim_secs: f64, rx_before: u64, rx_after: Option<u64>) {
     eprintln!(
         "flood: sessions: peak {} sampled, {} reclaimed in all, back to {} in {reclaim_secs:.1} s",
         o.peak_sessions, v["sessions_reclaimed"], v["sessions"]
@@ -463,6 +549,11 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
             after.saturating_sub(rx_before)
         );
     }
+}
+
+/// Reads tyched's `limits` into `o` (the CONNECTs refused as busy) and reports what became of
+/// the flood's CONNECTs.
+fn report_limits(o: &mut Outcome, v: &Value) {
     o.limits = v.get("limits").and_then(Value::as_object).cloned();
     match &o.limits {
         Some(limits) => {
@@ -485,13 +576,18 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
         }
         None => eprintln!("flood: tyched stats has no `limits` object"),
     }
+}
+
+/// Reports what the honest initiator's log says of the flood.
+fn report_initiator(f: &Flood<'_>) {
     let ilog = fs::read_to_string(f.work.join("init.log")).unwrap_or_default();
     let dead = ilog.lines().filter(|l| l.contains("channel dead")).count();
     let reconnects = ilog.lines().filter(|l| l.contains("reconnect attempt")).count();
     eprintln!("flood: the honest initiator saw {dead} channel(s) die and made {reconnects} reconnect attempt(s)");
-    init.daemon.stop();
-    tyched.daemon.stop();
+}
 
+/// The final checks: the peak RSS under its bound, the refused CONNECTs counted, no session failed.
+fn check_outcome(args: &FloodArgs, o: &Outcome, peak_kib: u64) -> Result<()> {
     ensure!(
         mib(peak_kib) <= args.rss_bound_mib as f64,
         "tyched's peak RSS {:.1} MiB is over the bound of {} MiB",
@@ -502,5 +598,5 @@ fn run(f: &Flood<'_>) -> Result<(Outcome, u64)> {
     ensure!(o.refused > 0, "no CONNECT of the flood was refused as busy (limits.busy_* all 0)");
     let failed = o.limits.as_ref().and_then(|l| l.get("sessions_failed")).and_then(Value::as_u64).unwrap_or(0);
     ensure!(failed == 0, "{failed} sessions failed (a panic contained) under the flood");
-    Ok((o, peak_kib))
+    Ok(())
 }
