@@ -124,7 +124,26 @@ impl SimArgs {
     }
 }
 
+/// Runs the seeds the arguments ask for and prints the totals; fails if a seed failed.
 pub fn run(args: SimArgs) -> Result<()> {
+    check_args(&args)?;
+    let cfg = sim_config(&args);
+    let (first, count) = match args.seed {
+        Some(s) => (s, 1),
+        None => (args.first, args.seeds),
+    };
+    let jobs = args.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+    let started = std::time::Instant::now();
+    let t = run_seeds(&args, &cfg, first, count, jobs);
+    print_totals(&args, &t, started);
+    if t.failed_seeds > 0 {
+        bail!("{} of {} seeds failed", t.failed_seeds, t.seeds);
+    }
+    Ok(())
+}
+
+/// Fails unless the probabilities and the counts of paths and parts are in range.
+fn check_args(args: &SimArgs) -> Result<()> {
     for (name, p) in [("loss", args.loss), ("reorder", args.reorder), ("dup", args.dup)] {
         if !(0.0..1.0).contains(&p) {
             bail!("--{name} must be in [0, 1), got {p}");
@@ -139,7 +158,12 @@ pub fn run(args: SimArgs) -> Result<()> {
     if args.init_parts == 0 || args.init_parts > 16 {
         bail!("--init-parts must be between 1 and 16");
     }
-    let cfg = SimConfig {
+    Ok(())
+}
+
+/// The simulator's configuration the arguments ask for.
+fn sim_config(args: &SimArgs) -> SimConfig {
+    SimConfig {
         paths: args.paths,
         loss: args.loss,
         reorder: args.reorder,
@@ -151,15 +175,13 @@ pub fn run(args: SimArgs) -> Result<()> {
         target_parts: args.target_parts,
         init_parts: args.init_parts,
         ..SimConfig::default()
-    };
-    let (first, count) = match args.seed {
-        Some(s) => (s, 1),
-        None => (args.first, args.seeds),
-    };
-    let jobs = args.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+    }
+}
+
+/// Runs seeds `first..first+count` on `jobs` worker threads; returns their totals.
+fn run_seeds(args: &SimArgs, cfg: &SimConfig, first: u64, count: u64, jobs: usize) -> Totals {
     let next = AtomicU64::new(first);
     let totals = Mutex::new(Totals::default());
-    let started = std::time::Instant::now();
     // Keep panics quiet in workers; a panicking seed is reported with its replay command.
     let default_hook = panic::take_hook();
     panic::set_hook(Box::new(|_| {}));
@@ -170,36 +192,46 @@ pub fn run(args: SimArgs) -> Result<()> {
                 if seed >= first + count {
                     break;
                 }
-                let report = match panic::catch_unwind(AssertUnwindSafe(|| run_seed(&cfg, seed))) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        let msg = e
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                            .unwrap_or_default();
-                        println!("sim: seed {seed} PANICKED: {msg}");
-                        SeedReport { seed, mismatches: 1, ..SeedReport::default() }
-                    }
-                };
-                if !report.ok() {
-                    println!(
-                        "sim: seed {seed} FAILED ({} mismatches, {} stuck, {} errors surfaced); replay: cargo xtask sim --seed {seed} {}",
-                        report.mismatches,
-                        report.stuck,
-                        report.surfaced,
-                        args.replay_flags()
-                    );
-                }
-                if count == 1 {
-                    println!("sim: seed {seed}: {report:?}");
-                }
+                let report = run_one(args, cfg, seed, count);
                 totals.lock().expect("totals").add(&report);
             });
         }
     });
     panic::set_hook(default_hook);
-    let t = totals.into_inner().expect("totals");
+    totals.into_inner().expect("totals")
+}
+
+/// Runs one seed (a panic counts as a mismatch) and prints it if it failed or is the only one.
+fn run_one(args: &SimArgs, cfg: &SimConfig, seed: u64, count: u64) -> SeedReport {
+    let report = match panic::catch_unwind(AssertUnwindSafe(|| run_seed(cfg, seed))) {
+        Ok(r) => r,
+        Err(e) => {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            println!("sim: seed {seed} PANICKED: {msg}");
+            SeedReport { seed, mismatches: 1, ..SeedReport::default() }
+        }
+    };
+    if !report.ok() {
+        println!(
+            "sim: seed {seed} FAILED ({} mismatches, {} stuck, {} errors surfaced); replay: cargo xtask sim --seed {seed} {}",
+            report.mismatches,
+            report.stuck,
+            report.surfaced,
+            args.replay_flags()
+        );
+    }
+    if count == 1 {
+        println!("sim: seed {seed}: {report:?}");
+    }
+    report
+}
+
+/// Prints the totals: the frames and failures, then what the options asked for, then the seeds.
+fn print_totals(args: &SimArgs, t: &Totals, started: std::time::Instant) {
     eprintln!(
         "sim: {:.1}s ({:.1} ms virtual per seed), {} frames, {} retransmits, {} failed requests, {} dead channels, \
          {} duplicate modifications suppressed",
@@ -239,8 +271,4 @@ pub fn run(args: SimArgs) -> Result<()> {
         eprintln!("sim: {} CONNECTs refused by the target's admission", t.refused);
     }
     println!("sim: {} seeds, {} requests, {} mismatches, {} stuck", t.seeds, t.requests, t.mismatches, t.stuck);
-    if t.failed_seeds > 0 {
-        bail!("{} of {} seeds failed", t.failed_seeds, t.seeds);
-    }
-    Ok(())
 }
