@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -641,6 +641,24 @@ const PANIC: &str = "Kernel panic - not syncing";
 /// Boots the guest and waits for it to power off (or the deadline).
 fn boot(guest: &Guest, log: &Path, accel: &'static str, deadline: Duration) -> Result<Outcome> {
     let _ = fs::remove_file(log);
+    let mut cmd = qemu_command(guest, log, accel);
+    eprintln!("vm-test: booting ({accel})");
+    let start = Instant::now();
+    let mut child = cmd.spawn().context("starting qemu-system-x86_64 (package qemu-system-x86)")?;
+    let (status, mut console) = watch_console(&mut child, guest, log, accel, deadline, start)?;
+    let text = fs::read_to_string(log).unwrap_or_default();
+    console.booted |= text.contains(guest.up);
+    for l in text.lines().filter(|l| l.contains(MARK)).skip(console.printed) {
+        eprintln!("  guest: {}", l.trim_end_matches('\r'));
+    }
+    check_qemu_exit(&mut child, status, &console, accel, start)?;
+    let Console { booted, stopped, .. } = console;
+    let timed_out = status.is_none() && stopped.is_none();
+    Ok(Outcome { booted, timed_out, stopped, accel, secs: start.elapsed().as_secs_f64() })
+}
+
+/// The qemu command line for `guest` under `accel`, its console written to `log`.
+fn qemu_command(guest: &Guest, log: &Path, accel: &str) -> Command {
     let mut cmd = Command::new("qemu-system-x86_64");
     cmd.args(["-machine", "pc", "-accel", accel, "-cpu", if accel == "kvm" { "host" } else { "max" }]);
     cmd.args(["-smp", &(2 * guest.nodes).to_string(), "-m", &format!("{}M", guest.nodes * NODE_MIB)]);
@@ -670,13 +688,34 @@ fn boot(guest: &Guest, log: &Path, accel: &'static str, deadline: Duration) -> R
     }
     cmd.arg("-serial").arg(format!("file:{}", log.display()));
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    eprintln!("vm-test: booting ({accel})");
-    let start = Instant::now();
-    let mut child = cmd.spawn().context("starting qemu-system-x86_64 (package qemu-system-x86)")?;
-    let mut booted = false;
-    let mut printed = 0usize;
-    let mut stopped = None;
-    let mut stalled = false;
+    cmd
+}
+
+/// What [`boot`] saw on the guest's console while qemu ran.
+#[derive(Debug, Default)]
+struct Console {
+    /// Whether the guest came up (its console shows `guest.up`).
+    booted: bool,
+    /// How many [`MARK`] lines have been echoed.
+    printed: usize,
+    /// Why the host stopped the guest (a panic, an unplanned reboot).
+    stopped: Option<String>,
+    /// Whether the emulated guest's timers stalled before any test ran.
+    stalled: bool,
+}
+
+/// Watches qemu and the console log until qemu exits (its status) or has to be killed (`None`):
+/// a panic, an unplanned reboot, an emulation stall, the boot limit or the deadline passed, or an
+/// interrupt. Echoes the guest's verdict lines as they come.
+fn watch_console(
+    child: &mut Child,
+    guest: &Guest,
+    log: &Path,
+    accel: &str,
+    deadline: Duration,
+    start: Instant,
+) -> Result<(Option<ExitStatus>, Console)> {
+    let mut c = Console::default();
     let status = loop {
         if let Some(st) = child.try_wait()? {
             break Some(st);
@@ -684,28 +723,28 @@ fn boot(guest: &Guest, log: &Path, accel: &'static str, deadline: Duration) -> R
         // Echo the guest's verdict lines as they come, so a long run shows progress.
         let text = fs::read_to_string(log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().filter(|l| l.contains(MARK)).collect();
-        for l in &lines[printed.min(lines.len())..] {
+        for l in &lines[c.printed.min(lines.len())..] {
             eprintln!("  guest: {}", l.trim_end_matches('\r'));
         }
-        printed = lines.len();
-        booted |= text.contains(guest.up);
+        c.printed = lines.len();
+        c.booted |= text.contains(guest.up);
         let tests_ran = lines.iter().any(|l| !is_boot_line(l));
-        stalled = accel != "kvm" && !tests_ran && text.contains(EMULATION_STALL);
+        c.stalled = accel != "kvm" && !tests_ran && text.contains(EMULATION_STALL);
         // A guest that reboots itself would boot again after a panic instead of stopping.
         if text.contains(PANIC) {
-            stopped = Some("the guest's kernel panicked".to_string());
+            c.stopped = Some("the guest's kernel panicked".to_string());
         } else if guest.reboots > 0 && text.matches(guest.up).count() > guest.reboots + 1 {
-            stopped = Some(format!("the guest booted more than the {} time(s) it reboots itself", guest.reboots));
+            c.stopped = Some(format!("the guest booted more than the {} time(s) it reboots itself", guest.reboots));
         }
         // Under KVM a guest that has not reached /init in 60 s is not going to; under TCG, in
         // TCG_BOOT_LIMIT.
-        let limit = match (accel, booted) {
+        let limit = match (accel, c.booted) {
             ("kvm", false) => Duration::from_secs(60),
             (_, false) => TCG_BOOT_LIMIT.min(deadline),
             _ => deadline,
         };
-        if stopped.is_some()
-            || stalled
+        if c.stopped.is_some()
+            || c.stalled
             || start.elapsed() > limit
             || crate::stack::INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed)
         {
@@ -715,19 +754,26 @@ fn boot(guest: &Guest, log: &Path, accel: &'static str, deadline: Duration) -> R
         }
         std::thread::sleep(Duration::from_millis(250));
     };
-    let text = fs::read_to_string(log).unwrap_or_default();
-    booted |= text.contains(guest.up);
-    for l in text.lines().filter(|l| l.contains(MARK)).skip(printed) {
-        eprintln!("  guest: {}", l.trim_end_matches('\r'));
-    }
+    Ok((status, c))
+}
+
+/// Fails if the emulated guest stalled, did not come up under TCG, or qemu failed (with what it
+/// said); a KVM qemu that failed before the guest came up is only reported.
+fn check_qemu_exit(
+    child: &mut Child,
+    status: Option<ExitStatus>,
+    c: &Console,
+    accel: &str,
+    start: Instant,
+) -> Result<()> {
     let interrupted = crate::stack::INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed);
-    if stalled && !interrupted {
+    if c.stalled && !interrupted {
         bail!(
             "the emulated guest's timers stalled ({EMULATION_STALL:?}) {STALLED_BEFORE_TESTS}, after {} s under {accel}",
             start.elapsed().as_secs()
         );
     }
-    if status.is_none() && !booted && accel != "kvm" && !interrupted && stopped.is_none() {
+    if status.is_none() && !c.booted && accel != "kvm" && !interrupted && c.stopped.is_none() {
         bail!("the guest did not come up in {} s under {accel} {CRASHED_BEFORE_BOOT}", start.elapsed().as_secs());
     }
     if let Some(st) = status {
@@ -737,18 +783,17 @@ fn boot(guest: &Guest, log: &Path, accel: &'static str, deadline: Duration) -> R
                 use std::io::Read;
                 let _ = e.read_to_string(&mut err);
             }
-            if accel == "kvm" && !booted {
+            if accel == "kvm" && !c.booted {
                 let why = err.lines().rev().find(|l| l.contains("error")).unwrap_or(err.trim());
                 eprintln!("vm-test: qemu with KVM failed: {why}");
-            } else if !booted {
+            } else if !c.booted {
                 bail!("qemu failed ({st}) {CRASHED_BEFORE_BOOT}: {}", err.trim());
             } else {
                 bail!("qemu failed ({st}): {}", err.trim());
             }
         }
     }
-    let timed_out = status.is_none() && stopped.is_none();
-    Ok(Outcome { booted, timed_out, stopped, accel, secs: start.elapsed().as_secs_f64() })
+    Ok(())
 }
 
 /// `xtask vm-guest TEST`, inside the VM: runs one test and prints its verdict line.

@@ -342,6 +342,45 @@ pub fn guest() -> Result<String> {
     say(format!("nodes: 0 cpus {:?}, 1 cpus {:?}", cpus[0], cpus[1]));
 
     // 1. NICs by MAC, into their namespaces.
+    let (tgt, ini) = nics_by_side()?;
+    for ns in [TGT, INI] {
+        delete_ns(ns)?;
+    }
+    fs::create_dir_all(WORK)?;
+    let _ns = Namespaces;
+    into_namespaces(&tgt, &ini)?;
+
+    // 2. hwloc puts each NIC on its node, in each namespace.
+    let planned = check_topology(&tyched, &tgt, &ini)?;
+
+    // 2b. Seed 003 deciding placement: node 1's CPUs all taken by consumers.
+    model_guided_placement(&tyched, &tgt, &cpus)?;
+    // 2c. The NESUS paper's Worst case set up by options: threads and memory on node 0.
+    misplaced_by_options(&tyched, &tyche_init, &tgt, &ini, &cpus)?;
+
+    // 2d. AF_XDP zero copy on the guest's virtio-net NICs: asked for, and what the kernel said.
+    let zero_copy = zero_copy_probe(&tyched, &tgt)?;
+    say(format!("AF_XDP zero copy: {zero_copy}"));
+
+    // Automatic NUMA balancing (on by default on a NUMA kernel) migrates a page towards the CPU
+    // that touches it, unless a memory policy says otherwise. The test runs with it as the
+    // machine has it: the initiator binds the memory policy of its engine threads (which copy
+    // the data of requests from both nodes) so that the buffers stay where the consumers put them.
+    let balancing = fs::read_to_string(NUMA_BALANCING).unwrap_or_default();
+    say(format!("automatic NUMA balancing: {}", if balancing.trim() == "0" { "off" } else { "on" }));
+
+    // 3 and 4, once per scheduler.
+    let aff = run_scheduler("affinity", &tyched, &tyche_init, &tgt, &ini, &cpus, &planned)?;
+    check_affinity_shares(&aff)?;
+    let rr = run_scheduler("round-robin", &tyched, &tyche_init, &tgt, &ini, &cpus, &planned)?;
+    check_round_robin_shares(&rr)?;
+    let summary = format!("2 nodes, 2 nics; AF_XDP zero copy: {zero_copy}");
+    say(format!("ok: {summary}"));
+    Ok(summary)
+}
+
+/// The VM's NICs by their fixed MACs: the target-side ones and the initiator-side ones.
+fn nics_by_side() -> Result<(Vec<VmNic>, Vec<VmNic>)> {
     let by_mac = nics_by_mac()?;
     let mut tgt = Vec::new();
     let mut ini = Vec::new();
@@ -353,12 +392,13 @@ pub fn guest() -> Result<String> {
             if side == 1 { &mut tgt } else { &mut ini }.push(nic);
         }
     }
-    for ns in [TGT, INI] {
-        delete_ns(ns)?;
-    }
-    fs::create_dir_all(WORK)?;
-    let _ns = Namespaces;
-    for (ns, list) in [(TGT, &tgt), (INI, &ini)] {
+    Ok((tgt, ini))
+}
+
+/// Adds the namespaces and moves the target-side NICs into `tgt`, the initiator-side ones into
+/// `ini`, each up.
+fn into_namespaces(tgt: &[VmNic], ini: &[VmNic]) -> Result<()> {
+    for (ns, list) in [(TGT, tgt), (INI, ini)] {
         ip(&["netns", "add", ns])?;
         ip(&["-n", ns, "link", "set", "lo", "up"])?;
         for n in list.iter() {
@@ -367,15 +407,19 @@ pub fn guest() -> Result<String> {
             say(format!("{ns}: {} {} (node {})", n.name, n.mac, n.node));
         }
     }
+    Ok(())
+}
 
-    // 2. hwloc puts each NIC on its node, in each namespace.
+/// Checks that hwloc puts each NIC on its node, in each namespace; returns the target's
+/// placement plan's completion workers (node → CPUs).
+fn check_topology(tyched: &Path, tgt: &[VmNic], ini: &[VmNic]) -> Result<BTreeMap<u32, Vec<u64>>> {
     let mut planned = BTreeMap::new();
-    for (ns, list) in [(TGT, &tgt), (INI, &ini)] {
+    for (ns, list) in [(TGT, tgt), (INI, ini)] {
         let mut args = vec!["topology", "--json"];
         for n in list.iter() {
             args.extend(["--iface", n.name.as_str()]);
         }
-        let topo = json(&in_ns(ns, &tyched, &args)?, "tyched topology --json")?;
+        let topo = json(&in_ns(ns, tyched, &args)?, "tyched topology --json")?;
         if ns == TGT {
             planned = completion_workers(&topo["plan"])?;
             say(format!("{ns}: the plan's completion workers (node: cpus): {planned:?}"));
@@ -402,31 +446,20 @@ pub fn guest() -> Result<String> {
             say(format!("{ns}: topology puts {} on node {} ({})", n.name, n.node, found["node_source"]));
         }
     }
+    Ok(planned)
+}
 
-    // 2b. Seed 003 deciding placement: node 1's CPUs all taken by consumers.
-    model_guided_placement(&tyched, &tgt, &cpus)?;
-    // 2c. The NESUS paper's Worst case set up by options: threads and memory on node 0.
-    misplaced_by_options(&tyched, &tyche_init, &tgt, &ini, &cpus)?;
+/// The node-1 channel's share of the payload bytes per node, and their total.
+fn node1_share(m: &BTreeMap<u32, u64>) -> (f64, u64) {
+    let total: u64 = m.values().sum();
+    (m.get(&1).copied().unwrap_or(0) as f64 / total.max(1) as f64, total)
+}
 
-    // 2d. AF_XDP zero copy on the guest's virtio-net NICs: asked for, and what the kernel said.
-    let zero_copy = zero_copy_probe(&tyched, &tgt)?;
-    say(format!("AF_XDP zero copy: {zero_copy}"));
-
-    // Automatic NUMA balancing (on by default on a NUMA kernel) migrates a page towards the CPU
-    // that touches it, unless a memory policy says otherwise. The test runs with it as the
-    // machine has it: the initiator binds the memory policy of its engine threads (which copy
-    // the data of requests from both nodes) so that the buffers stay where the consumers put them.
-    let balancing = fs::read_to_string(NUMA_BALANCING).unwrap_or_default();
-    say(format!("automatic NUMA balancing: {}", if balancing.trim() == "0" { "off" } else { "on" }));
-
-    // 3 and 4, once per scheduler.
-    let aff = run_scheduler("affinity", &tyched, &tyche_init, &tgt, &ini, &cpus, &planned)?;
-    let share = |m: &BTreeMap<u32, u64>| {
-        let total: u64 = m.values().sum();
-        (m.get(&1).copied().unwrap_or(0) as f64 / total.max(1) as f64, total)
-    };
+/// With the affinity scheduler, the node-1 channel carried at least [`AFFINITY_SHARE`] of the
+/// payload, on both sides.
+fn check_affinity_shares(aff: &Run) -> Result<()> {
     for (side, m) in [("initiator", &aff.ini_by_node), ("target", &aff.tgt_by_node)] {
-        let (s, total) = share(m);
+        let (s, total) = node1_share(m);
         say(format!("affinity: {side}: node-1 channel carried {:.2}% of {total} payload bytes", s * 100.0));
         check!(
             s >= AFFINITY_SHARE,
@@ -435,13 +468,18 @@ pub fn guest() -> Result<String> {
             AFFINITY_SHARE * 100.0
         );
     }
-    let rr = run_scheduler("round-robin", &tyched, &tyche_init, &tgt, &ini, &cpus, &planned)?;
+    Ok(())
+}
+
+/// With round robin, each channel carried half the payload within [`RR_SPREAD`] (the
+/// initiator's read data and the target's bytes).
+fn check_round_robin_shares(rr: &Run) -> Result<()> {
     // Retransmissions inflate the initiator's sent bytes unevenly (TCG is slow enough for
     // retransmission timers to fire); its read bytes and the target's bytes are exact.
-    let (s, total) = share(&rr.ini_by_node);
+    let (s, total) = node1_share(&rr.ini_by_node);
     say(format!("round-robin: initiator: node-1 channel carried {:.2}% of {total} payload bytes", s * 100.0));
     for (side, m) in [("initiator (read data)", &rr.ini_read_by_node), ("target", &rr.tgt_by_node)] {
-        let (s, total) = share(m);
+        let (s, total) = node1_share(m);
         say(format!("round-robin: {side}: node-1 channel carried {:.2}% of {total} payload bytes", s * 100.0));
         check!(
             (s - 0.5).abs() <= RR_SPREAD,
@@ -450,9 +488,7 @@ pub fn guest() -> Result<String> {
             RR_SPREAD * 100.0
         );
     }
-    let summary = format!("2 nodes, 2 nics; AF_XDP zero copy: {zero_copy}");
-    say(format!("ok: {summary}"));
-    Ok(summary)
+    Ok(())
 }
 
 /// Starts `tyched --xdp-copy zero-copy` on the target NICs: where the guest's virtio-net binds
@@ -674,15 +710,49 @@ fn run_scheduler(
     let ilog = work.join(format!("tyche-init-{scheduler}.log"));
     let iargs = ["--export", "numa", "--scheduler", scheduler, "--nbd-nodes", "1"];
     let mut i = start_initiator(tyche_init, tgt, ini, &iargs, &nbd, &istats, &ilog)?;
-    for (log, what) in [(&tlog, "tyched"), (&ilog, "tyche-init")] {
+    say_xdp_modes(&tlog, &ilog);
+
+    let (ir, tr) = run_workload(scheduler, &nbd, tyched, tyche_init, &tstats, &istats)?;
+
+    // Initiator: channels and their bytes.
+    let (ini_by_node, ini_read_by_node) = initiator_channels(scheduler, &ir, ini)?;
+    initiator_links(scheduler, &ir, ini, cpus)?;
+    nbd_connection(scheduler, &ir, cpus)?;
+    // Target: per NIC memory, per channel bytes.
+    target_placement(scheduler, &tr, tgt, cpus)?;
+    initiator_send(scheduler, &ir)?;
+    target_irqs(scheduler, &tr, tgt, cpus, irq_auto)?;
+    no_payload_copied(scheduler, &tr)?;
+    let tgt_by_node = target_channels(scheduler, &tr, tgt)?;
+    storage_checks(scheduler, &tr, &tgt_by_node, cpus, planned)?;
+    i.stop();
+    t.stop();
+    let _ = fs::remove_file(&image);
+    Ok(Run { ini_by_node, ini_read_by_node, tgt_by_node })
+}
+
+/// Prints the AF_XDP mode lines of both daemons' logs.
+fn say_xdp_modes(tlog: &Path, ilog: &Path) {
+    for (log, what) in [(tlog, "tyched"), (ilog, "tyche-init")] {
         let text = fs::read_to_string(log).unwrap_or_default();
         for l in text.lines().filter(|l| l.contains("AF_XDP") && (l.contains("mode") || l.contains("open"))) {
             say(format!("{what}: {}", l.trim()));
         }
     }
+}
 
-    // The workload: one connection (served for node 1), 1 MiB at a time.
-    let mut c = Nbd::connect(&nbd, "numa")?;
+/// The workload: one connection (served for node 1), 1 MiB at a time, written, flushed, read
+/// back and compared; returns both daemons' stats (`tyche-init`'s, then `tyched`'s), read
+/// before the connection ends.
+fn run_workload(
+    scheduler: &str,
+    nbd: &Path,
+    tyched: &Path,
+    tyche_init: &Path,
+    tstats: &Path,
+    istats: &Path,
+) -> Result<(Value, Value)> {
+    let mut c = Nbd::connect(nbd, "numa")?;
     ensure!(c.size == (EXPORT_MIB as u64) << 20, "export size {}", c.size);
     let data = pattern(0x5eed ^ scheduler.len() as u64, WORKLOAD);
     for (k, chunk) in data.chunks(REQUEST).enumerate() {
@@ -698,10 +768,17 @@ fn run_scheduler(
     let ir = json(&run_cmd(tyche_init, &["stats", &istats.display().to_string(), "--json"])?, "tyche-init stats")?;
     let tr = json(&run_cmd(tyched, &["stats", "--json", "--socket", &tstats.display().to_string()])?, "tyched stats")?;
     c.disconnect();
+    Ok((ir, tr))
+}
 
-    let node_of_nic = |name: &str, list: &[VmNic]| list.iter().find(|n| n.name == name).map(|n| n.node);
-    let mut engine_threads = Vec::new();
-    // Initiator: channels and their bytes.
+/// The node of the NIC called `name` in `list`.
+fn node_of_nic(name: &str, list: &[VmNic]) -> Option<u32> {
+    list.iter().find(|n| n.name == name).map(|n| n.node)
+}
+
+/// Checks each initiator channel is placed on its NIC's node; returns the payload bytes (tx +
+/// rx) and the read data (rx) per node.
+fn initiator_channels(scheduler: &str, ir: &Value, ini: &[VmNic]) -> Result<(BTreeMap<u32, u64>, BTreeMap<u32, u64>)> {
     let mut ini_by_node = BTreeMap::new();
     let mut ini_read_by_node = BTreeMap::new();
     for ch in ir["channels"].as_array().context("tyche-init stats: no channels")? {
@@ -720,6 +797,13 @@ fn run_scheduler(
             ch["channel"], ch["thread"]["name"], ch["thread"]["cpus"]
         ));
     }
+    Ok((ini_by_node, ini_read_by_node))
+}
+
+/// Checks each initiator link's memory on its NIC's node and its engine thread pinned there,
+/// one engine thread per link.
+fn initiator_links(scheduler: &str, ir: &Value, ini: &[VmNic], cpus: &[Vec<u64>; 2]) -> Result<()> {
+    let mut engine_threads = Vec::new();
     for l in ir["links"].as_array().context("tyche-init stats: no links")? {
         let name = l["name"].as_str().unwrap_or_default();
         let node = node_of_nic(name, ini).with_context(|| format!("unknown initiator link {name}"))?;
@@ -742,7 +826,11 @@ fn run_scheduler(
     engine_threads.sort_unstable();
     engine_threads.dedup();
     check!(engine_threads.len() == 2, "the initiator's two links share an engine thread: {engine_threads:?}");
-    // The NBD connection: its thread on node 1, its buffers on node 1.
+    Ok(())
+}
+
+/// The NBD connection: its thread on node 1, its buffers on node 1, the workload's bytes.
+fn nbd_connection(scheduler: &str, ir: &Value, cpus: &[Vec<u64>; 2]) -> Result<()> {
     let conns: Vec<&Value> =
         ir["nbd"].as_array().map(|a| a.iter().filter(|c| u(c, "bytes_written") > 0).collect()).unwrap_or_default();
     ensure!(conns.len() == 1, "one NBD connection carried the workload: {}", ir["nbd"]);
@@ -756,8 +844,11 @@ fn run_scheduler(
         u(conn, "bytes_written") == WORKLOAD as u64 && u(conn, "bytes_read") == WORKLOAD as u64,
         "NBD bytes: {conn}"
     );
+    Ok(())
+}
 
-    // Target: per NIC memory, per channel bytes.
+/// Checks each target NIC's memory on its node and its network thread pinned there.
+fn target_placement(scheduler: &str, tr: &Value, tgt: &[VmNic], cpus: &[Vec<u64>; 2]) -> Result<()> {
     for p in tr["placement"].as_array().context("tyched stats: no placement")? {
         let name = p["nic"].as_str().unwrap_or_default();
         let node = node_of_nic(name, tgt).with_context(|| format!("unknown target NIC {name}"))?;
@@ -770,6 +861,12 @@ fn run_scheduler(
         let tc = thread_on_node(&p["thread"], &format!("target {name}: its network thread"), node, cpus)?;
         say(format!("{scheduler}: target {name}: network thread {} on cpus {tc:?} (node {node})", p["thread"]["name"]));
     }
+    Ok(())
+}
+
+/// Checks the initiator's send mode (inline, none handed over) and its channel fallback order
+/// (by the bandwidth model).
+fn initiator_send(scheduler: &str, ir: &Value) -> Result<()> {
     // The paper's inline send mode (the default): the thread that read each NBD request, on
     // node 1, posted its frames itself; at least the 16 writes, the FLUSH and the 16 reads.
     let send = &ir["send"];
@@ -790,7 +887,12 @@ fn run_scheduler(
     // channel fallback order follows it.
     check!(ir["fallback"] == "model", "initiator: channel fallback by {}, not by the bandwidth model", ir["fallback"]);
     say(format!("{scheduler}: initiator: channel fallback order by {}", ir["fallback"]));
-    // Seed 002: each target NIC's interrupts, read from the VM's sysfs and procfs.
+    Ok(())
+}
+
+/// Seed 002: each target NIC's interrupts, read from the VM's sysfs and procfs; with
+/// `irq_auto`, each on its NIC's node and none on its network thread's core.
+fn target_irqs(scheduler: &str, tr: &Value, tgt: &[VmNic], cpus: &[Vec<u64>; 2], irq_auto: bool) -> Result<()> {
     for n in tgt {
         let r = tr["irqs"]
             .as_array()
@@ -821,15 +923,25 @@ fn run_scheduler(
             if irq_auto { " (moved: --irq-affinity auto)" } else { "" }
         ));
     }
-    // The target moved the data between UMEM frames and its RAM store with no copy in user space
-    // (native XDP on virtio-net here).
+    Ok(())
+}
+
+/// The target moved the data between UMEM frames and its RAM store with no copy in user space
+/// (native XDP on virtio-net here).
+fn no_payload_copied(scheduler: &str, tr: &Value) -> Result<()> {
     let copied = tr["payload_copied_bytes"].as_u64().context("tyched stats: no payload_copied_bytes")?;
     check!(
         copied == 0,
         "target: {copied} payload bytes copied in user space, {} of them on the write path (expected none over AF_XDP)",
-        u(&tr, "payload_copied_write_bytes")
+        u(tr, "payload_copied_write_bytes")
     );
     say(format!("{scheduler}: target: payload_copied_bytes 0 (data straight between UMEM frames and storage)"));
+    Ok(())
+}
+
+/// Checks each target channel is placed on its NIC's node; returns the payload bytes (tx + rx)
+/// per node.
+fn target_channels(scheduler: &str, tr: &Value, tgt: &[VmNic]) -> Result<BTreeMap<u32, u64>> {
     let mut tgt_by_node = BTreeMap::new();
     for ch in tr["channels"].as_array().context("tyched stats: no channels")? {
         let name = ch["nic"].as_str().unwrap_or_default();
@@ -842,11 +954,7 @@ fn run_scheduler(
             ch["channel"], ch["slots"]["on_expected"], ch["slots"]["pages"]
         ));
     }
-    storage_checks(scheduler, &tr, &tgt_by_node, cpus, planned)?;
-    i.stop();
-    t.stop();
-    let _ = fs::remove_file(&image);
-    Ok(Run { ini_by_node, ini_read_by_node, tgt_by_node })
+    Ok(tgt_by_node)
 }
 
 /// The completion workers of a placement plan (`plan` of `tyched topology --json`): node → CPUs.

@@ -13,6 +13,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,15 +45,47 @@ pub fn guest() -> Result<String> {
     println!("ublk: {dev} started (features {features})");
 
     let mut disk = BlockFs::new(&dev, &work);
+    let tree = write_first_tree(&mut disk, &dev)?;
+    target.check_alive()?;
+
+    // Recovery: kill -9 of the serving process with ext4 mounted and a writer running.
+    let again = Tree::new(0x5eed_0f9e, 160, 32 << 20);
+    let (written, rx) = start_writer(&mut disk)?;
+    let killed = kill_mid_write(&mut attach, &written, &rx, &again, &dev)?;
+
+    let log2 = work.join("attach-recover.log");
+    let mut recovered = spawn_attach(root, &lab, &["--recover", &dev], &log2)?;
+    let (resumed, mode) = wait_recovered(&mut recovered, &log2, &dev, killed)?;
+    match rx.recv_timeout(Duration::from_secs(300)) {
+        Ok(r) => r.context("the writer failed across the recovery")?,
+        Err(e) => bail!("the writer did not finish after the recovery: {e}"),
+    }
+    verify_after_recovery(root, &mut disk, &tree, &again, &dev)?;
+    target.check_alive()?;
+
+    detach_recovered(root, &mut recovered, &log2, &dev)?;
+    orphan_deleted_by_detach(root, &lab, &work)?;
+    let path = data_path(&features);
+    Ok(format!(
+        "data path: {path}, features: {features}; recovery: kill -9 mid-write, {mode}, resumed in {:.1} s",
+        resumed.as_secs_f64()
+    ))
+}
+
+/// Checks the device's size, then ext4 made on it, a tree written, fsck clean and the tree
+/// verified; returns the tree.
+fn write_first_tree(disk: &mut BlockFs, dev: &str) -> Result<Tree> {
     let size = disk.size()?;
     ensure!(size == 256 << 20, "{dev} is {size} bytes, the export 256 MiB");
     let tree = Tree::new(0x0b1c_0de5, 120, 48 << 20);
     disk.ext4_round_trip(&tree)?;
     println!("ublk: ext4 written, fsck clean, {} MiB verified", tree.bytes() >> 20);
-    target.check_alive()?;
+    Ok(tree)
+}
 
-    // Recovery: kill -9 of the serving process with ext4 mounted and a writer running.
-    let again = Tree::new(0x5eed_0f9e, 160, 32 << 20);
+/// Mounts the filesystem and starts a writer thread on a second tree under `again`; returns its
+/// bytes written so far and where its result will come.
+fn start_writer(disk: &mut BlockFs) -> Result<(Arc<AtomicU64>, Receiver<Result<()>>)> {
     let mnt = disk.mount()?;
     let written = Arc::new(AtomicU64::new(0));
     let (tx, rx) = std::sync::mpsc::channel();
@@ -64,6 +97,18 @@ pub fn guest() -> Result<String> {
             let _ = tx.send(r);
         });
     }
+    Ok((written, rx))
+}
+
+/// Kills `attach` with SIGKILL once the writer is a quarter through `again`; checks that the
+/// device stays and the writer still runs. Returns when it was killed.
+fn kill_mid_write(
+    attach: &mut Daemon,
+    written: &AtomicU64,
+    rx: &Receiver<Result<()>>,
+    again: &Tree,
+    dev: &str,
+) -> Result<Instant> {
     let kill_at = again.bytes() / 4;
     stack::wait_for("the writer a quarter through", Duration::from_secs(120), || {
         Ok(written.load(Ordering::Relaxed) >= kill_at)
@@ -72,16 +117,19 @@ pub fn guest() -> Result<String> {
     let at = written.load(Ordering::Relaxed);
     let killed = Instant::now();
     println!("ublk: tyche-init attach killed ({status}) with {} of {} MiB written", at >> 20, again.bytes() >> 20);
-    ensure!(Path::new(&dev).exists(), "{dev} went away with its server");
+    ensure!(Path::new(dev).exists(), "{dev} went away with its server");
     if let Ok(r) = rx.try_recv() {
         bail!("the writer ended before recovery: {r:?}");
     }
+    Ok(killed)
+}
 
-    let log2 = work.join("attach-recover.log");
-    let mut recovered = spawn_attach(root, &lab, &["--recover", &dev], &log2)?;
-    let dev2 = wait_started(&mut recovered, &log2, "ublk device recovered")?;
+/// Waits until `recovered` (`attach --recover`) has taken `dev` over; returns how long after the
+/// kill that was and its recovery mode.
+fn wait_recovered(recovered: &mut Daemon, log: &Path, dev: &str, killed: Instant) -> Result<(Duration, &'static str)> {
+    let dev2 = wait_started(recovered, log, "ublk device recovered")?;
     ensure!(dev2 == dev, "--recover {dev} printed {dev2}");
-    let rec_features = logged_features(&log2)?;
+    let rec_features = logged_features(log)?;
     let resumed = killed.elapsed();
     println!("ublk: {dev} recovered {:.1} s after the kill (features {rec_features})", resumed.as_secs_f64());
     let mode = if rec_features.split(',').any(|f| f == "user_recovery_reissue") {
@@ -91,10 +139,12 @@ pub fn guest() -> Result<String> {
     } else {
         bail!("the recovered device runs without user recovery ({rec_features})");
     };
-    match rx.recv_timeout(Duration::from_secs(300)) {
-        Ok(r) => r.context("the writer failed across the recovery")?,
-        Err(e) => bail!("the writer did not finish after the recovery: {e}"),
-    }
+    Ok((resumed, mode))
+}
+
+/// After the writer finished: unmounted, fsck clean, both trees verified, and a detach of the
+/// mounted device refused; unmounted again.
+fn verify_after_recovery(root: &Path, disk: &mut BlockFs, tree: &Tree, again: &Tree, dev: &str) -> Result<()> {
     run(&mut Command::new("sync"))?;
     disk.umount()?;
     disk.drop_caches()?;
@@ -103,29 +153,35 @@ pub fn guest() -> Result<String> {
     tree.verify(&mnt, &mut |_| {})?;
     again.verify(&mnt.join("again"), &mut |_| {})?;
     // A mounted device is not detached from under its file system.
-    let busy = Command::new(stack::bin(root, "tyche-init")).args(["detach", &dev]).output()?;
+    let busy = Command::new(stack::bin(root, "tyche-init")).args(["detach", dev]).output()?;
     let said = String::from_utf8_lossy(&busy.stderr);
     ensure!(!busy.status.success() && said.contains("is in use"), "detach of the mounted {dev}: {said}");
-    ensure!(Path::new(&dev).exists(), "{dev} went away under its mounted file system");
+    ensure!(Path::new(dev).exists(), "{dev} went away under its mounted file system");
     disk.umount()?;
     println!(
         "ublk: writer finished across kill -9 and recovery, fsck clean, {} MiB verified, detach of the mounted device refused",
         (tree.bytes() + again.bytes()) >> 20
     );
-    target.check_alive()?;
+    Ok(())
+}
 
-    run(Command::new(stack::bin(root, "tyche-init")).args(["detach", &dev]))?;
+/// Detaches `dev`: the recovering process must exit 0 and the device go.
+fn detach_recovered(root: &Path, recovered: &mut Daemon, log: &Path, dev: &str) -> Result<()> {
+    run(Command::new(stack::bin(root, "tyche-init")).args(["detach", dev]))?;
     let status =
         recovered.wait(Duration::from_secs(30)).context("tyche-init attach --recover did not exit after detach")?;
     if !status.success() {
-        let tail = fs::read_to_string(&log2).unwrap_or_default();
+        let tail = fs::read_to_string(log).unwrap_or_default();
         bail!("tyche-init attach --recover exited with {status} after detach:\n{tail}");
     }
-    ensure!(!Path::new(&dev).exists(), "{dev} still exists after detach");
+    ensure!(!Path::new(dev).exists(), "{dev} still exists after detach");
+    Ok(())
+}
 
-    // A device nobody recovers: `detach` deletes it (asked for by number, as a supervisor does).
+/// A device nobody recovers: `detach` deletes it (asked for by number, as a supervisor does).
+fn orphan_deleted_by_detach(root: &Path, lab: &Lab, work: &Path) -> Result<()> {
     let log3 = work.join("attach-orphan.log");
-    let mut orphan = spawn_attach(root, &lab, &["--dev-id", "5"], &log3)?;
+    let mut orphan = spawn_attach(root, lab, &["--dev-id", "5"], &log3)?;
     let dev3 = wait_started(&mut orphan, &log3, "ublk device started")?;
     ensure!(dev3 == "/dev/ublkb5", "--dev-id 5 made {dev3}");
     orphan.kill()?;
@@ -134,11 +190,7 @@ pub fn guest() -> Result<String> {
     ensure!(said.contains("deleted"), "detach of the orphaned {dev3} said {said:?}");
     stack::wait_for("the orphaned device to go", Duration::from_secs(10), || Ok(!Path::new(&dev3).exists()))?;
     println!("ublk: orphaned {dev3} (server killed) deleted by detach");
-    let path = data_path(&features);
-    Ok(format!(
-        "data path: {path}, features: {features}; recovery: kill -9 mid-write, {mode}, resumed in {:.1} s",
-        resumed.as_secs_f64()
-    ))
+    Ok(())
 }
 
 /// Which ublk data path the device ran with, from its features: how request data moves
