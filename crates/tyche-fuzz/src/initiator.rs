@@ -389,29 +389,12 @@ impl World {
         self.emit(channel, &Message::Data(Data { header, payload: &payload }));
     }
 
+    /// Plays one action of the hostile target (or the application).
     fn act(&mut self, a: &Action) {
         match *a {
-            Action::Submit { op, offset, sectors, fua } => {
-                let op = Op::ALL[op as usize % Op::ALL.len()];
-                let (offset, length) =
-                    if op == Op::Flush { (0, 0) } else { (offset as u64 * 512, (sectors as u64 % 512 + 1) * 512) };
-                let id = self.next_id;
-                self.next_id += 1;
-                let req = IoRequest { id, op, fua, offset, length, node: None };
-                let part = self.vol.submit_part(id as usize);
-                if self.vol.part(part).submit(self.now, req).is_ok() {
-                    self.outstanding.insert(id, (op, length));
-                }
-                self.events();
-            }
+            Action::Submit { op, offset, sectors, fua } => self.submit(op, offset, sectors, fua),
             Action::Transmit => self.transmit(),
-            Action::Complete { which, bend, status, seq, ack } => {
-                let s = self.pick(which, bend);
-                let seq = self.seq(s.channel, seq, ack);
-                let status = Status::ALL[status as usize % Status::ALL.len()];
-                let m = Completion { seq, status, remq: s.remq, damq: s.damq, tag: s.tag };
-                self.emit(s.channel, &Message::Completion(m));
-            }
+            Action::Complete { which, bend, status, seq, ack } => self.complete(which, bend, status, seq, ack),
             Action::Segment { which, bend, seg_index, seg_count, offset, len, seq, ack, fill } => {
                 let s = self.pick(which, bend);
                 let seg = self.params.segment as u32;
@@ -422,28 +405,7 @@ impl World {
                 let header = DataHeader { seq, damq: s.damq, seg_index, seg_count: count, tag: s.tag, offset };
                 self.segment(s.channel, header, len, fill);
             }
-            Action::Serve { which, skip, complete } => {
-                let s = self.pick(which, Bend::None);
-                let seg = self.params.segment as u32;
-                if s.op == Op::Read {
-                    let count = s.length.div_ceil(seg).max(1);
-                    for i in 0..count.min(256) {
-                        if skip != 0 && i as u16 % 16 == skip % 16 {
-                            continue;
-                        }
-                        let seq = self.seq(s.channel, SeqSel::Next, AckSel::Honest);
-                        let len = seg.min(s.length - i * seg) as usize;
-                        let (seg_index, seg_count, offset) = (i as u16, count as u16, i * seg);
-                        let header = DataHeader { seq, damq: s.damq, seg_index, seg_count, tag: s.tag, offset };
-                        self.segment(s.channel, header, len, s.tag as u8);
-                    }
-                }
-                if complete {
-                    let seq = self.seq(s.channel, SeqSel::Next, AckSel::Honest);
-                    let m = Completion { seq, status: Status::Ok, remq: s.remq, damq: s.damq, tag: s.tag };
-                    self.emit(s.channel, &Message::Completion(m));
-                }
-            }
+            Action::Serve { which, skip, complete } => self.serve(which, skip, complete),
             Action::Ack { ch, cumulative, sack, duplicate } => {
                 let s = self.seq(ch, SeqSel::Raw(0), cumulative);
                 self.emit(ch, &Message::Ack(Ack { cumulative: s.ack, sack, duplicate }));
@@ -459,76 +421,136 @@ impl World {
                 let reason = DisconnectReason::ALL[reason as usize % DisconnectReason::ALL.len()];
                 self.emit(ch, &Message::Disconnect(Disconnect { reason }));
             }
-            Action::Unexpected { ch, kind, a, b, seq } => {
-                let seq = self.seq(ch, seq, AckSel::Honest);
-                let p = self.params;
-                let m = match kind % 5 {
-                    0 => Message::Accept(Accept {
-                        nonce: a,
-                        params: p,
-                        export_size: b,
-                        block_size: 512,
-                        export_flags: 0,
-                        proof: None,
-                        durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
-                        channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
-                    }),
-                    1 => Message::Challenge(Challenge { nonce: a, target_nonce: b }),
-                    2 => Message::Reject(Reject {
-                        nonce: a,
-                        reason: RejectReason::ALL[b as usize % RejectReason::ALL.len()],
-                        holder: (a & 1 == 1).then(|| tyche_wire::MacAddr::local(b as u32)),
-                    }),
-                    3 => Message::Request(Request {
-                        seq,
-                        op: Op::Read,
-                        fua: false,
-                        remq: a as u16,
-                        damq: (a >> 16) as u16,
-                        home: (a >> 32) as u16,
-                        tag: b,
-                        floor: 0,
-                        offset: 0,
-                        length: 512,
-                    }),
-                    _ => Message::Discover(tyche_wire::Discover { nonce: a as u32, start: b as u16 }),
-                };
-                self.emit(ch, &m);
-            }
-            Action::Raw { ch, kind, flags, session, ref body } => {
-                let mut env = self.env(ch);
-                if !session {
-                    env.session = 0;
-                }
-                let kind = Kind::ALL[kind as usize % Kind::ALL.len()];
-                let len = (kind.fixed_len().max(16) + body.len()).min(FRAME - 14);
-                let mut buf = vec![0u8; 14 + len.max(46)];
-                env.emit_headers(kind, flags, len, &mut buf);
-                let n = body.len().min(len - 16);
-                buf[14 + 16..14 + 16 + n].copy_from_slice(&body[..n]);
-                self.deliver(&buf);
-            }
+            Action::Unexpected { ch, kind, a, b, seq } => self.unexpected(ch, kind, a, b, seq),
+            Action::Raw { ch, kind, flags, session, ref body } => self.raw(ch, kind, flags, session, body),
             Action::Bytes(ref b) => self.deliver(&b[..b.len().min(FRAME)]),
-            Action::Replay { back } => {
-                let n = self.sent.len();
-                if n > 0 {
-                    let f = self.sent[n - 1 - back as usize % n].clone();
-                    self.deliver(&f);
-                }
-            }
-            Action::Corrupt { back, at, xor, cut } => {
-                let n = self.sent.len();
-                if n > 0 {
-                    let mut f = self.sent[n - 1 - back as usize % n].clone();
-                    let i = at as usize % f.len();
-                    f[i] ^= xor;
-                    if let Some(c) = cut {
-                        f.truncate(c as usize % (f.len() + 1));
-                    }
-                    self.deliver(&f);
-                }
-            }
+            Action::Replay { back } => self.replay(back),
+            Action::Corrupt { back, at, xor, cut } => self.corrupt(back, at, xor, cut),
             Action::Advance(ms) => self.advance(Duration::from_millis(ms as u64 % 5000)),
+        }
+    }
+
+    /// [`Action::Submit`]: the application submits a request (kept if the volume takes it).
+    fn submit(&mut self, op: u8, offset: u16, sectors: u16, fua: bool) {
+        let op = Op::ALL[op as usize % Op::ALL.len()];
+        let (offset, length) =
+            if op == Op::Flush { (0, 0) } else { (offset as u64 * 512, (sectors as u64 % 512 + 1) * 512) };
+        let id = self.next_id;
+        self.next_id += 1;
+        let req = IoRequest { id, op, fua, offset, length, node: None };
+        let part = self.vol.submit_part(id as usize);
+        if self.vol.part(part).submit(self.now, req).is_ok() {
+            self.outstanding.insert(id, (op, length));
+        }
+        self.events();
+    }
+
+    /// [`Action::Complete`]: a COMPLETION for the request `which` names, bent.
+    fn complete(&mut self, which: Which, bend: Bend, status: u8, seq: SeqSel, ack: AckSel) {
+        let s = self.pick(which, bend);
+        let seq = self.seq(s.channel, seq, ack);
+        let status = Status::ALL[status as usize % Status::ALL.len()];
+        let m = Completion { seq, status, remq: s.remq, damq: s.damq, tag: s.tag };
+        self.emit(s.channel, &Message::Completion(m));
+    }
+
+    /// [`Action::Serve`]: every segment of a read (but those `skip` names), then maybe its COMPLETION.
+    fn serve(&mut self, which: Which, skip: u16, complete: bool) {
+        let s = self.pick(which, Bend::None);
+        let seg = self.params.segment as u32;
+        if s.op == Op::Read {
+            let count = s.length.div_ceil(seg).max(1);
+            for i in 0..count.min(256) {
+                if skip != 0 && i as u16 % 16 == skip % 16 {
+                    continue;
+                }
+                let seq = self.seq(s.channel, SeqSel::Next, AckSel::Honest);
+                let len = seg.min(s.length - i * seg) as usize;
+                let (seg_index, seg_count, offset) = (i as u16, count as u16, i * seg);
+                let header = DataHeader { seq, damq: s.damq, seg_index, seg_count, tag: s.tag, offset };
+                self.segment(s.channel, header, len, s.tag as u8);
+            }
+        }
+        if complete {
+            let seq = self.seq(s.channel, SeqSel::Next, AckSel::Honest);
+            let m = Completion { seq, status: Status::Ok, remq: s.remq, damq: s.damq, tag: s.tag };
+            self.emit(s.channel, &Message::Completion(m));
+        }
+    }
+
+    /// [`Action::Unexpected`]: a handshake reply or another kind the initiator does not expect.
+    fn unexpected(&mut self, ch: u16, kind: u8, a: u64, b: u64, seq: SeqSel) {
+        let seq = self.seq(ch, seq, AckSel::Honest);
+        let p = self.params;
+        let m = match kind % 5 {
+            0 => Message::Accept(Accept {
+                nonce: a,
+                params: p,
+                export_size: b,
+                block_size: 512,
+                export_flags: 0,
+                proof: None,
+                durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
+                channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
+            }),
+            1 => Message::Challenge(Challenge { nonce: a, target_nonce: b }),
+            2 => Message::Reject(Reject {
+                nonce: a,
+                reason: RejectReason::ALL[b as usize % RejectReason::ALL.len()],
+                holder: (a & 1 == 1).then(|| tyche_wire::MacAddr::local(b as u32)),
+            }),
+            3 => Message::Request(Request {
+                seq,
+                op: Op::Read,
+                fua: false,
+                remq: a as u16,
+                damq: (a >> 16) as u16,
+                home: (a >> 32) as u16,
+                tag: b,
+                floor: 0,
+                offset: 0,
+                length: 512,
+            }),
+            _ => Message::Discover(tyche_wire::Discover { nonce: a as u32, start: b as u16 }),
+        };
+        self.emit(ch, &m);
+    }
+
+    /// [`Action::Raw`]: a frame of kind `kind` (its length valid) whose body is `body`, maybe sessionless.
+    fn raw(&mut self, ch: u16, kind: u8, flags: u16, session: bool, body: &[u8]) {
+        let mut env = self.env(ch);
+        if !session {
+            env.session = 0;
+        }
+        let kind = Kind::ALL[kind as usize % Kind::ALL.len()];
+        let len = (kind.fixed_len().max(16) + body.len()).min(FRAME - 14);
+        let mut buf = vec![0u8; 14 + len.max(46)];
+        env.emit_headers(kind, flags, len, &mut buf);
+        let n = body.len().min(len - 16);
+        buf[14 + 16..14 + 16 + n].copy_from_slice(&body[..n]);
+        self.deliver(&buf);
+    }
+
+    /// [`Action::Replay`]: a frame delivered earlier (`back` from the last), again.
+    fn replay(&mut self, back: u8) {
+        let n = self.sent.len();
+        if n > 0 {
+            let f = self.sent[n - 1 - back as usize % n].clone();
+            self.deliver(&f);
+        }
+    }
+
+    /// [`Action::Corrupt`]: a frame delivered earlier with byte `at` xored and maybe cut short.
+    fn corrupt(&mut self, back: u8, at: u16, xor: u8, cut: Option<u16>) {
+        let n = self.sent.len();
+        if n > 0 {
+            let mut f = self.sent[n - 1 - back as usize % n].clone();
+            let i = at as usize % f.len();
+            f[i] ^= xor;
+            if let Some(c) = cut {
+                f.truncate(c as usize % (f.len() + 1));
+            }
+            self.deliver(&f);
         }
     }
 

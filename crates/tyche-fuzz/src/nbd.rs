@@ -526,183 +526,277 @@ fn transmission(input: &Input, size: u64) {
 
 /// The transmission phase of `input`, after `stream` (raw client bytes) when there is one.
 fn transmission_with(input: &Input, size: u64, stream: Option<&[u8]>) {
-    let Ok((server, client)) = UnixStream::pair() else { return };
-    let max = input.max_inflight as usize % 64 + 1;
-    let hole_min = input.hole_reads.then_some(4096);
-    let options = Options {
-        size,
-        read_only: input.read_only,
-        discard: input.discard,
-        max_inflight: max,
-        structured: input.structured,
-        extended: input.extended,
-        hole_read_min: hole_min,
+    let Some(mut t) = Transmission::open(input, size) else { return };
+    let (framed, whole) = match stream {
+        Some(s) => t.queue_stream(s),
+        None => (Vec::new(), false),
     };
-    let Ok(mut conn) = Conn::new(server, options) else {
-        return;
-    };
-    client.set_nonblocking(true).expect("non-blocking");
-    let mut c = Client {
-        sock: client,
-        pending: VecDeque::new(),
-        got: Vec::new(),
-        asked: HashMap::new(),
-        structured: input.structured || input.extended,
-        extended: input.extended,
-        partial: HashMap::new(),
-        answered: HashMap::new(),
-        lost: false,
-    };
-    let mut disk = vec![0u8; size as usize];
-    let mut held: VecDeque<Io> = VecDeque::new();
-    let max_inflight = input.max_inflight as usize % 64 + 1;
-    let mut next_cookie = 1u64 << 63;
-    let mut queued = 0usize;
-    let mut framed = Vec::new();
-    let mut whole = false;
-    if let Some(s) = stream {
-        let mut s = s.to_vec();
-        (framed, whole) = frame_stream(&mut s, input.extended);
-        crate::count_frames(framed.len() as u64);
-        c.asked.extend(framed.iter().copied());
-        queued += s.len();
-        c.pending.extend(s);
-    }
     for item in input.items.iter().take(MAX_ITEMS) {
-        match *item {
-            Item::Request { command, flags, offset, length, payload, bad_magic } => {
-                crate::count_frames(1);
-                let command = [
-                    cmd::READ,
-                    cmd::WRITE,
-                    cmd::DISC,
-                    cmd::FLUSH,
-                    cmd::TRIM,
-                    cmd::CACHE,
-                    cmd::WRITE_ZEROES,
-                    cmd::BLOCK_STATUS,
-                    8,
-                    0xffff,
-                ][command as usize % 10];
-                let offset = match offset {
-                    Offset::Sector(s) => (s as u64 % (size / 512 + 1)) * 512,
-                    Offset::Raw(v) => v,
-                    Offset::End(d) => size.wrapping_add_signed(d as i64),
-                };
-                let mut length = match length {
-                    Length::Sectors(s) => s as u64 * 512,
-                    Length::Raw(v) => v as u64,
-                    Length::OverMax(d) => fuzzing::MAX_REQUEST as u64 + d as u64,
-                    Length::Wide(v) => v,
-                };
-                if !input.extended {
-                    length &= u32::MAX as u64;
-                }
-                // With extended headers a WRITE carries PAYLOAD_LEN unless the flags ask to leave it
-                // out (bit 15: a WRITE without it, as qemu sends them; its payload follows all the same).
-                let mut flags = flags;
-                if input.extended && command == cmd::WRITE && flags & 0x8000 == 0 {
-                    flags |= codec::cflag::PAYLOAD_LEN;
-                }
-                let cookie = next_cookie;
-                next_cookie += 1;
-                let mut h = Vec::with_capacity(32);
-                let (good, other) = if input.extended {
-                    (codec::EXTENDED_REQUEST_MAGIC, codec::REQUEST_MAGIC)
-                } else {
-                    (codec::REQUEST_MAGIC, codec::EXTENDED_REQUEST_MAGIC)
-                };
-                put_u32(
-                    &mut h,
-                    match bad_magic {
-                        None => good,
-                        Some(true) => other,
-                        Some(false) => 0xdead_beef,
-                    },
-                );
-                h.extend_from_slice(&flags.to_be_bytes());
-                h.extend_from_slice(&command.to_be_bytes());
-                h.extend_from_slice(&cookie.to_be_bytes());
-                h.extend_from_slice(&offset.to_be_bytes());
-                if input.extended {
-                    h.extend_from_slice(&length.to_be_bytes());
-                } else {
-                    put_u32(&mut h, length as u32);
-                }
-                let req = codec::Request { flags, command, cookie, offset, length };
-                let body = match (req.payload(input.extended), payload) {
-                    (Some(n), Payload::Full) => n.min(MAX_CLIENT_BYTES as u64 + 1) as usize,
-                    (Some(n), Payload::Short(k)) => (k as u64).min(n) as usize,
-                    (None, _) => 0,
-                };
-                if queued + 28 + body > MAX_CLIENT_BYTES {
-                    continue;
-                }
-                queued += 28 + body;
-                c.pending.extend(h);
-                c.pending.extend(std::iter::repeat_n(cookie as u8 | 1, body));
-                c.asked.insert(cookie, Asked { command, flags, offset, length });
-            }
-            Item::Raw(ref v) => {
-                crate::count_frames(1);
-                queued += v.len();
-                c.pending.extend(v.iter().copied());
-            }
-            Item::Trickle(n) => {
-                c.deliver(n as usize);
-                serve(&mut conn, &mut held, &mut disk, input, max_inflight);
-                c.receive();
-            }
-            Item::Serve { complete, fail, newest_first } => {
-                c.deliver(usize::MAX);
-                serve(&mut conn, &mut held, &mut disk, input, max_inflight);
-                for _ in 0..complete as usize % 8 {
-                    let io = if newest_first { held.pop_back() } else { held.pop_front() };
-                    let Some(io) = io else { break };
-                    finish(&mut conn, io, &mut disk, fail);
-                }
-                conn.write_replies();
-                c.receive();
-            }
-        }
+        t.item(item);
     }
     // The client sends the rest and closes its end; the volume completes everything.
-    for _ in 0..100_000 {
-        c.deliver(usize::MAX);
-        let before = held.len();
-        serve(&mut conn, &mut held, &mut disk, input, max_inflight);
-        while let Some(io) = held.pop_front() {
-            finish(&mut conn, io, &mut disk, None);
-        }
-        conn.write_replies();
-        c.receive();
-        if c.pending.is_empty() && before == 0 && held.is_empty() {
-            break;
-        }
-    }
-    let _ = c.sock.shutdown(std::net::Shutdown::Write);
-    for _ in 0..1000 {
-        serve(&mut conn, &mut held, &mut disk, input, max_inflight);
-        while let Some(io) = held.pop_front() {
-            finish(&mut conn, io, &mut disk, None);
-        }
-        conn.write_replies();
-        c.receive();
-        if conn.finished() {
-            break;
-        }
-    }
-    assert!(conn.finished(), "the client closed, nothing is in flight, yet the connection is not finished");
-    conn.close();
-    if whole && !c.lost {
+    t.send_rest();
+    t.close();
+    if whole && !t.client.lost {
         for (cookie, a) in &framed {
             assert!(
-                c.answered.contains_key(cookie),
+                t.client.answered.contains_key(cookie),
                 "request {cookie:#x} (command {}, {} bytes) of a stream framed whole was never answered",
                 a.command,
                 a.length
             );
         }
+    }
+}
+
+/// The commands a composed request picks from (the last two unknown).
+const COMMANDS: [u16; 10] = [
+    cmd::READ,
+    cmd::WRITE,
+    cmd::DISC,
+    cmd::FLUSH,
+    cmd::TRIM,
+    cmd::CACHE,
+    cmd::WRITE_ZEROES,
+    cmd::BLOCK_STATUS,
+    8,
+    0xffff,
+];
+
+impl Offset {
+    /// The byte offset this selects in an export of `size` bytes.
+    fn bytes(self, size: u64) -> u64 {
+        match self {
+            Offset::Sector(s) => (s as u64 % (size / 512 + 1)) * 512,
+            Offset::Raw(v) => v,
+            Offset::End(d) => size.wrapping_add_signed(d as i64),
+        }
+    }
+}
+
+impl Length {
+    /// The byte length this selects, cut to 32 bits unless the headers are `extended`.
+    fn bytes(self, extended: bool) -> u64 {
+        let mut length = match self {
+            Length::Sectors(s) => s as u64 * 512,
+            Length::Raw(v) => v as u64,
+            Length::OverMax(d) => fuzzing::MAX_REQUEST as u64 + d as u64,
+            Length::Wide(v) => v,
+        };
+        if !extended {
+            length &= u32::MAX as u64;
+        }
+        length
+    }
+}
+
+/// The header of `req`, compact or `extended`, with its style's magic unless `bad_magic` says otherwise.
+fn request_header(req: &codec::Request, extended: bool, bad_magic: Option<bool>) -> Vec<u8> {
+    let mut h = Vec::with_capacity(32);
+    let (good, other) = if extended {
+        (codec::EXTENDED_REQUEST_MAGIC, codec::REQUEST_MAGIC)
+    } else {
+        (codec::REQUEST_MAGIC, codec::EXTENDED_REQUEST_MAGIC)
+    };
+    put_u32(
+        &mut h,
+        match bad_magic {
+            None => good,
+            Some(true) => other,
+            Some(false) => 0xdead_beef,
+        },
+    );
+    h.extend_from_slice(&req.flags.to_be_bytes());
+    h.extend_from_slice(&req.command.to_be_bytes());
+    h.extend_from_slice(&req.cookie.to_be_bytes());
+    h.extend_from_slice(&req.offset.to_be_bytes());
+    if extended {
+        h.extend_from_slice(&req.length.to_be_bytes());
+    } else {
+        put_u32(&mut h, req.length as u32);
+    }
+    h
+}
+
+/// The transmission phase under way: the server's connection, its client, and the RAM disk
+/// playing the volume with the requests it holds (declared in the order they are dropped).
+struct Transmission<'a> {
+    input: &'a Input,
+    /// Export size in bytes.
+    size: u64,
+    max_inflight: usize,
+    /// Cookie of the next composed request.
+    next_cookie: u64,
+    /// Client bytes queued so far (at most [`MAX_CLIENT_BYTES`] of composed requests).
+    queued: usize,
+    /// Requests handed to the volume, not yet completed.
+    held: VecDeque<Io>,
+    disk: Vec<u8>,
+    client: Client,
+    conn: Conn,
+}
+
+impl<'a> Transmission<'a> {
+    /// A server connection for `input` and its client over a socket pair (`None` if either fails).
+    fn open(input: &'a Input, size: u64) -> Option<Transmission<'a>> {
+        let Ok((server, client)) = UnixStream::pair() else { return None };
+        let max = input.max_inflight as usize % 64 + 1;
+        let hole_min = input.hole_reads.then_some(4096);
+        let options = Options {
+            size,
+            read_only: input.read_only,
+            discard: input.discard,
+            max_inflight: max,
+            structured: input.structured,
+            extended: input.extended,
+            hole_read_min: hole_min,
+        };
+        let Ok(conn) = Conn::new(server, options) else {
+            return None;
+        };
+        client.set_nonblocking(true).expect("non-blocking");
+        let client = Client {
+            sock: client,
+            pending: VecDeque::new(),
+            got: Vec::new(),
+            asked: HashMap::new(),
+            structured: input.structured || input.extended,
+            extended: input.extended,
+            partial: HashMap::new(),
+            answered: HashMap::new(),
+            lost: false,
+        };
+        Some(Transmission {
+            input,
+            size,
+            max_inflight: input.max_inflight as usize % 64 + 1,
+            next_cookie: 1u64 << 63,
+            queued: 0,
+            held: VecDeque::new(),
+            disk: vec![0u8; size as usize],
+            client,
+            conn,
+        })
+    }
+
+    /// Queues the raw client bytes `s`; returns [`frame_stream`]'s requests and whether it framed them whole.
+    fn queue_stream(&mut self, s: &[u8]) -> (Vec<(u64, Asked)>, bool) {
+        let mut s = s.to_vec();
+        let (framed, whole) = frame_stream(&mut s, self.input.extended);
+        crate::count_frames(framed.len() as u64);
+        self.client.asked.extend(framed.iter().copied());
+        self.queued += s.len();
+        self.client.pending.extend(s);
+        (framed, whole)
+    }
+
+    /// Plays one step of the transmission phase.
+    fn item(&mut self, item: &Item) {
+        match *item {
+            Item::Request { command, flags, offset, length, payload, bad_magic } => {
+                self.request(command, flags, offset, length, payload, bad_magic)
+            }
+            Item::Raw(ref v) => {
+                crate::count_frames(1);
+                self.queued += v.len();
+                self.client.pending.extend(v.iter().copied());
+            }
+            Item::Trickle(n) => {
+                self.client.deliver(n as usize);
+                self.serve_requests();
+                self.client.receive();
+            }
+            Item::Serve { complete, fail, newest_first } => {
+                self.client.deliver(usize::MAX);
+                self.serve_requests();
+                for _ in 0..complete as usize % 8 {
+                    let io = if newest_first { self.held.pop_back() } else { self.held.pop_front() };
+                    let Some(io) = io else { break };
+                    finish(&mut self.conn, io, &mut self.disk, fail);
+                }
+                self.conn.write_replies();
+                self.client.receive();
+            }
+        }
+    }
+
+    /// [`Item::Request`]: a composed request, queued unless the client's bytes would pass [`MAX_CLIENT_BYTES`].
+    fn request(
+        &mut self,
+        command: u8,
+        flags: u16,
+        offset: Offset,
+        length: Length,
+        payload: Payload,
+        bad_magic: Option<bool>,
+    ) {
+        crate::count_frames(1);
+        let extended = self.input.extended;
+        let command = COMMANDS[command as usize % COMMANDS.len()];
+        let offset = offset.bytes(self.size);
+        let length = length.bytes(extended);
+        // With extended headers a WRITE carries PAYLOAD_LEN unless the flags ask to leave it
+        // out (bit 15: a WRITE without it, as qemu sends them; its payload follows all the same).
+        let mut flags = flags;
+        if extended && command == cmd::WRITE && flags & 0x8000 == 0 {
+            flags |= codec::cflag::PAYLOAD_LEN;
+        }
+        let cookie = self.next_cookie;
+        self.next_cookie += 1;
+        let req = codec::Request { flags, command, cookie, offset, length };
+        let h = request_header(&req, extended, bad_magic);
+        let body = match (req.payload(extended), payload) {
+            (Some(n), Payload::Full) => n.min(MAX_CLIENT_BYTES as u64 + 1) as usize,
+            (Some(n), Payload::Short(k)) => (k as u64).min(n) as usize,
+            (None, _) => 0,
+        };
+        if self.queued + 28 + body > MAX_CLIENT_BYTES {
+            return;
+        }
+        self.queued += 28 + body;
+        self.client.pending.extend(h);
+        self.client.pending.extend(std::iter::repeat_n(cookie as u8 | 1, body));
+        self.client.asked.insert(cookie, Asked { command, flags, offset, length });
+    }
+
+    /// The server reads requests; each one for the volume is checked and held.
+    fn serve_requests(&mut self) {
+        serve(&mut self.conn, &mut self.held, &mut self.disk, self.input, self.max_inflight);
+    }
+
+    /// The server reads requests, the volume completes all it holds, the client reads the replies.
+    fn serve_all(&mut self) {
+        self.serve_requests();
+        while let Some(io) = self.held.pop_front() {
+            finish(&mut self.conn, io, &mut self.disk, None);
+        }
+        self.conn.write_replies();
+        self.client.receive();
+    }
+
+    /// The client sends the rest; the volume completes everything.
+    fn send_rest(&mut self) {
+        for _ in 0..100_000 {
+            self.client.deliver(usize::MAX);
+            let before = self.held.len();
+            self.serve_all();
+            if self.client.pending.is_empty() && before == 0 && self.held.is_empty() {
+                break;
+            }
+        }
+    }
+
+    /// The client closes its end: once everything completes the connection must be finished.
+    fn close(&mut self) {
+        let _ = self.client.sock.shutdown(std::net::Shutdown::Write);
+        for _ in 0..1000 {
+            self.serve_all();
+            if self.conn.finished() {
+                break;
+            }
+        }
+        assert!(self.conn.finished(), "the client closed, nothing is in flight, yet the connection is not finished");
+        self.conn.close();
     }
 }
 

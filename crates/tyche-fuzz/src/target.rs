@@ -214,6 +214,19 @@ pub enum FloorSel {
     Raw(u64),
 }
 
+impl FloorSel {
+    /// The FLOOR value this selects for a request tagged `tag`.
+    fn value(self, tag: u64) -> u64 {
+        match self {
+            FloorSel::Zero => 0,
+            FloorSel::Tag => tag,
+            FloorSel::Below(n) => tag.saturating_sub(n as u64),
+            FloorSel::Huge => u64::MAX,
+            FloorSel::Raw(v) => v,
+        }
+    }
+}
+
 /// The `HOME` of a hostile REQUEST.
 #[derive(Debug, Clone, Copy, Arbitrary)]
 pub enum HomeSel {
@@ -221,6 +234,16 @@ pub enum HomeSel {
     Own,
     /// Any index: another channel of the session, or one it does not have.
     Raw(u16),
+}
+
+impl HomeSel {
+    /// The channel index this selects for a request sent on channel `own`.
+    fn index(self, own: u16) -> u16 {
+        match self {
+            HomeSel::Own => own,
+            HomeSel::Raw(h) => h,
+        }
+    }
 }
 
 /// One thing the hostile does.
@@ -805,26 +828,18 @@ impl World {
         }
     }
 
+    /// Plays one hostile action.
     fn act(&mut self, a: &Action) {
         match *a {
             Action::Request { ch, seq, ack, op, fua, remq, damq, tag, home, floor, offset, length, odd } => {
                 let env = self.env(ch);
                 let seq = self.seq(&env, seq, ack);
                 let tag = self.tag(tag);
-                let floor = match floor {
-                    FloorSel::Zero => 0,
-                    FloorSel::Tag => tag,
-                    FloorSel::Below(n) => tag.saturating_sub(n as u64),
-                    FloorSel::Huge => u64::MAX,
-                    FloorSel::Raw(v) => v,
-                };
+                let floor = floor.value(tag);
                 let (offset, length) =
                     if odd { (offset as u64, length) } else { (offset as u64 * 512, length.wrapping_mul(512)) };
                 let op = Op::ALL[op as usize % Op::ALL.len()];
-                let home = match home {
-                    HomeSel::Own => env.channel,
-                    HomeSel::Raw(h) => h,
-                };
+                let home = home.index(env.channel);
                 let r = Request { seq, op, fua, remq, damq, home, tag, floor, offset, length };
                 self.emit(env, &Message::Request(r));
             }
@@ -843,51 +858,8 @@ impl World {
                 let (sectors, offset) = (u32::from(sectors) % 257, u64::from(offset) * 512);
                 self.write(env, WellFormedWrite { remq, damq, sectors, offset, mask, reverse, data_first, fua });
             }
-            Action::Read { ch, remq, damq, sectors, offset } => {
-                let env = self.env(ch);
-                let p = self.params_of(&env);
-                let seq = self.seq(&env, SeqSel::Next, AckSel::Honest);
-                let tag = self.tag(TagSel::Next);
-                let length = ((sectors as u32 % 257) * 512).clamp(512, p.max_io.max(512));
-                // One in three asks for block status instead (the list comes back like read data).
-                let op = if sectors % 3 == 0 { Op::BlockStatus } else { Op::Read };
-                let r = Request {
-                    seq,
-                    op,
-                    fua: false,
-                    remq: remq as u16 % p.remq_slots.max(1),
-                    damq: damq as u16 % p.damq_slots.max(1),
-                    home: env.channel,
-                    tag,
-                    floor: tag,
-                    offset: offset as u64 * 512,
-                    length,
-                };
-                self.emit(env, &Message::Request(r));
-            }
-            Action::Range { ch, remq, op, sectors, offset } => {
-                let env = self.env(ch);
-                let p = self.params_of(&env);
-                let seq = self.seq(&env, SeqSel::Next, AckSel::Honest);
-                let tag = self.tag(TagSel::Next);
-                let op = [Op::Flush, Op::Discard, Op::WriteZeroes][op as usize % 3];
-                let (offset, length) =
-                    if op == Op::Flush { (0, 0) } else { (offset as u64 * 512, (sectors as u32 + 1) * 512) };
-                let remq = remq as u16 % p.remq_slots.max(1);
-                let r = Request {
-                    seq,
-                    op,
-                    fua: false,
-                    remq,
-                    damq: NO_SLOT,
-                    home: env.channel,
-                    tag,
-                    floor: tag,
-                    offset,
-                    length,
-                };
-                self.emit(env, &Message::Request(r));
-            }
+            Action::Read { ch, remq, damq, sectors, offset } => self.read(ch, remq, damq, sectors, offset),
+            Action::Range { ch, remq, op, sectors, offset } => self.range(ch, remq, op, sectors, offset),
             Action::Ack { ch, cumulative, sack, duplicate } => {
                 let env = self.env(ch);
                 let s = self.seq(&env, SeqSel::Raw(0), cumulative);
@@ -908,114 +880,170 @@ impl World {
                 self.emit(env, &Message::Disconnect(Disconnect { reason }));
             }
             Action::Connect { index, session, want, nonce, proof, export } => {
-                let session = match session % 4 {
-                    0 => 0,
-                    1 => self.hostile.session,
-                    2 => self.honest_session,
-                    _ => u64::from(session) << 40 | 0xabcd,
-                };
-                let export = ["fuzz", "honest", "nope"][export as usize % 3];
-                let params = want.params();
-                if session == self.hostile.session
-                    && !proof
-                    && export == "fuzz"
-                    && params.validate().is_ok()
-                    && index < 4
-                {
-                    // A proper handshake (a reconnect of an open channel, or a new one).
-                    self.hostile_attach(want, index);
-                } else {
-                    self.connect_raw(index, session, params, nonce, proof, export);
-                }
+                self.connect(index, session, want, nonce, proof, export)
             }
-            Action::Wrong { ch, kind, a, b, seq } => {
-                let env = self.env(ch);
-                let seq = self.seq(&env, seq, AckSel::Honest);
-                let p = limits_params();
-                let m = match kind % 6 {
-                    0 => Message::Completion(Completion {
-                        seq,
-                        status: Status::ALL[a as usize % Status::ALL.len()],
-                        remq: a as u16,
-                        damq: (a >> 16) as u16,
-                        tag: b,
-                    }),
-                    1 => Message::Accept(tyche_wire::Accept {
-                        nonce: a,
-                        params: p,
-                        export_size: b,
-                        block_size: 512,
-                        export_flags: 0,
-                        proof: None,
-                        durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
-                        channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
-                    }),
-                    2 => Message::Challenge(tyche_wire::Challenge { nonce: a, target_nonce: b }),
-                    3 => Message::Reject(tyche_wire::Reject {
-                        nonce: a,
-                        reason: tyche_wire::RejectReason::ALL[b as usize % tyche_wire::RejectReason::ALL.len()],
-                        holder: None,
-                    }),
-                    4 => Message::Discover(tyche_wire::Discover { nonce: a as u32, start: b as u16 }),
-                    _ => Message::Keepalive(Keepalive { nonce: a, timestamp: b, reply: true }),
-                };
-                self.emit(env, &m);
-            }
-            Action::Raw { ch, kind, flags, ref body } => {
-                let env = self.env(ch);
-                let kind = Kind::ALL[kind as usize % Kind::ALL.len()];
-                let len = (kind.fixed_len().max(16) + body.len()).min(FRAME - 14);
-                let mut buf = vec![0u8; 14 + len.max(46)];
-                env.emit_headers(kind, flags, len, &mut buf);
-                let n = body.len().min(len - 16);
-                buf[14 + 16..14 + 16 + n].copy_from_slice(&body[..n]);
-                self.hostile_send(&buf);
-            }
+            Action::Wrong { ch, kind, a, b, seq } => self.wrong(ch, kind, a, b, seq),
+            Action::Raw { ch, kind, flags, ref body } => self.raw(ch, kind, flags, body),
             Action::Bytes(ref b) => {
                 let b = &b[..b.len().min(FRAME)];
                 self.hostile_send(b);
             }
-            Action::Replay { back } => {
-                let n = self.hostile.sent.len();
-                if n > 0 {
-                    let f = self.hostile.sent[n - 1 - back as usize % n].clone();
-                    self.hostile_send(&f);
-                }
-            }
-            Action::Corrupt { back, at, xor, cut } => {
-                let n = self.hostile.sent.len();
-                if n > 0 {
-                    let mut f = self.hostile.sent[n - 1 - back as usize % n].clone();
-                    let i = at as usize % f.len();
-                    f[i] ^= xor;
-                    if let Some(c) = cut {
-                        f.truncate(c as usize % (f.len() + 1));
-                    }
-                    self.hostile_send(&f);
-                }
-            }
-            Action::Turn(n) => {
-                if n == 0 {
-                    self.settle();
-                } else {
-                    for _ in 0..n.min(16) {
-                        self.h.turn();
-                        self.drain_hostile();
-                    }
-                }
-            }
-            Action::Advance(ms) => {
-                // In steps the honest session keeps its channel alive through (keepalives).
-                let mut left = ms as u64 % (MAX_JUMP_MS + 1);
-                while left > 0 {
-                    let step = left.min(200);
-                    left -= step;
-                    self.advance(Duration::from_millis(step));
-                    self.settle();
-                }
-            }
+            Action::Replay { back } => self.replay(back),
+            Action::Corrupt { back, at, xor, cut } => self.corrupt(back, at, xor, cut),
+            Action::Turn(n) => self.turns(n),
+            Action::Advance(ms) => self.jump(ms),
             Action::HonestWrite => self.honest_write(),
             Action::HonestRead => self.honest_read(),
+        }
+    }
+
+    /// [`Action::Read`]: a well-formed READ (one in three a BLOCK_STATUS) on `ch`.
+    fn read(&mut self, ch: Ch, remq: u8, damq: u8, sectors: u16, offset: u16) {
+        let env = self.env(ch);
+        let p = self.params_of(&env);
+        let seq = self.seq(&env, SeqSel::Next, AckSel::Honest);
+        let tag = self.tag(TagSel::Next);
+        let length = ((sectors as u32 % 257) * 512).clamp(512, p.max_io.max(512));
+        // One in three asks for block status instead (the list comes back like read data).
+        let op = if sectors % 3 == 0 { Op::BlockStatus } else { Op::Read };
+        let r = Request {
+            seq,
+            op,
+            fua: false,
+            remq: remq as u16 % p.remq_slots.max(1),
+            damq: damq as u16 % p.damq_slots.max(1),
+            home: env.channel,
+            tag,
+            floor: tag,
+            offset: offset as u64 * 512,
+            length,
+        };
+        self.emit(env, &Message::Request(r));
+    }
+
+    /// [`Action::Range`]: a well-formed FLUSH, DISCARD or WRITE_ZEROES on `ch`.
+    fn range(&mut self, ch: Ch, remq: u8, op: u8, sectors: u16, offset: u16) {
+        let env = self.env(ch);
+        let p = self.params_of(&env);
+        let seq = self.seq(&env, SeqSel::Next, AckSel::Honest);
+        let tag = self.tag(TagSel::Next);
+        let op = [Op::Flush, Op::Discard, Op::WriteZeroes][op as usize % 3];
+        let (offset, length) = if op == Op::Flush { (0, 0) } else { (offset as u64 * 512, (sectors as u32 + 1) * 512) };
+        let remq = remq as u16 % p.remq_slots.max(1);
+        let r =
+            Request { seq, op, fua: false, remq, damq: NO_SLOT, home: env.channel, tag, floor: tag, offset, length };
+        self.emit(env, &Message::Request(r));
+    }
+
+    /// [`Action::Connect`]: a proper handshake where the CONNECT is one, else a raw CONNECT.
+    fn connect(&mut self, index: u16, session: u8, want: Want, nonce: u64, proof: bool, export: u8) {
+        let session = match session % 4 {
+            0 => 0,
+            1 => self.hostile.session,
+            2 => self.honest_session,
+            _ => u64::from(session) << 40 | 0xabcd,
+        };
+        let export = ["fuzz", "honest", "nope"][export as usize % 3];
+        let params = want.params();
+        if session == self.hostile.session && !proof && export == "fuzz" && params.validate().is_ok() && index < 4 {
+            // A proper handshake (a reconnect of an open channel, or a new one).
+            self.hostile_attach(want, index);
+        } else {
+            self.connect_raw(index, session, params, nonce, proof, export);
+        }
+    }
+
+    /// [`Action::Wrong`]: a frame only a target sends (or a DISCOVER) on `ch`.
+    fn wrong(&mut self, ch: Ch, kind: u8, a: u64, b: u64, seq: SeqSel) {
+        let env = self.env(ch);
+        let seq = self.seq(&env, seq, AckSel::Honest);
+        let p = limits_params();
+        let m = match kind % 6 {
+            0 => Message::Completion(Completion {
+                seq,
+                status: Status::ALL[a as usize % Status::ALL.len()],
+                remq: a as u16,
+                damq: (a >> 16) as u16,
+                tag: b,
+            }),
+            1 => Message::Accept(tyche_wire::Accept {
+                nonce: a,
+                params: p,
+                export_size: b,
+                block_size: 512,
+                export_flags: 0,
+                proof: None,
+                durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
+                channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
+            }),
+            2 => Message::Challenge(tyche_wire::Challenge { nonce: a, target_nonce: b }),
+            3 => Message::Reject(tyche_wire::Reject {
+                nonce: a,
+                reason: tyche_wire::RejectReason::ALL[b as usize % tyche_wire::RejectReason::ALL.len()],
+                holder: None,
+            }),
+            4 => Message::Discover(tyche_wire::Discover { nonce: a as u32, start: b as u16 }),
+            _ => Message::Keepalive(Keepalive { nonce: a, timestamp: b, reply: true }),
+        };
+        self.emit(env, &m);
+    }
+
+    /// [`Action::Raw`]: a frame of kind `kind` (its length valid) whose body is `body`.
+    fn raw(&mut self, ch: Ch, kind: u8, flags: u16, body: &[u8]) {
+        let env = self.env(ch);
+        let kind = Kind::ALL[kind as usize % Kind::ALL.len()];
+        let len = (kind.fixed_len().max(16) + body.len()).min(FRAME - 14);
+        let mut buf = vec![0u8; 14 + len.max(46)];
+        env.emit_headers(kind, flags, len, &mut buf);
+        let n = body.len().min(len - 16);
+        buf[14 + 16..14 + 16 + n].copy_from_slice(&body[..n]);
+        self.hostile_send(&buf);
+    }
+
+    /// [`Action::Replay`]: a frame sent earlier (`back` from the last), again.
+    fn replay(&mut self, back: u8) {
+        let n = self.hostile.sent.len();
+        if n > 0 {
+            let f = self.hostile.sent[n - 1 - back as usize % n].clone();
+            self.hostile_send(&f);
+        }
+    }
+
+    /// [`Action::Corrupt`]: a frame sent earlier with byte `at` xored and maybe cut short.
+    fn corrupt(&mut self, back: u8, at: u16, xor: u8, cut: Option<u16>) {
+        let n = self.hostile.sent.len();
+        if n > 0 {
+            let mut f = self.hostile.sent[n - 1 - back as usize % n].clone();
+            let i = at as usize % f.len();
+            f[i] ^= xor;
+            if let Some(c) = cut {
+                f.truncate(c as usize % (f.len() + 1));
+            }
+            self.hostile_send(&f);
+        }
+    }
+
+    /// [`Action::Turn`]: `n` turns of the target's loop (at most 16), or until idle when 0.
+    fn turns(&mut self, n: u8) {
+        if n == 0 {
+            self.settle();
+        } else {
+            for _ in 0..n.min(16) {
+                self.h.turn();
+                self.drain_hostile();
+            }
+        }
+    }
+
+    /// [`Action::Advance`]: the clock jumps `ms` (mod [`MAX_JUMP_MS`] + 1) in settled steps.
+    fn jump(&mut self, ms: u16) {
+        // In steps the honest session keeps its channel alive through (keepalives).
+        let mut left = ms as u64 % (MAX_JUMP_MS + 1);
+        while left > 0 {
+            let step = left.min(200);
+            left -= step;
+            self.advance(Duration::from_millis(step));
+            self.settle();
         }
     }
 
