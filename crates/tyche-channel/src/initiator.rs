@@ -230,11 +230,16 @@ pub struct Handback {
     /// [`Handoff`]): where read data an adopter carries back goes.
     id: u64,
     req_offset: u64,
+    /// The adopter refused the part ([`Volume::adopt`] returned false): it never held this
+    /// copy, and whatever it holds under the same request and offset (an adoption of the same
+    /// part in another session) is not this hand-back's to release.
+    refused: bool,
 }
 
 impl Handoff {
-    fn back(&self, result: Option<Result<(), IoError>>) -> Handback {
-        Handback::of(self.session, self.tag, &self.part, result)
+    /// The hand-back of a part refused on arrival.
+    fn refuse(&self) -> Handback {
+        Handback { refused: true, ..Handback::of(self.session, self.tag, &self.part, None) }
     }
     /// The origin's request the part belongs to.
     pub fn id(&self) -> u64 {
@@ -264,7 +269,13 @@ impl Handback {
             aborts: part.aborts,
             id: part.id,
             req_offset: part.req_offset,
+            refused: false,
         }
+    }
+    /// Whether the adopter refused the part on arrival (see the field): a courier that keeps
+    /// data beside adopted parts keeps it then.
+    pub fn refused(&self) -> bool {
+        self.refused
     }
     /// The origin's request the part belongs to.
     pub fn id(&self) -> u64 {
@@ -588,11 +599,13 @@ impl Volume {
 
     /// Takes over a part of a request that part `from` handed over ([`Volume::take_stranded`]):
     /// it is queued here under its tag and `HOME`, and what becomes of it goes back to `from`
-    /// ([`Volume::poll_handback`]). One of another session goes straight back.
-    pub fn adopt(&mut self, now: Instant, from: usize, h: Handoff) {
+    /// ([`Volume::poll_handback`]). One of another session, or of a part already held here,
+    /// goes straight back, refused ([`Handback::refused`]); the return says whether it was
+    /// adopted (a courier keeps the part's data only then).
+    pub fn adopt(&mut self, now: Instant, from: usize, h: Handoff) -> bool {
         if h.session != self.session || self.parts.contains_key(&h.tag) {
-            self.handbacks.push_back((from, h.back(None)));
-            return;
+            self.handbacks.push_back((from, h.refuse()));
+            return false;
         }
         let part = Part { channel: None, origin: Some(from), away: false, ..h.part };
         self.parts.insert(h.tag, part);
@@ -600,6 +613,7 @@ impl Volume {
         let at = self.pending.partition_point(|&t| t < h.tag);
         self.pending.insert(at, h.tag);
         self.pump(now);
+        true
     }
 
     /// What became of a part this part adopted, for the part it came from
@@ -1401,5 +1415,35 @@ mod tests {
         v[0].handed_back(Instant(6), backs[1]);
         assert_eq!(v[0].outstanding(), 1);
         assert_eq!(v[0].queued_parts(), 1);
+    }
+
+    #[test]
+    fn a_hand_off_of_a_session_left_is_refused_beside_the_same_part_of_the_new_one() {
+        // The origin hands a part over, moves to a new session and hands the same part over
+        // again; the adopter moved first. The old session's hand-off may arrive before or after
+        // the new one's: either way it is refused, and its refusal says so (the engine keeps
+        // the adopted part's data under the same request and offset, and must not drop it when
+        // the refusal goes back).
+        for old_first in [true, false] {
+            let mut v = parts(2);
+            v[0].submit(Instant(1), read(1)).unwrap();
+            let old = v[0].take_stranded().pop().unwrap();
+            v[0].resume(8, Instant(2));
+            v[1].resume(8, Instant(2));
+            let new = v[0].take_stranded().pop().unwrap();
+            assert_eq!((old.id(), old.req_offset()), (new.id(), new.req_offset()));
+            let (first, second) = if old_first { (old, new) } else { (new, old) };
+            let accepted = [v[1].adopt(Instant(3), 0, first), v[1].adopt(Instant(3), 0, second)];
+            assert_eq!(accepted, if old_first { [false, true] } else { [true, false] });
+            assert_eq!(v[1].adopted_parts(), 1);
+            let (to, back) = v[1].poll_handback().expect("the refusal goes back");
+            assert_eq!(to, 0);
+            assert!(back.refused() && back.session == 7, "{back:?}");
+            assert!(v[1].poll_handback().is_none());
+            // The refusal changes nothing at the origin: its part is still with the adopter.
+            v[0].handed_back(Instant(4), back);
+            assert_eq!(v[0].queued_parts(), 0);
+            assert_eq!(v[0].outstanding(), 1);
+        }
     }
 }

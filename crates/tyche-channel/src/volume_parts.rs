@@ -272,7 +272,9 @@ impl<C: HandCourier> VolumeParts<C> {
     /// Hands `msg` to part `to`.
     pub fn deliver(&mut self, now: Instant, to: usize, msg: HandMessage) {
         match msg {
-            HandMessage::Handoff { from, handoff } => self.parts[to].adopt(now, from, handoff),
+            HandMessage::Handoff { from, handoff } => {
+                self.parts[to].adopt(now, from, handoff);
+            }
             HandMessage::Handback(back) => self.parts[to].handed_back(now, back),
         }
     }

@@ -163,9 +163,11 @@ impl HandCourier for MailOut<'_> {
                 self.out.push((to, Mail::Handoff { from, handoff, data }));
             }
             HandMessage::Handback(back) => {
-                let data = self
-                    .adopted
-                    .remove(&(back.id(), back.req_offset()))
+                // A refused part was never adopted: what is kept under its key belongs to an
+                // adopted one.
+                let data = (!back.refused())
+                    .then(|| self.adopted.remove(&(back.id(), back.req_offset())))
+                    .flatten()
                     .and_then(|(d, read)| (read && back.succeeded()).then_some(d));
                 self.out.push((to, Mail::Handback { back, data }));
             }
@@ -860,16 +862,20 @@ impl Part {
                 Mail::Handoff { from, handoff, data } => {
                     let Some(v) = self.volume.as_mut() else { continue };
                     let key = (handoff.id(), handoff.req_offset());
-                    match data {
-                        Some(d) => {
-                            self.adopted.insert(key, (d, false));
+                    let kept = match data {
+                        Some(d) => Some((d, false)),
+                        None if handoff.op().has_read_data() => Some((vec![0; handoff.length() as usize], true)),
+                        None => None,
+                    };
+                    // The data stays only beside a part the volume adopted: a refused one (of a
+                    // session this part has left, while the same part of the new session may
+                    // be adopted here under the same key) must not replace or, when its refusal
+                    // goes back, remove the adopted part's data.
+                    if v.adopt(now, from, handoff) {
+                        if let Some(k) = kept {
+                            self.adopted.insert(key, k);
                         }
-                        None if handoff.op().has_read_data() => {
-                            self.adopted.insert(key, (vec![0; handoff.length() as usize], true));
-                        }
-                        None => {}
                     }
-                    v.adopt(now, from, handoff);
                 }
                 Mail::Handback { back, data } => {
                     let Some(v) = self.volume.as_mut() else { continue };
@@ -1310,9 +1316,14 @@ impl Part {
                                     // came with.
                                     None => adopted_range(adopted, id, offset, len).map(|s| &*s),
                                 };
-                                if let Some(src) = src {
-                                    buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len].copy_from_slice(src);
-                                }
+                                let Some(src) = src else {
+                                    // The part's data is not here (an engine bug): the frame
+                                    // would carry whatever the buffer held before, so it is not
+                                    // sent; the segment is resent later or its request fails.
+                                    error!(id, offset = at, len, "write data of a segment to send is missing");
+                                    return Some(0);
+                                };
+                                buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len].copy_from_slice(src);
                             }
                             Some(vol.seal(ch, buf, out.len))
                         });
