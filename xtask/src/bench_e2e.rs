@@ -192,8 +192,9 @@ impl Frames {
     }
 }
 
-/// Both daemons' frame counters now (`tyched stats --json`, `tyche-init stats --json`).
-fn frames(root: &Path, tsock: &Path, init_pid: u32) -> Result<(Frames, Frames)> {
+/// Both daemons' frame counters now (`tyched stats --json`, `tyche-init stats --json`), and the
+/// payload bytes the initiator copied in user space and moved (read and written).
+fn frames(root: &Path, tsock: &Path, init_pid: u32) -> Result<(Frames, Frames, (u64, u64))> {
     let json = |out: String, what: &str| -> Result<serde_json::Value> {
         serde_json::from_str(&out).with_context(|| format!("{what} --json"))
     };
@@ -203,8 +204,13 @@ fn frames(root: &Path, tsock: &Path, init_pid: u32) -> Result<(Frames, Frames)> 
         run(Command::new(bin(root, "tyche-init")).args(["stats", "--json"]).arg(init_pid.to_string()))?,
         "tyche-init stats",
     )?;
-    Ok((Frames::of(&t["channels"]), Frames::of(&i["channels"])))
+    let copied = i["payload_copied_bytes"].as_u64().context("tyche-init stats has no payload_copied_bytes")?;
+    let moved = i["bytes_read"].as_u64().unwrap_or(0) + i["bytes_written"].as_u64().unwrap_or(0);
+    Ok((Frames::of(&t["channels"]), Frames::of(&i["channels"]), (copied, moved)))
 }
+
+/// The job at queue depth 1, whose latency is compared.
+const QD1_JOB: &str = "randread4k-qd1";
 
 /// How long the daemons are watched, idle, after the jobs.
 const IDLE_WATCH: Duration = Duration::from_secs(5);
@@ -256,20 +262,23 @@ impl Bench<'_> {
         .with_context(|| format!("fio {} against {system}", job.name))?;
         let cpu_t = target.iter().map(|&p| cpu_seconds(p)).sum::<f64>() - before_t;
         let cpu_i = initiator.iter().map(|&p| cpu_seconds(p)).sum::<f64>() - before_i;
-        if let (Some((tsock, pid)), Some((t0, i0))) = (stats, frames_before) {
-            let (t1, i1) = frames(self.root, tsock, pid)?;
-            self.frames.borrow_mut().push(format!(
-                "- {system} ({nics} NIC) {}: target {}; initiator {}",
-                job.name,
-                t1.since(t0).describe(),
-                i1.since(i0).describe()
-            ));
-        }
+        let frames_after = stats.map(|(tsock, pid)| frames(self.root, tsock, pid)).transpose()?;
         let text = fs::read_to_string(&out)?;
         let json = &text[text.find('{').context("fio wrote no JSON")?..];
         let v: serde_json::Value = serde_json::from_str(json).context("fio's JSON")?;
         let j = &v["jobs"][0];
         let dir = if job.rw.contains("read") { &j["read"] } else { &j["write"] };
+        if let (Some((t0, i0, (c0, m0))), Some((t1, i1, (c1, m1)))) = (frames_before, frames_after) {
+            // Both over the whole job, its ramp included.
+            let moved = m1.saturating_sub(m0).max(1) as f64;
+            self.frames.borrow_mut().push(format!(
+                "- {system} ({nics} NIC) {}: target {}; initiator {}; initiator copies per payload byte {:.2}",
+                job.name,
+                t1.since(t0).describe(),
+                i1.since(i0).describe(),
+                c1.saturating_sub(c0) as f64 / moved,
+            ));
+        }
         // At queue depth 1, fio can be preempted between sending a request and taking its issue
         // time (the daemon it woke runs first), which makes completion latency (`clat`) look
         // shorter than the request took: count from submission (`lat`) there.
@@ -436,6 +445,22 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
         let names: Vec<&str> = JOBS.iter().map(|j| j.name).collect();
         bail!("bench e2e: --jobs {bad}: not a job (one of {})", names.join(", "));
     }
+    let rows = run_systems(&bench, args)?;
+    let _ = fs::remove_dir_all(&work);
+
+    let (table, ratios) = summary(&bench, &rows)?;
+    println!("{table}\n{ratios}");
+    if !args.only.is_empty() || !args.jobs.is_empty() {
+        if rows.is_empty() {
+            bail!("no results");
+        }
+        return Ok(());
+    }
+    record(root, args, runtime, &rows, &table, &ratios)
+}
+
+/// Runs every system and job asked for, on a lab of one NIC and then of two.
+fn run_systems(bench: &Bench<'_>, args: &BenchE2eArgs) -> Result<Vec<Row>> {
     let want = |system: &str| args.only.is_empty() || args.only.iter().any(|s| s == system);
     let mut rows = Vec::new();
     for nics in [1u32, 2] {
@@ -466,12 +491,15 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
             }
         }
     }
-    let _ = fs::remove_dir_all(&work);
+    Ok(rows)
+}
 
+/// The table of results and the ratios, frame counts, latency, idle and polling lines under it.
+fn summary(bench: &Bench<'_>, rows: &[Row]) -> Result<(String, String)> {
     let mut table = String::new();
     writeln!(table, "| system | NICs | job | IOPS | GB/s | p50 µs | p99 µs | CPU s/GB target | CPU s/GB initiator |")?;
     writeln!(table, "|---|---|---|---:|---:|---:|---:|---:|---:|")?;
-    for r in &rows {
+    for r in rows {
         writeln!(
             table,
             "| {} | {} | {} | {:.0} | {:.3} | {:.0} | {:.0} | {:.2} | {:.2} |",
@@ -482,7 +510,7 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
     for (system, nics) in [("tyche-xdp", 1), ("tyche-xdp", 2), ("tyche-tcp", 1)] {
         let parts: Vec<String> = JOBS
             .iter()
-            .filter_map(|j| ratio(&rows, system, nics, j.name, |r| r.iops).map(|x| format!("{}={x:.2}x", j.name)))
+            .filter_map(|j| ratio(rows, system, nics, j.name, |r| r.iops).map(|x| format!("{}={x:.2}x", j.name)))
             .collect();
         writeln!(ratios, "- {system} ({nics} NIC) / nbdkit: {}", parts.join(", "))?;
     }
@@ -501,11 +529,11 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
         writeln!(keyed, "- {system} / tyche-xdp (1 NIC; IOPS at 4k, GB/s above): {}", parts.join(", "))?;
     }
     // Latency at queue depth 1: Tyche's p50 and p99 over nbdkit's (lower is better).
-    let qd1 = "randread4k-qd1";
+    let qd1 = QD1_JOB;
     let mut latency = String::new();
     for (system, nics) in [("tyche-xdp", 1), ("tyche-xdp", 2), ("tyche-tcp", 1)] {
         if let (Some(p50), Some(p99)) =
-            (ratio(&rows, system, nics, qd1, |r| r.p50_us), ratio(&rows, system, nics, qd1, |r| r.p99_us))
+            (ratio(rows, system, nics, qd1, |r| r.p50_us), ratio(rows, system, nics, qd1, |r| r.p99_us))
         {
             writeln!(latency, "- {system} ({nics} NIC) / nbdkit, {qd1}: p50={p50:.2}x, p99={p99:.2}x")?;
         }
@@ -517,16 +545,15 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
     let polls = bench.polls.borrow().join("\n");
     let frames = bench.frames.borrow().join("\n");
     let ratios = format!(
-        "{ratios}\nFrames per job (target of issue #32: retransmits at most 0.01% of the frames sent on a lossless link):\n\n{frames}\n\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nIdle CPU of one core, attached and without I/O, {} s watched one second after the last job (target: under 2% each):\n\n{idle}\nHow the daemons' threads waited, over all jobs of each system:\n\n{polls}\n\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}",
+        "{ratios}\nFrames per job (target: retransmits at most 0.01% of the frames sent on a lossless link), and the initiator's payload copies in user space per payload byte:\n\n{frames}\n\nLatency at queue depth 1 against nbdkit (lower is better; target of issue #16: p50 at most 0.7x):\n\n{latency}\nIdle CPU of one core, attached and without I/O, {} s watched one second after the last job (target: under 2% each):\n\n{idle}\nHow the daemons' threads waited, over all jobs of each system:\n\n{polls}\n\nRatios against the same export without a key or digest (targets: auth at least 0.85 on randread4k and 0.75 on seqread1m, digest at least 0.95):\n\n{keyed}",
         IDLE_WATCH.as_secs()
     );
-    println!("{table}\n{ratios}");
-    if !args.only.is_empty() || !args.jobs.is_empty() {
-        if rows.is_empty() {
-            bail!("no results");
-        }
-        return Ok(());
-    }
+    Ok((table, ratios))
+}
+
+/// Writes docs/benchmarks-e2e.md and its charts for a run of every system and job, and prints the
+/// summary line.
+fn record(root: &Path, args: &BenchE2eArgs, runtime: u64, rows: &[Row], table: &str, ratios: &str) -> Result<()> {
     let kernel = run(Command::new("uname").arg("-r")).unwrap_or_default();
     let commit = run(Command::new("git").args(["rev-parse", "--short", "HEAD"]).current_dir(root)).unwrap_or_default();
     let date = run(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"])).unwrap_or_default();
@@ -552,12 +579,12 @@ pub fn bench_e2e(root: &Path, args: &BenchE2eArgs) -> Result<()> {
     let title = format!("fio over NBD, queue depth 32/16/4, veth MTU {} ({commit})", args.mtu);
     charts::by_block_size(&points, &root.join("docs/bench-e2e-block-size.png"), &title)?;
     charts::by_nic_count(&points, "tyche-xdp", &root.join("docs/bench-e2e-nics.png"), "tyche-xdp by NIC count")?;
-    let r = |job| ratio(&rows, "tyche-xdp", 2, job, |r| r.iops).unwrap_or(0.0);
+    let r = |job| ratio(rows, "tyche-xdp", 2, job, |r| r.iops).unwrap_or(0.0);
     if rows.is_empty() {
         bail!("no results");
     }
     // QD1 latency: Tyche over one AF_XDP NIC (nbdkit's path has one link too), p50 over p50.
-    let qd1lat = ratio(&rows, "tyche-xdp", 1, qd1, |r| r.p50_us).unwrap_or(0.0);
+    let qd1lat = ratio(rows, "tyche-xdp", 1, QD1_JOB, |r| r.p50_us).unwrap_or(0.0);
     println!(
         "bench: tyche/nbd randread4k={:.2}x seqread1m={:.2}x seqwrite1m={:.2}x qd1lat={qd1lat:.2}x",
         r("randread4k"),

@@ -155,9 +155,17 @@ impl Client {
         self.io(Op::Read, false, offset, length as u64, buf).await
     }
 
-    /// Writes `data` at `offset` (offset and length multiples of 512).
+    /// Writes `data` at `offset` (offset and length multiples of 512). The data is copied (and
+    /// counted in `payload_copied_bytes`); [`Client::write_owned`] moves a buffer in instead.
     pub async fn write(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        self.count_copied(data.len(), true);
         self.write_owned(offset, data.to_vec(), false).await
+    }
+
+    /// Counts `bytes` of payload a front end copied on its own thread (`write`: write data), in
+    /// the session's `payload_copied_bytes`.
+    pub(crate) fn count_copied(&self, bytes: usize, write: bool) {
+        self.inner.shared.count_front_copy(bytes as u64, write);
     }
 
     /// Writes `data` at `offset`, moving the buffer in; with `fua` the data is durable when

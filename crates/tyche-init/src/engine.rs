@@ -327,6 +327,10 @@ pub(crate) struct Shared {
     exited: AtomicUsize,
     /// The next thread for requests spread over the threads in turn.
     turn: AtomicUsize,
+    /// Payload bytes front ends copied on their own threads (ublk without user copy, the
+    /// library's `write(&[u8])`), and of them write data: added to the engine threads' counts.
+    front_copied: AtomicU64,
+    front_copied_write: AtomicU64,
 }
 
 impl std::fmt::Debug for Shared {
@@ -502,6 +506,14 @@ impl Shared {
         }
     }
 
+    /// Counts `bytes` of payload a front end copied on its own thread (`write`: write data).
+    pub(crate) fn count_front_copy(&self, bytes: u64, write: bool) {
+        self.front_copied.fetch_add(bytes, Ordering::Relaxed);
+        if write {
+            self.front_copied_write.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
     /// The session's counters: every thread's, then the control's.
     fn snapshot(&self) -> Stats {
         let mut s = Stats::default();
@@ -513,6 +525,8 @@ impl Shared {
             s.failed += p.failed;
             s.bytes_read += p.bytes_read;
             s.bytes_written += p.bytes_written;
+            s.payload_copied_bytes += p.payload_copied_bytes;
+            s.payload_copied_write_bytes += p.payload_copied_write_bytes;
             s.sent_inline += p.sent_inline;
             s.handed_over += p.handed_over;
             s.inline_fallbacks += p.inline_fallbacks;
@@ -534,6 +548,8 @@ impl Shared {
             }
         }
         s.durability_debt = debt;
+        s.payload_copied_bytes += self.front_copied.load(Ordering::Relaxed);
+        s.payload_copied_write_bytes += self.front_copied_write.load(Ordering::Relaxed);
         s.channels = self.slot_count;
         s.reconnects = self.control().session.reconnects();
         s
@@ -589,6 +605,8 @@ impl Shared {
             failed: s.failed,
             bytes_read: s.bytes_read,
             bytes_written: s.bytes_written,
+            payload_copied_bytes: s.payload_copied_bytes,
+            payload_copied_write_bytes: s.payload_copied_write_bytes,
             reconnects: s.reconnects,
             refused: crate::report::Refused {
                 unauthenticated: s.unauthenticated,
@@ -863,7 +881,12 @@ impl Part {
                     let Some(v) = self.volume.as_mut() else { continue };
                     let key = (handoff.id(), handoff.req_offset());
                     let kept = match data {
-                        Some(d) => Some((d, false)),
+                        Some(d) => {
+                            // The write data was copied out of the origin's buffer.
+                            self.stats.payload_copied_bytes += d.len() as u64;
+                            self.stats.payload_copied_write_bytes += d.len() as u64;
+                            Some((d, false))
+                        }
                         None if handoff.op().has_read_data() => Some((vec![0; handoff.length() as usize], true)),
                         None => None,
                     };
@@ -887,6 +910,7 @@ impl Part {
                             .and_then(|r| r.buf.as_mut_slice().get_mut(at..at + d.len()))
                         {
                             dst.copy_from_slice(&d);
+                            self.stats.payload_copied_bytes += d.len() as u64;
                         }
                     }
                     v.handed_back(now, back);
@@ -1047,6 +1071,7 @@ impl Part {
                             o += piece.len();
                         }
                         stats.bytes_read += len as u64;
+                        stats.payload_copied_bytes += len as u64;
                     }
                 }
             });
@@ -1293,7 +1318,7 @@ impl Part {
     fn transmit(&mut self, sh: &Shared, now: Instant) -> bool {
         let mut sent = 0;
         let per = sh.cfg.channels_per_link.max(1);
-        let Part { io, connectors, volume, inflight, adopted, channel_link, .. } = self;
+        let Part { io, connectors, volume, inflight, adopted, channel_link, stats, .. } = self;
         for (k, t) in io.iter_mut() {
             let (k, link) = (*k, &sh.links[*k]);
             for p in connectors.values_mut().filter(|p| p.slot / per == k) {
@@ -1324,6 +1349,8 @@ impl Part {
                                     return Some(0);
                                 };
                                 buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + len].copy_from_slice(src);
+                                stats.payload_copied_bytes += len as u64;
+                                stats.payload_copied_write_bytes += len as u64;
                             }
                             Some(vol.seal(ch, buf, out.len))
                         });
@@ -1573,6 +1600,8 @@ pub(crate) fn start(cfg: InitiatorConfig, links: Vec<Link>) -> Result<Started, C
         closing_at: AtomicU64::new(0),
         exited: AtomicUsize::new(0),
         turn: AtomicUsize::new(0),
+        front_copied: AtomicU64::new(0),
+        front_copied_write: AtomicU64::new(0),
     });
     let info = open_session(&shared, parts)?;
     let mode = shared.cfg.send_mode;

@@ -803,6 +803,9 @@ fn session_report(client: &Client, nbd: Option<&tyche_init::NbdStats>) -> Option
     let mut r = client.report_blocking().ok()?;
     if let Some(n) = nbd {
         r.nbd = n.snapshot();
+        let (copied, write) = n.copied();
+        r.payload_copied_bytes += copied;
+        r.payload_copied_write_bytes += write;
     }
     Some(r)
 }

@@ -123,6 +123,14 @@ impl Collector for Scrape {
         family(enc, "read_bytes", "Bytes read.", Counter, self.one(r.bytes_read))?;
         family(enc, "written_bytes", "Bytes written.", Counter, self.one(r.bytes_written))?;
         family(enc, "reconnects", "Channels reopened after dying.", Counter, self.one(r.reconnects))?;
+        let copied = [
+            ("read", r.payload_copied_bytes.saturating_sub(r.payload_copied_write_bytes)),
+            ("write", r.payload_copied_write_bytes),
+        ]
+        .into_iter()
+        .map(|(data, v)| (self.labels(&[("data", data.to_owned())]), v))
+        .collect();
+        family(enc, "payload_copied_bytes", "Payload bytes copied in user space, by direction.", Counter, copied)?;
         let refused = [
             ("unauthenticated", r.refused.unauthenticated),
             ("replayed", r.refused.replayed),

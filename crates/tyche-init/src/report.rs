@@ -76,6 +76,13 @@ pub struct NbdConnReport {
     /// Its request buffers (write data and read data), page by page against `node`, asked of
     /// the kernel for every request.
     pub buffers: PageCounts,
+    /// Payload bytes the connection copied in user space (write data taken from its read
+    /// buffer, read data of hole-aware reads gathered into reply chunks).
+    #[serde(default)]
+    pub payload_copied_bytes: u64,
+    /// The part of `payload_copied_bytes` that is write data.
+    #[serde(default)]
+    pub payload_copied_write_bytes: u64,
 }
 
 /// Frames the open channels refused, by reason.
@@ -125,6 +132,14 @@ pub struct Report {
     pub bytes_written: u64,
     /// Channels reopened after dying.
     pub reconnects: u64,
+    /// Payload bytes copied in user space, by the engine threads (into and out of frames, and
+    /// between engine threads) and by the NBD server (every connection, closed ones included):
+    /// docs/tyche-init.md, "Copies".
+    #[serde(default)]
+    pub payload_copied_bytes: u64,
+    /// The part of `payload_copied_bytes` that is write data.
+    #[serde(default)]
+    pub payload_copied_write_bytes: u64,
     /// Frames refused as forged or altered, replayed, or with a bad digest (open channels).
     #[serde(default)]
     pub refused: Refused,
@@ -244,6 +259,11 @@ impl Report {
         );
         let _ = writeln!(
             s,
+            "payload copied in user space {} B (write data {} B)",
+            self.payload_copied_bytes, self.payload_copied_write_bytes
+        );
+        let _ = writeln!(
+            s,
             "send mode {}: {} sent inline, {} handed over, {} inline fallbacks, {} inline wakes",
             self.send.mode, self.send.inline, self.send.handed_over, self.send.inline_fallbacks, self.send.inline_wakes
         );
@@ -285,12 +305,13 @@ impl Report {
             for c in &self.nbd {
                 let _ = writeln!(
                     s,
-                    "  conn {:<3} node {:<7} {}  written {} B read {} B  buffers {}  thread {} cpus {:?}",
+                    "  conn {:<3} node {:<7} {}  written {} B read {} B  copied {} B  buffers {}  thread {} cpus {:?}",
                     c.conn,
                     node(c.node),
                     if c.open { "open" } else { "closed" },
                     c.bytes_written,
                     c.bytes_read,
+                    c.payload_copied_bytes,
                     pc(&c.buffers),
                     c.thread.name,
                     c.thread.cpus
@@ -305,32 +326,63 @@ impl Report {
 const CLOSED_KEPT: usize = 64;
 
 /// The NBD server's per-connection reports, shared with whoever serves `tyche-init stats`:
-/// every open connection and the last [`CLOSED_KEPT`] closed ones.
+/// every open connection and the last [`CLOSED_KEPT`] closed ones, and the server's copy
+/// counters (every connection's, forgotten ones included).
 #[derive(Debug, Clone, Default)]
-pub struct NbdStats(Arc<Mutex<std::collections::BTreeMap<u64, NbdConnReport>>>);
+pub struct NbdStats(Arc<Mutex<NbdConns>>);
+
+/// What [`NbdStats`] shares.
+#[derive(Debug, Default)]
+struct NbdConns {
+    conns: std::collections::BTreeMap<u64, NbdConnReport>,
+    /// Payload bytes copied by every connection, and of them write data.
+    copied: u64,
+    copied_write: u64,
+}
 
 impl NbdStats {
     /// A copy of every connection's report, in accept order.
     pub fn snapshot(&self) -> Vec<NbdConnReport> {
-        self.0.lock().map(|v| v.values().cloned().collect()).unwrap_or_default()
+        self.0.lock().map(|v| v.conns.values().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Payload bytes every connection the server had copied, and the part that is write data.
+    pub fn copied(&self) -> (u64, u64) {
+        self.0.lock().map(|v| (v.copied, v.copied_write)).unwrap_or_default()
+    }
+
+    /// Counts `bytes` copied by connection `key` (`write`: write data).
+    pub(crate) fn add_copied(&self, key: u64, bytes: u64, write: bool) {
+        if bytes == 0 {
+            return;
+        }
+        if let Ok(mut v) = self.0.lock() {
+            let w = if write { bytes } else { 0 };
+            v.copied += bytes;
+            v.copied_write += w;
+            if let Some(r) = v.conns.get_mut(&key) {
+                r.payload_copied_bytes += bytes;
+                r.payload_copied_write_bytes += w;
+            }
+        }
     }
 
     /// Registers a connection; returns its key for [`NbdStats::update`].
     pub(crate) fn add(&self, r: NbdConnReport) -> u64 {
         let mut v = self.0.lock().expect("nbd stats lock");
-        let closed: Vec<u64> = v.values().filter(|c| !c.open).map(|c| c.conn).collect();
+        let closed: Vec<u64> = v.conns.values().filter(|c| !c.open).map(|c| c.conn).collect();
         for k in closed.iter().take(closed.len().saturating_sub(CLOSED_KEPT)) {
-            v.remove(k);
+            v.conns.remove(k);
         }
         let key = r.conn;
-        v.insert(key, r);
+        v.conns.insert(key, r);
         key
     }
 
     /// Changes the report of connection `key`.
     pub(crate) fn update(&self, key: u64, f: impl FnOnce(&mut NbdConnReport)) {
         if let Ok(mut v) = self.0.lock() {
-            if let Some(r) = v.get_mut(&key) {
+            if let Some(r) = v.conns.get_mut(&key) {
                 f(r);
             }
         }

@@ -21,6 +21,12 @@ pub struct Stats {
     pub bytes_written: u64,
     /// Channels reopened after dying.
     pub reconnects: u64,
+    /// Payload bytes the engine threads copied in user space: write data into the frames that
+    /// carry it, read data out of the frames into the request's buffer, and the data of parts
+    /// of requests handed between engine threads (docs/tyche-init.md, "Copies").
+    pub payload_copied_bytes: u64,
+    /// The part of `payload_copied_bytes` that is write data.
+    pub payload_copied_write_bytes: u64,
     /// Retransmitted frames on the open channels.
     pub retransmits: u64,
     /// Frames the open channels refused as forged or altered (a keyed export's bad tags).

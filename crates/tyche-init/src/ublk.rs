@@ -103,7 +103,7 @@ enum Data<'a> {
 
 impl Data<'_> {
     /// Write data of the current request (`len` bytes).
-    async fn take(&mut self, q: &UblkQueue<'_>, len: usize) -> Result<Vec<u8>, i32> {
+    async fn take(&mut self, q: &UblkQueue<'_>, client: &Client, len: usize) -> Result<Vec<u8>, i32> {
         match self {
             Data::UserCopy { cdev, pos } => {
                 let mut v = vec![0u8; len];
@@ -117,12 +117,15 @@ impl Data<'_> {
                     _ => Err(-libc::EIO),
                 }
             }
-            Data::Buf(buf) => Ok(buf.as_slice()[..len].to_vec()),
+            Data::Buf(buf) => {
+                client.count_copied(len, true);
+                Ok(buf.as_slice()[..len].to_vec())
+            }
         }
     }
 
     /// Delivers read data of the current request.
-    async fn give(&mut self, q: &UblkQueue<'_>, data: &[u8]) -> Result<(), i32> {
+    async fn give(&mut self, q: &UblkQueue<'_>, client: &Client, data: &[u8]) -> Result<(), i32> {
         match self {
             Data::UserCopy { cdev, pos } => {
                 let sqe = io_uring::opcode::Write::new(io_uring::types::Fd(*cdev), data.as_ptr(), data.len() as u32)
@@ -136,6 +139,7 @@ impl Data<'_> {
             }
             Data::Buf(buf) => {
                 buf.as_mut_slice()[..data.len()].copy_from_slice(data);
+                client.count_copied(data.len(), false);
                 Ok(())
             }
         }
@@ -157,10 +161,10 @@ async fn serve_one(
     let done = |r: Result<(), crate::Error>| r.map_or_else(|e| -e.errno(), |()| len as i32);
     match op {
         sys::UBLK_IO_OP_READ => match rung(efd, client.read(offset, len)).await {
-            Ok(bytes) => data.give(q, &bytes).await.map_or_else(|e| e, |()| len as i32),
+            Ok(bytes) => data.give(q, client, &bytes).await.map_or_else(|e| e, |()| len as i32),
             Err(e) => -e.errno(),
         },
-        sys::UBLK_IO_OP_WRITE => match data.take(q, len).await {
+        sys::UBLK_IO_OP_WRITE => match data.take(q, client, len).await {
             Ok(bytes) => done(rung(efd, client.write_owned(offset, bytes, fua)).await),
             Err(e) => e,
         },

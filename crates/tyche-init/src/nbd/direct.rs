@@ -114,6 +114,8 @@ struct Partial {
     req: codec::Request,
     data: Buf,
     filled: usize,
+    /// Bytes of `data` copied from the read buffer (the rest came straight from the socket).
+    copied: u64,
 }
 
 /// The replies of a connection's requests in the engine, by [`Token`]: a slab whose freed slots
@@ -203,6 +205,8 @@ impl Pool {
                     self.free.entry(class).or_default().push(r);
                 }
             }
+            // A view of a read buffer: the reader reuses that buffer once no view holds it.
+            Buf::Shared { .. } => {}
             Buf::Heap(mut v) => {
                 let class = v.capacity();
                 if class.is_power_of_two() && class >= MIN_BUFFER && self.bytes + class as u64 <= POOL_BYTES {
@@ -219,19 +223,36 @@ impl Pool {
 /// A whole request read from the socket: its header and its payload (a write's data).
 #[derive(Debug)]
 pub(crate) enum Raw {
-    Request(codec::Request, Buf),
+    /// The request, its payload, and how many of the payload's bytes were copied from the
+    /// read buffer.
+    Request(codec::Request, Buf, u64),
     /// NBD_CMD_DISC: the client is leaving.
     Disc,
 }
 
+/// Read buffers a connection's request stream keeps for reuse while writes still hold views of
+/// them (each is [`REQUEST_BUFFER`] bytes); one more retired while all are held lets the oldest
+/// go (freed when its last write completes).
+const RETIRED_BUFFERS: usize = 16;
+
 /// The request stream of a connection: a read buffer, and the write whose payload is still
 /// arriving. Read by the engine thread (inline send mode) or by the connection's reader thread
 /// (queue send mode, see [`reader_thread`]).
+///
+/// A write whose payload the read buffer holds whole is handed on as a view of it
+/// ([`Buf::Shared`]): the payload is not copied in user space before the engine copies it into
+/// the frames. When the buffer must take more bytes while views of it are alive, it is retired
+/// and a free one (a retired buffer no view holds any more, or a new one) takes its place, with
+/// the few bytes of a request header not yet whole. Only a payload that was partly read is
+/// copied: the part the buffer holds goes into the payload's own buffer, and the rest comes
+/// straight from the socket.
 #[derive(Debug)]
 pub(crate) struct Reader {
     stream: Arc<UnixStream>,
     extended: bool,
-    inbuf: Box<[u8]>,
+    inbuf: Arc<Buf>,
+    /// Earlier read buffers that writes may still hold views of, oldest first.
+    retired: VecDeque<Arc<Buf>>,
     start: usize,
     end: usize,
     partial: Option<Partial>,
@@ -239,7 +260,32 @@ pub(crate) struct Reader {
 
 impl Reader {
     fn new(stream: Arc<UnixStream>, extended: bool) -> Self {
-        Reader { stream, extended, inbuf: vec![0; REQUEST_BUFFER].into_boxed_slice(), start: 0, end: 0, partial: None }
+        let inbuf = Arc::new(Buf::Heap(vec![0; REQUEST_BUFFER]));
+        Reader { stream, extended, inbuf, retired: VecDeque::new(), start: 0, end: 0, partial: None }
+    }
+
+    /// Moves the unparsed bytes to the front of a read buffer nothing else holds: this one, or
+    /// (while writes hold views of it) a free retired one or a new one from `alloc`.
+    fn make_room(&mut self, alloc: &mut dyn FnMut(usize) -> Buf) {
+        let (start, end) = (self.start, self.end);
+        if let Some(b) = Arc::get_mut(&mut self.inbuf) {
+            b.as_mut_slice().copy_within(start..end, 0);
+        } else {
+            let free = self.retired.iter().position(|b| Arc::strong_count(b) == 1);
+            let mut next = match free.and_then(|i| self.retired.remove(i)) {
+                Some(b) => b,
+                None => Arc::new(alloc(REQUEST_BUFFER)),
+            };
+            let fresh = Arc::get_mut(&mut next).expect("a free or new read buffer is held by nothing else");
+            fresh.as_mut_slice()[..end - start].copy_from_slice(&self.inbuf.as_slice()[start..end]);
+            let old = std::mem::replace(&mut self.inbuf, next);
+            if self.retired.len() == RETIRED_BUFFERS {
+                self.retired.pop_front();
+            }
+            self.retired.push_back(old);
+        }
+        self.end -= start;
+        self.start = 0;
     }
 
     /// The next whole request, `Ok(None)` when the socket has nothing more now (it does not
@@ -252,8 +298,10 @@ impl Reader {
                 // buffer.
                 let data = p.data.as_mut_slice();
                 let buffered = (self.end - self.start).min(data.len() - p.filled);
-                data[p.filled..p.filled + buffered].copy_from_slice(&self.inbuf[self.start..self.start + buffered]);
+                data[p.filled..p.filled + buffered]
+                    .copy_from_slice(&self.inbuf.as_slice()[self.start..self.start + buffered]);
                 p.filled += buffered;
+                p.copied += buffered as u64;
                 self.start += buffered;
                 while p.filled < data.len() {
                     match self.stream.as_ref().read(&mut data[p.filled..]) {
@@ -270,15 +318,14 @@ impl Reader {
                     }
                 }
                 let p = self.partial.take().expect("partial");
-                return Ok(Some(Raw::Request(p.req, p.data)));
+                return Ok(Some(Raw::Request(p.req, p.data, p.copied)));
             }
             let header_len = codec::request_len(self.extended);
             if self.end - self.start < header_len {
-                self.inbuf.copy_within(self.start..self.end, 0);
-                self.end -= self.start;
-                self.start = 0;
+                self.make_room(alloc);
+                let inbuf = Arc::get_mut(&mut self.inbuf).expect("make_room leaves the read buffer to the reader");
                 loop {
-                    match self.stream.as_ref().read(&mut self.inbuf[self.end..]) {
+                    match self.stream.as_ref().read(&mut inbuf.as_mut_slice()[self.end..]) {
                         // The client went away: between requests that is no error.
                         Ok(0) if self.end == 0 => return Err(io::ErrorKind::UnexpectedEof.into()),
                         Ok(0) => {
@@ -297,7 +344,7 @@ impl Reader {
                     continue;
                 }
             }
-            let req = codec::parse_request(&self.inbuf[self.start..self.end], self.extended)
+            let req = codec::parse_request(&self.inbuf.as_slice()[self.start..self.end], self.extended)
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
             self.start += header_len;
             if req.command == cmd::DISC {
@@ -306,11 +353,17 @@ impl Reader {
             match codec::check_payload(&req, self.extended)
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?
             {
+                Some(n) if n <= (self.end - self.start) as u64 => {
+                    // The whole payload is here: a view of the read buffer, no copy.
+                    let (at, len) = (self.start, n as usize);
+                    self.start += len;
+                    return Ok(Some(Raw::Request(req, Buf::Shared { buf: Arc::clone(&self.inbuf), at, len }, 0)));
+                }
                 Some(n) => {
                     let data = alloc(n as usize);
-                    self.partial = Some(Partial { req, data, filled: 0 });
+                    self.partial = Some(Partial { req, data, filled: 0, copied: 0 });
                 }
-                None => return Ok(Some(Raw::Request(req, Buf::Heap(Vec::new())))),
+                None => return Ok(Some(Raw::Request(req, Buf::Heap(Vec::new()), 0))),
             }
         }
     }
@@ -410,9 +463,9 @@ fn reader_thread(mut reader: Reader, handoff: Arc<HandOff>, bell: Arc<Bell>) {
         // The reader's own buffers (its thread runs on the connection's node).
         let got = reader.next(&mut |n| Buf::Heap(vec![0; n]));
         let (item, bytes, end) = match got {
-            Ok(Some(Raw::Request(req, data))) => {
+            Ok(Some(Raw::Request(req, data, copied))) => {
                 let n = data.len() as u64;
-                (Handed::Raw(Raw::Request(req, data)), n, false)
+                (Handed::Raw(Raw::Request(req, data, copied)), n, false)
             }
             Ok(Some(Raw::Disc)) => (Handed::Raw(Raw::Disc), 0, true),
             Ok(None) => {
@@ -589,7 +642,8 @@ impl DirectConn {
             while self.wants_read() {
                 match handoff.pop() {
                     None => break,
-                    Some(Handed::Raw(Raw::Request(req, data))) => {
+                    Some(Handed::Raw(Raw::Request(req, data, copied))) => {
+                        self.stats.add_copied(self.id, copied, true);
                         if let Some(io) = self.request(req, data) {
                             out.push(self.issue(io));
                         }
@@ -632,7 +686,10 @@ impl DirectConn {
                 self.eof = true;
                 Ok(Some(None))
             }
-            Some(Raw::Request(req, data)) => Ok(Some(self.request(req, data))),
+            Some(Raw::Request(req, data, copied)) => {
+                self.stats.add_copied(self.id, copied, true);
+                Ok(Some(self.request(req, data)))
+            }
         }
     }
 
@@ -818,6 +875,7 @@ impl DirectConn {
                 let data = match reply.trim {
                     Some((at, len)) => {
                         let part = data.as_slice()[at..at + len].to_vec();
+                        self.stats.add_copied(self.id, len as u64, false);
                         self.pool.give(data);
                         Buf::Heap(part)
                     }
@@ -900,6 +958,7 @@ impl DirectConn {
             Ok((Op::Read, data)) => match reply.trim {
                 Some((at, len)) => {
                     let part = data.as_slice()[at..at + len].to_vec();
+                    self.stats.add_copied(self.id, len as u64, false);
                     self.pool.give(data);
                     (0, Buf::Heap(part))
                 }
@@ -1104,6 +1163,7 @@ mod tests {
             Handed::Raw(Raw::Request(
                 codec::Request { flags: 0, command: cmd::READ, cookie: 0, offset: 0, length: 0 },
                 Buf::Heap(vec![0; n]),
+                0,
             ))
         };
         for _ in 0..HANDOFF_DEPTH {
@@ -1128,6 +1188,74 @@ mod tests {
         h.close();
         assert!(!pusher.join().unwrap());
         assert!(!h.push(req(0), 0) && h.is_empty() && h.is_closed());
+    }
+
+    /// Reads every whole request `reader` has now: (cookie, data, bytes copied); `allocs`
+    /// counts the buffers asked for.
+    fn read_all(reader: &mut Reader, allocs: &mut usize) -> Vec<(u64, Buf, u64)> {
+        let mut got = Vec::new();
+        while let Some(raw) = reader
+            .next(&mut |n| {
+                *allocs += 1;
+                Buf::Heap(vec![0; n])
+            })
+            .unwrap()
+        {
+            match raw {
+                Raw::Request(req, data, copied) => got.push((req.cookie, data, copied)),
+                Raw::Disc => panic!("no DISC was sent"),
+            }
+        }
+        got
+    }
+
+    #[test]
+    fn whole_write_payloads_are_views_of_the_read_buffer_and_only_split_ones_are_copied() {
+        let (client, server) = UnixStream::pair().unwrap();
+        server.set_nonblocking(true).unwrap();
+        let mut reader = Reader::new(Arc::new(server), false);
+        // 20 writes of 4 KiB with their headers: more than one read buffer of 64 KiB.
+        let send = |first: u64| {
+            let mut bytes = Vec::new();
+            for c in first..first + 20 {
+                bytes.extend_from_slice(&codec::REQUEST_MAGIC.to_be_bytes());
+                bytes.extend_from_slice(&0u16.to_be_bytes());
+                bytes.extend_from_slice(&cmd::WRITE.to_be_bytes());
+                bytes.extend_from_slice(&c.to_be_bytes());
+                bytes.extend_from_slice(&(c * 4096).to_be_bytes());
+                bytes.extend_from_slice(&4096u32.to_be_bytes());
+                bytes.extend(std::iter::repeat_n(c as u8, 4096));
+            }
+            (&client).write_all(&bytes).unwrap();
+        };
+        let check = |got: &[(u64, Buf, u64)], first: u64| {
+            assert_eq!(got.len(), 20);
+            for (i, (cookie, data, copied)) in got.iter().enumerate() {
+                assert_eq!(*cookie, first + i as u64);
+                assert_eq!(data.len(), 4096);
+                assert!(data.as_slice().iter().all(|&b| b == *cookie as u8), "payload of write {cookie}");
+                // A view copies nothing; a payload split by the end of a read copies only what
+                // was read with the requests before it.
+                match data {
+                    Buf::Shared { .. } => assert_eq!(*copied, 0),
+                    _ => assert!(*copied < 4096),
+                }
+            }
+            got.iter().filter(|(_, d, _)| !matches!(d, Buf::Shared { .. })).count()
+        };
+        let mut allocs = 0;
+        send(0);
+        let first = read_all(&mut reader, &mut allocs);
+        let split = check(&first, 0);
+        assert!(split <= 2, "{split} of 20 payloads copied");
+        drop(first);
+        // The views are gone: the retired read buffer is reused, so the only buffers asked for
+        // are the split payloads'.
+        let before = allocs;
+        send(20);
+        let second = read_all(&mut reader, &mut allocs);
+        let split = check(&second, 20);
+        assert_eq!(allocs - before, split, "no new read buffer while a retired one is free");
     }
 
     #[test]

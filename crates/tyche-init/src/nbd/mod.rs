@@ -25,7 +25,7 @@ use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, Semaphore};
@@ -771,8 +771,9 @@ struct Job {
 }
 
 impl Job {
-    async fn run(self) {
-        let Job { client, tx, stats, idx, node, neg, size, req, action, data, holes, probe } = self;
+    async fn run(mut self) {
+        let data = std::mem::take(&mut self.data);
+        let Job { ref client, ref tx, ref stats, idx, node, neg, size, req, action, holes, .. } = self;
         if req.command == cmd::BLOCK_STATUS {
             let reply = match action {
                 Err(e) => Reply { header: reply_head(neg, &req, e, 0), data: Vec::new() },
@@ -789,7 +790,7 @@ impl Job {
             return;
         }
         if holes {
-            if let Some(replies) = read_with_holes(&client, &req, size, neg, &probe).await {
+            if let Some(replies) = read_with_holes(&self).await {
                 let read: u64 = replies.iter().map(|r| r.data.len() as u64).sum();
                 stats.update(idx, |r| r.bytes_read += read);
                 for r in replies {
@@ -800,7 +801,7 @@ impl Job {
         }
         let written = data.len() as u64;
         let mut pages = node.and_then(|n| tyche_numa::report::count_slice(&data, Some(n)).ok());
-        let (error, data) = match execute(&client, &req, action, data).await {
+        let (error, data) = match execute(&self, data).await {
             Ok(d) => (0, d),
             Err(e) => (e, Vec::new()),
         };
@@ -879,7 +880,13 @@ async fn transmission(
         let mut data = Vec::new();
         if let Some(n) = payload {
             data = vec![0u8; n as usize];
-            if let Err(e) = rd.read_exact(&mut data).await {
+            // What the read buffer holds of the payload is copied out of it; the rest comes
+            // straight from the socket into the payload's own buffer.
+            let buffered = rd.buffer().len().min(data.len());
+            data[..buffered].copy_from_slice(&rd.buffer()[..buffered]);
+            rd.consume(buffered);
+            opts.stats.add_copied(idx, buffered as u64, true);
+            if let Err(e) = rd.get_mut().read_exact(&mut data[buffered..]).await {
                 break Err(e);
             }
         }
@@ -921,13 +928,9 @@ async fn transmission(
 /// data pieces read at once, answered as hole and data chunks (the last flagged DONE), or one
 /// ERROR chunk if a read fails. `None` when the answer is a single data piece (no hole worth a
 /// chunk, or the target could not tell): the caller reads it as usual.
-async fn read_with_holes(
-    client: &Client,
-    req: &codec::Request,
-    size: u64,
-    neg: Negotiated,
-    probe: &HoleProbe,
-) -> Option<Vec<Reply>> {
+async fn read_with_holes(job: &Job) -> Option<Vec<Reply>> {
+    let Job { client, req, size, neg, probe, stats, idx, .. } = job;
+    let (size, neg, idx) = (*size, *neg, *idx);
     let (start, len) = status_query(req.offset, req.length, size)?;
     let plan = match client.block_status(start, len).await {
         Ok(extents) => read_plan(req.offset, req.length, start, &extents),
@@ -947,8 +950,8 @@ async fn read_with_holes(
         .iter()
         .map(|p| match *p {
             Piece::Data(off, n) => {
-                let client = client.clone();
-                Some(tokio::spawn(async move { read_range(&client, off, n).await }))
+                let (client, stats) = (client.clone(), stats.clone());
+                Some(tokio::spawn(async move { read_range(&client, off, n, &stats, idx).await }))
             }
             Piece::Hole(..) => None,
         })
@@ -964,7 +967,7 @@ async fn read_with_holes(
             (Piece::Data(off, n), read) => {
                 let data = match read {
                     Some(read) => read.await.unwrap_or(Err(errno::EIO)),
-                    None => read_range(client, off, n).await,
+                    None => read_range(client, off, n, stats, idx).await,
                 };
                 match data {
                     Ok(data) => {
@@ -984,8 +987,9 @@ async fn read_with_holes(
 /// The sector: reads and trims are rounded to it.
 const SECTOR: u64 = MIN_BLOCK as u64;
 
-/// Reads `len` bytes at `off`, through the sectors covering them.
-async fn read_range(client: &Client, off: u64, len: u64) -> Result<Vec<u8>, u32> {
+/// Reads `len` bytes at `off`, through the sectors covering them (an unaligned range is copied
+/// out of them, counted for connection `idx` in `stats`).
+async fn read_range(client: &Client, off: u64, len: u64, stats: &crate::NbdStats, idx: u64) -> Result<Vec<u8>, u32> {
     let start = off / SECTOR * SECTOR;
     let end = (off + len).next_multiple_of(SECTOR);
     let buf = client.read(start, (end - start) as usize).await.map_err(nbd_error)?;
@@ -993,24 +997,21 @@ async fn read_range(client: &Client, off: u64, len: u64) -> Result<Vec<u8>, u32>
         Ok(buf)
     } else {
         let at = (off - start) as usize;
+        stats.add_copied(idx, len, false);
         Ok(buf[at..at + len as usize].to_vec())
     }
 }
 
 /// Runs one checked request ([`codec::check_request`]'s verdict); returns read data or an NBD
 /// error number.
-async fn execute(
-    client: &Client,
-    req: &codec::Request,
-    action: Result<Action, u32>,
-    data: Vec<u8>,
-) -> Result<Vec<u8>, u32> {
+async fn execute(job: &Job, data: Vec<u8>) -> Result<Vec<u8>, u32> {
+    let Job { client, req, action, stats, idx, .. } = job;
     let fua = req.flags & cflag::FUA != 0;
-    match action? {
+    match (*action)? {
         Action::Done => Ok(Vec::new()),
         Action::Flush => client.flush().await.map(|()| Vec::new()).map_err(nbd_error),
         // Unaligned reads read the covering sectors.
-        Action::Read => read_range(client, req.offset, req.length).await,
+        Action::Read => read_range(client, req.offset, req.length, stats, *idx).await,
         Action::Write => client.write_owned(req.offset, data, fua).await.map(|()| Vec::new()).map_err(nbd_error),
         Action::Trim { start, length, flush } => {
             client.discard(start, length).await.map_err(nbd_error)?;
