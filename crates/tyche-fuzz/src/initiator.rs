@@ -24,10 +24,10 @@ use tyche_channel::{
 };
 use tyche_wire::{
     Accept, Ack, Challenge, ChannelParams, Completion, Data, DataHeader, Disconnect, DisconnectReason, Envelope, Frame,
-    Keepalive, Kind, MacAddr, Message, Nack, Op, Reject, RejectReason, Request, Seq, Status, DEFAULT_ETHERTYPE,
+    Keepalive, MacAddr, Message, Nack, Op, Reject, RejectReason, Request, Seq, Status, DEFAULT_ETHERTYPE,
 };
 
-use crate::target::{AckSel, SeqSel, Want};
+use crate::target::{corrupted, earlier, raw_frame, AckSel, SeqSel, Want};
 
 const FRAME: usize = 9014;
 const SESSION: u64 = 0x7e57_0001;
@@ -522,35 +522,21 @@ impl World {
         if !session {
             env.session = 0;
         }
-        let kind = Kind::ALL[kind as usize % Kind::ALL.len()];
-        let len = (kind.fixed_len().max(16) + body.len()).min(FRAME - 14);
-        let mut buf = vec![0u8; 14 + len.max(46)];
-        env.emit_headers(kind, flags, len, &mut buf);
-        let n = body.len().min(len - 16);
-        buf[14 + 16..14 + 16 + n].copy_from_slice(&body[..n]);
+        let buf = raw_frame(&env, kind, flags, body);
         self.deliver(&buf);
     }
 
     /// [`Action::Replay`]: a frame delivered earlier (`back` from the last), again.
     fn replay(&mut self, back: u8) {
-        let n = self.sent.len();
-        if n > 0 {
-            let f = self.sent[n - 1 - back as usize % n].clone();
+        if let Some(f) = earlier(&self.sent, back) {
             self.deliver(&f);
         }
     }
 
     /// [`Action::Corrupt`]: a frame delivered earlier with byte `at` xored and maybe cut short.
     fn corrupt(&mut self, back: u8, at: u16, xor: u8, cut: Option<u16>) {
-        let n = self.sent.len();
-        if n > 0 {
-            let mut f = self.sent[n - 1 - back as usize % n].clone();
-            let i = at as usize % f.len();
-            f[i] ^= xor;
-            if let Some(c) = cut {
-                f.truncate(c as usize % (f.len() + 1));
-            }
-            self.deliver(&f);
+        if let Some(f) = earlier(&self.sent, back) {
+            self.deliver(&corrupted(f, at, xor, cut));
         }
     }
 

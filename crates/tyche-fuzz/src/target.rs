@@ -36,6 +36,34 @@ use tyched::{Config, ExportConfig, Nic};
 /// MTU and frame capacity of the in-memory links.
 const MTU: usize = 9000;
 const FRAME: usize = 9014;
+
+/// A frame from `env` of kind `kind` (its length valid) whose body is `body` (the harnesses'
+/// raw frames).
+pub(crate) fn raw_frame(env: &Envelope, kind: u8, flags: u16, body: &[u8]) -> Vec<u8> {
+    let kind = Kind::ALL[kind as usize % Kind::ALL.len()];
+    let len = (kind.fixed_len().max(16) + body.len()).min(FRAME - 14);
+    let mut buf = vec![0u8; 14 + len.max(46)];
+    env.emit_headers(kind, flags, len, &mut buf);
+    let n = body.len().min(len - 16);
+    buf[14 + 16..14 + 16 + n].copy_from_slice(&body[..n]);
+    buf
+}
+
+/// The frame `back` from the last of `sent` (counted around), if any was sent.
+pub(crate) fn earlier(sent: &VecDeque<Vec<u8>>, back: u8) -> Option<Vec<u8>> {
+    let n = sent.len();
+    (n > 0).then(|| sent[n - 1 - back as usize % n].clone())
+}
+
+/// Frame `f` with byte `at` (counted around) xored with `xor`, and cut short when `cut` says.
+pub(crate) fn corrupted(mut f: Vec<u8>, at: u16, xor: u8, cut: Option<u16>) -> Vec<u8> {
+    let i = at as usize % f.len();
+    f[i] ^= xor;
+    if let Some(c) = cut {
+        f.truncate(c as usize % (f.len() + 1));
+    }
+    f
+}
 /// Frames the target may hold lent from the hostile's link at once.
 const LEND: usize = 64;
 /// Transmit chunks the target may take for good on each link: its reads go straight into them
@@ -990,36 +1018,21 @@ impl World {
 
     /// [`Action::Raw`]: a frame of kind `kind` (its length valid) whose body is `body`.
     fn raw(&mut self, ch: Ch, kind: u8, flags: u16, body: &[u8]) {
-        let env = self.env(ch);
-        let kind = Kind::ALL[kind as usize % Kind::ALL.len()];
-        let len = (kind.fixed_len().max(16) + body.len()).min(FRAME - 14);
-        let mut buf = vec![0u8; 14 + len.max(46)];
-        env.emit_headers(kind, flags, len, &mut buf);
-        let n = body.len().min(len - 16);
-        buf[14 + 16..14 + 16 + n].copy_from_slice(&body[..n]);
+        let buf = raw_frame(&self.env(ch), kind, flags, body);
         self.hostile_send(&buf);
     }
 
     /// [`Action::Replay`]: a frame sent earlier (`back` from the last), again.
     fn replay(&mut self, back: u8) {
-        let n = self.hostile.sent.len();
-        if n > 0 {
-            let f = self.hostile.sent[n - 1 - back as usize % n].clone();
+        if let Some(f) = earlier(&self.hostile.sent, back) {
             self.hostile_send(&f);
         }
     }
 
     /// [`Action::Corrupt`]: a frame sent earlier with byte `at` xored and maybe cut short.
     fn corrupt(&mut self, back: u8, at: u16, xor: u8, cut: Option<u16>) {
-        let n = self.hostile.sent.len();
-        if n > 0 {
-            let mut f = self.hostile.sent[n - 1 - back as usize % n].clone();
-            let i = at as usize % f.len();
-            f[i] ^= xor;
-            if let Some(c) = cut {
-                f.truncate(c as usize % (f.len() + 1));
-            }
-            self.hostile_send(&f);
+        if let Some(f) = earlier(&self.hostile.sent, back) {
+            self.hostile_send(&corrupted(f, at, xor, cut));
         }
     }
 
