@@ -23,11 +23,11 @@ use tyche_channel::{
     VolumeConfig, VolumeEvent, VolumeParts,
 };
 use tyche_wire::{
-    Accept, Ack, Challenge, ChannelParams, Completion, Data, DataHeader, Disconnect, DisconnectReason, Envelope, Frame,
+    Ack, Challenge, ChannelParams, Completion, Data, DataHeader, Disconnect, DisconnectReason, Envelope, Frame,
     Keepalive, MacAddr, Message, Nack, Op, Reject, RejectReason, Request, Seq, Status, DEFAULT_ETHERTYPE,
 };
 
-use crate::target::{corrupted, earlier, raw_frame, AckSel, SeqSel, Want};
+use crate::target::{accept, corrupted, earlier, raw_frame, AckSel, SeqSel, Want};
 
 const FRAME: usize = 9014;
 const SESSION: u64 = 0x7e57_0001;
@@ -483,16 +483,7 @@ impl World {
         let seq = self.seq(ch, seq, AckSel::Honest);
         let p = self.params;
         let m = match kind % 5 {
-            0 => Message::Accept(Accept {
-                nonce: a,
-                params: p,
-                export_size: b,
-                block_size: 512,
-                export_flags: 0,
-                proof: None,
-                durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
-                channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
-            }),
+            0 => Message::Accept(accept(a, b, p)),
             1 => Message::Challenge(Challenge { nonce: a, target_nonce: b }),
             2 => Message::Reject(Reject {
                 nonce: a,

@@ -49,6 +49,20 @@ pub(crate) fn raw_frame(env: &Envelope, kind: u8, flags: u16, body: &[u8]) -> Ve
     buf
 }
 
+/// An ACCEPT a hostile peer sends mid-session, made of its two numbers `a` and `b`.
+pub(crate) fn accept(a: u64, b: u64, params: tyche_wire::ChannelParams) -> tyche_wire::Accept {
+    tyche_wire::Accept {
+        nonce: a,
+        params,
+        export_size: b,
+        block_size: 512,
+        export_flags: 0,
+        proof: None,
+        durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
+        channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
+    }
+}
+
 /// The frame `back` from the last of `sent` (counted around), if any was sent.
 pub(crate) fn earlier(sent: &VecDeque<Vec<u8>>, back: u8) -> Option<Vec<u8>> {
     let n = sent.len();
@@ -994,16 +1008,7 @@ impl World {
                 damq: (a >> 16) as u16,
                 tag: b,
             }),
-            1 => Message::Accept(tyche_wire::Accept {
-                nonce: a,
-                params: p,
-                export_size: b,
-                block_size: 512,
-                export_flags: 0,
-                proof: None,
-                durability_epoch: tyche_wire::DurabilityEpoch([a as u8; 16]),
-                channel_mac: tyche_wire::MacAddr([(b as u8) & 0xfe, 0x54, 0, 0, 0, a as u8]),
-            }),
+            1 => Message::Accept(accept(a, b, p)),
             2 => Message::Challenge(tyche_wire::Challenge { nonce: a, target_nonce: b }),
             3 => Message::Reject(tyche_wire::Reject {
                 nonce: a,
