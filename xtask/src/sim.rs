@@ -259,7 +259,10 @@ fn print_totals(args: &SimArgs, t: &Totals, started: std::time::Instant) {
         );
     }
     if args.init_parts > 1 {
-        eprintln!("sim: volumes in {} parts: {} requests handed from one part to another", args.init_parts, t.handoffs);
+        eprintln!(
+            "sim: volumes in {} parts: {} requests handed from one part to another ({} refused on arrival)",
+            args.init_parts, t.handoffs, t.handoffs_refused
+        );
     }
     if args.target_parts > 1 {
         eprintln!(

@@ -199,21 +199,36 @@ struct Part {
     submitted: Instant,
 }
 
+/// The bytes a hand-off or a hand-back carries between the parts of a volume: a written part's
+/// data to its adopter, a read part's data back to its origin (its `Debug` shows the length).
+#[derive(Clone, Default, PartialEq, Eq)]
+struct Carried(Vec<u8>);
+
+impl std::fmt::Debug for Carried {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes", self.0.len())
+    }
+}
+
 /// A part of a request handed from one part of a volume to another ([`Volume::take_stranded`],
 /// [`Volume::adopt`]): it keeps its tag and `HOME`, so the target decides a copy of it as any
-/// re-issue. Its request (and buffer) stays the origin's: read data names the origin's id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// re-issue. Its request stays the origin's (read data names the origin's id); a written part
+/// carries its data ([`exchange_part`](crate::exchange_part) copies it from the request's
+/// buffer), which the adopter keeps beside the part until it is done.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Handoff {
     /// The session it was handed over in.
     pub session: u64,
     tag: u64,
     /// As the origin holds it (its `channel`, `origin` and `away` are not used).
     part: Part,
+    /// A written part's data.
+    data: Carried,
 }
 
 /// What became of an adopted part, for its origin ([`Volume::poll_handback`],
-/// [`Volume::handed_back`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// [`Volume::handed_back`]), with a read part's data when it was read.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Handback {
     /// The session it was adopted in.
     pub session: u64,
@@ -234,6 +249,20 @@ pub struct Handback {
     /// copy, and whatever it holds under the same request and offset (an adoption of the same
     /// part in another session) is not this hand-back's to release.
     refused: bool,
+    /// A read part's data, once read.
+    data: Carried,
+}
+
+/// Read data an adopter carried back, for the origin to copy into its request's buffer
+/// ([`Volume::handed_back`]): as [`Inbound::Read`], with the bytes owned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadBack {
+    /// The request.
+    pub id: u64,
+    /// Where in the request the data goes, in bytes.
+    pub offset: u64,
+    /// The data.
+    pub data: Vec<u8>,
 }
 
 impl Handoff {
@@ -257,6 +286,21 @@ impl Handoff {
     pub fn length(&self) -> u32 {
         self.part.length
     }
+    /// How many bytes of write data it carries.
+    pub fn data_len(&self) -> usize {
+        self.data.0.len()
+    }
+    /// Takes a written part's data from `request`, its request's buffer (nothing for a part
+    /// that carries no data, or when the buffer does not hold the part: the adopter then has
+    /// no data to send, and sends none).
+    pub(crate) fn carry_from(&mut self, request: Option<&[u8]>) {
+        if !self.part.op.has_write_data() {
+            return;
+        }
+        let at = self.part.req_offset as usize;
+        let range = request.and_then(|b| b.get(at..at.checked_add(self.part.length as usize)?));
+        self.data = Carried(range.map(<[u8]>::to_vec).unwrap_or_default());
+    }
 }
 
 impl Handback {
@@ -270,10 +314,10 @@ impl Handback {
             id: part.id,
             req_offset: part.req_offset,
             refused: false,
+            data: Carried::default(),
         }
     }
-    /// Whether the adopter refused the part on arrival (see the field): a courier that keeps
-    /// data beside adopted parts keeps it then.
+    /// Whether the adopter refused the part on arrival (see the field).
     pub fn refused(&self) -> bool {
         self.refused
     }
@@ -352,6 +396,10 @@ pub struct Volume {
     parts: BTreeMap<u64, Part>,
     /// How many of `parts` were adopted from other parts (`origin` set).
     adopted: usize,
+    /// The data of adopted parts that have some, by (request, offset of the part in it): write
+    /// data to send, or a buffer read data lands in until it goes back. It lives and goes with
+    /// its part, so no other part's arrival or refusal can touch it.
+    adopted_data: BTreeMap<(u64, u64), Vec<u8>>,
     pending: VecDeque<u64>,
     requests: HashMap<u64, Outstanding>,
     events: VecDeque<VolumeEvent>,
@@ -417,6 +465,7 @@ impl Volume {
             next_tag: part as u64 + 1,
             parts: BTreeMap::new(),
             adopted: 0,
+            adopted_data: BTreeMap::new(),
             pending: VecDeque::new(),
             requests: HashMap::new(),
             events: VecDeque::new(),
@@ -558,6 +607,7 @@ impl Volume {
         // Adopted parts go: their origins take them back as they move to the new session too.
         self.parts.retain(|_, p| p.origin.is_none());
         self.adopted = 0;
+        self.adopted_data.clear();
         self.handbacks.clear();
         for (&tag, part) in self.parts.iter_mut() {
             part.away = false;
@@ -586,28 +636,35 @@ impl Volume {
             let part = self.parts.get_mut(&tag).expect("pending part");
             if let Some(origin) = part.origin {
                 let back = Handback::of(self.session, tag, part, None);
+                self.adopted_data.remove(&(part.id, part.req_offset));
                 self.parts.remove(&tag);
                 self.adopted -= 1;
                 self.handbacks.push_back((origin, back));
                 continue;
             }
             part.away = true;
-            out.push(Handoff { session: self.session, tag, part: *part });
+            out.push(Handoff { session: self.session, tag, part: *part, data: Carried::default() });
         }
         out
     }
 
     /// Takes over a part of a request that part `from` handed over ([`Volume::take_stranded`]):
     /// it is queued here under its tag and `HOME`, and what becomes of it goes back to `from`
-    /// ([`Volume::poll_handback`]). One of another session, or of a part already held here,
-    /// goes straight back, refused ([`Handback::refused`]); the return says whether it was
-    /// adopted (a courier keeps the part's data only then).
+    /// ([`Volume::poll_handback`]). A written part's data is kept beside it until it is done
+    /// ([`Volume::adopted_data`]), and a read part gets a buffer of its own for its data. One
+    /// of another session, or of a part already held here, goes straight back, refused
+    /// ([`Handback::refused`]), and its data with it; the return says whether it was adopted.
     pub fn adopt(&mut self, now: Instant, from: usize, h: Handoff) -> bool {
         if h.session != self.session || self.parts.contains_key(&h.tag) {
             self.handbacks.push_back((from, h.refuse()));
             return false;
         }
         let part = Part { channel: None, origin: Some(from), away: false, ..h.part };
+        let data = if part.op.has_read_data() { vec![0; part.length as usize] } else { h.data.0 };
+        if !data.is_empty() {
+            let previous = self.adopted_data.insert((part.id, part.req_offset), data);
+            debug_assert!(previous.is_none(), "two adopted parts of request {} at {}", part.id, part.req_offset);
+        }
         self.parts.insert(h.tag, part);
         self.adopted += 1;
         let at = self.pending.partition_point(|&t| t < h.tag);
@@ -622,12 +679,38 @@ impl Volume {
         self.handbacks.pop_front()
     }
 
+    /// The data kept beside adopted parts ([`Volume::adopt`]) for bytes `offset..offset + len`
+    /// of request `id`: where a DATA frame's write data comes from, or read data goes, when
+    /// [`OutFrame::payload`] or [`Inbound::Read`] name a request this part did not take from
+    /// its own caller. `None` when no adopted part of the request holds that range.
+    ///
+    /// A read part whose completion came with its last DATA frame is done before
+    /// [`Volume::handle_frame`] returns that frame's data: its data is then in its hand-back,
+    /// and found there until the hand-back is taken ([`Volume::poll_handback`]).
+    pub fn adopted_data(&mut self, id: u64, offset: u64, len: usize) -> Option<&mut [u8]> {
+        // Where in a part's data starting at `base`, `have` bytes long, the range starts.
+        let within = |base: u64, have: usize| {
+            let at = usize::try_from(offset.checked_sub(base)?).ok()?;
+            (at.checked_add(len)? <= have).then_some(at)
+        };
+        let held = self.adopted_data.range(..=(id, offset)).next_back().filter(|((i, _), _)| *i == id);
+        if let Some((key, at)) = held.and_then(|(&key, data)| Some((key, within(key.1, data.len())?))) {
+            return self.adopted_data.get_mut(&key).map(|data| &mut data[at..at + len]);
+        }
+        let (_, back) =
+            self.handbacks.iter_mut().find(|(_, b)| b.id == id && within(b.req_offset, b.data.0.len()).is_some())?;
+        let at = within(back.req_offset, back.data.0.len())?;
+        Some(&mut back.data.0[at..at + len])
+    }
+
     /// What became of a part this part handed over: done (its request completes as if it had
     /// completed here), or back into this part's queue. One of another session, or for a part
-    /// no longer away, is ignored (it was queued again when this part moved sessions).
-    pub fn handed_back(&mut self, now: Instant, back: Handback) {
+    /// no longer away, is ignored (it was queued again when this part moved sessions). Returns
+    /// the data of a part read elsewhere, which the caller copies into its request's buffer
+    /// before it takes the request's completion ([`Volume::poll_event`]).
+    pub fn handed_back(&mut self, now: Instant, back: Handback) -> Option<ReadBack> {
         if back.session != self.session || !self.parts.get(&back.tag).is_some_and(|p| p.away) {
-            return;
+            return None;
         }
         let part = self.parts.get_mut(&back.tag).expect("checked");
         part.away = false;
@@ -635,8 +718,16 @@ impl Volume {
             part.home = back.home;
         }
         part.aborts = part.aborts.max(back.aborts);
+        let (op, length) = (part.op, part.length as usize);
+        let mut read = None;
         match back.result {
-            Some(result) => self.part_done(back.tag, None, result),
+            Some(result) => {
+                if result.is_ok() && op.has_read_data() {
+                    debug_assert_eq!(back.data.0.len(), length, "read data of part {} carried back", back.tag);
+                    read = Some(ReadBack { id: back.id, offset: back.req_offset, data: back.data.0 });
+                }
+                self.part_done(back.tag, None, result);
+            }
             None => {
                 let at = self.pending.partition_point(|&t| t < back.tag);
                 self.pending.insert(at, back.tag);
@@ -646,6 +737,7 @@ impl Volume {
             }
         }
         self.pump(now);
+        read
     }
 
     /// Sessions the volume moved to by [`Volume::resume`].
@@ -677,6 +769,7 @@ impl Volume {
     /// back yet.
     pub fn adopted_parts(&self) -> usize {
         debug_assert_eq!(self.adopted, self.parts.values().filter(|p| p.origin.is_some()).count());
+        debug_assert!(self.adopted_data.len() <= self.adopted);
         self.adopted
     }
     /// For a volume in parts: whether some part has requests outstanding, as the parts last
@@ -1057,7 +1150,11 @@ impl Volume {
         let part = self.parts.remove(&tag).expect("present");
         if let Some(origin) = part.origin {
             self.adopted -= 1;
-            let back = Handback::of(self.session, tag, &part, Some(result));
+            let data = self.adopted_data.remove(&(part.id, part.req_offset));
+            let mut back = Handback::of(self.session, tag, &part, Some(result));
+            if result.is_ok() && part.op.has_read_data() {
+                back.data = Carried(data.unwrap_or_default());
+            }
             self.handbacks.push_back((origin, back));
             return;
         }
@@ -1332,6 +1429,10 @@ mod tests {
         IoRequest { id, op: Op::Read, fua: false, offset: 0, length: 512, node: None }
     }
 
+    fn write(id: u64) -> IoRequest {
+        IoRequest { op: Op::Write, ..read(id) }
+    }
+
     #[test]
     fn parts_allocate_tags_from_their_residue_classes_and_share_the_floor() {
         let mut v = parts(2);
@@ -1398,7 +1499,7 @@ mod tests {
             backs.push(b);
         }
         assert_eq!(backs.len(), 2);
-        v[0].handed_back(Instant(3), backs[0]);
+        v[0].handed_back(Instant(3), backs[0].clone());
         assert_eq!(v[0].queued_parts(), 1);
         assert_eq!(v[0].parts[&1].home, Some(5), "a copy under another home could run twice");
         // One done elsewhere completes the origin's request.
@@ -1412,25 +1513,26 @@ mod tests {
         assert_eq!(v[0].poll_event(), Some(VolumeEvent::Completed { id: 1, result: Ok(()) }));
         // A hand-back from another session is ignored (the part was queued again on resume).
         v[0].resume(8, Instant(6));
-        v[0].handed_back(Instant(6), backs[1]);
+        v[0].handed_back(Instant(6), backs[1].clone());
         assert_eq!(v[0].outstanding(), 1);
         assert_eq!(v[0].queued_parts(), 1);
     }
 
     #[test]
     fn a_hand_off_of_a_session_left_is_refused_beside_the_same_part_of_the_new_one() {
-        // The origin hands a part over, moves to a new session and hands the same part over
-        // again; the adopter moved first. The old session's hand-off may arrive before or after
-        // the new one's: either way it is refused, and its refusal says so (the engine keeps
-        // the adopted part's data under the same request and offset, and must not drop it when
-        // the refusal goes back).
+        // The origin hands a written part over, moves to a new session and hands the same part
+        // over again; the adopter moved first. The old session's hand-off may arrive before or
+        // after the new one's: either way it is refused, its refusal says so, and the adopted
+        // part keeps its data (the old copy's arrival or refusal must not replace or drop it).
         for old_first in [true, false] {
             let mut v = parts(2);
-            v[0].submit(Instant(1), read(1)).unwrap();
-            let old = v[0].take_stranded().pop().unwrap();
+            v[0].submit(Instant(1), write(1)).unwrap();
+            let mut old = v[0].take_stranded().pop().unwrap();
+            old.carry_from(Some(&[0xaa; 512]));
             v[0].resume(8, Instant(2));
             v[1].resume(8, Instant(2));
-            let new = v[0].take_stranded().pop().unwrap();
+            let mut new = v[0].take_stranded().pop().unwrap();
+            new.carry_from(Some(&[0x55; 512]));
             assert_eq!((old.id(), old.req_offset()), (new.id(), new.req_offset()));
             let (first, second) = if old_first { (old, new) } else { (new, old) };
             let accepted = [v[1].adopt(Instant(3), 0, first), v[1].adopt(Instant(3), 0, second)];
@@ -1440,10 +1542,50 @@ mod tests {
             assert_eq!(to, 0);
             assert!(back.refused() && back.session == 7, "{back:?}");
             assert!(v[1].poll_handback().is_none());
+            assert_eq!(v[1].adopted_data(1, 0, 512).as_deref(), Some(&[0x55; 512][..]), "the new copy's data");
             // The refusal changes nothing at the origin: its part is still with the adopter.
-            v[0].handed_back(Instant(4), back);
+            assert_eq!(v[0].handed_back(Instant(4), back), None);
             assert_eq!(v[0].queued_parts(), 0);
             assert_eq!(v[0].outstanding(), 1);
         }
+    }
+
+    #[test]
+    fn hand_offs_carry_write_data_over_and_read_data_back() {
+        let mut v = parts(2);
+        v[0].submit(Instant(1), IoRequest { length: 1024, ..write(1) }).unwrap();
+        v[0].submit(Instant(1), IoRequest { id: 2, ..read(2) }).unwrap();
+        let request: Vec<u8> = (0..1024).map(|i| i as u8).collect();
+        for mut h in v[0].take_stranded() {
+            h.carry_from((h.id() == 1).then_some(&request[..]));
+            // The write goes in two parts (512 bytes, the smallest part a volume without channels
+            // makes), each with its half.
+            assert_eq!(h.data_len(), if h.id() == 1 { 512 } else { 0 });
+            assert!(v[1].adopt(Instant(2), 0, h));
+        }
+        // The adopter sends the write's bytes from what it kept, and reads into a buffer of its own.
+        assert_eq!(v[1].adopted_data(1, 512, 512).as_deref(), Some(&request[512..]));
+        assert_eq!(v[1].adopted_data(1, 1000, 100), None, "past the part");
+        assert_eq!(v[1].adopted_data(3, 0, 1), None, "no such request");
+        v[1].adopted_data(2, 0, 512).unwrap().fill(7);
+        v[1].pending.clear();
+        let tags: Vec<u64> = v[1].parts.keys().copied().collect();
+        for tag in tags {
+            v[1].part_done(tag, None, Ok(()));
+        }
+        assert_eq!(v[1].adopted_parts(), 0);
+        assert_eq!(v[1].adopted_data(1, 0, 1), None, "the data went with its part");
+        let mut read_back = Vec::new();
+        while let Some((to, back)) = v[1].poll_handback() {
+            assert_eq!(to, 0);
+            read_back.extend(v[0].handed_back(Instant(3), back));
+        }
+        assert_eq!(read_back, [ReadBack { id: 2, offset: 0, data: vec![7; 512] }]);
+        let mut done: Vec<_> = std::iter::from_fn(|| v[0].poll_event()).collect();
+        done.sort_by_key(|e| format!("{e:?}"));
+        assert_eq!(
+            done,
+            [VolumeEvent::Completed { id: 1, result: Ok(()) }, VolumeEvent::Completed { id: 2, result: Ok(()) }]
+        );
     }
 }

@@ -62,7 +62,7 @@ pub use handshake::{
     KeyedConnect, FRESH_KEY_ROUNDS,
 };
 pub use initiator::{
-    DurabilityDebt, Handback, Handoff, Inbound, InboundOf, IoError, IoRequest, OutFrame, SubmitError, Volume,
+    DurabilityDebt, Handback, Handoff, Inbound, InboundOf, IoError, IoRequest, OutFrame, ReadBack, SubmitError, Volume,
     VolumeConfig, VolumeEvent,
 };
 pub use parts::{post_messages, Courier, SessionParts};

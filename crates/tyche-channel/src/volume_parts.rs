@@ -3,7 +3,9 @@
 //! some channels and the requests submitted to it; [`VolumeParts`] gives a request to a part, a
 //! part without a live channel's queue to one that has one ([`Volume::take_stranded`]), and every
 //! hand-off and hand-back to a [`HandCourier`], which decides when [`VolumeParts::deliver`] hands
-//! it over ([`AtOnce`]: at once; the simulator: after seeded delays).
+//! it over ([`AtOnce`]: at once; the simulator: after seeded delays). The messages carry their
+//! data (a written part's to the adopter, a read part's back): the request buffers stay their
+//! owner's, which hands [`exchange_part`] the buffer of each request it asks for.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -12,12 +14,12 @@ use tyche_wire::DurabilityEpoch;
 
 use crate::board::VolumeBoard;
 use crate::channel::Channel;
-use crate::initiator::{DurabilityDebt, Handback, Handoff, Volume, VolumeConfig, VolumeEvent};
+use crate::initiator::{DurabilityDebt, Handback, Handoff, ReadBack, Volume, VolumeConfig, VolumeEvent};
 use crate::scheduler::Scheduler;
 use crate::time::Instant;
 
-/// What travels between the parts of a volume.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What travels between the parts of a volume, with its data.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandMessage {
     /// Part `from` hands a part of a request over ([`Volume::adopt`]).
     Handoff {
@@ -42,13 +44,15 @@ pub trait HandCourier {
 /// no live channel, its queued requests go to the next part in ring order that has one
 /// ([`Volume::take_stranded`], as [`HandMessage::Handoff`]); what it adopted and is done with
 /// goes back to its origin ([`Volume::poll_handback`], as [`HandMessage::Handback`]).
-/// `live(q)`: whether part `q` has a live channel, as the caller knows it. Returns the handoffs
-/// posted.
-pub fn exchange_part(
+/// `live(q)`: whether part `q` has a live channel, as the caller knows it; `request(id)`: the
+/// buffer of this part's request `id`, which a written part's data is copied from. Returns the
+/// handoffs posted.
+pub fn exchange_part<'r>(
     volume: &mut Volume,
     p: usize,
     n: usize,
     live: impl Fn(usize) -> bool,
+    request: impl Fn(u64) -> Option<&'r [u8]>,
     now: Instant,
     courier: &mut impl HandCourier,
 ) -> u64 {
@@ -58,7 +62,8 @@ pub fn exchange_part(
     let mut handoffs = 0;
     if volume.live_channels() == 0 && volume.queued_parts() > 0 {
         if let Some(to) = (1..n).map(|i| (p + i) % n).find(|&q| live(q)) {
-            for handoff in volume.take_stranded() {
+            for mut handoff in volume.take_stranded() {
+                handoff.carry_from(request(handoff.id()));
                 handoffs += 1;
                 courier.post(now, p, to, HandMessage::Handoff { from: p, handoff });
             }
@@ -87,6 +92,8 @@ pub struct VolumeParts<C> {
     /// The part the next event is taken from first.
     next_events: usize,
     handoffs: u64,
+    /// Hand-offs an adopter refused ([`Volume::adopt`]).
+    refused: u64,
     courier: C,
 }
 
@@ -105,7 +112,7 @@ impl<C: HandCourier> VolumeParts<C> {
         let parts = (0..board.parts())
             .map(|p| Volume::part(config, session, ethertype, scheduler(), now, Arc::clone(&board), p))
             .collect();
-        VolumeParts { parts, next_events: 0, handoffs: 0, courier }
+        VolumeParts { parts, next_events: 0, handoffs: 0, refused: 0, courier }
     }
 
     /// Part `p`.
@@ -127,6 +134,11 @@ impl<C: HandCourier> VolumeParts<C> {
     /// Parts of requests handed from one part to another so far.
     pub fn handoffs(&self) -> u64 {
         self.handoffs
+    }
+    /// Hand-offs refused on arrival so far (of a session the adopter had left, or of a part it
+    /// already held).
+    pub fn refused_handoffs(&self) -> u64 {
+        self.refused
     }
     /// Channel `i` of whichever part holds it.
     pub fn channel(&self, i: u16) -> Option<&Channel> {
@@ -186,12 +198,11 @@ impl<C: HandCourier> VolumeParts<C> {
         self.parts[0].inherit_debt(debt);
     }
 
-    /// Moves every part to `session` ([`Volume::resume`]).
+    /// Moves every part to `session` ([`Volume::resume`]); [`VolumeParts::exchange`] follows.
     pub fn resume(&mut self, session: u64, now: Instant) {
         for v in &mut self.parts {
             v.resume(session, now);
         }
-        self.exchange(now);
     }
 
     /// Closes every channel.
@@ -233,12 +244,11 @@ impl<C: HandCourier> VolumeParts<C> {
         self.parts.iter().filter_map(Volume::refresh_at).min()
     }
 
-    /// Runs every part's timers, then [`VolumeParts::exchange`].
+    /// Runs every part's timers; [`VolumeParts::exchange`] follows.
     pub fn handle_timeout(&mut self, now: Instant) {
         for v in &mut self.parts {
             v.handle_timeout(now);
         }
-        self.exchange(now);
     }
 
     /// While busy, lets each part whose refresh is due read the board ([`Volume::refresh`]).
@@ -254,8 +264,9 @@ impl<C: HandCourier> VolumeParts<C> {
     }
 
     /// Posts the queued requests of parts without a live channel to the next part that has one,
-    /// and what adopters report back to the origins ([`exchange_part`] for each part).
-    pub fn exchange(&mut self, now: Instant) {
+    /// and what adopters report back to the origins ([`exchange_part`] for each part);
+    /// `request(p, id)`: the buffer of part `p`'s request `id`.
+    pub fn exchange<'r>(&mut self, now: Instant, request: impl Fn(usize, u64) -> Option<&'r [u8]>) {
         let n = self.parts.len();
         if n == 1 {
             return;
@@ -265,15 +276,18 @@ impl<C: HandCourier> VolumeParts<C> {
             // Checks the part's count of adopted parts against its parts (debug builds: the
             // simulator and the fuzz targets).
             let _ = self.parts[p].adopted_parts();
-            self.handoffs += exchange_part(&mut self.parts[p], p, n, |q| live[q], now, &mut self.courier);
+            let request = |id| request(p, id);
+            self.handoffs += exchange_part(&mut self.parts[p], p, n, |q| live[q], request, now, &mut self.courier);
         }
     }
 
-    /// Hands `msg` to part `to`.
-    pub fn deliver(&mut self, now: Instant, to: usize, msg: HandMessage) {
+    /// Hands `msg` to part `to`; returns the read data a hand-back carries for its request
+    /// ([`Volume::handed_back`]).
+    pub fn deliver(&mut self, now: Instant, to: usize, msg: HandMessage) -> Option<ReadBack> {
         match msg {
             HandMessage::Handoff { from, handoff } => {
-                self.parts[to].adopt(now, from, handoff);
+                self.refused += u64::from(!self.parts[to].adopt(now, from, handoff));
+                None
             }
             HandMessage::Handback(back) => self.parts[to].handed_back(now, back),
         }
@@ -281,10 +295,12 @@ impl<C: HandCourier> VolumeParts<C> {
 }
 
 impl VolumeParts<AtOnce> {
-    /// [`VolumeParts::exchange`], delivering what it posts at once (and what that causes).
+    /// [`VolumeParts::exchange`], delivering what it posts at once (and what that causes), for
+    /// an owner that keeps no request buffers (written parts go over without data; read data
+    /// carried back is dropped).
     pub fn settle(&mut self, now: Instant) {
         for _ in 0..4 {
-            self.exchange(now);
+            self.exchange(now, |_, _| None);
             if self.courier.0.is_empty() {
                 return;
             }

@@ -536,6 +536,7 @@ impl World {
         let due = self.vol.poll_timers().into_iter().chain(self.vol.refresh_at()).min();
         if due.is_some_and(|t| t <= self.now) {
             self.vol.handle_timeout(self.now);
+            self.vol.exchange(self.now, |_, _| None);
             self.vol.refresh_due(self.now);
         }
         self.events();

@@ -16,7 +16,7 @@
 //! - the floors and durability state the parts share are the volume's board (atomics on lines
 //!   of their own, and a mutex taken only on FLUSH and session moves).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
@@ -30,9 +30,8 @@ use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 use tyche_channel::{
     exchange_part, ConnectError as ChannelConnectError, ConnectPlan, Connected, Connector, DeadReason, DurabilityDebt,
-    Failed, FirstOpen, HandCourier, HandMessage, Handback, Handoff, InboundOf, InitiatorSession, Instant, IoError,
-    IoRequest, Opening, ReconnectPolicy, Refusal, Scheduler, Setup, SubmitError, Volume, VolumeBoard, VolumeConfig,
-    VolumeEvent,
+    Failed, FirstOpen, HandCourier, HandMessage, InboundOf, InitiatorSession, Instant, IoError, IoRequest, Opening,
+    ReadBack, ReconnectPolicy, Refusal, Scheduler, Setup, SubmitError, Volume, VolumeBoard, VolumeConfig, VolumeEvent,
 };
 use tyche_runtime::poll::{Next, PollStats, Poller, SchedStat};
 use tyche_transport::{FrameTransport, MemoryArea};
@@ -132,46 +131,17 @@ enum Mail {
     Submit(IoCmd),
     /// The outcome of a request of one of the receiver's front ends.
     Complete(Completion, Outcome),
-    /// A part of a request of part `from`, whose channels are all down, with its write data.
-    Handoff { from: usize, handoff: Handoff, data: Option<Vec<u8>> },
-    /// What became of a part the receiver handed over, with its read data when it was read.
-    Handback { back: Handback, data: Option<Vec<u8>> },
+    /// A part of a request handed from part `from`, whose channels are all down, with its
+    /// write data; or what became of a part the receiver handed over, with its read data.
+    Hand(HandMessage),
 }
 
-/// The engine's courier for the hand-offs between parts: each message goes out as mail with
-/// its data (a handoff's write data from the request's buffer; a handback's read data from the
-/// buffer the adopter read into).
-struct MailOut<'a> {
-    inflight: &'a HashMap<u64, InFlight>,
-    adopted: &'a mut BTreeMap<(u64, u64), (Vec<u8>, bool)>,
-    out: Vec<(usize, Mail)>,
-}
+/// The engine's courier for the hand-offs between parts: each message goes out as mail.
+struct MailOut(Vec<(usize, Mail)>);
 
-impl HandCourier for MailOut<'_> {
+impl HandCourier for MailOut {
     fn post(&mut self, _now: Instant, _from: usize, to: usize, msg: HandMessage) {
-        match msg {
-            HandMessage::Handoff { from, handoff } => {
-                let data = handoff.op().has_write_data().then(|| {
-                    let at = handoff.req_offset() as usize;
-                    let len = handoff.length() as usize;
-                    self.inflight
-                        .get(&handoff.id())
-                        .and_then(|r| r.buf.as_slice().get(at..at + len))
-                        .map(<[u8]>::to_vec)
-                        .unwrap_or_default()
-                });
-                self.out.push((to, Mail::Handoff { from, handoff, data }));
-            }
-            HandMessage::Handback(back) => {
-                // A refused part was never adopted: what is kept under its key belongs to an
-                // adopted one.
-                let data = (!back.refused())
-                    .then(|| self.adopted.remove(&(back.id(), back.req_offset())))
-                    .flatten()
-                    .and_then(|(d, read)| (read && back.succeeded()).then_some(d));
-                self.out.push((to, Mail::Handback { back, data }));
-            }
-        }
+        self.0.push((to, Mail::Hand(msg)));
     }
 }
 
@@ -262,9 +232,6 @@ pub(crate) struct Part {
     /// names its request across threads).
     next_id: u64,
     inflight: HashMap<u64, InFlight>,
-    /// Data of parts adopted from other parts, by (request id, offset of the part in it): write
-    /// data to send, or a buffer read data lands in (`true`) until it goes back.
-    adopted: BTreeMap<(u64, u64), (Vec<u8>, bool)>,
     backlog: VecDeque<IoCmd>,
     /// The plaintext of the last frame of an encrypting channel.
     rx_scratch: Vec<u8>,
@@ -753,18 +720,6 @@ impl Drop for ControlGuard<'_> {
     }
 }
 
-/// Where in the data of adopted parts the bytes `offset..offset + len` of request `id` are.
-fn adopted_range(
-    adopted: &mut BTreeMap<(u64, u64), (Vec<u8>, bool)>,
-    id: u64,
-    offset: u64,
-    len: usize,
-) -> Option<&mut [u8]> {
-    let ((_, base), (data, _)) = adopted.range_mut(..=(id, offset)).next_back().filter(|((i, _), _)| *i == id)?;
-    let at = usize::try_from(offset - *base).ok()?;
-    data.get_mut(at..at.checked_add(len)?)
-}
-
 impl Part {
     fn new(g: usize, io: Vec<(usize, Transport)>) -> Self {
         Part {
@@ -777,7 +732,6 @@ impl Part {
             channel_link: HashMap::new(),
             next_id: g as u64 + 1,
             inflight: HashMap::new(),
-            adopted: BTreeMap::new(),
             backlog: VecDeque::new(),
             rx_scratch: Vec::new(),
             rx_gather: Vec::new(),
@@ -848,11 +802,11 @@ impl Part {
         }
         let (Some(v), Some(conn)) = (self.volume.as_mut(), c.session.connected()) else { return };
         self.resumes = c.session.resumes();
+        // Parts adopted in the old session go, their data with them (their origins issue them
+        // again).
         if v.session() != conn.session {
             v.resume(conn.session, now);
         }
-        // Parts adopted in the old session went back with it (their origins issue them again).
-        self.adopted.clear();
         self.channel_link.retain(|&ch, _| v.channel(ch).is_some());
     }
 
@@ -877,43 +831,24 @@ impl Part {
             match m {
                 Mail::Submit(io) => self.submit_here(sh, io, now),
                 Mail::Complete(c, outcome) => self.complete(sh, c, outcome),
-                Mail::Handoff { from, handoff, data } => {
+                Mail::Hand(HandMessage::Handoff { from, handoff }) => {
                     let Some(v) = self.volume.as_mut() else { continue };
-                    let key = (handoff.id(), handoff.req_offset());
-                    let kept = match data {
-                        Some(d) => {
-                            // The write data was copied out of the origin's buffer.
-                            self.stats.payload_copied_bytes += d.len() as u64;
-                            self.stats.payload_copied_write_bytes += d.len() as u64;
-                            Some((d, false))
-                        }
-                        None if handoff.op().has_read_data() => Some((vec![0; handoff.length() as usize], true)),
-                        None => None,
-                    };
-                    // The data stays only beside a part the volume adopted: a refused one (of a
-                    // session this part has left, while the same part of the new session may
-                    // be adopted here under the same key) must not replace or, when its refusal
-                    // goes back, remove the adopted part's data.
-                    if v.adopt(now, from, handoff) {
-                        if let Some(k) = kept {
-                            self.adopted.insert(key, k);
-                        }
-                    }
+                    // The write data was copied out of the origin's buffer.
+                    let copied = handoff.data_len() as u64;
+                    self.stats.payload_copied_bytes += copied;
+                    self.stats.payload_copied_write_bytes += copied;
+                    v.adopt(now, from, handoff);
                 }
-                Mail::Handback { back, data } => {
+                Mail::Hand(HandMessage::Handback(back)) => {
                     let Some(v) = self.volume.as_mut() else { continue };
-                    if let Some(d) = data.filter(|_| back.session == v.session()) {
-                        let at = back.req_offset() as usize;
-                        if let Some(dst) = self
-                            .inflight
-                            .get_mut(&back.id())
-                            .and_then(|r| r.buf.as_mut_slice().get_mut(at..at + d.len()))
-                        {
-                            dst.copy_from_slice(&d);
-                            self.stats.payload_copied_bytes += d.len() as u64;
-                        }
+                    let Some(ReadBack { id, offset, data }) = v.handed_back(now, back) else { continue };
+                    let at = offset as usize;
+                    if let Some(dst) =
+                        self.inflight.get_mut(&id).and_then(|r| r.buf.as_mut_slice().get_mut(at..at + data.len()))
+                    {
+                        dst.copy_from_slice(&data);
+                        self.stats.payload_copied_bytes += data.len() as u64;
                     }
-                    v.handed_back(now, back);
                 }
             }
         }
@@ -923,16 +858,17 @@ impl Part {
 
     /// Hands the queued parts of this thread's part, while it has no live channel, to the next
     /// thread whose part has one (with their write data), and what this part adopted and is
-    /// done with (or cannot do) back to their origins (with read data): the decisions are
-    /// `tyche_channel::exchange_part`'s, as in the simulator; [`MailOut`] adds the data.
+    /// done with (or cannot do) back to their origins (with read data): the decisions and the
+    /// data they carry are `tyche_channel::exchange_part`'s, as in the simulator.
     fn exchange(&mut self, sh: &Shared, now: Instant) {
         let n = sh.parts.len();
-        let Part { g, volume, inflight, adopted, stats, .. } = self;
+        let Part { g, volume, inflight, stats, .. } = self;
         let Some(v) = volume.as_mut() else { return };
-        let mut mail = MailOut { inflight, adopted, out: Vec::new() };
+        let mut mail = MailOut(Vec::new());
         let live = |q: usize| sh.live[q].0.load(Ordering::Acquire) > 0;
-        stats.handoffs += exchange_part(v, *g, n, live, now, &mut mail);
-        for (to, m) in mail.out {
+        let request = |id| inflight.get(&id).map(|r: &InFlight| r.buf.as_slice());
+        stats.handoffs += exchange_part(v, *g, n, live, request, now, &mut mail);
+        for (to, m) in mail.0 {
             self.post(sh, to, m);
         }
     }
@@ -1033,7 +969,7 @@ impl Part {
         let mut outcomes = Vec::new();
         let mut n = 0;
         let ethertype = sh.cfg.ethertype;
-        let Part { io, connectors, volume, inflight, adopted, stats, rx_scratch, rx_gather, .. } = self;
+        let Part { io, connectors, volume, inflight, stats, rx_scratch, rx_gather, .. } = self;
         for (k, transport) in io.iter_mut() {
             let link = &sh.links[*k];
             // A multi-buffer DATA frame (a jumbo link) comes in its pieces: its read data is
@@ -1062,7 +998,7 @@ impl Part {
                     let dst = match inflight.get_mut(&id) {
                         Some(r) => r.buf.as_mut_slice().get_mut(at..at + len),
                         // A part adopted from another thread's part: its own buffer.
-                        None => adopted_range(adopted, id, offset, len),
+                        None => v.adopted_data(id, offset, len),
                     };
                     if let Some(dst) = dst {
                         let mut o = 0;
@@ -1318,7 +1254,7 @@ impl Part {
     fn transmit(&mut self, sh: &Shared, now: Instant) -> bool {
         let mut sent = 0;
         let per = sh.cfg.channels_per_link.max(1);
-        let Part { io, connectors, volume, inflight, adopted, channel_link, stats, .. } = self;
+        let Part { io, connectors, volume, inflight, channel_link, stats, .. } = self;
         for (k, t) in io.iter_mut() {
             let (k, link) = (*k, &sh.links[*k]);
             for p in connectors.values_mut().filter(|p| p.slot / per == k) {
@@ -1339,7 +1275,7 @@ impl Part {
                                     Some(r) => r.buf.as_slice().get(at..at + len),
                                     // A part adopted from another thread's part: the data it
                                     // came with.
-                                    None => adopted_range(adopted, id, offset, len).map(|s| &*s),
+                                    None => vol.adopted_data(id, offset, len).map(|s| &*s),
                                 };
                                 let Some(src) = src else {
                                     // The part's data is not here (an engine bug): the frame

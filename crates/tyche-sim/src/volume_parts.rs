@@ -8,16 +8,22 @@
 //! the adopter reports each back, both with the seeded delays of the target's part messages (in
 //! order between any two parts), as over the bounded queues between engine threads. With one
 //! part it is exactly a [`tyche_channel::Volume`].
+//!
+//! Each part keeps the buffers of the requests submitted to it, as an engine thread does: a
+//! DATA frame's write data comes from there, or from the data the part adopted with a handed
+//! part ([`tyche_channel::Volume::adopted_data`]), read data lands there too, and what an
+//! adopter read goes back in its hand-back into the origin's buffer. So the data of a request
+//! in parts travels only as the engine moves it, and the model checks what arrives.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use tyche_channel::{
-    Channel, DurabilityDebt, HandCourier, HandMessage, Inbound, Instant, IoRequest, LeastBytes, OutFrame, SubmitError,
-    VolumeConfig, VolumeEvent, VolumeParts,
+    Channel, DurabilityDebt, HandCourier, HandMessage, Inbound, Instant, IoRequest, LeastBytes, OutFrame, ReadBack,
+    SubmitError, VolumeConfig, VolumeEvent, VolumeParts,
 };
 use tyche_transport::SplitMix64;
-use tyche_wire::Frame;
+use tyche_wire::{Frame, DATA_FRAME_OVERHEAD};
 
 /// Hand-offs and hand-backs on their way, with seeded delays.
 #[derive(Debug)]
@@ -28,11 +34,24 @@ pub(crate) struct HandDelays {
     last_due: HashMap<(usize, usize), Instant>,
     sent: u64,
     rng: SplitMix64,
+    /// Draws the stalls of a receiving thread, a stream of its own.
+    stalls: SplitMix64,
 }
+
+/// How often a message finds its receiving thread descheduled for a while (a busy core), and
+/// for how long at most: it and what follows it between the same two parts wait. A part may
+/// then move to a new session and hand the same part over again while the old session's
+/// hand-off is still on its way.
+const STALL_CHANCE: f64 = 0.002;
+const STALL_MAX: Duration = Duration::from_millis(400);
 
 impl HandCourier for HandDelays {
     fn post(&mut self, now: Instant, from: usize, to: usize, msg: HandMessage) {
-        let due = crate::session_parts::due(&mut self.rng, &mut self.last_due, now, from, to);
+        let mut due = crate::session_parts::due(&mut self.rng, &mut self.last_due, now, from, to);
+        if self.stalls.chance(STALL_CHANCE) {
+            due = due + Duration::from_nanos(self.stalls.range(1_000_000, STALL_MAX.as_nanos() as u64));
+            self.last_due.insert((from, to), due);
+        }
         self.sent += 1;
         self.in_flight.insert((due, self.sent), (to, msg));
     }
@@ -46,7 +65,10 @@ pub(crate) struct PartedVolume {
     part_of: HashMap<u16, usize>,
     /// When each part next reads the board.
     refresh: Vec<Instant>,
+    /// Each part's request buffers, by request id (write data to send, read data landed).
+    requests: Vec<HashMap<u64, Vec<u8>>>,
     ethertype: u16,
+    seed: u64,
     rng: SplitMix64,
 }
 
@@ -65,14 +87,18 @@ impl PartedVolume {
             last_due: HashMap::new(),
             sent: 0,
             rng: SplitMix64::new(seed ^ session.rotate_left(23) ^ 0x4841_4e44),
+            stalls: SplitMix64::new(seed ^ session.rotate_left(31) ^ 0x5354_414c),
         };
         let parts = VolumeParts::new(config, session, ethertype, now, parts, || Box::<LeastBytes>::default(), courier);
         let refresh = vec![now; parts.parts().len()];
+        let requests = vec![HashMap::new(); refresh.len()];
         PartedVolume {
             parts,
             part_of: HashMap::new(),
             refresh,
+            requests,
             ethertype,
+            seed,
             rng: SplitMix64::new(seed ^ session.rotate_left(29) ^ 0x5041_5254),
         }
     }
@@ -87,26 +113,58 @@ impl PartedVolume {
         let p = path % self.refresh.len();
         self.part_of.insert(channel.envelope().channel, p);
         self.parts.part(p).add_channel(channel, None, now);
-        self.parts.exchange(now);
+        self.exchange(now);
+    }
+
+    /// [`VolumeParts::exchange`], each part's request buffers at hand.
+    fn exchange(&mut self, now: Instant) {
+        let requests = &self.requests;
+        self.parts.exchange(now, |p, id| requests[p].get(&id).map(Vec::as_slice));
     }
 
     /// Submits to part `id % parts`, or to the next part after it with a live channel while
     /// that one has none (the application's threads on a node whose paths are down hand their
-    /// requests to another node's engine).
-    pub(crate) fn submit(&mut self, now: Instant, req: IoRequest) -> Result<(), SubmitError> {
+    /// requests to another node's engine). The part takes the request's buffer (`buf`: the
+    /// write data, or as long as the read's) until it completes ([`PartedVolume::finished`]).
+    pub(crate) fn submit(&mut self, now: Instant, req: IoRequest, buf: &mut Vec<u8>) -> Result<(), SubmitError> {
         let p = self.parts.submit_part((req.id % self.refresh.len() as u64) as usize);
         let r = self.parts.part(p).submit(now, req);
-        self.parts.exchange(now);
+        if r.is_ok() {
+            self.requests[p].insert(req.id, std::mem::take(buf));
+        }
+        self.exchange(now);
         r
     }
 
-    /// A frame from the target, to the part holding its channel.
-    pub(crate) fn handle_frame<'a>(&mut self, now: Instant, bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Inbound<'a> {
+    /// The buffers of the requests not completed, by request (an engine that stops gives them
+    /// back to the application, which submits them to the next one).
+    pub(crate) fn into_buffers(self) -> impl Iterator<Item = (u64, Vec<u8>)> {
+        self.requests.into_iter().flatten()
+    }
+
+    /// The buffer of request `id`, once it completed (with a read's data).
+    pub(crate) fn finished(&mut self, id: u64) -> Vec<u8> {
+        let buf = self.requests.iter_mut().find_map(|r| r.remove(&id));
+        buf.unwrap_or_else(|| panic!("seed {}: no buffer for completed request {id}", self.seed))
+    }
+
+    /// A frame from the target, to the part holding its channel; read data goes into the
+    /// buffer of the request it names, the part's own or one it adopted with a part.
+    pub(crate) fn handle_frame(&mut self, now: Instant, bytes: &[u8], scratch: &mut Vec<u8>) {
         let p = Frame::new_checked(bytes, self.ethertype)
             .map_or(0, |f| self.part_of.get(&f.channel()).copied().unwrap_or(0));
-        let out = self.parts.part(p).handle_frame(now, bytes, scratch);
-        self.parts.exchange(now);
-        out
+        let part = self.parts.part(p);
+        if let Inbound::Read { id, offset, payload } = part.handle_frame(now, bytes, scratch) {
+            let (at, len) = (offset as usize, payload.len());
+            let dst = match self.requests[p].get_mut(&id) {
+                Some(b) => b.get_mut(at..at + len),
+                None => part.adopted_data(id, offset, len),
+            };
+            // The volume names only a part it holds, and only inside the request.
+            let dst = dst.unwrap_or_else(|| panic!("seed {}: part {p} has no buffer for read {id} at {at}", self.seed));
+            dst.copy_from_slice(payload);
+        }
+        self.exchange(now);
     }
 
     /// Channel indices with the part holding each.
@@ -118,9 +176,21 @@ impl PartedVolume {
         v
     }
 
-    /// [`tyche_channel::Volume::poll_transmit`] of part `p`.
-    pub(crate) fn poll_transmit(&mut self, p: usize, now: Instant, channel: u16, buf: &mut [u8]) -> Option<OutFrame> {
-        self.parts.part(p).poll_transmit(now, channel, buf)
+    /// [`tyche_channel::Volume::poll_transmit`] of part `p`, a DATA frame's write data copied
+    /// in from the buffer of its request (the part's own, or the data of a part it adopted).
+    pub(crate) fn poll_transmit(&mut self, p: usize, now: Instant, channel: u16, buf: &mut [u8]) -> Option<usize> {
+        let part = self.parts.part(p);
+        let OutFrame { len, payload } = part.poll_transmit(now, channel, buf)?;
+        if let Some((id, offset, n)) = payload {
+            let (at, n) = (offset as usize, n as usize);
+            let src = match self.requests[p].get(&id) {
+                Some(b) => b.get(at..at + n),
+                None => part.adopted_data(id, offset, n).map(|s| &*s),
+            };
+            let src = src.unwrap_or_else(|| panic!("seed {}: part {p} has no write data of {id} at {at}", self.seed));
+            buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + n].copy_from_slice(src);
+        }
+        Some(len)
     }
 
     /// [`tyche_channel::Volume::seal`] of part `p`.
@@ -138,6 +208,7 @@ impl PartedVolume {
     /// Runs the timers due at `now`, the board reads due and the messages due.
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
         self.parts.handle_timeout(now);
+        self.exchange(now);
         if self.refresh.len() > 1 && self.parts.busy() {
             for p in 0..self.refresh.len() {
                 if self.refresh[p] <= now {
@@ -151,9 +222,14 @@ impl PartedVolume {
                 break;
             }
             let (to, msg) = entry.remove();
-            self.parts.deliver(now, to, msg);
+            if let Some(ReadBack { id, offset, data }) = self.parts.deliver(now, to, msg) {
+                let at = offset as usize;
+                let dst = self.requests[to].get_mut(&id).and_then(|b| b.get_mut(at..at + data.len()));
+                let dst = dst.unwrap_or_else(|| panic!("seed {}: read {id} came back to no buffer", self.seed));
+                dst.copy_from_slice(&data);
+            }
         }
-        self.parts.exchange(now);
+        self.exchange(now);
     }
 
     /// The next event of any part.
@@ -164,6 +240,7 @@ impl PartedVolume {
     /// Moves every part to `session`.
     pub(crate) fn resume(&mut self, session: u64, now: Instant) {
         self.parts.resume(session, now);
+        self.exchange(now);
     }
 
     /// [`tyche_channel::Volume::inherit_debt`] for the volume.
