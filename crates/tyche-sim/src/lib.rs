@@ -1454,13 +1454,12 @@ mod tests {
 
     #[test]
     fn a_volume_in_parts_refuses_a_left_sessions_hand_offs_and_keeps_the_data_it_adopted() {
-        // Restarts move the volume to new sessions while hand-offs of the old one are on their
-        // way (a stalled thread's mail): the adopter refuses those, and may adopt the same part
-        // of the new session beside them. The data each adopted part carries and reads back
-        // must survive that: the model checks every byte.
+        // Restarts move the volume to new sessions, each part at its thread's next pass: a part
+        // still in the old session hands its queue to one that moved, which refuses it, and
+        // may adopt the same part of the new session beside it. The data each adopted part
+        // carries and reads back must survive that: the model checks every byte.
         let cfg = SimConfig { init_parts: 2, target_parts: 2, ..restarts(200) };
-        // Such a race comes in a few seeds of a hundred: seeds run until one had it (and at
-        // least twelve ran).
+        // Most seeds have such a race: seeds run until one had it (and at least twelve ran).
         let mut seen = SeedReport::default();
         for seed in 0..100 {
             let r = run_ok(&cfg, seed);

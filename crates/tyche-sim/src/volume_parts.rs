@@ -34,24 +34,11 @@ pub(crate) struct HandDelays {
     last_due: HashMap<(usize, usize), Instant>,
     sent: u64,
     rng: SplitMix64,
-    /// Draws the stalls of a receiving thread, a stream of its own.
-    stalls: SplitMix64,
 }
-
-/// How often a message finds its receiving thread descheduled for a while (a busy core), and
-/// for how long at most: it and what follows it between the same two parts wait. A part may
-/// then move to a new session and hand the same part over again while the old session's
-/// hand-off is still on its way.
-const STALL_CHANCE: f64 = 0.002;
-const STALL_MAX: Duration = Duration::from_millis(400);
 
 impl HandCourier for HandDelays {
     fn post(&mut self, now: Instant, from: usize, to: usize, msg: HandMessage) {
-        let mut due = crate::session_parts::due(&mut self.rng, &mut self.last_due, now, from, to);
-        if self.stalls.chance(STALL_CHANCE) {
-            due = due + Duration::from_nanos(self.stalls.range(1_000_000, STALL_MAX.as_nanos() as u64));
-            self.last_due.insert((from, to), due);
-        }
+        let due = crate::session_parts::due(&mut self.rng, &mut self.last_due, now, from, to);
         self.sent += 1;
         self.in_flight.insert((due, self.sent), (to, msg));
     }
@@ -65,6 +52,10 @@ pub(crate) struct PartedVolume {
     part_of: HashMap<u16, usize>,
     /// When each part next reads the board.
     refresh: Vec<Instant>,
+    /// Parts yet to follow the volume to a new session, and when each will.
+    following: Vec<Option<(u64, Instant)>>,
+    /// Draws when each part follows, a stream of its own.
+    follow_rng: SplitMix64,
     /// Each part's request buffers, by request id (write data to send, read data landed).
     requests: Vec<HashMap<u64, Vec<u8>>>,
     ethertype: u16,
@@ -87,16 +78,18 @@ impl PartedVolume {
             last_due: HashMap::new(),
             sent: 0,
             rng: SplitMix64::new(seed ^ session.rotate_left(23) ^ 0x4841_4e44),
-            stalls: SplitMix64::new(seed ^ session.rotate_left(31) ^ 0x5354_414c),
         };
         let parts = VolumeParts::new(config, session, ethertype, now, parts, || Box::<LeastBytes>::default(), courier);
         let refresh = vec![now; parts.parts().len()];
         let requests = vec![HashMap::new(); refresh.len()];
+        let following = vec![None; refresh.len()];
         PartedVolume {
             parts,
             part_of: HashMap::new(),
             refresh,
             requests,
+            following,
+            follow_rng: SplitMix64::new(seed ^ session.rotate_left(31) ^ 0x464f_4c4c),
             ethertype,
             seed,
             rng: SplitMix64::new(seed ^ session.rotate_left(29) ^ 0x5041_5254),
@@ -111,6 +104,8 @@ impl PartedVolume {
     /// Adds a channel opened on `path` to that path's part.
     pub(crate) fn add_channel(&mut self, path: usize, channel: Channel, now: Instant) {
         let p = path % self.refresh.len();
+        // A channel of the new session reaches a thread that has followed it.
+        self.follow(p, now);
         self.part_of.insert(channel.envelope().channel, p);
         self.parts.part(p).add_channel(channel, None, now);
         self.exchange(now);
@@ -202,11 +197,17 @@ impl PartedVolume {
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
         let refresh = self.refresh.iter().copied().filter(|_| self.refresh.len() > 1 && self.parts.busy());
         let message = self.parts.courier().in_flight.keys().next().map(|k| k.0);
-        self.parts.poll_timers().into_iter().chain(refresh).chain(message).min()
+        let follow = self.following.iter().flatten().map(|f| f.1);
+        self.parts.poll_timers().into_iter().chain(refresh).chain(message).chain(follow).min()
     }
 
     /// Runs the timers due at `now`, the board reads due and the messages due.
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        for p in 0..self.following.len() {
+            if self.following[p].is_some_and(|f| f.1 <= now) {
+                self.follow(p, now);
+            }
+        }
         self.parts.handle_timeout(now);
         self.exchange(now);
         if self.refresh.len() > 1 && self.parts.busy() {
@@ -237,10 +238,22 @@ impl PartedVolume {
         self.parts.poll_event()
     }
 
-    /// Moves every part to `session`.
+    /// Moves the volume to `session`: each part follows at its thread's next pass, 0.2 to 3 ms
+    /// later (as tyche-init's engine threads each follow the control at the start of a pass),
+    /// or at once when a channel of the new session comes to it. Until then it runs in the old
+    /// session, and may hand its queued parts to a part that moved already, which refuses them.
     pub(crate) fn resume(&mut self, session: u64, now: Instant) {
-        self.parts.resume(session, now);
-        self.exchange(now);
+        for f in &mut self.following {
+            *f = Some((session, now + Duration::from_micros(self.follow_rng.range(200, 3_000))));
+        }
+    }
+
+    /// Part `p` follows the volume to its new session, if it has not yet.
+    fn follow(&mut self, p: usize, now: Instant) {
+        if let Some((session, _)) = self.following[p].take() {
+            self.parts.part(p).resume(session, now);
+            self.exchange(now);
+        }
     }
 
     /// [`tyche_channel::Volume::inherit_debt`] for the volume.
