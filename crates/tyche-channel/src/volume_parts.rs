@@ -198,13 +198,6 @@ impl<C: HandCourier> VolumeParts<C> {
         self.parts[0].inherit_debt(debt);
     }
 
-    /// Moves every part to `session` ([`Volume::resume`]); [`VolumeParts::exchange`] follows.
-    pub fn resume(&mut self, session: u64, now: Instant) {
-        for v in &mut self.parts {
-            v.resume(session, now);
-        }
-    }
-
     /// Closes every channel.
     pub fn close(&mut self) {
         for v in &mut self.parts {
