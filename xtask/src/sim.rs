@@ -257,6 +257,11 @@ fn print_totals(args: &SimArgs, t: &Totals, started: std::time::Instant) {
             t.surfaced,
             t.durability_errors
         );
+        eprintln!(
+            "sim: fences: storage stalled under {} engine restarts; {} requests of new sessions held until the fenced \
+             sessions' storage work ended, {} queued operations of fenced sessions given up",
+            t.storage_stalls, t.fence_held, t.fence_aborted
+        );
     }
     if args.init_parts > 1 {
         eprintln!(

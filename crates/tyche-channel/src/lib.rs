@@ -33,6 +33,7 @@ mod channel;
 /// Limits and timer settings.
 pub mod config;
 mod drop_reason;
+pub mod fence;
 mod handshake;
 mod initiator;
 mod ledger;
@@ -57,6 +58,7 @@ pub use channel::{
     ReadyRequest, Received, Role, Submission, Transmit, DATA_HEAD_COPY, FLOOR_DECAY, MAX_FLOOR_DECAY, MAX_PIECES,
 };
 pub use config::Timers;
+pub use fence::{FenceWait, Fenceable, LocalWork};
 pub use handshake::{
     Accepted, Acceptor, AcceptorLimits, BusyCounts, ConnectError, Connected, Connector, ExportSpec, HandshakeFrame,
     KeyedConnect, FRESH_KEY_ROUNDS,

@@ -179,6 +179,15 @@ impl<C: Courier> SessionParts<C> {
         }
     }
 
+    /// Fences every part ([`TargetSession::fence`]): each closes its channels, and each request
+    /// of `not_started` is answered ABORTED by the part that holds it. Returns how many were.
+    pub fn fence(&mut self, not_started: impl IntoIterator<Item = (u16, Request)>) -> usize {
+        for p in &mut self.parts {
+            p.fence(std::iter::empty());
+        }
+        not_started.into_iter().filter(|(c, r)| self.complete(*c, r, Status::Aborted)).count()
+    }
+
     /// The next frame channel `channel` wants to send ([`TargetSession::poll_transmit`]).
     pub fn poll_transmit(&mut self, now: Instant, channel: u16, buf: &mut [u8]) -> Option<Transmit> {
         self.at(now);

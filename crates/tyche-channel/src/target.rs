@@ -613,6 +613,16 @@ impl TargetSession {
         }
     }
 
+    /// Fences this session (or this part of it): a newer attachment of the same initiator
+    /// fenced it (the storage side: [`crate::fence`]). Every channel closes (DISCONNECT NORMAL),
+    /// and each request it handed out that storage has not been given, `not_started` (channel
+    /// and request), is answered ABORTED: not executed, so a copy re-issued in the new session
+    /// runs. Returns how many were answered.
+    pub fn fence(&mut self, not_started: impl IntoIterator<Item = (u16, Request)>) -> usize {
+        self.close(tyche_wire::DisconnectReason::Normal);
+        not_started.into_iter().filter(|(c, r)| self.complete(*c, r, Status::Aborted)).count()
+    }
+
     /// Writes the next frame channel `channel` wants to send into `buf`. Once its payload (if
     /// any) is in place, the caller passes it to [`TargetSession::seal`] and sends the length
     /// that returns.

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tyche_channel::{Admission, Channel, Directory, ExportGeometry, Instant, PartMessage};
+use tyche_channel::{Admission, Channel, Directory, ExportGeometry, FenceWait, Fenceable, Instant, PartMessage};
 use tyche_runtime::wake::WakeFd;
 
 use super::{Export, PEER_LOGS};
@@ -113,27 +113,30 @@ pub(super) struct SessionMeta {
     pub(super) installed: PerThread,
 }
 
-impl SessionMeta {
-    /// Fences the session: from now on no storage job of it starts.
-    pub(super) fn fence(&self) {
+/// The session's storage work as a fence sees it (`tyche_channel::fence`): the fence flags,
+/// and the jobs every part counts from before they are handed to storage until they finished.
+impl Fenceable for SessionMeta {
+    /// From now on no storage job of the session starts (each job checks its thread's flag).
+    fn fence(&self) {
         for f in self.fences.iter() {
             f.store(true, Ordering::SeqCst);
         }
     }
 
-    /// Whether the session was fenced.
-    pub(super) fn is_fenced(&self) -> bool {
+    fn is_fenced(&self) -> bool {
         self.fences.first().is_some_and(|f| f.load(Ordering::SeqCst))
     }
 
-    /// The fence flag thread `g`'s storage jobs check.
+    fn busy(&self) -> bool {
+        self.executing.sum() > 0
+    }
+}
+
+impl SessionMeta {
+    /// The fence flag thread `g`'s storage jobs check ([`Fenceable::is_fenced`], on a cache
+    /// line of that thread's own).
     pub(super) fn fence_of(&self, g: usize) -> &Arc<AtomicBool> {
         &self.fences[g.min(self.fences.len() - 1)]
-    }
-
-    /// Whether any part has a storage job outstanding.
-    pub(super) fn busy(&self) -> bool {
-        self.executing.sum() > 0
     }
 }
 
@@ -147,7 +150,7 @@ pub(super) struct Opening {
     /// Set by the serving thread when the channel dies (the control reads it).
     pub(super) dead: Arc<AtomicBool>,
     /// The fenced sessions whose storage jobs must all end before this session's first runs.
-    pub(super) waits_for: Vec<Weak<SessionMeta>>,
+    pub(super) waits_for: FenceWait<Weak<SessionMeta>>,
     /// The exports when it was accepted: a thread that has fewer (a reload added some since it
     /// last took the list) takes this list before it installs the channel.
     pub(super) exports: Arc<[Export]>,
@@ -214,7 +217,7 @@ pub(super) struct ChannelEntry {
 pub(super) struct SessionEntry {
     pub(super) meta: Arc<SessionMeta>,
     /// The sessions it fenced (their jobs end before its first runs).
-    pub(super) waits_for: Vec<Weak<SessionMeta>>,
+    pub(super) waits_for: FenceWait<Weak<SessionMeta>>,
     /// Per thread: channels sent to it to install.
     pub(super) posted: Vec<u64>,
     /// When a channel last joined.
@@ -226,7 +229,7 @@ impl SessionEntry {
     pub(super) fn new(id: u64, export: usize, geometry: ExportGeometry, threads: usize, now: Instant) -> SessionEntry {
         SessionEntry {
             meta: SessionMeta::new(id, export, geometry, threads),
-            waits_for: Vec::new(),
+            waits_for: FenceWait::default(),
             posted: vec![0; threads],
             last_join: now,
         }

@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use tyche_channel::auth;
 use tyche_channel::{
-    Accepted, Admitted, Channel, ExportAccess, ExportGeometry, Grant, HandshakeFrame, Instant, PartId, Refused, Verdict,
+    Accepted, Admitted, Channel, ExportAccess, ExportGeometry, FenceWait, Grant, HandshakeFrame, Instant, PartId,
+    Refused, Verdict,
 };
 use tyche_wire::{Envelope, Frame, MacAddr, Message};
 
@@ -179,15 +180,11 @@ impl Control {
             if log {
                 tracing::info!(%src, export = %e.spec.name, session = format_args!("{session:016x}"), "new session");
             }
+            let old = joined.fenced.iter().filter_map(|&old| self.admission.session(old));
+            let waits_for = FenceWait::fencing(old.map(|o| Arc::downgrade(&o.data.meta)).collect::<Vec<_>>());
             for &old in &joined.fenced {
                 self.fence(old, session);
             }
-            let waits_for = joined
-                .fenced
-                .iter()
-                .filter_map(|&old| self.admission.session(old))
-                .map(|o| Arc::downgrade(&o.data.meta))
-                .collect();
             if let Some(s) = self.admission.session_mut(session) {
                 s.data.waits_for = waits_for;
             }
@@ -220,14 +217,13 @@ impl Control {
         }
     }
 
-    /// Fences session `old` (the admission marked it) for the new session `by` of the same
-    /// initiator: its storage jobs not started are not run, and each thread holding a part of
-    /// it closes its channels, answers its reads waiting for memory ABORTED and marks its
-    /// queued jobs not to run; `by` runs nothing until every storage job of `old` has ended, so
-    /// no write of the old session lands after one of the new.
+    /// Tells the threads holding parts of session `old` that the new session `by` of the same
+    /// initiator fenced it (`FenceWait::fencing` marked it: its storage jobs not started are
+    /// not run): each closes its channels, answers ABORTED the requests waiting before storage
+    /// and marks its queued jobs not to run; `by` runs nothing until every storage job of `old`
+    /// has ended, so no write of the old session lands after one of the new.
     pub(super) fn fence(&mut self, old: u64, by: u64) {
         let Some(e) = self.admission.session(old) else { return };
-        e.data.meta.fence();
         self.fenced += 1;
         if PEER_LOGS.allow() {
             tracing::warn!(

@@ -227,19 +227,8 @@ impl Network {
     /// Whether session `sid` must wait before anything of it runs: not before every request
     /// of the sessions it fenced has ended.
     fn waits_on_fenced(&mut self, sid: u64) -> bool {
-        let Some(s) = self.sessions.get(&sid) else { return false };
-        if s.waits_for.is_empty() {
-            return false;
-        }
         // A fenced session's jobs may run on any thread: each publishes its count.
-        let busy = |old: &std::sync::Weak<super::control::SessionMeta>| old.upgrade().is_some_and(|o| o.busy());
-        if s.waits_for.iter().any(busy) {
-            return true;
-        }
-        if let Some(s) = self.sessions.get_mut(&sid) {
-            s.waits_for.clear();
-        }
-        false
+        self.sessions.get_mut(&sid).is_some_and(|s| s.waits_for.holds())
     }
 
     /// The storage job of a request the session hands out, with its data's places: write data

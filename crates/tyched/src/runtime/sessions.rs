@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
-use tyche_channel::{post_messages, Courier, DeadReason, Instant, PartMessage, TargetSession};
+use tyche_channel::{post_messages, Courier, DeadReason, FenceWait, Instant, PartMessage, TargetSession};
 use tyche_wire::DisconnectReason;
 
 use super::control::{lock, report, Opening, Postal, SessionMeta, ThreadMsg, RECLAIM_CHECK, RECLAIM_GRACE};
@@ -40,7 +40,7 @@ pub(super) struct SessionState {
     /// Whether any channel of it carried a frame after its handshake (reclaim grace).
     pub(super) established: bool,
     /// Fenced sessions whose storage jobs must all end before this one's first runs.
-    pub(super) waits_for: Vec<Weak<SessionMeta>>,
+    pub(super) waits_for: FenceWait<Weak<SessionMeta>>,
     /// The reclaim report last given the control.
     reported: u64,
 }
@@ -157,16 +157,15 @@ impl Network {
         }
     }
 
-    /// Session `old` was fenced: its channels here close, its queued storage jobs are marked
-    /// not to run (the shared flag stops those already queued elsewhere), and its reads waiting
-    /// for memory are answered ABORTED.
+    /// Session `old` was fenced (`tyche_channel::fence`): its part here closes its channels and
+    /// answers ABORTED the requests that wait here before storage (for slot memory, or for
+    /// sessions it fenced itself), and its queued storage jobs are marked not to run (the
+    /// shared flag stops them anyway when storage comes to them).
     fn fence_local(&mut self, old: u64) {
         let Some(s) = self.sessions.get_mut(&old) else { return };
-        s.session.close(DisconnectReason::Normal);
+        let waiting = self.storage.take_waiting(old);
+        s.session.fence(waiting.into_iter().map(|(_, channel, request, _)| (channel, request)));
         self.storage.abort_queued(old);
-        for (_, channel, request, _) in self.storage.take_waiting(old) {
-            s.session.complete(channel, &request, tyche_wire::Status::Aborted);
-        }
     }
 
     /// Hands the messages this thread's parts wrote for other threads' parts to those threads
