@@ -679,6 +679,24 @@ impl Volume {
         self.handbacks.pop_front()
     }
 
+    /// Where bytes `offset..offset + len` of request `id` are, for a DATA frame's write data
+    /// ([`OutFrame::payload`]) or read data ([`Inbound::Read`]): in `own`, the caller's buffer
+    /// of the request when the request is one it gave this part, else in the data of a part
+    /// this part adopted ([`Volume::adopted_data`]). `None` when neither holds that range (the
+    /// caller drops the frame rather than trust the range).
+    pub fn request_data<'a>(
+        &'a mut self,
+        own: Option<&'a mut [u8]>,
+        id: u64,
+        offset: u64,
+        len: usize,
+    ) -> Option<&'a mut [u8]> {
+        match own {
+            Some(buf) => buf.get_mut(usize::try_from(offset).ok()?..).and_then(|b| b.get_mut(..len)),
+            None => self.adopted_data(id, offset, len),
+        }
+    }
+
     /// The data kept beside adopted parts ([`Volume::adopt`]) for bytes `offset..offset + len`
     /// of request `id`: where a DATA frame's write data comes from, or read data goes, when
     /// [`OutFrame::payload`] or [`Inbound::Read`] name a request this part did not take from
@@ -1567,6 +1585,12 @@ mod tests {
         assert_eq!(v[1].adopted_data(1, 512, 512).as_deref(), Some(&request[512..]));
         assert_eq!(v[1].adopted_data(1, 1000, 100), None, "past the part");
         assert_eq!(v[1].adopted_data(3, 0, 1), None, "no such request");
+        // A request of the caller's own is in its buffer; any other in the adopted data.
+        let mut own = [1u8; 16];
+        assert_eq!(v[1].request_data(Some(&mut own), 9, 8, 8).as_deref(), Some(&[1u8; 8][..]));
+        assert_eq!(v[1].request_data(Some(&mut own), 9, 12, 8), None, "past the caller's buffer");
+        assert_eq!(v[1].request_data(Some(&mut own), 9, u64::MAX, 1), None, "past the caller's buffer");
+        assert_eq!(v[1].request_data(None, 1, 512, 512).as_deref(), Some(&request[512..]));
         v[1].adopted_data(2, 0, 512).unwrap().fill(7);
         v[1].pending.clear();
         let tags: Vec<u64> = v[1].parts.keys().copied().collect();

@@ -992,15 +992,11 @@ impl Part {
                 if let InboundOf::Read { id, offset, payload } =
                     v.handle_frame_pieces(now, pieces, rx_scratch, rx_gather)
                 {
-                    let (at, len) = (offset as usize, payload.len());
+                    let len = payload.len();
                     // The volume only places data inside the request; a range outside it would be
                     // an engine bug, and is dropped rather than trusted.
-                    let dst = match inflight.get_mut(&id) {
-                        Some(r) => r.buf.as_mut_slice().get_mut(at..at + len),
-                        // A part adopted from another thread's part: its own buffer.
-                        None => v.adopted_data(id, offset, len),
-                    };
-                    if let Some(dst) = dst {
+                    let own = inflight.get_mut(&id).map(|r| r.buf.as_mut_slice());
+                    if let Some(dst) = v.request_data(own, id, offset, len) {
                         let mut o = 0;
                         for piece in payload.parts() {
                             dst[o..o + piece.len()].copy_from_slice(piece);
@@ -1271,13 +1267,8 @@ impl Part {
                             let out = vol.poll_transmit(now, ch, buf)?;
                             if let Some((id, offset, len)) = out.payload {
                                 let (at, len) = (offset as usize, len as usize);
-                                let src = match inflight.get(&id) {
-                                    Some(r) => r.buf.as_slice().get(at..at + len),
-                                    // A part adopted from another thread's part: the data it
-                                    // came with.
-                                    None => vol.adopted_data(id, offset, len).map(|s| &*s),
-                                };
-                                let Some(src) = src else {
+                                let own = inflight.get_mut(&id).map(|r| r.buf.as_mut_slice());
+                                let Some(src) = vol.request_data(own, id, offset, len) else {
                                     // The part's data is not here (an engine bug): the frame
                                     // would carry whatever the buffer held before, so it is not
                                     // sent; the segment is resent later or its request fails.

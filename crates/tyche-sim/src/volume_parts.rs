@@ -150,13 +150,11 @@ impl PartedVolume {
             .map_or(0, |f| self.part_of.get(&f.channel()).copied().unwrap_or(0));
         let part = self.parts.part(p);
         if let Inbound::Read { id, offset, payload } = part.handle_frame(now, bytes, scratch) {
-            let (at, len) = (offset as usize, payload.len());
-            let dst = match self.requests[p].get_mut(&id) {
-                Some(b) => b.get_mut(at..at + len),
-                None => part.adopted_data(id, offset, len),
-            };
+            let own = self.requests[p].get_mut(&id).map(Vec::as_mut_slice);
             // The volume names only a part it holds, and only inside the request.
-            let dst = dst.unwrap_or_else(|| panic!("seed {}: part {p} has no buffer for read {id} at {at}", self.seed));
+            let dst = part
+                .request_data(own, id, offset, payload.len())
+                .unwrap_or_else(|| panic!("seed {}: part {p} has no buffer for read {id} at {offset}", self.seed));
             dst.copy_from_slice(payload);
         }
         self.exchange(now);
@@ -177,12 +175,11 @@ impl PartedVolume {
         let part = self.parts.part(p);
         let OutFrame { len, payload } = part.poll_transmit(now, channel, buf)?;
         if let Some((id, offset, n)) = payload {
-            let (at, n) = (offset as usize, n as usize);
-            let src = match self.requests[p].get(&id) {
-                Some(b) => b.get(at..at + n),
-                None => part.adopted_data(id, offset, n).map(|s| &*s),
-            };
-            let src = src.unwrap_or_else(|| panic!("seed {}: part {p} has no write data of {id} at {at}", self.seed));
+            let n = n as usize;
+            let own = self.requests[p].get_mut(&id).map(Vec::as_mut_slice);
+            let src = part
+                .request_data(own, id, offset, n)
+                .unwrap_or_else(|| panic!("seed {}: part {p} has no write data of {id} at {offset}", self.seed));
             buf[DATA_FRAME_OVERHEAD..DATA_FRAME_OVERHEAD + n].copy_from_slice(src);
         }
         Some(len)
