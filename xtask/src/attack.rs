@@ -1,4 +1,4 @@
-//! `cargo xtask attack`: issue #14's attack test (root).
+//! `cargo xtask attack`: the attack test (root): a hostile host on the segment against keyed exports.
 //!
 //! A bridged lab ([`Lab::create_bridged`]): the target's and the initiator's veths are ports of a
 //! bridge that floods every frame to every port, and a third namespace, the attacker's, has the
@@ -78,7 +78,7 @@ pub struct AttackArgs {
 }
 
 impl AttackArgs {
-    /// The issue's run, packages already installed (for `cargo xtask test` once frames are
+    /// The standard run, packages already installed (for `cargo xtask test` once frames are
     /// authenticated).
     #[allow(dead_code)]
     pub fn standard() -> AttackArgs {

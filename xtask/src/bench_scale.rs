@@ -1,4 +1,4 @@
-//! `cargo xtask bench scale`: channel scaling of both daemons' frame handling (issue #16).
+//! `cargo xtask bench scale`: channel scaling of both daemons' frame handling.
 //!
 //! Builds and runs the `scale` example of `tyche-init` in release mode (examples/scale.rs): the
 //! real `tyched` network threads and the real `tyche-init` engine threads, each over in-memory

@@ -44,7 +44,7 @@ pub struct E2eArgs {
 }
 
 impl E2eArgs {
-    /// The run: 2 NICs at MTU 3000, 3% loss, 64 MiB per phase, packages already installed.
+    /// The standard run: 2 NICs at MTU 3000, 3% loss, 64 MiB per phase, packages already installed.
     pub fn standard() -> E2eArgs {
         E2eArgs { nics: 2, mtu: 3000, loss: 0.03, data_mib: 64, no_install: true }
     }

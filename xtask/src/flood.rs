@@ -1,4 +1,4 @@
-//! `cargo xtask flood`: issue #13's flood test (root).
+//! `cargo xtask flood`: the flood test (root): a storm of forged CONNECTs against a live target.
 //!
 //! A 2-NIC veth lab: `tyched` with a shared file export (`shared = true`, so that the flood can
 //! create sessions) in the target namespace, `tyche-init serve-nbd`
@@ -82,7 +82,7 @@ pub struct FloodArgs {
 }
 
 impl FloodArgs {
-    /// The issue's run: 100,000 CONNECTs from 1,000 MACs, packages already installed.
+    /// The standard run: 100,000 CONNECTs from 1,000 MACs, packages already installed.
     pub fn standard() -> FloodArgs {
         FloodArgs {
             connects: 100_000,

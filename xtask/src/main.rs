@@ -56,13 +56,13 @@ enum Command {
     /// Fault scenarios on a veth lab: target restarts, SIGKILL, a long outage, a second
     /// initiator and fencing, hung storage (root).
     Faults(faults::FaultsArgs),
-    /// Issue #13's flood test: 100,000 CONNECTs from 1,000 MACs while fio verifies (root).
+    /// The flood test: 100,000 forged CONNECTs from 1,000 MACs while fio verifies (root).
     Flood(flood::FloodArgs),
-    /// Issue #33's safety rails: discover and a second tyched beside a live attachment (root).
+    /// The safety rails of a shared NIC: discover and a second tyched beside a live attachment (root).
     XdpShare(xdp_share::XdpShareArgs),
     /// The README's two-host walkthrough, run as written in a veth lab (root).
     Readme(readme::ReadmeArgs),
-    /// Issue #14's attack test: a third host on the segment attacks a keyed session (root).
+    /// The attack test: a third host on the segment attacks a keyed session (root).
     Attack(attack::AttackArgs),
     /// Coverage-guided fuzzing of the target, the initiator and the NBD server (docs/fuzzing.md).
     Fuzz(fuzz::FuzzArgs),

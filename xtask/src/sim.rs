@@ -62,7 +62,8 @@ pub struct SimArgs {
 }
 
 impl SimArgs {
-    /// The contract run of issue 2, shortened to `seeds` seeds.
+    /// The plain contract (2 paths, one failing, reordering, duplicates, `loss`; 200 requests a
+    /// seed), shortened to `seeds` seeds.
     pub fn contract(seeds: u64, loss: f64) -> Self {
         SimArgs {
             seeds,
@@ -83,15 +84,15 @@ impl SimArgs {
         }
     }
 
-    /// The contract run of issue 18 (operators restart things), shortened to `seeds` seeds, with
-    /// each target session in two parts (issue 16: a copy re-issued on the other path's part is
+    /// The restarts contract (operators restart things), shortened to `seeds` seeds, with
+    /// each target session in two parts (a copy re-issued on the other path's part is
     /// decided by its home's part, by message) and the initiator's volume in two parts (tags by
     /// residue class, floors read late, a failed path's requests handed to the other part).
     pub fn restarts_contract(seeds: u64) -> Self {
         SimArgs { restarts: true, target_parts: 2, init_parts: 2, ..SimArgs::contract(seeds, 0.05) }
     }
 
-    /// Issue 14's: the restarts contract on an encrypted keyed export (every channel through
+    /// The keyed contract: the restarts contract on an encrypted keyed export (every channel through
     /// the CHALLENGE round, every frame sealed, through loss, reordering, duplication, a failed
     /// path and restarts).
     pub fn keyed_contract(seeds: u64) -> Self {

@@ -1,4 +1,4 @@
-//! `vm-test`'s boot test (issue #33): Tyche as an operator installs it, on a Debian guest booted
+//! `vm-test`'s boot test: Tyche as an operator installs it, on a Debian guest booted
 //! with systemd.
 //!
 //! On the host: a Debian 12 root file system built from Debian's packages by `mmdebstrap`

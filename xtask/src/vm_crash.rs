@@ -1,4 +1,4 @@
-//! `vm-test`'s crash test (issue #30): crash consistency at the target's disk, with dm-log-writes.
+//! `vm-test`'s crash test: crash consistency at the target's disk, with dm-log-writes.
 //!
 //! In the guest, `tyched` exports a device-mapper `log-writes` device: every write, flush and FUA
 //! that reaches the target's disk (a loop device over a file on tmpfs) is also logged, in the

@@ -1,4 +1,4 @@
-//! `vm-test`'s mirror test (issue #30): Tyche volumes as members of Linux md arrays, in the VM.
+//! `vm-test`'s mirror test: Tyche volumes as members of Linux md arrays, in the VM.
 //!
 //! Three `tyched` targets in the guest's target namespace, each on veth links of its own (target
 //! 0 on `tyt0` and `tyt2`, target 1 on `tyt1` and `tyt3`, target 2 on `tyt4`: one AF_XDP socket

@@ -1,4 +1,4 @@
-//! `vm-test`'s NBD clients test (issue #29): the NBD clients users run against `tyche-init
+//! `vm-test`'s NBD clients test: the NBD clients users run against `tyche-init
 //! serve-nbd`, each where only a VM can run it.
 //!
 //! 1. **The kernel's NBD client**, inside the guest. `tyched` serves a file export (on the

@@ -34,7 +34,7 @@ pub struct SmokeArgs {
 }
 
 impl SmokeArgs {
-    /// The smoke run: 2 NICs at MTU 3000, 100,000 frames each way, native mode first.
+    /// The smoke run: 2 NICs at MTU 3000, 100,000 frames each way, native mode first.
     pub fn standard() -> SmokeArgs {
         SmokeArgs { nics: 2, mtu: 3000, frames: 100_000, mode: "auto".into(), timeout: 120 }
     }

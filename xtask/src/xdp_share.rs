@@ -1,4 +1,4 @@
-//! `cargo xtask xdp-share`: issue #33's safety rails, on a one-NIC veth lab (root).
+//! `cargo xtask xdp-share`: the safety rails of a NIC shared with other traffic, on a one-NIC veth lab (root).
 //!
 //! `tyched` serves a RAM export, `tyche-init serve-nbd` attaches it over AF_XDP, and fio writes
 //! and verifies through the NBD socket. While fio runs:

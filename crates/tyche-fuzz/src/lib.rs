@@ -1,4 +1,4 @@
-//! Structured, coverage-guided fuzz harnesses for Tyche (issue #13).
+//! Structured, coverage-guided fuzz harnesses for Tyche.
 //!
 //! Each harness takes the raw bytes libFuzzer hands it, decodes them with [`arbitrary`] into a
 //! sequence of actions of a hostile peer, plays them against the real system under test, and

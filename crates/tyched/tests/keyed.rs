@@ -1,4 +1,4 @@
-//! Keyed exports against an attacker who sees every frame (issue #14), in-process: each case
+//! Keyed exports against an attacker who sees every frame, in-process: each case
 //! here once worked against tyched. A captured CONNECT + PROOF replayed after its session was
 //! reclaimed, or re-addressed to the live session's id and a new channel index, opens nothing;
 //! forged, altered and replayed channel frames change nothing; the honest session goes on.

@@ -1,4 +1,4 @@
-//! `tyche-attack`: the attacker of the attack test (`cargo xtask attack`, issue #14), run in a
+//! `tyche-attack`: the attacker of the attack test (`cargo xtask attack`), run in a
 //! third network namespace whose veth is a port of the lab's bridge, where it sees every frame
 //! of the session between `--initiator` and `--target`. Not a tool for anything else: it forges
 //! frames of a live session.
