@@ -354,3 +354,29 @@ fn completing_a_replaced_channels_request_leaves_the_new_channel_alone() {
     pair.expect_ok(3);
     assert!(pair.bufs[&3] == pattern(3, 1024));
 }
+
+// ----------------------------------------------------------------------------------------------
+// Fencing (the storage side: `tyche_channel::fence`).
+
+#[test]
+fn a_fenced_session_answers_what_waits_before_storage_aborted_and_says_goodbye() {
+    let mut pair = Pair::with(PairConfig { paths: 1, ..PairConfig::default() });
+    pair.auto_execute = false;
+    pair.write(1, 0, &pattern(3, 1024));
+    pair.drive_until("the write reaches the target", |p| !p.to_execute.is_empty());
+    let (ch, r) = pair.to_execute.pop_front().unwrap();
+    // A newer attachment of the same initiator fenced the session while the write waited
+    // before storage: it is answered ABORTED (not executed), and nothing else is.
+    assert_eq!(pair.target.fence([(ch, r)]), 1);
+    assert!(!pair.target.complete(ch, &r, tyche_wire::Status::Ok), "answered once, by the fence");
+    assert_eq!(pair.target.fence([(ch, r)]), 0, "a request no longer handed out is not answered again");
+    pair.collect();
+    pair.run_for(Duration::from_millis(50));
+    let goodbye = pair.sent.iter().any(|p| {
+        p.dir == Dir::ToInitiator
+            && matches!(p.msg(), Message::Disconnect(d) if d.reason == tyche_wire::DisconnectReason::Normal)
+    });
+    assert!(goodbye, "the fenced session's channel closes with DISCONNECT NORMAL");
+    assert_eq!(pair.executions(r.tag), 1, "the fenced session hands out nothing more");
+    assert!(pair.to_execute.is_empty());
+}
