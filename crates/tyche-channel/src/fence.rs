@@ -144,11 +144,6 @@ impl<W: Fenceable> FenceWait<W> {
         self.fenced.clear();
         false
     }
-
-    /// Whether nothing is left to wait for.
-    pub fn is_over(&self) -> bool {
-        self.fenced.is_empty()
-    }
 }
 
 #[cfg(test)]
@@ -166,7 +161,7 @@ mod tests {
         a.ended();
         assert!(wait.holds(), "one operation of the old session is still outstanding");
         a.ended();
-        assert!(!wait.holds() && wait.is_over());
+        assert!(!wait.holds());
         a.started();
         assert!(!wait.holds(), "a fenced session starts nothing new: the wait stays over");
     }

@@ -1547,13 +1547,9 @@ mod tests {
     #[test]
     fn a_fenced_sessions_stalled_writes_never_land_after_the_new_sessions() {
         let cfg = SimConfig { export_bytes: 2 << 20, target_parts: 2, ..restarts(200) };
-        let mut seen = SeedReport::default();
+        let mut seen = Totals::default();
         for seed in 0..40 {
-            let r = run_ok(&cfg, seed);
-            seen.fenced += r.fenced;
-            seen.fence_held += r.fence_held;
-            seen.fence_aborted += r.fence_aborted;
-            seen.storage_stalls += r.storage_stalls;
+            seen.add(&run_ok(&cfg, seed));
         }
         assert!(seen.fenced > 0 && seen.storage_stalls > 0 && seen.fence_held > 0, "{seen:?}");
     }
@@ -1561,14 +1557,9 @@ mod tests {
     #[test]
     fn restarts_partitions_and_engine_restarts_stay_correct_and_surface_nothing() {
         let cfg = restarts(120);
-        let mut seen = SeedReport::default();
+        let mut seen = Totals::default();
         for seed in 0..12 {
-            let r = run_ok(&cfg, seed);
-            seen.target_restarts += r.target_restarts;
-            seen.partitions += r.partitions;
-            seen.engine_restarts += r.engine_restarts;
-            seen.resumes += r.resumes;
-            seen.fenced += r.fenced;
+            seen.add(&run_ok(&cfg, seed));
         }
         assert!(seen.target_restarts > 0 && seen.partitions > 0 && seen.engine_restarts > 0, "{seen:?}");
         assert!(seen.resumes > 0, "no session was resumed: {seen:?}");
