@@ -752,6 +752,12 @@ impl Channel {
         self.remq.iter().filter(|s| !matches!(s, RemqSlot::Free)).count()
     }
 
+    /// Initiator: requests submitted and not yet finished (their completion and all their data
+    /// in). O(1), unlike [`busy_remq`](Self::busy_remq); zero on a target.
+    pub fn in_flight(&self) -> usize {
+        self.remq.len() - self.free_remq.len()
+    }
+
     /// Target: the tag of the request handed out in `remq` and not yet completed, if any.
     pub fn executing_tag(&self, remq: u16) -> Option<u64> {
         match self.remq.get(remq as usize)? {

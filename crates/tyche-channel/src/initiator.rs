@@ -955,8 +955,9 @@ impl Volume {
                     live: m.usable(),
                     has_room: m.usable() && m.channel.can_submit(part.op) && fits(&m.channel),
                     node: m.node,
+                    in_flight: m.channel.in_flight(),
                 },
-                None => ChannelView { live: false, has_room: false, node: None },
+                None => ChannelView { live: false, has_room: false, node: None, in_flight: 0 },
             }));
             // Schedulers balance the bytes that cross the link: a DISCARD or WRITE_ZEROES of a
             // whole export moves none, and must not make its channel look loaded.

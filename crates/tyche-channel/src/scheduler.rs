@@ -9,6 +9,8 @@ pub struct ChannelView {
     pub has_room: bool,
     /// NUMA node of the channel's memory and threads, if known.
     pub node: Option<u32>,
+    /// Requests submitted on it and not yet finished.
+    pub in_flight: usize,
 }
 
 /// Picks a channel for a request part.
@@ -37,20 +39,37 @@ impl Scheduler for RoundRobin {
 /// Equal bytes per channel among the live channels on the buffers' node, any live channel when
 /// none of those has room (the affinity-aware scheduler of the NUMA paper, without distances;
 /// `tyche-numa` provides the distance-aware one).
+///
+/// A request that finds every candidate channel idle (nothing in flight on any) goes to the
+/// channel that carried the last request, charged to nobody. Balancing bytes shares a link's
+/// bandwidth under load; idle channels have none to share, and the channel that carried the last
+/// request is the one whose threads (the initiator's and the target's) are still polling rather
+/// than asleep. Not charging keeps the balance of loaded bytes as it was, so a burst after a
+/// quiet spell is spread as if the spell had not been.
 #[derive(Debug, Default, Clone)]
 pub struct LeastBytes {
     bytes: Vec<u64>,
+    last: Option<usize>,
 }
 
 impl Scheduler for LeastBytes {
     fn pick(&mut self, bytes: u64, node: Option<u32>, channels: &[ChannelView]) -> Option<usize> {
-        self.bytes.resize(channels.len(), 0);
-        let usable = |i: &usize| channels[*i].live && channels[*i].has_room;
-        let least = |it: &mut dyn Iterator<Item = usize>| it.min_by_key(|&i| (self.bytes[i], i));
-        let local =
-            least(&mut (0..channels.len()).filter(usable).filter(|&i| node.is_none() || channels[i].node == node));
-        let pick = local.or_else(|| least(&mut (0..channels.len()).filter(usable)))?;
-        self.bytes[pick] += bytes;
+        let n = channels.len();
+        self.bytes.resize(n, 0);
+        let usable = |i: usize| channels[i].live && channels[i].has_room;
+        let local = |i: usize| node.is_none() || channels[i].node == node;
+        let any_local = (0..n).any(|i| usable(i) && local(i));
+        let candidate = |i: usize| usable(i) && (!any_local || local(i));
+        let idle = (0..n).filter(|&i| candidate(i)).all(|i| channels[i].in_flight == 0);
+        let pick = match self.last.filter(|&l| idle && l < n && candidate(l)) {
+            Some(l) => l,
+            None => {
+                let i = (0..n).filter(|&i| candidate(i)).min_by_key(|&i| (self.bytes[i], i))?;
+                self.bytes[i] += bytes;
+                i
+            }
+        };
+        self.last = Some(pick);
         Some(pick)
     }
 }
@@ -60,7 +79,7 @@ mod tests {
     use super::*;
 
     fn views(n: usize) -> Vec<ChannelView> {
-        (0..n).map(|i| ChannelView { live: true, has_room: true, node: Some((i % 2) as u32) }).collect()
+        (0..n).map(|i| ChannelView { live: true, has_room: true, node: Some((i % 2) as u32), in_flight: 0 }).collect()
     }
 
     #[test]
@@ -74,7 +93,8 @@ mod tests {
 
     #[test]
     fn least_bytes_is_fair_and_local() {
-        let v = views(4); // nodes 0,1,0,1
+        let mut v = views(4); // nodes 0,1,0,1
+        v.iter_mut().for_each(|c| c.in_flight = 1); // loaded: bytes are balanced
         let mut s = LeastBytes::default();
         let mut per = [0u64; 4];
         for i in 0..1000u64 {
@@ -89,5 +109,29 @@ mod tests {
         assert!(matches!(s.pick(512, Some(0), &full), Some(1 | 3)), "falls back to another node");
         let none: Vec<_> = v.iter().map(|c| ChannelView { live: false, ..*c }).collect();
         assert_eq!(s.pick(512, Some(0), &none), None);
+    }
+
+    #[test]
+    fn least_bytes_keeps_an_idle_set_on_the_last_channel_uncharged() {
+        let mut v = views(4); // nodes 0,1,0,1
+        let mut s = LeastBytes::default();
+        assert_eq!(s.pick(4096, Some(0), &v), Some(0), "the first pick balances (all level)");
+        for _ in 0..10 {
+            assert_eq!(s.pick(4096, Some(0), &v), Some(0), "idle: the channel still polling");
+        }
+        // Loaded: channel 0 was charged once, so channel 2 takes the next two.
+        v.iter_mut().for_each(|c| c.in_flight = 1);
+        assert_eq!(s.pick(4096, Some(0), &v), Some(2));
+        assert_eq!(s.pick(4096, Some(0), &v), Some(0), "levelled: lowest id wins the tie");
+        // Idle again, the last channel stays; one not a candidate (no room) is not kept.
+        v.iter_mut().for_each(|c| c.in_flight = 0);
+        assert_eq!(s.pick(4096, Some(0), &v), Some(0));
+        v[0].has_room = false;
+        assert_eq!(s.pick(4096, Some(0), &v), Some(2));
+        // One candidate busy: not idle, so bytes decide (0 and 2 are level; lowest id), not the
+        // last pick (2).
+        v[0].has_room = true;
+        v[2].in_flight = 1;
+        assert_eq!(s.pick(4096, Some(0), &v), Some(0));
     }
 }

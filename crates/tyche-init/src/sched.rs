@@ -53,6 +53,7 @@ impl Scheduler for NumaScheduler {
         for (i, v) in channels.iter().enumerate() {
             self.inner.set_live(ChannelId(i), v.live);
             self.inner.set_full(ChannelId(i), !v.has_room);
+            self.inner.set_idle(ChannelId(i), v.in_flight == 0);
         }
         self.inner.pick(node, bytes).map(|id| id.0).filter(|&i| i < channels.len())
     }
@@ -128,7 +129,7 @@ mod tests {
     use super::*;
 
     fn view(live: bool, node: u32) -> ChannelView {
-        ChannelView { live, has_room: true, node: Some(node) }
+        ChannelView { live, has_room: true, node: Some(node), in_flight: 1 }
     }
 
     #[test]
@@ -149,6 +150,24 @@ mod tests {
         assert_eq!(s.pick(4096, Some(1), &v), Some(4));
         let dead: Vec<_> = v.iter().map(|c| ChannelView { live: false, ..*c }).collect();
         assert_eq!(s.pick(4096, Some(1), &dead), None);
+    }
+
+    #[test]
+    fn lone_requests_stay_on_the_channel_still_polling() {
+        let mut s = NumaScheduler::new(SchedulerKind::Affinity, &[0]);
+        let idle = ChannelView { in_flight: 0, ..view(true, 0) };
+        let mut v = vec![idle, idle];
+        let first = s.pick(4096, Some(0), &v).unwrap();
+        for _ in 0..50 {
+            assert_eq!(s.pick(4096, Some(0), &v), Some(first), "idle channels: the last one again");
+        }
+        // Under load the lone requests above weigh nothing: the channels share from level.
+        v[first].in_flight = 1;
+        let mut per = [0u32; 2];
+        for _ in 0..100 {
+            per[s.pick(4096, Some(0), &v).unwrap()] += 1;
+        }
+        assert!(per[0].abs_diff(per[1]) <= 1, "loaded channels share bytes: {per:?}");
     }
 
     #[test]

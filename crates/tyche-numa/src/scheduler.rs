@@ -8,9 +8,20 @@
 //! bytes equally too. [`Policy::RoundRobin`] is the papers' baseline: it ignores nodes and takes
 //! the next usable channel in turn.
 //!
-//! The scheduler is pure and deterministic: no I/O, no clock, no randomness. Liveness and
-//! fullness are pushed in by the caller ([`ChannelScheduler::set_live`],
-//! [`ChannelScheduler::set_full`]).
+//! One refinement of the paper's rule: a request that finds every channel it may go to idle
+//! (nothing in flight on any, [`ChannelScheduler::set_idle`]) goes to the channel that carried
+//! the last request if that one is among them, and is charged to nobody. Balancing bytes shares
+//! the links' bandwidth under load; idle channels have none to share, and the channel that
+//! carried the last request is the one whose threads (the initiator's and the target's) are
+//! still polling rather than asleep. Alternating lone requests across two channels made most of
+//! them wake a sleeping target thread (on the project's 2-vCPU bench, queue-depth-1 reads over 2
+//! NICs: 9,445 to 16,815 target wake-ups in a 4 s job, against 1,656 to 4,069 with this rule).
+//! Not charging them keeps the balance of loaded bytes as it was, so a burst after a quiet spell
+//! is spread as if the spell had not been.
+//!
+//! The scheduler is pure and deterministic: no I/O, no clock, no randomness. Liveness, fullness
+//! and idleness are pushed in by the caller ([`ChannelScheduler::set_live`],
+//! [`ChannelScheduler::set_full`], [`ChannelScheduler::set_idle`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -114,6 +125,7 @@ struct ChannelState {
     node: Option<u32>,
     live: bool,
     full: bool,
+    idle: bool,
     bytes: u64,
 }
 
@@ -130,12 +142,13 @@ pub struct ChannelScheduler {
     order: NodeOrder,
     channels: Vec<ChannelState>,
     next_rr: usize,
+    last: Option<usize>,
 }
 
 impl ChannelScheduler {
     /// A scheduler with no channels yet.
     pub fn new(policy: Policy, order: NodeOrder) -> Self {
-        ChannelScheduler { policy, order, channels: Vec::new(), next_rr: 0 }
+        ChannelScheduler { policy, order, channels: Vec::new(), next_rr: 0, last: None }
     }
 
     /// The policy in use.
@@ -145,7 +158,7 @@ impl ChannelScheduler {
 
     /// Registers a live, empty channel on `node` (`None` if its NIC's node is unknown).
     pub fn add_channel(&mut self, node: Option<u32>) -> ChannelId {
-        self.channels.push(ChannelState { node, live: true, full: false, bytes: 0 });
+        self.channels.push(ChannelState { node, live: true, full: false, idle: false, bytes: 0 });
         ChannelId(self.channels.len() - 1)
     }
 
@@ -185,7 +198,16 @@ impl ChannelScheduler {
         self.channels[id.0].full = full;
     }
 
-    /// Bytes assigned to a channel so far.
+    /// Marks a channel idle (nothing in flight on it) or not. A new channel counts as busy
+    /// until told otherwise, so a caller that never says keeps the paper's rule exactly.
+    ///
+    /// # Panics
+    /// If `id` was not returned by [`add_channel`](Self::add_channel).
+    pub fn set_idle(&mut self, id: ChannelId, idle: bool) {
+        self.channels[id.0].idle = idle;
+    }
+
+    /// Bytes assigned to a channel so far (requests sent while its tier was idle are not).
     ///
     /// # Panics
     /// If `id` was not returned by [`add_channel`](Self::add_channel).
@@ -202,15 +224,19 @@ impl ChannelScheduler {
     }
 
     /// Picks the channel for a request of `bytes` whose buffers are on `buffer_node` (`None`
-    /// when unknown: then every channel is local), and charges the bytes to it. `None` when
-    /// no channel is live and not full.
+    /// when unknown: then every channel is local), and charges the bytes to it (unless the
+    /// channels it could go to were all idle: see the module documentation). `None` when no
+    /// channel is live and not full.
     pub fn pick(&mut self, buffer_node: Option<u32>, bytes: u64) -> Option<ChannelId> {
-        let chosen = match self.policy {
-            Policy::RoundRobin => self.pick_round_robin(),
-            Policy::Affinity => self.pick_affinity(buffer_node),
-        }?;
-        let ch = &mut self.channels[chosen.0];
-        ch.bytes = ch.bytes.saturating_add(bytes);
+        let (chosen, charge) = match self.policy {
+            Policy::RoundRobin => (self.pick_round_robin()?, true),
+            Policy::Affinity => self.pick_affinity(buffer_node)?,
+        };
+        if charge {
+            let ch = &mut self.channels[chosen.0];
+            ch.bytes = ch.bytes.saturating_add(bytes);
+        }
+        self.last = Some(chosen.0);
         Some(chosen)
     }
 
@@ -221,7 +247,7 @@ impl ChannelScheduler {
         Some(ChannelId(found))
     }
 
-    fn pick_affinity(&self, buffer_node: Option<u32>) -> Option<ChannelId> {
+    fn pick_affinity(&self, buffer_node: Option<u32>) -> Option<(ChannelId, bool)> {
         let Some(node) = buffer_node else {
             return self.least_loaded(|_| true);
         };
@@ -241,14 +267,18 @@ impl ChannelScheduler {
         self.least_loaded(|c| c.node.is_none())
     }
 
-    /// The usable channel with the fewest bytes among those matching `filter`.
-    fn least_loaded(&self, filter: impl Fn(&ChannelState) -> bool) -> Option<ChannelId> {
-        self.channels
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.usable() && filter(c))
-            .min_by_key(|(i, c)| (c.bytes, *i))
-            .map(|(i, _)| ChannelId(i))
+    /// Among the usable channels matching `filter`: the last one picked when all of them are
+    /// idle (not to be charged: `false`), else the one with the fewest bytes (`true`).
+    fn least_loaded(&self, filter: impl Fn(&ChannelState) -> bool) -> Option<(ChannelId, bool)> {
+        let candidates = || self.channels.iter().enumerate().filter(|(_, c)| c.usable() && filter(c));
+        let (least, _) = candidates().min_by_key(|(i, c)| (c.bytes, *i))?;
+        let sticky = self.last.filter(|&l| {
+            candidates().all(|(_, c)| c.idle) && self.channels.get(l).is_some_and(|c| c.usable() && filter(c))
+        });
+        Some(match sticky {
+            Some(l) => (ChannelId(l), false),
+            None => (ChannelId(least), true),
+        })
     }
 }
 
@@ -283,6 +313,28 @@ mod tests {
             self.0 ^= self.0 << 17;
             self.0
         }
+    }
+
+    #[test]
+    fn an_idle_tier_keeps_the_last_channel_and_charges_nothing() {
+        let topo = fixture("paper-2s4c2t-6nic.xml");
+        let mut s = scheduler_for(&topo, 1, Policy::Affinity);
+        let all: Vec<ChannelId> = (0..s.len()).map(ChannelId).collect();
+        let first = s.pick(Some(1), 4096).expect("node 1 has channels");
+        let charged = s.bytes_assigned(first);
+        all.iter().for_each(|&id| s.set_idle(id, true));
+        for _ in 0..20 {
+            assert_eq!(s.pick(Some(1), 4096), Some(first), "idle: the channel still polling");
+        }
+        assert_eq!(s.bytes_assigned(first), charged, "requests to an idle tier are not charged");
+        // A buffer on the other node does not follow the last channel off its node.
+        let other = s.pick(Some(0), 4096).expect("node 0 has channels");
+        assert_eq!(s.node_of(other), Some(0));
+        // One channel of the tier busy: bytes decide again.
+        s.set_idle(first, false);
+        let next = s.pick(Some(1), 4096).expect("node 1 has channels");
+        assert_ne!(next, first, "the least loaded channel of node 1, not the busy last one");
+        assert_eq!(s.node_of(next), Some(1));
     }
 
     #[test]
