@@ -69,7 +69,7 @@ pub use initiator::{
 };
 pub use parts::{post_messages, Courier, SessionParts};
 pub use reconnect::{ConnectPlan, Failed, Opened, ReconnectPolicy, Reconnector};
-pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler};
+pub use scheduler::{ChannelView, LeastBytes, RoundRobin, Scheduler, IDLE_RUN_BYTES};
 pub use session::{FirstOpen, InitiatorSession, Opening, Refusal, Setup};
 pub use target::{
     Directory, ExportGeometry, PartId, PartMessage, TargetEvent, TargetInbound, TargetInboundOf, TargetSession,

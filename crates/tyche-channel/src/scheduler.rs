@@ -36,16 +36,21 @@ impl Scheduler for RoundRobin {
     }
 }
 
+/// How far ahead of the least loaded candidate (in bytes charged) the channel that carried the
+/// last request may run while lone requests keep going to it ([`LeastBytes`]; tyche-numa's
+/// scheduler has the same rule and bound).
+pub const IDLE_RUN_BYTES: u64 = 1 << 20;
+
 /// Equal bytes per channel among the live channels on the buffers' node, any live channel when
 /// none of those has room (the affinity-aware scheduler of the NUMA paper, without distances;
 /// `tyche-numa` provides the distance-aware one).
 ///
 /// A request that finds every candidate channel idle (nothing in flight on any) goes to the
-/// channel that carried the last request, charged to nobody. Balancing bytes shares a link's
-/// bandwidth under load; idle channels have none to share, and the channel that carried the last
-/// request is the one whose threads (the initiator's and the target's) are still polling rather
-/// than asleep. Not charging keeps the balance of loaded bytes as it was, so a burst after a
-/// quiet spell is spread as if the spell had not been.
+/// channel that carried the last request while that one is less than [`IDLE_RUN_BYTES`] ahead
+/// of the least loaded candidate: its threads (the initiator's and the target's) are still
+/// polling, where another channel's would have to be woken. The bound keeps every channel
+/// carrying requests, so a path that fails is found by its requests, and the byte totals within
+/// that much of equal.
 #[derive(Debug, Default, Clone)]
 pub struct LeastBytes {
     bytes: Vec<u64>,
@@ -60,15 +65,12 @@ impl Scheduler for LeastBytes {
         let local = |i: usize| node.is_none() || channels[i].node == node;
         let any_local = (0..n).any(|i| usable(i) && local(i));
         let candidate = |i: usize| usable(i) && (!any_local || local(i));
+        let least = (0..n).filter(|&i| candidate(i)).min_by_key(|&i| (self.bytes[i], i))?;
         let idle = (0..n).filter(|&i| candidate(i)).all(|i| channels[i].in_flight == 0);
-        let pick = match self.last.filter(|&l| idle && l < n && candidate(l)) {
-            Some(l) => l,
-            None => {
-                let i = (0..n).filter(|&i| candidate(i)).min_by_key(|&i| (self.bytes[i], i))?;
-                self.bytes[i] += bytes;
-                i
-            }
-        };
+        let sticky =
+            self.last.filter(|&l| idle && l < n && candidate(l) && self.bytes[l] - self.bytes[least] < IDLE_RUN_BYTES);
+        let pick = sticky.unwrap_or(least);
+        self.bytes[pick] += bytes;
         self.last = Some(pick);
         Some(pick)
     }
@@ -112,26 +114,23 @@ mod tests {
     }
 
     #[test]
-    fn least_bytes_keeps_an_idle_set_on_the_last_channel_uncharged() {
+    fn least_bytes_keeps_an_idle_set_on_the_last_channel_for_a_bounded_run() {
         let mut v = views(4); // nodes 0,1,0,1
         let mut s = LeastBytes::default();
-        assert_eq!(s.pick(4096, Some(0), &v), Some(0), "the first pick balances (all level)");
-        for _ in 0..10 {
+        let run = IDLE_RUN_BYTES / 4096;
+        for _ in 0..run {
             assert_eq!(s.pick(4096, Some(0), &v), Some(0), "idle: the channel still polling");
         }
-        // Loaded: channel 0 was charged once, so channel 2 takes the next two.
+        // A run ahead: lone requests move to the channel behind, and stay there.
+        assert_eq!(s.pick(4096, Some(0), &v), Some(2));
+        assert_eq!(s.pick(4096, Some(0), &v), Some(2));
+        // Loaded: bytes decide (channel 2 is the one behind, by a run less two requests).
         v.iter_mut().for_each(|c| c.in_flight = 1);
         assert_eq!(s.pick(4096, Some(0), &v), Some(2));
-        assert_eq!(s.pick(4096, Some(0), &v), Some(0), "levelled: lowest id wins the tie");
-        // Idle again, the last channel stays; one not a candidate (no room) is not kept.
+        // Idle again: the last channel stays; one without room is not kept.
         v.iter_mut().for_each(|c| c.in_flight = 0);
-        assert_eq!(s.pick(4096, Some(0), &v), Some(0));
-        v[0].has_room = false;
         assert_eq!(s.pick(4096, Some(0), &v), Some(2));
-        // One candidate busy: not idle, so bytes decide (0 and 2 are level; lowest id), not the
-        // last pick (2).
-        v[0].has_room = true;
-        v[2].in_flight = 1;
+        v[2].has_room = false;
         assert_eq!(s.pick(4096, Some(0), &v), Some(0));
     }
 }

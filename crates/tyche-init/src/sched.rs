@@ -157,13 +157,15 @@ mod tests {
         let mut s = NumaScheduler::new(SchedulerKind::Affinity, &[0]);
         let idle = ChannelView { in_flight: 0, ..view(true, 0) };
         let mut v = vec![idle, idle];
+        let mut per = [0u32; 2];
         let first = s.pick(4096, Some(0), &v).unwrap();
+        per[first] += 1;
         for _ in 0..50 {
             assert_eq!(s.pick(4096, Some(0), &v), Some(first), "idle channels: the last one again");
+            per[first] += 1;
         }
-        // Under load the lone requests above weigh nothing: the channels share from level.
+        // Under load the bytes balance, the lone requests above counted.
         v[first].in_flight = 1;
-        let mut per = [0u32; 2];
         for _ in 0..100 {
             per[s.pick(4096, Some(0), &v).unwrap()] += 1;
         }

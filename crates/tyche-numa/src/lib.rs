@@ -48,5 +48,5 @@ pub use placement::{
     current_thread_cpus, node_cpus, pin_current_thread, pin_current_thread_to_node, ChannelSpec, PlacementRequest, Plan,
 };
 pub use report::{IrqReport, PageCounts, ThreadPlacement};
-pub use scheduler::{ChannelId, ChannelScheduler, NodeOrder, Policy};
+pub use scheduler::{ChannelId, ChannelScheduler, NodeOrder, Policy, IDLE_RUN_BYTES};
 pub use topology::{nic_node, Nic, NicNodeSource, Node, Topology, TopologySource};
